@@ -1,0 +1,47 @@
+"""paddle_graphpp: CUDA Graphs for pipeline-parallel training.
+
+``import paddle_graphpp`` imports neither Paddle nor PyTorch. The Paddle-facing API lives at
+the top level and loads Paddle on first use; the PyTorch API lives in ``paddle_graphpp.torch``.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+# Public name -> module defining it. Resolved on first attribute access (PEP 562), so that
+# importing the package stays free of framework imports.
+_LAZY = {
+    "CUDAGraphedLayer": "paddle_graphpp.paddle.graphed_layer",
+    "PipelineLayer": "paddle_graphpp.paddle.pipeline",
+    "mark_not_capturable": "paddle_graphpp.core.segment",
+    "memory_report": "paddle_graphpp.core.memory",
+    "MemoryMode": "paddle_graphpp.core.memory",
+    "CaptureError": "paddle_graphpp.core.errors",
+    "GraphScheduleError": "paddle_graphpp.core.errors",
+    "use_cuda_malloc_async_allocator": "paddle_graphpp.allocator",
+    "capture_custom_allreduce": "paddle_graphpp.core.collectives",
+    "sot_warmup_guard": "paddle_graphpp.core.guards",
+    "in_sot_warmup_mode": "paddle_graphpp.core.guards",
+    "graph_process": "paddle_graphpp.core.graph_process",
+    "create_graph": "paddle_graphpp.core.graph_process",
+    "capture_to_graph": "paddle_graphpp.core.graph_process",
+    "replay_graph": "paddle_graphpp.core.graph_process",
+    "GraphedOptimizer": "paddle_graphpp.optim",
+    "clip_by_global_norm": "paddle_graphpp.optim",
+    "global_grad_norm": "paddle_graphpp.optim",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paddle_graphpp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,1 @@
+"""The framework-neutral engine. Nothing in this package imports paddle or torch."""

@@ -1,0 +1,189 @@
+"""The runtime seam: everything the engine needs from a framework, and nothing more.
+
+The core never imports a framework. A runtime is one small adapter module
+(``paddle_graphpp.paddle.runtime`` or ``paddle_graphpp.torch.runtime``) that implements
+:class:`GraphRuntime`; :func:`get_runtime` loads it lazily by name.
+
+The methods are grouped by concern, in the spirit of an accelerator interface
+(``create_graph / capture_to_graph / replay_graph``), widened only where graphed
+training needs it: static copies, autograd, gradient hand-off and memory figures.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+__all__ = ["GraphRuntime", "TensorSpec", "get_runtime", "available_runtimes"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What a captured graph assumes of one tensor input: a replay needs the same spec."""
+
+    shape: tuple
+    dtype: str
+    device: str
+    requires_grad: bool
+
+    def describe(self) -> str:
+        grad = ", requires grad" if self.requires_grad else ""
+        return f"shape {list(self.shape)}, {self.dtype} on {self.device}{grad}"
+
+
+class GraphRuntime(abc.ABC):
+    """Adapter from the framework-neutral engine to one framework.
+
+    A runtime is stateless apart from per-process handles (the capture stream);
+    one instance serves every graphed layer of a process.
+    """
+
+    #: short framework name, used in messages and the loader table
+    name: str = "abstract"
+
+    # ----------------------------------------------------------------- tensors
+    @abc.abstractmethod
+    def is_tensor(self, obj: Any) -> bool:
+        """True for the framework's tensor type."""
+
+    @abc.abstractmethod
+    def spec(self, tensor: Any) -> TensorSpec:
+        """Shape, dtype, device and whether autograd tracks it."""
+
+    @abc.abstractmethod
+    def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
+        """``None`` when these tensors can go through a CUDA graph, else why not.
+
+        Typical reasons: a CPU build of the framework, no visible GPU, a CPU tensor.
+        """
+
+    @abc.abstractmethod
+    def static_like(self, tensor: Any) -> Any:
+        """A new, uninitialised tensor with the same shape, dtype and device."""
+
+    @abc.abstractmethod
+    def copy_(self, dst: Any, src: Any) -> None:
+        """Copy ``src`` into ``dst`` in place, on the current stream."""
+
+    @abc.abstractmethod
+    def detach(self, tensor: Any, requires_grad: bool = False) -> Any:
+        """An alias of ``tensor`` cut from autograd, tracked again if ``requires_grad``."""
+
+    @abc.abstractmethod
+    def clone_many(self, tensors: Sequence[Any]) -> list:
+        """Fresh copies of ``tensors``, in as few kernel launches as the framework allows."""
+
+    # ---------------------------------------------------------------- autograd
+    @abc.abstractmethod
+    def enable_grad(self) -> ContextManager:
+        """Context in which autograd records, even inside a custom function's forward."""
+
+    @abc.abstractmethod
+    def autograd_grad(self, outputs: Sequence[Any], grad_outputs: Sequence[Any],
+                      inputs: Sequence[Any]) -> list:
+        """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the graph."""
+
+    @abc.abstractmethod
+    def grad_is_unset(self, tensor: Any) -> bool:
+        """True when a leaf's accumulated gradient is absent: the next one is adopted, not added."""
+
+    @abc.abstractmethod
+    def is_leaf(self, tensor: Any) -> bool:
+        """True for tensors whose gradient autograd accumulates into ``.grad``."""
+
+    @abc.abstractmethod
+    def apply_graphed_function(self, engine: Any, inputs: Sequence[Any], params: Sequence[Any]) -> tuple:
+        """Run ``engine.forward`` inside the framework's custom autograd function.
+
+        The function's backward calls ``engine.backward(record, grad_outputs)``.
+        Returns the flat tuple of outputs.
+        """
+
+    # --------------------------------------------------------- graph operations
+    @abc.abstractmethod
+    def create_graph(self) -> Any:
+        """A new, empty graph object."""
+
+    @abc.abstractmethod
+    def new_pool(self) -> Any:
+        """A handle to a new private memory pool that graphs can share."""
+
+    @abc.abstractmethod
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> ContextManager:
+        """Capture the work issued inside the context into ``graph``.
+
+        Capture runs on ``stream`` (the runtime's capture stream when ``None``),
+        allocates from ``pool``, registers the default RNG generator, and uses the
+        thread-local capture mode so other threads (NCCL watchdogs) are unaffected.
+        """
+
+    @abc.abstractmethod
+    def replay_graph(self, graph: Any) -> None:
+        """Launch a captured graph on the current stream."""
+
+    @abc.abstractmethod
+    def is_capturing(self) -> bool:
+        """True when the current stream is capturing a graph."""
+
+    @abc.abstractmethod
+    def abort_capture(self) -> None:
+        """End a capture that failed part-way, so the stream can be used again."""
+
+    # ------------------------------------------------------------------ memory
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for all work on the device."""
+
+    @abc.abstractmethod
+    def memory_stats(self) -> dict:
+        """``{"reserved_bytes": int, "allocated_bytes": int}`` for the current device (zeros on CPU)."""
+
+    @abc.abstractmethod
+    def release_cached_memory(self) -> None:
+        """Return cached, unused device memory to the driver (after a failed capture)."""
+
+    # ------------------------------------------------------------ conveniences
+    def null_context(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+
+# Name -> module that defines ``RUNTIME`` (a GraphRuntime instance). Loaded on first use only.
+_LOADERS: dict[str, str] = {
+    "paddle": "paddle_graphpp.paddle.runtime",
+    "torch": "paddle_graphpp.torch.runtime",
+}
+_LOADED: dict[str, GraphRuntime] = {}
+_EXTRA: dict[str, Callable[[], GraphRuntime]] = {}
+
+
+def available_runtimes() -> list[str]:
+    """Names :func:`get_runtime` accepts."""
+    return sorted(set(_LOADERS) | set(_EXTRA))
+
+
+def register_runtime(name: str, factory: Callable[[], GraphRuntime]) -> None:
+    """Add a runtime under ``name`` (used by tests to plug in a fake graph runtime)."""
+    _EXTRA[name] = factory
+    _LOADED.pop(name, None)
+
+
+def get_runtime(name: str) -> GraphRuntime:
+    """The runtime for framework ``name``, imported on first use.
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: the framework is not installed; the message says what to install.
+    """
+    if name in _LOADED:
+        return _LOADED[name]
+    if name in _EXTRA:
+        runtime = _EXTRA[name]()
+    elif name in _LOADERS:
+        runtime = importlib.import_module(_LOADERS[name]).RUNTIME
+    else:
+        raise ValueError(f"unknown runtime {name!r}; choose one of {available_runtimes()}")
+    _LOADED[name] = runtime
+    return runtime
