@@ -69,6 +69,10 @@ class GraphRuntime(abc.ABC):
         """Copy ``src`` into ``dst`` in place, on the current stream."""
 
     @abc.abstractmethod
+    def copy_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """``copy_`` for many pairs, in as few kernel launches as the framework allows."""
+
+    @abc.abstractmethod
     def detach(self, tensor: Any, requires_grad: bool = False) -> Any:
         """An alias of ``tensor`` cut from autograd, tracked again if ``requires_grad``."""
 
@@ -77,6 +81,10 @@ class GraphRuntime(abc.ABC):
         """Fresh copies of ``tensors``, in as few kernel launches as the framework allows."""
 
     # ---------------------------------------------------------------- autograd
+    @abc.abstractmethod
+    def grad_enabled(self) -> bool:
+        """True when autograd records operations (outside ``no_grad``)."""
+
     @abc.abstractmethod
     def enable_grad(self) -> ContextManager:
         """Context in which autograd records, even inside a custom function's forward."""
@@ -95,11 +103,14 @@ class GraphRuntime(abc.ABC):
         """True for tensors whose gradient autograd accumulates into ``.grad``."""
 
     @abc.abstractmethod
-    def apply_graphed_function(self, engine: Any, inputs: Sequence[Any], params: Sequence[Any]) -> tuple:
-        """Run ``engine.forward`` inside the framework's custom autograd function.
+    def apply_graphed_function(self, call: Any, tensors: Sequence[Any], params: Sequence[Any]) -> tuple:
+        """Run ``call.forward()`` inside the framework's custom autograd function.
 
-        The function's backward calls ``engine.backward(record, grad_outputs)``.
-        Returns the flat tuple of outputs.
+        ``call.forward()`` returns the flat list of output tensors and sets
+        ``call.differentiable`` (one bool per output). The function's backward passes the
+        incoming gradients of the differentiable outputs to ``call.backward(grads)``, which
+        returns one gradient (or ``None``) per entry of ``tensors + params``.
+        Returns the output tensors as a tuple.
         """
 
     # --------------------------------------------------------- graph operations
@@ -140,6 +151,10 @@ class GraphRuntime(abc.ABC):
     @abc.abstractmethod
     def memory_stats(self) -> dict:
         """``{"reserved_bytes": int, "allocated_bytes": int}`` for the current device (zeros on CPU)."""
+
+    @abc.abstractmethod
+    def pool_memory(self, pools: Sequence[Any]) -> dict:
+        """``{"reserved_bytes", "allocated_bytes"}`` held by the given graph pools together."""
 
     @abc.abstractmethod
     def release_cached_memory(self) -> None:

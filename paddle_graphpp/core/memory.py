@@ -1,0 +1,199 @@
+"""Graph memory: which pool a capture allocates from, buffer reuse, and telemetry.
+
+Modes (``memory=`` of a graphed layer):
+
+``shared`` (default)
+    Every graph of the process allocates from one pool. This is safe because graphs are
+    captured during a real step in execution order, each graph runs once per episode, and
+    the schedule repeats: memory a graph frees is only reused by graphs that run after it.
+    Replays are checked against the capture order; a capture that comes after replays have
+    started opens a new pool *generation*, so a late capture never aliases live memory.
+``shared_reuse``
+    ``shared``, plus the static input and incoming-gradient buffers of a micro-batch position
+    are handed to later positions (of any layer) with the same shape and dtype once its
+    backward has run.
+``per_graph``
+    Each graph gets its own pool: upstream Paddle's behaviour, kept for comparison.
+
+With the stream-ordered allocator (``use_cuda_malloc_async_allocator``) the framework
+ignores private pools: memory is tracked by the driver's graph memory nodes, and captures
+must not overlap, which they never do here (captures are sequential on one stream).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Optional
+
+from .errors import GraphScheduleError
+
+__all__ = ["MemoryMode", "MemoryPlan", "memory_report", "plan_for"]
+
+logger = logging.getLogger("paddle_graphpp")
+
+
+class MemoryMode(str, enum.Enum):
+    """How graphs of a layer share memory; see the module docstring."""
+
+    SHARED = "shared"
+    SHARED_REUSE = "shared_reuse"
+    PER_GRAPH = "per_graph"
+
+    @classmethod
+    def parse(cls, value: Any, owner: str = "graphed layer") -> "MemoryMode":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"{owner}: memory={value!r} is not a memory mode; choose one of {choices}") from None
+
+
+class _Generation:
+    """Graphs captured back to back into one pool, and the order they were captured in."""
+
+    def __init__(self, index: int, pool: Any):
+        self.index = index
+        self.pool = pool
+        self.order: dict[int, int] = {}  # graph id -> capture index
+        self.sealed = False  # a replay happened: later captures need a new generation
+        self.cursor = -1  # capture index of the last graph run
+        self.in_flight = 0  # forward graphs whose backward graph has not run yet
+        self.free_buffers: dict[Any, list] = defaultdict(list)
+
+
+class MemoryPlan:
+    """Pools, capture order and telemetry for all graphs of one runtime in this process."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self._generations: list[_Generation] = []
+        self.graphs_captured = 0
+        self.capture_seconds = 0.0
+        self._pending_log = False
+        self._per_graph_pools: list = []
+
+    # ------------------------------------------------------------ allocation
+    def generation_for_capture(self, mode: MemoryMode) -> Optional[_Generation]:
+        """The generation a new capture joins (``None`` in ``per_graph`` mode)."""
+        if mode is MemoryMode.PER_GRAPH:
+            return None
+        gen = self._generations[-1] if self._generations else None
+        if gen is None or gen.sealed:
+            gen = _Generation(len(self._generations), self.runtime.new_pool())
+            self._generations.append(gen)
+            if gen.index > 0:
+                logger.info("paddle_graphpp: capture after replays began; opening memory pool generation %d "
+                            "so the new graphs cannot alias memory that earlier graphs still use", gen.index)
+        return gen
+
+    def pool_for(self, gen: Optional[_Generation]) -> Any:
+        if gen is None:
+            pool = self.runtime.new_pool()
+            self._per_graph_pools.append(pool)
+            return pool
+        return gen.pool
+
+    def take_buffer(self, gen: Optional[_Generation], key: Any) -> Any:
+        """A released static buffer with this (shape, dtype, device) key, or ``None``."""
+        if gen is None:
+            return None
+        bucket = gen.free_buffers.get(key)
+        return bucket.pop() if bucket else None
+
+    def release_buffer(self, gen: Optional[_Generation], key: Any, buffer: Any) -> None:
+        """Offer ``buffer`` to positions captured later in the same generation."""
+        if gen is not None:
+            gen.free_buffers[key].append(buffer)
+
+    # --------------------------------------------------------- capture order
+    def note_capture(self, gen: Optional[_Generation], graph_id: int, seconds: float, forward: bool) -> None:
+        self.graphs_captured += 1
+        self.capture_seconds += seconds
+        self._pending_log = True
+        if gen is None:
+            return
+        gen.order[graph_id] = len(gen.order)
+        gen.cursor = gen.order[graph_id]
+        gen.in_flight += 1 if forward else -1
+
+    def note_replay(self, gen: Optional[_Generation], graph_id: int, forward: bool, owner: str) -> None:
+        """Check that a replay follows the capture order of its pool; raise if it cannot be safe."""
+        if self._pending_log:
+            self._log_summary()
+        if gen is None:
+            return
+        gen.sealed = True
+        index = gen.order[graph_id]
+        if index <= gen.cursor and gen.in_flight != 0:
+            raise GraphScheduleError(
+                f"{owner}: graphs are replayed in a different order than they were captured in, while "
+                f"{gen.in_flight} micro-batch(es) are still in flight. Graphs sharing one memory pool "
+                f"are only safe under a schedule that repeats the order of the capture step. Use the "
+                f"same schedule every step, or memory='per_graph' for schedules that change."
+            )
+        gen.cursor = index
+        gen.in_flight += 1 if forward else -1
+
+    def note_aborted(self, gen: Optional[_Generation]) -> None:
+        """A capture failed: graphs captured later must not share its pool."""
+        if gen is not None:
+            gen.sealed = True
+
+    # -------------------------------------------------------------- telemetry
+    def report(self) -> dict:
+        stats = self.runtime.memory_stats()
+        pools = [g.pool for g in self._generations] + self._per_graph_pools
+        pool_stats = self.runtime.pool_memory(pools) if pools else {"reserved_bytes": 0, "allocated_bytes": 0}
+        return {
+            "runtime": self.runtime.name,
+            "graphs_captured": self.graphs_captured,
+            "capture_seconds": round(self.capture_seconds, 4),
+            "pool_generations": len(self._generations),
+            "per_graph_pools": len(self._per_graph_pools),
+            "pool_reserved_bytes": pool_stats["reserved_bytes"],
+            "pool_allocated_bytes": pool_stats["allocated_bytes"],
+            "device_reserved_bytes": stats["reserved_bytes"],
+            "device_allocated_bytes": stats["allocated_bytes"],
+        }
+
+    def _log_summary(self) -> None:
+        self._pending_log = False
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        r = self.report()
+        logger.info(
+            "paddle_graphpp: %d graphs captured in %.2f s; graph pools reserve %.1f MiB, %.1f MiB allocated",
+            r["graphs_captured"], r["capture_seconds"],
+            r["pool_reserved_bytes"] / 2**20, r["pool_allocated_bytes"] / 2**20,
+        )
+
+
+_PLANS: dict[str, MemoryPlan] = {}
+
+
+def plan_for(runtime) -> MemoryPlan:
+    """The process-wide plan of ``runtime``."""
+    plan = _PLANS.get(runtime.name)
+    if plan is None or plan.runtime is not runtime:
+        plan = _PLANS[runtime.name] = MemoryPlan(runtime)
+    return plan
+
+
+def memory_report() -> dict:
+    """Graph memory figures of this process, per runtime that has captured graphs.
+
+    Returns ``{runtime_name: {...}}`` with ``graphs_captured``, ``capture_seconds``,
+    ``pool_generations``, ``per_graph_pools``, ``pool_reserved_bytes``,
+    ``pool_allocated_bytes``, ``device_reserved_bytes`` and ``device_allocated_bytes``;
+    an empty dict when nothing was captured.
+    """
+    return {name: plan.report() for name, plan in _PLANS.items() if plan.graphs_captured}
+
+
+def now() -> float:
+    return time.perf_counter()

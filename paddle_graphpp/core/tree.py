@@ -1,0 +1,61 @@
+"""Flatten nested call arguments and results into a list of leaves, and back.
+
+Graphs see flat lists of tensors; users pass and return tuples, lists and dicts of them.
+Containers handled: tuple (named tuples too), list, dict. Anything else is a leaf.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["flatten", "unflatten"]
+
+# A spec is a small tree: ("leaf",), ("tuple", type, [specs]), ("list", [specs]), ("dict", keys, [specs]).
+_LEAF = ("leaf",)
+
+
+def flatten(obj: Any) -> tuple[list, Any]:
+    """Leaves of ``obj`` in a fixed order, and the spec to rebuild it with :func:`unflatten`."""
+    leaves: list = []
+    spec = _flatten(obj, leaves)
+    return leaves, spec
+
+
+def _flatten(obj, leaves):
+    if isinstance(obj, tuple):
+        return ("tuple", type(obj), [_flatten(x, leaves) for x in obj])
+    if isinstance(obj, list):
+        return ("list", None, [_flatten(x, leaves) for x in obj])
+    if isinstance(obj, dict):
+        keys = list(obj.keys())
+        return ("dict", keys, [_flatten(obj[k], leaves) for k in keys])
+    leaves.append(obj)
+    return _LEAF
+
+
+def unflatten(spec: Any, leaves: list) -> Any:
+    """Inverse of :func:`flatten`: rebuild the structure from ``leaves`` (consumed in order)."""
+    it = iter(leaves)
+    out = _unflatten(spec, it)
+    return out
+
+
+def _unflatten(spec, it):
+    kind = spec[0]
+    if kind == "leaf":
+        return next(it)
+    children = [_unflatten(s, it) for s in spec[2]]
+    if kind == "list":
+        return children
+    if kind == "dict":
+        return dict(zip(spec[1], children))
+    tuple_type = spec[1]
+    if tuple_type is tuple:
+        return tuple(children)
+    if hasattr(tuple_type, "_fields"):  # named tuple
+        return tuple_type(*children)
+    return tuple_type(children)
+
+
+def map_leaves(fn: Callable[[Any], Any], leaves: list) -> list:
+    return [fn(x) for x in leaves]

@@ -1,0 +1,171 @@
+"""PyTorch adapter for the graph engine (see :mod:`paddle_graphpp.core.runtime`)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..core.runtime import GraphRuntime, TensorSpec
+
+__all__ = ["TorchRuntime", "RUNTIME"]
+
+
+class _GraphedFunction(torch.autograd.Function):
+    """Autograd node of one graphed call: forward and backward delegate to the engine's call."""
+
+    @staticmethod
+    def forward(ctx, call, *tensors_and_params):
+        outputs = call.forward()
+        ctx.call = call
+        frozen = [o for o, d in zip(outputs, call.differentiable) if not d]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        call = ctx.call  # kept: a second backward must reach the FIFO check and fail there
+        return (None, *call.backward(grads))
+
+
+class TorchRuntime(GraphRuntime):
+    name = "torch"
+
+    def __init__(self):
+        self._capture_streams: dict[int, torch.cuda.Stream] = {}
+
+    # tensors
+    def is_tensor(self, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor)
+
+    def spec(self, tensor) -> TensorSpec:
+        return TensorSpec(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), str(tensor.device),
+                          bool(tensor.requires_grad))
+
+    def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
+        if not torch.cuda.is_available():
+            return "PyTorch sees no CUDA device"
+        for t in tensors:
+            if not t.is_cuda:
+                return f"an input is on {t.device}"
+        return None
+
+    def static_like(self, tensor):
+        return torch.empty_like(tensor, requires_grad=False).detach()
+
+    def copy_(self, dst, src) -> None:
+        dst.copy_(src)
+
+    def copy_many(self, dsts, srcs) -> None:
+        pairs = [(d, s) for d, s in zip(dsts, srcs) if d.data_ptr() != s.data_ptr()]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+    def detach(self, tensor, requires_grad: bool = False):
+        out = tensor.detach()
+        if requires_grad:
+            out.requires_grad_(True)
+        return out
+
+    def clone_many(self, tensors) -> list:
+        outs = [torch.empty_like(t) for t in tensors]
+        self.copy_many(outs, tensors)
+        return outs
+
+    # autograd
+    def grad_enabled(self) -> bool:
+        return torch.is_grad_enabled()
+
+    def enable_grad(self):
+        return torch.enable_grad()
+
+    def autograd_grad(self, outputs, grad_outputs, inputs) -> list:
+        if not inputs:
+            return []
+        return list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
+
+    def grad_is_unset(self, tensor) -> bool:
+        return tensor.grad is None
+
+    def is_leaf(self, tensor) -> bool:
+        return tensor.is_leaf and tensor.requires_grad
+
+    def apply_graphed_function(self, call, tensors, params) -> tuple:
+        return _GraphedFunction.apply(call, *tensors, *params)
+
+    # graph operations
+    def create_graph(self):
+        return torch.cuda.CUDAGraph()
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def capture_stream(self) -> "torch.cuda.Stream":
+        device = torch.cuda.current_device()
+        stream = self._capture_streams.get(device)
+        if stream is None:
+            stream = self._capture_streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    @contextlib.contextmanager
+    def capture_to_graph(self, graph, pool=None, stream=None):
+        stream = stream if stream is not None else self.capture_stream()
+        current = torch.cuda.current_stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                yield graph
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()  # ends the invalidated capture and the pool redirection
+                with contextlib.suppress(Exception):
+                    graph.reset()
+                raise
+            graph.capture_end()
+        current.wait_stream(stream)
+
+    def replay_graph(self, graph) -> None:
+        graph.replay()
+
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    def abort_capture(self) -> None:
+        # capture_to_graph already ended the capture; make sure the device is usable again.
+        if torch.cuda.is_available():
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+
+    # memory
+    def synchronize(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def memory_stats(self) -> dict:
+        if not torch.cuda.is_available():
+            return {"reserved_bytes": 0, "allocated_bytes": 0}
+        return {"reserved_bytes": torch.cuda.memory_reserved(), "allocated_bytes": torch.cuda.memory_allocated()}
+
+    def pool_memory(self, pools) -> dict:
+        if not torch.cuda.is_available():
+            return {"reserved_bytes": 0, "allocated_bytes": 0}
+        wanted = {tuple(p) for p in pools if p is not None}
+        reserved = allocated = 0
+        for seg in torch.cuda.memory_snapshot():
+            if tuple(seg.get("segment_pool_id", ())) in wanted:
+                reserved += seg["total_size"]
+                allocated += seg["allocated_size"]
+        return {"reserved_bytes": reserved, "allocated_bytes": allocated}
+
+    def release_cached_memory(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+RUNTIME = TorchRuntime()
