@@ -1,0 +1,233 @@
+"""Graphed stages for ``torch.distributed.pipelining``.
+
+A pipeline stage is an ordered list of modules. :func:`graph_stage_module` splits it into runs
+of contiguous capturable modules (the framework-neutral :mod:`paddle_graphpp.core.segment`
+code, shared with ``paddle_graphpp.PipelineLayer``) and wraps each run in
+:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`. Tied (shared) modules, plain
+callables and modules marked with :func:`~paddle_graphpp.core.segment.mark_not_capturable`
+stay eager between the graphs.
+
+The result is an ordinary ``torch.nn.Module``: hand it to ``PipelineStage`` and run
+``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` as usual::
+
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from paddle_graphpp.torch.pipelining import graph_stage_module
+
+    stage_mod = graph_stage_module(nn.Sequential(embed, *blocks), shared=[embed])
+    stage = PipelineStage(stage_mod, stage_index, num_stages, device,
+                          input_args=example_input, output_args=example_output)
+    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+
+The schedule's sends and receives happen between stage calls, so they stay outside the
+graphs; received activations are copied into each graph's static input buffers by the engine.
+Each graphed run keeps its own FIFO of in-flight micro-batches, so the several chunks of an
+interleaved schedule on one rank do not interfere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from torch import nn
+
+from paddle_graphpp.core import segment
+
+__all__ = ["graph_stage_module", "GraphedStage"]
+
+
+class _Call(nn.Module):
+    """A plain callable as a module, so that every step of a stage is a module."""
+
+    def __init__(self, fn: Callable, name: str):
+        super().__init__()
+        self.fn = fn
+        self.name = name
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+def _chain(steps: Sequence[Callable], args: tuple):
+    out = None
+    for step in steps:
+        out = step(*args)
+        args = out if isinstance(out, tuple) else (out,)
+    return out
+
+
+class _Run(nn.Module):
+    """Contiguous modules called in order, a tuple output unpacked into the next call."""
+
+    def __init__(self, modules: Sequence[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(modules)
+
+    def forward(self, *args):
+        return _chain(self.layers, args)
+
+
+class GraphedStage(nn.Module):
+    """A pipeline stage split into graphed runs and eager entries; made by :func:`graph_stage_module`.
+
+    Calling it calls each step in order: the stage's inputs go to the first step as positional
+    arguments, and each step's output feeds the next (a tuple is unpacked into positional
+    arguments). Parameters are the original modules' own (not copies), so an optimizer built on
+    either the original stage or this module updates the same tensors; the ``state_dict`` keys
+    differ, so save and load checkpoints through the original stage module.
+
+    Attributes:
+        steps: ``nn.ModuleList`` of the steps, in order: ``CUDAGraphedModule`` for a graphed
+            run, the entry itself (or a wrapper for a plain callable) for an eager one.
+        runs: the :class:`paddle_graphpp.core.segment.Run` records behind ``steps``.
+    """
+
+    def __init__(self, steps: Sequence[nn.Module], runs: Sequence[segment.Run]):
+        super().__init__()
+        self.steps = nn.ModuleList(steps)
+        self.runs = list(runs)
+
+    def forward(self, *args):
+        return _chain(self.steps, args)
+
+    def describe(self) -> str:
+        """One line per run: which entries are graphed together and why the others stay eager."""
+        return segment.describe_runs(self.runs)
+
+    @property
+    def graphed_modules(self) -> list:
+        """The ``CUDAGraphedModule`` of each graphed run, in order."""
+        return [step for step, run in zip(self.steps, self.runs) if run.graphed]
+
+
+def _stage_items(stage: Any) -> list:
+    if isinstance(stage, GraphedStage):
+        raise TypeError("graph_stage_module() got a GraphedStage: the stage is already graphed")
+    if isinstance(stage, nn.Sequential):
+        items = list(stage)
+    elif isinstance(stage, (list, tuple, nn.ModuleList)):
+        items = list(stage)
+    elif isinstance(stage, nn.Module):
+        raise TypeError(
+            f"graph_stage_module() needs the stage as an ordered list of modules, got a "
+            f"{type(stage).__name__}. Build the stage as nn.Sequential(...) (or pass a list of "
+            "its modules and callables), or wrap the whole module in CUDAGraphedModule instead."
+        )
+    else:
+        raise TypeError(f"graph_stage_module() expects nn.Sequential or a list of modules, got {type(stage).__name__}")
+    if not items:
+        raise ValueError("graph_stage_module() got an empty stage; give it at least one module")
+    for index, item in enumerate(items):
+        if not callable(item):
+            raise TypeError(f"stage entry {index} ({item!r}) is neither a module nor a callable")
+        if type(item).__name__ == "CUDAGraphedModule":
+            raise TypeError(
+                f"stage entry {index} is already a CUDAGraphedModule; pass the plain module "
+                "and let graph_stage_module() decide what to graph"
+            )
+    return items
+
+
+def _tied_entries(items: list, shared: Iterable[nn.Module]) -> set:
+    """Indices of entries that hold a shared module, or a parameter also used by another entry."""
+    shared = list(shared)
+    tied: set = set()
+    found = [False] * len(shared)
+    owners: dict = {}
+    for index, item in enumerate(items):
+        if not isinstance(item, nn.Module):
+            continue
+        subs = list(item.modules())
+        for k, module in enumerate(shared):
+            if any(sub is module for sub in subs):
+                tied.add(index)
+                found[k] = True
+        for param in item.parameters():
+            owners.setdefault(id(param), set()).add(index)
+    for k, module in enumerate(shared):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"shared= takes modules, got {module!r}")
+        if not found[k]:
+            raise ValueError(
+                f"shared module {type(module).__name__} is not part of this stage; pass the module "
+                "(or the entry containing it) whose weights are tied with another stage"
+            )
+    for indices in owners.values():
+        if len(indices) > 1:  # a weight tied between entries of the same stage
+            tied.update(indices)
+    return tied
+
+
+def graph_stage_module(
+    stage: Any,
+    num_warmup_steps: int = 3,
+    *,
+    shared: Iterable[nn.Module] = (),
+    fallback: str = "error",
+    name: Optional[str] = None,
+) -> GraphedStage:
+    """Split a pipeline stage into runs of capturable modules, each captured as CUDA graphs.
+
+    Args:
+        stage: the stage as ``nn.Sequential``, or a list of modules and plain callables, in
+            execution order. Each entry takes the previous entry's output (a tuple is unpacked
+            into positional arguments).
+        num_warmup_steps: eager micro-batches each graphed run sees before it captures
+            (passed to ``CUDAGraphedModule``).
+        shared: modules whose weights are tied with another stage (a tied embedding and output
+            head); the entries holding them stay eager, so their gradients can be reduced
+            across stages outside any graph. Weights used by two entries of this stage are
+            detected and kept eager without being listed.
+        fallback: what a graphed run does when capture fails (passed to ``CUDAGraphedModule``).
+        name: prefix of the graphed runs' names in logs and errors (``"stage"`` by default).
+
+    Returns:
+        A :class:`GraphedStage` sharing the stage's parameters. On CPU tensors the graphed
+        runs compute eagerly (``CUDAGraphedModule`` warns once), so the same code serves gloo
+        test runs and NCCL GPU runs.
+
+    Raises:
+        TypeError: ``stage`` is not an ordered list of modules/callables, or is already graphed.
+        ValueError: the stage is empty, or a ``shared`` module is not part of it.
+
+    Warning:
+        Every graphed run sees fixed input shapes: keep micro-batch size and sequence length
+        constant (pad to a fixed length), as pipeline schedules already require.
+
+    Warning:
+        Pass ``input_args`` and ``output_args`` to ``PipelineStage``. Without them the stage
+        infers shapes by running the module once more (an extra warmup call; on older PyTorch
+        on the meta device, where the runs fall back to eager with a warning).
+
+    Warning:
+        Modules with data-dependent shapes, host synchronisation (``.item()``) or collectives of
+        their own cannot be replayed faithfully: mark them with
+        ``paddle_graphpp.mark_not_capturable(module)`` so they stay eager.
+    """
+    from paddle_graphpp.torch.graphed import CUDAGraphedModule
+
+    items = _stage_items(stage)
+    tied = _tied_entries(items, shared)
+    entries = [
+        segment.classify(
+            index,
+            item,
+            is_layer=lambda obj: isinstance(obj, nn.Module),
+            shared=index in tied,
+            sublayers=list(item.modules())[1:] if isinstance(item, nn.Module) else None,
+        )
+        for index, item in enumerate(items)
+    ]
+    runs = segment.split_into_runs(entries)
+    prefix = name or "stage"
+    steps: list = []
+    for run in runs:
+        if run.graphed:
+            run_name = f"{prefix}[{run.start}:{run.stop}]"
+            steps.append(CUDAGraphedModule(_Run(run.objects()), num_warmup_steps, fallback=fallback, name=run_name))
+        else:
+            entry = run.entries[0]
+            steps.append(entry.obj if isinstance(entry.obj, nn.Module) else _Call(entry.obj, entry.name))
+    return GraphedStage(steps, runs)

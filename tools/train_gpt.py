@@ -1,0 +1,613 @@
+#!/usr/bin/env python
+"""Train a small GPT with pipeline parallelism, eagerly or with CUDA graphs.
+
+The demo and benchmark driver of paddle_graphpp. With no arguments it trains a tiny GPT with
+Paddle fleet on two CPU ranks (gloo) for a few steps and finishes in well under a minute::
+
+    python tools/train_gpt.py                                   # Paddle, pp=2, 1F1B
+    python tools/train_gpt.py --framework torch --pp 2 --vpp 2  # torch.distributed.pipelining
+    python tools/train_gpt.py --framework torch --cudagraph --hidden 512 --layers 12 \\
+        --micro-batch-size 4 --seq-len 256 --micro-batches 8 --steps 50   # on 2 GPUs
+
+Model: token + position embeddings whose token table is tied to the output head, N pre-norm
+transformer blocks with dropout, and a cross-entropy loss. The tie crosses stages: Paddle
+declares it with ``SharedLayerDesc`` (fleet syncs the gradient); PyTorch keeps one copy of
+the weight on the first and one on the last stage and sums their gradients after each step.
+With ``--cudagraph`` each stage's blocks are captured as CUDA graphs (``paddle_graphpp.
+PipelineLayer(use_cudagraph=True)`` / ``paddle_graphpp.torch.pipelining.graph_stage_module``);
+the tied layers stay eager. On CPU the graphed layers run eagerly.
+
+Launching: run it directly and it starts one process per pipeline rank itself (through
+``paddle.distributed.launch`` for Paddle); it also runs under ``python -m
+paddle.distributed.launch`` and ``torchrun`` with ``--nproc_per_node`` equal to ``--pp``.
+
+Output: one line per step with the loss (a progress bar instead on long runs in a terminal),
+and as the LAST line one JSON object: framework, pp, vpp, cudagraph, steps, loss_first,
+loss_last, tokens_per_s, peak_mem_mib, device, plus the rest of the configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
+
+# Eager micro-batches each graphed run sees before it captures (the engine's default).
+NUM_WARMUP_STEPS = 3
+VOCAB_SIZE = 256  # byte-level tokens: any text file works without a tokenizer
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says which flag to change."""
+
+
+# ----------------------------------------------------------------------------- configuration
+@dataclass(kw_only=True)
+class Config:
+    """What to train and how; one field per command-line flag."""
+
+    framework: str = "paddle"
+    """``paddle`` (fleet PipelineParallel) or ``torch`` (torch.distributed.pipelining)."""
+    pp: int = 2
+    """Pipeline stages, one process each."""
+    vpp: int = 1
+    """Virtual chunks per process; > 1 selects the interleaved 1F1B schedule."""
+    micro_batches: int = 4
+    """Micro-batches per step (gradient accumulation steps)."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch."""
+    seq_len: int = 64
+    """Tokens per sequence; every batch has exactly this length (graphs need fixed shapes)."""
+    hidden: int = 64
+    """Model width; attention heads of 64 channels (one head below 64)."""
+    layers: int = 4
+    """Transformer blocks, split evenly over pp * vpp chunks."""
+    steps: int = 8
+    """Optimizer steps."""
+    cudagraph: bool = False
+    """Capture each stage's blocks as CUDA graphs (eager on CPU)."""
+    seed: int = 1234
+    """Seeds weights, data order and dropout; the same seed gives the same run."""
+    data: str = ""
+    """A text file to train on (bytes are tokens); empty for the built-in synthetic corpus."""
+    dropout: float = 0.1
+    """Dropout probability in the embeddings and blocks."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    timeout: int = 120
+    """Seconds a rank waits for its peers before it gives up with an error."""
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batches * self.micro_batch_size * self.seq_len
+
+
+def parse_args(argv=None) -> Config:
+    """Command line -> :class:`Config` (defaults from the dataclass)."""
+    defaults = Config()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--framework", choices=["paddle", "torch"], default=defaults.framework)
+    for flag in ("pp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "layers",
+                 "steps", "seed", "timeout"):
+        parser.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(defaults, flag))
+    parser.add_argument("--cudagraph", action="store_true", help="capture stage blocks as CUDA graphs")
+    parser.add_argument("--data", default=defaults.data, metavar="PATH", help="text file (default: synthetic)")
+    parser.add_argument("--dropout", type=float, default=defaults.dropout)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    args = parser.parse_args(argv)
+    return Config(**vars(args))
+
+
+def validate(cfg: Config) -> None:
+    """Reject a configuration that cannot work, before any process starts.
+
+    Raises:
+        ConfigError: naming the flag to change.
+    """
+    for flag in ("pp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "layers", "steps", "timeout"):
+        if getattr(cfg, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(cfg, flag)}")
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    chunks = cfg.pp * cfg.vpp
+    if cfg.layers % chunks:
+        raise ConfigError(
+            f"--layers {cfg.layers} cannot split into pp*vpp = {chunks} equal chunks; "
+            f"use a multiple of {chunks} (e.g. --layers {chunks * max(1, round(cfg.layers / chunks))})"
+        )
+    if cfg.micro_batches < cfg.pp:
+        raise ConfigError(
+            f"--micro-batches {cfg.micro_batches} is fewer than --pp {cfg.pp}: a 1F1B pipeline needs at "
+            f"least one micro-batch per stage; use --micro-batches {cfg.pp} or more"
+        )
+    if cfg.vpp > 1 and cfg.micro_batches % cfg.pp:
+        raise ConfigError(
+            f"the interleaved schedule (--vpp {cfg.vpp}) needs --micro-batches to be a multiple of "
+            f"--pp {cfg.pp}, got {cfg.micro_batches}; use --micro-batches {cfg.pp * math.ceil(cfg.micro_batches / cfg.pp)}"
+        )
+    if cfg.framework == "paddle" and cfg.vpp > 1 and cfg.pp < 3:
+        # fleet's PipelineParallelWithInterleave rejects 2 stages; say so before launching.
+        raise ConfigError(f"Paddle's interleaved schedule needs --pp 3 or more (got --pp {cfg.pp} with --vpp {cfg.vpp})")
+    if cfg.hidden > 64 and cfg.hidden % 64:
+        raise ConfigError(f"--hidden {cfg.hidden} must be a multiple of 64 (the attention head size), or 64 or less")
+    if cfg.data and not os.path.isfile(cfg.data):
+        raise ConfigError(f"--data {cfg.data!r} is not a file; pass a text file or leave --data out")
+
+
+# ------------------------------------------------------------------------------------- data
+_WORDS = ("the graph replays kernels while the pipeline moves activations between stages and "
+          "every micro batch waits for its turn a stage captures once then replays many times "
+          "memory pools are shared gradients accumulate and the loss goes down").split()
+
+
+def load_corpus(cfg: Config) -> np.ndarray:
+    """Byte tokens of ``--data``, or of a deterministic synthetic text of about 200 KB."""
+    if cfg.data:
+        with open(cfg.data, "rb") as f:
+            tokens = np.frombuffer(f.read(), dtype=np.uint8)
+    else:
+        rng = np.random.RandomState(0)
+        words = rng.choice(len(_WORDS), size=40_000)
+        text = " ".join(_WORDS[i] for i in words)
+        tokens = np.frombuffer(text.encode(), dtype=np.uint8)
+    if tokens.size < cfg.seq_len + 2:
+        raise ConfigError(
+            f"--data has {tokens.size} bytes, too few for --seq-len {cfg.seq_len}; "
+            "use a longer file or a smaller --seq-len"
+        )
+    return tokens.astype(np.int64)
+
+
+def batch_for_step(corpus: np.ndarray, cfg: Config, step: int) -> tuple:
+    """Inputs and next-token labels of one step, ``[micro_batches * micro_batch_size, seq_len]`` each.
+
+    Windows are drawn from a generator seeded by (seed, step), so every rank sees the same batch.
+    """
+    rng = np.random.RandomState((cfg.seed * 1_000_003 + step) % (2**32))
+    count = cfg.micro_batches * cfg.micro_batch_size
+    starts = rng.randint(0, corpus.size - cfg.seq_len - 1, size=count)
+    idx = starts[:, None] + np.arange(cfg.seq_len + 1)[None, :]
+    windows = corpus[idx]
+    return windows[:, :-1].copy(), windows[:, 1:].copy()
+
+
+def chunk_layout(cfg: Config, chunk: int) -> range:
+    """Indices of the transformer blocks in pipeline chunk ``chunk`` (of pp * vpp)."""
+    per = cfg.layers // (cfg.pp * cfg.vpp)
+    return range(chunk * per, (chunk + 1) * per)
+
+
+# --------------------------------------------------------------------------------- reporting
+class Reporter:
+    """Per-step loss lines (or a progress bar on long runs) and the final JSON line."""
+
+    def __init__(self, cfg: Config, enabled: bool):
+        self.cfg = cfg
+        self.enabled = enabled
+        self.losses: list = []
+        self.bar = None
+        if enabled and cfg.steps >= 20:
+            from tqdm import tqdm
+
+            # disable=None: a bar on a terminal only, so captured logs stay one line per step
+            self.bar = tqdm(total=cfg.steps, unit="step", disable=None, file=sys.stderr)
+
+    def step(self, step: int, loss: float, seconds: float) -> None:
+        self.losses.append(loss)
+        if not self.enabled:
+            return
+        line = f"step {step + 1}/{self.cfg.steps} loss {loss:.6f} ({seconds * 1e3:.1f} ms)"
+        if self.bar is not None and not self.bar.disable:
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar.update(1)
+        else:
+            print(line, flush=True)
+
+    def finish(self, *, tokens_per_s: float, peak_mem_mib: float, device: str, **extra) -> dict:
+        if self.bar is not None:
+            self.bar.close()
+        losses = self.losses
+        record = {
+            "framework": self.cfg.framework,
+            "pp": self.cfg.pp,
+            "vpp": self.cfg.vpp,
+            "cudagraph": self.cfg.cudagraph,
+            "steps": self.cfg.steps,
+            "loss_first": losses[0] if losses else None,
+            "loss_last": losses[-1] if losses else None,
+            "tokens_per_s": round(tokens_per_s, 1),
+            "peak_mem_mib": round(peak_mem_mib, 1),
+            "device": device,
+            **extra,
+            "losses": losses,
+            "config": asdict(self.cfg),
+        }
+        if self.enabled:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            print(json.dumps(record), flush=True)
+        return record
+
+
+class StepTimer:
+    """Wall time of the steps after warmup and capture, for tokens/s."""
+
+    def __init__(self, cfg: Config, sync):
+        self.sync = sync
+        # Skip the eager warmup steps and the capture step; keep at least one timed step.
+        self.skip = min(NUM_WARMUP_STEPS + 1, cfg.steps - 1)
+        self.timed_steps = cfg.steps - self.skip
+        self.start = None
+        self.elapsed = 0.0
+
+    def before(self, step: int) -> None:
+        if step == self.skip:
+            self.sync()
+            self.start = time.perf_counter()
+
+    def after(self, step: int, cfg: Config) -> None:
+        if step == cfg.steps - 1:
+            self.sync()
+            self.elapsed = time.perf_counter() - self.start
+
+    def tokens_per_s(self, cfg: Config) -> float:
+        return self.timed_steps * cfg.tokens_per_step / max(self.elapsed, 1e-9)
+
+
+def cpu_peak_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# ------------------------------------------------------------------------------------ torch
+def _torch_modules():
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Embedding(nn.Module):
+        """Token + position embeddings; the token table is tied to the output head."""
+
+        def __init__(self, cfg: Config, tied: torch.Tensor):
+            super().__init__()
+            self.weight = nn.Parameter(tied.clone())
+            self.pos = nn.Parameter(torch.randn(cfg.seq_len, cfg.hidden) * 0.02)
+            self.drop = nn.Dropout(cfg.dropout)
+
+        def forward(self, ids):
+            return self.drop(F.embedding(ids, self.weight) + self.pos[: ids.shape[1]])
+
+    class Head(nn.Module):
+        """Logits through the tied token table."""
+
+        def __init__(self, tied: torch.Tensor):
+            super().__init__()
+            self.weight = nn.Parameter(tied.clone())
+
+        def forward(self, x):
+            return F.linear(x, self.weight)
+
+    class Block(nn.Module):
+        """Pre-norm causal self-attention and MLP, each with residual dropout."""
+
+        def __init__(self, cfg: Config):
+            super().__init__()
+            h = cfg.hidden
+            self.heads = max(1, h // 64)
+            self.ln1 = nn.LayerNorm(h)
+            self.qkv = nn.Linear(h, 3 * h)
+            self.proj = nn.Linear(h, h)
+            self.ln2 = nn.LayerNorm(h)
+            self.fc1 = nn.Linear(h, 4 * h)
+            self.fc2 = nn.Linear(4 * h, h)
+            self.drop = nn.Dropout(cfg.dropout)
+            mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1)
+            self.register_buffer("mask", mask, persistent=False)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            hd = c // self.heads
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
+            # Explicit attention: deterministic forward and backward, so eager and graphed runs
+            # can be compared bit for bit.
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            att = att.masked_fill(self.mask[:t, :t], float("-inf")).softmax(-1)
+            y = (self.drop(att) @ v).transpose(1, 2).reshape(b, t, c)
+            x = x + self.drop(self.proj(y))
+            return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+    return Embedding, Head, Block
+
+
+def build_torch_chunk(cfg: Config, chunk: int):
+    """Chunk ``chunk`` of the model as ``nn.Sequential`` and its tied module (or ``None``).
+
+    Every module is seeded by its position in the whole model, so weights do not depend on pp/vpp.
+    """
+    import torch
+    from torch import nn
+
+    Embedding, Head, Block = _torch_modules()
+    last = cfg.pp * cfg.vpp - 1
+    gen = torch.Generator().manual_seed(cfg.seed)
+    tied_init = torch.randn(VOCAB_SIZE, cfg.hidden, generator=gen) * 0.02
+    modules, tied = [], None
+    if chunk == 0:
+        torch.manual_seed(cfg.seed + 1)
+        tied = Embedding(cfg, tied_init)
+        modules.append(tied)
+    for layer in chunk_layout(cfg, chunk):
+        torch.manual_seed(cfg.seed + 100 + layer)
+        modules.append(Block(cfg))
+    if chunk == last:
+        head = Head(tied_init)
+        modules += [nn.LayerNorm(cfg.hidden), head]
+        tied = head if tied is None else tied
+        if chunk == 0:  # a single chunk holds both ends of the tie
+            tied = (modules[0], head)
+    return nn.Sequential(*modules), tied
+
+
+def _tied_pairs(tied_by_chunk: dict) -> list:
+    out = []
+    for t in tied_by_chunk.values():
+        if t is None:
+            continue
+        out.extend(t if isinstance(t, tuple) else (t,))
+    return out
+
+
+def run_torch(cfg: Config) -> None:
+    """One torch pipeline rank: build its chunks, run the schedule ``cfg.steps`` times, report."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    if world != cfg.pp:
+        raise ConfigError(f"started with {world} processes but --pp {cfg.pp}; launch --pp processes (torchrun --nproc_per_node {cfg.pp})")
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        if torch.cuda.device_count() <= local_rank:
+            raise ConfigError(f"rank {rank} needs GPU {local_rank} but {torch.cuda.device_count()} are visible; lower --pp")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        os.environ["NCCL_NVLS_ENABLE"] = "0"  # multicast off on the lent machines, whatever the launcher says
+    else:
+        device = torch.device("cpu")
+    if world > 1 or "MASTER_ADDR" in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.timeout))
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    num_stages = cfg.pp * cfg.vpp
+    stage_ids = [rank + k * cfg.pp for k in range(cfg.vpp)]
+    first_rank, last_rank = rank == 0, rank == cfg.pp - 1
+    chunks, tied_by_chunk = {}, {}
+    for s in stage_ids:
+        chunks[s], tied_by_chunk[s] = build_torch_chunk(cfg, s)
+        chunks[s].to(device)
+    tied = _tied_pairs(tied_by_chunk)  # the tied weights this rank holds (0, 1 or 2)
+    params = [p for s in stage_ids for p in chunks[s].parameters()]
+
+    graphed = []
+    stage_modules = {}
+    for s in stage_ids:
+        if cfg.cudagraph:
+            from paddle_graphpp.torch.pipelining import graph_stage_module
+
+            t = tied_by_chunk[s]
+            mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, shared=() if t is None else (t if isinstance(t, tuple) else (t,)),
+                                     name=f"stage{s}")
+            graphed.extend(mod.graphed_modules)
+        else:
+            mod = chunks[s]
+        stage_modules[s] = mod
+
+    mbs, seq, hid = cfg.micro_batch_size, cfg.seq_len, cfg.hidden
+    hidden_meta = torch.empty(mbs, seq, hid, device=device, requires_grad=True)  # activations carry gradients
+    stages = []
+    for s in stage_ids:
+        inp = torch.zeros(mbs, seq, dtype=torch.long, device=device) if s == 0 else hidden_meta
+        out = torch.empty(mbs, seq, VOCAB_SIZE, device=device, requires_grad=True) if s == num_stages - 1 else hidden_meta
+        stages.append(PipelineStage(stage_modules[s], s, num_stages, device, input_args=(inp,), output_args=(out,)))
+
+    def loss_fn(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    if cfg.vpp == 1:
+        schedule = Schedule1F1B(stages[0], n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+    # The tie between the first and the last stage: each holds a copy, gradients are summed.
+    tie_group = dist.new_group([0, cfg.pp - 1]) if cfg.pp > 1 else None
+
+    corpus = load_corpus(cfg)
+    torch.manual_seed(cfg.seed * 7 + rank)  # dropout stream, the same with and without graphs
+    reporter = Reporter(cfg, enabled=last_rank)
+    sync = (lambda: torch.cuda.synchronize(device)) if use_cuda else (lambda: None)
+    timer = StepTimer(cfg, sync)
+    if use_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(cfg.steps):
+        timer.before(step)
+        t0 = time.perf_counter()
+        x, y = batch_for_step(corpus, cfg, step)
+        args = (torch.from_numpy(x).to(device),) if first_rank else ()
+        target = torch.from_numpy(y).to(device) if last_rank else None
+        losses = [] if last_rank else None
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step(*args, target=target, losses=losses)
+        _sum_tied_grads(tied, tie_group)
+        optimizer.step()
+        loss = torch.stack(losses).float().mean().item() if last_rank else 0.0
+        timer.after(step, cfg)
+        reporter.step(step, loss, time.perf_counter() - t0)
+
+    if use_cuda:
+        peak = torch.tensor([torch.cuda.max_memory_reserved(device) / 2**20], device=device)
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        peak = torch.tensor([cpu_peak_mib()])
+        device_name = "cpu"
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    reporter.finish(tokens_per_s=timer.tokens_per_s(cfg), peak_mem_mib=float(peak.item()), device=device_name,
+                    graphed_runs_on_rank=len(graphed),
+                    graphs_active=bool(cfg.cudagraph and use_cuda), timed_steps=timer.timed_steps,
+                    torch_version=torch.__version__)
+    if world > 1:
+        dist.barrier()
+
+
+def _sum_tied_grads(tied: list, group) -> None:
+    """Sum the tied weight's gradient over its copies (same rank: add; first/last rank: all-reduce)."""
+    import torch.distributed as dist
+
+    if not tied:
+        return
+    grad = tied[0].weight.grad
+    for other in tied[1:]:
+        grad.add_(other.weight.grad)
+    if group is not None:
+        dist.all_reduce(grad, group=group)
+    for other in tied[1:]:
+        other.weight.grad.copy_(grad)
+
+
+# ----------------------------------------------------------------------------------- launch
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_launcher(framework: str) -> bool:
+    """True when a launcher (torchrun / paddle.distributed.launch / our own) started this process."""
+    if framework == "torch":
+        return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return "PADDLE_TRAINER_ID" in os.environ
+
+
+def _terminate(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.time() + 5
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def spawn_ranks(cfg: Config, argv: list) -> int:
+    """Start one process per pipeline rank running this script; return the first failure's code.
+
+    When a rank fails, the others are stopped at once rather than left to time out.
+    """
+    script = os.path.abspath(__file__)
+    env = dict(os.environ)
+    env["NCCL_NVLS_ENABLE"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    if cfg.framework == "paddle":
+        log_dir = tempfile.mkdtemp(prefix="train_gpt_paddle_")
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(cfg.pp),
+               "--log_dir", log_dir, script, *argv]
+        # paddle's launcher prints rank 0's output and stops every rank when one fails
+        procs = [subprocess.Popen(cmd, env=env, start_new_session=True)]
+    else:
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(cfg.pp),
+                   LOCAL_WORLD_SIZE=str(cfg.pp))
+        procs = []
+        for rank in range(cfg.pp):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen([sys.executable, script, *argv], env=rank_env, start_new_session=True))
+    old = signal.signal(signal.SIGTERM, lambda *_: (_terminate(procs), sys.exit(143)))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                _terminate(procs)
+                print(f"train_gpt: a rank exited with code {failed[0]}; stopped the others", file=sys.stderr)
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        _terminate(procs)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = parse_args(argv)
+        validate(cfg)
+        load_corpus(cfg)
+    except ConfigError as exc:
+        print(f"train_gpt: error: {exc}", file=sys.stderr)
+        return 2
+    if not under_launcher(cfg.framework) and cfg.pp > 1:
+        if cfg.framework == "torch":
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.device_count() < cfg.pp:
+                print(f"train_gpt: error: --pp {cfg.pp} needs {cfg.pp} GPUs, {torch.cuda.device_count()} visible; "
+                      "lower --pp or make more GPUs visible", file=sys.stderr)
+                return 2
+        return spawn_ranks(cfg, argv)
+    try:
+        if cfg.framework == "torch":
+            run_torch(cfg)
+        else:
+            run_paddle(cfg)
+    except ConfigError as exc:
+        print(f"train_gpt: error: {exc}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # do not wait in process-group teardown for peers that may be gone
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: destroying NCCL communicators after captured work can hang.
+    os._exit(0)
+
+
+def run_paddle(cfg: Config) -> None:
+    raise NotImplementedError
+
+
+if __name__ == "__main__":
+    sys.exit(main())
