@@ -1,0 +1,330 @@
+"""Capture a short kernel sequence once, replay it on later calls.
+
+:func:`graph_process` is for code that launches many tiny kernels over tensors that stay at
+the same addresses from call to call: optimizer steps, gradient norms and clipping, gradient
+zeroing. The first call warms the function up, captures it into a CUDA graph and keeps the
+graph; later calls replay it.
+
+Compared with DeepSpeed's ``graph_process`` (which this mirrors), graphs are keyed by the
+function's identity or an explicit ``key`` — never by ``__name__``, so two closures called
+``step`` do not share a graph — and every call checks the arguments' tensor addresses,
+shapes and dtypes: a call whose tensors moved is re-captured, never replayed into the old
+graph.
+
+The accelerator-style trio :func:`create_graph`, :func:`capture_to_graph` and
+:func:`replay_graph` is exposed for code that manages its own graphs.
+
+The framework is found from the tensor arguments (``torch.Tensor`` or ``paddle.Tensor``)
+through :func:`paddle_graphpp.core.runtime.get_runtime`; this module imports neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional
+
+from .errors import CaptureError
+from .runtime import GraphRuntime, available_runtimes, get_runtime
+
+__all__ = ["graph_process", "create_graph", "capture_to_graph", "replay_graph", "clear_graph_cache"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One cached graph: what it was captured for, and what it hands back."""
+
+    signature: tuple
+    owner: Any  # weakref (or strong ref) to the function/bound instance the slot belongs to
+    runtime: Optional[GraphRuntime]
+    graph: Any  # None: graphs are unavailable for these tensors, the function runs eagerly
+    output: Any
+
+
+_CACHE: dict[Hashable, _Entry] = {}
+
+
+def graph_process(func: Callable, *args, replay_first_step: bool = False, key: Optional[Hashable] = None,
+                  **kwargs) -> Any:
+    """Run ``func(*args, **kwargs)`` through a cached CUDA graph.
+
+    First call for a cache slot: ``func`` runs once eagerly as warmup (on the runtime's warmup
+    stream), is captured into a new graph, and then either the graph is replayed
+    (``replay_first_step=True``) or the warmup's results are kept (``False``: tensor outputs
+    of the warmup are copied into the graph's output tensors, and ``func``'s device work has
+    run exactly once). Later calls replay the graph and return the same output objects.
+
+    Args:
+        func: the function to capture. Its device work must depend only on tensors whose
+            addresses stay fixed between calls, and on Python values that do not change.
+        *args, **kwargs: passed to ``func``. Tensors (also inside lists, tuples and dicts)
+            decide the framework and form the cache signature together with the other
+            leaves (Python scalars by value, other objects by identity).
+        replay_first_step: on the first call, replay the fresh graph (``func``'s device work
+            then runs twice: warmup and replay) instead of keeping the warmup's results.
+            Use ``True`` only for functions that are safe to run twice, such as pure
+            functions of their inputs.
+        key: cache slot. Default: the function's identity (a bound method: its instance and
+            function). Calls with the same key and a different function re-capture.
+
+    Returns:
+        ``func``'s return value from the capture. Its tensors are the graph's static output
+        buffers: the next replay overwrites them; clone what must outlive the next call.
+
+    Raises:
+        CaptureError: ``func`` could not be captured; the usual cause is a host
+            synchronisation inside it (``.item()``, ``.cpu()``, printing a tensor, a Python
+            ``if`` on a tensor value). Nothing is cached, so the next call tries again.
+
+    Warnings:
+        * Without CUDA (a CPU build, CPU tensors, no GPU) ``func`` simply runs, every call.
+        * Python side effects of ``func`` (counters, appends) happen at warmup and capture
+          only, never on replay. Values read on the host at capture are frozen into the graph.
+        * A signature change (new address, shape, dtype, or scalar value) re-captures and
+          logs a warning; a function whose arguments change every call gains nothing.
+        * Inside an ongoing capture, ``func`` runs directly and becomes part of that capture.
+    """
+    leaves = list(_leaves((args, kwargs)))
+    runtime = _runtime_of_leaves(leaves)
+    if runtime is None or runtime.is_capturing():
+        return func(*args, **kwargs)
+    slot = ("key", key) if key is not None else _identity_slot(func)
+    signature = _signature(runtime, leaves, func)
+    entry = _CACHE.get(slot)
+    if entry is not None:
+        same_owner = _owner_is(entry, func)
+        if same_owner and entry.signature == signature:
+            if entry.graph is None:
+                return func(*args, **kwargs)
+            runtime.replay_graph(entry.graph)
+            return entry.output
+        change = (_describe_change(entry.signature, signature) if same_owner
+                  else "the slot holds the graph of another function")
+        logger.warning("graph_process(%s): %s; re-capturing", _name(func), change)
+        _CACHE.pop(slot, None)
+        entry = None  # drop the old graph (and its pool) before capturing the new one
+    tensors = [leaf for leaf in leaves if runtime.is_tensor(leaf)]
+    reason = runtime.graphs_unavailable_reason(tensors) if tensors else _no_tensor_reason(runtime)
+    if reason is not None:
+        _store(slot, func, key, _Entry(signature, None, runtime, None, None))
+        return func(*args, **kwargs)
+    graph, output = _warmup_and_capture(runtime, func, args, kwargs, replay_first_step)
+    _store(slot, func, key, _Entry(signature, None, runtime, graph, output))
+    return output
+
+
+def clear_graph_cache() -> None:
+    """Forget every graph :func:`graph_process` holds (their memory goes with them)."""
+    _CACHE.clear()
+
+
+# ------------------------------------------------------------------ the trio
+def create_graph(*, framework: Optional[str] = None) -> Any:
+    """A new, empty graph of the framework in use.
+
+    Args:
+        framework: ``"torch"`` or ``"paddle"``. Needed only when both frameworks are imported.
+
+    Raises:
+        RuntimeError: no framework is imported, or both are and ``framework`` is not given.
+    """
+    return _runtime_named(framework).create_graph()
+
+
+def capture_to_graph(graph: Any, pool: Any = None, stream: Any = None, *,
+                     framework: Optional[str] = None) -> ContextManager:
+    """Context manager: the device work issued inside it is captured into ``graph``.
+
+    Args:
+        graph: from :func:`create_graph`.
+        pool: a memory-pool handle shared with other graphs, or ``None`` for a private pool.
+            Graphs that share a pool must be replayed in the order they were captured.
+        stream: capture stream; ``None`` uses the runtime's capture stream.
+        framework: as in :func:`create_graph`; by default the graph's own framework.
+
+    Work inside the context is recorded, not executed: replay the graph to run it.
+    """
+    return _runtime_of_graph(graph, framework).capture_to_graph(graph, pool=pool, stream=stream)
+
+
+def replay_graph(graph: Any, *, framework: Optional[str] = None) -> None:
+    """Launch a captured ``graph`` on the current stream."""
+    _runtime_of_graph(graph, framework).replay_graph(graph)
+
+
+# --------------------------------------------------------------- capturing
+def _warmup_and_capture(runtime: GraphRuntime, func, args, kwargs, replay_first_step: bool):
+    # Warmup: lazy state (optimizer moments, library handles) is created outside the graph.
+    with _warmup_context(runtime):
+        warm = func(*args, **kwargs)
+    graph = runtime.create_graph()
+    try:
+        with runtime.capture_to_graph(graph):
+            output = func(*args, **kwargs)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            runtime.abort_capture()
+        raise CaptureError(
+            f"graph_process({_name(func)}): capturing failed ({type(exc).__name__}: {exc}). A captured "
+            "function must not synchronise with the host: no .item()/.cpu()/.numpy(), no printing "
+            "of tensors, no Python branch on a tensor value, no new shapes. Remove the sync, or "
+            "call the function directly instead of through graph_process.") from exc
+    # Keep the results of one run: replay the graph, or carry the warmup's over.
+    if replay_first_step:
+        runtime.replay_graph(graph)
+    else:
+        _copy_outputs(runtime, warm, output)
+    return graph, output
+
+
+def _warmup_context(runtime: GraphRuntime) -> ContextManager:
+    # Optional seam hook: run the warmup on a side stream where the runtime offers one.
+    hook = getattr(runtime, "warmup_context", None)
+    return hook() if hook is not None else contextlib.nullcontext()
+
+
+def _copy_outputs(runtime: GraphRuntime, warm, static) -> None:
+    dsts, srcs = [], []
+    for src, dst in zip(_leaves(warm), _leaves(static)):
+        if runtime.is_tensor(dst) and runtime.is_tensor(src) and dst is not src:
+            dsts.append(dst)
+            srcs.append(src)
+    if dsts:
+        runtime.copy_many(dsts, srcs)
+
+
+# ---------------------------------------------------------------- the cache
+def _identity_slot(func) -> tuple:
+    owner = getattr(func, "__self__", None)
+    target = getattr(func, "__func__", None)
+    if owner is not None and target is not None:  # bound method: a new object on each access
+        return ("method", id(owner), id(target))
+    return ("function", id(func))
+
+
+def _anchor(func):
+    owner = getattr(func, "__self__", None)
+    return owner if owner is not None and getattr(func, "__func__", None) is not None else func
+
+
+def _store(slot, func, key, entry: _Entry) -> None:
+    anchor = _anchor(func)
+    try:
+        entry.owner = weakref.ref(anchor)
+        if key is None:  # the slot is the anchor's id: forget the graph when the anchor dies
+            weakref.finalize(anchor, _evict, slot, entry)
+    except TypeError:  # not weak-referenceable: hold it, so its id cannot be reused
+        entry.owner = anchor
+    _CACHE[slot] = entry
+
+
+def _evict(slot, entry) -> None:
+    if _CACHE.get(slot) is entry:
+        del _CACHE[slot]
+
+
+def _owner_is(entry: _Entry, func) -> bool:
+    owner = entry.owner() if isinstance(entry.owner, weakref.ref) else entry.owner
+    return owner is _anchor(func)
+
+
+def _signature(runtime: GraphRuntime, leaves: list, func) -> tuple:
+    parts = [id(getattr(func, "__func__", func))]
+    for leaf in leaves:
+        if runtime.is_tensor(leaf):
+            parts.append(("tensor", leaf.data_ptr(), tuple(leaf.shape), leaf.dtype))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str, bytes)):
+            parts.append(("value", type(leaf), leaf))
+        else:
+            parts.append(("object", id(leaf)))
+    return tuple(parts)
+
+
+def _describe_change(old: tuple, new: tuple) -> str:
+    if old[0] != new[0]:
+        return "the function differs from the captured one"
+    if len(old) != len(new):
+        return f"the arguments hold {len(new) - 1} leaves, the graph was captured with {len(old) - 1}"
+    for index, (a, b) in enumerate(zip(old[1:], new[1:])):
+        if a == b:
+            continue
+        if a[0] == b[0] == "tensor":
+            what = [name for name, x, y in zip(("address", "shape", "dtype"), a[1:], b[1:]) if x != y]
+            return (f"argument leaf {index} changed its {' and '.join(what)} "
+                    f"(address {a[1]:#x}, shape {list(a[2])}, {a[3]} -> "
+                    f"address {b[1]:#x}, shape {list(b[2])}, {b[3]})")
+        return f"argument leaf {index} changed from {_short(a)} to {_short(b)}"
+    return "the arguments changed"
+
+
+def _short(part) -> str:
+    if part[0] == "value":
+        return repr(part[2])
+    if part[0] == "tensor":
+        return f"a tensor of shape {list(part[2])}"
+    return "another object"
+
+
+# -------------------------------------------------------- runtime detection
+def _leaves(obj) -> Iterator[Any]:
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _leaves(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _leaves(item)
+    else:
+        yield obj
+
+
+def _framework_of(obj) -> Optional[str]:
+    root = type(obj).__module__.partition(".")[0]
+    return root if root in available_runtimes() else None
+
+
+def _runtime_of_leaves(leaves: list) -> Optional[GraphRuntime]:
+    for leaf in leaves:
+        name = _framework_of(leaf)
+        if name is not None:
+            runtime = get_runtime(name)
+            if runtime.is_tensor(leaf):
+                return runtime
+    return _imported_runtime()
+
+
+def _imported_runtime() -> Optional[GraphRuntime]:
+    # No tensor argument: the one framework that is imported, if exactly one is.
+    imported = [name for name in ("paddle", "torch") if name in sys.modules]
+    return get_runtime(imported[0]) if len(imported) == 1 else None
+
+
+def _no_tensor_reason(runtime: GraphRuntime) -> Optional[str]:
+    # A function without tensor arguments can still be graphed where the device is a GPU.
+    return runtime.graphs_unavailable_reason([])
+
+
+def _runtime_named(framework: Optional[str]) -> GraphRuntime:
+    if framework is not None:
+        return get_runtime(framework)
+    runtime = _imported_runtime()
+    if runtime is None:
+        imported = [name for name in ("paddle", "torch") if name in sys.modules]
+        state = "both paddle and torch are imported" if imported else "neither paddle nor torch is imported"
+        raise RuntimeError(f"paddle_graphpp graph API: cannot tell the framework ({state}); "
+                           "pass framework='torch' or framework='paddle'.")
+    return runtime
+
+
+def _runtime_of_graph(graph, framework: Optional[str]) -> GraphRuntime:
+    if framework is None:
+        framework = _framework_of(graph)
+    return _runtime_named(framework)
+
+
+def _name(func) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
