@@ -38,10 +38,8 @@ class _GraphedPyLayer(PyLayer):
     @staticmethod
     def backward(ctx, *grads):
         call = ctx.call  # kept: a second backward must reach the FIFO check and fail there
-        grads = call.backward(list(grads))
-        # Paddle expects a gradient only for tensor inputs that require one.
-        targets = call.tensors + call.params
-        return tuple(g for g, t in zip(grads, targets) if not t.stop_gradient)
+        # One entry per tensor input, None where the input has stop_gradient=True.
+        return tuple(call.backward(list(grads)))
 
 
 class PaddleRuntime(GraphRuntime):

@@ -1,0 +1,245 @@
+"""Engine bookkeeping with a fake graph runtime: warmup, capture, replay, generations, errors.
+
+These tests check which path each call takes. Whether capture and replay compute the right
+numbers is checked on a GPU (unittests/gpu/test_engine_gpu.py).
+"""
+import warnings
+
+import pytest
+import torch
+
+from fake_runtime import FakeGraphRuntime
+from paddle_graphpp.core import memory as memory_mod
+from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
+from paddle_graphpp.core.errors import CaptureError, GraphScheduleError
+
+
+class Graphed(torch.nn.Module):
+    def __init__(self, module, runtime, **opts):
+        super().__init__()
+        self.module = module
+        self.engine = GraphedCallable(module, runtime, lambda: list(module.parameters()),
+                                      name=f"test:{type(module).__name__}", options=EngineOptions(**opts))
+
+    def forward(self, *args, **kwargs):
+        return self.engine(args, kwargs)
+
+
+@pytest.fixture
+def rt():
+    runtime = FakeGraphRuntime()
+    memory_mod._PLANS.pop(runtime.name, None)
+    yield runtime
+    memory_mod._PLANS.pop(runtime.name, None)
+
+
+def step(layer, order, shape=(2, 4)):
+    """Run an order like 'f1 f2 b1 b2'; returns the call kinds in order of forwards."""
+    outs, kinds = {}, []
+    for tok in order.split():
+        n = int(tok[1:])
+        if tok[0] == "f":
+            x = torch.randn(*shape, requires_grad=True)
+            outs[n] = layer(x)
+        else:
+            outs[n].sum().backward()
+    return outs
+
+
+INTERLEAVED = "f1 f2 f3 b1 f4 b2 b3 b4"
+
+
+def test_warmup_then_capture_in_order_then_replay(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=3)
+    step(layer, INTERLEAVED)  # warmup: 3 calls, but capture waits for the episode to end
+    assert layer.engine.captures == 0
+    step(layer, INTERLEAVED)  # capture step: one pair per position
+    assert layer.engine.captures == 8 and layer.engine.replays == 0
+    assert layer.engine.graph_count() == 8
+    for _ in range(3):
+        step(layer, INTERLEAVED)
+    assert layer.engine.replays == 3 * 8
+    assert layer.engine.in_flight == 0
+    plan = memory_mod.plan_for(rt)
+    assert len(plan._generations) == 1 and plan.graphs_captured == 8
+
+
+def test_capture_waits_for_episode_start(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    outs = step(layer, "f1 f2")  # f1 warms up; f2 is mid-episode: must stay eager
+    assert layer.engine.captures == 0
+    outs[1].sum().backward(); outs[2].sum().backward()
+    step(layer, "f1 b1")
+    assert layer.engine.captures == 2
+
+
+def test_capture_step_results_come_from_the_eager_run(rt):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    layer = Graphed(lin, rt, num_warmup_steps=0)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = layer(x)
+    assert layer.engine.captures == 1
+    torch.testing.assert_close(y, lin(x), rtol=0, atol=0)
+    y.sum().backward()
+    assert layer.engine.captures == 2
+    ref = x.detach().clone().requires_grad_(True)
+    lin.zero_grad()
+    lin(ref).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+
+
+def test_replay_hands_off_copies_to_leaves_without_grad_and_accumulates_in_place(rt):
+    lin = torch.nn.Linear(4, 3)
+    layer = Graphed(lin, rt, num_warmup_steps=0)
+    step(layer, "f1 b1")  # capture
+    lin.zero_grad(set_to_none=True)
+    step(layer, "f1 b1")  # replay: grads are copies, not the static buffers
+    buffers = layer.engine._param_grad_buffers
+    assert all(p.grad.data_ptr() != b.data_ptr() for p, b in zip(lin.parameters(), buffers))
+    before = [p.grad.data_ptr() for p in lin.parameters()]
+    step(layer, "f1 b1")  # accumulation into the existing grads, in place
+    assert [p.grad.data_ptr() for p in lin.parameters()] == before
+
+
+def test_new_signature_is_captured_anew_in_a_new_generation(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    assert layer.engine.captures == 2 and layer.engine.replays == 2
+    for _ in range(3):
+        step(layer, "f1 b1", shape=(5, 4))  # warmup 1, capture, replay
+    assert layer.engine.captures == 4 and layer.engine.replays == 4
+    assert len(memory_mod.plan_for(rt)._generations) == 2
+
+
+def test_signature_cache_full_runs_eagerly_with_one_warning(rt):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    layer = Graphed(lin, rt, num_warmup_steps=0, max_signatures=1)
+    step(layer, "f1 b1")
+    step(layer, "f1 b1")
+    replays = layer.engine.replays
+    x = torch.randn(7, 4, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="max_signatures"):
+        y = layer(x)
+    torch.testing.assert_close(y, lin(x), rtol=0, atol=0)  # computed, not a stale replay
+    y.sum().backward()
+    assert layer.engine.replays == replays
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.randn(7, 4, requires_grad=True)).sum().backward()  # warned once only
+
+
+def test_non_tensor_argument_is_part_of_the_signature(rt):
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x, factor):
+            return x * self.w * factor
+
+    layer = Graphed(Scale(), rt, num_warmup_steps=0)
+    for f in (2.0, 2.0, 3.0):
+        layer(torch.ones(3, requires_grad=True), f).sum().backward()
+    assert len(layer.engine._signatures) == 2
+
+
+def test_replay_order_differing_from_capture_raises(rt):
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    x = torch.randn(2, 4, requires_grad=True)
+    b(a(x)).sum().backward()  # capture order: a.f b.f b.b a.b
+    b(a(x)).sum().backward()  # same order replays fine
+    ya = b(torch.randn(2, 4, requires_grad=True))  # b first, then a, with b in flight
+    with pytest.raises(GraphScheduleError, match="different order"):
+        a(x)
+
+
+def test_per_graph_mode_has_no_order_constraint(rt):
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
+    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
+    x = torch.randn(2, 4, requires_grad=True)
+    b(a(x)).sum().backward()
+    yb = b(torch.randn(2, 4, requires_grad=True))
+    ya = a(x)
+    (yb.sum() + ya.sum()).backward()
+    assert a.engine.replays == 2 and b.engine.replays == 2
+
+
+class SyncsInCapture(torch.nn.Module):
+    """Stands in for a host sync: fails only while the (fake) stream captures."""
+
+    def __init__(self, runtime):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.runtime = runtime
+
+    def forward(self, x):
+        if self.runtime.is_capturing():
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return self.lin(x)
+
+
+def test_capture_failure_names_layer_and_releases_memory(rt):
+    layer = Graphed(SyncsInCapture(rt), rt, num_warmup_steps=0)
+    with pytest.raises(CaptureError, match=r"test:SyncsInCapture.*capturing the forward failed.*not permitted"):
+        layer(torch.randn(2, 4, requires_grad=True))
+    assert rt.released == 1 and rt.aborted == 1
+    assert layer.engine.in_flight == 0  # the failed call left nothing in the FIFO
+
+
+def test_capture_failure_with_eager_fallback_keeps_training(rt):
+    torch.manual_seed(0)
+    mod = SyncsInCapture(rt)
+    layer = Graphed(mod, rt, num_warmup_steps=0, fallback="eager")
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+        y = layer(x)
+    torch.testing.assert_close(y, mod.lin(x), rtol=0, atol=0)
+    y.sum().backward()
+    for _ in range(2):
+        layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert layer.engine.replays == 0 and layer.engine.captures == 0
+    assert all(p.grad is not None for p in mod.parameters())
+
+
+def test_unpaired_backward_raises_schedule_error(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
+    y1 = layer(torch.randn(2, 4, requires_grad=True))
+    y2 = layer(torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(GraphScheduleError, match="order of their forwards"):
+        y2.sum().backward()
+
+
+def test_bad_options_are_rejected_with_the_layer_name(rt):
+    with pytest.raises(ValueError, match="test:Linear.*memory='pooled'"):
+        Graphed(torch.nn.Linear(2, 2), rt, memory="pooled")
+    with pytest.raises(ValueError, match="fallback"):
+        Graphed(torch.nn.Linear(2, 2), rt, fallback="ignore")
+    with pytest.raises(ValueError, match="num_warmup_steps"):
+        Graphed(torch.nn.Linear(2, 2), rt, num_warmup_steps=-1)
+
+
+def test_shared_reuse_hands_static_inputs_to_later_positions(rt):
+    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="shared_reuse")
+    step(layer, "f1 b1 f2 b2")  # last-stage style: episodes of one; second one replays
+    step(layer, "f1 f2 b1 b2")  # new position 1 captured later (new generation)
+    layer2 = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="shared_reuse")
+    step(layer2, "f1 f2 b1 f3 b2 b3")
+    pairs = layer2.engine._signatures[next(iter(layer2.engine._signatures))].pairs
+    # position 2 is captured after position 0's backward: it takes over one of position 0's
+    # buffers of the same shape (its static input or its incoming-gradient buffer)
+    released = [pairs[0].static_inputs[0], pairs[0].static_grad_outputs[0]]
+    assert any(pairs[2].static_inputs[0] is b for b in released)
+    # position 1 overlaps position 0 in time: nothing is shared
+    assert not any(pairs[1].static_inputs[0] is b for b in released)
+
+
+def test_no_grad_calls_bypass_the_fifo(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
+    with torch.no_grad():
+        for _ in range(100):
+            layer(torch.randn(2, 4))
+    assert layer.engine.in_flight == 0 and layer.engine.captures == 0

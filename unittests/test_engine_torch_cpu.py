@@ -1,0 +1,105 @@
+"""PyTorch runtime without CUDA: the graphed module runs eagerly and matches the plain module."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from paddle_graphpp.core.errors import GraphScheduleError
+from paddle_graphpp.torch import CUDAGraphedModule
+
+ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"
+
+
+class TwoHeads(torch.nn.Module):
+    """Several outputs, two of them differentiable, one integer; keyword and constant arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x, *, scale=1.0, mask=None):
+        h = torch.nn.functional.gelu(self.a(x)) * scale
+        h = self.drop(h)
+        if mask is not None:
+            h = h * mask
+        return {"hidden": h, "logits": self.b(h), "count": (h > 0).sum()}
+
+
+def run_order(model, xs, masks, order, scale):
+    outs = {}
+    for tok in order.split():
+        n = int(tok[1:]) - 1
+        if tok[0] == "f":
+            outs[n] = model(xs[n], scale=scale, mask=masks[n])
+        else:
+            o = outs[n]
+            (o["logits"].square().mean() + 0.5 * o["hidden"].mean()).backward()
+    return outs
+
+
+def test_eager_fallback_matches_plain_module_with_accumulation():
+    torch.manual_seed(0)
+    plain = TwoHeads()
+    graphed = CUDAGraphedModule(copy.deepcopy(plain), num_warmup_steps=1)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(graphed.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match="running eagerly"):
+        for step in range(4):
+            xs = [torch.randn(3, 8) for _ in range(4)]
+            masks = [torch.rand(3, 8) for _ in range(4)]
+            xa = [x.clone().requires_grad_(True) for x in xs]
+            xb = [x.clone().requires_grad_(True) for x in xs]
+            torch.manual_seed(100 + step)
+            oa = run_order(plain, xa, masks, ORDER, 2.0)
+            torch.manual_seed(100 + step)
+            ob = run_order(graphed, xb, masks, ORDER, 2.0)
+            for n in range(4):
+                for k in ("hidden", "logits", "count"):
+                    torch.testing.assert_close(ob[n][k], oa[n][k], rtol=0, atol=0)
+                torch.testing.assert_close(xb[n].grad, xa[n].grad, rtol=0, atol=0)
+            for p, q in zip(plain.parameters(), graphed.module.parameters()):
+                torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+            if step % 2 == 1:  # two steps of gradient accumulation per optimizer step
+                opt_p.step(); opt_g.step(); opt_p.zero_grad(); opt_g.zero_grad()
+    for p, q in zip(plain.parameters(), graphed.module.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
+def test_warns_once_only():
+    model = CUDAGraphedModule(torch.nn.Linear(2, 2))
+    with pytest.warns(RuntimeWarning):
+        model(torch.randn(1, 2)).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(1, 2)).sum().backward()
+
+
+def test_unpaired_backward_raises():
+    model = CUDAGraphedModule(torch.nn.Linear(2, 2))
+    with pytest.warns(RuntimeWarning):
+        y1 = model(torch.randn(1, 2))
+    y2 = model(torch.randn(1, 2))
+    with pytest.raises(GraphScheduleError, match="order of their forwards"):
+        y2.sum().backward()
+
+
+def test_second_backward_raises_schedule_error():
+    model = CUDAGraphedModule(torch.nn.Linear(2, 2))
+    with pytest.warns(RuntimeWarning):
+        y = model(torch.randn(1, 2))
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(GraphScheduleError, match="no forward in flight"):
+        y.sum().backward()
+
+
+def test_rejects_non_module():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        CUDAGraphedModule(lambda x: x)
+
+
+def test_state_dict_keys_nest_under_module():
+    model = CUDAGraphedModule(torch.nn.Linear(2, 2))
+    assert set(model.state_dict()) == {"module.weight", "module.bias"}
