@@ -1,0 +1,174 @@
+"""The small adjustments Paddle fleet's pipeline parallelism needs on CPU ranks (gloo).
+
+``paddle.distributed.launch`` on a CPU build of Paddle picks gloo, and fleet's dygraph
+pipeline was written for device builds. Measured on Paddle 3.3.1 (CPU wheel):
+
+* ``ParallelEnv().device_id`` raises ``AttributeError``: ``_device_id`` is only set for
+  CUDA / XPU / custom-device builds, and ``PipelineLayer.__init__`` reads it.
+* Batched p2p (``pp_configs.use_batch_p2p_comm``, on by default) goes through a coalescing
+  manager gloo does not provide; fleet's plain isend/irecv path works.
+* Gloo p2p on a group of more than two ranks times out: every hop of the pipe needs a
+  group of its own two ranks. Fleet sends every pipeline message on the whole pipe group,
+  so :func:`use_hop_groups` builds one 2-rank group per hop (the wrap-around hop from the
+  last stage to the first included, which the interleaved schedule uses) and routes fleet's
+  p2p messages and shape metadata through them.
+
+``paddle_graphpp.PipelineLayer`` calls :func:`adjust_for_cpu` and :func:`use_hop_groups`
+itself; nothing here is needed on a CUDA build, where both are no-ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import paddle
+import paddle.distributed as dist
+from paddle.distributed import fleet
+from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as _p2p
+
+__all__ = ["is_cpu_build", "adjust_for_cpu", "use_hop_groups", "pipe_backend"]
+
+_LOCK = threading.Lock()
+_HOP_GROUPS: dict = {}  # peer global rank -> 2-rank group holding this rank and the peer
+_PATCHED = False
+
+
+def is_cpu_build() -> bool:
+    """True for a Paddle build with no CUDA, XPU or custom device support."""
+    if paddle.is_compiled_with_cuda() or paddle.is_compiled_with_xpu():
+        return False
+    try:
+        return not paddle.device.get_all_custom_device_type()
+    except Exception:  # older builds without custom-device queries
+        return True
+
+
+def adjust_for_cpu() -> bool:
+    """Make fleet's pipeline runnable on CPU ranks; a no-op (returning False) on device builds.
+
+    Sets ``ParallelEnv._device_id`` to 0 where the build left it unset, and turns
+    ``pp_configs.use_batch_p2p_comm`` off in the strategy given to ``fleet.init``.
+    Call it after ``fleet.init`` and before ``fleet.distributed_model``.
+
+    Raises:
+        RuntimeError: ``fleet.init`` has not been called.
+    """
+    if not is_cpu_build():
+        return False
+    from paddle.distributed.parallel import ParallelEnv
+
+    if not hasattr(ParallelEnv, "_device_id"):
+        # A class-level default: instances made before and after this see 0.
+        ParallelEnv._device_id = 0
+    strategy = getattr(fleet.fleet, "_user_defined_strategy", None)
+    if strategy is None:
+        raise RuntimeError(
+            "paddle_graphpp.PipelineLayer must be built after fleet.init(is_collective=True, strategy=...)"
+        )
+    strategy.strategy.hybrid_configs.pp_configs.use_batch_p2p_comm = False
+    return True
+
+
+def pipe_backend(hcg) -> str:
+    """The communication backend of the pipe group, lower case (``"gloo"``, ``"nccl"``, ...)."""
+    group = hcg.get_pipe_parallel_group()
+    backend = getattr(group, "backend", None)
+    if backend is None:
+        backend = "gloo" if is_cpu_build() else "nccl"
+    return str(backend).lower()
+
+
+def use_hop_groups(hcg) -> bool:
+    """Route fleet's pipeline p2p through one 2-rank group per hop when gloo needs it.
+
+    Needed only with gloo and more than two pipeline stages; returns whether it is in use.
+    Every rank must call it, in the same order relative to other group creations
+    (``PipelineLayer.__init__`` does, on every rank), because each group is created
+    collectively.
+    """
+    if hcg.get_pipe_parallel_world_size() <= 2 or pipe_backend(hcg) != "gloo":
+        return False
+    me = dist.get_rank()
+    with _LOCK:
+        if not _HOP_GROUPS:
+            for ranks in hcg.topology().get_comm_list("pipe"):
+                seen = set()
+                for idx, rank in enumerate(ranks):
+                    peer = ranks[(idx + 1) % len(ranks)]
+                    hop = tuple(sorted((rank, peer)))
+                    if hop in seen:
+                        continue
+                    seen.add(hop)
+                    group = dist.new_group(ranks=list(hop))
+                    if me in hop:
+                        _HOP_GROUPS[hop[1] if hop[0] == me else hop[0]] = group
+        _install_patches()
+    return True
+
+
+def _hop_group(peer: int):
+    group = _HOP_GROUPS.get(peer)
+    if group is None:
+        raise RuntimeError(
+            f"rank {dist.get_rank()} has no 2-rank pipeline group to rank {peer}; "
+            "build paddle_graphpp.PipelineLayer on every rank before fleet.distributed_model"
+        )
+    return group
+
+
+def _as_tuple(tensors):
+    return tensors if isinstance(tensors, tuple) else (tensors,)
+
+
+def _p2p_ops_per_hop(tensor_send_prev, tensor_recv_prev, tensor_send_next, tensor_recv_next, hcg):
+    """Fleet's plain p2p step, each message on the 2-rank group of its hop.
+
+    Keeps fleet's order (even stages send first, odd stages receive first), so that each
+    pair of neighbours posts matching operations in the same order on their group.
+    """
+    prev_rank, next_rank = hcg._get_p2p_prev_rank(), hcg._get_p2p_next_rank()
+    ops = [
+        (dist.isend, tensor_send_next, next_rank),
+        (dist.irecv, tensor_recv_prev, prev_rank),
+        (dist.isend, tensor_send_prev, prev_rank),
+        (dist.irecv, tensor_recv_next, next_rank),
+    ]
+    if hcg.get_stage_id() % 2 == 1:
+        ops = [ops[1], ops[0], ops[3], ops[2]]
+    reqs = []
+    for func, tensors, peer in ops:
+        if tensors is None:
+            continue
+        for tensor in _as_tuple(tensors):
+            reqs.append(func(tensor, peer, _hop_group(peer)))
+    return reqs
+
+
+def _meta_on_hop(method, peer_of):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        # send_meta(tensor, group, reverse=False, broadcast=False) / recv_meta(group, reverse=False, broadcast=False)
+        names = ("tensor", "group", "reverse", "broadcast") if method.__name__ == "send_meta" else (
+            "group", "reverse", "broadcast")
+        bound = dict(zip(names, args), **kwargs)
+        if not bound.get("broadcast", False):
+            bound["group"] = _hop_group(peer_of(bool(bound.get("reverse", False))))
+        return method(self, **bound)
+
+    wrapper._paddle_graphpp_hop = True
+    return wrapper
+
+
+def _install_patches() -> None:
+    global _PATCHED
+    if _PATCHED:
+        return
+    hcg = lambda: _p2p._hcg  # noqa: E731  (set by fleet when the PipelineParallel is built)
+    meta = _p2p.SendRecvMeta
+    meta.send_meta = _meta_on_hop(meta.send_meta, lambda rev: hcg()._get_p2p_prev_rank() if rev
+                                  else hcg()._get_p2p_next_rank())
+    meta.recv_meta = _meta_on_hop(meta.recv_meta, lambda rev: hcg()._get_p2p_next_rank() if rev
+                                  else hcg()._get_p2p_prev_rank())
+    _p2p._p2p_ops = _p2p_ops_per_hop
+    _PATCHED = True

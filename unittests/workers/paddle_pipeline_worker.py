@@ -1,0 +1,151 @@
+"""One rank of a fleet pipeline run, launched by unittests/test_paddle_pipeline*.py.
+
+Run with ``python -m paddle.distributed.launch --nproc_per_node N`` (gloo on CPU). It trains
+a tiny GPT-like model whose token embedding is tied to the output head through a
+``SharedLayerDesc``, with a plain callable and an opted-out layer in the list, once with
+``use_cudagraph=False`` and once with ``use_cudagraph=True`` (same seeds, same data), through
+``fleet.distributed_model(...).train_batch(...)``, and writes per-rank JSON to ``--out``:
+the losses of both modes, the segmentation report, and how often each graphed run was called.
+
+``--die-rank R`` makes rank R exit abruptly during the first step (to test that the other
+ranks fail instead of hanging).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import paddle
+import paddle.nn as nn
+import paddle.nn.functional as F
+from paddle.distributed import fleet
+from paddle.distributed.fleet.meta_parallel import LayerDesc, SharedLayerDesc
+
+import paddle_graphpp
+from paddle_graphpp.paddle.pipeline import PipelineLayer
+
+VOCAB, HIDDEN, SEQ = 32, 16, 6
+
+
+class TiedEmbedding(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.weight = self.create_parameter([VOCAB, HIDDEN])
+
+    def forward(self, tokens):
+        return F.embedding(tokens, self.weight)
+
+
+def tied_head(embedding, hidden):
+    return paddle.matmul(hidden, embedding.weight, transpose_y=True)
+
+
+class Block(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc1 = nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.fc2 = nn.Linear(2 * HIDDEN, HIDDEN)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.norm(x)))))
+
+
+@paddle_graphpp.mark_not_capturable
+class HostSyncProbe(nn.Layer):
+    """Stands for a layer that must stay eager (it reads a value on the host)."""
+
+    def forward(self, x):
+        self.last_mean = float(x.mean())
+        return x
+
+
+def scale_residual(x):
+    return x * 0.5
+
+
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1]))
+
+
+def layer_descs(num_blocks):
+    descs = [SharedLayerDesc("embed", TiedEmbedding, shared_weight_attr="weight")]
+    for i in range(num_blocks):
+        descs.append(LayerDesc(Block))
+        if i == 0:
+            descs.append(scale_residual)
+        if i == num_blocks // 2:
+            descs.append(LayerDesc(HostSyncProbe))
+    descs.append(SharedLayerDesc("embed", TiedEmbedding, forward_func=tied_head, shared_weight_attr="weight"))
+    return descs
+
+
+def train(args, use_cudagraph):
+    paddle.seed(args.seed)
+    model = PipelineLayer(
+        layer_descs(args.blocks), num_stages=args.pp, loss_fn=loss_fn,
+        seg_method="layer:Block" if args.vpp > 1 else "uniform",
+        num_virtual_pipeline_stages=args.vpp if args.vpp > 1 else None,
+        use_cudagraph=use_cudagraph,
+    )
+    calls = {}
+    for idx, graphed in enumerate(model.graphed_layers()):
+        calls[idx] = 0
+
+        def count(layer, inputs, key=idx):
+            calls[key] += 1
+
+        graphed.register_forward_pre_hook(count)
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(opt)
+    data = np.random.RandomState(args.seed)
+    batch = args.micro_batches * args.micro_batch_size
+    losses = []
+    for step in range(args.steps):
+        tokens = data.randint(0, VOCAB, (batch, SEQ + 1)).astype("int64")
+        x, y = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
+        if args.die_rank == paddle.distributed.get_rank():
+            os._exit(3)
+        loss = model.train_batch([x, y], opt)
+        losses.append(float(np.asarray(loss.numpy()).reshape(-1)[0]))
+    inner = model._layers
+    return {"losses": losses, "report": inner.segmentation_report(), "graphed_calls": calls,
+            "uses_hop_groups": inner.uses_hop_groups,
+            "run_function_types": sorted({type(f).__name__ for f in
+                                          (inner.run_function if args.vpp == 1 else
+                                           [f for c in inner._model_chunks for f in c.run_function])})}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--die-rank", type=int, default=-1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": args.pp}
+    strategy.pipeline_configs = {"accumulate_steps": args.micro_batches,
+                                 "micro_batch_size": args.micro_batch_size}
+    fleet.init(is_collective=True, strategy=strategy)
+    rank = paddle.distributed.get_rank()
+    result = {"rank": rank, "eager": train(args, False), "graphed": train(args, True)}
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    # Skip interpreter teardown of gloo groups: a peer that already left must not stall us.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
