@@ -243,3 +243,19 @@ def test_no_grad_calls_bypass_the_fifo(rt):
         for _ in range(100):
             layer(torch.randn(2, 4))
     assert layer.engine.in_flight == 0 and layer.engine.captures == 0
+
+
+def test_per_graph_mode_recycles_one_pair_per_in_flight_slot(rt):
+    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
+    order = "f1 f2 f3 b1 f4 b2 b3 b4"  # at most 3 in flight
+    step(layer, order)
+    assert layer.engine.graph_count() == 6  # 3 slots, not 4 positions
+    assert layer.engine.replays == 2  # f4 and b4 reuse slot 0 in the capture step already
+    step(layer, order)
+    assert layer.engine.replays == 2 + 8
+
+
+def test_shared_mode_has_one_pair_per_position(rt):
+    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    step(layer, "f1 f2 f3 b1 f4 b2 b3 b4")
+    assert layer.engine.graph_count() == 8

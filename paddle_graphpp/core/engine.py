@@ -84,13 +84,21 @@ class _GraphPair:
 
 
 class _Signature:
-    __slots__ = ("warm", "armed", "pairs", "describe")
+    __slots__ = ("warm", "armed", "pairs", "describe", "busy")
 
     def __init__(self, describe: str):
         self.warm = 0
         self.armed = False
         self.pairs: dict[int, _GraphPair] = {}
         self.describe = describe
+        self.busy: set = set()  # per_graph mode: slots whose backward has not run
+
+    def free_slot(self) -> int:
+        """Lowest slot not in flight: ``per_graph`` recycles a pair once its backward ran."""
+        slot = 0
+        while slot in self.busy:
+            slot += 1
+        return slot
 
 
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
@@ -184,6 +192,10 @@ class GraphedCallable:
                 and self.queue.at_episode_start:
             sig.armed = True
         call.position = self.queue.push(call, call.key)
+        if sig is not None and self.memory_mode is _memory.MemoryMode.PER_GRAPH:
+            # Upstream semantics: one pair per in-flight slot, safe because no pool is shared.
+            call.position = sig.free_slot()
+            sig.busy.add(call.position)
         try:
             if sig is None or not sig.armed:
                 if sig is not None:
@@ -197,6 +209,8 @@ class GraphedCallable:
             return outputs
         except BaseException:
             self.queue.discard(call)
+            if sig is not None:
+                sig.busy.discard(call.position)
             raise
 
     def _run_eager(self, call: _Call) -> list:
@@ -261,6 +275,9 @@ class GraphedCallable:
     # -------------------------------------------------------------- backward
     def _backward(self, call: _Call, grads: Sequence[Any]) -> list:
         self.queue.pop(call)
+        sig = self._signatures.get(call.key)
+        if sig is not None:
+            sig.busy.discard(call.position)
         rt = self.runtime
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
         if call.kind == REPLAY:
