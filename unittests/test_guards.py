@@ -196,10 +196,12 @@ def test_torch_compile_compiled_before_capture():
     with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
         with capture_custom_allreduce():
             assert f(x)[0].item() == warmup
-        # the fix: compile inside the capture phase's warmup
-        g = compile_in_warmup(make(), lambda fn: torch.compile(fn, backend="eager"))
-        assert g(x)[0].item() == warmup            # eager outside the phase
-        with capture_custom_allreduce(), sot_warmup_guard(True):
-            assert g(x)[0].item() == capture
-            assert g(x)[0].item() == capture
+    # the fix: compile inside the capture phase's warmup, then run with guards skipped
+    g = compile_in_warmup(make(), lambda fn: torch.compile(fn, backend="eager"))
+    assert g(x)[0].item() == warmup                # eager outside the phase, nothing compiled
+    with capture_custom_allreduce(), sot_warmup_guard(True):
+        assert g(x)[0].item() == capture
+        g(x)
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True), capture_custom_allreduce():
+        assert g(x)[0].item() == capture
     torch._dynamo.reset()
