@@ -1,0 +1,256 @@
+"""The engine on a real GPU (PyTorch runtime): capture, replay, parity with eager, memory.
+
+Run on the GPU machine: ``python -m pytest unittests/gpu/test_engine_gpu.py -q`` (or
+``python tools/gpu_check.py``, which also benchmarks). Skipped without CUDA.
+"""
+import copy
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
+
+from paddle_graphpp.core.errors import CaptureError  # noqa: E402
+from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
+
+ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _fp32_exact():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block with dropout in attention output and MLP."""
+
+    def __init__(self, hidden=64, heads=4, p=0.1):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.ln2 = torch.nn.LayerNorm(hidden)
+        self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
+        self.fc2 = torch.nn.Linear(4 * hidden, hidden)
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-1, -2) / (h // self.heads) ** 0.5, dim=-1) @ v
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, s, h)))
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)))))
+
+
+class Stack(torch.nn.Module):
+    """Blocks, with two differentiable outputs (hidden state and an auxiliary head)."""
+
+    def __init__(self, n=3, hidden=64):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(hidden) for _ in range(n))
+        self.aux = torch.nn.Linear(hidden, 8)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return x, self.aux(x)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def run_step(model, xs, order, seed):
+    """Interleaved schedule over 4 micro-batches; returns outputs, input grads and losses."""
+    torch.manual_seed(seed)
+    outs, losses = {}, []
+    for tok in order.split():
+        n = int(tok[1:]) - 1
+        if tok[0] == "f":
+            h, aux = model(xs[n])
+            outs[n] = (h.detach().clone(), aux.detach().clone(), h, aux)
+        else:
+            _, _, h, aux = outs[n]
+            loss = h.square().mean() + aux.sin().mean()
+            loss.backward()
+            losses.append(loss.detach())
+    return {n: o[:2] for n, o in outs.items()}, [x.grad.clone() for x in xs], torch.stack(losses)
+
+
+def test_parity_with_eager_interleaved_dropout_optimizer():
+    torch.manual_seed(0)
+    eager = Stack().to(DEV)
+    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=2)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    worst = 0.0
+    for step in range(12):
+        base = [torch.randn(2, 16, 64, device=DEV) for _ in range(4)]
+        xe = [b.clone().requires_grad_(True) for b in base]
+        xg = [b.clone().requires_grad_(True) for b in base]
+        oe, ge, le = run_step(eager, xe, ORDER, seed=1000 + step)
+        og, gg, lg = run_step(graphed, xg, ORDER, seed=1000 + step)
+        errs = [rel(lg, le)]
+        for n in range(4):
+            errs += [rel(og[n][0], oe[n][0]), rel(og[n][1], oe[n][1]), rel(gg[n], ge[n])]
+        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+        worst = max(worst, max(errs))
+        assert max(errs) <= 1e-6, f"step {step}: max relative error {max(errs):.3e}"
+        opt_e.step(); opt_g.step()
+        opt_e.zero_grad(); opt_g.zero_grad()
+    for p, q in zip(eager.parameters(), graphed.module.parameters()):
+        assert rel(q, p) <= 1e-6
+    assert graphed.engine.captures == 8  # 4 positions x (fwd, bwd)
+    assert graphed.engine.replays == 8 * (12 - 2)  # step 0 warms up (to the episode end), step 1 captures
+    test_parity_with_eager_interleaved_dropout_optimizer.worst = worst
+
+
+def test_dropout_masks_differ_between_replays():
+    torch.manual_seed(0)
+    drop = CUDAGraphedModule(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5)).to(DEV),
+                             num_warmup_steps=1)
+    x = torch.ones(8, 64, device=DEV, requires_grad=True)
+    masks = []
+    for _ in range(5):
+        y = drop(x)
+        masks.append((y == 0).clone())
+        y.sum().backward()
+    assert drop.engine.replays >= 4
+    assert not torch.equal(masks[-1], masks[-2])
+
+
+def count_launches(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    kernels = sum(c for k, c in counts.items() if k in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel",
+                                                         "cuLaunchKernelEx"))
+    return kernels, counts.get("cudaGraphLaunch", 0)
+
+
+def test_graphs_are_replayed_and_launches_drop():
+    torch.manual_seed(0)
+    model = Stack(n=4).to(DEV)
+    graphed = CUDAGraphedModule(model, num_warmup_steps=1)
+
+    def one():
+        x = torch.randn(2, 16, 64, device=DEV, requires_grad=True)
+        h, aux = graphed(x)
+        (h.mean() + aux.mean()).backward()
+
+    eager_kernels, _ = count_launches(one)  # warmup call: eager
+    one()  # capture
+    before = graphed.engine.replays
+    graph_kernels, graph_launches = count_launches(one)
+    assert graphed.engine.replays == before + 2
+    assert graph_launches == 2
+    assert graph_kernels * 4 < eager_kernels, (graph_kernels, eager_kernels)
+    test_graphs_are_replayed_and_launches_drop.counts = (eager_kernels, graph_kernels, graph_launches)
+
+
+def test_shape_change_is_captured_anew_never_replayed_into_old_graph():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64).to(DEV)
+    graphed = CUDAGraphedModule(copy.deepcopy(lin), num_warmup_steps=1)
+    for shape in [(4, 64)] * 3 + [(6, 64)] * 3 + [(4, 64)]:
+        x = torch.randn(*shape, device=DEV)
+        y = graphed(x.clone().requires_grad_(True))
+        assert y.shape == (shape[0], 64)
+        torch.testing.assert_close(y, lin(x), rtol=1e-6, atol=1e-6)
+        y.sum().backward()
+    assert len(graphed.engine._signatures) == 2
+    assert graphed.engine.captures == 4
+
+
+def test_memory_is_stable_over_1000_replays():
+    torch.manual_seed(0)
+    graphed = CUDAGraphedModule(Stack(n=2).to(DEV), num_warmup_steps=1)
+    x = torch.randn(2, 16, 64, device=DEV, requires_grad=True)
+
+    def step():
+        h, aux = graphed(x)
+        (h.mean() + aux.mean()).backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    alloc, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for _ in range(1000):
+        step()
+    torch.cuda.synchronize()
+    assert graphed.engine.replays >= 2000
+    assert torch.cuda.memory_allocated() == alloc
+    assert torch.cuda.memory_reserved() == reserved
+    test_memory_is_stable_over_1000_replays.figures = (alloc, reserved)
+
+
+class HostSync(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 1e30:  # a host sync: cannot be captured
+            y = y * 0
+        return y
+
+
+def test_capture_failure_raises_names_layer_and_frees_memory():
+    torch.manual_seed(0)
+    graphed = CUDAGraphedModule(HostSync().to(DEV), num_warmup_steps=1, name="HostSyncLayer")
+    x = torch.randn(8, 64, device=DEV, requires_grad=True)
+    graphed(x).sum().backward()
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(CaptureError, match="HostSyncLayer.*forward"):
+        graphed(x)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
+    # the process keeps training: other graphed layers still capture and replay
+    other = CUDAGraphedModule(torch.nn.Linear(64, 64).to(DEV), num_warmup_steps=0)
+    for _ in range(3):
+        other(x).sum().backward()
+    assert other.engine.replays == 2
+
+
+def test_capture_failure_with_eager_fallback_keeps_results_right():
+    torch.manual_seed(0)
+    mod = HostSync().to(DEV)
+    graphed = CUDAGraphedModule(mod, num_warmup_steps=0, fallback="eager")
+    x = torch.randn(8, 64, device=DEV, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+        y = graphed(x)
+    torch.testing.assert_close(y, mod.lin(x))
+    y.sum().backward()
+    for _ in range(3):
+        graphed(x).sum().backward()
+    assert graphed.engine.replays == 0
+
+
+@pytest.mark.parametrize("memory", ["shared", "shared_reuse", "per_graph"])
+def test_memory_modes_agree_with_eager(memory):
+    torch.manual_seed(0)
+    eager = Stack(n=2).to(DEV)
+    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=1, memory=memory)
+    for step in range(4):
+        base = [torch.randn(2, 16, 64, device=DEV) for _ in range(4)]
+        xe = [b.clone().requires_grad_(True) for b in base]
+        xg = [b.clone().requires_grad_(True) for b in base]
+        _, ge, le = run_step(eager, xe, ORDER, seed=step)
+        _, gg, lg = run_step(graphed, xg, ORDER, seed=step)
+        assert rel(lg, le) <= 1e-6
+        assert max(rel(a, b) for a, b in zip(gg, ge)) <= 1e-6
+    assert graphed.engine.replays > 0
