@@ -1,0 +1,318 @@
+"""PyTorch side of :mod:`paddle_graphpp.optim`: graph-safe clipping, zeroing, master weights,
+and :class:`TorchGraphedOptimizer`.
+
+No function here reads a device value on the host, so each can run inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from ..core.graph_process import graph_process
+from ..core.runtime import get_runtime
+from ..optim import GraphedOptimizer
+
+__all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+#: eps of ``torch.nn.utils.clip_grad_norm_``: with it, clipping here is bit-identical to torch's.
+TORCH_CLIP_EPS = 1e-6
+
+
+def _present(tensors: Iterable[Optional[torch.Tensor]]) -> list:
+    return [t for t in tensors if t is not None]
+
+
+def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list:
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def global_grad_norm(grads: Sequence[Optional[torch.Tensor]], norm_type: float = 2.0) -> torch.Tensor:
+    """Global ``norm_type``-norm of ``grads`` as a 0-d device tensor; as ``torch.nn.utils.get_total_norm``."""
+    with torch.no_grad():
+        return torch.nn.utils.get_total_norm(_present(grads), norm_type, error_if_nonfinite=False)
+
+
+def clip_by_global_norm(grads: Sequence[Optional[torch.Tensor]], max_norm: float, *, eps: Optional[float] = None,
+                        norm_type: float = 2.0) -> torch.Tensor:
+    """Scale ``grads`` in place by ``min(1, max_norm / (norm + eps))``; return the norm.
+
+    With the default ``eps`` (``1e-6``) the result is bit-identical to
+    ``torch.nn.utils.clip_grad_norm_``. The coefficient never leaves the device.
+    """
+    grads = _present(grads)
+    eps = TORCH_CLIP_EPS if eps is None else float(eps)
+    with torch.no_grad():
+        norm = global_grad_norm(grads, norm_type)
+        coef = torch.clamp(float(max_norm) / (norm + eps), max=1.0)
+        for group in _by_device_and_dtype(grads):
+            torch._foreach_mul_(group, coef.to(group[0].device))
+    return norm
+
+
+def zero_grads_(grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """Zero ``grads`` in place (one launch per device and dtype); their addresses stay fixed."""
+    with torch.no_grad():
+        for group in _by_device_and_dtype(_present(grads)):
+            torch._foreach_zero_(group)
+
+
+class MasterWeights:
+    """fp32 master copies of low-precision (bf16/fp16) parameters, for graph-safe updates.
+
+    Build the optimizer over :attr:`master` and pass this object to
+    :class:`TorchGraphedOptimizer` as ``master_weights``; each step then copies the model's
+    gradients into the masters' preallocated fp32 ``.grad``, clips and steps in fp32, and
+    copies the masters back into the model parameters. Every buffer is allocated here, once.
+
+    Args:
+        params: the model parameters (any floating dtype; typically bf16).
+
+    Warnings:
+        Assigning new tensors to the model parameters (``p.data = ...``) after this is built
+        detaches them from their masters; build a new ``MasterWeights`` then.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self.params = [p for p in params]
+        if not self.params:
+            raise ValueError("MasterWeights: no parameters given")
+        with torch.no_grad():
+            self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+            for m in self.master:
+                m.grad = torch.zeros_like(m)
+
+    def grads_to_master_(self) -> None:
+        """Copy (and upcast) the model gradients into the masters' ``.grad``; absent ones become zero."""
+        with torch.no_grad():
+            dst, src, missing = [], [], []
+            for p, m in zip(self.params, self.master):
+                if p.grad is None:
+                    missing.append(m.grad)
+                else:
+                    dst.append(m.grad)
+                    src.append(p.grad)
+            if dst:
+                torch._foreach_copy_(dst, src)
+            zero_grads_(missing)
+
+    def master_to_params_(self) -> None:
+        """Copy (and downcast) the masters into the model parameters."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.master)
+
+
+class TorchGraphedOptimizer(GraphedOptimizer):
+    """Clip + ``optimizer.step()`` + in-place zero-grad, captured once and replayed.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer with a ``capturable`` mode (``Adam``,
+            ``AdamW``, ``NAdam``, ``RAdam``, ...), with ``foreach`` on or off, or ``fused``.
+        clip_grad_norm: clip the gradients to this global 2-norm before the step; ``None``
+            does not clip.
+        eps: added to the norm when clipping (default ``1e-6``, as ``clip_grad_norm_``).
+        master_weights: a :class:`MasterWeights` whose :attr:`~MasterWeights.master` are
+            the optimizer's parameters; gradients are taken from, and updated weights
+            written to, its low-precision model parameters.
+
+    With CUDA tensors, construction switches every param group to ``capturable=True`` and
+    turns a float ``lr`` into a 0-d fp32 tensor on the parameters' device (which
+    ``torch.optim.lr_scheduler`` schedulers update in place). Without CUDA nothing is
+    changed and each step runs eagerly, bit-identical to clip_grad_norm_ + step + zero_grad.
+
+    Use it in place of the optimizer in the loop; give schedulers the wrapped optimizer::
+
+        opt = GraphedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4), clip_grad_norm=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, lr_lambda)
+        for batch in data:
+            loss(model, batch).backward()
+            norm = opt.step()   # clip + AdamW + zero grads; norm: 0-d device tensor or None
+            sched.step()
+            opt.zero_grad()     # free: grads are already zero, unless a backward ran since
+
+    Raises:
+        TypeError: not a torch optimizer, or one without a capturable mode (it would read
+            device values on the host, e.g. ``.item()``).
+        ValueError: ``differentiable=True``, a non-positive ``clip_grad_norm``, a master
+            weights object that does not match the optimizer, ``zero_grad(set_to_none=True)``.
+        RuntimeError: a sparse gradient at step time.
+
+    Warnings:
+        * Gradients must stay where the graph saw them: accumulate into ``.grad`` and zero in
+          place. A changed gradient or parameter address re-captures (logged), it is never
+          replayed stale; setting gradients to ``None`` every step therefore defeats the graph.
+        * Change hyperparameters other than ``lr`` (betas, weight decay) and they are picked
+          up by a re-capture on the next step (logged).
+        * Load optimizer state through :meth:`load_state_dict` of this object, which
+          re-captures: loading into the wrapped optimizer directly replaces its state
+          tensors behind the graph's back.
+        * The returned norm is the graph's output buffer: the next step overwrites it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, clip_grad_norm: Optional[float] = None, *,
+                 eps: float = TORCH_CLIP_EPS, master_weights: Optional[MasterWeights] = None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"GraphedOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        name = type(optimizer).__name__
+        if "capturable" not in optimizer.defaults:
+            raise TypeError(
+                f"GraphedOptimizer: torch.optim.{name} has no capturable mode, so its step reads device "
+                "values on the host (or keeps step counts on the CPU) and cannot be captured in a CUDA "
+                "graph. Use Adam/AdamW (or another optimizer with a `capturable` option), or step it eagerly.")
+        if any(group.get("differentiable") for group in optimizer.param_groups):
+            raise ValueError(f"GraphedOptimizer: {name}(differentiable=True) builds autograd graphs through "
+                             "the step and cannot be captured; construct it with differentiable=False.")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"GraphedOptimizer: clip_grad_norm must be > 0 or None, got {clip_grad_norm!r}")
+        self.optimizer = optimizer
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.eps = float(eps)
+        self.master_weights = master_weights
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        if master_weights is not None and [id(m) for m in master_weights.master] != [id(p) for p in self._params]:
+            raise ValueError("GraphedOptimizer: master_weights.master must be exactly the optimizer's parameters, "
+                             "in order; build the optimizer over MasterWeights(params).master.")
+        # whose .grad the step reads and zeroes: the model's parameters
+        self._grad_owners = master_weights.params if master_weights is not None else self._params
+        runtime = get_runtime("torch")
+        self.unavailable_reason = runtime.graphs_unavailable_reason(self._params)
+        self.graphed = self.unavailable_reason is None
+        self._lrs: list = []
+        self._generation = 0
+        self._clean: Optional[list] = None
+        if self.graphed:
+            self._make_capturable()
+        else:
+            logger.info("GraphedOptimizer(%s): running eagerly (%s)", name, self.unavailable_reason)
+        self._hyper = self._hyperparameters()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def param_groups(self) -> list:
+        """The wrapped optimizer's param groups."""
+        return self.optimizer.param_groups
+
+    def step(self) -> Optional[torch.Tensor]:
+        """Clip, step and zero the gradients (one graph replay after the first call).
+
+        Returns:
+            The global gradient norm before clipping, as a 0-d device tensor, or ``None``
+            without ``clip_grad_norm``. A graph output: read it before the next step.
+        """
+        self._sync_hyperparameters()
+        grads = [p.grad for p in self._grad_owners]
+        if self.graphed:
+            norm = graph_process(self._sequence, self._params, grads, self._generation)
+        else:
+            norm = self._sequence(self._params, grads, self._generation)
+        self._clean = [(g, g._version) for g in grads if g is not None]
+        return norm
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the gradients in place; skipped when nothing wrote them since :meth:`step`.
+
+        Raises:
+            ValueError: ``set_to_none=True`` (new gradient tensors every step would force a
+                re-capture every step).
+        """
+        if set_to_none:
+            raise ValueError("GraphedOptimizer.zero_grad(set_to_none=True): gradients must keep their addresses "
+                             "for the captured step; they are zeroed in place (step() already leaves them zero).")
+        grads = [p.grad for p in self._grad_owners]
+        if self._clean is not None and self._untouched(grads):
+            return
+        zero_grads_(grads)
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state dict."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer and re-capture on the next step."""
+        self.optimizer.load_state_dict(state_dict)
+        if self.graphed:
+            self._make_capturable()
+        self._generation += 1
+        self._hyper = self._hyperparameters()
+
+    # ------------------------------------------------------------- the sequence
+    def _sequence(self, params, grads, generation) -> Optional[torch.Tensor]:
+        # params and generation are arguments only so that they join the graph's signature.
+        for g in grads:
+            if g is not None and g.is_sparse:
+                raise RuntimeError(
+                    f"GraphedOptimizer({type(self.optimizer).__name__}): a gradient is sparse; sparse "
+                    "gradients change their nonzero count every step and cannot be graphed. Use dense "
+                    "gradients (e.g. nn.Embedding(sparse=False)) or step this optimizer eagerly.")
+        if self.master_weights is not None:
+            self.master_weights.grads_to_master_()
+            step_grads = [m.grad for m in self.master_weights.master]
+        else:
+            step_grads = grads
+        norm = None
+        if self.clip_grad_norm is not None:
+            norm = clip_by_global_norm(step_grads, self.clip_grad_norm, eps=self.eps)
+        self.optimizer.step()
+        if self.master_weights is not None:
+            self.master_weights.master_to_params_()
+        zero_grads_(grads)
+        return norm
+
+    # -------------------------------------------------------- hyperparameters
+    def _make_capturable(self) -> None:
+        self._lrs = []
+        for group in self.optimizer.param_groups:
+            device = group["params"][0].device
+            group["capturable"] = True
+            lr = group["lr"]
+            if not (isinstance(lr, torch.Tensor) and lr.device == device and lr.dtype == torch.float32):
+                lr = torch.tensor(float(lr), dtype=torch.float32, device=device)
+                group["lr"] = lr
+            self._lrs.append(lr)
+            for p in group["params"]:  # step counts taken eagerly before wrapping live on the CPU
+                state = self.optimizer.state.get(p, {})
+                step = state.get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    state["step"] = step.to(device=p.device, dtype=torch.float32)
+
+    def _hyperparameters(self) -> list:
+        # Values the capture freezes into the graph. lr is a device tensor read at replay;
+        # initial_lr is the schedulers' bookkeeping. Tensors compare by identity (no host sync).
+        return [{k: _frozen(v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+                for group in self.optimizer.param_groups]
+
+    def _sync_hyperparameters(self) -> None:
+        if self.graphed:
+            for group, lr in zip(self.optimizer.param_groups, self._lrs):
+                value = group["lr"]
+                if value is not lr:  # a schedule or the user assigned a new value: move it into the tensor
+                    lr.fill_(value)
+                    group["lr"] = lr
+        hyper = self._hyperparameters()
+        if hyper != self._hyper:
+            self._hyper = hyper
+            self._generation += 1
+
+    def _untouched(self, grads) -> bool:
+        present = [g for g in grads if g is not None]
+        if len(present) != len(self._clean):
+            return False
+        return all(g is c and g._version == v for g, (c, v) in zip(present, self._clean))
+
+
+def _frozen(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, (tuple, list)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+GRAPHED_OPTIMIZER = TorchGraphedOptimizer
