@@ -1,0 +1,209 @@
+"""PyTorch custom all-reduce over peer memory, behind the capture-aware dispatcher.
+
+The kernels are PyTorch's own symmetric-memory ops (``torch.ops.symm_mem``): one-shot
+all-reduce (each rank reads every peer's buffer; one launch, with the copy-in fused) for
+small messages and two-shot (reduce-scatter + all-gather over peer memory) for large ones.
+Neither needs NVLink multicast, which must stay off on the lent machines
+(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
+
+One symmetric allocation per group holds a staging buffer (eager copy-in) followed by an
+arena from which graphs captured inside ``capture_custom_allreduce()`` reserve their
+registered buffers; :mod:`paddle_graphpp.core.collectives` does the bookkeeping.
+
+Without CUDA, peer access, NCCL or the symmetric-memory ops, every call falls back to
+``torch.distributed.all_reduce``, which NCCL can capture.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..core.collectives import (AllReduceBackend, AllReduceDispatcher, CustomAllReducePolicy,
+                                TensorFacts, check_replay)
+from ..core.runtime import get_runtime
+
+__all__ = ["TorchSymmMemBackend", "create_allreduce", "replay", "peer_access_report"]
+
+
+def peer_access_report() -> dict:
+    """``{"devices": n, "pairs": {"0->1": bool, ...}}`` for the visible CUDA devices."""
+    if not torch.cuda.is_available():
+        return {"devices": 0, "pairs": {}}
+    n = torch.cuda.device_count()
+    pairs = {f"{i}->{j}": bool(torch.cuda.can_device_access_peer(i, j))
+             for i in range(n) for j in range(n) if i != j}
+    return {"devices": n, "pairs": pairs}
+
+
+def _local_reason(group: Any, device: Optional[torch.device]) -> Optional[str]:
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if dist.get_backend(group) != "nccl":
+        return f"process group backend is {dist.get_backend(group)!r}, not 'nccl'"
+    if not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+        return f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_out"
+    if os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
+        return ("TORCH_SYMM_MEM_DISABLE_MULTICAST is not '1'; set it (and NCCL_NVLS_ENABLE=0) "
+                "before creating the all-reduce")
+    report = peer_access_report()
+    if report["devices"] >= 2 and not all(report["pairs"].values()):
+        return f"GPUs lack peer access: {report['pairs']}"
+    return None
+
+
+class TorchSymmMemBackend(AllReduceBackend):
+    """Custom all-reduce kernels of one process group over ``torch.distributed._symmetric_memory``.
+
+    Creating it is collective: every rank of ``group`` must construct it, outside any capture.
+    All ranks agree on whether the custom kernel is usable (any rank's failure makes every
+    rank fall back), so paths never diverge.
+
+    Args:
+        group: the process group (default: the world group).
+        max_bytes: staging buffer size, the largest custom message.
+        arena_bytes: bytes for buffers registered by captured graphs.
+        two_shot_min_bytes: messages this large or larger use the two-shot kernel.
+
+    Ways to break it:
+        * Creating it inside a graph capture fails (allocation and rendezvous are collective
+          host work).
+        * Setting ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` after it was created has no effect.
+    """
+
+    name = "torch symm_mem"
+
+    def __init__(self, group: Any = None, *, max_bytes: int = 8 << 20, arena_bytes: int = 32 << 20,
+                 two_shot_min_bytes: int = 4 << 20) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("TorchSymmMemBackend: call torch.distributed.init_process_group() first")
+        self.group = group if group is not None else dist.group.WORLD
+        self._world = dist.get_world_size(self.group)
+        self._max_bytes = max_bytes
+        self._arena_bytes = arena_bytes
+        self.two_shot_min_bytes = two_shot_min_bytes
+        self._buf: Optional[torch.Tensor] = None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        reason = _local_reason(self.group, self.device)
+        if reason is None:
+            try:
+                self._allocate()
+            except Exception as exc:  # noqa: BLE001 - any failure means: fall back on every rank
+                reason = f"symmetric memory setup failed: {type(exc).__name__}: {exc}"
+                self._buf = None
+        reasons = self.exchange(reason)
+        bad = [(r, why) for r, why in enumerate(reasons) if why is not None]
+        self._reason = None if not bad else "; ".join(f"rank {r}: {why}" for r, why in bad)
+        if self._reason is not None:
+            self._buf = None
+
+    def _allocate(self) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = self.group.group_name
+        total = self._max_bytes + self._arena_bytes
+        self._buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+        symm_mem.rendezvous(self._buf, self.group_name)
+        ops = torch.ops.symm_mem
+        self._has_fused_copy = hasattr(ops, "one_shot_all_reduce_copy_out")
+        self._has_two_shot = hasattr(ops, "two_shot_all_reduce_out")
+
+    # ----------------------------------------------------------- AllReduceBackend
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def custom_unavailable_reason(self) -> Optional[str]:
+        if self._buf is None and self._reason is None:
+            return "closed"
+        return self._reason
+
+    def facts(self, tensor: torch.Tensor) -> TensorFacts:
+        mod = tensor.data_ptr() % 16 if tensor.is_cuda else -1
+        return TensorFacts(nbytes=tensor.numel() * tensor.element_size(),
+                           dtype=str(tensor.dtype).removeprefix("torch."),
+                           contiguous=tensor.is_contiguous(), address_mod16=mod)
+
+    def is_capturing(self) -> bool:
+        return get_runtime("torch").is_capturing()
+
+    def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(tensor)
+
+    def fallback(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def reduce_staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._reduce(tensor, 0)
+
+    def reduce_registered(self, tensor: torch.Tensor, offset: int) -> torch.Tensor:
+        return self._reduce(tensor, self._max_bytes + offset)
+
+    def arena_bytes(self) -> int:
+        return self._arena_bytes
+
+    def exchange(self, obj: Any) -> list:
+        out: list = [None] * self._world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def close(self) -> None:
+        self._buf = None
+
+    # ------------------------------------------------------------------ kernels
+    def symmetric_view(self, byte_offset: int, like: torch.Tensor) -> torch.Tensor:
+        """The symmetric buffer at ``byte_offset`` viewed with ``like``'s dtype and shape."""
+        nbytes = like.numel() * like.element_size()
+        return self._buf[byte_offset:byte_offset + nbytes].view(like.dtype).view(like.shape)
+
+    def _reduce(self, tensor: torch.Tensor, byte_offset: int, *, kernel: Optional[str] = None) -> torch.Tensor:
+        symm = self.symmetric_view(byte_offset, tensor)
+        out = torch.empty_like(tensor)
+        nbytes = tensor.numel() * tensor.element_size()
+        kernel = kernel or ("two_shot" if nbytes >= self.two_shot_min_bytes and self._has_two_shot
+                            else "one_shot")
+        ops = torch.ops.symm_mem
+        if kernel == "two_shot":
+            symm.copy_(tensor)
+            ops.two_shot_all_reduce_out(symm, "sum", self.group_name, out)
+        elif self._has_fused_copy:
+            ops.one_shot_all_reduce_copy_out(symm, tensor, "sum", self.group_name, out)
+        else:
+            symm.copy_(tensor)
+            ops.one_shot_all_reduce_out(symm, "sum", self.group_name, out)
+        return out
+
+
+def create_allreduce(group: Any = None, *, policy: Optional[CustomAllReducePolicy] = None,
+                     arena_bytes: int = 32 << 20) -> AllReduceDispatcher:
+    """A capture-aware all-reduce for ``group`` (collective: call it on every rank, eagerly).
+
+    Args:
+        group: the process group (default: world).
+        policy: which tensors use the custom kernel (size, dtype, alignment, world size).
+        arena_bytes: room for buffers registered by graphs captured in
+            ``capture_custom_allreduce()``; when full, further captured calls use NCCL.
+
+    Returns:
+        an :class:`~paddle_graphpp.core.collectives.AllReduceDispatcher`; call its
+        ``all_reduce(tensor)`` and use the returned tensor.
+    """
+    policy = policy or CustomAllReducePolicy()
+    backend = TorchSymmMemBackend(group, max_bytes=policy.max_bytes, arena_bytes=arena_bytes,
+                                  two_shot_min_bytes=policy.two_shot_min_bytes)
+    return AllReduceDispatcher(backend, policy)
+
+
+def replay(graph: "torch.cuda.CUDAGraph") -> None:
+    """Replay ``graph`` after checking that its registered all-reduce buffers still exist.
+
+    Raises:
+        ReleasedBufferError: the buffers were released (communicator closed,
+            ``release_graph_buffers``); nothing was launched.
+    """
+    check_replay(graph)
+    graph.replay()
