@@ -102,12 +102,13 @@ class SendWaitReport:
         return asdict(self) | {"changed": self.changed}
 
     def __str__(self) -> str:
-        lines = [f"send-wait pass: {'rewrote the program' if self.changed else 'no change'}"]
+        what = "rewrote the program" if self.changed else "no change"
+        lines = [f"send-wait pass: {what} (op #: index before the pass; nop #: index after it)"]
         for r in self.removed_syncs:
             lines.append(
                 f"  removed c_sync_comm_stream #{r.sync_index} of send #{r.send_index} "
-                f"{list(r.var_names)} ring {r.ring_id} -> {r.peer}; held by nop #{r.nop_index} "
-                f"after recv #{r.recv_index} [{r.evidence}]"
+                f"{list(r.var_names)} ring {r.ring_id} -> {r.peer}; held after recv #{r.recv_index} "
+                f"by nop #{r.nop_index} [{r.evidence}]"
             )
         for n in self.inserted_nops:
             lines.append(

@@ -36,8 +36,11 @@ _PIR_REASON = (
     "passes (paddle.distributed.passes.pipeline_scheduler_pass) put pd_op.send_v2/recv_v2 on "
     "the calc stream with their own execution stream and let the PIR executor's stream events "
     "and per-job skip-gc lists keep sent tensors alive; forward sends and backward recvs also "
-    "live in different job programs. Build the program with FLAGS_enable_pir_api=0 set before "
-    "paddle is imported to get a legacy program this pass can rewrite."
+    "live in different job programs. (A legacy program translated with paddle.pir.translate_to_pir "
+    "does keep pd_op.sync_comm_stream_, but its results are SSA values rewired through "
+    "builtin.combine/slice: apply this pass to the legacy program before translating.) Build the "
+    "program with FLAGS_enable_pir_api=0 set before paddle is imported to get a legacy program "
+    "this pass can rewrite."
 )
 
 
@@ -219,9 +222,17 @@ def optimize_pipeline_send_wait(program, startup_program=None) -> SendWaitReport
         report.notes.append(f"rings {sorted(rings.conflicts)} have contradictory communicator setups: ignored")
     block = section.global_block()
     peers = _Peers(rings)
-    plan = _plan(list(block.ops), peers, schedule, report)
-    _apply(block, plan, peers, report)
+    with _static_mode():
+        plan = _plan(list(block.ops), peers, schedule, report)
+        _apply(block, plan, peers, report)
     return report
+
+
+def _static_mode():
+    """Program edits create Operators, which need static mode even if the caller is in dygraph."""
+    from paddle.base.framework import _dygraph_guard
+
+    return _dygraph_guard(None)
 
 
 # --------------------------------------------------------------------------- analysis
@@ -457,7 +468,8 @@ def _load(path, what):
     from paddle.base.framework import Program
 
     try:
-        return Program.parse_from_string(data)
+        with _static_mode():
+            return Program.parse_from_string(data)
     except Exception as exc:
         raise SendWaitError(
             f"the {what} {path!r} is not a serialized legacy ProgramDesc (.pdmodel, as written by "

@@ -1,0 +1,59 @@
+"""Running programs that went through the send-wait pass on Paddle 3.3.1 CPU."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from static_pass_utils.runner import ROOT, legacy_env, run_script
+
+pytest.importorskip("paddle")
+
+
+def test_nop_program_runs_on_cpu_with_identical_results(tmp_path):
+    r = run_script("exec_nop.py", tmp_path / "exec.json")
+    h = r["h"]
+    assert r["with_comm_after_pass"][3:7] == ["c_sync_calc_stream", "send_v2", "recv_v2", "nop"]
+    assert "c_sync_comm_stream" not in r["with_comm_after_pass"]
+    assert "nop" in r["run_after"] and "nop" not in r["run_before"]
+    assert [t for t in r["run_after"] if t != "nop"] == r["run_before"]
+    assert r["nop_inputs"] == [[h]]
+    assert r["max_abs_diff"] == 0.0      # fetched h, parameters after 3 SGD steps: bit-identical
+    assert r["params_changed_by"] > 1e-3  # and training did move the parameters
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_rank_gloo_static_send_recv_not_executable_on_cpu(tmp_path):
+    """Paddle 3.3.1's CPU build has no static-mode kernel for send_v2/recv_v2 (nor the stream
+    syncs), so the transformed 2-rank programs cannot run on gloo. If a later Paddle runs them,
+    this test fails: then compare the two ranks' results against the untransformed programs."""
+    port = _free_port()
+    script = os.path.join(ROOT, "unittests", "static_pass_utils", "gloo_run.py")
+    procs = [subprocess.Popen([sys.executable, script, str(rank), str(port), str(tmp_path / f"r{rank}.json")],
+                              cwd=ROOT, env=legacy_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True) for rank in (0, 1)]
+    try:
+        for p in procs:
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    import json
+
+    results = [json.load(open(tmp_path / f"r{rank}.json")) for rank in (0, 1)]
+    r0, r1 = results
+    assert r0["changed"] and "nop" in r0["ops"] and not r1["changed"]
+    assert r0["as_is"]["outcome"] == "error" and "c_sync_calc_stream" in r0["as_is"]["error"]
+    assert r0["without_stream_syncs"]["outcome"] == "error"
+    assert "Do not support send for cpu kernel" in r0["without_stream_syncs"]["error"]
+    assert r1["without_stream_syncs"]["outcome"] == "error"
+    assert "Do not support recv for cpu kernel" in r1["without_stream_syncs"]["error"]
