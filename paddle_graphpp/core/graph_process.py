@@ -25,7 +25,7 @@ import logging
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Hashable, Optional
 
 from .errors import CaptureError
 from .runtime import GraphRuntime, available_runtimes, get_runtime
@@ -89,7 +89,7 @@ def graph_process(func: Callable, *args, replay_first_step: bool = False, key: O
           logs a warning; a function whose arguments change every call gains nothing.
         * Inside an ongoing capture, ``func`` runs directly and becomes part of that capture.
     """
-    leaves = list(_leaves((args, kwargs)))
+    leaves = _leaves((args, kwargs))
     runtime = _runtime_of_leaves(leaves)
     if runtime is None or runtime.is_capturing():
         return func(*args, **kwargs)
@@ -234,14 +234,17 @@ def _owner_is(entry: _Entry, func) -> bool:
 
 
 def _signature(runtime: GraphRuntime, leaves: list, func) -> tuple:
+    # Called on every replay (an optimizer passes ~2 tensors per parameter): keep it lean.
     parts = [id(getattr(func, "__func__", func))]
+    append, is_tensor = parts.append, runtime.is_tensor
     for leaf in leaves:
-        if runtime.is_tensor(leaf):
-            parts.append(("tensor", leaf.data_ptr(), tuple(leaf.shape), leaf.dtype))
+        if is_tensor(leaf):
+            shape = leaf.shape
+            append((leaf.data_ptr(), shape if type(shape) is not list else tuple(shape), leaf.dtype))
         elif leaf is None or isinstance(leaf, (bool, int, float, str, bytes)):
-            parts.append(("value", type(leaf), leaf))
+            append(("value", type(leaf), leaf))
         else:
-            parts.append(("object", id(leaf)))
+            append(("object", id(leaf)))
     return tuple(parts)
 
 
@@ -253,33 +256,44 @@ def _describe_change(old: tuple, new: tuple) -> str:
     for index, (a, b) in enumerate(zip(old[1:], new[1:])):
         if a == b:
             continue
-        if a[0] == b[0] == "tensor":
-            what = [name for name, x, y in zip(("address", "shape", "dtype"), a[1:], b[1:]) if x != y]
+        if _is_tensor_part(a) and _is_tensor_part(b):
+            what = [name for name, x, y in zip(("address", "shape", "dtype"), a, b) if x != y]
             return (f"argument leaf {index} changed its {' and '.join(what)} "
-                    f"(address {a[1]:#x}, shape {list(a[2])}, {a[3]} -> "
-                    f"address {b[1]:#x}, shape {list(b[2])}, {b[3]})")
+                    f"(address {a[0]:#x}, shape {list(a[1])}, {a[2]} -> "
+                    f"address {b[0]:#x}, shape {list(b[1])}, {b[2]})")
         return f"argument leaf {index} changed from {_short(a)} to {_short(b)}"
     return "the arguments changed"
 
 
+def _is_tensor_part(part) -> bool:
+    return isinstance(part[0], int)
+
+
 def _short(part) -> str:
+    if _is_tensor_part(part):
+        return f"a tensor of shape {list(part[1])}"
     if part[0] == "value":
         return repr(part[2])
-    if part[0] == "tensor":
-        return f"a tensor of shape {list(part[2])}"
     return "another object"
 
 
 # -------------------------------------------------------- runtime detection
-def _leaves(obj) -> Iterator[Any]:
-    if isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _leaves(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _leaves(item)
-    else:
-        yield obj
+def _leaves(obj) -> list:
+    out: list = []
+    _collect(obj, out)
+    return out
+
+
+def _collect(obj, out: list) -> None:
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else None
+    if items is None:
+        out.append(obj)
+        return
+    for item in items:
+        if isinstance(item, (list, tuple, dict)):
+            _collect(item, out)
+        else:
+            out.append(item)
 
 
 def _framework_of(obj) -> Optional[str]:

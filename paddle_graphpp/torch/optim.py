@@ -7,7 +7,7 @@ No function here reads a device value on the host, so each can run inside a CUDA
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
