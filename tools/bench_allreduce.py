@@ -1,0 +1,371 @@
+"""Custom all-reduce vs NCCL inside replayed CUDA graphs, plus the TP=2 parity and misuse checks.
+
+One command, two GPUs of one host (run blind on nvidia-h200-x2)::
+
+    python tools/bench_allreduce.py            # writes benchmarks/results/allreduce-<device>.json
+
+It launches its own 2 ranks (torch.multiprocessing spawn) under a hard timeout and kills them
+if they hang. Rank 0 writes its results after each section, so a timeout still leaves data.
+
+Sections:
+  * latency: for each size (4 KiB..8 MiB, bf16), one graph of ``--calls`` back-to-back
+    all-reduces per variant (custom auto = the dispatcher's registered path, custom one-shot,
+    custom two-shot, NCCL), replayed in alternating rounds (the order rotates every round);
+    per-call latency = replay time / calls. Medians and p10/p90 over rounds, per rank.
+    Results of the custom graphs are checked against the exact sum.
+  * parity: a TP=2 transformer MLP block (Column -> GELU -> Row) graphed with the custom
+    all-reduce captured (registered path) vs the same block eager, over 20 replays with new
+    inputs, fp32 (TF32 off, tolerance 1e-6) and bf16 (tolerance 1e-2), max abs difference.
+  * misuse: a graph whose registered buffers were released must refuse to replay
+    (ReleasedBufferError), after release_graph_buffers() and after the communicator closed.
+
+Multicast stays off: NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set here
+explicitly, before CUDA or NCCL start, overriding the launcher's environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+DEFAULT_SIZES = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10,
+                 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
+TARGET_RATIO, TARGET_MAX_BYTES = 0.6, 256 << 10
+
+
+def device_slug(name: str) -> str:
+    low = name.lower()
+    for key in ("h200", "h100", "a100", "l40s", "a10", "b200"):
+        if key in low:
+            return key
+    return "".join(c if c.isalnum() else "-" for c in low).strip("-") or "gpu"
+
+
+def _pct(values, q):
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _nccl_version(torch) -> str:
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+# ----------------------------------------------------------------------------- ranks
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    from paddle_graphpp.core import collectives as C
+    from paddle_graphpp.torch.allreduce import create_allreduce, peer_access_report, replay
+
+    result: dict = {"rank": rank, "sections": {}}
+
+    def save():
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(result, f, indent=1)
+
+    dist.all_reduce(torch.ones(1, device=device))      # NCCL warmed up eagerly before any capture
+    torch.cuda.synchronize()
+    result["peer_access"] = peer_access_report()
+    calls = args.calls
+    # three custom variants of one size are alive at once; each call reserves its own buffer
+    arena = 3 * calls * max(args.sizes) + (64 << 20)
+    ar = create_allreduce(arena_bytes=arena)
+    result["custom_unavailable_reason"] = ar.backend.custom_unavailable_reason()
+    save()
+    backend = ar.backend
+
+    def capture(fn):
+        g = torch.cuda.CUDAGraph()
+        with C.capturing_graph(g), torch.cuda.graph(g, capture_error_mode="thread_local"):
+            out = fn()
+        return g, out
+
+    # ------------------------------------------------------------------- latency
+    lat = []
+    result["sections"]["latency"] = lat
+    if result["custom_unavailable_reason"] is None:
+        for nbytes in args.sizes:
+            numel = nbytes // 2
+            x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
+            graphs, outs, errors = {}, {}, {}
+            saved = backend.two_shot_min_bytes
+            for variant, threshold in (("custom", saved), ("one_shot", 1 << 62), ("two_shot", 1)):
+                backend.two_shot_min_bytes = threshold
+                err = None
+                try:
+                    with C.capture_custom_allreduce():
+                        ar.all_reduce(x)                   # warmup: allocation mimic
+                        torch.cuda.synchronize()
+                        try:
+                            graphs[variant], outs[variant] = capture(
+                                lambda: [ar.all_reduce(x) for _ in range(calls)])
+                        except Exception as exc:  # noqa: BLE001 - keep both ranks in step
+                            err = exc
+                except C.CaptureError as exc:             # the ranks captured differently
+                    err = err or exc
+                finally:
+                    backend.two_shot_min_bytes = saved
+                # only variants every rank captured are replayed (a lone replay would hang)
+                if not all(backend.exchange(err is None)):
+                    errors[variant] = f"{type(err).__name__}: {err}"[:300] if err else "failed on the other rank"
+                    g = graphs.pop(variant, None)
+                    outs.pop(variant, None)
+                    if g is not None:
+                        C.release_graph_buffers(g)
+            xn = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
+            graphs["nccl"], _ = capture(lambda: [dist.all_reduce(xn) for _ in range(calls)])
+            torch.cuda.synchronize()
+            row = {"bytes": nbytes, "calls_per_graph": calls, "correct": {}, "errors": errors}
+            for variant in outs:
+                replay(graphs[variant])
+                torch.cuda.synchronize()
+                row["correct"][variant] = all(bool((o == float(world * (world + 1) // 2)).all())
+                                              for o in outs[variant])
+            names = list(graphs)
+            times = {n: [] for n in names}
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for r in range(args.warmup_rounds + args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for n in order:
+                    dist.barrier(device_ids=[rank])
+                    torch.cuda.synchronize()
+                    start.record()
+                    graphs[n].replay()
+                    end.record()
+                    end.synchronize()
+                    if r >= args.warmup_rounds:
+                        times[n].append(start.elapsed_time(end) * 1000.0 / calls)
+            for n in names:
+                row[n] = {"median_us": statistics.median(times[n]), "p10_us": _pct(times[n], 0.1),
+                          "p90_us": _pct(times[n], 0.9), "min_us": min(times[n]), "max_us": max(times[n])}
+            customs = [v for v in ("custom", "one_shot", "two_shot") if v in row]
+            nccl_us = row["nccl"]["median_us"]
+            row["ratio_custom_vs_nccl"] = row["custom"]["median_us"] / nccl_us if "custom" in row else None
+            row["ratio_best_custom_vs_nccl"] = min(row[v]["median_us"] for v in customs) / nccl_us if customs else None
+            lat.append(row)
+            for v, g in graphs.items():
+                if v != "nccl":
+                    C.release_graph_buffers(g)
+            del graphs, outs
+            gc.collect()
+            torch.cuda.synchronize()
+            save()
+
+    # -------------------------------------------------------------------- parity
+    from paddle_graphpp.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    parity = {}
+    result["sections"]["parity"] = parity
+    hidden, ffn, tokens = args.hidden, 4 * args.hidden, args.tokens
+    keep = {}
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        gen = torch.Generator().manual_seed(1234)
+        w1 = torch.randn(ffn, hidden, generator=gen) / hidden ** 0.5
+        b1 = torch.randn(ffn, generator=gen) * 0.1
+        w2 = torch.randn(hidden, ffn, generator=gen) / ffn ** 0.5
+        b2 = torch.randn(hidden, generator=gen) * 0.1
+        col = ColumnParallelLinear(hidden, ffn, dispatcher=ar, device=device, dtype=dtype).load_dense(w1, b1)
+        row_l = RowParallelLinear(ffn, hidden, dispatcher=ar, device=device, dtype=dtype).load_dense(w2, b2)
+
+        def mlp(t):
+            return row_l(torch.nn.functional.gelu(col(t)))
+
+        x_static = torch.zeros(tokens, hidden, device=device, dtype=dtype)
+        before = dict(ar.counts)
+        with torch.no_grad():
+            with C.capture_custom_allreduce():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        mlp(x_static)                      # warmup: allocation mimic
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                g, y_static = capture(lambda: mlp(x_static))
+            paths = {p.value: ar.counts[p] - before[p] for p in C.AllReducePath}
+            errs = []
+            for i in range(20):
+                xi = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(100 + i)).to(device, dtype)
+                x_static.copy_(xi)
+                replay(g)
+                eager = mlp(xi)                            # eager: copy-in path
+                torch.cuda.synchronize()
+                errs.append(float((y_static.float() - eager.float()).abs().max()))
+        name = str(dtype).removeprefix("torch.")
+        parity[name] = {"max_abs_err": max(errs), "tolerance": tol, "passed": max(errs) <= tol,
+                        "replays": len(errs), "paths_during_capture_phase": paths,
+                        "shape": [tokens, hidden], "ffn": ffn}
+        keep[name] = g
+        save()
+
+    # -------------------------------------------------------------------- misuse
+    misuse = {}
+    result["sections"]["misuse"] = misuse
+    x = torch.ones(1024, device=device)
+    with C.capture_custom_allreduce():
+        ar.all_reduce(x)
+        torch.cuda.synchronize()
+        g, _ = capture(lambda: ar.all_reduce(x))
+    replay(g)
+    torch.cuda.synchronize()
+    C.release_graph_buffers(g)
+    try:
+        replay(g)
+        misuse["after_release_graph_buffers"] = "replayed (NOT refused)"
+    except C.ReleasedBufferError as exc:
+        misuse["after_release_graph_buffers"] = f"refused: {str(exc)[:160]}"
+    ar.close()
+    try:
+        replay(keep.get("float32", g))
+        misuse["after_close"] = "replayed (NOT refused)"
+    except C.ReleasedBufferError as exc:
+        misuse["after_close"] = f"refused: {str(exc)[:160]}"
+    misuse["passed"] = all(v.startswith("refused") for v in (misuse["after_release_graph_buffers"],
+                                                           misuse["after_close"]))
+    torch.cuda.synchronize()
+    result["done"] = True
+    save()
+    dist.barrier(device_ids=[rank])
+    os._exit(0)      # destroy_process_group() can hang after captured NCCL work
+
+
+def _entry(rank, world, port, args, out_path):
+    try:
+        worker(rank, world, port, args, out_path)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+# ----------------------------------------------------------------------------- driver
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=DEFAULT_SIZES,
+                   help="message sizes in bytes, comma separated (default 4 KiB..8 MiB)")
+    p.add_argument("--calls", type=int, default=32, help="all-reduces per captured graph")
+    p.add_argument("--rounds", type=int, default=30, help="timed alternating rounds")
+    p.add_argument("--warmup-rounds", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=1024, help="MLP hidden size for the parity check")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=220.0, help="hard limit for the 2 ranks, seconds")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    args = p.parse_args(argv)
+    if any(s <= 0 or s % 16 for s in args.sizes) or args.calls < 1 or args.rounds < 3:
+        p.error("sizes must be positive multiples of 16 bytes, --calls >= 1, --rounds >= 3")
+
+    import torch
+    import torch.multiprocessing as mp
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        print(f"bench_allreduce: needs 2 CUDA devices, found "
+              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        return 2
+    name = torch.cuda.get_device_name(0)
+    slug = device_slug(name)
+    os.makedirs(args.out, exist_ok=True)
+    out_file = os.path.join(args.out, f"allreduce-{slug}.json")
+    partial = out_file + ".rank0.partial"
+    if os.path.exists(partial):
+        os.remove(partial)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    t0 = time.monotonic()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, 2, port, args, partial), daemon=False) for r in range(2)]
+    for pr in procs:
+        pr.start()
+    deadline = t0 + args.timeout
+    for pr in procs:
+        pr.join(timeout=max(0.1, deadline - time.monotonic()))
+    timed_out = any(pr.is_alive() for pr in procs)
+    for pr in procs:
+        if pr.is_alive():
+            pr.kill()
+            pr.join(5)
+    codes = [pr.exitcode for pr in procs]
+    data = json.load(open(partial)) if os.path.exists(partial) else {}
+    if os.path.exists(partial):
+        os.remove(partial)
+
+    lat = data.get("sections", {}).get("latency", [])
+    small = [r for r in lat if r["bytes"] <= TARGET_MAX_BYTES]
+    record = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "device": name,
+        "device_count": torch.cuda.device_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
+                     "nccl": _nccl_version(torch), "python": sys.version.split()[0]},
+        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+        "status": "timeout" if timed_out else ("ok" if codes == [0, 0] and data.get("done") else "failed"),
+        "exit_codes": codes,
+        "seconds": round(time.monotonic() - t0, 1),
+        "dtype": "bfloat16",
+        "method": ("per-call latency = CUDA-event time of one replay of a graph holding --calls "
+                   "back-to-back all-reduces / calls; rounds alternate variants with a rotating "
+                   "order and a barrier before each replay; rank 0's events"),
+        "target": {"ratio": TARGET_RATIO, "up_to_bytes": TARGET_MAX_BYTES,
+                   "met_by_custom": bool(small) and all((r["ratio_custom_vs_nccl"] or 9) <= TARGET_RATIO for r in small),
+                   "met_by_best_variant": bool(small) and all((r["ratio_best_custom_vs_nccl"] or 9) <= TARGET_RATIO
+                                                              for r in small)},
+        **{k: v for k, v in data.items() if k != "rank"},
+    }
+    with open(out_file, "w") as f:
+        json.dump(record, f, indent=1)
+
+    print(f"\nall-reduce inside replayed graphs, {name} x2, bf16, {args.calls} calls/graph, "
+          f"{args.rounds} rounds (median us [p10-p90])")
+    print(f"{'bytes':>9} {'custom':>20} {'one-shot':>10} {'two-shot':>10} {'nccl':>20} {'ratio':>6} ok")
+    for r in lat:
+        def cell(v, wide=False):
+            if v not in r:
+                return "error"
+            d = r[v]
+            return (f"{d['median_us']:7.2f} [{d['p10_us']:.1f}-{d['p90_us']:.1f}]" if wide
+                    else f"{d['median_us']:10.2f}")
+        print(f"{r['bytes']:>9} {cell('custom', True):>20} {cell('one_shot'):>10} {cell('two_shot'):>10} "
+              f"{cell('nccl', True):>20} {(r['ratio_custom_vs_nccl'] or float('nan')):6.2f} "
+              f"{all(r['correct'].values()) and not r['errors']}")
+    for k, v in data.get("sections", {}).get("parity", {}).items():
+        print(f"parity {k}: max abs err {v['max_abs_err']:.3g} (tol {v['tolerance']}) "
+              f"{'PASS' if v['passed'] else 'FAIL'}; paths {v['paths_during_capture_phase']}")
+    misuse = data.get("sections", {}).get("misuse", {})
+    print(f"misuse: {'PASS' if misuse.get('passed') else 'FAIL/missing'} {misuse}")
+    print(f"peer access: {data.get('peer_access')}; custom unavailable: {data.get('custom_unavailable_reason')}")
+    print(f"target custom <= {TARGET_RATIO}x NCCL up to {TARGET_MAX_BYTES} B: {record['target']}")
+    print(f"status {record['status']} exit codes {codes} in {record['seconds']} s -> {out_file}")
+    return 0 if record["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
