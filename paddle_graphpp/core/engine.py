@@ -74,6 +74,7 @@ class _GraphPair:
     static_inputs: list  # one per tensor input
     static_outputs: list  # detached aliases of the forward graph's outputs
     capture_inputs: Optional[list] = None  # autograd-tracked views used at capture, until bwd capture
+    capture_params: Optional[list] = None  # parameter aliases the capture differentiated against
     capture_outputs: Optional[list] = None
     bwd_graph: Any = None
     static_grad_outputs: list = field(default_factory=list)
@@ -109,7 +110,7 @@ class _Call:
 
     __slots__ = ("engine", "key", "leaves", "spec", "tensor_index", "tensors", "params", "specs",
                  "force_eager", "kind", "pair", "position", "differentiable", "out_spec",
-                 "out_leaves", "out_tensor_index", "inner_inputs", "inner_outputs")
+                 "out_leaves", "out_tensor_index", "inner_inputs", "inner_outputs", "inner_params")
 
     def __init__(self, engine, key, leaves, spec, tensor_index, tensors, params, specs, force_eager):
         self.engine = engine
@@ -219,7 +220,7 @@ class GraphedCallable:
         with rt.enable_grad():
             inner = [rt.detach(t, s.requires_grad) for t, s in zip(call.tensors, call.specs)]
             args, kwargs = self._rebuild(call, inner)
-            result = self.fn(*args, **kwargs)
+            result, call.inner_params = rt.call_with_param_aliases(self.fn, call.params, args, kwargs)
         out_leaves, out_spec = flatten(result)
         self._set_outputs(call, out_leaves, out_spec)
         call.inner_inputs = inner
@@ -242,7 +243,7 @@ class GraphedCallable:
                 with rt.enable_grad():
                     cap_in = [rt.detach(b, s.requires_grad) for b, s in zip(static_inputs, call.specs)]
                     args, kwargs = self._rebuild(call, cap_in)
-                    result = self.fn(*args, **kwargs)
+                    result, cap_params = rt.call_with_param_aliases(self.fn, call.params, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - any failure inside capture is reported the same way
             del graph, static_inputs
             self._capture_failed(call, gen, "forward", exc)
@@ -257,7 +258,8 @@ class GraphedCallable:
         self.captures += 1
         sig.pairs[call.position] = _GraphPair(
             generation=gen, fwd_graph=graph, static_inputs=static_inputs,
-            static_outputs=[rt.detach(o) for o in cap_out], capture_inputs=cap_in, capture_outputs=cap_out)
+            static_outputs=[rt.detach(o) for o in cap_out], capture_inputs=cap_in, capture_outputs=cap_out,
+            capture_params=cap_params)
         call.kind = CAPTURE
         call.pair = sig.pairs[call.position]
 
@@ -285,13 +287,13 @@ class GraphedCallable:
         result = self._eager_backward(call, diff_grads)
         if call.kind == CAPTURE:
             self._capture_backward(call, diff_grads)
-        call.inner_inputs = call.inner_outputs = None
+        call.inner_inputs = call.inner_outputs = call.inner_params = None
         return result
 
     def _eager_backward(self, call: _Call, diff_grads: list) -> list:
         rt = self.runtime
         outs = [o for o, d in zip(call.inner_outputs, call.differentiable) if d]
-        wrt = [x for x, s in zip(call.inner_inputs, call.specs) if s.requires_grad] + call.params
+        wrt = [x for x, s in zip(call.inner_inputs, call.specs) if s.requires_grad] + call.inner_params
         got = iter(rt.autograd_grad(outs, diff_grads, wrt) if outs else [None] * len(wrt))
         input_grads = [next(got) if s.requires_grad else None for s in call.specs]
         return input_grads + list(got)
@@ -306,7 +308,7 @@ class GraphedCallable:
             static_grads.append(buf if buf is not None else rt.static_like(g))
         param_buffers = self._param_buffers(call.params)
         outs = [o for o, d in zip(pair.capture_outputs, call.differentiable) if d]
-        wrt = [x for x, s in zip(pair.capture_inputs, call.specs) if s.requires_grad] + call.params
+        wrt = [x for x, s in zip(pair.capture_inputs, call.specs) if s.requires_grad] + pair.capture_params
         graph = rt.create_graph()
         start = _memory.now()
         try:
@@ -319,7 +321,7 @@ class GraphedCallable:
                     rt.copy_many([b for b, _ in used], [g for _, g in used])
         except Exception as exc:  # noqa: BLE001
             del graph
-            pair.capture_inputs = pair.capture_outputs = None
+            pair.capture_inputs = pair.capture_outputs = pair.capture_params = None
             self._drop_pair(call)
             self._capture_failed(call, gen, "backward", exc)
             return
@@ -332,7 +334,7 @@ class GraphedCallable:
         pair.bwd_graph = graph
         pair.differentiable = list(call.differentiable)
         pair.out_template = (list(call.out_leaves), call.out_spec, list(call.out_tensor_index))
-        pair.capture_inputs = pair.capture_outputs = None  # the capture's autograd graph is spent
+        pair.capture_inputs = pair.capture_outputs = pair.capture_params = None  # autograd graph spent
         if reuse:
             for buf, s in zip(pair.static_inputs, call.specs):
                 plan.release_buffer(gen, _buffer_key(s), buf)

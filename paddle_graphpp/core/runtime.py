@@ -90,6 +90,16 @@ class GraphRuntime(abc.ABC):
         """Context in which autograd records, even inside a custom function's forward."""
 
     @abc.abstractmethod
+    def call_with_param_aliases(self, fn: Any, params: Sequence[Any], args: tuple, kwargs: dict) -> tuple:
+        """Call ``fn(*args, **kwargs)`` with ``params`` replaced by fresh autograd leaves.
+
+        Returns ``(result, aliases)``: ``aliases[i]`` shares memory with ``params[i]``, so graphs
+        read the real weights, but the engine's inner autograd graphs differentiate against the
+        aliases. The user's parameters (their hooks, their gradient accumulators, the stream
+        these were created on) are touched only by the outer autograd node.
+        """
+
+    @abc.abstractmethod
     def autograd_grad(self, outputs: Sequence[Any], grad_outputs: Sequence[Any],
                       inputs: Sequence[Any]) -> list:
         """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the graph."""

@@ -96,6 +96,11 @@ class PaddleRuntime(GraphRuntime):
     def enable_grad(self):
         return paddle.enable_grad()
 
+    def call_with_param_aliases(self, fn, params, args, kwargs):
+        # Paddle has no functional call over a layer's parameters; the inner graphs
+        # differentiate against the parameters themselves (their hooks fire at capture too).
+        return fn(*args, **kwargs), list(params)
+
     def autograd_grad(self, outputs, grad_outputs, inputs) -> list:
         if not inputs:
             return []

@@ -84,6 +84,14 @@ class TorchRuntime(GraphRuntime):
     def enable_grad(self):
         return torch.enable_grad()
 
+    def call_with_param_aliases(self, fn, params, args, kwargs):
+        if not params:
+            return fn(*args, **kwargs), []
+        names = {id(p): n for n, p in fn.named_parameters()}
+        aliases = [p.detach().requires_grad_(True) for p in params]
+        mapping = {names[id(p)]: a for p, a in zip(params, aliases)}
+        return torch.func.functional_call(fn, mapping, args, kwargs, strict=False), aliases
+
     def autograd_grad(self, outputs, grad_outputs, inputs) -> list:
         if not inputs:
             return []
@@ -126,9 +134,26 @@ class TorchRuntime(GraphRuntime):
                     graph.capture_end()  # ends the invalidated capture and the pool redirection
                 with contextlib.suppress(Exception):
                     graph.reset()
+                self._reset_capture_state(stream)
                 raise
             graph.capture_end()
         current.wait_stream(stream)
+
+    @staticmethod
+    def _reset_capture_state(stream) -> None:
+        """After a failed capture, run one empty capture so per-capture state (the RNG
+        generators' capture bookkeeping) is closed the normal way."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+            empty = torch.cuda.CUDAGraph()
+            with contextlib.suppress(Exception), torch.cuda.stream(stream):
+                empty.capture_begin(capture_error_mode="thread_local")
+                empty.capture_end()
+            del empty
 
     def replay_graph(self, graph) -> None:
         graph.replay()
