@@ -15,7 +15,9 @@ declares it with ``SharedLayerDesc`` (fleet syncs the gradient); PyTorch keeps o
 the weight on the first and one on the last stage and sums their gradients after each step.
 With ``--cudagraph`` each stage's blocks are captured as CUDA graphs (``paddle_graphpp.
 PipelineLayer(use_cudagraph=True)`` / ``paddle_graphpp.torch.pipelining.graph_stage_module``);
-the tied layers stay eager. On CPU the graphed layers run eagerly.
+the tied layers stay eager. On CPU the graphed layers run eagerly. On GPUs the torch path uses
+NCCL (with ``NCCL_NVLS_ENABLE=0``) and TF32 matmuls, one GPU per rank; the paddle path needs a
+Paddle build with CUDA for graphs.
 
 Launching: run it directly and it starts one process per pipeline rank itself (through
 ``paddle.distributed.launch`` for Paddle); it also runs under ``python -m
@@ -32,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -140,9 +143,14 @@ def validate(cfg: Config) -> None:
             f"the interleaved schedule (--vpp {cfg.vpp}) needs --micro-batches to be a multiple of "
             f"--pp {cfg.pp}, got {cfg.micro_batches}; use --micro-batches {cfg.pp * math.ceil(cfg.micro_batches / cfg.pp)}"
         )
-    if cfg.framework == "paddle" and cfg.vpp > 1 and cfg.pp < 3:
-        # fleet's PipelineParallelWithInterleave rejects 2 stages; say so before launching.
-        raise ConfigError(f"Paddle's interleaved schedule needs --pp 3 or more (got --pp {cfg.pp} with --vpp {cfg.vpp})")
+    if cfg.framework == "paddle" and cfg.vpp > 1:
+        # fleet's interleaved schedule rejects 2 stages and fewer than 2*pp micro-batches.
+        if cfg.pp < 3:
+            raise ConfigError(f"Paddle's interleaved schedule needs --pp 3 or more (got --pp {cfg.pp} with "
+                              f"--vpp {cfg.vpp}); raise --pp or use --vpp 1")
+        if cfg.micro_batches < 2 * cfg.pp:
+            raise ConfigError(f"Paddle's interleaved schedule needs at least 2*pp = {2 * cfg.pp} micro-batches; "
+                              f"use --micro-batches {2 * cfg.pp}")
     if cfg.hidden > 64 and cfg.hidden % 64:
         raise ConfigError(f"--hidden {cfg.hidden} must be a multiple of 64 (the attention head size), or 64 or less")
     if cfg.data and not os.path.isfile(cfg.data):
@@ -364,6 +372,18 @@ def build_torch_chunk(cfg: Config, chunk: int):
     return nn.Sequential(*modules), tied
 
 
+def graph_memory(cfg: Config) -> str:
+    """The engine's memory mode for this schedule.
+
+    Interleaved: on a rank, chunk k's FIFO empties in the middle of a step (pp=2, vpp=2: its
+    forwards and backwards come as F F B B F F B B), so the engine starts a new episode there and
+    replays, in the step's second half, graphs captured in its first half while other chunks'
+    graphs are still in flight. One shared pool cannot allow that (the engine raises
+    GraphScheduleError), so interleaved runs give each graph its own pool.
+    """
+    return "per_graph" if cfg.vpp > 1 else "shared"
+
+
 def _tied_pairs(tied_by_chunk: dict) -> list:
     out = []
     for t in tied_by_chunk.values():
@@ -393,6 +413,9 @@ def run_torch(cfg: Config) -> None:
             raise ConfigError(f"rank {rank} needs GPU {local_rank} but {torch.cuda.device_count()} are visible; lower --pp")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        # TF32 matmuls, as GPU training runs them; eager and graphed runs use the same kernels.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # multicast off on the lent machines, whatever the launcher says
     else:
         device = torch.device("cpu")
@@ -422,7 +445,7 @@ def run_torch(cfg: Config) -> None:
 
             t = tied_by_chunk[s]
             mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, shared=() if t is None else (t if isinstance(t, tuple) else (t,)),
-                                     name=f"stage{s}")
+                                     memory=graph_memory(cfg), name=f"stage{s}")
             graphed.extend(mod.graphed_modules)
         else:
             mod = chunks[s]
@@ -478,7 +501,7 @@ def run_torch(cfg: Config) -> None:
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     reporter.finish(tokens_per_s=timer.tokens_per_s(cfg), peak_mem_mib=float(peak.item()), device=device_name,
-                    graphed_runs_on_rank=len(graphed),
+                    graphed_runs_on_rank=len(graphed), graph_memory=graph_memory(cfg) if cfg.cudagraph else None,
                     graphs_active=bool(cfg.cudagraph and use_cuda), timed_steps=timer.timed_steps,
                     torch_version=torch.__version__)
     if world > 1:
@@ -498,6 +521,148 @@ def _sum_tied_grads(tied: list, group) -> None:
         dist.all_reduce(grad, group=group)
     for other in tied[1:]:
         other.weight.grad.copy_(grad)
+
+
+# ----------------------------------------------------------------------------------- paddle
+def _paddle_modules(cfg: Config):
+    import paddle
+    from paddle import nn
+    import paddle.nn.functional as F
+
+    normal = lambda: paddle.ParamAttr(initializer=nn.initializer.Normal(std=0.02))  # noqa: E731
+
+    class EmbeddingPipe(nn.Layer):
+        """Token + position embeddings; the token table ``weight`` is shared with the head."""
+
+        def __init__(self):
+            super().__init__()
+            paddle.seed(cfg.seed + 1)
+            self.weight = self.create_parameter([VOCAB_SIZE, cfg.hidden], attr=normal())
+            self.pos = self.create_parameter([cfg.seq_len, cfg.hidden], attr=normal())
+            self.drop = nn.Dropout(cfg.dropout)
+
+        def forward(self, ids):
+            return self.drop(F.embedding(ids, self.weight) + self.pos[: ids.shape[1]])
+
+    def head_forward(embedding, x):
+        return paddle.matmul(x, embedding.weight, transpose_y=True)
+
+    class Block(nn.Layer):
+        """Pre-norm causal self-attention and MLP, each with residual dropout."""
+
+        def __init__(self, index):
+            super().__init__()
+            paddle.seed(cfg.seed + 100 + index)  # weights do not depend on pp/vpp
+            h = cfg.hidden
+            self.heads = max(1, h // 64)
+            self.ln1 = nn.LayerNorm(h)
+            self.qkv = nn.Linear(h, 3 * h)
+            self.proj = nn.Linear(h, h)
+            self.ln2 = nn.LayerNorm(h)
+            self.fc1 = nn.Linear(h, 4 * h)
+            self.fc2 = nn.Linear(4 * h, h)
+            self.drop = nn.Dropout(cfg.dropout)
+            mask = paddle.triu(paddle.full([cfg.seq_len, cfg.seq_len], float("-inf")), 1)
+            self.register_buffer("mask", mask, persistable=False)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            hd = c // self.heads
+            qkv = self.qkv(self.ln1(x)).reshape([b, t, 3, self.heads, hd]).transpose([2, 0, 3, 1, 4])
+            q, k, v = qkv[0], qkv[1], qkv[2]
+            att = paddle.matmul(q, k, transpose_y=True) * (1.0 / math.sqrt(hd)) + self.mask[:t, :t]
+            y = paddle.matmul(self.drop(F.softmax(att, axis=-1)), v).transpose([0, 2, 1, 3]).reshape([b, t, c])
+            x = x + self.drop(self.proj(y))
+            return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+    class LossPipe(nn.Layer):
+        def forward(self, logits, labels):
+            return F.cross_entropy(logits.reshape([-1, VOCAB_SIZE]), labels.reshape([-1, 1])).mean()
+
+    return EmbeddingPipe, head_forward, Block, LossPipe
+
+
+def run_paddle(cfg: Config) -> None:
+    """One Paddle fleet rank: PipelineLayer with a SharedLayerDesc tie, ``train_batch`` per step."""
+    import paddle
+    import paddle.distributed as dist
+    from paddle import nn
+    from paddle.distributed import fleet
+    from paddle.distributed.fleet.meta_parallel import LayerDesc, SharedLayerDesc
+
+    import paddle_graphpp
+
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    if world != cfg.pp:
+        raise ConfigError(f"started with {world} processes but --pp {cfg.pp}; "
+                          f"launch --pp processes (python -m paddle.distributed.launch --nproc_per_node {cfg.pp})")
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": cfg.pp, "sharding_degree": 1}
+    strategy.pipeline_configs = {"accumulate_steps": cfg.micro_batches, "micro_batch_size": cfg.micro_batch_size}
+    fleet.init(is_collective=True, strategy=strategy)
+    rank = dist.get_rank()
+
+    EmbeddingPipe, head_forward, Block, LossPipe = _paddle_modules(cfg)
+    descs = [SharedLayerDesc("embed", EmbeddingPipe, shared_weight_attr="weight")]
+    descs += [LayerDesc(Block, i) for i in range(cfg.layers)]
+    descs += [LayerDesc(nn.LayerNorm, cfg.hidden),
+              SharedLayerDesc("embed", EmbeddingPipe, forward_func=head_forward, shared_weight_attr="weight")]
+    model = paddle_graphpp.PipelineLayer(
+        descs, num_stages=cfg.pp, loss_fn=LossPipe(), seg_method="layer:Block",
+        num_virtual_pipeline_stages=cfg.vpp if cfg.vpp > 1 else None, use_cudagraph=cfg.cudagraph,
+        num_warmup_steps=NUM_WARMUP_STEPS)
+    optimizer = paddle.optimizer.AdamW(learning_rate=cfg.lr, parameters=model.parameters())
+    if cfg.pp > 1:
+        model = fleet.distributed_model(model)
+        optimizer = fleet.distributed_optimizer(optimizer)
+
+    corpus = load_corpus(cfg)
+    paddle.seed(cfg.seed * 7 + rank)  # dropout stream, the same with and without graphs
+    use_cuda = paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    reporter = Reporter(cfg, enabled=rank == 0)  # fleet hands every rank the step's loss
+    timer = StepTimer(cfg, paddle.device.cuda.synchronize if use_cuda else (lambda: None))
+    for step in range(cfg.steps):
+        timer.before(step)
+        t0 = time.perf_counter()
+        x, y = (paddle.to_tensor(a) for a in batch_for_step(corpus, cfg, step))
+        if cfg.pp > 1:
+            loss = model.train_batch([x, y], optimizer)
+        else:
+            loss = _paddle_single_stage_step(model, optimizer, x, y, cfg)
+        loss = float(np.asarray(loss).reshape(-1)[0])
+        timer.after(step, cfg)
+        reporter.step(step, loss, time.perf_counter() - t0)
+
+    if use_cuda:
+        peak = paddle.to_tensor([paddle.device.cuda.max_memory_reserved() / 2**20])
+        device_name = paddle.device.cuda.get_device_name()
+    else:
+        peak = paddle.to_tensor([cpu_peak_mib()])
+        device_name = "cpu"
+    if world > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    inner = model._layers if cfg.pp > 1 else model
+    reporter.finish(tokens_per_s=timer.tokens_per_s(cfg), peak_mem_mib=float(peak.item()), device=device_name,
+                    graphed_runs_on_rank=len(inner.graphed_layers()), graphs_active=bool(cfg.cudagraph and use_cuda),
+                    timed_steps=timer.timed_steps, paddle_version=paddle.__version__)
+    if world > 1:
+        dist.barrier()
+
+
+def _paddle_single_stage_step(model, optimizer, x, y, cfg: Config):
+    """What ``train_batch`` does, on one stage: mean loss over micro-batches, then one update."""
+    total = 0.0
+    mbs = cfg.micro_batch_size
+    for m in range(cfg.micro_batches):
+        out = model(x[m * mbs:(m + 1) * mbs])
+        loss = model._loss_fn[0](out, y[m * mbs:(m + 1) * mbs]) if isinstance(model._loss_fn, list) \
+            else model._loss_fn(out, y[m * mbs:(m + 1) * mbs])
+        (loss / cfg.micro_batches).backward()
+        total += float(loss)
+    optimizer.step()
+    optimizer.clear_grad()
+    return total / cfg.micro_batches
 
 
 # ----------------------------------------------------------------------------------- launch
@@ -542,7 +707,9 @@ def spawn_ranks(cfg: Config, argv: list) -> int:
                "--log_dir", log_dir, script, *argv]
         # paddle's launcher prints rank 0's output and stops every rank when one fails
         procs = [subprocess.Popen(cmd, env=env, start_new_session=True)]
+        cleanup = log_dir
     else:
+        cleanup = None
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(cfg.pp),
                    LOCAL_WORLD_SIZE=str(cfg.pp))
         procs = []
@@ -556,9 +723,12 @@ def spawn_ranks(cfg: Config, argv: list) -> int:
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 _terminate(procs)
-                print(f"train_gpt: a rank exited with code {failed[0]}; stopped the others", file=sys.stderr)
+                where = f" (rank logs in {cleanup})" if cleanup else ""
+                print(f"train_gpt: a rank exited with code {failed[0]}; stopped the others{where}", file=sys.stderr)
                 return failed[0]
             if all(c == 0 for c in codes):
+                if cleanup:
+                    shutil.rmtree(cleanup, ignore_errors=True)
                 return 0
             time.sleep(0.2)
     except KeyboardInterrupt:
@@ -603,10 +773,6 @@ def main(argv=None) -> int:
     sys.stderr.flush()
     # Skip interpreter teardown: destroying NCCL communicators after captured work can hang.
     os._exit(0)
-
-
-def run_paddle(cfg: Config) -> None:
-    raise NotImplementedError
 
 
 if __name__ == "__main__":

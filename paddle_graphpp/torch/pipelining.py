@@ -166,6 +166,7 @@ def graph_stage_module(
     *,
     shared: Iterable[nn.Module] = (),
     fallback: str = "error",
+    memory: str = "shared",
     name: Optional[str] = None,
 ) -> GraphedStage:
     """Split a pipeline stage into runs of capturable modules, each captured as CUDA graphs.
@@ -180,7 +181,10 @@ def graph_stage_module(
             head); the entries holding them stay eager, so their gradients can be reduced
             across stages outside any graph. Weights used by two entries of this stage are
             detected and kept eager without being listed.
-        fallback: what a graphed run does when capture fails (passed to ``CUDAGraphedModule``).
+        fallback: what a graphed run does when capture fails: ``"error"`` raises,
+            ``"eager"`` warns once and keeps running eagerly (passed to ``CUDAGraphedModule``).
+        memory: the graphs' memory mode, ``"shared"``, ``"shared_reuse"`` or ``"per_graph"``
+            (passed to ``CUDAGraphedModule``).
         name: prefix of the graphed runs' names in logs and errors (``"stage"`` by default).
 
     Returns:
@@ -226,7 +230,8 @@ def graph_stage_module(
     for run in runs:
         if run.graphed:
             run_name = f"{prefix}[{run.start}:{run.stop}]"
-            steps.append(CUDAGraphedModule(_Run(run.objects()), num_warmup_steps, fallback=fallback, name=run_name))
+            steps.append(CUDAGraphedModule(_Run(run.objects()), num_warmup_steps, fallback=fallback,
+                                           memory=memory, name=run_name))
         else:
             entry = run.entries[0]
             steps.append(entry.obj if isinstance(entry.obj, nn.Module) else _Call(entry.obj, entry.name))

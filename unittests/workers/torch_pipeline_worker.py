@@ -1,0 +1,150 @@
+"""One rank of a torch.distributed.pipelining run, started by unittests/test_torch_pipeline.py.
+
+Runs as ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` say (gloo on CPU). It trains a
+small stage model twice from the same seeds, once with plain stage modules and once with
+``graph_stage_module``, through ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``, and writes
+``rank<N>.json`` into ``--out``: the losses of both runs (last rank) and, per graphed run, the
+engine's capture/replay counts.
+
+``--runtime fake`` plugs the fake graph runtime (unittests/fake_runtime.py) into
+``CUDAGraphedModule``: capture and replay then only do bookkeeping (replayed values are stale),
+which checks that the schedule's forward/backward order pairs up in every graphed run's FIFO.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B  # noqa: E402
+
+import paddle_graphpp  # noqa: E402
+from paddle_graphpp.torch.pipelining import graph_stage_module  # noqa: E402
+
+WIDTH, MBS = 16, 2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.fc2(torch.tanh(self.fc1(x))))
+
+
+class Probe(nn.Module):
+    """Syncs with the host, so it must stay out of graphs: marked below."""
+
+    def forward(self, x):
+        self.seen = float(x.sum().item())
+        return x
+
+
+def scale(x):  # a plain callable entry
+    return x * 0.5
+
+
+def build_chunk(chunk, num_chunks, seed):
+    torch.manual_seed(seed + chunk)
+    entries = []
+    if chunk == 0:
+        entries.append(nn.Linear(WIDTH, WIDTH))
+    entries += [Block(), Block(), scale, paddle_graphpp.mark_not_capturable(Probe()), Block()]
+    if chunk == num_chunks - 1:
+        entries.append(nn.Linear(WIDTH, 1))
+    return entries
+
+
+def train(args, rank, world, graphed):
+    num_chunks = world * args.vpp
+    stage_ids = [rank + k * world for k in range(args.vpp)]
+    stages, modules = [], {}
+    for s in stage_ids:
+        entries = build_chunk(s, num_chunks, args.seed)
+        mod = graph_stage_module(entries, 2, memory=args.memory, name=f"chunk{s}") if graphed else _Plain(entries)
+        modules[s] = mod
+        x = torch.empty(MBS, WIDTH, requires_grad=s > 0)
+        y = torch.empty(MBS, 1 if s == num_chunks - 1 else WIDTH, requires_grad=True)
+        stages.append(PipelineStage(mod, s, num_chunks, torch.device("cpu"), input_args=(x,), output_args=(y,)))
+    loss_fn = nn.MSELoss()
+    if args.vpp == 1:
+        schedule = Schedule1F1B(stages[0], n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    params = [p for m in modules.values() for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.05)
+    torch.manual_seed(args.seed * 7 + rank)  # the dropout stream
+    data = torch.Generator().manual_seed(args.seed)
+    losses = []
+    for _ in range(args.steps):
+        x = torch.randn(args.micro_batches * MBS, WIDTH, generator=data)
+        y = x.sum(-1, keepdim=True).tanh()
+        step_losses = [] if rank == world - 1 else None
+        opt.zero_grad()
+        schedule.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None, losses=step_losses)
+        opt.step()
+        if step_losses is not None:
+            losses.append(torch.stack(step_losses).mean().item())
+    stats = []
+    if graphed:
+        for s in stage_ids:
+            for g in modules[s].graphed_modules:
+                stats.append({"chunk": s, "captures": g.engine.captures, "replays": g.engine.replays,
+                              "in_flight": g.engine.in_flight, "graphs": g.engine.graph_count()})
+    runs = {s: modules[s].describe() for s in stage_ids} if graphed else {}
+    return {"losses": losses, "graphed_runs": stats, "segmentation": runs}
+
+
+class _Plain(nn.Module):
+    def __init__(self, entries):
+        super().__init__()
+        self.entries = entries
+        self.mods = nn.ModuleList([e for e in entries if isinstance(e, nn.Module)])
+
+    def forward(self, x):
+        for e in self.entries:
+            x = e(x)
+        return x
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--runtime", choices=["real", "fake"], default="real")
+    parser.add_argument("--memory", default="shared")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        result = {"rank": rank, "eager": train(args, rank, world, graphed=False)}
+        if args.runtime == "fake":
+            from fake_runtime import FakeGraphRuntime
+            import paddle_graphpp.torch.graphed as graphed_mod
+
+            graphed_mod.RUNTIME = FakeGraphRuntime()
+        result["graphed"] = train(args, rank, world, graphed=True)
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown: a peer that already left must not stall us
+
+
+if __name__ == "__main__":
+    main()
