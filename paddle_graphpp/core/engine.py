@@ -18,12 +18,15 @@ A signature is never replayed into another's graph.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from . import collectives as _collectives
+from . import guards as _guards
 from . import memory as _memory
 from .errors import CaptureError, SignatureError
 from .runtime import GraphRuntime, TensorSpec
@@ -239,7 +242,7 @@ class GraphedCallable:
         graph = rt.create_graph()
         start = _memory.now()
         try:
-            with _capture_guard(), rt.capture_to_graph(graph, plan.pool_for(gen)):
+            with _capture_guard(graph, self.name), rt.capture_to_graph(graph, plan.pool_for(gen)):
                 with rt.enable_grad():
                     cap_in = [rt.detach(b, s.requires_grad) for b, s in zip(static_inputs, call.specs)]
                     args, kwargs = self._rebuild(call, cap_in)
@@ -266,6 +269,7 @@ class GraphedCallable:
     def _replay_forward(self, call: _Call, pair: _GraphPair) -> list:
         rt = self.runtime
         self.plan.note_replay(pair.generation, id(pair.fwd_graph), True, self.name)
+        _collectives.check_replay(pair.fwd_graph)
         rt.copy_many(pair.static_inputs, call.tensors)
         rt.replay_graph(pair.fwd_graph)
         self.replays += 1
@@ -312,7 +316,7 @@ class GraphedCallable:
         graph = rt.create_graph()
         start = _memory.now()
         try:
-            with _capture_guard(), rt.capture_to_graph(graph, plan.pool_for(gen)):
+            with _capture_guard(graph, self.name), rt.capture_to_graph(graph, plan.pool_for(gen)):
                 got = rt.autograd_grad(outs, static_grads, wrt) if outs else [None] * len(wrt)
                 n_in = len(wrt) - len(call.params)
                 pg = got[n_in:]
@@ -344,6 +348,7 @@ class GraphedCallable:
     def _replay_backward(self, call: _Call, diff_grads: list) -> list:
         rt, pair = self.runtime, call.pair
         self.plan.note_replay(pair.generation, id(pair.bwd_graph), False, self.name)
+        _collectives.check_replay(pair.bwd_graph)
         if pair.static_grad_outputs:
             rt.copy_many(pair.static_grad_outputs, diff_grads)
         rt.replay_graph(pair.bwd_graph)
@@ -474,8 +479,10 @@ def _describe(specs: list) -> str:
     return "(" + "; ".join(s.describe() for s in specs) + ")"
 
 
-def _capture_guard():
-    """Compiled code must trace the branch that will be captured (see core.guards)."""
-    from .guards import sot_warmup_guard
-
-    return sot_warmup_guard(True)
+@contextlib.contextmanager
+def _capture_guard(graph: Any, owner: str):
+    """Around every capture: compiled code traces the branch that will be captured
+    (core.guards), and custom all-reduce buffers reserved inside belong to ``graph``
+    (core.collectives), so they are unregistered when the graph is freed."""
+    with _guards.sot_warmup_guard(True), _collectives.capturing_graph(graph, owner):
+        yield
