@@ -88,11 +88,12 @@ class _GraphPair:
 
 
 class _Signature:
-    __slots__ = ("warm", "armed", "pairs", "describe", "busy")
+    __slots__ = ("warm", "armed", "pairs", "describe", "busy", "params")
 
     def __init__(self, describe: str):
         self.warm = 0
         self.armed = False
+        self.params: Optional[list] = None  # the parameters the graphs were captured against
         self.pairs: dict[int, _GraphPair] = {}
         self.describe = describe
         self.busy: set = set()  # per_graph mode: slots whose backward has not run
@@ -172,16 +173,20 @@ class GraphedCallable:
         leaves, spec = flatten((args, kwargs))
         tensor_index = [i for i, x in enumerate(leaves) if rt.is_tensor(x)]
         tensors = [leaves[i] for i in tensor_index]
-        params = list(self.params())
         if not rt.grad_enabled():
             return self.fn(*args, **kwargs)  # inference: no backward will pair with it
         specs = [rt.spec(t) for t in tensors]
+        key = self._signature_key(leaves, tensor_index, specs, spec)
+        sig = self._signatures.get(key)
+        # Parameters are read while a signature warms up; its graphs keep the list they were
+        # captured against (walking module.parameters() on every replay would cost more than
+        # the replay itself).
+        params = sig.params if sig is not None and sig.params is not None else list(self.params())
         if not params and not any(s.requires_grad for s in specs):
             return self.fn(*args, **kwargs)  # nothing to differentiate
         reason = self._disabled_reason or rt.graphs_unavailable_reason(tensors)
         if reason is not None:
             self._warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); running eagerly.")
-        key = self._signature_key(leaves, tensor_index, specs, spec)
         call = _Call(self, key, leaves, spec, tensor_index, tensors, params, specs, reason is not None)
         outputs = rt.apply_graphed_function(call, tensors, params)
         out_leaves = list(call.out_leaves)
@@ -195,6 +200,7 @@ class GraphedCallable:
         if sig is not None and not sig.armed and sig.warm >= self.options.num_warmup_steps \
                 and self.queue.at_episode_start:
             sig.armed = True
+            sig.params = list(call.params)
         call.position = self.queue.push(call, call.key)
         if sig is not None and self.memory_mode is _memory.MemoryMode.PER_GRAPH:
             # Upstream semantics: one pair per in-flight slot, safe because no pool is shared.
@@ -357,11 +363,14 @@ class GraphedCallable:
         return self._hand_off(call.tensors + call.params, list(pair.static_grad_inputs) + param_grads)
 
     def _hand_off(self, targets: list, grads: list) -> list:
-        """Give autograd gradients it may keep: a leaf with no gradient yet adopts the tensor it is
-        handed, and a static buffer would be overwritten by the next replay, so those get copies."""
+        """Give autograd gradients it may keep. A leaf with no gradient yet may adopt the tensor
+        it is handed, and a static buffer would then be overwritten by the next replay. Where
+        the framework adopts only tensors nobody else holds (PyTorch), handing over the held
+        buffers themselves is safe; elsewhere (Paddle) such leaves get copies."""
         rt = self.runtime
-        adopt = [i for i, (t, g) in enumerate(zip(targets, grads))
-                 if g is not None and rt.is_leaf(t) and rt.grad_is_unset(t)]
+        if not rt.adopts_held_gradients:
+            return grads
+        adopt = [i for i in rt.leaves_without_grad(targets) if grads[i] is not None]
         if adopt:
             for i, c in zip(adopt, rt.clone_many([grads[i] for i in adopt])):
                 grads[i] = c

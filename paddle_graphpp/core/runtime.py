@@ -104,13 +104,13 @@ class GraphRuntime(abc.ABC):
                       inputs: Sequence[Any]) -> list:
         """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the graph."""
 
-    @abc.abstractmethod
-    def grad_is_unset(self, tensor: Any) -> bool:
-        """True when a leaf's accumulated gradient is absent: the next one is adopted, not added."""
+    #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
+    #: shares it); False when it copies any gradient it does not own outright (PyTorch).
+    adopts_held_gradients: bool = True
 
     @abc.abstractmethod
-    def is_leaf(self, tensor: Any) -> bool:
-        """True for tensors whose gradient autograd accumulates into ``.grad``."""
+    def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
+        """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
 
     @abc.abstractmethod
     def apply_graphed_function(self, call: Any, tensors: Sequence[Any], params: Sequence[Any]) -> tuple:

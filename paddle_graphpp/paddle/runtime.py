@@ -106,11 +106,11 @@ class PaddleRuntime(GraphRuntime):
             return []
         return list(paddle.grad(outputs, inputs, grad_outputs, allow_unused=True))
 
-    def grad_is_unset(self, tensor) -> bool:
-        return tensor.grad is None
+    # Paddle's gradient accumulation shares the first gradient it receives with ``.grad``.
+    adopts_held_gradients = True
 
-    def is_leaf(self, tensor) -> bool:
-        return tensor.is_leaf and not tensor.stop_gradient
+    def leaves_without_grad(self, tensors) -> list:
+        return [i for i, t in enumerate(tensors) if t.grad is None and not t.stop_gradient and t.is_leaf]
 
     def apply_graphed_function(self, call, tensors, params) -> tuple:
         out = _GraphedPyLayer.apply(call, *tensors, *params)

@@ -97,11 +97,12 @@ class TorchRuntime(GraphRuntime):
             return []
         return list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
 
-    def grad_is_unset(self, tensor) -> bool:
-        return tensor.grad is None
+    # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
+    # hands back buffers it keeps referencing, so autograd copies them where it must.
+    adopts_held_gradients = False
 
-    def is_leaf(self, tensor) -> bool:
-        return tensor.is_leaf and tensor.requires_grad
+    def leaves_without_grad(self, tensors) -> list:
+        return [i for i, t in enumerate(tensors) if t.grad is None and t.requires_grad and t.is_leaf]
 
     def apply_graphed_function(self, call, tensors, params) -> tuple:
         return _GraphedFunction.apply(call, *tensors, *params)
