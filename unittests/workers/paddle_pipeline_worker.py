@@ -27,6 +27,7 @@ import paddle_graphpp
 from paddle_graphpp.paddle.pipeline import PipelineLayer
 
 VOCAB, HIDDEN, SEQ = 32, 16, 6
+FLEET_READY = "paddle_graphpp-worker: fleet.init done"
 
 
 class TiedEmbedding(nn.Layer):
@@ -139,6 +140,7 @@ def main():
                                  "micro_batch_size": args.micro_batch_size}
     fleet.init(is_collective=True, strategy=strategy)
     rank = paddle.distributed.get_rank()
+    print(FLEET_READY, flush=True)  # tells the test that gloo's own group setup succeeded
     result = {"rank": rank, "eager": train(args, False), "graphed": train(args, True)}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
