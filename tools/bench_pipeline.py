@@ -1,0 +1,192 @@
+#!/usr/bin/env python
+"""Pipeline training with and without CUDA graphs, side by side: tools/train_gpt.py --framework torch.
+
+Run on a machine with 2 GPUs (one command, under 8 minutes)::
+
+    python tools/bench_pipeline.py
+
+For each configuration (a launch-bound one: hidden 512, 12 layers, micro-batch 4 x 256 tokens,
+8 micro-batches; and a compute-bound one: hidden 2048, 4 layers, micro-batch 4 x 512 tokens) and
+each schedule (pp=2 1F1B, pp=2 x vpp=2 interleaved) it trains 50 steps with dropout 0.1 eagerly
+and with ``--cudagraph``, then checks that the losses agree to 1e-5 relative error at every step
+and reports tokens/s and peak reserved memory (max over ranks). The result goes to
+``benchmarks/results/pipeline-<device>.json`` with every command line, and a table is printed.
+
+``--smoke`` runs tiny configurations for a few steps (CPU allowed) and writes nothing: a check
+that the script itself works.
+Exit status: 0 when every run finished and every loss check passed, 1 otherwise, 2 when the
+machine cannot run the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import benchlib  # noqa: E402
+
+TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_gpt.py")
+BUDGET_S = 450  # the whole benchmark stays under 8 minutes
+LOSS_RTOL = 1e-5
+TARGET_SPEEDUP = 1.8  # launch-bound configuration, graphs over eager
+
+CONFIGS = {
+    "launch_bound": ["--hidden", "512", "--layers", "12", "--micro-batch-size", "4", "--seq-len", "256",
+                     "--micro-batches", "8"],
+    "compute_bound": ["--hidden", "2048", "--layers", "4", "--micro-batch-size", "4", "--seq-len", "512",
+                      "--micro-batches", "8"],
+}
+SMOKE_CONFIGS = {
+    "launch_bound": ["--hidden", "64", "--layers", "4", "--micro-batch-size", "2", "--seq-len", "32",
+                     "--micro-batches", "4"],
+}
+SCHEDULES = {"1F1B": ["--pp", "2"], "interleaved": ["--pp", "2", "--vpp", "2"]}
+
+
+def run_one(args: list, timeout: float) -> dict:
+    """One train_gpt.py run in its own session; its last stdout line parsed, or the failure."""
+    cmd = [sys.executable, TRAIN, *args]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=max(1.0, timeout))
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        timed_out = True
+    finally:
+        try:  # ranks left behind, if any
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    record = {"command": " ".join(["python", "tools/train_gpt.py", *args]), "seconds": round(time.monotonic() - start, 1)}
+    lines = [line for line in out.strip().splitlines() if line.strip()]
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        result = None
+    if timed_out or proc.returncode != 0 or result is None:
+        record["error"] = ("timed out after %.0fs" % timeout) if timed_out else f"exit code {proc.returncode}"
+        record["stderr_tail"] = err[-3000:]
+        return record
+    record.update(result)
+    return record
+
+
+def compare(eager: dict, graphed: dict) -> dict:
+    """Loss agreement and the speed and memory ratios of one eager/graphed pair."""
+    if "error" in eager or "error" in graphed:
+        return {"ok": False, "reason": "a run failed"}
+    a, b = eager["losses"], graphed["losses"]
+    if len(a) != len(b) or not a:
+        return {"ok": False, "reason": f"loss counts differ ({len(a)} vs {len(b)})"}
+    rel = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+    return {
+        "ok": rel <= LOSS_RTOL and graphed.get("graphs_active", False),
+        "max_rel_loss_err": rel,
+        "losses_match": rel <= LOSS_RTOL,
+        "graphs_active": graphed.get("graphs_active", False),
+        "speedup_tokens_per_s": graphed["tokens_per_s"] / max(eager["tokens_per_s"], 1e-9),
+        "peak_mem_ratio": graphed["peak_mem_mib"] / max(eager["peak_mem_mib"], 1e-9),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--smoke", action="store_true", help="tiny configurations, CPU allowed, no result file")
+    opts = parser.parse_args()
+    if opts.steps < 6:
+        print("bench_pipeline: --steps must be at least 6 (warmup and capture come first)", file=sys.stderr)
+        return 2
+
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2 and not opts.smoke:
+        print(f"bench_pipeline: needs 2 GPUs, found {gpus}; run it on the 2-GPU machine (or --smoke)", file=sys.stderr)
+        return 2
+    configs = SMOKE_CONFIGS if opts.smoke else CONFIGS
+    steps = min(opts.steps, 8) if opts.smoke else opts.steps
+    deadline = time.monotonic() + BUDGET_S
+    runs, pairs = [], []
+    flip = False
+    for cfg_name, cfg_args in configs.items():
+        for sched_name, sched_args in SCHEDULES.items():
+            base = ["--framework", "torch", *sched_args, *cfg_args, "--steps", str(steps), "--dropout", "0.1",
+                    "--seed", "1234", "--timeout", "120"]
+            order = ["graphed", "eager"] if flip else ["eager", "graphed"]
+            flip = not flip  # alternate which variant goes first
+            pair = {"config": cfg_name, "schedule": sched_name}
+            for variant in order:
+                remaining = deadline - time.monotonic()
+                if remaining < 20:
+                    pair[variant] = {"error": "skipped: the benchmark's time budget is spent"}
+                    continue
+                args = base + (["--cudagraph"] if variant == "graphed" else [])
+                print(f"[{cfg_name} / {sched_name} / {variant}] ...", flush=True)
+                record = run_one(args, timeout=min(240.0, remaining - 10))
+                record.update(config=cfg_name, schedule=sched_name, variant=variant)
+                runs.append(record)
+                pair[variant] = record
+                if "error" in record:
+                    print(f"  failed: {record['error']}\n{record.get('stderr_tail', '')[-1500:]}", flush=True)
+            pair["check"] = compare(pair.get("eager", {"error": "missing"}), pair.get("graphed", {"error": "missing"}))
+            pairs.append(pair)
+
+    print_table(pairs)
+    launch = [p["check"].get("speedup_tokens_per_s") for p in pairs if p["config"] == "launch_bound"]
+    summary = {
+        "all_ok": all(p["check"]["ok"] for p in pairs),
+        "loss_rtol": LOSS_RTOL,
+        "target_speedup_launch_bound": TARGET_SPEEDUP,
+        "launch_bound_speedups": launch,
+        "meets_target": bool(launch) and all(s is not None and s >= TARGET_SPEEDUP for s in launch),
+    }
+    if opts.smoke:
+        print(json.dumps(summary))
+        return 0 if all("error" not in r for r in runs) else 1
+    payload = {"command": benchlib.command(), **benchlib.environment(), "steps": steps, "configs": CONFIGS,
+               "summary": summary,
+               "pairs": [{k: (_slim(v) if isinstance(v, dict) and k in ("eager", "graphed") else v)
+                          for k, v in p.items()} for p in pairs]}
+    path = benchlib.write_result("pipeline", payload)
+    print(f"wrote {path}")
+    print(json.dumps(summary))
+    return 0 if summary["all_ok"] else 1
+
+
+def _slim(record: dict) -> dict:
+    keep = ("command", "seconds", "error", "stderr_tail", "tokens_per_s", "peak_mem_mib", "loss_first", "loss_last",
+            "losses", "device", "graphs_active", "graph_memory", "timed_steps", "graphed_runs_on_rank", "torch_version")
+    return {k: record[k] for k in keep if k in record}
+
+
+def print_table(pairs: list) -> None:
+    head = f"{'config':<14}{'schedule':<13}{'eager tok/s':>12}{'graph tok/s':>12}{'speedup':>9}" \
+           f"{'eager MiB':>11}{'graph MiB':>11}{'max rel err':>13}  ok"
+    print(head)
+    print("-" * len(head))
+    for p in pairs:
+        e, g, c = p.get("eager", {}), p.get("graphed", {}), p["check"]
+        num = lambda r, k: f"{r[k]:.0f}" if k in r else "-"  # noqa: E731
+        speed = f"{c['speedup_tokens_per_s']:.2f}x" if "speedup_tokens_per_s" in c else "-"
+        err = f"{c['max_rel_loss_err']:.1e}" if "max_rel_loss_err" in c else "-"
+        print(f"{p['config']:<14}{p['schedule']:<13}{num(e, 'tokens_per_s'):>12}{num(g, 'tokens_per_s'):>12}"
+              f"{speed:>9}{num(e, 'peak_mem_mib'):>11}{num(g, 'peak_mem_mib'):>11}{err:>13}  "
+              f"{'yes' if c['ok'] else 'NO: ' + c.get('reason', 'losses differ or graphs inactive')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
