@@ -152,9 +152,22 @@ def test_replay_order_differing_from_capture_raises(rt):
     x = torch.randn(2, 4, requires_grad=True)
     b(a(x)).sum().backward()  # capture order: a.f b.f b.b a.b
     b(a(x)).sum().backward()  # same order replays fine
-    ya = b(torch.randn(2, 4, requires_grad=True))  # b first, then a, with b in flight
+    # b first, then a (with b in flight): a takes position 0, whose forward graph was captured
+    # before b's: replaying it now would run ahead of the capture order
+    yb = b(torch.randn(2, 4, requires_grad=True))
     with pytest.raises(GraphScheduleError, match="different order"):
         a(x)
+
+
+def test_positions_restart_per_process_wide_episode(rt):
+    """A layer nested inside another's forward/backward never starts an episode itself, yet its
+    positions restart every step: the episode is process-wide."""
+    outer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    inner = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    for _ in range(5):
+        inner(outer(torch.randn(2, 4, requires_grad=True))).sum().backward()
+    assert inner.engine.graph_count() == 2 and outer.engine.graph_count() == 2
+    assert inner.engine.replays == 8
 
 
 def test_per_graph_mode_has_no_order_constraint(rt):

@@ -2,8 +2,9 @@
 
 One :class:`GraphedCallable` serves one wrapped layer. Its life, per input signature:
 
-1. **Warmup.** The first ``num_warmup_steps`` forwards (and until nothing is in flight, so that
-   capture starts at the beginning of an episode) run eagerly inside the autograd function.
+1. **Warmup.** The first ``num_warmup_steps`` forwards (and until no micro-batch is in flight
+   in any graphed layer, so that capture starts at the beginning of an episode) run eagerly
+   inside the autograd function.
 2. **Capture.** In the next episode, the forward at each position runs eagerly for its
    results and is captured into a graph on the side; its backward likewise. Capture does not
    execute, and nothing is replayed right after capture: the eager run's results are the
@@ -197,11 +198,14 @@ class GraphedCallable:
     # --------------------------------------------------------------- forward
     def _forward(self, call: _Call) -> list:
         sig = None if call.force_eager else self._signature_for(call)
-        if sig is not None and not sig.armed and sig.warm >= self.options.num_warmup_steps \
-                and self.queue.at_episode_start:
+        if self.plan.in_flight == 0:  # no micro-batch in flight in any graphed layer: a new episode
+            self.plan.episode += 1
+        first_in_episode = self.queue.episode != self.plan.episode
+        if sig is not None and not sig.armed and sig.warm >= self.options.num_warmup_steps and first_in_episode:
             sig.armed = True
             sig.params = list(call.params)
-        call.position = self.queue.push(call, call.key)
+        call.position = self.queue.push(call, call.key, episode=self.plan.episode)
+        self.plan.in_flight += 1
         if sig is not None and self.memory_mode is _memory.MemoryMode.PER_GRAPH:
             # Upstream semantics: one pair per in-flight slot, safe because no pool is shared.
             call.position = sig.free_slot()
@@ -219,6 +223,7 @@ class GraphedCallable:
             return outputs
         except BaseException:
             self.queue.discard(call)
+            self.plan.in_flight -= 1
             if sig is not None:
                 sig.busy.discard(call.position)
             raise
@@ -287,6 +292,7 @@ class GraphedCallable:
     # -------------------------------------------------------------- backward
     def _backward(self, call: _Call, grads: Sequence[Any]) -> list:
         self.queue.pop(call)
+        self.plan.in_flight -= 1
         sig = self._signatures.get(call.key)
         if sig is not None:
             sig.busy.discard(call.position)

@@ -76,6 +76,8 @@ class MemoryPlan:
         self.capture_seconds = 0.0
         self._pending_log = False
         self._per_graph_pools: list = []
+        self.in_flight = 0  # forwards of graphed layers awaiting their backward, process-wide
+        self.episode = 0  # bumped by a forward that finds nothing in flight anywhere
 
     # ------------------------------------------------------------ allocation
     def generation_for_capture(self, mode: MemoryMode) -> Optional[_Generation]:

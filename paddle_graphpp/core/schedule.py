@@ -2,16 +2,18 @@
 
 Pipeline schedules (1F1B, interleaved) run the forwards of micro-batches 1..k before the
 backward of micro-batch 1. Each forward pushes a record; each backward must pop the oldest
-one. An *episode* runs from a moment with nothing in flight to the next such moment; a
-forward's *position* is its index within the episode, counted per input signature. Under a
-fixed schedule every episode has the same sequence, which is what lets graphs be captured
-once in execution order and replayed safely from one shared memory pool.
+one. An *episode* runs from a moment when no micro-batch is in flight in *any* graphed layer
+of the process to the next such moment (an interleaved stage's chunks each empty their own
+FIFO mid-step while the other chunk still holds micro-batches: that is not an episode end).
+A forward's *position* is its index within the episode, counted per layer and input
+signature. Under a fixed schedule every episode has the same sequence, which is what lets
+graphs be captured once in execution order and replayed safely from one shared memory pool.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Hashable
+from typing import Any, Hashable, Optional
 
 from .errors import GraphScheduleError
 
@@ -33,10 +35,16 @@ class InFlightQueue:
         self.max_in_flight = max_in_flight
         self._pending: deque = deque()
         self._positions: dict[Hashable, int] = {}
+        self._episode = 0
         self.episodes = 0
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    @property
+    def episode(self) -> int:
+        """The number of the episode this queue's positions count in."""
+        return self._episode
 
     @property
     def at_episode_start(self) -> bool:
@@ -47,8 +55,12 @@ class InFlightQueue:
         """Position the next forward with signature ``key`` takes in the current episode."""
         return self._positions.get(key, 0)
 
-    def push(self, record: Any, key: Hashable) -> int:
-        """Enqueue a forward; returns its position. Raises when too many are in flight."""
+    def push(self, record: Any, key: Hashable, episode: Optional[int] = None) -> int:
+        """Enqueue a forward; returns its position. Raises when too many are in flight.
+
+        ``episode`` is the process-wide episode number: positions restart when it changes.
+        By default an episode starts whenever this queue is empty.
+        """
         if len(self._pending) >= self.max_in_flight:
             raise GraphScheduleError(
                 f"{self.owner}: {len(self._pending)} forwards are waiting for their backward, the "
@@ -56,7 +68,10 @@ class InFlightQueue:
                 f"(inference belongs under no_grad, which runs eagerly), or raise max_in_flight if "
                 f"your schedule really keeps this many micro-batches in flight."
             )
-        if not self._pending:
+        if episode is None:
+            episode = self._episode + (not self._pending)
+        if episode != self._episode:
+            self._episode = episode
             self._positions.clear()
             self.episodes += 1
         position = self._positions.get(key, 0)
