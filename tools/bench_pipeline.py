@@ -169,7 +169,7 @@ def main() -> int:
 
 def _slim(record: dict) -> dict:
     keep = ("command", "seconds", "error", "stderr_tail", "tokens_per_s", "peak_mem_mib", "loss_first", "loss_last",
-            "losses", "device", "graphs_active", "graph_memory", "timed_steps", "graphed_runs_on_rank", "torch_version")
+            "losses", "device", "graphs_active", "timed_steps", "graphed_runs_on_rank", "torch_version")
     return {k: record[k] for k in keep if k in record}
 
 

@@ -372,18 +372,6 @@ def build_torch_chunk(cfg: Config, chunk: int):
     return nn.Sequential(*modules), tied
 
 
-def graph_memory(cfg: Config) -> str:
-    """The engine's memory mode for this schedule.
-
-    Interleaved: on a rank, chunk k's FIFO empties in the middle of a step (pp=2, vpp=2: its
-    forwards and backwards come as F F B B F F B B), so the engine starts a new episode there and
-    replays, in the step's second half, graphs captured in its first half while other chunks'
-    graphs are still in flight. One shared pool cannot allow that (the engine raises
-    GraphScheduleError), so interleaved runs give each graph its own pool.
-    """
-    return "per_graph" if cfg.vpp > 1 else "shared"
-
-
 def _tied_pairs(tied_by_chunk: dict) -> list:
     out = []
     for t in tied_by_chunk.values():
@@ -445,7 +433,7 @@ def run_torch(cfg: Config) -> None:
 
             t = tied_by_chunk[s]
             mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, shared=() if t is None else (t if isinstance(t, tuple) else (t,)),
-                                     memory=graph_memory(cfg), name=f"stage{s}")
+                                     name=f"stage{s}")
             graphed.extend(mod.graphed_modules)
         else:
             mod = chunks[s]
@@ -501,7 +489,7 @@ def run_torch(cfg: Config) -> None:
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     reporter.finish(tokens_per_s=timer.tokens_per_s(cfg), peak_mem_mib=float(peak.item()), device=device_name,
-                    graphed_runs_on_rank=len(graphed), graph_memory=graph_memory(cfg) if cfg.cudagraph else None,
+                    graphed_runs_on_rank=len(graphed),
                     graphs_active=bool(cfg.cudagraph and use_cuda), timed_steps=timer.timed_steps,
                     torch_version=torch.__version__)
     if world > 1:

@@ -177,11 +177,13 @@ def test_graphed_stages_train_like_plain_stages(vpp, tmp_path):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("vpp,memory", [(1, "shared"), (2, "per_graph")],
-                         ids=["Schedule1F1B-shared", "ScheduleInterleaved1F1B-per_graph"])
+@pytest.mark.parametrize("vpp,memory", [(1, "shared"), (2, "shared")],
+                         ids=["Schedule1F1B", "ScheduleInterleaved1F1B"])
 def test_schedules_pair_forwards_and_backwards_in_every_graphed_run(vpp, memory, tmp_path):
     # Fake runtime: capture and replay are bookkeeping only (values after a replay are stale).
     results = run_ranks(["--vpp", str(vpp), "--steps", "5", "--runtime", "fake", "--memory", memory], tmp_path)
+    # Interleaved pp=2 x vpp=2: a chunk's FIFO empties mid-step (F F B B F F B B) while the other
+    # chunk still has micro-batches in flight; one shared pool must still see one capture order.
     for rank, data in results.items():
         runs = data["graphed"]["graphed_runs"]
         assert len(runs) == 2 * vpp
