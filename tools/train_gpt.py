@@ -94,6 +94,9 @@ class Config:
     """AdamW learning rate."""
     timeout: int = 120
     """Seconds a rank waits for its peers before it gives up with an error."""
+    graph_optimizer: bool = False
+    """Capture the optimizer step and gradient zeroing as one CUDA graph (PyTorch only;
+    ``paddle_graphpp.GraphedOptimizer``); eager and bit-identical on CPU."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -109,6 +112,8 @@ def parse_args(argv=None) -> Config:
                  "steps", "seed", "timeout"):
         parser.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(defaults, flag))
     parser.add_argument("--cudagraph", action="store_true", help="capture stage blocks as CUDA graphs")
+    parser.add_argument("--graph-optimizer", action="store_true",
+                        help="capture AdamW step + zero-grad as one CUDA graph (--framework torch)")
     parser.add_argument("--data", default=defaults.data, metavar="PATH", help="text file (default: synthetic)")
     parser.add_argument("--dropout", type=float, default=defaults.dropout)
     parser.add_argument("--lr", type=float, default=defaults.lr)
@@ -143,6 +148,9 @@ def validate(cfg: Config) -> None:
             f"the interleaved schedule (--vpp {cfg.vpp}) needs --micro-batches to be a multiple of "
             f"--pp {cfg.pp}, got {cfg.micro_batches}; use --micro-batches {cfg.pp * math.ceil(cfg.micro_batches / cfg.pp)}"
         )
+    if cfg.graph_optimizer and cfg.framework != "torch":
+        raise ConfigError("--graph-optimizer works with --framework torch; Paddle's fleet wraps the "
+                          "optimizer itself (use paddle_graphpp.GraphedOptimizer in a custom loop)")
     if cfg.framework == "paddle" and cfg.vpp > 1:
         # fleet's interleaved schedule rejects 2 stages and fewer than 2*pp micro-batches.
         if cfg.pp < 3:
@@ -455,6 +463,10 @@ def run_torch(cfg: Config) -> None:
     else:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+    if cfg.graph_optimizer:
+        from paddle_graphpp import GraphedOptimizer
+
+        optimizer = GraphedOptimizer(optimizer)  # step + in-place zero-grad, one graph replay
     # The tie between the first and the last stage: each holds a copy, gradients are summed.
     tie_group = dist.new_group([0, cfg.pp - 1]) if cfg.pp > 1 else None
 
@@ -472,7 +484,7 @@ def run_torch(cfg: Config) -> None:
         args = (torch.from_numpy(x).to(device),) if first_rank else ()
         target = torch.from_numpy(y).to(device) if last_rank else None
         losses = [] if last_rank else None
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(**({} if cfg.graph_optimizer else {"set_to_none": True}))
         schedule.step(*args, target=target, losses=losses)
         _sum_tied_grads(tied, tie_group)
         optimizer.step()

@@ -79,7 +79,8 @@ def test_default_command_trains_paddle_pp2_within_a_minute():
     ("paddle", []),
     ("torch", []),
     ("torch", ["--vpp", "2"]),
-], ids=["paddle-1F1B", "torch-1F1B", "torch-interleaved"])
+    ("torch", ["--graph-optimizer"]),
+], ids=["paddle-1F1B", "torch-1F1B", "torch-interleaved", "torch-graph-optimizer"])
 def test_cudagraph_on_and_off_give_identical_losses(framework, extra):
     args = ["--framework", framework, "--steps", "5", *extra]
     eager, _, _ = train_ok(args)
@@ -114,6 +115,7 @@ def test_text_file_data(tmp_path):
     (["--vpp", "2"], "--pp 3"),
     (["--data", "/nonexistent/corpus.txt"], "--data"),
     (["--hidden", "100"], "--hidden"),
+    (["--graph-optimizer"], "--framework torch"),
 ])
 def test_bad_configurations_fail_before_any_rank_starts(args, fix):
     rc, out, err, seconds = train(args, timeout=60)
