@@ -5,6 +5,7 @@ the top level and loads Paddle on first use; the PyTorch API lives in ``paddle_g
 """
 
 import importlib
+import os
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,7 @@ _LAZY = {
     "CaptureError": "paddle_graphpp.core.errors",
     "GraphScheduleError": "paddle_graphpp.core.errors",
     "use_cuda_malloc_async_allocator": "paddle_graphpp.allocator",
+    "AllocatorSwitchError": "paddle_graphpp.allocator",
     "capture_custom_allreduce": "paddle_graphpp.core.collectives",
     "sot_warmup_guard": "paddle_graphpp.core.guards",
     "in_sot_warmup_mode": "paddle_graphpp.core.guards",
@@ -45,3 +47,11 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
+
+
+if os.environ.get("FLAGS_use_cuda_malloc_async_allocator"):
+    # The environment switch: takes effect for torch if it is not imported yet (Paddle reads the
+    # flag itself). Imports no framework; a switch that comes too late warns.
+    from .allocator import apply_env_switch as _apply_env_switch
+
+    _apply_env_switch()

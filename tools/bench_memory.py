@@ -35,7 +35,6 @@ cross-check that sees everything.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
@@ -48,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchlib  # noqa: E402
+from paddle_graphpp.core.driver_memory import GraphMemory  # noqa: E402
 
 MODES = ("eager", "per_graph", "shared", "shared_reuse", "async")
 GRAPHED = ("per_graph", "shared", "shared_reuse", "async")
@@ -111,40 +111,6 @@ def describe_schedule(cfg: Config) -> str:
 
 
 # ----------------------------------------------------------------------------- device side
-class GraphMemory:
-    """The driver's graph-memory counters (cuDeviceGetGraphMemAttribute); ``None`` if unavailable."""
-
-    USED_CURRENT, USED_HIGH, RESERVED_CURRENT, RESERVED_HIGH = 0, 1, 2, 3
-
-    def __init__(self, ordinal: int):
-        self.lib = None
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            dev = ctypes.c_int()
-            lib.cuInit(ctypes.c_uint(0))  # already done by the CUDA runtime; harmless again
-            if lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(ordinal)) == 0:
-                self.lib, self.dev = lib, dev
-        except (OSError, AttributeError):
-            pass
-
-    def get(self, attr: int):
-        if self.lib is None:
-            return None
-        value = ctypes.c_uint64()
-        rc = self.lib.cuDeviceGetGraphMemAttribute(self.dev, ctypes.c_int(attr), ctypes.byref(value))
-        return value.value if rc == 0 else None
-
-    def reset_high(self) -> None:
-        if self.lib is not None:
-            for attr in (self.USED_HIGH, self.RESERVED_HIGH):
-                zero = ctypes.c_uint64(0)
-                self.lib.cuDeviceSetGraphMemAttribute(self.dev, ctypes.c_int(attr), ctypes.byref(zero))
-
-    def trim(self) -> None:
-        if self.lib is not None:
-            self.lib.cuDeviceGraphMemTrim(self.dev)
-
-
 def build_chunk(torch, cfg: Config, n_layers: int):
     nn, F = torch.nn, torch.nn.functional
 

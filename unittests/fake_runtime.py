@@ -54,6 +54,9 @@ class FakeGraphRuntime(TorchRuntime):
     def abort_capture(self):
         self.aborted += 1
 
+    def async_allocator_active(self):
+        return False
+
     def pool_memory(self, pools):
         return {"reserved_bytes": 0, "allocated_bytes": 0}
 

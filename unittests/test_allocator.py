@@ -208,19 +208,41 @@ def test_env_flag_unset_or_off_does_nothing():
         assert out["env"]["PYTORCH_CUDA_ALLOC_CONF"] is None
 
 
+def _fresh(code: str, **env_vars) -> dict:
+    """Like run(), without the prelude (which imports paddle_graphpp first)."""
+    env = {k: v for k, v in os.environ.items() if k not in _CLEAR}
+    env.update(env_vars)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_env_flag_applies_when_paddle_graphpp_is_imported_before_torch():
+    out = _fresh("""
+        import json, os, sys
+        import paddle_graphpp
+        seen = "torch" in sys.modules
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        print(json.dumps({"conf": conf, "torch_imported": seen}))
+    """, FLAGS_use_cuda_malloc_async_allocator="1")
+    assert out == {"conf": "backend:cudaMallocAsync", "torch_imported": False}
+
+
 def test_env_flag_too_late_warns_instead_of_failing_import():
-    out = run("""
-        import torch
+    out = _fresh("""
+        import json, os, warnings
         warnings.simplefilter("always")
-        from paddle_graphpp.allocator import apply_env_switch
+        import torch
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            r = apply_env_switch()
-        print(json.dumps({"r": r, "warnings": [str(x.message) for x in w], "env": env()}))
+            import paddle_graphpp  # applies the environment switch on import
+        print(json.dumps({"warnings": [str(x.message) for x in w],
+                          "conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}))
     """, FLAGS_use_cuda_malloc_async_allocator="1")
-    assert out["r"] is None
     assert any("too late" in m and "torch" in m for m in out["warnings"]), out["warnings"]
-    assert out["env"]["PYTORCH_CUDA_ALLOC_CONF"] is None
+    assert out["conf"] is None
 
 
 def test_env_flag_with_a_bad_value_warns():

@@ -250,10 +250,11 @@ class GraphedCallable:
         for t, s in zip(call.tensors, call.specs):
             buf = plan.take_buffer(gen, _buffer_key(s)) if reuse else None
             static_inputs.append(buf if buf is not None else rt.static_like(t))
+        pool = plan.pool_for(gen)
         graph = rt.create_graph()
         start = _memory.now()
         try:
-            with _capture_guard(graph, self.name), rt.capture_to_graph(graph, plan.pool_for(gen)):
+            with _capture_guard(graph, self.name), rt.capture_to_graph(graph, pool):
                 with rt.enable_grad():
                     cap_in = [rt.detach(b, s.requires_grad) for b, s in zip(static_inputs, call.specs)]
                     args, kwargs = self._rebuild(call, cap_in)
@@ -325,10 +326,11 @@ class GraphedCallable:
         param_buffers = self._param_buffers(call.params)
         outs = [o for o, d in zip(pair.capture_outputs, call.differentiable) if d]
         wrt = [x for x, s in zip(pair.capture_inputs, call.specs) if s.requires_grad] + pair.capture_params
+        pool = plan.pool_for(gen)
         graph = rt.create_graph()
         start = _memory.now()
         try:
-            with _capture_guard(graph, self.name), rt.capture_to_graph(graph, plan.pool_for(gen)):
+            with _capture_guard(graph, self.name), rt.capture_to_graph(graph, pool):
                 got = rt.autograd_grad(outs, static_grads, wrt) if outs else [None] * len(wrt)
                 n_in = len(wrt) - len(call.params)
                 pg = got[n_in:]

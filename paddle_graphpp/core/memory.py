@@ -16,8 +16,9 @@ Modes (``memory=`` of a graphed layer):
     Each graph gets its own pool: upstream Paddle's behaviour, kept for comparison.
 
 With the stream-ordered allocator (``use_cuda_malloc_async_allocator``) the framework
-ignores private pools: memory is tracked by the driver's graph memory nodes, and captures
-must not overlap, which they never do here (captures are sequential on one stream).
+ignores private pools: graphs allocate through the driver's graph memory nodes, the engine
+passes no pool, and the report's pool figures are the driver's graph-memory counters.
+Captures must not overlap, which they never do here (captures are sequential on one stream).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class MemoryPlan:
         self._per_graph_pools: list = []
         self.in_flight = 0  # forwards of graphed layers awaiting their backward, process-wide
         self.episode = 0  # bumped by a forward that finds nothing in flight anywhere
+        self._async: Optional[bool] = None
 
     # ------------------------------------------------------------ allocation
     def generation_for_capture(self, mode: MemoryMode) -> Optional[_Generation]:
@@ -93,7 +95,19 @@ class MemoryPlan:
                             "so the new graphs cannot alias memory that earlier graphs still use", gen.index)
         return gen
 
+    @property
+    def async_allocator(self) -> bool:
+        """Whether the stream-ordered allocator is active (asked once, at the first capture)."""
+        if self._async is None:
+            self._async = bool(self.runtime.async_allocator_active())
+            if self._async:
+                logger.info("paddle_graphpp: the stream-ordered allocator is active: graph memory is the "
+                            "driver's graph memory and memory modes do not select pools")
+        return self._async
+
     def pool_for(self, gen: Optional[_Generation]) -> Any:
+        if self.async_allocator:
+            return None  # private pools are ignored by cudaMallocAsync; graph memory nodes instead
         if gen is None:
             pool = self.runtime.new_pool()
             self._per_graph_pools.append(pool)
@@ -150,6 +164,8 @@ class MemoryPlan:
     def report(self) -> dict:
         stats = self.runtime.memory_stats()
         pools = [g.pool for g in self._generations] + self._per_graph_pools
+        if self._async:
+            pools = [None]  # graph memory is the driver's: the runtime reports it as a whole
         pool_stats = self.runtime.pool_memory(pools) if pools else {"reserved_bytes": 0, "allocated_bytes": 0}
         return {
             "runtime": self.runtime.name,

@@ -166,6 +166,13 @@ class GraphRuntime(abc.ABC):
     def pool_memory(self, pools: Sequence[Any]) -> dict:
         """``{"reserved_bytes", "allocated_bytes"}`` held by the given graph pools together."""
 
+    def async_allocator_active(self) -> bool:
+        """True when the framework allocates with the stream-ordered allocator (cudaMallocAsync):
+        graph pools are then ignored. Raises ``AllocatorSwitchError`` on a half-switch."""
+        from ..allocator import async_allocator_active
+
+        return async_allocator_active(self.name)
+
     @abc.abstractmethod
     def release_cached_memory(self) -> None:
         """Return cached, unused device memory to the driver (after a failed capture)."""

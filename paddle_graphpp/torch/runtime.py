@@ -181,6 +181,13 @@ class TorchRuntime(GraphRuntime):
     def pool_memory(self, pools) -> dict:
         if not torch.cuda.is_available():
             return {"reserved_bytes": 0, "allocated_bytes": 0}
+        if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+            # no snapshot under cudaMallocAsync: graph memory is the driver's, counted there
+            from ..core.driver_memory import GraphMemory
+
+            gm = GraphMemory(torch.cuda.current_device())
+            return {"reserved_bytes": gm.get(GraphMemory.RESERVED_CURRENT) or 0,
+                    "allocated_bytes": gm.get(GraphMemory.USED_CURRENT) or 0}
         wanted = {tuple(p) for p in pools if p is not None}
         reserved = allocated = 0
         for seg in torch.cuda.memory_snapshot():
