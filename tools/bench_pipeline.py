@@ -84,15 +84,37 @@ def run_one(args: list, timeout: float) -> dict:
     return record
 
 
+def _median(values: list) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
+
+
+def summarize(records: list) -> dict:
+    """Median tokens/s and peak memory over a variant's rounds, with the round spread."""
+    ok = [r for r in records if "error" not in r]
+    if not ok:
+        return {"error": records[0].get("error", "no run") if records else "no run"}
+    tps = [r["tokens_per_s"] for r in ok]
+    return {"tokens_per_s": _median(tps), "tokens_per_s_rounds": tps, "spread": max(tps) / min(tps),
+            "peak_mem_mib": _median([r["peak_mem_mib"] for r in ok]), "losses": ok[0]["losses"],
+            "graphs_active": all(r.get("graphs_active", False) for r in ok),
+            "commands": sorted({r["command"] for r in ok})}
+
+
 def compare(eager: dict, graphed: dict) -> dict:
-    """Loss agreement and the speed and memory ratios of one eager/graphed pair."""
+    """Loss agreement and the speed and memory ratios of one eager/graphed pair (medians)."""
     if "error" in eager or "error" in graphed:
         return {"ok": False, "reason": "a run failed"}
     a, b = eager["losses"], graphed["losses"]
     if len(a) != len(b) or not a:
         return {"ok": False, "reason": f"loss counts differ ({len(a)} vs {len(b)})"}
     rel = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+    reason = [] if rel <= LOSS_RTOL else [f"losses differ by {rel:.1e}"]
+    if not graphed.get("graphs_active", False):
+        reason.append("graphs were not active")
     return {
+        "reason": "; ".join(reason),
         "ok": rel <= LOSS_RTOL and graphed.get("graphs_active", False),
         "max_rel_loss_err": rel,
         "losses_match": rel <= LOSS_RTOL,
@@ -105,6 +127,11 @@ def compare(eager: dict, graphed: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of each variant, in alternating order (medians are reported)")
+    parser.add_argument("--configs", nargs="*", default=None, help="subset of configurations to run")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole benchmark")
+    parser.add_argument("--name", default="pipeline", help="result file name: <name>-<device>.json")
     parser.add_argument("--smoke", action="store_true", help="tiny configurations, CPU allowed, no result file")
     opts = parser.parse_args()
     if opts.steps < 6:
@@ -118,31 +145,43 @@ def main() -> int:
         print(f"bench_pipeline: needs 2 GPUs, found {gpus}; run it on the 2-GPU machine (or --smoke)", file=sys.stderr)
         return 2
     configs = SMOKE_CONFIGS if opts.smoke else CONFIGS
+    if opts.configs:
+        unknown = set(opts.configs) - set(configs)
+        if unknown:
+            print(f"bench_pipeline: unknown configuration(s) {sorted(unknown)}; choose from {list(configs)}",
+                  file=sys.stderr)
+            return 2
+        configs = {k: v for k, v in configs.items() if k in opts.configs}
     steps = min(opts.steps, 8) if opts.smoke else opts.steps
-    deadline = time.monotonic() + BUDGET_S
+    deadline = time.monotonic() + opts.budget
     runs, pairs = [], []
-    flip = False
     for cfg_name, cfg_args in configs.items():
         for sched_name, sched_args in SCHEDULES.items():
             base = ["--framework", "torch", *sched_args, *cfg_args, "--steps", str(steps), "--dropout", "0.1",
                     "--seed", "1234", "--timeout", "120"]
-            order = ["graphed", "eager"] if flip else ["eager", "graphed"]
-            flip = not flip  # alternate which variant goes first
+            variants = {"eager": [], "graphed": ["--cudagraph"]}
+            if cfg_name == "launch_bound" and sched_name == "1F1B":
+                variants["graphed_optimizer"] = ["--cudagraph", "--graph-optimizer"]
+            records = {v: [] for v in variants}
+            for rnd in range(opts.rounds):
+                order = list(variants) if rnd % 2 == 0 else list(variants)[::-1]  # A B C, C B A, ...
+                for variant in order:
+                    remaining = deadline - time.monotonic()
+                    if remaining < 20:
+                        records[variant].append({"error": "skipped: the benchmark's time budget is spent"})
+                        continue
+                    print(f"[{cfg_name} / {sched_name} / {variant} / round {rnd + 1}] ...", flush=True)
+                    record = run_one(base + variants[variant], timeout=min(240.0, remaining - 10))
+                    record.update(config=cfg_name, schedule=sched_name, variant=variant, round=rnd)
+                    runs.append(record)
+                    records[variant].append(record)
+                    if "error" in record:
+                        print(f"  failed: {record['error']}\n{record.get('stderr_tail', '')[-1500:]}", flush=True)
             pair = {"config": cfg_name, "schedule": sched_name}
-            for variant in order:
-                remaining = deadline - time.monotonic()
-                if remaining < 20:
-                    pair[variant] = {"error": "skipped: the benchmark's time budget is spent"}
-                    continue
-                args = base + (["--cudagraph"] if variant == "graphed" else [])
-                print(f"[{cfg_name} / {sched_name} / {variant}] ...", flush=True)
-                record = run_one(args, timeout=min(240.0, remaining - 10))
-                record.update(config=cfg_name, schedule=sched_name, variant=variant)
-                runs.append(record)
-                pair[variant] = record
-                if "error" in record:
-                    print(f"  failed: {record['error']}\n{record.get('stderr_tail', '')[-1500:]}", flush=True)
-            pair["check"] = compare(pair.get("eager", {"error": "missing"}), pair.get("graphed", {"error": "missing"}))
+            pair.update({v: summarize(r) for v, r in records.items()})
+            pair["check"] = compare(pair["eager"], pair["graphed"])
+            if "graphed_optimizer" in pair:
+                pair["check_graph_optimizer"] = compare(pair["eager"], pair["graphed_optimizer"])
             pairs.append(pair)
 
     print_table(pairs)
@@ -157,11 +196,10 @@ def main() -> int:
     if opts.smoke:
         print(json.dumps(summary))
         return 0 if all("error" not in r for r in runs) else 1
-    payload = {"command": benchlib.command(), **benchlib.environment(), "steps": steps, "configs": CONFIGS,
-               "summary": summary,
-               "pairs": [{k: (_slim(v) if isinstance(v, dict) and k in ("eager", "graphed") else v)
-                          for k, v in p.items()} for p in pairs]}
-    path = benchlib.write_result("pipeline", payload)
+    payload = {"command": benchlib.command(), **benchlib.environment(), "steps": steps, "rounds": opts.rounds,
+               "configs": {k: CONFIGS[k] for k in configs}, "summary": summary, "pairs": pairs,
+               "runs": [_slim(r) for r in runs]}
+    path = benchlib.write_result(opts.name, payload)
     print(f"wrote {path}")
     print(json.dumps(summary))
     return 0 if summary["all_ok"] else 1
@@ -174,18 +212,21 @@ def _slim(record: dict) -> dict:
 
 
 def print_table(pairs: list) -> None:
-    head = f"{'config':<14}{'schedule':<13}{'eager tok/s':>12}{'graph tok/s':>12}{'speedup':>9}" \
-           f"{'eager MiB':>11}{'graph MiB':>11}{'max rel err':>13}  ok"
+    head = f"{'config':<14}{'schedule':<13}{'variant':<19}{'tok/s':>10}{'spread':>8}{'speedup':>9}" \
+           f"{'peak MiB':>10}{'max rel err':>13}  ok"
     print(head)
     print("-" * len(head))
     for p in pairs:
-        e, g, c = p.get("eager", {}), p.get("graphed", {}), p["check"]
-        num = lambda r, k: f"{r[k]:.0f}" if k in r else "-"  # noqa: E731
-        speed = f"{c['speedup_tokens_per_s']:.2f}x" if "speedup_tokens_per_s" in c else "-"
-        err = f"{c['max_rel_loss_err']:.1e}" if "max_rel_loss_err" in c else "-"
-        print(f"{p['config']:<14}{p['schedule']:<13}{num(e, 'tokens_per_s'):>12}{num(g, 'tokens_per_s'):>12}"
-              f"{speed:>9}{num(e, 'peak_mem_mib'):>11}{num(g, 'peak_mem_mib'):>11}{err:>13}  "
-              f"{'yes' if c['ok'] else 'NO: ' + c.get('reason', 'losses differ or graphs inactive')}")
+        e = p["eager"]
+        for variant in [v for v in ("eager", "graphed", "graphed_optimizer") if v in p]:
+            r = p[variant]
+            c = {"eager": {}, "graphed": p["check"]}.get(variant, p.get("check_graph_optimizer", {}))
+            num = lambda d, k, f="{:.0f}": f.format(d[k]) if k in d else "-"  # noqa: E731
+            speed = f"{r['tokens_per_s'] / e['tokens_per_s']:.2f}x" if "tokens_per_s" in r and "tokens_per_s" in e else "-"
+            err = f"{c['max_rel_loss_err']:.1e}" if "max_rel_loss_err" in c else "-"
+            ok = "" if variant == "eager" else ("yes" if c.get("ok") else "NO: " + c.get("reason", "losses differ"))
+            print(f"{p['config']:<14}{p['schedule']:<13}{variant:<19}{num(r, 'tokens_per_s'):>10}"
+                  f"{num(r, 'spread', '{:.2f}'):>8}{speed:>9}{num(r, 'peak_mem_mib'):>10}{err:>13}  {ok}")
 
 
 if __name__ == "__main__":
