@@ -97,7 +97,9 @@ def summarize(records: list) -> dict:
         return {"error": records[0].get("error", "no run") if records else "no run"}
     tps = [r["tokens_per_s"] for r in ok]
     return {"tokens_per_s": _median(tps), "tokens_per_s_rounds": tps, "spread": max(tps) / min(tps),
-            "peak_mem_mib": _median([r["peak_mem_mib"] for r in ok]), "losses": ok[0]["losses"],
+            "peak_mem_mib": _median([r["peak_mem_mib"] for r in ok]),
+            "steady_peak_mem_mib": _median([r.get("steady_peak_mem_mib", r["peak_mem_mib"]) for r in ok]),
+            "losses": ok[0]["losses"],
             "graphs_active": all(r.get("graphs_active", False) for r in ok),
             "commands": sorted({r["command"] for r in ok})}
 
@@ -121,6 +123,7 @@ def compare(eager: dict, graphed: dict) -> dict:
         "graphs_active": graphed.get("graphs_active", False),
         "speedup_tokens_per_s": graphed["tokens_per_s"] / max(eager["tokens_per_s"], 1e-9),
         "peak_mem_ratio": graphed["peak_mem_mib"] / max(eager["peak_mem_mib"], 1e-9),
+        "steady_peak_mem_ratio": graphed["steady_peak_mem_mib"] / max(eager["steady_peak_mem_mib"], 1e-9),
     }
 
 
@@ -206,14 +209,15 @@ def main() -> int:
 
 
 def _slim(record: dict) -> dict:
-    keep = ("command", "seconds", "error", "stderr_tail", "tokens_per_s", "peak_mem_mib", "loss_first", "loss_last",
+    keep = ("command", "seconds", "error", "stderr_tail", "tokens_per_s", "peak_mem_mib", "steady_peak_mem_mib",
+            "loss_first", "loss_last",
             "losses", "device", "graphs_active", "timed_steps", "graphed_runs_on_rank", "torch_version")
     return {k: record[k] for k in keep if k in record}
 
 
 def print_table(pairs: list) -> None:
     head = f"{'config':<14}{'schedule':<13}{'variant':<19}{'tok/s':>10}{'spread':>8}{'speedup':>9}" \
-           f"{'peak MiB':>10}{'max rel err':>13}  ok"
+           f"{'peak MiB':>10}{'steady':>8}{'max rel err':>13}  ok"
     print(head)
     print("-" * len(head))
     for p in pairs:
@@ -226,7 +230,8 @@ def print_table(pairs: list) -> None:
             err = f"{c['max_rel_loss_err']:.1e}" if "max_rel_loss_err" in c else "-"
             ok = "" if variant == "eager" else ("yes" if c.get("ok") else "NO: " + c.get("reason", "losses differ"))
             print(f"{p['config']:<14}{p['schedule']:<13}{variant:<19}{num(r, 'tokens_per_s'):>10}"
-                  f"{num(r, 'spread', '{:.2f}'):>8}{speed:>9}{num(r, 'peak_mem_mib'):>10}{err:>13}  {ok}")
+                  f"{num(r, 'spread', '{:.2f}'):>8}{speed:>9}{num(r, 'peak_mem_mib'):>10}"
+                  f"{num(r, 'steady_peak_mem_mib'):>8}{err:>13}  {ok}")
 
 
 if __name__ == "__main__":

@@ -477,7 +477,11 @@ def run_torch(cfg: Config) -> None:
     timer = StepTimer(cfg, sync)
     if use_cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    peak_before_steady = 0.0
     for step in range(cfg.steps):
+        if use_cuda and step == timer.skip:  # warmup and capture are over: the steady state begins
+            peak_before_steady = torch.cuda.max_memory_reserved(device) / 2**20
+            torch.cuda.reset_peak_memory_stats(device)
         timer.before(step)
         t0 = time.perf_counter()
         x, y = batch_for_step(corpus, cfg, step)
@@ -493,14 +497,16 @@ def run_torch(cfg: Config) -> None:
         reporter.step(step, loss, time.perf_counter() - t0)
 
     if use_cuda:
-        peak = torch.tensor([torch.cuda.max_memory_reserved(device) / 2**20], device=device)
+        steady = torch.cuda.max_memory_reserved(device) / 2**20
+        peak = torch.tensor([max(peak_before_steady, steady), steady], device=device)
         device_name = torch.cuda.get_device_name(device)
     else:
-        peak = torch.tensor([cpu_peak_mib()])
+        peak = torch.tensor([cpu_peak_mib(), cpu_peak_mib()])
         device_name = "cpu"
     if world > 1:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    reporter.finish(tokens_per_s=timer.tokens_per_s(cfg), peak_mem_mib=float(peak.item()), device=device_name,
+    reporter.finish(tokens_per_s=timer.tokens_per_s(cfg), peak_mem_mib=float(peak[0].item()), device=device_name,
+                    steady_peak_mem_mib=float(peak[1].item()),
                     graphed_runs_on_rank=len(graphed),
                     graphs_active=bool(cfg.cudagraph and use_cuda), timed_steps=timer.timed_steps,
                     torch_version=torch.__version__)

@@ -272,3 +272,13 @@ def test_shared_mode_has_one_pair_per_position(rt):
     layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     step(layer, "f1 f2 f3 b1 f4 b2 b3 b4")
     assert layer.engine.graph_count() == 8
+
+
+def test_eager_cache_of_the_capture_step_is_released_once_replays_begin(rt):
+    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=1)
+    step(layer, "f1 f2 b1 b2")  # warmup
+    step(layer, "f1 f2 b1 b2")  # capture
+    assert rt.released == 0
+    for _ in range(3):
+        step(layer, "f1 f2 b1 b2")  # replays: released once, at the first
+    assert rt.released == 1

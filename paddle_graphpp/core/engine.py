@@ -331,7 +331,11 @@ class GraphedCallable:
         start = _memory.now()
         try:
             with _capture_guard(graph, self.name), rt.capture_to_graph(graph, pool):
-                got = rt.autograd_grad(outs, static_grads, wrt) if outs else [None] * len(wrt)
+                # Under the stream-ordered allocator, freeing the forward graph's saved tensors
+                # inside this capture would put another graph's allocations into this one;
+                # they are released after the capture instead.
+                got = (rt.autograd_grad(outs, static_grads, wrt, retain_graph=plan.async_allocator)
+                       if outs else [None] * len(wrt))
                 n_in = len(wrt) - len(call.params)
                 pg = got[n_in:]
                 used = [(b, g) for b, g in zip(param_buffers, pg) if g is not None]

@@ -140,6 +140,10 @@ class MemoryPlan:
     def note_replay(self, gen: Optional[_Generation], graph_id: int, forward: bool, owner: str) -> None:
         """Check that a replay follows the capture order of its pool; raise if it cannot be safe."""
         if self._pending_log:
+            # The capture phase is over. Its eager runs (which gave the capture step's results)
+            # left their memory cached by the framework's allocator: give it back once, so the
+            # steady state holds the graphs' memory and not that as well.
+            self.runtime.release_cached_memory()
             self._log_summary()
         if gen is None:
             return

@@ -101,8 +101,9 @@ class GraphRuntime(abc.ABC):
 
     @abc.abstractmethod
     def autograd_grad(self, outputs: Sequence[Any], grad_outputs: Sequence[Any],
-                      inputs: Sequence[Any]) -> list:
-        """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the graph."""
+                      inputs: Sequence[Any], retain_graph: bool = False) -> list:
+        """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the autograd
+        graph's saved tensors unless ``retain_graph``."""
 
     #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
     #: shares it); False when it copies any gradient it does not own outright (PyTorch).

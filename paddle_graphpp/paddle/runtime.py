@@ -101,10 +101,10 @@ class PaddleRuntime(GraphRuntime):
         # differentiate against the parameters themselves (their hooks fire at capture too).
         return fn(*args, **kwargs), list(params)
 
-    def autograd_grad(self, outputs, grad_outputs, inputs) -> list:
+    def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:
             return []
-        return list(paddle.grad(outputs, inputs, grad_outputs, allow_unused=True))
+        return list(paddle.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True))
 
     # Paddle's gradient accumulation shares the first gradient it receives with ``.grad``.
     adopts_held_gradients = True

@@ -92,10 +92,11 @@ class TorchRuntime(GraphRuntime):
         mapping = {names[id(p)]: a for p, a in zip(params, aliases)}
         return torch.func.functional_call(fn, mapping, args, kwargs, strict=False), aliases
 
-    def autograd_grad(self, outputs, grad_outputs, inputs) -> list:
+    def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:
             return []
-        return list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
+        return list(torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph,
+                                        allow_unused=True))
 
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.
