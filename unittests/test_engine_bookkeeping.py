@@ -282,3 +282,31 @@ def test_eager_cache_of_the_capture_step_is_released_once_replays_begin(rt):
     for _ in range(3):
         step(layer, "f1 f2 b1 b2")  # replays: released once, at the first
     assert rt.released == 1
+
+
+class AsyncAllocatorRuntime(FakeGraphRuntime):
+    """The fake runtime, as if the stream-ordered allocator (cudaMallocAsync) were active."""
+
+    def async_allocator_active(self):
+        return True
+
+
+def test_stream_ordered_allocator_runs_the_capture_instead_of_an_eager_run():
+    rt = AsyncAllocatorRuntime()
+    memory_mod._PLANS.pop(rt.name, None)
+    try:
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(4, 3)
+        layer = Graphed(lin, rt, num_warmup_steps=0)
+        x = torch.randn(2, 4, requires_grad=True)
+        y = layer(x)  # capture, then the capture's launch gives the result
+        assert layer.engine.captures == 1 and layer.engine.replays == 1
+        assert y.shape == (2, 3)  # values come from the launch: checked on the GPU, not here
+        y.sum().backward()
+        assert layer.engine.captures == 2 and layer.engine.replays == 2
+        assert x.grad is not None and all(p.grad is not None for p in lin.parameters())
+        step(layer, "f1 b1")
+        assert layer.engine.captures == 2 and layer.engine.replays == 4
+        assert memory_mod.plan_for(rt)._generations == []  # pools are the driver's: no generations
+    finally:
+        memory_mod._PLANS.pop(rt.name, None)

@@ -107,7 +107,7 @@ class _Signature:
         return slot
 
 
-EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
+EAGER, CAPTURE, REPLAY, CAPTURE_REPLAY = "eager", "capture", "replay", "capture_replay"
 
 
 class _Call:
@@ -131,6 +131,7 @@ class _Call:
         self.pair = None
         self.position = -1
         self.differentiable: list = []
+        self.inner_outputs = None
 
     def forward(self) -> list:
         return self.engine._forward(self)
@@ -218,6 +219,16 @@ class GraphedCallable:
             pair = sig.pairs.get(call.position)
             if pair is not None and pair.bwd_graph is not None:
                 return self._replay_forward(call, pair)
+            if self.plan.async_allocator:
+                # Graph memory of the stream-ordered allocator exists only once its graph has run:
+                # nothing allocated in a capture may be freed before a launch. So here the
+                # capture's own launch gives the results (no eager run beside it).
+                self._capture_forward(call, sig)
+                if call.kind == CAPTURE:
+                    out = self._replay_forward(call, call.pair)
+                    call.kind = CAPTURE_REPLAY
+                    return out
+                return self._run_eager(call)  # capture failed, fallback="eager"
             outputs = self._run_eager(call)
             self._capture_forward(call, sig)
             return outputs
@@ -264,17 +275,20 @@ class GraphedCallable:
             self._capture_failed(call, gen, "forward", exc)
             return
         cap_leaves, cap_spec = flatten(result)
-        cap_out = [cap_leaves[i] for i in call.out_tensor_index] if cap_spec == call.out_spec else None
-        if cap_out is None or len(cap_out) != len(call.inner_outputs) \
-                or any(not rt.is_tensor(o) for o in cap_out):
+        if call.inner_outputs is None:  # no eager run beside the capture: its outputs define the call's
+            self._set_outputs(call, cap_leaves, cap_spec)
+            call.differentiable = [rt.spec(cap_leaves[i]).requires_grad for i in call.out_tensor_index]
+        elif cap_spec != call.out_spec or len(cap_leaves) != len(call.out_leaves):
             raise CaptureError(f"{self.name}: the captured forward returned a different structure than the "
                                f"eager run; a graphed layer must return the same structure every call.")
+        cap_out = [cap_leaves[i] for i in call.out_tensor_index]
         plan.note_capture(gen, id(graph), _memory.now() - start, forward=True)
         self.captures += 1
         sig.pairs[call.position] = _GraphPair(
             generation=gen, fwd_graph=graph, static_inputs=static_inputs,
             static_outputs=[rt.detach(o) for o in cap_out], capture_inputs=cap_in, capture_outputs=cap_out,
-            capture_params=cap_params)
+            capture_params=cap_params, differentiable=list(call.differentiable),
+            out_template=(list(call.out_leaves), call.out_spec, list(call.out_tensor_index)))
         call.kind = CAPTURE
         call.pair = sig.pairs[call.position]
 
@@ -300,6 +314,13 @@ class GraphedCallable:
         rt = self.runtime
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
         if call.kind == REPLAY:
+            return self._replay_backward(call, diff_grads)
+        if call.kind == CAPTURE_REPLAY:  # stream-ordered allocator: capture, then run the capture
+            self._capture_backward(call, diff_grads)
+            if call.pair.bwd_graph is None:  # failed with fallback="eager": no eager graph to use here
+                raise CaptureError(f"{self.name}: capturing the backward failed under the stream-ordered "
+                                   f"allocator, where no eager run stands beside the capture; the layer "
+                                   f"runs eagerly from the next call on.")
             return self._replay_backward(call, diff_grads)
         result = self._eager_backward(call, diff_grads)
         if call.kind == CAPTURE:
@@ -354,9 +375,8 @@ class GraphedCallable:
         pair.param_grad_used = [g is not None for g in pg]
         pair.static_grad_outputs = static_grads
         pair.bwd_graph = graph
-        pair.differentiable = list(call.differentiable)
-        pair.out_template = (list(call.out_leaves), call.out_spec, list(call.out_tensor_index))
-        pair.capture_inputs = pair.capture_outputs = pair.capture_params = None  # autograd graph spent
+        if not plan.async_allocator:  # the capture's autograd graph is spent: let its memory go
+            pair.capture_inputs = pair.capture_outputs = pair.capture_params = None
         if reuse:
             for buf, s in zip(pair.static_inputs, call.specs):
                 plan.release_buffer(gen, _buffer_key(s), buf)

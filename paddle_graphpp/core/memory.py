@@ -84,8 +84,8 @@ class MemoryPlan:
     # ------------------------------------------------------------ allocation
     def generation_for_capture(self, mode: MemoryMode) -> Optional[_Generation]:
         """The generation a new capture joins (``None`` in ``per_graph`` mode)."""
-        if mode is MemoryMode.PER_GRAPH:
-            return None
+        if mode is MemoryMode.PER_GRAPH or self.async_allocator:
+            return None  # no pool is shared: no order to keep
         gen = self._generations[-1] if self._generations else None
         if gen is None or gen.sealed:
             gen = _Generation(len(self._generations), self.runtime.new_pool())
