@@ -223,9 +223,9 @@ class GraphedCallable:
                 # Graph memory of the stream-ordered allocator exists only once its graph has run:
                 # nothing allocated in a capture may be freed before a launch. So here the
                 # capture's own launch gives the results (no eager run beside it).
-                self._capture_forward(call, sig)
+                self._capture_forward(call, sig, fill_inputs=True)
                 if call.kind == CAPTURE:
-                    out = self._replay_forward(call, call.pair)
+                    out = self._replay_forward(call, call.pair, copy_inputs=False)
                     call.kind = CAPTURE_REPLAY
                     return out
                 return self._run_eager(call)  # capture failed, fallback="eager"
@@ -253,7 +253,10 @@ class GraphedCallable:
         call.differentiable = [rt.spec(o).requires_grad for o in call.inner_outputs]
         return [rt.detach(o) for o in call.inner_outputs]
 
-    def _capture_forward(self, call: _Call, sig: _Signature) -> None:
+    def _capture_forward(self, call: _Call, sig: _Signature, fill_inputs: bool = False) -> None:
+        """Capture the forward at ``call.position``. With ``fill_inputs`` the static inputs get
+        the call's values first (the capture is launched right after; copying later would bump
+        the version of tensors the capture saved for backward)."""
         rt, plan = self.runtime, self.plan
         gen = plan.generation_for_capture(self.memory_mode)
         reuse = self.memory_mode is _memory.MemoryMode.SHARED_REUSE
@@ -261,6 +264,8 @@ class GraphedCallable:
         for t, s in zip(call.tensors, call.specs):
             buf = plan.take_buffer(gen, _buffer_key(s)) if reuse else None
             static_inputs.append(buf if buf is not None else rt.static_like(t))
+        if fill_inputs:
+            rt.copy_many(static_inputs, call.tensors)
         pool = plan.pool_for(gen)
         graph = rt.create_graph()
         start = _memory.now()
@@ -292,11 +297,12 @@ class GraphedCallable:
         call.kind = CAPTURE
         call.pair = sig.pairs[call.position]
 
-    def _replay_forward(self, call: _Call, pair: _GraphPair) -> list:
+    def _replay_forward(self, call: _Call, pair: _GraphPair, copy_inputs: bool = True) -> list:
         rt = self.runtime
         self.plan.note_replay(pair.generation, id(pair.fwd_graph), True, self.name)
         _collectives.check_replay(pair.fwd_graph)
-        rt.copy_many(pair.static_inputs, call.tensors)
+        if copy_inputs:
+            rt.copy_many(pair.static_inputs, call.tensors)
         rt.replay_graph(pair.fwd_graph)
         self.replays += 1
         call.kind, call.pair = REPLAY, pair
