@@ -364,10 +364,15 @@ class GraphedCallable:
                 got = (rt.autograd_grad(outs, static_grads, wrt, retain_graph=plan.async_allocator)
                        if outs else [None] * len(wrt))
                 n_in = len(wrt) - len(call.params)
-                pg = got[n_in:]
-                used = [(b, g) for b, g in zip(param_buffers, pg) if g is not None]
+                input_grads = got[:n_in]
+                param_used = [g is not None for g in got[n_in:]]
+                used = [(b, g) for b, g in zip(param_buffers, got[n_in:]) if g is not None]
                 if used:
                     rt.copy_many([b for b, _ in used], [g for _, g in used])
+                # The parameter gradients now live in the shared buffers; free the graph's own
+                # copies inside the capture (a capture's allocation freed before its graph first
+                # runs is an error under the stream-ordered allocator).
+                del got, used
         except Exception as exc:  # noqa: BLE001
             del graph
             pair.capture_inputs = pair.capture_outputs = pair.capture_params = None
@@ -376,9 +381,9 @@ class GraphedCallable:
             return
         plan.note_capture(gen, id(graph), _memory.now() - start, forward=False)
         self.captures += 1
-        it = iter(got[:n_in])
+        it = iter(input_grads)
         pair.static_grad_inputs = [next(it) if s.requires_grad else None for s in call.specs]
-        pair.param_grad_used = [g is not None for g in pg]
+        pair.param_grad_used = param_used
         pair.static_grad_outputs = static_grads
         pair.bwd_graph = graph
         if not plan.async_allocator:  # the capture's autograd graph is spent: let its memory go
