@@ -4,8 +4,9 @@
 the top level and loads Paddle on first use; the PyTorch API lives in ``paddle_graphpp.torch``.
 """
 
-import importlib
 import os
+
+from ._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -36,18 +37,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'paddle_graphpp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
-
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 if os.environ.get("FLAGS_use_cuda_malloc_async_allocator"):
     # The environment switch: takes effect for torch if it is not imported yet (Paddle reads the

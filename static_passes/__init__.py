@@ -5,7 +5,7 @@
 instead. Importing this package does not import Paddle; calling the pass does.
 """
 
-import importlib
+from paddle_graphpp._lazy import lazy_attributes
 
 from .report import ExistingNop, InsertedNop, KeptSend, PeerInfo, RemovedSync, SendWaitReport
 
@@ -24,14 +24,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'static_passes' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -72,6 +72,19 @@ def bench_speed(iters: int, rounds: int) -> dict:
     }
 
 
+def run_one_f_one_b(model, dy) -> None:
+    """One step of the 1F1B order above, on fresh 4096 x 256 inputs."""
+    import torch
+
+    outs = {}
+    for tok in ONE_F_ONE_B.split():
+        n = int(tok[1:])
+        if tok[0] == "f":
+            outs[n] = model(torch.randn(4096, 256, device="cuda", requires_grad=True))
+        else:
+            outs.pop(n).backward(dy)
+
+
 def pool_child(mode: str) -> None:
     """Subprocess body: capture the 1F1B stack in one memory mode, print pool figures as JSON."""
     import torch
@@ -86,26 +99,14 @@ def pool_child(mode: str) -> None:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        outs = {}
-        for tok in ONE_F_ONE_B.split():
-            n = int(tok[1:])
-            if tok[0] == "f":
-                outs[n] = model(torch.randn(4096, 256, device="cuda", requires_grad=True))
-            else:
-                outs.pop(n).backward(dy)
+        run_one_f_one_b(model, dy)
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         print(json.dumps({"mode": mode, "pool_reserved_mib": peak, "note": "eager peak allocated above start"}))
         return
     model = CUDAGraphedModule(small_stack().cuda(), num_warmup_steps=1, memory=mode)
     for _ in range(3):  # warmup, capture, replay
-        outs = {}
-        for tok in ONE_F_ONE_B.split():
-            n = int(tok[1:])
-            if tok[0] == "f":
-                outs[n] = model(torch.randn(4096, 256, device="cuda", requires_grad=True))
-            else:
-                outs.pop(n).backward(dy)
+        run_one_f_one_b(model, dy)
     torch.cuda.synchronize()
     report = paddle_graphpp.memory_report()["torch"]
     print(json.dumps({"mode": mode, "graphs": model.engine.graph_count(), "replays": model.engine.replays,

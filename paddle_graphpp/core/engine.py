@@ -34,7 +34,7 @@ from .runtime import GraphRuntime, TensorSpec
 from .schedule import InFlightQueue
 from .tree import flatten, unflatten
 
-__all__ = ["GraphedCallable", "EngineOptions"]
+__all__ = ["GraphedCallable", "EngineOptions", "GRAPHED_LAYER_DOC", "graphed_engine"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -538,3 +538,45 @@ def _capture_guard(graph: Any, owner: str):
     (core.collectives), so they are unregistered when the graph is freed."""
     with _guards.sot_warmup_guard(True), _collectives.capturing_graph(graph, owner):
         yield
+
+
+#: The documentation of both frameworks' graphed layer classes (formatted per framework).
+GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and backward replay CUDA graphs.
+
+    Calls ``1..num_warmup_steps`` run eagerly; capture starts at the next moment no
+    micro-batch is in flight and runs during a real step (the eager run gives that step's
+    results; nothing is replayed right after capture). Each micro-batch position of the
+    schedule gets its own forward/backward graph pair; backwards pair with forwards in FIFO
+    order, so 1F1B and interleaved schedules work. All graphs share one memory pool.
+
+    Args:
+        {arg}: the {base} to graph. Its parameters must stay on the GPU at fixed addresses.
+        num_warmup_steps: eager calls per input signature before capture.
+        fallback: ``"error"`` (default) raises :class:`paddle_graphpp.CaptureError` when capture
+            fails; ``"eager"`` warns once and keeps running eagerly.
+        memory: ``"shared"`` (default), ``"shared_reuse"`` or ``"per_graph"``.
+        max_in_flight: forwards that may await their backward before that is an error.
+        max_signatures: input signatures captured; later new ones run eagerly with a warning.
+        name: the name used in messages (default: the class name of ``{arg}``).
+
+    Without CUDA (or with CPU inputs) it runs eagerly and warns once. Under ``{no_grad}`` it
+    always runs eagerly.
+
+    .. warning:: Outputs alias graph memory: they are valid until the same micro-batch position
+       is replayed again (the next step). Clone an output you keep across steps (a logged loss).
+    .. warning:: Do not modify outputs in place, and do not replace parameters (assigning new
+       storage to them): graphs read fixed addresses. In-place optimizer updates are fine.
+    .. warning:: Code inside must not synchronise with the host (``.item()``, printing tensors,
+       data-dependent shapes); capture fails with a :class:`paddle_graphpp.CaptureError`.
+    .. warning:: Gradient hooks on tensors inside the wrapped {base} run at capture only; hooks
+       on its inputs, outputs and parameters work as usual.
+    .. warning:: The schedule must repeat every step: graphs are replayed in capture order, and a
+       different order raises :class:`paddle_graphpp.GraphScheduleError` (use ``memory="per_graph"``).
+    """
+
+
+def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, kind: str,
+                   name: Optional[str], **options: Any) -> GraphedCallable:
+    """The engine behind a framework's graphed layer class (``kind`` names that class)."""
+    return GraphedCallable(wrapped, runtime, trainable, name=name or f"{kind}({type(wrapped).__name__})",
+                           options=EngineOptions(**options))

@@ -12,7 +12,6 @@ training needs it: static copies, autograd, gradient hand-off and memory figures
 from __future__ import annotations
 
 import abc
-import contextlib
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence
@@ -178,9 +177,6 @@ class GraphRuntime(abc.ABC):
     def release_cached_memory(self) -> None:
         """Return cached, unused device memory to the driver (after a failed capture)."""
 
-    # ------------------------------------------------------------ conveniences
-    def null_context(self) -> ContextManager:
-        return contextlib.nullcontext()
 
 
 # Name -> module that defines ``RUNTIME`` (a GraphRuntime instance). Loaded on first use only.

@@ -6,7 +6,7 @@ Containers handled: tuple (named tuples too), list, dict. Anything else is a lea
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["flatten", "unflatten"]
 
@@ -55,7 +55,3 @@ def _unflatten(spec, it):
     if hasattr(tuple_type, "_fields"):  # named tuple
         return tuple_type(*children)
     return tuple_type(children)
-
-
-def map_leaves(fn: Callable[[Any], Any], leaves: list) -> list:
-    return [fn(x) for x in leaves]

@@ -1,6 +1,6 @@
 """PyTorch API of paddle_graphpp. Importing this module imports torch."""
 
-import importlib
+from .._lazy import lazy_attributes
 
 _LAZY = {
     "CUDAGraphedModule": "paddle_graphpp.torch.graphed",
@@ -12,10 +12,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'paddle_graphpp.torch' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
