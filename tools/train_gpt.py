@@ -94,6 +94,8 @@ class Config:
     """AdamW learning rate."""
     timeout: int = 120
     """Seconds a rank waits for its peers before it gives up with an error."""
+    graph_memory: str = "shared"
+    """Memory mode of the graphed runs: ``shared``, ``shared_reuse`` or ``per_graph`` (PyTorch)."""
     graph_optimizer: bool = False
     """Capture the optimizer step and gradient zeroing as one CUDA graph (PyTorch only;
     ``paddle_graphpp.GraphedOptimizer``); eager and bit-identical on CPU."""
@@ -112,6 +114,8 @@ def parse_args(argv=None) -> Config:
                  "steps", "seed", "timeout"):
         parser.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(defaults, flag))
     parser.add_argument("--cudagraph", action="store_true", help="capture stage blocks as CUDA graphs")
+    parser.add_argument("--graph-memory", choices=["shared", "shared_reuse", "per_graph"],
+                        default=defaults.graph_memory, help="memory mode of the graphed runs (--framework torch)")
     parser.add_argument("--graph-optimizer", action="store_true",
                         help="capture AdamW step + zero-grad as one CUDA graph (--framework torch)")
     parser.add_argument("--data", default=defaults.data, metavar="PATH", help="text file (default: synthetic)")
@@ -148,6 +152,9 @@ def validate(cfg: Config) -> None:
             f"the interleaved schedule (--vpp {cfg.vpp}) needs --micro-batches to be a multiple of "
             f"--pp {cfg.pp}, got {cfg.micro_batches}; use --micro-batches {cfg.pp * math.ceil(cfg.micro_batches / cfg.pp)}"
         )
+    if cfg.graph_memory != "shared" and cfg.framework != "torch":
+        raise ConfigError("--graph-memory works with --framework torch; paddle_graphpp.PipelineLayer uses "
+                          "the shared pool")
     if cfg.graph_optimizer and cfg.framework != "torch":
         raise ConfigError("--graph-optimizer works with --framework torch; Paddle's fleet wraps the "
                           "optimizer itself (use paddle_graphpp.GraphedOptimizer in a custom loop)")
@@ -441,7 +448,7 @@ def run_torch(cfg: Config) -> None:
 
             t = tied_by_chunk[s]
             mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, shared=() if t is None else (t if isinstance(t, tuple) else (t,)),
-                                     name=f"stage{s}")
+                                     memory=cfg.graph_memory, name=f"stage{s}")
             graphed.extend(mod.graphed_modules)
         else:
             mod = chunks[s]
