@@ -310,3 +310,27 @@ def test_stream_ordered_allocator_runs_the_capture_instead_of_an_eager_run():
         assert memory_mod.plan_for(rt)._generations == []  # pools are the driver's: no generations
     finally:
         memory_mod._PLANS.pop(rt.name, None)
+
+
+def test_eval_mode_is_part_of_the_signature(rt):
+    """A graph captured in training mode (dropout on) is never replayed in eval mode."""
+    layer = Graphed(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)), rt, num_warmup_steps=0)
+    step(layer, "f1 b1")
+    step(layer, "f1 b1")
+    replays = layer.engine.replays
+    layer.module.eval()
+    step(layer, "f1 b1")  # a new signature: captured anew, not a replay of the training graph
+    assert layer.engine.replays == replays and len(layer.engine._signatures) == 2
+
+
+def test_autocast_is_part_of_the_signature(rt):
+    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    step(layer, "f1 b1")
+    key_plain = next(iter(layer.engine._signatures))
+    rt_key = rt.mode_key
+    rt.mode_key = lambda: ("autocast", "bfloat16")  # as torch reports it inside autocast
+    try:
+        step(layer, "f1 b1")
+    finally:
+        rt.mode_key = rt_key
+    assert len(layer.engine._signatures) == 2 and key_plain in layer.engine._signatures

@@ -146,8 +146,8 @@ class GraphedCallable:
     Args:
         fn: the wrapped layer's call.
         runtime: the framework adapter.
-        params: returns the trainable parameters ``fn`` uses (called on every forward, so
-            parameters created lazily are seen).
+        params: returns the trainable parameters ``fn`` uses (read while a signature warms up;
+            its graphs keep the list they were captured against).
         name: the layer's name in messages.
         options: :class:`EngineOptions`.
     """
@@ -426,9 +426,12 @@ class GraphedCallable:
         return self._param_grad_buffers
 
     def _signature_key(self, leaves, tensor_index, specs, spec):
+        """Everything a capture bakes in: tensor specs, non-tensor arguments, the argument
+        structure, train/eval mode (dropout on or off) and mixed precision."""
         tensor_pos = set(tensor_index)
         consts = tuple(_const_key(x) for i, x in enumerate(leaves) if i not in tensor_pos)
-        return (tuple(specs), consts, _hashable_spec(spec))
+        mode = (getattr(self.fn, "training", None), self.runtime.mode_key())
+        return (tuple(specs), consts, _hashable_spec(spec), mode)
 
     def _signature_for(self, call: _Call) -> Optional[_Signature]:
         sig = self._signatures.get(call.key)

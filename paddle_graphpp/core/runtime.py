@@ -60,6 +60,10 @@ class GraphRuntime(abc.ABC):
         """
 
     @abc.abstractmethod
+    def mode_key(self) -> Any:
+        """A hashable summary of the framework state a capture bakes in (mixed precision)."""
+
+    @abc.abstractmethod
     def static_like(self, tensor: Any) -> Any:
         """A new, uninitialised tensor with the same shape, dtype and device."""
 

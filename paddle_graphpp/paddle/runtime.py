@@ -66,6 +66,12 @@ class PaddleRuntime(GraphRuntime):
                 return f"an input is on {t.place}"
         return None
 
+    def mode_key(self):
+        if paddle.amp.is_autocast_enabled():
+            tracer = paddle.base.framework._dygraph_tracer()
+            return ("amp", str(tracer._amp_level), str(tracer._amp_dtype))
+        return None
+
     def static_like(self, tensor):
         out = paddle.empty_like(tensor)
         out.stop_gradient = True

@@ -54,6 +54,11 @@ class TorchRuntime(GraphRuntime):
                 return f"an input is on {t.device}"
         return None
 
+    def mode_key(self):
+        if torch.is_autocast_enabled("cuda"):
+            return ("autocast", torch.get_autocast_dtype("cuda"))
+        return None
+
     def static_like(self, tensor):
         return torch.empty_like(tensor, requires_grad=False).detach()
 
