@@ -24,7 +24,11 @@ from paddle_graphpp.paddle import pipeline as pipeline_mod  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "unittests", "workers", "paddle_pipeline_worker.py")
 FLEET_READY = "paddle_graphpp-worker: fleet.init done"
-INIT_DEADLINE_S = 50  # fleet.init takes ~5 s per rank here; past this it is stuck in gloo
+INIT_DEADLINE_S = 45  # fleet.init takes ~5 s per rank here; past this it is stuck in gloo
+# Paddle's own gloo setup inside fleet.init fails now and then on a loaded 2-core machine
+# ("connection refused" in connectFullMesh, seen in about one launch of four with 4 ranks);
+# a failure there happens before any code under test runs, so such launches are retried.
+INIT_ATTEMPTS = 6
 
 
 def _logs(log_dir):
@@ -67,7 +71,7 @@ def _launch_once(nproc, args, out, timeout):
 
 def launch(nproc, args, tmp_path, timeout):
     """Run the worker on ``nproc`` ranks; returns (rc or None on timeout, seconds, logs, results)."""
-    for attempt in range(3):
+    for attempt in range(INIT_ATTEMPTS):
         out = str(tmp_path / f"run{attempt}")
         os.makedirs(out)
         rc, seconds, logs = _launch_once(nproc, args, out, timeout)
@@ -96,7 +100,7 @@ def check_identical_losses(results, nranks, steps):
             f"!= use_cudagraph=False {reference}")
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(400)
 def test_pp2_1f1b_tied_embedding_identical_losses(tmp_path):
     steps, micro = 5, 4
     rc, seconds, logs, results = launch(2, ["--pp", "2", "--steps", str(steps), "--micro-batches", str(micro)],
@@ -116,7 +120,7 @@ def test_pp2_1f1b_tied_embedding_identical_losses(tmp_path):
         assert data["uses_hop_groups"] is False  # a 2-rank pipe group carries gloo p2p as is
 
 
-@pytest.mark.timeout(280)
+@pytest.mark.timeout(480)
 def test_pp4_vpp2_interleaved_on_4_cpu_ranks(tmp_path):
     steps, micro = 5, 8
     rc, seconds, logs, results = launch(
@@ -133,7 +137,7 @@ def test_pp4_vpp2_interleaved_on_4_cpu_ranks(tmp_path):
         assert set(graphed["graphed_calls"].values()) == {steps * micro}
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(400)
 def test_dead_rank_makes_the_others_exit(tmp_path):
     rc, seconds, logs, results = launch(2, ["--pp", "2", "--die-rank", "1"], tmp_path, timeout=120)
     assert rc is not None, f"the surviving rank hung past 120 s\n{logs[-6000:]}"
@@ -141,7 +145,7 @@ def test_dead_rank_makes_the_others_exit(tmp_path):
     assert seconds < 90, f"took {seconds:.0f}s to fail"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(400)
 def test_bad_interleave_config_fails_on_every_rank_before_communicating(tmp_path):
     # 4 micro-batches < 2 * pp: upstream would assert only inside distributed_model.
     rc, seconds, logs, results = launch(

@@ -55,7 +55,7 @@ def flaky_gloo_init(rc, out, err):
 
 
 def train_ok(args, timeout=150):
-    for _ in range(2):
+    for _ in range(4):  # Paddle's gloo setup in fleet.init now and then refuses a connection
         rc, out, err, seconds = train(args, timeout)
         if not flaky_gloo_init(rc, out, err):
             break

@@ -141,6 +141,9 @@ def main():
     fleet.init(is_collective=True, strategy=strategy)
     rank = paddle.distributed.get_rank()
     print(FLEET_READY, flush=True)  # tells the test that gloo's own group setup succeeded
+    # fleet.init is not a barrier: a rank that finished it may fail (a bad configuration) and
+    # exit while a slower rank still connects its groups, which then sees "connection refused".
+    paddle.distributed.barrier()
     result = {"rank": rank, "eager": train(args, False), "graphed": train(args, True)}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
