@@ -65,9 +65,10 @@ def train_ok(args, timeout=150):
 
 @pytest.mark.timeout(200)
 def test_default_command_trains_paddle_pp2_within_a_minute():
-    record, out, seconds = train_ok([])
+    record, out, seconds = train_ok(["--cudagraph"])  # the README's demo command
     assert seconds < 60, f"the README's command took {seconds:.0f}s"
     assert (record["framework"], record["pp"], record["vpp"], record["device"]) == ("paddle", 2, 1, "cpu")
+    assert record["cudagraph"] is True and record["graphed_runs_on_rank"] >= 1
     assert len(record["losses"]) == record["steps"]
     assert record["loss_last"] < record["loss_first"]
     assert record["tokens_per_s"] > 0 and record["peak_mem_mib"] > 0
