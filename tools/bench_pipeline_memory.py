@@ -12,7 +12,6 @@ capture), max over ranks, in ``benchmarks/results/memory-pipeline-<device>.json`
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 

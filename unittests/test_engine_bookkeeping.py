@@ -35,7 +35,7 @@ def rt():
 
 def step(layer, order, shape=(2, 4)):
     """Run an order like 'f1 f2 b1 b2'; returns the call kinds in order of forwards."""
-    outs, kinds = {}, []
+    outs = {}
     for tok in order.split():
         n = int(tok[1:])
         if tok[0] == "f":

@@ -7,7 +7,6 @@ import pytest
 paddle = pytest.importorskip("paddle")
 
 from paddle_graphpp import CUDAGraphedLayer  # noqa: E402
-from paddle_graphpp.core.errors import GraphScheduleError  # noqa: E402
 
 ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"
 

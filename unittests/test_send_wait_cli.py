@@ -1,7 +1,6 @@
 """The send-wait command line on saved programs, and the pass's errors on bad input."""
 
 import hashlib
-import os
 import subprocess
 import sys
 

@@ -33,7 +33,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 from .errors import CaptureError, GraphedLayerError
 

@@ -317,7 +317,6 @@ class GraphedCallable:
         sig = self._signatures.get(call.key)
         if sig is not None:
             sig.busy.discard(call.position)
-        rt = self.runtime
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
         if call.kind == REPLAY:
             return self._replay_backward(call, diff_grads)

@@ -30,7 +30,6 @@ import contextlib
 import functools
 import re
 
-import paddle
 from paddle import nn
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipelineLayer
