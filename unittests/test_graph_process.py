@@ -51,8 +51,7 @@ def fake():
     gp.clear_graph_cache()
     yield rt
     gp.clear_graph_cache()
-    runtime_mod._EXTRA.pop("torch", None)  # no public unregister in the seam yet
-    runtime_mod._LOADED.pop("torch", None)
+    runtime_mod.unregister_runtime("torch")
 
 
 def _adder(fake, label):

@@ -203,6 +203,12 @@ def register_runtime(name: str, factory: Callable[[], GraphRuntime]) -> None:
     _LOADED.pop(name, None)
 
 
+def unregister_runtime(name: str) -> None:
+    """Undo :func:`register_runtime`: ``name`` loads its real adapter again on next use."""
+    _EXTRA.pop(name, None)
+    _LOADED.pop(name, None)
+
+
 def get_runtime(name: str) -> GraphRuntime:
     """The runtime for framework ``name``, imported on first use.
 
