@@ -26,7 +26,6 @@ explicitly, before CUDA or NCCL start, overriding the launcher's environment.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -40,30 +39,19 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+for _path in (REPO, os.path.join(REPO, "tools")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+import benchlib  # noqa: E402
 
 DEFAULT_SIZES = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10,
                  512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
 TARGET_RATIO, TARGET_MAX_BYTES = 0.6, 256 << 10
 
 
-def device_slug(name: str) -> str:
-    low = name.lower()
-    for key in ("h200", "h100", "a100", "l40s", "a10", "b200"):
-        if key in low:
-            return key
-    return "".join(c if c.isalnum() else "-" for c in low).strip("-") or "gpu"
-
-
 def _pct(values, q):
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
-def _nccl_version(torch) -> str:
-    v = torch.cuda.nccl.version()
-    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -288,8 +276,7 @@ def main(argv=None) -> int:
         print(f"bench_allreduce: needs 2 CUDA devices, found "
               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         return 2
-    name = torch.cuda.get_device_name(0)
-    slug = device_slug(name)
+    slug = benchlib.device_slug()
     os.makedirs(args.out, exist_ok=True)
     out_file = os.path.join(args.out, f"allreduce-{slug}.json")
     partial = out_file + ".rank0.partial"
@@ -320,12 +307,8 @@ def main(argv=None) -> int:
     lat = data.get("sections", {}).get("latency", [])
     small = [r for r in lat if r["bytes"] <= TARGET_MAX_BYTES]
     record = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": name,
-        "device_count": torch.cuda.device_count(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "nccl": _nccl_version(torch), "python": sys.version.split()[0]},
+        "command": benchlib.command(),
+        **benchlib.environment(),
         "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
         "status": "timeout" if timed_out else ("ok" if codes == [0, 0] and data.get("done") else "failed"),
         "exit_codes": codes,
@@ -343,7 +326,7 @@ def main(argv=None) -> int:
     with open(out_file, "w") as f:
         json.dump(record, f, indent=1)
 
-    print(f"\nall-reduce inside replayed graphs, {name} x2, bf16, {args.calls} calls/graph, "
+    print(f"\nall-reduce inside replayed graphs, {record["device"]} x2, bf16, {args.calls} calls/graph, "
           f"{args.rounds} rounds (median us [p10-p90])")
     print(f"{'bytes':>9} {'custom':>20} {'one-shot':>10} {'two-shot':>10} {'nccl':>20} {'ratio':>6} ok")
     for r in lat:
