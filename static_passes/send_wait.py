@@ -141,15 +141,19 @@ def _legacy_program_types():
     return Program, PirProgram
 
 
-def _section_and_schedule(program):
+def _require_legacy(obj, what: str, expected: str):
+    """``Program`` if ``obj`` is a legacy program; a clear error for a PIR program or anything else."""
     Program, PirProgram = _legacy_program_types()
-    if PirProgram and isinstance(program, PirProgram):
-        raise SendWaitError(f"optimize_pipeline_send_wait got a PIR program. {_PIR_REASON}")
-    if not isinstance(program, Program):
-        raise TypeError(
-            "optimize_pipeline_send_wait expects a legacy paddle.static.Program (built with "
-            f"FLAGS_enable_pir_api=0), got {type(program).__module__}.{type(program).__qualname__}"
-        )
+    if PirProgram and isinstance(obj, PirProgram):
+        raise SendWaitError(f"optimize_pipeline_send_wait got a PIR {what}. {_PIR_REASON}")
+    if not isinstance(obj, Program):
+        raise TypeError(f"{expected}, got {type(obj).__module__}.{type(obj).__qualname__}")
+    return Program
+
+
+def _section_and_schedule(program):
+    Program = _require_legacy(program, "program", "optimize_pipeline_send_wait expects a legacy "
+                              "paddle.static.Program (built with FLAGS_enable_pir_api=0)")
     opt = getattr(program, "_pipeline_opt", None) or {}
     section = opt.get("section_program", program)
     if not isinstance(section, Program):
@@ -160,14 +164,8 @@ def _section_and_schedule(program):
 def _startup_desc(startup_program):
     if startup_program is None:
         return None
-    Program, PirProgram = _legacy_program_types()
-    if PirProgram and isinstance(startup_program, PirProgram):
-        raise SendWaitError(f"optimize_pipeline_send_wait got a PIR startup program. {_PIR_REASON}")
-    if not isinstance(startup_program, Program):
-        raise TypeError(
-            "startup_program must be a legacy paddle.static.Program or None, got "
-            f"{type(startup_program).__name__}"
-        )
+    Program = _require_legacy(startup_program, "startup program",
+                              "startup_program must be a legacy paddle.static.Program or None")
     # After PipelineOptimizer.minimize the startup program keeps this rank's split copy here;
     # fleet writes the communicator setup into that copy.
     inner = (getattr(startup_program, "_pipeline_opt", None) or {}).get("startup_program")

@@ -34,7 +34,8 @@ from .runtime import GraphRuntime, TensorSpec
 from .schedule import InFlightQueue
 from .tree import flatten, unflatten
 
-__all__ = ["GraphedCallable", "EngineOptions", "GRAPHED_LAYER_DOC", "graphed_engine"]
+__all__ = ["GraphedCallable", "EngineOptions", "GRAPHED_LAYER_DOC", "graphed_engine", "node_forward",
+           "node_backward"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -540,6 +541,22 @@ def _capture_guard(graph: Any, owner: str):
     (core.collectives), so they are unregistered when the graph is freed."""
     with _guards.sot_warmup_guard(True), _collectives.capturing_graph(graph, owner):
         yield
+
+
+def node_forward(ctx: Any, call: _Call) -> tuple:
+    """Body of a runtime's custom autograd function forward: run the call, keep it on ``ctx``,
+    and mark the outputs that carry no gradient."""
+    outputs = call.forward()
+    ctx.call = call  # kept after backward: a second backward must reach the FIFO check and fail there
+    frozen = [o for o, d in zip(outputs, call.differentiable) if not d]
+    if frozen:
+        ctx.mark_non_differentiable(*frozen)
+    return tuple(outputs)
+
+
+def node_backward(ctx: Any, grads: Sequence[Any]) -> list:
+    """Body of the matching backward: one gradient (or ``None``) per tensor input and parameter."""
+    return ctx.call.backward(list(grads))
 
 
 #: The documentation of both frameworks' graphed layer classes (formatted per framework).

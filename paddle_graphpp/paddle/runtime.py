@@ -18,28 +18,23 @@ from typing import Any, Optional, Sequence
 import paddle
 from paddle.autograd import PyLayer
 
+from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
 
 __all__ = ["PaddleRuntime", "RUNTIME"]
 
 
 class _GraphedPyLayer(PyLayer):
-    """Autograd node of one graphed call: forward and backward delegate to the engine's call."""
+    """Autograd node of one graphed call (the logic is the core's). Paddle wants one gradient
+    per tensor input, ``None`` where the input has stop_gradient=True: that is what it gets."""
 
     @staticmethod
     def forward(ctx, call, *tensors_and_params):
-        outputs = call.forward()
-        ctx.call = call
-        frozen = [o for o, d in zip(outputs, call.differentiable) if not d]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return tuple(outputs)
+        return node_forward(ctx, call)
 
     @staticmethod
     def backward(ctx, *grads):
-        call = ctx.call  # kept: a second backward must reach the FIFO check and fail there
-        # One entry per tensor input, None where the input has stop_gradient=True.
-        return tuple(call.backward(list(grads)))
+        return tuple(node_backward(ctx, grads))
 
 
 class PaddleRuntime(GraphRuntime):

@@ -8,28 +8,23 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
 
 __all__ = ["TorchRuntime", "RUNTIME"]
 
 
 class _GraphedFunction(torch.autograd.Function):
-    """Autograd node of one graphed call: forward and backward delegate to the engine's call."""
+    """Autograd node of one graphed call (the logic is the core's)."""
 
     @staticmethod
     def forward(ctx, call, *tensors_and_params):
-        outputs = call.forward()
-        ctx.call = call
-        frozen = [o for o, d in zip(outputs, call.differentiable) if not d]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return tuple(outputs)
+        return node_forward(ctx, call)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        call = ctx.call  # kept: a second backward must reach the FIFO check and fail there
-        return (None, *call.backward(grads))
+        return (None, *node_backward(ctx, grads))
 
 
 class TorchRuntime(GraphRuntime):
