@@ -9,8 +9,9 @@ if they hang. Rank 0 writes its results after each section, so a timeout still l
 
 Sections:
   * latency: for each size (4 KiB..8 MiB, bf16), one graph of ``--calls`` back-to-back
-    all-reduces per variant (custom auto = the dispatcher's registered path, custom one-shot,
-    custom two-shot, NCCL), replayed in alternating rounds (the order rotates every round);
+    all-reduces per variant (custom = the dispatcher's registered path with its automatic
+    kernel: our push one-shot below 4 MiB, stock two-shot above; stock_one_shot = PyTorch's
+    one-shot kernel; two_shot = PyTorch's two-shot kernel; NCCL), replayed in alternating rounds (the order rotates every round);
     per-call latency = replay time / calls. Medians and p10/p90 over rounds, per rank.
     Results of the custom graphs are checked against the exact sum.
   * parity: a TP=2 transformer MLP block (Column -> GELU -> Row) graphed with the custom
@@ -81,10 +82,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     torch.cuda.synchronize()
     result["peer_access"] = peer_access_report()
     calls = args.calls
-    # three custom variants of one size are alive at once; each call reserves its own buffer
-    arena = 3 * calls * max(args.sizes) + (64 << 20)
+    # three custom variants of one size are alive at once; each call reserves its own region
+    # (up to 2 x world x its size: the push kernel's double-buffered receive slots)
+    arena = 3 * calls * 2 * world * max(args.sizes) + (64 << 20)
     ar = create_allreduce(arena_bytes=arena)
     result["custom_unavailable_reason"] = ar.backend.custom_unavailable_reason()
+    result["push_unavailable_reason"] = ar.backend.push_unavailable_reason
     save()
     backend = ar.backend
 
@@ -102,9 +105,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             numel = nbytes // 2
             x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
             graphs, outs, errors = {}, {}, {}
-            saved = backend.two_shot_min_bytes
-            for variant, threshold in (("custom", saved), ("one_shot", 1 << 62), ("two_shot", 1)):
-                backend.two_shot_min_bytes = threshold
+            for variant, kernel in (("custom", None), ("stock_one_shot", "one_shot"), ("two_shot", "two_shot")):
+                backend.force_kernel = kernel
                 err = None
                 try:
                     with C.capture_custom_allreduce():
@@ -118,7 +120,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                 except C.CaptureError as exc:             # the ranks captured differently
                     err = err or exc
                 finally:
-                    backend.two_shot_min_bytes = saved
+                    backend.force_kernel = None
                 # only variants every rank captured are replayed (a lone replay would hang)
                 if not all(backend.exchange(err is None)):
                     errors[variant] = f"{type(err).__name__}: {err}"[:300] if err else "failed on the other rank"
@@ -129,7 +131,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             xn = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
             graphs["nccl"], _ = capture(lambda: [dist.all_reduce(xn) for _ in range(calls)])
             torch.cuda.synchronize()
-            row = {"bytes": nbytes, "calls_per_graph": calls, "correct": {}, "errors": errors}
+            row = {"bytes": nbytes, "calls_per_graph": calls, "custom_kernel": backend.kernel_for(nbytes),
+                   "correct": {}, "errors": errors}
             for variant in outs:
                 replay(graphs[variant])
                 torch.cuda.synchronize()
@@ -152,7 +155,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             for n in names:
                 row[n] = {"median_us": statistics.median(times[n]), "p10_us": _pct(times[n], 0.1),
                           "p90_us": _pct(times[n], 0.9), "min_us": min(times[n]), "max_us": max(times[n])}
-            customs = [v for v in ("custom", "one_shot", "two_shot") if v in row]
+            customs = [v for v in ("custom", "stock_one_shot", "two_shot") if v in row]
             nccl_us = row["nccl"]["median_us"]
             row["ratio_custom_vs_nccl"] = row["custom"]["median_us"] / nccl_us if "custom" in row else None
             row["ratio_best_custom_vs_nccl"] = min(row[v]["median_us"] for v in customs) / nccl_us if customs else None
@@ -164,6 +167,30 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             gc.collect()
             torch.cuda.synchronize()
             save()
+
+    # -------------------------------------------------------------------- stress
+    # Many eager custom calls back to back (no host sync between them, sizes cycling so the
+    # per-block epochs and the slot parity interleave), each checked against NCCL's sum.
+    if result["custom_unavailable_reason"] is None:
+        gen = torch.Generator(device=device).manual_seed(77 + rank)
+        sizes = [4 << 10, 260 << 10, 64 << 10, 1 << 20, 12 << 10]
+        customs, refs = [], []
+        for i in range(args.stress_calls):
+            for dtype in (torch.bfloat16, torch.float32):
+                numel = sizes[i % len(sizes)] // (2 if dtype == torch.bfloat16 else 4)
+                t = torch.randn(numel, generator=gen, device=device).to(dtype)
+                customs.append(ar.all_reduce(t))
+                ref = t.clone()
+                dist.all_reduce(ref)
+                refs.append(ref)
+        torch.cuda.synchronize()
+        bad = sum(not torch.equal(c, r) for c, r in zip(customs, refs))
+        worst = max(float((c.float() - r.float()).abs().max()) for c, r in zip(customs, refs))
+        result["sections"]["stress"] = {"calls": len(customs), "not_bit_equal_to_nccl": bad,
+                                        "max_abs_diff": worst, "passed": worst <= 1e-2,
+                                        "note": "2 ranks: both sum a+b, so bit-equality is expected"}
+        del customs, refs
+        save()
 
     # -------------------------------------------------------------------- parity
     from paddle_graphpp.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -261,6 +288,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=32, help="all-reduces per captured graph")
     p.add_argument("--rounds", type=int, default=30, help="timed alternating rounds")
     p.add_argument("--warmup-rounds", type=int, default=3)
+    p.add_argument("--stress-calls", type=int, default=200, help="eager calls per dtype in the stress check")
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden size for the parity check")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=220.0, help="hard limit for the 2 ranks, seconds")
@@ -326,9 +354,9 @@ def main(argv=None) -> int:
     with open(out_file, "w") as f:
         json.dump(record, f, indent=1)
 
-    print(f"\nall-reduce inside replayed graphs, {record["device"]} x2, bf16, {args.calls} calls/graph, "
+    print(f"\nall-reduce inside replayed graphs, {record['device']} x2, bf16, {args.calls} calls/graph, "
           f"{args.rounds} rounds (median us [p10-p90])")
-    print(f"{'bytes':>9} {'custom':>20} {'one-shot':>10} {'two-shot':>10} {'nccl':>20} {'ratio':>6} ok")
+    print(f"{'bytes':>9} {'kernel':>8} {'custom':>20} {'stock-1shot':>11} {'two-shot':>10} {'nccl':>20} {'ratio':>6} ok")
     for r in lat:
         def cell(v, wide=False):
             if v not in r:
@@ -336,12 +364,15 @@ def main(argv=None) -> int:
             d = r[v]
             return (f"{d['median_us']:7.2f} [{d['p10_us']:.1f}-{d['p90_us']:.1f}]" if wide
                     else f"{d['median_us']:10.2f}")
-        print(f"{r['bytes']:>9} {cell('custom', True):>20} {cell('one_shot'):>10} {cell('two_shot'):>10} "
+        print(f"{r['bytes']:>9} {r.get('custom_kernel', '?'):>8} {cell('custom', True):>20} "
+              f"{cell('stock_one_shot'):>11} {cell('two_shot'):>10} "
               f"{cell('nccl', True):>20} {(r['ratio_custom_vs_nccl'] or float('nan')):6.2f} "
               f"{all(r['correct'].values()) and not r['errors']}")
     for k, v in data.get("sections", {}).get("parity", {}).items():
         print(f"parity {k}: max abs err {v['max_abs_err']:.3g} (tol {v['tolerance']}) "
               f"{'PASS' if v['passed'] else 'FAIL'}; paths {v['paths_during_capture_phase']}")
+    stress = data.get("sections", {}).get("stress", {})
+    print(f"stress: {'PASS' if stress.get('passed') else 'FAIL/missing'} {stress}")
     misuse = data.get("sections", {}).get("misuse", {})
     print(f"misuse: {'PASS' if misuse.get('passed') else 'FAIL/missing'} {misuse}")
     print(f"peer access: {data.get('peer_access')}; custom unavailable: {data.get('custom_unavailable_reason')}")

@@ -163,6 +163,13 @@ class AllReduceBackend(abc.ABC):
     def arena_bytes(self) -> int:
         """Bytes of the arena available for registered buffers."""
 
+    def buffer_bytes(self, nbytes: int) -> int:
+        """Arena bytes one registered call of an ``nbytes`` message reserves (default: ``nbytes``).
+
+        A kernel that receives its peers' data into double-buffered slots reserves more.
+        """
+        return nbytes
+
     @abc.abstractmethod
     def exchange(self, obj: Any) -> list:
         """All-gather a small picklable object over the group (outside any capture)."""
@@ -426,7 +433,7 @@ class AllReduceDispatcher:
         if path is AllReducePath.REGISTERED:
             facts = self.backend.facts(tensor)
             with _LOCK:
-                offset = self._arena.reserve(facts.nbytes)
+                offset = self._arena.reserve(self.backend.buffer_bytes(facts.nbytes))
             if offset is None:
                 if not self._warned_full:
                     warnings.warn(

@@ -1,14 +1,20 @@
 """PyTorch custom all-reduce over peer memory, behind the capture-aware dispatcher.
 
-The kernels are PyTorch's own symmetric-memory ops (``torch.ops.symm_mem``): one-shot
-all-reduce (each rank reads every peer's buffer; one launch, with the copy-in fused) for
-small messages and two-shot (reduce-scatter + all-gather over peer memory) for large ones.
-Neither needs NVLink multicast, which must stay off on the lent machines
+Kernels, by message size:
+
+* below ``two_shot_min_bytes``: our push one-shot kernel (:mod:`._push_allreduce`, Triton):
+  each rank writes its input into a receive slot in every peer's memory, raises one flag per
+  peer, waits for its peers' flags and sums locally. One launch, one handshake, no copy-in.
+  Without Triton, PyTorch's stock one-shot kernel (``torch.ops.symm_mem``) takes its place.
+* from ``two_shot_min_bytes`` up: PyTorch's stock two-shot kernel (reduce-scatter +
+  all-gather over peer memory).
+
+None needs NVLink multicast, which must stay off on the lent machines
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
 
-One symmetric allocation per group holds a staging buffer (eager copy-in) followed by an
-arena from which graphs captured inside ``capture_custom_allreduce()`` reserve their
-registered buffers; :mod:`paddle_graphpp.core.collectives` does the bookkeeping.
+One symmetric allocation per group holds the push kernel's flags, a staging region (eager
+calls) and an arena from which graphs captured inside ``capture_custom_allreduce()`` reserve
+their registered regions; :mod:`paddle_graphpp.core.collectives` does the bookkeeping.
 
 Without CUDA, peer access, NCCL or the symmetric-memory ops, every call falls back to
 ``torch.distributed.all_reduce``, which NCCL can capture.
@@ -64,9 +70,14 @@ class TorchSymmMemBackend(AllReduceBackend):
 
     Args:
         group: the process group (default: the world group).
-        max_bytes: staging buffer size, the largest custom message.
-        arena_bytes: bytes for buffers registered by captured graphs.
+        max_bytes: the largest custom message (the staging region is sized for it).
+        arena_bytes: bytes for regions registered by captured graphs. A registered call of
+            ``n`` bytes takes ``2 x world x n`` bytes (the push kernel's double-buffered
+            receive slots): see :meth:`buffer_bytes`.
         two_shot_min_bytes: messages this large or larger use the two-shot kernel.
+
+    ``force_kernel`` (attribute, default ``None``) pins the kernel for benchmarks:
+    ``"push"``, ``"one_shot"`` (stock) or ``"two_shot"`` (stock).
 
     Ways to break it:
         * Creating it inside a graph capture fails (allocation and rendezvous are collective
@@ -76,7 +87,7 @@ class TorchSymmMemBackend(AllReduceBackend):
 
     name = "torch symm_mem"
 
-    def __init__(self, group: Any = None, *, max_bytes: int = 8 << 20, arena_bytes: int = 32 << 20,
+    def __init__(self, group: Any = None, *, max_bytes: int = 8 << 20, arena_bytes: int = 64 << 20,
                  two_shot_min_bytes: int = 4 << 20) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TorchSymmMemBackend: call torch.distributed.init_process_group() first")
@@ -86,6 +97,9 @@ class TorchSymmMemBackend(AllReduceBackend):
         self._arena_bytes = arena_bytes
         self.two_shot_min_bytes = two_shot_min_bytes
         self._buf: Optional[torch.Tensor] = None
+        self._push = None
+        self.push_unavailable_reason: Optional[str] = None
+        self.force_kernel: Optional[str] = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         reason = _local_reason(self.group, self.device)
         if reason is None:
@@ -100,13 +114,33 @@ class TorchSymmMemBackend(AllReduceBackend):
         if self._reason is not None:
             self._buf = None
 
+    def _push_reason(self) -> Optional[str]:
+        if self._world > 8:
+            return f"world size {self._world} > 8"
+        from . import _push_allreduce
+
+        return None if _push_allreduce.triton is not None else "Triton is not importable"
+
+    def _staging_bytes(self) -> int:
+        small = min(self._max_bytes, self.two_shot_min_bytes)
+        return max(self._max_bytes, self.buffer_bytes(small))
+
     def _allocate(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = self.group.group_name
-        total = self._max_bytes + self._arena_bytes
+        self.push_unavailable_reason = self._push_reason()
+        from ._push_allreduce import flags_bytes
+
+        self._data_offset = flags_bytes(max(2, self._world))
+        total = self._data_offset + self._staging_bytes() + self._arena_bytes
         self._buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
-        symm_mem.rendezvous(self._buf, self.group_name)
+        handle = symm_mem.rendezvous(self._buf, self.group_name)
+        if self.push_unavailable_reason is None:
+            from ._push_allreduce import PushAllReduce
+
+            self._push = PushAllReduce(handle, self._buf, dist.get_rank(self.group), self._world)
+            torch.cuda.synchronize(self.device)   # flags zeroed before the exchange that follows
         ops = torch.ops.symm_mem
         self._has_fused_copy = hasattr(ops, "one_shot_all_reduce_copy_out")
         self._has_two_shot = hasattr(ops, "two_shot_all_reduce_out")
@@ -141,10 +175,17 @@ class TorchSymmMemBackend(AllReduceBackend):
         return self._reduce(tensor, 0)
 
     def reduce_registered(self, tensor: torch.Tensor, offset: int) -> torch.Tensor:
-        return self._reduce(tensor, self._max_bytes + offset)
+        return self._reduce(tensor, self._staging_bytes() + offset)
 
     def arena_bytes(self) -> int:
         return self._arena_bytes
+
+    def buffer_bytes(self, nbytes: int) -> int:
+        if self.push_unavailable_reason is None:
+            from ._push_allreduce import region_bytes
+
+            return max(nbytes, region_bytes(nbytes, self._world))
+        return nbytes
 
     def exchange(self, obj: Any) -> list:
         out: list = [None] * self._world
@@ -153,19 +194,29 @@ class TorchSymmMemBackend(AllReduceBackend):
 
     def close(self) -> None:
         self._buf = None
+        self._push = None
 
     # ------------------------------------------------------------------ kernels
     def symmetric_view(self, byte_offset: int, like: torch.Tensor) -> torch.Tensor:
-        """The symmetric buffer at ``byte_offset`` viewed with ``like``'s dtype and shape."""
+        """The symmetric data area at ``byte_offset`` viewed with ``like``'s dtype and shape."""
+        start = self._data_offset + byte_offset
         nbytes = like.numel() * like.element_size()
-        return self._buf[byte_offset:byte_offset + nbytes].view(like.dtype).view(like.shape)
+        return self._buf[start:start + nbytes].view(like.dtype).view(like.shape)
 
-    def _reduce(self, tensor: torch.Tensor, byte_offset: int, *, kernel: Optional[str] = None) -> torch.Tensor:
+    def kernel_for(self, nbytes: int) -> str:
+        """``"push"``, ``"one_shot"`` or ``"two_shot"``: the kernel a message of ``nbytes`` uses."""
+        if self.force_kernel is not None:
+            return self.force_kernel
+        if nbytes >= self.two_shot_min_bytes and self._has_two_shot:
+            return "two_shot"
+        return "push" if self._push is not None else "one_shot"
+
+    def _reduce(self, tensor: torch.Tensor, byte_offset: int) -> torch.Tensor:
+        kernel = self.kernel_for(tensor.numel() * tensor.element_size())
+        if kernel == "push":
+            return self._push(tensor.contiguous(), byte_offset)
         symm = self.symmetric_view(byte_offset, tensor)
         out = torch.empty_like(tensor)
-        nbytes = tensor.numel() * tensor.element_size()
-        kernel = kernel or ("two_shot" if nbytes >= self.two_shot_min_bytes and self._has_two_shot
-                            else "one_shot")
         ops = torch.ops.symm_mem
         if kernel == "two_shot":
             symm.copy_(tensor)
@@ -179,7 +230,7 @@ class TorchSymmMemBackend(AllReduceBackend):
 
 
 def create_allreduce(group: Any = None, *, policy: Optional[CustomAllReducePolicy] = None,
-                     arena_bytes: int = 32 << 20) -> AllReduceDispatcher:
+                     arena_bytes: int = 64 << 20) -> AllReduceDispatcher:
     """A capture-aware all-reduce for ``group`` (collective: call it on every rank, eagerly).
 
     Args:

@@ -1,0 +1,180 @@
+"""Our one-shot all-reduce for small messages: push over peer memory, one flag handshake.
+
+Why our own kernel: PyTorch's stock one-shot kernel reads every peer's buffer, so the input
+must first be in symmetric memory and the kernel needs two barriers (one before reading,
+one so nobody overwrites a buffer a peer is still reading). Here each rank *writes* its
+input straight into a receive slot in every peer's memory, raises one flag per peer, waits
+for its peers' flags and sums locally:
+
+* no copy-in launch (the input can live anywhere; the kernel reads it directly);
+* one handshake per call instead of two barriers;
+* receive slots are double-buffered by the parity of a per-block epoch counter, so the
+  slot a rank writes in call ``e`` is not the one its peer may still be reading from call
+  ``e - 1``, and reuse two calls later is safe: a rank passes call ``e + 1``'s wait only
+  after every peer has started call ``e + 1``, i.e. finished call ``e`` (kernels on one
+  stream do not overlap).
+
+The epoch counters live in device memory and advance in the kernel, so captured graphs and
+eager calls share one sequence; every rank must issue the same calls in the same order on
+one stream per communicator (what any collective requires). Sums run in rank order on every
+rank, so all ranks get bit-identical results.
+
+Layout of the symmetric buffer a :class:`PushAllReduce` uses (bytes):
+``[flags: world x MAX_BLOCKS int32][regions...]``; a region for an ``n``-element message is
+``2 x world x n`` elements (slot parity, source rank).
+
+Requires Triton (shipped with CUDA builds of PyTorch) to launch; the layout helpers import
+without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: layout helpers only
+    triton = None
+
+__all__ = ["PushAllReduce", "MAX_WORLD", "MAX_BLOCKS", "region_bytes", "flags_bytes"]
+
+MAX_WORLD = 8
+MAX_BLOCKS = 128
+SUB = 2048          # elements per block per inner step
+NUM_WARPS = 4
+
+
+def flags_bytes(world: int) -> int:
+    """Bytes of the flag area at the start of the buffer, rounded up to 4 KiB."""
+    return -(-(world * MAX_BLOCKS * 4) // 4096) * 4096
+
+
+def region_bytes(nbytes: int, world: int) -> int:
+    """Bytes of the receive region for one ``nbytes`` message."""
+    return 2 * world * nbytes
+
+
+if triton is not None:
+    @triton.jit
+    def _pick(r: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
+        p = p0
+        if r == 1:
+            p = p1
+        if r == 2:
+            p = p2
+        if r == 3:
+            p = p3
+        if r == 4:
+            p = p4
+        if r == 5:
+            p = p5
+        if r == 6:
+            p = p6
+        if r == 7:
+            p = p7
+        return p
+
+
+    @triton.jit
+    def _push_all_reduce(inp, out, counters,
+                         r0, r1, r2, r3, r4, r5, r6, r7,
+                         f0, f1, f2, f3, f4, f5, f6, f7,
+                         n, chunk,
+                         RANK: tl.constexpr, WORLD: tl.constexpr, NBLK: tl.constexpr, SUB: tl.constexpr):
+        pid = tl.program_id(0)
+        epoch = tl.load(counters + pid) + 1
+        slot = (epoch & 1).to(tl.int64)
+        start = pid * chunk
+        stop = tl.minimum(start + chunk, n)
+        n64 = n.to(tl.int64)
+        # 1. push this block's part of the input into slot [parity][RANK] of every peer
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                dst = _pick(r, r0, r1, r2, r3, r4, r5, r6, r7) + (slot * WORLD + RANK) * n64
+                for i in range(start, stop, SUB):
+                    offs = i + tl.arange(0, SUB)
+                    m = offs < stop
+                    tl.store(dst + offs, tl.load(inp + offs, mask=m), mask=m)
+        tl.debug_barrier()
+        # 2. one flag per peer: "block pid's data of epoch `epoch` has landed in your slot"
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                flag = _pick(r, f0, f1, f2, f3, f4, f5, f6, f7) + RANK * NBLK + pid
+                tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
+        # 3. wait for every peer's flag (>= epoch: a fast peer may already be one call ahead)
+        mine = _pick(RANK, f0, f1, f2, f3, f4, f5, f6, f7)
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
+                while seen - epoch < 0:
+                    seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()
+        # 4. sum in rank order (identical on every rank) and write the result
+        recv = _pick(RANK, r0, r1, r2, r3, r4, r5, r6, r7)
+        for i in range(start, stop, SUB):
+            offs = i + tl.arange(0, SUB)
+            m = offs < stop
+            acc = tl.zeros([SUB], dtype=tl.float32)
+            for r in tl.static_range(WORLD):
+                if r == RANK:
+                    v = tl.load(inp + offs, mask=m)
+                else:
+                    v = tl.load(recv + (slot * WORLD + r) * n64 + offs, mask=m, volatile=True)
+                acc += v.to(tl.float32)
+            tl.store(out + offs, acc.to(out.dtype.element_ty), mask=m)
+        tl.store(counters + pid, epoch)
+
+
+class PushAllReduce:
+    """Launches :func:`_push_all_reduce` over one rendezvoused symmetric ``uint8`` buffer.
+
+    Args:
+        handle: the symmetric-memory handle of ``buf`` (from ``rendezvous``).
+        buf: the local symmetric buffer; its first :func:`flags_bytes` bytes hold the flags.
+        rank, world: this rank and the group size (``world <= MAX_WORLD``).
+
+    The caller zeroes nothing: construction zeroes the local flags and counters; the caller
+    must then pass a barrier with all ranks before the first call.
+    """
+
+    def __init__(self, handle, buf: torch.Tensor, rank: int, world: int) -> None:
+        if triton is None:
+            raise RuntimeError("PushAllReduce needs Triton (pip install triton, or a CUDA build of PyTorch)")
+        if not 2 <= world <= MAX_WORLD:
+            raise ValueError(f"PushAllReduce: world size {world} not in 2..{MAX_WORLD}")
+        self.rank, self.world = rank, world
+        self.total = buf.numel()
+        self.data_offset = flags_bytes(world)
+        self.peers = [handle.get_buffer(r, (self.total,), torch.uint8, 0) for r in range(world)]
+        self.flags = [p[:self.data_offset].view(torch.int32) for p in self.peers]
+        self.counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=buf.device)
+        buf[:self.data_offset].zero_()
+        self._views: dict = {}
+
+    def _regions(self, offset: int, tensor: torch.Tensor) -> list:
+        key = (offset, tensor.dtype, tensor.numel())
+        views = self._views.get(key)
+        if views is None:
+            nbytes = region_bytes(tensor.numel() * tensor.element_size(), self.world)
+            start = self.data_offset + offset
+            if start + nbytes > self.total:
+                raise ValueError(f"PushAllReduce: region [{start}, {start + nbytes}) exceeds the buffer ({self.total})")
+            views = [p[start:start + nbytes].view(tensor.dtype) for p in self.peers]
+            self._views[key] = views
+        return views
+
+    def __call__(self, tensor: torch.Tensor, offset: int) -> torch.Tensor:
+        """Sum ``tensor`` over the group through the region at data ``offset``; a new tensor."""
+        n = tensor.numel()
+        out = torch.empty_like(tensor)
+        regions = self._regions(offset, tensor)
+        blocks = min(MAX_BLOCKS, -(-n // SUB))
+        chunk = -(-(-(-n // blocks)) // SUB) * SUB
+        blocks = -(-n // chunk)
+        pad_r = regions + [regions[0]] * (MAX_WORLD - self.world)
+        pad_f = self.flags + [self.flags[0]] * (MAX_WORLD - self.world)
+        _push_all_reduce[(blocks,)](tensor, out, self.counters, *pad_r, *pad_f, n, chunk,
+                                    RANK=self.rank, WORLD=self.world, NBLK=MAX_BLOCKS, SUB=SUB,
+                                    num_warps=NUM_WARPS)
+        return out
