@@ -82,9 +82,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     torch.cuda.synchronize()
     result["peer_access"] = peer_access_report()
     calls = args.calls
-    # three custom variants of one size are alive at once; each call reserves its own region
-    # (up to 2 x world x its size: the push kernel's double-buffered receive slots)
-    arena = 3 * calls * 2 * world * max(args.sizes) + (64 << 20)
+    # up to four custom variants of one size are alive at once; each call reserves its own
+    # region (2 x world x its size: the push kernel's double-buffered receive slots)
+    arena = 4 * calls * 2 * world * max(args.sizes) + (64 << 20)
     ar = create_allreduce(arena_bytes=arena)
     result["custom_unavailable_reason"] = ar.backend.custom_unavailable_reason()
     result["push_unavailable_reason"] = ar.backend.push_unavailable_reason
@@ -105,7 +105,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             numel = nbytes // 2
             x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
             graphs, outs, errors = {}, {}, {}
-            for variant, kernel in (("custom", None), ("stock_one_shot", "one_shot"), ("two_shot", "two_shot")):
+            variants = [("custom", None), ("stock_one_shot", "one_shot"), ("two_shot", "two_shot")]
+            if backend.push_unavailable_reason is None and backend.kernel_for(nbytes) != "push":
+                variants.append(("push", "push"))       # what the push kernel would do at this size
+            for variant, kernel in variants:
                 backend.force_kernel = kernel
                 err = None
                 try:
@@ -155,7 +158,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             for n in names:
                 row[n] = {"median_us": statistics.median(times[n]), "p10_us": _pct(times[n], 0.1),
                           "p90_us": _pct(times[n], 0.9), "min_us": min(times[n]), "max_us": max(times[n])}
-            customs = [v for v in ("custom", "stock_one_shot", "two_shot") if v in row]
+            customs = [v for v in ("custom", "stock_one_shot", "two_shot", "push") if v in row]
             nccl_us = row["nccl"]["median_us"]
             row["ratio_custom_vs_nccl"] = row["custom"]["median_us"] / nccl_us if "custom" in row else None
             row["ratio_best_custom_vs_nccl"] = min(row[v]["median_us"] for v in customs) / nccl_us if customs else None
@@ -356,7 +359,8 @@ def main(argv=None) -> int:
 
     print(f"\nall-reduce inside replayed graphs, {record['device']} x2, bf16, {args.calls} calls/graph, "
           f"{args.rounds} rounds (median us [p10-p90])")
-    print(f"{'bytes':>9} {'kernel':>8} {'custom':>20} {'stock-1shot':>11} {'two-shot':>10} {'nccl':>20} {'ratio':>6} ok")
+    print(f"{'bytes':>9} {'kernel':>8} {'custom':>20} {'stock-1shot':>11} {'two-shot':>10} {'push':>8} "
+          f"{'nccl':>20} {'ratio':>6} ok")
     for r in lat:
         def cell(v, wide=False):
             if v not in r:
@@ -366,6 +370,7 @@ def main(argv=None) -> int:
                     else f"{d['median_us']:10.2f}")
         print(f"{r['bytes']:>9} {r.get('custom_kernel', '?'):>8} {cell('custom', True):>20} "
               f"{cell('stock_one_shot'):>11} {cell('two_shot'):>10} "
+              f"{(cell('push') if 'push' in r else '='):>8} "
               f"{cell('nccl', True):>20} {(r['ratio_custom_vs_nccl'] or float('nan')):6.2f} "
               f"{all(r['correct'].values()) and not r['errors']}")
     for k, v in data.get("sections", {}).get("parity", {}).items():

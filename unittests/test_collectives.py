@@ -218,3 +218,19 @@ def test_full_arena_falls_back_with_one_warning():
         with pytest.warns(UserWarning, match="arena"):
             d.all_reduce([1.0] * 4)
     assert backend.calls == [("registered", 0), "fallback"]
+
+
+def test_registered_call_reserves_the_backends_buffer_bytes():
+    class SlotBackend(ListBackend):
+        def buffer_bytes(self, nbytes):       # e.g. double-buffered receive slots per rank
+            return 2 * self._world * nbytes
+
+    backend = SlotBackend(arena=4096)
+    d = C.AllReduceDispatcher(backend)
+    backend.capturing = True
+    graph = Graph()
+    with C.capture_custom_allreduce(), C.capturing_graph(graph):
+        d.all_reduce([1.0] * 100)          # 400 bytes -> 1600 reserved -> 1792 with granules
+        d.all_reduce([1.0] * 4)            # 16 bytes -> 64 -> 256
+    assert [c[1] for c in backend.calls] == [0, 1792]
+    assert d.registered_bytes == 1792 + 256

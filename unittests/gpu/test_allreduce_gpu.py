@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
 def test_custom_allreduce_in_graphs(tmp_path):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     cmd = [sys.executable, os.path.join(REPO, "tools", "bench_allreduce.py"), "--sizes", "4096,262144,4194304",
-           "--calls", "8", "--rounds", "5", "--timeout", "200", "--out", str(tmp_path)]
+           "--calls", "8", "--rounds", "5", "--stress-calls", "50", "--timeout", "200", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=260)
     files = list(tmp_path.glob("allreduce-*.json"))
     assert files, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -34,4 +34,5 @@ def test_custom_allreduce_in_graphs(tmp_path):
     for name, p in rec["sections"]["parity"].items():
         assert p["passed"], (name, p)
         assert p["paths_during_capture_phase"]["registered"] >= 1, p
+    assert rec["sections"]["stress"]["passed"], rec["sections"]["stress"]
     assert rec["sections"]["misuse"]["passed"], rec["sections"]["misuse"]
