@@ -96,6 +96,9 @@ class GraphedOptimizer:
       mode) and sparse gradients are refused with an error.
     * Without CUDA, the same sequence runs eagerly and matches the plain optimizer bit
       for bit.
+    * ``compile=True`` (PyTorch only) runs the captured sequence through ``torch.compile``
+      first, fusing a ``foreach`` optimizer's passes; the Paddle class refuses it with a
+      ``ValueError``.
     """
 
     def __new__(cls, optimizer, *args, **kwargs):

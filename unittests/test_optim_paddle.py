@@ -129,3 +129,12 @@ def test_refusals_are_clear():
     emb(paddle.to_tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
         gopt.step()
+
+
+def test_compile_is_refused_for_paddle():
+    model = _model()
+    with pytest.raises(ValueError, match=r"compile=True.*PyTorch-only"):
+        paddle_graphpp.GraphedOptimizer(paddle.optimizer.AdamW(parameters=model.parameters()), clip_grad_norm=1.0,
+                                        compile=True)
+    gopt = paddle_graphpp.GraphedOptimizer(paddle.optimizer.AdamW(parameters=model.parameters()), compile=False)
+    assert isinstance(gopt, popt.PaddleGraphedOptimizer)

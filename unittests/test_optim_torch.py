@@ -4,6 +4,7 @@ On CPU the wrapped sequence runs eagerly; it must equal the plain loop
 (clip_grad_norm_ + step + zero_grad) bit for bit, with clipping active on some steps only.
 """
 import copy
+import logging
 
 import pytest
 import torch
@@ -190,3 +191,95 @@ def test_hyperparameter_change_applies_in_fallback():
     state = copy.deepcopy(gopt.state_dict())
     gopt.load_state_dict(state)
     assert gopt._generation >= 1
+
+
+def test_compile_on_cpu_runs_eagerly_bit_for_bit(monkeypatch, caplog):
+    # compile=True applies to the captured GPU step: on CPU nothing is compiled.
+    def no_compile(*args, **kwargs):
+        raise AssertionError("torch.compile must not be called without CUDA")
+
+    def make_opt(ps):
+        return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    ref, ours = _model(), _model()
+    ours.load_state_dict(ref.state_dict())
+    ref_norms = _plain_run(ref, 12, make_opt)
+    with caplog.at_level(logging.INFO, logger=topt.__name__):
+        gopt = paddle_graphpp.GraphedOptimizer(make_opt(ours.parameters()), clip_grad_norm=MAX_NORM, compile=True)
+    assert gopt.compile and not gopt.graphed
+    assert sum("compile=True applies to the captured GPU step" in r.getMessage() for r in caplog.records) == 1
+    our_norms = []
+    for step in range(12):
+        _backward(ours, step)
+        our_norms.append(gopt.step().clone())
+        gopt.zero_grad()
+    clipped = [n.item() > MAX_NORM for n in ref_norms]
+    assert any(clipped) and not all(clipped)
+    assert all(torch.equal(a, b) for a, b in zip(ref_norms, our_norms))
+    _assert_same(ref, ours)
+    with pytest.raises(TypeError, match="compile must be a bool"):
+        paddle_graphpp.GraphedOptimizer(make_opt(ours.parameters()), compile="yes")
+
+
+def test_sparse_check_runs_before_the_compiled_core():
+    # The check raises outside the compiled region; a dense step then reaches the compiled core.
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    gopt = paddle_graphpp.GraphedOptimizer(torch.optim.Adam(emb.parameters()), compile=True)
+    calls = []
+    gopt._compiled_core = lambda owner, grads: calls.append((owner, grads))  # stands in for torch.compile's
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        gopt.step()
+    assert calls == []
+    emb.weight.grad = torch.zeros_like(emb.weight)
+    gopt.step()
+    assert len(calls) == 1 and calls[0][0] is gopt and calls[0][1][0] is emb.weight.grad
+
+
+def test_compile_happens_in_the_warmup_and_the_capture_reuses_it(monkeypatch):
+    # The GPU flow, on CPU: a fake graph runtime registered as "torch" makes the optimizer
+    # "graphed" (its capture runs the code eagerly, its replay only counts), and torch.compile
+    # gets the cheap "eager" backend. Values are not checked (the fake capture really steps).
+    from fake_runtime import FakeGraphRuntime
+    from torch._dynamo.utils import counters
+
+    from paddle_graphpp.core import graph_process as gp
+    from paddle_graphpp.core import runtime as runtime_mod
+
+    real_compile, compile_calls = torch.compile, []
+
+    def eager_compile(fn, **kwargs):
+        compile_calls.append(kwargs)
+        return real_compile(fn, backend="eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", eager_compile)
+    rt = FakeGraphRuntime()
+    runtime_mod.register_runtime("torch", lambda: rt)
+    gp.clear_graph_cache()
+    torch._dynamo.reset()
+    try:
+        model = _model()
+        gopt = paddle_graphpp.GraphedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True),
+                                               clip_grad_norm=MAX_NORM, compile=True)
+        assert gopt.graphed and compile_calls == [{"fullgraph": False, "dynamic": False}]
+        compiled, capturing = gopt._compiled_core, []
+
+        def spy(*args):
+            capturing.append(rt.capturing)
+            return compiled(*args)
+
+        gopt._compiled_core = spy
+        frames = []
+        for step in range(4):
+            _backward(model, step)
+            gopt.step()
+            gopt.zero_grad()
+            frames.append(counters["frames"]["total"])
+        assert capturing == [False, True], "compiled code runs in the warmup, then in the capture, then never"
+        assert frames[0] > 0 and len(set(frames)) == 1, "compiled once, in the first step's warmup"
+        assert len(compile_calls) == 1, "one compiled callable for the optimizer's lifetime"
+    finally:
+        gp.clear_graph_cache()
+        runtime_mod.unregister_runtime("torch")
+        torch._dynamo.reset()

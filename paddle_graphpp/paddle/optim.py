@@ -99,6 +99,9 @@ class PaddleGraphedOptimizer(GraphedOptimizer):
         clip_grad_norm: clip the gradients (of parameters whose ``need_clip`` is not False)
             to this global 2-norm before the step; ``None`` does not clip.
         eps: added to the norm when clipping (default ``0.0``, as ``ClipGradByGlobalNorm``).
+        compile: accepted for a common signature with the PyTorch class, and only as
+            ``False``: ``compile=True`` (``torch.compile`` of the step) has no Paddle
+            counterpart here and is refused.
 
     Without CUDA each step runs eagerly and is bit-identical to the same optimizer built with
     ``grad_clip=paddle.nn.ClipGradByGlobalNorm(clip_grad_norm)`` followed by ``clear_grad()``.
@@ -123,7 +126,8 @@ class PaddleGraphedOptimizer(GraphedOptimizer):
     Raises:
         TypeError: not Adam/AdamW (other optimizers are not known to be capturable).
         ValueError: the optimizer already clips (``grad_clip=...``) and ``clip_grad_norm`` is
-            given, or its clip skips on a host comparison (``auto_skip_clip=True``).
+            given, or its clip skips on a host comparison (``auto_skip_clip=True``), or
+            ``compile=True``.
         RuntimeError: a sparse (SelectedRows) gradient at step time.
 
     Warnings:
@@ -132,7 +136,12 @@ class PaddleGraphedOptimizer(GraphedOptimizer):
         * ``clear_grad(set_to_zero=False)`` is refused: gradients must keep their addresses.
     """
 
-    def __init__(self, optimizer, clip_grad_norm: Optional[float] = None, *, eps: float = PADDLE_CLIP_EPS):
+    def __init__(self, optimizer, clip_grad_norm: Optional[float] = None, *, eps: float = PADDLE_CLIP_EPS,
+                 compile: bool = False):
+        if compile:
+            raise ValueError("GraphedOptimizer(compile=True) is PyTorch-only (it runs the step through "
+                             "torch.compile); a Paddle optimizer's step is captured as it is. Drop compile=True "
+                             "for paddle.optimizer optimizers.")
         if not isinstance(optimizer, (paddle.optimizer.Adam, paddle.optimizer.AdamW)):
             raise TypeError(f"GraphedOptimizer: paddle.optimizer.{type(optimizer).__name__} is not known to be "
                             "capturable (its step may read values on the host); use paddle.optimizer.Adam or "
