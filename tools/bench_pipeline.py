@@ -46,6 +46,7 @@ SMOKE_CONFIGS = {
     "launch_bound": ["--hidden", "64", "--layers", "4", "--micro-batch-size", "2", "--seq-len", "32",
                      "--micro-batches", "4"],
 }
+EXTRA_VARIANTS = ("graphed_optimizer", "graphed_accumulate")
 SCHEDULES = {"1F1B": ["--pp", "2"], "interleaved": ["--pp", "2", "--vpp", "2"]}
 
 
@@ -165,6 +166,8 @@ def main() -> int:
             variants = {"eager": [], "graphed": ["--cudagraph"]}
             if cfg_name == "launch_bound" and sched_name == "1F1B":
                 variants["graphed_optimizer"] = ["--cudagraph", "--graph-optimizer"]
+            if cfg_name == "compute_bound":
+                variants["graphed_accumulate"] = ["--cudagraph", "--graph-accumulate-grads"]
             records = {v: [] for v in variants}
             for rnd in range(opts.rounds):
                 order = list(variants) if rnd % 2 == 0 else list(variants)[::-1]  # A B C, C B A, ...
@@ -183,8 +186,9 @@ def main() -> int:
             pair = {"config": cfg_name, "schedule": sched_name}
             pair.update({v: summarize(r) for v, r in records.items()})
             pair["check"] = compare(pair["eager"], pair["graphed"])
-            if "graphed_optimizer" in pair:
-                pair["check_graph_optimizer"] = compare(pair["eager"], pair["graphed_optimizer"])
+            for extra in EXTRA_VARIANTS:
+                if extra in pair:
+                    pair[f"check_{extra}"] = compare(pair["eager"], pair[extra])
             pairs.append(pair)
 
     print_table(pairs)
@@ -222,9 +226,9 @@ def print_table(pairs: list) -> None:
     print("-" * len(head))
     for p in pairs:
         e = p["eager"]
-        for variant in [v for v in ("eager", "graphed", "graphed_optimizer") if v in p]:
+        for variant in [v for v in ("eager", "graphed", *EXTRA_VARIANTS) if v in p]:
             r = p[variant]
-            c = {"eager": {}, "graphed": p["check"]}.get(variant, p.get("check_graph_optimizer", {}))
+            c = {"eager": {}, "graphed": p["check"]}.get(variant, p.get(f"check_{variant}", {}))
             num = lambda d, k, f="{:.0f}": f.format(d[k]) if k in d else "-"  # noqa: E731
             speed = f"{r['tokens_per_s'] / e['tokens_per_s']:.2f}x" if "tokens_per_s" in r and "tokens_per_s" in e else "-"
             err = f"{c['max_rel_loss_err']:.1e}" if "max_rel_loss_err" in c else "-"

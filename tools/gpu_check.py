@@ -142,7 +142,7 @@ def parity() -> float:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    mod.test_parity_with_eager_interleaved_dropout_optimizer()
+    mod.test_parity_with_eager_interleaved_dropout_optimizer(accumulate_grads=False)
     return mod.test_parity_with_eager_interleaved_dropout_optimizer.worst
 
 

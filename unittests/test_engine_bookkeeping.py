@@ -334,3 +334,37 @@ def test_autocast_is_part_of_the_signature(rt):
     finally:
         rt.mode_key = rt_key
     assert len(layer.engine._signatures) == 2 and key_plain in layer.engine._signatures
+
+
+def test_accumulate_grads_binds_the_layers_buffers_as_grad(rt):
+    lin = torch.nn.Linear(4, 3)
+    layer = Graphed(lin, rt, num_warmup_steps=0, accumulate_grads=True)
+    step(layer, "f1 b1")  # capture step: the eager grads are added into the buffers, bound as .grad
+    buffers = layer.engine._param_grad_buffers
+    assert all(p.grad is b for p, b in zip(lin.parameters(), buffers))
+    step(layer, "f1 b1")  # replay: autograd gets no parameter gradient; .grad stays the buffer
+    assert all(p.grad is b for p, b in zip(lin.parameters(), buffers))
+    lin.zero_grad(set_to_none=True)
+    step(layer, "f1 b1")  # unset .grad: the buffer is zeroed and bound again (fake replay adds nothing)
+    assert all(p.grad is b and not b.any() for p, b in zip(lin.parameters(), buffers))
+    other = [torch.full_like(p, 3.0) for p in lin.parameters()]
+    for p, t in zip(lin.parameters(), other):
+        p.grad = t
+    step(layer, "f1 b1")  # a foreign .grad: its value is kept, in the buffer
+    assert all(p.grad is b and torch.equal(b, t) for p, b, t in zip(lin.parameters(), buffers, other))
+
+
+def test_accumulate_grads_refuses_parameters_with_accumulation_hooks(rt):
+    lin = torch.nn.Linear(4, 3)
+    lin.weight.register_post_accumulate_grad_hook(lambda p: None)
+    layer = Graphed(lin, rt, num_warmup_steps=0, accumulate_grads=True)
+    with pytest.raises(CaptureError, match="accumulation hooks"):
+        step(layer, "f1 b1")
+
+
+def test_accumulate_grads_needs_a_runtime_that_supports_it(rt):
+    rt.accumulates_grads_in_graph = False
+    with pytest.raises(ValueError, match="accumulate_grads=True is not supported"):
+        Graphed(torch.nn.Linear(4, 3), rt, accumulate_grads=True)
+    with pytest.raises(ValueError, match="accumulate_grads must be a bool"):
+        Graphed(torch.nn.Linear(4, 3), FakeGraphRuntime(), accumulate_grads="yes")

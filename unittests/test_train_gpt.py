@@ -117,6 +117,7 @@ def test_text_file_data(tmp_path):
     (["--data", "/nonexistent/corpus.txt"], "--data"),
     (["--hidden", "100"], "--hidden"),
     (["--graph-optimizer"], "--framework torch"),
+    (["--graph-accumulate-grads"], "--framework torch"),
 ])
 def test_bad_configurations_fail_before_any_rank_starts(args, fix):
     rc, out, err, seconds = train(args, timeout=60)

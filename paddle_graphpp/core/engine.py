@@ -57,6 +57,12 @@ class EngineOptions:
     """Forwards that may wait for their backward before that is an error."""
     max_signatures: int = 4
     """Input signatures captured per layer; further ones run eagerly with a warning."""
+    accumulate_grads: bool = False
+    """Accumulate parameter gradients into ``.grad`` inside the backward graph (one in-graph
+    add per parameter) instead of copying them into a shared buffer that autograd then adds
+    to ``.grad``. Saves a pass over the weight gradients and the eager accumulation launches
+    per micro-batch; ``.grad`` becomes a buffer the layer owns. Autograd's accumulation
+    hooks on these parameters do not run (refused where they are registered)."""
 
     def validate(self, owner: str) -> "_memory.MemoryMode":
         if not isinstance(self.num_warmup_steps, int) or self.num_warmup_steps < 0:
@@ -67,6 +73,8 @@ class EngineOptions:
             raise ValueError(f"{owner}: max_signatures must be an int >= 1, got {self.max_signatures!r}")
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise ValueError(f"{owner}: max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
+        if not isinstance(self.accumulate_grads, bool):
+            raise ValueError(f"{owner}: accumulate_grads must be a bool, got {self.accumulate_grads!r}")
         return _memory.MemoryMode.parse(self.memory, owner)
 
 
@@ -161,6 +169,9 @@ class GraphedCallable:
         self.name = name
         self.options = options
         self.memory_mode = options.validate(name)
+        if options.accumulate_grads and not runtime.accumulates_grads_in_graph:
+            raise ValueError(f"{name}: accumulate_grads=True is not supported by the {runtime.name} runtime; "
+                             "leave it False (gradients then reach .grad through autograd).")
         self.queue = InFlightQueue(name, options.max_in_flight)
         self.plan = _memory.plan_for(runtime)
         self._signatures: dict[Any, _Signature] = {}
@@ -331,6 +342,8 @@ class GraphedCallable:
         result = self._eager_backward(call, diff_grads)
         if call.kind == CAPTURE:
             self._capture_backward(call, diff_grads)
+            if self.options.accumulate_grads and call.pair.bwd_graph is not None:
+                result = self._accumulate_eagerly(call, result)
         call.inner_inputs = call.inner_outputs = call.inner_params = None
         return result
 
@@ -342,6 +355,17 @@ class GraphedCallable:
         input_grads = [next(got) if s.requires_grad else None for s in call.specs]
         return input_grads + list(got)
 
+    def _accumulate_eagerly(self, call: _Call, result: list) -> list:
+        """The capture step under ``accumulate_grads``: add the eager run's parameter gradients
+        into the buffers the replays will accumulate into, and bind those as ``.grad`` now, so
+        ``.grad`` keeps one address from the first graphed step on."""
+        n_in = len(call.specs)
+        used = [(p, b, g) for p, b, g in zip(call.params, self._param_grad_buffers, result[n_in:]) if g is not None]
+        if used:
+            self.runtime.bind_grads([p for p, _, _ in used], [b for _, b, _ in used])
+            self.runtime.add_many([b for _, b, _ in used], [g for _, _, g in used])
+        return result[:n_in] + [None] * len(call.params)
+
     def _capture_backward(self, call: _Call, diff_grads: list) -> None:
         rt, plan, pair = self.runtime, self.plan, call.pair
         gen = pair.generation
@@ -351,12 +375,19 @@ class GraphedCallable:
             buf = plan.take_buffer(gen, _buffer_key(rt.spec(g))) if reuse else None
             static_grads.append(buf if buf is not None else rt.static_like(g))
         param_buffers = self._param_buffers(call.params)
+        accumulate = self.options.accumulate_grads
+        hooked = rt.params_with_grad_hooks(call.params) if accumulate else []
         outs = [o for o, d in zip(pair.capture_outputs, call.differentiable) if d]
         wrt = [x for x, s in zip(pair.capture_inputs, call.specs) if s.requires_grad] + pair.capture_params
         pool = plan.pool_for(gen)
         graph = rt.create_graph()
         start = _memory.now()
         try:
+            if hooked:
+                raise ValueError(
+                    f"accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
+                    f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); leave "
+                    f"accumulate_grads False for this layer")
             with _capture_guard(graph, self.name), rt.capture_to_graph(graph, pool):
                 # Under the stream-ordered allocator, freeing the forward graph's saved tensors
                 # inside this capture would put another graph's allocations into this one;
@@ -368,7 +399,8 @@ class GraphedCallable:
                 param_used = [g is not None for g in got[n_in:]]
                 used = [(b, g) for b, g in zip(param_buffers, got[n_in:]) if g is not None]
                 if used:
-                    rt.copy_many([b for b, _ in used], [g for _, g in used])
+                    # accumulate: the buffers are the parameters' .grad at replay (bind_grads)
+                    (rt.add_many if accumulate else rt.copy_many)([b for b, _ in used], [g for _, g in used])
                 # The parameter gradients now live in the shared buffers; free the graph's own
                 # copies inside the capture (a capture's allocation freed before its graph first
                 # runs is an error under the stream-ordered allocator).
@@ -400,9 +432,16 @@ class GraphedCallable:
         _collectives.check_replay(pair.bwd_graph)
         if pair.static_grad_outputs:
             rt.copy_many(pair.static_grad_outputs, diff_grads)
+        accumulate = self.options.accumulate_grads
+        if accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
+            used = [(p, b) for p, b, u in zip(call.params, self._param_grad_buffers, pair.param_grad_used) if u]
+            rt.bind_grads([p for p, _ in used], [b for _, b in used])
         rt.replay_graph(pair.bwd_graph)
         self.replays += 1
-        param_grads = [b if used else None for b, used in zip(self._param_grad_buffers, pair.param_grad_used)]
+        if accumulate:
+            param_grads = [None] * len(call.params)
+        else:
+            param_grads = [b if used else None for b, used in zip(self._param_grad_buffers, pair.param_grad_used)]
         return self._hand_off(call.tensors + call.params, list(pair.static_grad_inputs) + param_grads)
 
     def _hand_off(self, targets: list, grads: list) -> list:
@@ -576,6 +615,9 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
         memory: ``"shared"`` (default), ``"shared_reuse"`` or ``"per_graph"``.
         max_in_flight: forwards that may await their backward before that is an error.
         max_signatures: input signatures captured; later new ones run eagerly with a warning.
+        accumulate_grads: add parameter gradients into ``.grad`` inside the backward graph
+            (``.grad`` becomes a buffer the layer owns; PyTorch only; not with accumulation
+            hooks such as DDP's on these parameters). Default ``False``.
         name: the name used in messages (default: the class name of ``{arg}``).
 
     Without CUDA (or with CPU inputs) it runs eagerly and warns once. Under ``{no_grad}`` it

@@ -112,6 +112,24 @@ class GraphRuntime(abc.ABC):
     #: shares it); False when it copies any gradient it does not own outright (PyTorch).
     adopts_held_gradients: bool = True
 
+    #: True when the runtime implements :meth:`add_many`, :meth:`bind_grads` and
+    #: :meth:`params_with_grad_hooks` (``accumulate_grads=True``).
+    accumulates_grads_in_graph: bool = False
+
+    def add_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """``dst += src`` for each pair, capturable."""
+        raise NotImplementedError(f"{self.name} runtime: add_many")
+
+    def bind_grads(self, params: Sequence[Any], buffers: Sequence[Any]) -> None:
+        """Make each ``buffers[i]`` the ``.grad`` of ``params[i]``, keeping the gradient's value:
+        an unset ``.grad`` becomes a zeroed buffer, another tensor is copied into the buffer."""
+        raise NotImplementedError(f"{self.name} runtime: bind_grads")
+
+    def params_with_grad_hooks(self, params: Sequence[Any]) -> list:
+        """Indices of ``params`` whose gradient accumulation runs hooks (those must go through
+        the framework's accumulation)."""
+        raise NotImplementedError(f"{self.name} runtime: params_with_grad_hooks")
+
     @abc.abstractmethod
     def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
         """Indices of the leaves requiring grad whose ``.grad`` is still unset."""

@@ -15,7 +15,7 @@ class CUDAGraphedModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, num_warmup_steps: int = 3, *, fallback: str = "error",
                  memory: str = "shared", max_in_flight: int = 64, max_signatures: int = 4,
-                 name: str | None = None):
+                 accumulate_grads: bool = False, name: str | None = None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"CUDAGraphedModule wraps a torch.nn.Module, got {type(module).__name__}")
@@ -23,7 +23,8 @@ class CUDAGraphedModule(torch.nn.Module):
         self._engine = graphed_engine(
             module, RUNTIME, lambda: [p for p in module.parameters() if p.requires_grad],
             kind="CUDAGraphedModule", name=name, num_warmup_steps=num_warmup_steps, fallback=fallback,
-            memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures)
+            memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures,
+            accumulate_grads=accumulate_grads)
 
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)

@@ -167,6 +167,7 @@ def graph_stage_module(
     shared: Iterable[nn.Module] = (),
     fallback: str = "error",
     memory: str = "shared",
+    accumulate_grads: bool = False,
     name: Optional[str] = None,
 ) -> GraphedStage:
     """Split a pipeline stage into runs of capturable modules, each captured as CUDA graphs.
@@ -185,6 +186,9 @@ def graph_stage_module(
             ``"eager"`` warns once and keeps running eagerly (passed to ``CUDAGraphedModule``).
         memory: the graphs' memory mode, ``"shared"``, ``"shared_reuse"`` or ``"per_graph"``
             (passed to ``CUDAGraphedModule``).
+        accumulate_grads: accumulate the graphed runs' parameter gradients into ``.grad``
+            inside their backward graphs (passed to ``CUDAGraphedModule``); not with DDP-style
+            accumulation hooks on those parameters.
         name: prefix of the graphed runs' names in logs and errors (``"stage"`` by default).
 
     Returns:
@@ -231,7 +235,7 @@ def graph_stage_module(
         if run.graphed:
             run_name = f"{prefix}[{run.start}:{run.stop}]"
             steps.append(CUDAGraphedModule(_Run(run.objects()), num_warmup_steps, fallback=fallback,
-                                           memory=memory, name=run_name))
+                                           memory=memory, accumulate_grads=accumulate_grads, name=run_name))
         else:
             entry = run.entries[0]
             steps.append(entry.obj if isinstance(entry.obj, nn.Module) else _Call(entry.obj, entry.name))

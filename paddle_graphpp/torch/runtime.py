@@ -101,6 +101,33 @@ class TorchRuntime(GraphRuntime):
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.
     adopts_held_gradients = False
+    accumulates_grads_in_graph = True
+
+    def add_many(self, dsts, srcs) -> None:
+        with torch.no_grad():
+            torch._foreach_add_(list(dsts), list(srcs))
+
+    def bind_grads(self, params, buffers) -> None:
+        zero, dst, src = [], [], []
+        with torch.no_grad():
+            for p, b in zip(params, buffers):
+                g = p.grad
+                if g is b:
+                    continue
+                if g is None:
+                    zero.append(b)
+                else:
+                    dst.append(b)
+                    src.append(g)
+                p.grad = b
+            if zero:
+                torch._foreach_zero_(zero)
+            if dst:
+                torch._foreach_copy_(dst, src)
+
+    def params_with_grad_hooks(self, params) -> list:
+        return [i for i, p in enumerate(params)
+                if getattr(p, "_post_accumulate_grad_hooks", None) or getattr(p, "_backward_hooks", None)]
 
     def leaves_without_grad(self, tensors) -> list:
         return [i for i, t in enumerate(tensors) if t.grad is None and t.requires_grad and t.is_leaf]

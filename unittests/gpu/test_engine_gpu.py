@@ -84,10 +84,11 @@ def run_step(model, xs, order, seed):
     return {n: o[:2] for n, o in outs.items()}, [x.grad.clone() for x in xs], torch.stack(losses)
 
 
-def test_parity_with_eager_interleaved_dropout_optimizer():
+@pytest.mark.parametrize("accumulate_grads", [False, True])
+def test_parity_with_eager_interleaved_dropout_optimizer(accumulate_grads):
     torch.manual_seed(0)
     eager = Stack().to(DEV)
-    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=2)
+    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=2, accumulate_grads=accumulate_grads)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
     opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
     worst = 0.0
@@ -103,6 +104,9 @@ def test_parity_with_eager_interleaved_dropout_optimizer():
         errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
         worst = max(worst, max(errs))
         assert max(errs) <= 1e-6, f"step {step}: max relative error {max(errs):.3e}"
+        if accumulate_grads and step >= 1:  # from the capture step on, .grad is the layer's buffer
+            bufs = graphed.engine._param_grad_buffers
+            assert all(q.grad is b for q, b in zip(graphed.module.parameters(), bufs))
         opt_e.step(); opt_g.step()
         opt_e.zero_grad(); opt_g.zero_grad()
     for p, q in zip(eager.parameters(), graphed.module.parameters()):
