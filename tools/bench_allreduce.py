@@ -194,6 +194,29 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                                         "note": "2 ranks: both sum a+b, so bit-equality is expected"}
         del customs, refs
         save()
+        # Epoch wrap: move every block's epoch counter (same value on both ranks, at a quiet
+        # point) just below the modulus and run across it, checked against NCCL again.
+        push = backend._push
+        if push is not None:
+            from paddle_graphpp.torch._push_allreduce import EPOCH_MASK
+
+            torch.cuda.synchronize()
+            dist.barrier(device_ids=[rank])
+            push.counters.fill_(EPOCH_MASK - 8)
+            torch.cuda.synchronize()
+            dist.barrier(device_ids=[rank])
+            ok = True
+            for i in range(24):
+                t = torch.randn(sizes[i % len(sizes)] // 2, generator=gen, device=device).to(torch.bfloat16)
+                got = ar.all_reduce(t)
+                ref = t.clone()
+                dist.all_reduce(ref)
+                ok = ok and torch.equal(got, ref)
+            torch.cuda.synchronize()
+            wrapped = int(push.counters[0].item())
+            result["sections"]["epoch_wrap"] = {"calls": 24, "counter_after": wrapped,
+                                                "passed": bool(ok) and wrapped < 100}
+            save()
 
     # -------------------------------------------------------------------- parity
     from paddle_graphpp.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -376,8 +399,9 @@ def main(argv=None) -> int:
     for k, v in data.get("sections", {}).get("parity", {}).items():
         print(f"parity {k}: max abs err {v['max_abs_err']:.3g} (tol {v['tolerance']}) "
               f"{'PASS' if v['passed'] else 'FAIL'}; paths {v['paths_during_capture_phase']}")
-    stress = data.get("sections", {}).get("stress", {})
-    print(f"stress: {'PASS' if stress.get('passed') else 'FAIL/missing'} {stress}")
+    for sec in ("stress", "epoch_wrap"):
+        d = data.get("sections", {}).get(sec, {})
+        print(f"{sec}: {'PASS' if d.get('passed') else 'FAIL/missing'} {d}")
     misuse = data.get("sections", {}).get("misuse", {})
     print(f"misuse: {'PASS' if misuse.get('passed') else 'FAIL/missing'} {misuse}")
     print(f"peer access: {data.get('peer_access')}; custom unavailable: {data.get('custom_unavailable_reason')}")

@@ -166,7 +166,7 @@ def main() -> int:
             variants = {"eager": [], "graphed": ["--cudagraph"]}
             if cfg_name == "launch_bound" and sched_name == "1F1B":
                 variants["graphed_optimizer"] = ["--cudagraph", "--graph-optimizer"]
-            if cfg_name == "compute_bound":
+            if cfg_name in ("compute_bound", "launch_bound"):
                 variants["graphed_accumulate"] = ["--cudagraph", "--graph-accumulate-grads"]
             records = {v: [] for v in variants}
             for rnd in range(opts.rounds):

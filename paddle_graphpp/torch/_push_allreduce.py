@@ -8,7 +8,8 @@ for its peers' flags and sums locally:
 
 * no copy-in launch (the input can live anywhere; the kernel reads it directly);
 * one handshake per call instead of two barriers;
-* receive slots are double-buffered by the parity of a per-block epoch counter, so the
+* receive slots are double-buffered by the parity of a per-block epoch counter (modulo
+  2**30, compared for equality, so it may wrap), so the
   slot a rank writes in call ``e`` is not the one its peer may still be reading from call
   ``e - 1``, and reuse two calls later is safe: a rank passes call ``e + 1``'s wait only
   after every peer has started call ``e + 1``, i.e. finished call ``e`` (kernels on one
@@ -41,6 +42,7 @@ __all__ = ["PushAllReduce", "MAX_WORLD", "MAX_BLOCKS", "region_bytes", "flags_by
 
 MAX_WORLD = 8
 MAX_BLOCKS = 128
+EPOCH_MASK = (1 << 30) - 1   # epochs count modulo 2**30: no signed overflow, parity keeps alternating
 SUB = 2048          # elements per block per inner step
 NUM_WARPS = 4
 
@@ -81,9 +83,11 @@ if triton is not None:
                          r0, r1, r2, r3, r4, r5, r6, r7,
                          f0, f1, f2, f3, f4, f5, f6, f7,
                          n, chunk,
-                         RANK: tl.constexpr, WORLD: tl.constexpr, NBLK: tl.constexpr, SUB: tl.constexpr):
+                         RANK: tl.constexpr, WORLD: tl.constexpr, NBLK: tl.constexpr, SUB: tl.constexpr,
+                         MASK: tl.constexpr):
         pid = tl.program_id(0)
-        epoch = tl.load(counters + pid) + 1
+        epoch = (tl.load(counters + pid) + 1) & MASK
+        ahead = (epoch + 1) & MASK
         slot = (epoch & 1).to(tl.int64)
         start = pid * chunk
         stop = tl.minimum(start + chunk, n)
@@ -102,12 +106,14 @@ if triton is not None:
             if r != RANK:
                 flag = _pick(r, f0, f1, f2, f3, f4, f5, f6, f7) + RANK * NBLK + pid
                 tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
-        # 3. wait for every peer's flag (>= epoch: a fast peer may already be one call ahead)
+        # 3. wait for every peer's flag. A peer can be at most one call ahead (it cannot pass
+        #    its next wait before this rank's next call), so the flag reads `epoch` or `ahead`;
+        #    comparing for equality stays right when the epoch wraps.
         mine = _pick(RANK, f0, f1, f2, f3, f4, f5, f6, f7)
         for r in tl.static_range(WORLD):
             if r != RANK:
                 seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
-                while seen - epoch < 0:
+                while (seen != epoch) & (seen != ahead):
                     seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
         tl.debug_barrier()
         # 4. sum in rank order (identical on every rank) and write the result
@@ -175,6 +181,6 @@ class PushAllReduce:
         pad_r = regions + [regions[0]] * (MAX_WORLD - self.world)
         pad_f = self.flags + [self.flags[0]] * (MAX_WORLD - self.world)
         _push_all_reduce[(blocks,)](tensor, out, self.counters, *pad_r, *pad_f, n, chunk,
-                                    RANK=self.rank, WORLD=self.world, NBLK=MAX_BLOCKS, SUB=SUB,
+                                    RANK=self.rank, WORLD=self.world, NBLK=MAX_BLOCKS, SUB=SUB, MASK=EPOCH_MASK,
                                     num_warps=NUM_WARPS)
         return out

@@ -35,4 +35,5 @@ def test_custom_allreduce_in_graphs(tmp_path):
         assert p["passed"], (name, p)
         assert p["paths_during_capture_phase"]["registered"] >= 1, p
     assert rec["sections"]["stress"]["passed"], rec["sections"]["stress"]
+    assert rec["sections"]["epoch_wrap"]["passed"], rec["sections"]["epoch_wrap"]
     assert rec["sections"]["misuse"]["passed"], rec["sections"]["misuse"]
