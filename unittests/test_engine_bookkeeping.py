@@ -154,7 +154,7 @@ def test_replay_order_differing_from_capture_raises(rt):
     b(a(x)).sum().backward()  # same order replays fine
     # b first, then a (with b in flight): a takes position 0, whose forward graph was captured
     # before b's: replaying it now would run ahead of the capture order
-    yb = b(torch.randn(2, 4, requires_grad=True))
+    yb = b(torch.randn(2, 4, requires_grad=True))  # noqa: F841 - held: its forward stays in flight
     with pytest.raises(GraphScheduleError, match="different order"):
         a(x)
 
@@ -220,7 +220,7 @@ def test_capture_failure_with_eager_fallback_keeps_training(rt):
 
 def test_unpaired_backward_raises_schedule_error(rt):
     layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
-    y1 = layer(torch.randn(2, 4, requires_grad=True))
+    y1 = layer(torch.randn(2, 4, requires_grad=True))  # noqa: F841 - held: its forward stays in flight
     y2 = layer(torch.randn(2, 4, requires_grad=True))
     with pytest.raises(GraphScheduleError, match="order of their forwards"):
         y2.sum().backward()

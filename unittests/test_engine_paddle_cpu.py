@@ -73,7 +73,7 @@ def test_input_not_requiring_grad_gets_no_grad():
 def test_unpaired_backward_raises():
     layer = CUDAGraphedLayer(paddle.nn.Linear(2, 2))
     with pytest.warns(RuntimeWarning):
-        y1 = layer(paddle.randn([1, 2]))
+        y1 = layer(paddle.randn([1, 2]))  # noqa: F841 - held: its forward stays in flight
     y2 = layer(paddle.randn([1, 2]))
     with pytest.raises(Exception, match="order of their forwards"):
         y2.sum().backward()

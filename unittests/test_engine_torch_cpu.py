@@ -80,7 +80,7 @@ def test_warns_once_only():
 def test_unpaired_backward_raises():
     model = CUDAGraphedModule(torch.nn.Linear(2, 2))
     with pytest.warns(RuntimeWarning):
-        y1 = model(torch.randn(1, 2))
+        y1 = model(torch.randn(1, 2))  # noqa: F841 - held: its forward stays in flight
     y2 = model(torch.randn(1, 2))
     with pytest.raises(GraphScheduleError, match="order of their forwards"):
         y2.sum().backward()
