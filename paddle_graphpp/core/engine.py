@@ -362,7 +362,7 @@ class GraphedCallable:
         n_in = len(call.specs)
         used = [(p, b, g) for p, b, g in zip(call.params, self._param_grad_buffers, result[n_in:]) if g is not None]
         if used:
-            self.runtime.bind_grads([p for p, _, _ in used], [b for _, b, _ in used])
+            self._bind_grads([p for p, _, _ in used], [b for _, b, _ in used])
             self.runtime.add_many([b for _, b, _ in used], [g for _, _, g in used])
         return result[:n_in] + [None] * len(call.params)
 
@@ -399,7 +399,7 @@ class GraphedCallable:
                 param_used = [g is not None for g in got[n_in:]]
                 used = [(b, g) for b, g in zip(param_buffers, got[n_in:]) if g is not None]
                 if used:
-                    # accumulate: the buffers are the parameters' .grad at replay (bind_grads)
+                    # accumulate: the buffers are the parameters' .grad at replay (_bind_grads)
                     (rt.add_many if accumulate else rt.copy_many)([b for b, _ in used], [g for _, g in used])
                 # The parameter gradients now live in the shared buffers; free the graph's own
                 # copies inside the capture (a capture's allocation freed before its graph first
@@ -435,7 +435,7 @@ class GraphedCallable:
         accumulate = self.options.accumulate_grads
         if accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
             used = [(p, b) for p, b, u in zip(call.params, self._param_grad_buffers, pair.param_grad_used) if u]
-            rt.bind_grads([p for p, _ in used], [b for _, b in used])
+            self._bind_grads([p for p, _ in used], [b for _, b in used])
         rt.replay_graph(pair.bwd_graph)
         self.replays += 1
         if accumulate:
@@ -459,6 +459,24 @@ class GraphedCallable:
         return grads
 
     # ----------------------------------------------------------------- helpers
+    def _bind_grads(self, params: list, buffers: list) -> None:
+        """Make each buffer its parameter's ``.grad``, keeping the gradient's value: an unset
+        ``.grad`` becomes the zeroed buffer, another tensor is copied into it."""
+        rt = self.runtime
+        unset, dst, src = [], [], []
+        for p, b in zip(params, buffers):
+            g = rt.grad_of(p)
+            if g is b:
+                continue
+            if g is None:
+                unset.append(b)
+            else:
+                dst.append(b)
+                src.append(g)
+            rt.set_grad(p, b)
+        rt.zero_many(unset)
+        rt.copy_many(dst, src)
+
     def _param_buffers(self, params: list) -> list:
         if self._param_grad_buffers is None or len(self._param_grad_buffers) != len(params):
             self._param_grad_buffers = [self.runtime.static_like(p) for p in params]

@@ -112,18 +112,25 @@ class GraphRuntime(abc.ABC):
     #: shares it); False when it copies any gradient it does not own outright (PyTorch).
     adopts_held_gradients: bool = True
 
-    #: True when the runtime implements :meth:`add_many`, :meth:`bind_grads` and
-    #: :meth:`params_with_grad_hooks` (``accumulate_grads=True``).
+    #: True when the runtime implements :meth:`add_many`, :meth:`grad_of`, :meth:`set_grad`,
+    #: :meth:`zero_many` and :meth:`params_with_grad_hooks` (``accumulate_grads=True``).
     accumulates_grads_in_graph: bool = False
 
     def add_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
         """``dst += src`` for each pair, capturable."""
         raise NotImplementedError(f"{self.name} runtime: add_many")
 
-    def bind_grads(self, params: Sequence[Any], buffers: Sequence[Any]) -> None:
-        """Make each ``buffers[i]`` the ``.grad`` of ``params[i]``, keeping the gradient's value:
-        an unset ``.grad`` becomes a zeroed buffer, another tensor is copied into the buffer."""
-        raise NotImplementedError(f"{self.name} runtime: bind_grads")
+    def zero_many(self, tensors: Sequence[Any]) -> None:
+        """Zero each tensor in place."""
+        raise NotImplementedError(f"{self.name} runtime: zero_many")
+
+    def grad_of(self, param: Any) -> Any:
+        """``param``'s accumulated gradient, or ``None``."""
+        raise NotImplementedError(f"{self.name} runtime: grad_of")
+
+    def set_grad(self, param: Any, grad: Any) -> None:
+        """Make ``grad`` the accumulated gradient of ``param``."""
+        raise NotImplementedError(f"{self.name} runtime: set_grad")
 
     def params_with_grad_hooks(self, params: Sequence[Any]) -> list:
         """Indices of ``params`` whose gradient accumulation runs hooks (those must go through

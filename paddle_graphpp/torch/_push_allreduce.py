@@ -52,6 +52,10 @@ def flags_bytes(world: int) -> int:
     return -(-(world * MAX_BLOCKS * 4) // 4096) * 4096
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def region_bytes(nbytes: int, world: int) -> int:
     """Bytes of the receive region for one ``nbytes`` message."""
     return 2 * world * nbytes
@@ -151,36 +155,37 @@ class PushAllReduce:
             raise ValueError(f"PushAllReduce: world size {world} not in 2..{MAX_WORLD}")
         self.rank, self.world = rank, world
         self.total = buf.numel()
-        self.data_offset = flags_bytes(world)
+        self.flags_end = flags_bytes(world)
         self.peers = [handle.get_buffer(r, (self.total,), torch.uint8, 0) for r in range(world)]
-        self.flags = [p[:self.data_offset].view(torch.int32) for p in self.peers]
+        flags = [p[:self.flags_end].view(torch.int32) for p in self.peers]
+        self._flag_args = flags + [flags[0]] * (MAX_WORLD - world)   # the kernel takes MAX_WORLD
         self.counters = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=buf.device)
-        buf[:self.data_offset].zero_()
+        buf[:self.flags_end].zero_()
         self._views: dict = {}
 
-    def _regions(self, offset: int, tensor: torch.Tensor) -> list:
-        key = (offset, tensor.dtype, tensor.numel())
+    def _region_args(self, start: int, tensor: torch.Tensor) -> list:
+        key = (start, tensor.dtype, tensor.numel())
         views = self._views.get(key)
         if views is None:
             nbytes = region_bytes(tensor.numel() * tensor.element_size(), self.world)
-            start = self.data_offset + offset
-            if start + nbytes > self.total:
-                raise ValueError(f"PushAllReduce: region [{start}, {start + nbytes}) exceeds the buffer ({self.total})")
+            if start < self.flags_end or start + nbytes > self.total:
+                raise ValueError(f"PushAllReduce: region [{start}, {start + nbytes}) is outside "
+                                 f"[{self.flags_end}, {self.total}) of the buffer")
             views = [p[start:start + nbytes].view(tensor.dtype) for p in self.peers]
+            views += [views[0]] * (MAX_WORLD - self.world)
             self._views[key] = views
         return views
 
-    def __call__(self, tensor: torch.Tensor, offset: int) -> torch.Tensor:
-        """Sum ``tensor`` over the group through the region at data ``offset``; a new tensor."""
+    def __call__(self, tensor: torch.Tensor, start: int) -> torch.Tensor:
+        """Sum ``tensor`` over the group through the region at byte ``start`` of the buffer
+        (past the flags); returns a new tensor."""
         n = tensor.numel()
         out = torch.empty_like(tensor)
-        regions = self._regions(offset, tensor)
-        blocks = min(MAX_BLOCKS, -(-n // SUB))
-        chunk = -(-(-(-n // blocks)) // SUB) * SUB
-        blocks = -(-n // chunk)
-        pad_r = regions + [regions[0]] * (MAX_WORLD - self.world)
-        pad_f = self.flags + [self.flags[0]] * (MAX_WORLD - self.world)
-        _push_all_reduce[(blocks,)](tensor, out, self.counters, *pad_r, *pad_f, n, chunk,
+        regions = self._region_args(start, tensor)
+        blocks = min(MAX_BLOCKS, _cdiv(n, SUB))
+        chunk = _cdiv(_cdiv(n, blocks), SUB) * SUB     # whole inner steps per block
+        blocks = _cdiv(n, chunk)
+        _push_all_reduce[(blocks,)](tensor, out, self.counters, *regions, *self._flag_args, n, chunk,
                                     RANK=self.rank, WORLD=self.world, NBLK=MAX_BLOCKS, SUB=SUB, MASK=EPOCH_MASK,
                                     num_warps=NUM_WARPS)
         return out

@@ -133,7 +133,8 @@ class TorchSymmMemBackend(AllReduceBackend):
         from ._push_allreduce import flags_bytes
 
         self._data_offset = flags_bytes(max(2, self._world))
-        total = self._data_offset + self._staging_bytes() + self._arena_bytes
+        self._staging = self._staging_bytes()
+        total = self._data_offset + self._staging + self._arena_bytes
         self._buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(self._buf, self.group_name)
         if self.push_unavailable_reason is None:
@@ -175,7 +176,7 @@ class TorchSymmMemBackend(AllReduceBackend):
         return self._reduce(tensor, 0)
 
     def reduce_registered(self, tensor: torch.Tensor, offset: int) -> torch.Tensor:
-        return self._reduce(tensor, self._staging_bytes() + offset)
+        return self._reduce(tensor, self._staging + offset)
 
     def arena_bytes(self) -> int:
         return self._arena_bytes
@@ -197,9 +198,8 @@ class TorchSymmMemBackend(AllReduceBackend):
         self._push = None
 
     # ------------------------------------------------------------------ kernels
-    def symmetric_view(self, byte_offset: int, like: torch.Tensor) -> torch.Tensor:
-        """The symmetric data area at ``byte_offset`` viewed with ``like``'s dtype and shape."""
-        start = self._data_offset + byte_offset
+    def symmetric_view(self, start: int, like: torch.Tensor) -> torch.Tensor:
+        """The symmetric buffer at byte ``start`` viewed with ``like``'s dtype and shape."""
         nbytes = like.numel() * like.element_size()
         return self._buf[start:start + nbytes].view(like.dtype).view(like.shape)
 
@@ -213,9 +213,10 @@ class TorchSymmMemBackend(AllReduceBackend):
 
     def _reduce(self, tensor: torch.Tensor, byte_offset: int) -> torch.Tensor:
         kernel = self.kernel_for(tensor.numel() * tensor.element_size())
+        start = self._data_offset + byte_offset    # data offsets count past the push kernel's flags
         if kernel == "push":
-            return self._push(tensor.contiguous(), byte_offset)
-        symm = self.symmetric_view(byte_offset, tensor)
+            return self._push(tensor, start)       # the policy admits contiguous tensors only
+        symm = self.symmetric_view(start, tensor)
         out = torch.empty_like(tensor)
         ops = torch.ops.symm_mem
         if kernel == "two_shot":

@@ -107,23 +107,16 @@ class TorchRuntime(GraphRuntime):
         with torch.no_grad():
             torch._foreach_add_(list(dsts), list(srcs))
 
-    def bind_grads(self, params, buffers) -> None:
-        zero, dst, src = [], [], []
-        with torch.no_grad():
-            for p, b in zip(params, buffers):
-                g = p.grad
-                if g is b:
-                    continue
-                if g is None:
-                    zero.append(b)
-                else:
-                    dst.append(b)
-                    src.append(g)
-                p.grad = b
-            if zero:
-                torch._foreach_zero_(zero)
-            if dst:
-                torch._foreach_copy_(dst, src)
+    def zero_many(self, tensors) -> None:
+        if tensors:
+            with torch.no_grad():
+                torch._foreach_zero_(list(tensors))
+
+    def grad_of(self, param):
+        return param.grad
+
+    def set_grad(self, param, grad) -> None:
+        param.grad = grad
 
     def params_with_grad_hooks(self, params) -> list:
         return [i for i, p in enumerate(params)
