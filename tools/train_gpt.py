@@ -77,7 +77,15 @@ class Config:
     seq_len: int = 64
     """Tokens per sequence; every batch has exactly this length (graphs need fixed shapes)."""
     hidden: int = 64
-    """Model width; attention heads of 64 channels (one head below 64)."""
+    """Model width."""
+    heads: int = 0
+    """Attention heads; 0 for heads of 64 channels (one head below 64)."""
+    vocab: int = 256
+    """Token table rows (tied to the head); the data are byte tokens, so 256 covers them."""
+    attention: str = "explicit"
+    """``explicit`` (deterministic, bit-comparable) or ``sdpa`` (flash kernels on the GPU)."""
+    dtype: str = "float32"
+    """Parameter and activation dtype of the torch model: ``float32`` or ``bfloat16``."""
     layers: int = 4
     """Transformer blocks, split evenly over pp * vpp chunks."""
     steps: int = 8
@@ -102,6 +110,13 @@ class Config:
     graph_optimizer: bool = False
     """Capture the optimizer step and gradient zeroing as one CUDA graph (PyTorch only;
     ``paddle_graphpp.GraphedOptimizer``); eager and bit-identical on CPU."""
+    memory_trace: bool = False
+    """Record every CUDA allocation (PyTorch) and add, per rank, where memory went at the peak
+    to the JSON line (``tools/memtrace.py``); slows the run down."""
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads or max(1, self.hidden // 64)
 
     @property
     def tokens_per_step(self) -> int:
@@ -113,8 +128,8 @@ def parse_args(argv=None) -> Config:
     defaults = Config()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", choices=["paddle", "torch"], default=defaults.framework)
-    for flag in ("pp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "layers",
-                 "steps", "seed", "timeout"):
+    for flag in ("pp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "heads", "vocab",
+                 "layers", "steps", "seed", "timeout"):
         parser.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(defaults, flag))
     parser.add_argument("--cudagraph", action="store_true", help="capture stage blocks as CUDA graphs")
     parser.add_argument("--graph-memory", choices=["shared", "shared_reuse", "per_graph"],
@@ -123,6 +138,11 @@ def parse_args(argv=None) -> Config:
                         help="accumulate parameter gradients inside the backward graphs (--framework torch)")
     parser.add_argument("--graph-optimizer", action="store_true",
                         help="capture AdamW step + zero-grad as one CUDA graph (--framework torch)")
+    parser.add_argument("--attention", choices=["explicit", "sdpa"], default=defaults.attention)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=defaults.dtype,
+                        help="torch model dtype")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="per rank, where memory went at the peak (torch on GPUs; slow)")
     parser.add_argument("--data", default=defaults.data, metavar="PATH", help="text file (default: synthetic)")
     parser.add_argument("--dropout", type=float, default=defaults.dropout)
     parser.add_argument("--lr", type=float, default=defaults.lr)
@@ -136,7 +156,8 @@ def validate(cfg: Config) -> None:
     Raises:
         ConfigError: naming the flag to change.
     """
-    for flag in ("pp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "layers", "steps", "timeout"):
+    for flag in ("pp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "vocab", "layers", "steps",
+                 "timeout"):
         if getattr(cfg, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(cfg, flag)}")
     if not 0.0 <= cfg.dropout < 1.0:
@@ -173,8 +194,18 @@ def validate(cfg: Config) -> None:
         if cfg.micro_batches < 2 * cfg.pp:
             raise ConfigError(f"Paddle's interleaved schedule needs at least 2*pp = {2 * cfg.pp} micro-batches; "
                               f"use --micro-batches {2 * cfg.pp}")
-    if cfg.hidden > 64 and cfg.hidden % 64:
-        raise ConfigError(f"--hidden {cfg.hidden} must be a multiple of 64 (the attention head size), or 64 or less")
+    if cfg.heads < 0:
+        raise ConfigError(f"--heads must be at least 1 (or 0 for heads of 64 channels), got {cfg.heads}")
+    if cfg.heads == 0 and cfg.hidden > 64 and cfg.hidden % 64:
+        raise ConfigError(f"--hidden {cfg.hidden} must be a multiple of 64 (the attention head size), or 64 or less; "
+                          "or pass --heads")
+    if cfg.hidden % cfg.num_heads:
+        raise ConfigError(f"--hidden {cfg.hidden} is not a multiple of --heads {cfg.num_heads}")
+    if cfg.vocab < VOCAB_SIZE:
+        raise ConfigError(f"--vocab {cfg.vocab} is smaller than the {VOCAB_SIZE} byte tokens of the data; use --vocab "
+                          f"{VOCAB_SIZE} or more")
+    if cfg.framework != "torch" and (cfg.dtype != "float32" or cfg.attention != "explicit" or cfg.memory_trace):
+        raise ConfigError("--dtype, --attention and --memory-trace work with --framework torch")
     if cfg.data and not os.path.isfile(cfg.data):
         raise ConfigError(f"--data {cfg.data!r} is not a file; pass a text file or leave --data out")
 
@@ -306,92 +337,23 @@ def cpu_peak_mib() -> float:
 
 
 # ------------------------------------------------------------------------------------ torch
-def _torch_modules():
-    import torch
-    from torch import nn
-    import torch.nn.functional as F
+def model_shape(cfg: Config):
+    """The torch model's :class:`tools.gpt_torch.GPTShape` for this configuration."""
+    from tools.gpt_torch import GPTShape
 
-    class Embedding(nn.Module):
-        """Token + position embeddings; the token table is tied to the output head."""
-
-        def __init__(self, cfg: Config, tied: torch.Tensor):
-            super().__init__()
-            self.weight = nn.Parameter(tied.clone())
-            self.pos = nn.Parameter(torch.randn(cfg.seq_len, cfg.hidden) * 0.02)
-            self.drop = nn.Dropout(cfg.dropout)
-
-        def forward(self, ids):
-            return self.drop(F.embedding(ids, self.weight) + self.pos[: ids.shape[1]])
-
-    class Head(nn.Module):
-        """Logits through the tied token table."""
-
-        def __init__(self, tied: torch.Tensor):
-            super().__init__()
-            self.weight = nn.Parameter(tied.clone())
-
-        def forward(self, x):
-            return F.linear(x, self.weight)
-
-    class Block(nn.Module):
-        """Pre-norm causal self-attention and MLP, each with residual dropout."""
-
-        def __init__(self, cfg: Config):
-            super().__init__()
-            h = cfg.hidden
-            self.heads = max(1, h // 64)
-            self.ln1 = nn.LayerNorm(h)
-            self.qkv = nn.Linear(h, 3 * h)
-            self.proj = nn.Linear(h, h)
-            self.ln2 = nn.LayerNorm(h)
-            self.fc1 = nn.Linear(h, 4 * h)
-            self.fc2 = nn.Linear(4 * h, h)
-            self.drop = nn.Dropout(cfg.dropout)
-            mask = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1)
-            self.register_buffer("mask", mask, persistent=False)
-
-        def forward(self, x):
-            b, t, c = x.shape
-            hd = c // self.heads
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
-            # Explicit attention: deterministic forward and backward, so eager and graphed runs
-            # can be compared bit for bit.
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-            att = att.masked_fill(self.mask[:t, :t], float("-inf")).softmax(-1)
-            y = (self.drop(att) @ v).transpose(1, 2).reshape(b, t, c)
-            x = x + self.drop(self.proj(y))
-            return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-    return Embedding, Head, Block
+    return GPTShape(hidden=cfg.hidden, heads=cfg.num_heads, vocab=cfg.vocab, seq_len=cfg.seq_len, layers=cfg.layers,
+                    dropout=cfg.dropout, attention=cfg.attention)
 
 
 def build_torch_chunk(cfg: Config, chunk: int):
-    """Chunk ``chunk`` of the model as ``nn.Sequential`` and its tied module (or ``None``).
+    """Chunk ``chunk`` of the model as ``nn.Sequential`` and its tied module(s) (or ``None``).
 
     Every module is seeded by its position in the whole model, so weights do not depend on pp/vpp.
     """
-    import torch
-    from torch import nn
+    from tools.gpt_torch import build_chunk
 
-    Embedding, Head, Block = _torch_modules()
-    last = cfg.pp * cfg.vpp - 1
-    gen = torch.Generator().manual_seed(cfg.seed)
-    tied_init = torch.randn(VOCAB_SIZE, cfg.hidden, generator=gen) * 0.02
-    modules, tied = [], None
-    if chunk == 0:
-        torch.manual_seed(cfg.seed + 1)
-        tied = Embedding(cfg, tied_init)
-        modules.append(tied)
-    for layer in chunk_layout(cfg, chunk):
-        torch.manual_seed(cfg.seed + 100 + layer)
-        modules.append(Block(cfg))
-    if chunk == last:
-        head = Head(tied_init)
-        modules += [nn.LayerNorm(cfg.hidden), head]
-        tied = head if tied is None else tied
-        if chunk == 0:  # a single chunk holds both ends of the tie
-            tied = (modules[0], head)
-    return nn.Sequential(*modules), tied
+    return build_chunk(model_shape(cfg), chunk_layout(cfg, chunk), first=chunk == 0,
+                       last=chunk == cfg.pp * cfg.vpp - 1, seed=cfg.seed)
 
 
 def _tied_pairs(tied_by_chunk: dict) -> list:
@@ -418,6 +380,7 @@ def run_torch(cfg: Config) -> None:
     if world != cfg.pp:
         raise ConfigError(f"started with {world} processes but --pp {cfg.pp}; launch --pp processes (torchrun --nproc_per_node {cfg.pp})")
     use_cuda = torch.cuda.is_available()
+    dtype = getattr(torch, cfg.dtype)
     if use_cuda:
         if torch.cuda.device_count() <= local_rank:
             raise ConfigError(f"rank {rank} needs GPU {local_rank} but {torch.cuda.device_count()} are visible; lower --pp")
@@ -427,6 +390,10 @@ def run_torch(cfg: Config) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # multicast off on the lent machines, whatever the launcher says
+        if cfg.memory_trace:
+            from tools import memtrace
+
+            memtrace.start()
     else:
         device = torch.device("cpu")
     if world > 1 or "MASTER_ADDR" in os.environ:
@@ -443,7 +410,7 @@ def run_torch(cfg: Config) -> None:
     chunks, tied_by_chunk = {}, {}
     for s in stage_ids:
         chunks[s], tied_by_chunk[s] = build_torch_chunk(cfg, s)
-        chunks[s].to(device)
+        chunks[s].to(device=device, dtype=dtype)
     tied = _tied_pairs(tied_by_chunk)  # the tied weights this rank holds (0, 1 or 2)
     params = [p for s in stage_ids for p in chunks[s].parameters()]
 
@@ -463,15 +430,16 @@ def run_torch(cfg: Config) -> None:
         stage_modules[s] = mod
 
     mbs, seq, hid = cfg.micro_batch_size, cfg.seq_len, cfg.hidden
-    hidden_meta = torch.empty(mbs, seq, hid, device=device, requires_grad=True)  # activations carry gradients
+    hidden_meta = torch.empty(mbs, seq, hid, device=device, dtype=dtype, requires_grad=True)  # carries gradients
     stages = []
     for s in stage_ids:
         inp = torch.zeros(mbs, seq, dtype=torch.long, device=device) if s == 0 else hidden_meta
-        out = torch.empty(mbs, seq, VOCAB_SIZE, device=device, requires_grad=True) if s == num_stages - 1 else hidden_meta
+        out = (torch.empty(mbs, seq, cfg.vocab, device=device, dtype=dtype, requires_grad=True)
+               if s == num_stages - 1 else hidden_meta)
         stages.append(PipelineStage(stage_modules[s], s, num_stages, device, input_args=(inp,), output_args=(out,)))
 
     def loss_fn(logits, labels):
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
     if cfg.vpp == 1:
         schedule = Schedule1F1B(stages[0], n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
@@ -493,10 +461,12 @@ def run_torch(cfg: Config) -> None:
     if use_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     peak_before_steady = 0.0
+    steady_since_us = None
     for step in range(cfg.steps):
         if use_cuda and step == timer.skip:  # warmup and capture are over: the steady state begins
             peak_before_steady = torch.cuda.max_memory_reserved(device) / 2**20
             torch.cuda.reset_peak_memory_stats(device)
+            steady_since_us = time.time() * 1e6
         timer.before(step)
         t0 = time.perf_counter()
         x, y = batch_for_step(corpus, cfg, step)
@@ -513,15 +483,28 @@ def run_torch(cfg: Config) -> None:
 
     if use_cuda:
         steady = torch.cuda.max_memory_reserved(device) / 2**20
-        peak = torch.tensor([max(peak_before_steady, steady), steady], device=device)
+        mine = {"peak_mem_mib": round(max(peak_before_steady, steady), 1), "steady_peak_mem_mib": round(steady, 1)}
         device_name = torch.cuda.get_device_name(device)
     else:
-        peak = torch.tensor([cpu_peak_mib(), cpu_peak_mib()])
+        mine = {"peak_mem_mib": round(cpu_peak_mib(), 1), "steady_peak_mem_mib": round(cpu_peak_mib(), 1)}
         device_name = "cpu"
+    if cfg.cudagraph:
+        from paddle_graphpp.core.memory import memory_report
+
+        mine["memory_report"] = memory_report()
+    if cfg.memory_trace and use_cuda:
+        from tools import memtrace
+
+        mine["memory_trace"] = memtrace.analyze(torch.cuda.memory._snapshot(), steady_since_us=steady_since_us)
+    per_rank = [None] * world
     if world > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    reporter.finish(tokens_per_s=timer.tokens_per_s(cfg), peak_mem_mib=float(peak[0].item()), device=device_name,
-                    steady_peak_mem_mib=float(peak[1].item()),
+        dist.all_gather_object(per_rank, mine)
+    else:
+        per_rank = [mine]
+    reporter.finish(tokens_per_s=timer.tokens_per_s(cfg), device=device_name,
+                    peak_mem_mib=max(r["peak_mem_mib"] for r in per_rank),
+                    steady_peak_mem_mib=max(r["steady_peak_mem_mib"] for r in per_rank),
+                    per_rank=per_rank,
                     graphed_runs_on_rank=len(graphed),
                     graphs_active=bool(cfg.cudagraph and use_cuda), timed_steps=timer.timed_steps,
                     torch_version=torch.__version__)
@@ -558,7 +541,7 @@ def _paddle_modules(cfg: Config):
         def __init__(self):
             super().__init__()
             paddle.seed(cfg.seed + 1)
-            self.weight = self.create_parameter([VOCAB_SIZE, cfg.hidden], attr=normal())
+            self.weight = self.create_parameter([cfg.vocab, cfg.hidden], attr=normal())
             self.pos = self.create_parameter([cfg.seq_len, cfg.hidden], attr=normal())
             self.drop = nn.Dropout(cfg.dropout)
 
@@ -575,7 +558,7 @@ def _paddle_modules(cfg: Config):
             super().__init__()
             paddle.seed(cfg.seed + 100 + index)  # weights do not depend on pp/vpp
             h = cfg.hidden
-            self.heads = max(1, h // 64)
+            self.heads = cfg.num_heads
             self.ln1 = nn.LayerNorm(h)
             self.qkv = nn.Linear(h, 3 * h)
             self.proj = nn.Linear(h, h)
@@ -598,7 +581,7 @@ def _paddle_modules(cfg: Config):
 
     class LossPipe(nn.Layer):
         def forward(self, logits, labels):
-            return F.cross_entropy(logits.reshape([-1, VOCAB_SIZE]), labels.reshape([-1, 1])).mean()
+            return F.cross_entropy(logits.reshape([-1, cfg.vocab]), labels.reshape([-1, 1])).mean()
 
     return EmbeddingPipe, head_forward, Block, LossPipe
 

@@ -1,0 +1,1 @@
+"""The demo trainer, the benchmarks and the GPU check of paddle_graphpp (run from a checkout)."""

@@ -1,0 +1,175 @@
+"""Where GPU memory goes: replay PyTorch's allocator trace and break the peak down.
+
+    from tools import memtrace
+    memtrace.start()                      # first thing after torch.cuda.set_device
+    ...                                   # the run
+    summary = memtrace.analyze(torch.cuda.memory._snapshot())
+
+:func:`analyze` replays the allocation history (``alloc`` / ``free_completed`` /
+``segment_alloc`` / ``segment_free`` events) from the start of recording, finds the moment
+reserved memory peaked and the moment allocated memory peaked, and at each lists what was
+alive, grouped by memory pool (the default pool or a graph pool) and by the allocating code:
+the innermost frame in this project, the trainer, ``torch.optim`` or ``torch.distributed``.
+Free space held in segments (reserved but unallocated) is shown per pool too: that is the
+memory one pool caches and another cannot use.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+__all__ = ["start", "analyze"]
+
+MIB = 2**20
+_OURS = ("paddle_graphpp/", "train_gpt.py", "gpt_torch.py")
+_LIBS = ("torch/optim/", "torch/distributed/", "torch/autograd/", "torch/nn/")
+
+
+def start(max_entries: int = 400_000) -> None:
+    """Record every allocation with its Python stack from now on."""
+    import torch
+
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
+                                             max_entries=max_entries)
+
+
+def _label(frames: list) -> str:
+    """The innermost frame of our code, else of a torch library we care about, else the innermost."""
+    for wanted in (_OURS, _LIBS):
+        for f in frames:
+            name = f.get("filename", "")
+            if any(w in name for w in wanted):
+                short = name.rsplit("/", 2)
+                return f"{'/'.join(short[-2:])}:{f.get('line')}:{f.get('name')}"
+    if frames:
+        f = frames[0]
+        return f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
+    return "(no stack)"
+
+
+def _pool(entry: dict) -> str:
+    if "pool_id" not in entry:  # older traces: graph captures run on a side stream
+        return f"stream{entry.get('stream', 0)}"
+    pool = tuple(entry["pool_id"] or (0, 0))
+    return "default" if pool == (0, 0) else f"graph{pool}"
+
+
+def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_since_us: float | None = None) -> dict:
+    """Peak reserved and peak allocated moments of the recorded history, broken down.
+
+    Returns ``{"complete": bool, "events": int, "peak_reserved": {...}, "peak_allocated": {...},
+    "end": {...}}``; each moment holds ``reserved_mib`` and ``allocated_mib`` per pool and the
+    ``top`` allocation sites alive then (MiB). ``complete`` is False when the history ring
+    dropped early events (then baselines such as parameters may be missing). With
+    ``steady_since_us`` (a ``time.time() * 1e6`` stamp) the peak reserved after that moment is
+    broken down too, as ``steady_peak_reserved``.
+    """
+    import torch
+
+    dev = torch.cuda.current_device() if device is None else device
+    traces = snapshot.get("device_traces", [])
+    events = traces[dev] if dev < len(traces) else []
+    complete = bool(events) and events[0].get("action") in ("segment_alloc", "alloc")
+    # Pass 1: where the two peaks are. Pass 2: replay up to each and take the picture there.
+    peaks = _replay(events, None, since_us=steady_since_us)
+    marks = {peaks["reserved_index"]: "peak_reserved", peaks["allocated_index"]: "peak_allocated"}
+    if peaks.get("steady_index", -1) >= 0:
+        marks.setdefault(peaks["steady_index"], "steady_peak_reserved")
+    return {"complete": complete, "events": len(events), **_replay(events, marks, top)}
+
+
+def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -> dict:
+    live: dict[int, tuple] = {}  # addr -> (size, pool, label)
+    seg_pool: dict[int, tuple] = {}  # segment addr -> (size, pool)
+    reserved = allocated = 0
+    best_res = best_alloc = best_steady = (-1, -1)
+    out: dict = {}
+
+    def moment() -> dict:
+        alloc_pool: dict = defaultdict(int)
+        sites: dict = defaultdict(int)
+        for size, pool, label in live.values():
+            alloc_pool[pool] += size
+            sites[f"{pool} {label}"] += size
+        res_pool: dict = defaultdict(int)
+        for size, pool in seg_pool.values():
+            res_pool[pool] += size
+        return {
+            "reserved_mib": round(reserved / MIB, 1),
+            "allocated_mib": round(allocated / MIB, 1),
+            "reserved_by_pool_mib": {k: round(v / MIB, 1) for k, v in sorted(res_pool.items())},
+            "allocated_by_pool_mib": {k: round(v / MIB, 1) for k, v in sorted(alloc_pool.items())},
+            "top_sites_mib": {k: round(v / MIB, 1)
+                              for k, v in sorted(sites.items(), key=lambda kv: -kv[1])[:top]},
+        }
+
+    for index, ev in enumerate(events):
+        action = ev.get("action")
+        if action == "alloc":
+            size = ev["size"]
+            label = _label(ev.get("frames") or []) if marks is not None else ""
+            live[ev["addr"]] = (size, _pool(ev), label)
+            allocated += size
+        elif action == "free_completed":
+            entry = live.pop(ev["addr"], None)
+            if entry is not None:
+                allocated -= entry[0]
+        elif action in ("segment_alloc", "segment_map"):
+            seg_pool[ev["addr"]] = (ev["size"], _pool(ev))
+            reserved += ev["size"]
+        elif action in ("segment_free", "segment_unmap"):
+            entry = seg_pool.pop(ev["addr"], None)
+            reserved -= entry[0] if entry else ev["size"]
+        if marks is None:
+            if reserved > best_res[0]:
+                best_res = (reserved, index)
+            if allocated > best_alloc[0]:
+                best_alloc = (allocated, index)
+            if since_us is not None and ev.get("time_us", 0) >= since_us and reserved > best_steady[0]:
+                best_steady = (reserved, index)
+        elif index in marks:
+            out[marks[index]] = moment()
+    if marks is None:
+        return {"reserved_index": best_res[1], "allocated_index": best_alloc[1], "steady_index": best_steady[1]}
+    out["end"] = moment()
+    return out
+
+
+def describe(trace: dict, sites: int = 8) -> str:
+    """A few lines per moment of an :func:`analyze` result."""
+    lines = [f"  trace: {trace.get('events')} events, complete={trace.get('complete')}"]
+    for key in ("peak_reserved", "steady_peak_reserved", "peak_allocated", "end"):
+        m = trace.get(key)
+        if not m:
+            continue
+        lines.append(f"  {key}: reserved {m['reserved_mib']} MiB {m['reserved_by_pool_mib']}, "
+                     f"allocated {m['allocated_mib']} MiB {m['allocated_by_pool_mib']}")
+        for site, mib in list(m["top_sites_mib"].items())[:sites]:
+            lines.append(f"      {mib:>9.1f}  {site}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m tools.memtrace RUN.txt ...``: summarise train_gpt --memory-trace output files."""
+    import json
+    import sys
+
+    for path in (argv if argv is not None else sys.argv[1:]):
+        with open(path) as f:
+            lines = [line for line in f.read().splitlines() if line.startswith("{")]
+        if not lines:
+            print(f"{path}: no JSON line")
+            continue
+        record = json.loads(lines[-1])
+        print(f"== {path}: tokens/s {record.get('tokens_per_s')}, peak {record.get('peak_mem_mib')} MiB, "
+              f"steady {record.get('steady_peak_mem_mib')} MiB")
+        for rank, r in enumerate(record.get("per_rank") or []):
+            print(f" rank {rank}: peak {r['peak_mem_mib']} steady {r['steady_peak_mem_mib']} "
+                  f"report {r.get('memory_report')}")
+            if r.get("memory_trace"):
+                print(describe(r["memory_trace"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
