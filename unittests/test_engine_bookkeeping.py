@@ -10,7 +10,7 @@ import torch
 
 from fake_runtime import FakeGraphRuntime
 from paddle_graphpp.core import memory as memory_mod
-from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
+from paddle_graphpp.core.engine import EngineOptions, GraphedCallable, Phase
 from paddle_graphpp.core.errors import CaptureError, GraphScheduleError
 
 
@@ -49,52 +49,70 @@ def step(layer, order, shape=(2, 4)):
 INTERLEAVED = "f1 f2 f3 b1 f4 b2 b3 b4"
 
 
-def test_warmup_then_capture_in_order_then_replay(rt):
+def test_warmup_then_record_then_capture_in_order_then_replay(rt):
     layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=3)
-    step(layer, INTERLEAVED)  # warmup: 3 calls, but capture waits for the episode to end
-    assert layer.engine.captures == 0
-    step(layer, INTERLEAVED)  # capture step: one pair per position
-    assert layer.engine.captures == 8 and layer.engine.replays == 0
-    assert layer.engine.graph_count() == 8
-    for _ in range(3):
+    step(layer, INTERLEAVED)  # warmup: 3 calls, but recording waits for the episode to end
+    assert layer.engine.phase() is Phase.WARMUP
+    step(layer, INTERLEAVED)  # recorded: eager, nothing captured yet
+    assert layer.engine.phase() is Phase.RECORD and layer.engine.captures == 0
+    step(layer, INTERLEAVED)  # captured at its start (one pair per position), then replayed
+    assert layer.engine.phase() is Phase.READY
+    assert layer.engine.captures == 8 and layer.engine.graph_count() == 8
+    assert layer.engine.replays == 8
+    for _ in range(2):
         step(layer, INTERLEAVED)
-    assert layer.engine.replays == 3 * 8
+    assert layer.engine.replays == 3 * 8 and layer.engine.captures == 8
     assert layer.engine.in_flight == 0
     plan = memory_mod.plan_for(rt)
     assert len(plan._generations) == 1 and plan.graphs_captured == 8
 
 
+def test_graphs_are_captured_in_the_recorded_order_of_all_layers(rt):
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    for _ in range(2):
+        x = torch.randn(2, 4, requires_grad=True)
+        b(a(x)).sum().backward()  # recorded: a.f b.f b.b a.b; then captured and replayed
+    (gen,) = memory_mod.plan_for(rt)._generations
+    pa = a.engine._signatures[next(iter(a.engine._signatures))].positions[0]
+    pb = b.engine._signatures[next(iter(b.engine._signatures))].positions[0]
+    order = sorted(gen.order, key=gen.order.get)
+    assert order == [id(pa.fwd_graph), id(pb.fwd_graph), id(pb.bwd_graph), id(pa.bwd_graph)]
+
+
 def test_capture_waits_for_episode_start(rt):
     layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
-    outs = step(layer, "f1 f2")  # f1 warms up; f2 is mid-episode: must stay eager
-    assert layer.engine.captures == 0
+    outs = step(layer, "f1 f2")  # f1 warms up; f2 is mid-episode: must stay in warmup
+    assert layer.engine.phase() is Phase.WARMUP
     outs[1].sum().backward(); outs[2].sum().backward()
+    step(layer, "f1 b1")  # recorded
+    assert layer.engine.captures == 0
     step(layer, "f1 b1")
-    assert layer.engine.captures == 2
+    assert layer.engine.captures == 2 and layer.engine.replays == 2
 
 
-def test_capture_step_results_come_from_the_eager_run(rt):
+def test_recorded_step_results_come_from_the_eager_run(rt):
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 3)
     layer = Graphed(lin, rt, num_warmup_steps=0)
     x = torch.randn(2, 4, requires_grad=True)
     y = layer(x)
-    assert layer.engine.captures == 1
+    assert layer.engine.phase() is Phase.RECORD
     torch.testing.assert_close(y, lin(x), rtol=0, atol=0)
     y.sum().backward()
-    assert layer.engine.captures == 2
     ref = x.detach().clone().requires_grad_(True)
     lin.zero_grad()
     lin(ref).sum().backward()
     torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+    assert layer.engine.captures == 0
 
 
 def test_replay_hands_off_copies_to_leaves_without_grad_and_accumulates_in_place(rt):
     lin = torch.nn.Linear(4, 3)
-    layer = Graphed(lin, rt, num_warmup_steps=0)
-    step(layer, "f1 b1")  # capture
+    layer = Graphed(lin, rt, num_warmup_steps=0, accumulate_grads=False)
+    step(layer, "f1 b1")  # recorded
     lin.zero_grad(set_to_none=True)
-    step(layer, "f1 b1")  # replay: grads are copies, not the static buffers
+    step(layer, "f1 b1")  # captured, replayed: grads are copies, not the static buffers
     buffers = layer.engine._param_grad_buffers
     assert all(p.grad.data_ptr() != b.data_ptr() for p, b in zip(lin.parameters(), buffers))
     before = [p.grad.data_ptr() for p in lin.parameters()]
@@ -105,11 +123,22 @@ def test_replay_hands_off_copies_to_leaves_without_grad_and_accumulates_in_place
 def test_new_signature_is_captured_anew_in_a_new_generation(rt):
     layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
     for _ in range(3):
-        step(layer, "f1 b1")
+        step(layer, "f1 b1")  # warmup, record, capture + replay
     assert layer.engine.captures == 2 and layer.engine.replays == 2
     for _ in range(3):
-        step(layer, "f1 b1", shape=(5, 4))  # warmup 1, capture, replay
+        step(layer, "f1 b1", shape=(5, 4))
     assert layer.engine.captures == 4 and layer.engine.replays == 4
+    assert len(memory_mod.plan_for(rt)._generations) == 2
+
+
+def test_a_position_seen_after_capture_is_recorded_and_captured_into_a_new_generation(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
+    step(layer, "f1 b1")
+    step(layer, "f1 b1")  # position 0 captured
+    step(layer, "f1 f2 b1 b2")  # position 1 is new: eager and recorded, position 0 replays
+    assert layer.engine.graph_count() == 2 and layer.engine.replays == 4
+    step(layer, "f1 f2 b1 b2")  # position 1 captured into a generation of its own
+    assert layer.engine.graph_count() == 4 and layer.engine.replays == 8
     assert len(memory_mod.plan_for(rt)._generations) == 2
 
 
@@ -117,8 +146,8 @@ def test_signature_cache_full_runs_eagerly_with_one_warning(rt):
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 3)
     layer = Graphed(lin, rt, num_warmup_steps=0, max_signatures=1)
-    step(layer, "f1 b1")
-    step(layer, "f1 b1")
+    for _ in range(3):
+        step(layer, "f1 b1")
     replays = layer.engine.replays
     x = torch.randn(7, 4, requires_grad=True)
     with pytest.warns(RuntimeWarning, match="max_signatures"):
@@ -150,8 +179,9 @@ def test_replay_order_differing_from_capture_raises(rt):
     a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     x = torch.randn(2, 4, requires_grad=True)
-    b(a(x)).sum().backward()  # capture order: a.f b.f b.b a.b
-    b(a(x)).sum().backward()  # same order replays fine
+    b(a(x)).sum().backward()  # recorded order: a.f b.f b.b a.b
+    b(a(x)).sum().backward()  # captured in that order; the same order replays fine
+    b(a(x)).sum().backward()
     # b first, then a (with b in flight): a takes position 0, whose forward graph was captured
     # before b's: replaying it now would run ahead of the capture order
     yb = b(torch.randn(2, 4, requires_grad=True))  # noqa: F841 - held: its forward stays in flight
@@ -174,11 +204,12 @@ def test_per_graph_mode_has_no_order_constraint(rt):
     a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
     b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
     x = torch.randn(2, 4, requires_grad=True)
-    b(a(x)).sum().backward()
+    b(a(x)).sum().backward()  # recorded
+    b(a(x)).sum().backward()  # captured, replayed
     yb = b(torch.randn(2, 4, requires_grad=True))
     ya = a(x)
     (yb.sum() + ya.sum()).backward()
-    assert a.engine.replays == 2 and b.engine.replays == 2
+    assert a.engine.replays == 4 and b.engine.replays == 4
 
 
 class SyncsInCapture(torch.nn.Module):
@@ -195,18 +226,47 @@ class SyncsInCapture(torch.nn.Module):
         return self.lin(x)
 
 
-def test_capture_failure_names_layer_and_releases_memory(rt):
+def test_capture_failure_names_layer_releases_memory_and_training_goes_on(rt):
     layer = Graphed(SyncsInCapture(rt), rt, num_warmup_steps=0)
-    with pytest.raises(CaptureError, match=r"test:SyncsInCapture.*capturing the forward failed.*not permitted"):
+    step(layer, "f1 b1")  # recorded (eager: the sync only fails under capture)
+    released = rt.released
+    with pytest.raises(CaptureError, match=r"test:SyncsInCapture.*capturing the forward failed.*not permitted") as err:
         layer(torch.randn(2, 4, requires_grad=True))
-    assert rt.released == 1 and rt.aborted == 1
-    assert layer.engine.in_flight == 0  # the failed call left nothing in the FIFO
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert rt.released >= released + 2  # before the capture, and after the failure
+    assert layer.engine.in_flight == 0 and layer.engine.graph_count() == 0
+    assert layer.engine.phase() is Phase.WARMUP  # it warms up again
+    step(layer, "f1 b1")  # training goes on (recorded again)
+
+
+class RaisesInCapture(torch.nn.Module):
+    """User code that raises a ValueError only while the (fake) stream captures."""
+
+    def __init__(self, runtime):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.runtime = runtime
+
+    def forward(self, x):
+        if self.runtime.is_capturing():
+            raise ValueError("bad value")
+        return self.lin(x)
+
+
+def test_an_error_of_the_layers_own_code_during_capture_keeps_its_type(rt):
+    layer = Graphed(RaisesInCapture(rt), rt, num_warmup_steps=0, fallback="eager")
+    step(layer, "f1 b1")
+    with pytest.raises(ValueError, match=r"test:RaisesInCapture: raised while capturing the forward: bad value") as err:
+        layer(torch.randn(2, 4, requires_grad=True))
+    assert not isinstance(err.value, CaptureError) and isinstance(err.value.__cause__, ValueError)
+    assert layer.engine.in_flight == 0
 
 
 def test_capture_failure_with_eager_fallback_keeps_training(rt):
     torch.manual_seed(0)
     mod = SyncsInCapture(rt)
     layer = Graphed(mod, rt, num_warmup_steps=0, fallback="eager")
+    step(layer, "f1 b1")  # recorded
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
         y = layer(x)
@@ -216,6 +276,16 @@ def test_capture_failure_with_eager_fallback_keeps_training(rt):
         layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
     assert layer.engine.replays == 0 and layer.engine.captures == 0
     assert all(p.grad is not None for p in mod.parameters())
+
+
+def test_a_forward_without_backward_is_not_captured(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
+    outs = step(layer, "f1 f2 b1")  # position 1 never gets its backward in this episode
+    del outs
+    layer.engine.queue._pending.clear()  # as if that step had been abandoned
+    layer.engine.process.clock.in_flight = 0
+    step(layer, "f1 f2 b1 b2")  # position 0 captured; position 1 runs eagerly and is recorded
+    assert layer.engine.graph_count() == 2
 
 
 def test_unpaired_backward_raises_schedule_error(rt):
@@ -237,12 +307,10 @@ def test_bad_options_are_rejected_with_the_layer_name(rt):
 
 def test_shared_reuse_hands_static_inputs_to_later_positions(rt):
     layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="shared_reuse")
-    step(layer, "f1 b1 f2 b2")  # last-stage style: episodes of one; second one replays
-    step(layer, "f1 f2 b1 b2")  # new position 1 captured later (new generation)
-    layer2 = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="shared_reuse")
-    step(layer2, "f1 f2 b1 f3 b2 b3")
-    pairs = layer2.engine._signatures[next(iter(layer2.engine._signatures))].pairs
-    # position 2 is captured after position 0's backward: it takes over one of position 0's
+    step(layer, "f1 f2 b1 f3 b2 b3")  # recorded
+    step(layer, "f1 f2 b1 f3 b2 b3")  # captured, replayed
+    pairs = layer.engine._signatures[next(iter(layer.engine._signatures))].positions
+    # position 2 is recorded after position 0's backward: it takes over one of position 0's
     # buffers of the same shape (its static input or its incoming-gradient buffer)
     released = [pairs[0].static_inputs[0], pairs[0].static_grad_outputs[0]]
     assert any(pairs[2].static_inputs[0] is b for b in released)
@@ -261,26 +329,26 @@ def test_no_grad_calls_bypass_the_fifo(rt):
 def test_per_graph_mode_recycles_one_pair_per_in_flight_slot(rt):
     layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
     order = "f1 f2 f3 b1 f4 b2 b3 b4"  # at most 3 in flight
-    step(layer, order)
+    step(layer, order)  # recorded
+    step(layer, order)  # captured, replayed
     assert layer.engine.graph_count() == 6  # 3 slots, not 4 positions
-    assert layer.engine.replays == 2  # f4 and b4 reuse slot 0 in the capture step already
-    step(layer, order)
-    assert layer.engine.replays == 2 + 8
+    assert layer.engine.replays == 8
 
 
 def test_shared_mode_has_one_pair_per_position(rt):
     layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     step(layer, "f1 f2 f3 b1 f4 b2 b3 b4")
+    step(layer, "f1 f2 f3 b1 f4 b2 b3 b4")
     assert layer.engine.graph_count() == 8
 
 
-def test_eager_cache_of_the_capture_step_is_released_once_replays_begin(rt):
+def test_eager_cache_of_the_recorded_step_is_released_before_capture(rt):
     layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=1)
     step(layer, "f1 f2 b1 b2")  # warmup
-    step(layer, "f1 f2 b1 b2")  # capture
+    step(layer, "f1 f2 b1 b2")  # recorded
     assert rt.released == 0
     for _ in range(3):
-        step(layer, "f1 f2 b1 b2")  # replays: released once, at the first
+        step(layer, "f1 f2 b1 b2")  # released once, before the capture at the first
     assert rt.released == 1
 
 
@@ -315,8 +383,8 @@ def test_stream_ordered_allocator_runs_the_capture_instead_of_an_eager_run():
 def test_eval_mode_is_part_of_the_signature(rt):
     """A graph captured in training mode (dropout on) is never replayed in eval mode."""
     layer = Graphed(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)), rt, num_warmup_steps=0)
-    step(layer, "f1 b1")
-    step(layer, "f1 b1")
+    for _ in range(3):
+        step(layer, "f1 b1")
     replays = layer.engine.replays
     layer.module.eval()
     step(layer, "f1 b1")  # a new signature: captured anew, not a replay of the training graph
@@ -339,13 +407,15 @@ def test_autocast_is_part_of_the_signature(rt):
 def test_accumulate_grads_binds_the_layers_buffers_as_grad(rt):
     lin = torch.nn.Linear(4, 3)
     layer = Graphed(lin, rt, num_warmup_steps=0, accumulate_grads=True)
-    step(layer, "f1 b1")  # capture step: the eager grads are added into the buffers, bound as .grad
+    step(layer, "f1 b1")  # recorded: eager gradients reach .grad through autograd
+    eager = [p.grad.clone() for p in lin.parameters()]
+    step(layer, "f1 b1")  # replay: the buffers become .grad, keeping its value (fake replay adds nothing)
     buffers = layer.engine._param_grad_buffers
-    assert all(p.grad is b for p, b in zip(lin.parameters(), buffers))
-    step(layer, "f1 b1")  # replay: autograd gets no parameter gradient; .grad stays the buffer
+    assert all(p.grad is b and torch.equal(b, e) for p, b, e in zip(lin.parameters(), buffers, eager))
+    step(layer, "f1 b1")  # autograd gets no parameter gradient; .grad stays the buffer
     assert all(p.grad is b for p, b in zip(lin.parameters(), buffers))
     lin.zero_grad(set_to_none=True)
-    step(layer, "f1 b1")  # unset .grad: the buffer is zeroed and bound again (fake replay adds nothing)
+    step(layer, "f1 b1")  # unset .grad: the buffer is zeroed and bound again
     assert all(p.grad is b and not b.any() for p, b in zip(lin.parameters(), buffers))
     other = [torch.full_like(p, 3.0) for p in lin.parameters()]
     for p, t in zip(lin.parameters(), other):
@@ -354,12 +424,32 @@ def test_accumulate_grads_binds_the_layers_buffers_as_grad(rt):
     assert all(p.grad is b and torch.equal(b, t) for p, b, t in zip(lin.parameters(), buffers, other))
 
 
-def test_accumulate_grads_refuses_parameters_with_accumulation_hooks(rt):
+def test_accumulate_grads_auto_is_on_by_default(rt):
+    lin = torch.nn.Linear(4, 3)
+    layer = Graphed(lin, rt, num_warmup_steps=0)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    assert all(p.grad is b for p, b in zip(lin.parameters(), layer.engine._param_grad_buffers))
+
+
+def test_accumulate_grads_auto_keeps_autograd_accumulation_where_hooks_run(rt):
+    lin = torch.nn.Linear(4, 3)
+    seen = []
+    lin.weight.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+    layer = Graphed(lin, rt, num_warmup_steps=0)
+    for _ in range(3):
+        step(layer, "f1 f2 b1 b2")
+    assert layer.engine.replays == 8 and len(seen) == 6  # the hook saw every micro-batch's gradient
+    assert lin.weight.grad is not layer.engine._param_grad_buffers[0]
+
+
+def test_accumulate_grads_true_refuses_parameters_with_accumulation_hooks(rt):
     lin = torch.nn.Linear(4, 3)
     lin.weight.register_post_accumulate_grad_hook(lambda p: None)
     layer = Graphed(lin, rt, num_warmup_steps=0, accumulate_grads=True)
-    with pytest.raises(CaptureError, match="accumulation hooks"):
+    with pytest.raises(ValueError, match="test:Linear: accumulate_grads=True .* accumulation hooks"):
         step(layer, "f1 b1")
+    assert layer.engine.in_flight == 0
 
 
 def test_accumulate_grads_needs_a_runtime_that_supports_it(rt):

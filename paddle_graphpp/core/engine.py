@@ -1,40 +1,59 @@
-"""The graph engine: warmup, capture of forward and backward, replay, FIFO pairing.
+"""The graph engine: one graphed layer's life, from warmup to replay.
 
-One :class:`GraphedCallable` serves one wrapped layer. Its life, per input signature:
+One :class:`GraphedCallable` serves one wrapped layer. Calls are grouped by input
+*signature* (tensor shapes, dtypes, devices and requires-grad, non-tensor arguments, the
+argument structure, train/eval mode and mixed precision), and each signature goes through
+these phases (:class:`Phase`):
 
-1. **Warmup.** The first ``num_warmup_steps`` forwards (and until no micro-batch is in flight
-   in any graphed layer, so that capture starts at the beginning of an episode) run eagerly
-   inside the autograd function.
-2. **Capture.** In the next episode, the forward at each position runs eagerly for its
-   results and is captured into a graph on the side; its backward likewise. Capture does not
-   execute, and nothing is replayed right after capture: the eager run's results are the
-   call's results. Graphs are captured in execution order into the shared pool.
-3. **Replay.** Later episodes copy inputs into the position's static buffers and replay;
-   backward copies incoming gradients in and replays the backward graph.
+``WARMUP``
+    The first ``num_warmup_steps`` forwards run eagerly.
+``RECORD``
+    From the next *episode* start (a moment when no micro-batch is in flight in any graphed
+    layer of the process) the episode runs eagerly, and each call is recorded with its
+    *position* (its index among this layer's calls of the signature in the episode) and the
+    static buffers that position will use (:mod:`paddle_graphpp.core.capture`).
+``READY``
+    At the start of the following episode, every recorded position of every layer is
+    captured, in the order the step ran them, into one pool generation; no eager pass runs
+    beside the capture, and nothing is replayed before all of them are captured. From then
+    on a forward copies its inputs into its position's static buffers and replays the
+    forward graph; its backward copies the incoming gradients in and replays the backward
+    graph. A position never seen before runs eagerly and is recorded, to be captured at
+    the next episode start into a new generation.
 
-A new signature (shape, dtype, device, requires-grad, or a non-tensor argument) is warmed up
-and captured anew, up to ``max_signatures``; past that it runs eagerly with one warning.
-A signature is never replayed into another's graph.
+Under the stream-ordered allocator (cudaMallocAsync) graph memory exists only once a graph
+has run, so a signature goes from ``WARMUP`` straight to ``READY`` and each new position is
+captured and launched in the step it first runs in (its launch gives that step's results).
+
+A new signature is warmed up and captured anew, up to ``max_signatures``; past that it runs
+eagerly with one warning. A signature is never replayed into another's graph.
+
+Backwards pair with forwards through the layer's FIFO (:mod:`paddle_graphpp.core.schedule`),
+so 1F1B and interleaved schedules work. Memory modes are described in
+:mod:`paddle_graphpp.core.memory`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import gc
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from . import collectives as _collectives
 from . import guards as _guards
 from . import memory as _memory
-from .errors import CaptureError, SignatureError
+from .capture import Process, process_for
+from .errors import CaptureError, GraphedLayerError, SignatureError
 from .runtime import GraphRuntime, TensorSpec
 from .schedule import InFlightQueue
 from .tree import flatten, unflatten
 
-__all__ = ["GraphedCallable", "EngineOptions", "GRAPHED_LAYER_DOC", "graphed_engine", "node_forward",
+__all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine", "node_forward",
            "node_backward"]
 
 logger = logging.getLogger("paddle_graphpp")
@@ -42,12 +61,14 @@ logger = logging.getLogger("paddle_graphpp")
 _FALLBACKS = ("error", "eager")
 
 
+# --------------------------------------------------------------------------- options
 @dataclass(kw_only=True, slots=True)
 class EngineOptions:
     """Settings of one graphed layer (validated on construction)."""
 
     num_warmup_steps: int = 3
-    """Eager forwards per signature before capture (capture also waits for an empty FIFO)."""
+    """Eager forwards per signature before it is recorded (recording also waits for an
+    episode start)."""
     fallback: str = "error"
     """``"error"``: a failed capture raises :class:`CaptureError`. ``"eager"``: warn once and
     keep running this layer eagerly."""
@@ -57,12 +78,14 @@ class EngineOptions:
     """Forwards that may wait for their backward before that is an error."""
     max_signatures: int = 4
     """Input signatures captured per layer; further ones run eagerly with a warning."""
-    accumulate_grads: bool = False
-    """Accumulate parameter gradients into ``.grad`` inside the backward graph (one in-graph
-    add per parameter) instead of copying them into a shared buffer that autograd then adds
-    to ``.grad``. Saves a pass over the weight gradients and the eager accumulation launches
-    per micro-batch; ``.grad`` becomes a buffer the layer owns. Autograd's accumulation
-    hooks on these parameters do not run (refused where they are registered)."""
+    accumulate_grads: Any = "auto"
+    """``True``: the backward graph adds parameter gradients into ``.grad`` itself (one
+    in-graph add per parameter; ``.grad`` becomes a buffer the layer owns). ``False``: the
+    graph writes them into a buffer of the layer that autograd then adds to ``.grad`` (a
+    second set of gradient buffers, and one more pass over them per micro-batch).
+    ``"auto"`` (default): ``True`` where the runtime supports it and no parameter's
+    gradient accumulation runs hooks (Python accumulation hooks, or a DistributedDataParallel
+    forward around the layer); ``False`` there, so the hooks keep seeing every gradient."""
 
     def validate(self, owner: str) -> "_memory.MemoryMode":
         if not isinstance(self.num_warmup_steps, int) or self.num_warmup_steps < 0:
@@ -73,74 +96,159 @@ class EngineOptions:
             raise ValueError(f"{owner}: max_signatures must be an int >= 1, got {self.max_signatures!r}")
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise ValueError(f"{owner}: max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
-        if not isinstance(self.accumulate_grads, bool):
-            raise ValueError(f"{owner}: accumulate_grads must be a bool, got {self.accumulate_grads!r}")
+        if not (isinstance(self.accumulate_grads, bool) or self.accumulate_grads == "auto"):
+            raise ValueError(f"{owner}: accumulate_grads must be a bool or 'auto', got {self.accumulate_grads!r}")
         return _memory.MemoryMode.parse(self.memory, owner)
 
 
-@dataclass(slots=True)
-class _GraphPair:
-    """Forward and backward graphs of one (signature, position), with their static buffers."""
+# --------------------------------------------------------------------------- records
+class Phase(enum.Enum):
+    """Where one input signature of a layer stands (see the module docstring)."""
+
+    WARMUP = "warmup"
+    RECORD = "record"
+    READY = "ready"
+
+
+class _Run(enum.Enum):
+    """How one call ran: decides what its backward does."""
+
+    EAGER = "eager"  # eagerly, nothing kept for capture
+    RECORDED = "recorded"  # eagerly, and recorded for capture at the next episode start
+    REPLAY = "replay"  # replayed its position's forward graph
+    LAUNCHED_CAPTURE = "launched_capture"  # stream-ordered allocator: captured, then launched
+
+
+@dataclass(frozen=True, slots=True)
+class _CallShape:
+    """The argument structure of a signature: leaves (tensor slots ``None``), tree spec,
+    which leaves are tensors, and their specs."""
+
+    leaves: tuple
+    spec: Any
+    tensor_index: tuple
+    specs: tuple
+
+    def rebuild(self, tensors: Sequence[Any]) -> tuple:
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_index, tensors):
+            leaves[i] = t
+        return unflatten(self.spec, leaves)
+
+
+@dataclass(frozen=True, slots=True)
+class _Outputs:
+    """A call's output structure: leaves (tensor slots ``None``), tree spec, which leaves are
+    tensors, and which of those carry a gradient."""
+
+    leaves: tuple
+    spec: Any
+    tensor_index: tuple
+    differentiable: tuple
+
+    def rebuild(self, tensors: Sequence[Any]) -> Any:
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_index, tensors):
+            leaves[i] = t
+        return unflatten(self.spec, leaves)
+
+
+@dataclass(frozen=True, slots=True)
+class _Recording:
+    """What capturing one recorded position needs, kept without the eager tensors."""
+
+    static_inputs: tuple
+    outputs: _Outputs
+    static_grad_outputs: Optional[tuple] = None  # set when its backward is recorded
+
+
+@dataclass(frozen=True, slots=True)
+class _Position:
+    """The graphs of one (signature, position) and their static buffers. Built once, after
+    both graphs are captured; never changed."""
 
     generation: Any
     fwd_graph: Any
-    static_inputs: list  # one per tensor input
-    static_outputs: list  # detached aliases of the forward graph's outputs
-    capture_inputs: Optional[list] = None  # autograd-tracked views used at capture, until bwd capture
-    capture_params: Optional[list] = None  # parameter aliases the capture differentiated against
-    capture_outputs: Optional[list] = None
-    bwd_graph: Any = None
-    static_grad_outputs: list = field(default_factory=list)
-    static_grad_inputs: list = field(default_factory=list)  # one per tensor input (None if no grad)
-    param_grad_used: list = field(default_factory=list)  # per parameter: does this graph produce a grad
-    differentiable: list = field(default_factory=list)  # per output tensor
-    out_template: tuple = ()  # (output leaves, spec, tensor positions) of the captured call
+    bwd_graph: Any
+    static_inputs: tuple
+    static_outputs: tuple  # detached aliases of the forward graph's outputs
+    static_grad_outputs: tuple
+    static_grad_inputs: tuple  # one per tensor input (None: no gradient)
+    param_grad_used: tuple  # per parameter: does the backward graph produce its gradient
+    outputs: _Outputs
+    accumulate: bool
+    keepalive: Any = None  # stream-ordered allocator: the forward capture's tensors (see _capture_backward)
+
+
+@dataclass(slots=True)
+class _Live:
+    """A captured forward's autograd graph, held until its backward is captured."""
+
+    generation: Any
+    graph: Any
+    static_inputs: tuple
+    inputs: list
+    outputs: list
+    params: list
+    outputs_shape: _Outputs
 
 
 class _Signature:
-    __slots__ = ("warm", "armed", "pairs", "describe", "busy", "params")
+    """One input signature of a layer: its phase, parameters and captured positions."""
 
-    def __init__(self, describe: str):
-        self.warm = 0
-        self.armed = False
-        self.params: Optional[list] = None  # the parameters the graphs were captured against
-        self.pairs: dict[int, _GraphPair] = {}
+    __slots__ = ("key", "describe", "shape", "phase", "warm", "params", "accumulate", "positions",
+                 "recordings", "busy")
+
+    def __init__(self, key: Any, describe: str, shape: _CallShape):
+        self.key = key
         self.describe = describe
+        self.shape = shape
+        self.phase = Phase.WARMUP
+        self.warm = 0
+        self.params: Optional[tuple] = None  # fixed when the signature leaves warmup
+        self.accumulate = False
+        self.positions: dict[int, _Position] = {}
+        self.recordings: dict[int, _Recording] = {}
         self.busy: set = set()  # per_graph mode: slots whose backward has not run
 
     def free_slot(self) -> int:
-        """Lowest slot not in flight: ``per_graph`` recycles a pair once its backward ran."""
+        """Lowest slot not in flight: ``per_graph`` recycles a position once its backward ran."""
         slot = 0
         while slot in self.busy:
             slot += 1
         return slot
 
-
-EAGER, CAPTURE, REPLAY, CAPTURE_REPLAY = "eager", "capture", "replay", "capture_replay"
+    def reset(self) -> None:
+        """Forget graphs and recordings and warm up again (after a failed capture)."""
+        self.phase, self.warm = Phase.WARMUP, 0
+        self.positions.clear()
+        self.recordings.clear()
 
 
 class _Call:
-    """One forward call and, later, its backward. Created per call; lives in the FIFO."""
+    """One forward call and, later, its backward. Lives in the layer's FIFO in between."""
 
-    __slots__ = ("engine", "key", "leaves", "spec", "tensor_index", "tensors", "params", "specs",
-                 "force_eager", "kind", "pair", "position", "differentiable", "out_spec",
-                 "out_leaves", "out_tensor_index", "inner_inputs", "inner_outputs", "inner_params")
+    __slots__ = ("engine", "key", "shape", "tensors", "params", "force_eager", "position", "run", "outputs",
+                 "done", "eager", "live")
 
-    def __init__(self, engine, key, leaves, spec, tensor_index, tensors, params, specs, force_eager):
+    def __init__(self, engine: "GraphedCallable", key: Any, shape: _CallShape, tensors: list, params: tuple,
+                 force_eager: bool):
         self.engine = engine
         self.key = key
-        self.leaves = leaves
-        self.spec = spec
-        self.tensor_index = tensor_index
+        self.shape = shape
         self.tensors = tensors
         self.params = params
-        self.specs = specs
         self.force_eager = force_eager
-        self.kind = EAGER
-        self.pair = None
         self.position = -1
-        self.differentiable: list = []
-        self.inner_outputs = None
+        self.run = _Run.EAGER
+        self.outputs: Optional[_Outputs] = None
+        self.done: Optional[_Position] = None  # the position replayed (or captured and launched)
+        self.eager: Optional[tuple] = None  # (inputs, outputs, params) of the eager autograd graph
+        self.live: Optional[_Live] = None  # stream-ordered allocator: forward captured this step
+
+    @property
+    def differentiable(self) -> tuple:
+        return self.outputs.differentiable
 
     def forward(self) -> list:
         return self.engine._forward(self)
@@ -149,6 +257,26 @@ class _Call:
         return self.engine._backward(self, grads)
 
 
+class _UserError(Exception):
+    """Wraps an exception raised by the layer's own code during a capture."""
+
+    def __init__(self, phase: str, error: BaseException):
+        super().__init__(phase)
+        self.phase = phase
+        self.error = error
+
+
+class _CaptureFailed(Exception):
+    """Wraps a failure of capture itself."""
+
+    def __init__(self, phase: str, error: BaseException, generation: Any):
+        super().__init__(phase)
+        self.phase = phase
+        self.error = error
+        self.generation = generation
+
+
+# --------------------------------------------------------------------------- engine
 class GraphedCallable:
     """Framework-neutral graphed callable; the runtimes' layer classes are thin shells over it.
 
@@ -169,11 +297,10 @@ class GraphedCallable:
         self.name = name
         self.options = options
         self.memory_mode = options.validate(name)
-        if options.accumulate_grads and not runtime.accumulates_grads_in_graph:
+        if options.accumulate_grads is True and not runtime.accumulates_grads_in_graph:
             raise ValueError(f"{name}: accumulate_grads=True is not supported by the {runtime.name} runtime; "
-                             "leave it False (gradients then reach .grad through autograd).")
+                             "leave it 'auto' or False (gradients then reach .grad through autograd).")
         self.queue = InFlightQueue(name, options.max_in_flight)
-        self.plan = _memory.plan_for(runtime)
         self._signatures: dict[Any, _Signature] = {}
         self._param_grad_buffers: Optional[list] = None
         self._disabled_reason: Optional[str] = None
@@ -181,268 +308,386 @@ class GraphedCallable:
         self.replays = 0  # forward + backward graph replays, for tests and telemetry
         self.captures = 0
 
+    @property
+    def process(self) -> Process:
+        return process_for(self.runtime)
+
+    @property
+    def plan(self) -> "_memory.MemoryPlan":
+        return self.process.plan
+
     # ------------------------------------------------------------------ entry
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         rt = self.runtime
+        if not rt.grad_enabled():
+            return self.fn(*args, **kwargs)  # inference: no backward will pair with it
         leaves, spec = flatten((args, kwargs))
         tensor_index = [i for i, x in enumerate(leaves) if rt.is_tensor(x)]
         tensors = [leaves[i] for i in tensor_index]
-        if not rt.grad_enabled():
-            return self.fn(*args, **kwargs)  # inference: no backward will pair with it
-        specs = [rt.spec(t) for t in tensors]
+        specs = tuple(rt.spec(t) for t in tensors)
         key = self._signature_key(leaves, tensor_index, specs, spec)
         sig = self._signatures.get(key)
-        # Parameters are read while a signature warms up; its graphs keep the list they were
+        # Parameters are read while a signature warms up; its graphs keep the tuple they were
         # captured against (walking module.parameters() on every replay would cost more than
         # the replay itself).
-        params = sig.params if sig is not None and sig.params is not None else list(self.params())
+        params = sig.params if sig is not None and sig.params is not None else tuple(self.params())
         if not params and not any(s.requires_grad for s in specs):
             return self.fn(*args, **kwargs)  # nothing to differentiate
         reason = self._disabled_reason or rt.graphs_unavailable_reason(tensors)
         if reason is not None:
             self._warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); running eagerly.")
-        call = _Call(self, key, leaves, spec, tensor_index, tensors, params, specs, reason is not None)
+        proc = self.process
+        if reason is None and proc.has_recording and proc.clock.between_episodes:
+            proc.capture_recorded()  # the last episode was recorded: capture it before this one starts
+        if sig is not None:
+            shape = sig.shape
+        else:
+            slots = set(tensor_index)
+            shape = _CallShape(tuple(None if i in slots else x for i, x in enumerate(leaves)), spec,
+                               tuple(tensor_index), specs)
+        call = _Call(self, key, shape, tensors, params, reason is not None)
         outputs = rt.apply_graphed_function(call, tensors, params)
-        out_leaves = list(call.out_leaves)
-        for i, t in zip(call.out_tensor_index, outputs):
-            out_leaves[i] = t
-        return unflatten(call.out_spec, out_leaves)
+        return call.outputs.rebuild(outputs)
 
     # --------------------------------------------------------------- forward
     def _forward(self, call: _Call) -> list:
+        clock = self.process.clock
         sig = None if call.force_eager else self._signature_for(call)
-        if self.plan.in_flight == 0:  # no micro-batch in flight in any graphed layer: a new episode
-            self.plan.episode += 1
-        first_in_episode = self.queue.episode != self.plan.episode
-        if sig is not None and not sig.armed and sig.warm >= self.options.num_warmup_steps and first_in_episode:
-            sig.armed = True
-            sig.params = list(call.params)
-        call.position = self.queue.push(call, call.key, episode=self.plan.episode)
-        self.plan.in_flight += 1
-        if sig is not None and self.memory_mode is _memory.MemoryMode.PER_GRAPH:
-            # Upstream semantics: one pair per in-flight slot, safe because no pool is shared.
-            call.position = sig.free_slot()
-            sig.busy.add(call.position)
+        episode = clock.forward_started()
+        first_in_episode = self.queue.episode != episode
         try:
-            if sig is None or not sig.armed:
+            if sig is not None and sig.phase is Phase.WARMUP and first_in_episode \
+                    and sig.warm >= self.options.num_warmup_steps:
+                self._leave_warmup(sig, call)
+            call.position = self.queue.push(call, call.key, episode=episode)
+            if sig is not None and self.memory_mode is _memory.MemoryMode.PER_GRAPH:
+                # Upstream semantics: one position per in-flight slot, safe because no pool is shared.
+                call.position = sig.free_slot()
+                sig.busy.add(call.position)
+            if sig is None or sig.phase is Phase.WARMUP:
                 if sig is not None:
                     sig.warm += 1
                 return self._run_eager(call)
-            pair = sig.pairs.get(call.position)
-            if pair is not None and pair.bwd_graph is not None:
-                return self._replay_forward(call, pair)
+            done = sig.positions.get(call.position)
+            if done is not None:
+                return self._replay_forward(call, done)
             if self.plan.async_allocator:
-                # Graph memory of the stream-ordered allocator exists only once its graph has run:
-                # nothing allocated in a capture may be freed before a launch. So here the
-                # capture's own launch gives the results (no eager run beside it).
-                self._capture_forward(call, sig, fill_inputs=True)
-                if call.kind == CAPTURE:
-                    out = self._replay_forward(call, call.pair, copy_inputs=False)
-                    call.kind = CAPTURE_REPLAY
-                    return out
-                return self._run_eager(call)  # capture failed, fallback="eager"
-            outputs = self._run_eager(call)
-            self._capture_forward(call, sig)
+                return self._capture_and_launch_forward(call, sig)
+            outputs = self._run_eager(call)  # a position not captured yet: run it, record it
+            self._record_forward(call, sig)
             return outputs
         except BaseException:
             self.queue.discard(call)
-            self.plan.in_flight -= 1
+            clock.forward_done()
             if sig is not None:
                 sig.busy.discard(call.position)
             raise
 
+    def _leave_warmup(self, sig: _Signature, call: _Call) -> None:
+        """Fix the signature's parameters and gradient path; record from this episode on
+        (or capture in step under the stream-ordered allocator)."""
+        sig.params = tuple(call.params)
+        sig.accumulate = self._accumulates(sig.params)
+        sig.phase = Phase.READY if self.plan.async_allocator else Phase.RECORD
+
+    def _accumulates(self, params: tuple) -> bool:
+        choice = self.options.accumulate_grads
+        if choice is False or not self.runtime.accumulates_grads_in_graph:
+            return False
+        hooked = self.runtime.params_with_grad_hooks(params)
+        if hooked and choice is True:
+            raise ValueError(
+                f"{self.name}: accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
+                f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); pass "
+                f"accumulate_grads='auto' or False for this layer")
+        return not hooked
+
     def _run_eager(self, call: _Call) -> list:
         rt = self.runtime
-        call.kind = EAGER
+        call.run = _Run.EAGER
         with rt.enable_grad():
-            inner = [rt.detach(t, s.requires_grad) for t, s in zip(call.tensors, call.specs)]
-            args, kwargs = self._rebuild(call, inner)
-            result, call.inner_params = rt.call_with_param_aliases(self.fn, call.params, args, kwargs)
-        out_leaves, out_spec = flatten(result)
-        self._set_outputs(call, out_leaves, out_spec)
-        call.inner_inputs = inner
-        call.inner_outputs = [out_leaves[i] for i in call.out_tensor_index]
-        call.differentiable = [rt.spec(o).requires_grad for o in call.inner_outputs]
-        return [rt.detach(o) for o in call.inner_outputs]
+            inner = [rt.detach(t, s.requires_grad) for t, s in zip(call.tensors, call.shape.specs)]
+            args, kwargs = call.shape.rebuild(inner)
+            result, inner_params = rt.call_with_param_aliases(self.fn, call.params, args, kwargs)
+        call.outputs, outs = self._outputs_of(result)
+        call.eager = (inner, outs, inner_params)
+        return [rt.detach(o) for o in outs]
 
-    def _capture_forward(self, call: _Call, sig: _Signature, fill_inputs: bool = False) -> None:
-        """Capture the forward at ``call.position``. With ``fill_inputs`` the static inputs get
-        the call's values first (the capture is launched right after; copying later would bump
-        the version of tensors the capture saved for backward)."""
-        rt, plan = self.runtime, self.plan
-        gen = plan.generation_for_capture(self.memory_mode)
+    def _record_forward(self, call: _Call, sig: _Signature) -> None:
+        """Keep what capturing this position needs: its static input buffers (handed over
+        from an earlier position under ``shared_reuse``) and its output structure."""
+        rt, proc = self.runtime, self.process
         reuse = self.memory_mode is _memory.MemoryMode.SHARED_REUSE
         static_inputs = []
-        for t, s in zip(call.tensors, call.specs):
-            buf = plan.take_buffer(gen, _buffer_key(s)) if reuse else None
+        for t, s in zip(call.tensors, call.shape.specs):
+            buf = proc.take_buffer(_buffer_key(s)) if reuse else None
             static_inputs.append(buf if buf is not None else rt.static_like(t))
-        if fill_inputs:
-            rt.copy_many(static_inputs, call.tensors)
-        pool = plan.pool_for(gen)
-        graph = rt.create_graph()
-        start = _memory.now()
-        try:
-            with _capture_guard(graph, self.name), rt.capture_to_graph(graph, pool):
-                with rt.enable_grad():
-                    cap_in = [rt.detach(b, s.requires_grad) for b, s in zip(static_inputs, call.specs)]
-                    args, kwargs = self._rebuild(call, cap_in)
-                    result, cap_params = rt.call_with_param_aliases(self.fn, call.params, args, kwargs)
-        except Exception as exc:  # noqa: BLE001 - any failure inside capture is reported the same way
-            del graph, static_inputs
-            self._capture_failed(call, gen, "forward", exc)
-            return
-        cap_leaves, cap_spec = flatten(result)
-        if call.inner_outputs is None:  # no eager run beside the capture: its outputs define the call's
-            self._set_outputs(call, cap_leaves, cap_spec)
-            call.differentiable = [rt.spec(cap_leaves[i]).requires_grad for i in call.out_tensor_index]
-        elif cap_spec != call.out_spec or len(cap_leaves) != len(call.out_leaves):
-            raise CaptureError(f"{self.name}: the captured forward returned a different structure than the "
-                               f"eager run; a graphed layer must return the same structure every call.")
-        cap_out = [cap_leaves[i] for i in call.out_tensor_index]
-        plan.note_capture(gen, id(graph), _memory.now() - start, forward=True)
-        self.captures += 1
-        sig.pairs[call.position] = _GraphPair(
-            generation=gen, fwd_graph=graph, static_inputs=static_inputs,
-            static_outputs=[rt.detach(o) for o in cap_out], capture_inputs=cap_in, capture_outputs=cap_out,
-            capture_params=cap_params, differentiable=list(call.differentiable),
-            out_template=(list(call.out_leaves), call.out_spec, list(call.out_tensor_index)))
-        call.kind = CAPTURE
-        call.pair = sig.pairs[call.position]
+        sig.recordings[call.position] = _Recording(tuple(static_inputs), call.outputs)
+        proc.record(self, call.key, call.position, forward=True)
+        call.run = _Run.RECORDED
 
-    def _replay_forward(self, call: _Call, pair: _GraphPair, copy_inputs: bool = True) -> list:
+    def _replay_forward(self, call: _Call, done: _Position, copy_inputs: bool = True) -> list:
         rt = self.runtime
-        self.plan.note_replay(pair.generation, id(pair.fwd_graph), True, self.name)
-        _collectives.check_replay(pair.fwd_graph)
+        self.plan.note_replay(done.generation, id(done.fwd_graph), True, self.name)
+        _collectives.check_replay(done.fwd_graph)
         if copy_inputs:
-            rt.copy_many(pair.static_inputs, call.tensors)
-        rt.replay_graph(pair.fwd_graph)
+            rt.copy_many(done.static_inputs, call.tensors)
+        rt.replay_graph(done.fwd_graph)
         self.replays += 1
-        call.kind, call.pair = REPLAY, pair
-        self._set_outputs(call, *pair.out_template)
-        call.differentiable = list(pair.differentiable)
-        return [rt.detach(o) for o in pair.static_outputs]
+        call.run, call.done, call.outputs = _Run.REPLAY, done, done.outputs
+        return [rt.detach(o) for o in done.static_outputs]
 
     # -------------------------------------------------------------- backward
     def _backward(self, call: _Call, grads: Sequence[Any]) -> list:
         self.queue.pop(call)
-        self.plan.in_flight -= 1
+        self.process.clock.forward_done()
         sig = self._signatures.get(call.key)
         if sig is not None:
             sig.busy.discard(call.position)
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
-        if call.kind == REPLAY:
-            return self._replay_backward(call, diff_grads)
-        if call.kind == CAPTURE_REPLAY:  # stream-ordered allocator: capture, then run the capture
-            self._capture_backward(call, diff_grads)
-            if call.pair.bwd_graph is None:  # failed with fallback="eager": no eager graph to use here
-                raise CaptureError(f"{self.name}: capturing the backward failed under the stream-ordered "
-                                   f"allocator, where no eager run stands beside the capture; the layer "
-                                   f"runs eagerly from the next call on.")
-            return self._replay_backward(call, diff_grads)
+        if call.run is _Run.REPLAY:
+            return self._replay_backward(call, call.done, diff_grads)
+        if call.run is _Run.LAUNCHED_CAPTURE:
+            return self._capture_and_launch_backward(call, sig, diff_grads)
         result = self._eager_backward(call, diff_grads)
-        if call.kind == CAPTURE:
-            self._capture_backward(call, diff_grads)
-            if self.options.accumulate_grads and call.pair.bwd_graph is not None:
-                result = self._accumulate_eagerly(call, result)
-        call.inner_inputs = call.inner_outputs = call.inner_params = None
+        if call.run is _Run.RECORDED and sig is not None:
+            self._record_backward(call, sig, diff_grads)
+        call.eager = None
         return result
 
     def _eager_backward(self, call: _Call, diff_grads: list) -> list:
         rt = self.runtime
-        outs = [o for o, d in zip(call.inner_outputs, call.differentiable) if d]
-        wrt = [x for x, s in zip(call.inner_inputs, call.specs) if s.requires_grad] + call.inner_params
+        inner, outs, inner_params = call.eager
+        outs = [o for o, d in zip(outs, call.differentiable) if d]
+        wrt = [x for x, s in zip(inner, call.shape.specs) if s.requires_grad] + list(inner_params)
         got = iter(rt.autograd_grad(outs, diff_grads, wrt) if outs else [None] * len(wrt))
-        input_grads = [next(got) if s.requires_grad else None for s in call.specs]
+        input_grads = [next(got) if s.requires_grad else None for s in call.shape.specs]
         return input_grads + list(got)
 
-    def _accumulate_eagerly(self, call: _Call, result: list) -> list:
-        """The capture step under ``accumulate_grads``: add the eager run's parameter gradients
-        into the buffers the replays will accumulate into, and bind those as ``.grad`` now, so
-        ``.grad`` keeps one address from the first graphed step on."""
-        n_in = len(call.specs)
-        used = [(p, b, g) for p, b, g in zip(call.params, self._param_grad_buffers, result[n_in:]) if g is not None]
-        if used:
-            self._bind_grads([p for p, _, _ in used], [b for _, b, _ in used])
-            self.runtime.add_many([b for _, b, _ in used], [g for _, _, g in used])
-        return result[:n_in] + [None] * len(call.params)
-
-    def _capture_backward(self, call: _Call, diff_grads: list) -> None:
-        rt, plan, pair = self.runtime, self.plan, call.pair
-        gen = pair.generation
+    def _record_backward(self, call: _Call, sig: _Signature, diff_grads: list) -> None:
+        rt, proc = self.runtime, self.process
+        rec = sig.recordings.get(call.position)
+        if rec is None:
+            return
         reuse = self.memory_mode is _memory.MemoryMode.SHARED_REUSE
         static_grads = []
         for g in diff_grads:
-            buf = plan.take_buffer(gen, _buffer_key(rt.spec(g))) if reuse else None
+            buf = proc.take_buffer(_buffer_key(rt.spec(g))) if reuse else None
             static_grads.append(buf if buf is not None else rt.static_like(g))
-        param_buffers = self._param_buffers(call.params)
-        accumulate = self.options.accumulate_grads
-        hooked = rt.params_with_grad_hooks(call.params) if accumulate else []
-        outs = [o for o, d in zip(pair.capture_outputs, call.differentiable) if d]
-        wrt = [x for x, s in zip(pair.capture_inputs, call.specs) if s.requires_grad] + pair.capture_params
-        pool = plan.pool_for(gen)
-        graph = rt.create_graph()
-        start = _memory.now()
-        try:
-            if hooked:
-                raise ValueError(
-                    f"accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
-                    f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); leave "
-                    f"accumulate_grads False for this layer")
-            with _capture_guard(graph, self.name), rt.capture_to_graph(graph, pool):
-                # Under the stream-ordered allocator, freeing the forward graph's saved tensors
-                # inside this capture would put another graph's allocations into this one;
-                # they are released after the capture instead.
-                got = (rt.autograd_grad(outs, static_grads, wrt, retain_graph=plan.async_allocator)
-                       if outs else [None] * len(wrt))
-                n_in = len(wrt) - len(call.params)
-                input_grads = got[:n_in]
-                param_used = [g is not None for g in got[n_in:]]
-                used = [(b, g) for b, g in zip(param_buffers, got[n_in:]) if g is not None]
-                if used:
-                    # accumulate: the buffers are the parameters' .grad at replay (_bind_grads)
-                    (rt.add_many if accumulate else rt.copy_many)([b for b, _ in used], [g for _, g in used])
-                # The parameter gradients now live in the shared buffers; free the graph's own
-                # copies inside the capture (a capture's allocation freed before its graph first
-                # runs is an error under the stream-ordered allocator).
-                del got, used
-        except Exception as exc:  # noqa: BLE001
-            del graph
-            pair.capture_inputs = pair.capture_outputs = pair.capture_params = None
-            self._drop_pair(call)
-            self._capture_failed(call, gen, "backward", exc)
-            return
-        plan.note_capture(gen, id(graph), _memory.now() - start, forward=False)
-        self.captures += 1
-        it = iter(input_grads)
-        pair.static_grad_inputs = [next(it) if s.requires_grad else None for s in call.specs]
-        pair.param_grad_used = param_used
-        pair.static_grad_outputs = static_grads
-        pair.bwd_graph = graph
-        if not plan.async_allocator:  # the capture's autograd graph is spent: let its memory go
-            pair.capture_inputs = pair.capture_outputs = pair.capture_params = None
-        if reuse:
-            for buf, s in zip(pair.static_inputs, call.specs):
-                plan.release_buffer(gen, _buffer_key(s), buf)
+        sig.recordings[call.position] = dataclasses.replace(rec, static_grad_outputs=tuple(static_grads))
+        if reuse:  # positions recorded after this backward may take these buffers over
+            for buf, s in zip(rec.static_inputs, call.shape.specs):
+                proc.release_buffer(_buffer_key(s), buf)
             for buf in static_grads:
-                plan.release_buffer(gen, _buffer_key(rt.spec(buf)), buf)
+                proc.release_buffer(_buffer_key(rt.spec(buf)), buf)
+        proc.record(self, call.key, call.position, forward=False)
 
-    def _replay_backward(self, call: _Call, diff_grads: list) -> list:
-        rt, pair = self.runtime, call.pair
-        self.plan.note_replay(pair.generation, id(pair.bwd_graph), False, self.name)
-        _collectives.check_replay(pair.bwd_graph)
-        if pair.static_grad_outputs:
-            rt.copy_many(pair.static_grad_outputs, diff_grads)
-        accumulate = self.options.accumulate_grads
-        if accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
-            used = [(p, b) for p, b, u in zip(call.params, self._param_grad_buffers, pair.param_grad_used) if u]
+    def _replay_backward(self, call: _Call, done: _Position, diff_grads: list) -> list:
+        rt = self.runtime
+        self.plan.note_replay(done.generation, id(done.bwd_graph), False, self.name)
+        _collectives.check_replay(done.bwd_graph)
+        if done.static_grad_outputs:
+            rt.copy_many(done.static_grad_outputs, diff_grads)
+        buffers = self._param_grad_buffers
+        if done.accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
+            used = [(p, b) for p, b, u in zip(call.params, buffers, done.param_grad_used) if u]
             self._bind_grads([p for p, _ in used], [b for _, b in used])
-        rt.replay_graph(pair.bwd_graph)
+        rt.replay_graph(done.bwd_graph)
         self.replays += 1
-        if accumulate:
+        if done.accumulate:
             param_grads = [None] * len(call.params)
         else:
-            param_grads = [b if used else None for b, used in zip(self._param_grad_buffers, pair.param_grad_used)]
-        return self._hand_off(call.tensors + call.params, list(pair.static_grad_inputs) + param_grads)
+            param_grads = [b if u else None for b, u in zip(buffers, done.param_grad_used)]
+        return self._hand_off(list(call.tensors) + list(call.params), list(done.static_grad_inputs) + param_grads)
+
+    # ---------------------------------------------------------------- capture
+    # Called by Process.capture_recorded, in recorded order, between episodes.
+    def _capture_recorded_forward(self, key: Any, position: int) -> Optional[_Live]:
+        """``None``: the layer's train/eval mode changed since the recording (the position is
+        recorded again when it next runs)."""
+        sig = self._signatures[key]
+        rec = sig.recordings[position]
+        training, mode = key[3]
+        if getattr(self.fn, "training", None) != training:
+            return None
+        with self.runtime.mode_context(mode):
+            return self._capture_forward(sig, rec.static_inputs, rec.outputs)
+
+    def _capture_recorded_backward(self, key: Any, position: int, live: _Live) -> None:
+        sig = self._signatures[key]
+        rec = sig.recordings.pop(position)
+        sig.positions[position] = self._capture_backward(sig, live, rec.static_grad_outputs)
+
+    def _recording_captured(self) -> None:
+        """The capture batch is over: recorded signatures replay from now on."""
+        for sig in self._signatures.values():
+            sig.recordings.clear()
+            if sig.phase is Phase.RECORD:
+                sig.phase = Phase.READY
+
+    def _capture_forward(self, sig: _Signature, static_inputs: Sequence[Any],
+                         outputs: Optional[_Outputs]) -> _Live:
+        """Capture the forward over ``static_inputs``; its autograd graph stays live for the
+        backward capture. ``outputs``: the structure the eager run returned (``None``: none
+        ran, the capture defines it)."""
+        rt, plan = self.runtime, self.plan
+        gen = plan.generation_for_capture(self.memory_mode)
+        graph = rt.create_graph()
+        start = _memory.now()
+        with self._capturing(graph, gen, "forward"):
+            with rt.enable_grad():
+                inputs = [rt.detach(b, s.requires_grad) for b, s in zip(static_inputs, sig.shape.specs)]
+                args, kwargs = sig.shape.rebuild(inputs)
+                result, params = rt.call_with_param_aliases(self.fn, sig.params, args, kwargs)
+        captured, outs = self._outputs_of(result)
+        if outputs is not None and (captured.spec != outputs.spec or captured.tensor_index != outputs.tensor_index):
+            raise CaptureError(f"{self.name}: the captured forward returned a different structure than the "
+                               f"eager run; a graphed layer must return the same structure every call.")
+        plan.note_capture(gen, id(graph), _memory.now() - start, forward=True)
+        self.captures += 1
+        return _Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured)
+
+    def _capture_backward(self, sig: _Signature, live: _Live, static_grads: Sequence[Any]) -> _Position:
+        """Capture the backward of ``live``'s forward; returns the position's record."""
+        rt, plan = self.runtime, self.plan
+        param_buffers = self._param_buffers(sig.params)
+        shape = live.outputs_shape
+        outs = [o for o, d in zip(live.outputs, shape.differentiable) if d]
+        wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad] + live.params
+        graph = rt.create_graph()
+        start = _memory.now()
+        with self._capturing(graph, live.generation, "backward"):
+            # Under the stream-ordered allocator, freeing the forward graph's saved tensors
+            # inside this capture would put another graph's allocations into this one; they
+            # are released after the capture instead (with ``live``).
+            got = (rt.autograd_grad(outs, list(static_grads), wrt, retain_graph=plan.async_allocator)
+                   if outs else [None] * len(wrt))
+            n_in = len(wrt) - len(sig.params)
+            input_grads = got[:n_in]
+            param_used = tuple(g is not None for g in got[n_in:])
+            used = [(b, g) for b, g in zip(param_buffers, got[n_in:]) if g is not None]
+            if used:  # accumulate: the buffers are the parameters' .grad at replay (_bind_grads)
+                (rt.add_many if sig.accumulate else rt.copy_many)([b for b, _ in used], [g for _, g in used])
+            # The parameter gradients now live in the layer's buffers: free the graph's own
+            # copies inside the capture, so later graphs reuse that memory.
+            del got, used
+        plan.note_capture(live.generation, id(graph), _memory.now() - start, forward=False)
+        self.captures += 1
+        it = iter(input_grads)
+        return _Position(
+            generation=live.generation, fwd_graph=live.graph, bwd_graph=graph, static_inputs=live.static_inputs,
+            static_outputs=tuple(rt.detach(o) for o in live.outputs), static_grad_outputs=tuple(static_grads),
+            static_grad_inputs=tuple(next(it) if s.requires_grad else None for s in sig.shape.specs),
+            param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate)
+
+    @contextlib.contextmanager
+    def _capturing(self, graph: Any, gen: Any, phase: str):
+        """Around every capture: compiled code traces the branch that will be captured
+        (core.guards), custom all-reduce buffers reserved inside belong to ``graph``
+        (core.collectives). Sorts failures: the runtime's and CUDA's (``RuntimeError``) are
+        failures of capture; anything else was raised by the layer's own code."""
+        rt = self.runtime
+        try:
+            with _guards.sot_warmup_guard(True), _collectives.capturing_graph(graph, self.name), \
+                    rt.capture_to_graph(graph, self.plan.pool_for(gen)):
+                try:
+                    yield
+                except GraphedLayerError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    if isinstance(exc, RuntimeError):
+                        raise
+                    raise _UserError(phase, exc) from exc
+        except (_UserError, GraphedLayerError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise _CaptureFailed(phase, exc, gen) from exc
+
+    def _capture_failed(self, key: Any, exc: BaseException) -> Optional[BaseException]:
+        """A capture of signature ``key`` failed. Forget its graphs; returns the error to
+        raise, or ``None`` when ``fallback="eager"`` turned the layer eager."""
+        sig = self._signatures.get(key)
+        if sig is not None:
+            sig.reset()
+        if isinstance(exc, _CaptureFailed):
+            self.plan.note_aborted(exc.generation)
+        if isinstance(exc, _UserError):
+            return _with_layer(exc.error, f"{self.name}: raised while capturing the {exc.phase}")
+        if not isinstance(exc, _CaptureFailed):
+            return exc  # the engine's own errors (GraphedLayerError) and interrupts
+        cause = f"{type(exc.error).__name__}: {exc.error}"
+        hint = ("Graphs cannot contain host synchronisation (.item(), .numpy(), printing a tensor, "
+                "data-dependent shapes such as nonzero/masked_select) or CPU work. Move it out of the "
+                "layer, or pass fallback='eager'.")
+        if self.options.fallback == "eager":
+            self._disabled_reason = f"capturing the {exc.phase} failed: {cause}"
+            for other in self._signatures.values():
+                other.reset()
+            self._warn_once("fallback", f"{self.name}: capturing the {exc.phase} failed ({cause}); the layer "
+                                        f"runs eagerly from now on (fallback='eager'). {hint}")
+            return None
+        error = CaptureError(f"{self.name}: capturing the {exc.phase} failed: {cause}. The capture's memory was "
+                             f"released; the layer warms up again. {hint}")
+        error.__cause__ = exc.error
+        return error
+
+    # ------------------------------------------- stream-ordered allocator: capture in step
+    def _capture_and_launch_forward(self, call: _Call, sig: _Signature) -> list:
+        """Capture this position's forward over a copy of the inputs and launch the capture:
+        its launch gives this call's results (graph memory exists only once a graph ran)."""
+        rt = self.runtime
+        static_inputs = [rt.static_like(t) for t in call.tensors]
+        rt.copy_many(static_inputs, call.tensors)  # before capture: a later copy would bump versions
+        try:
+            live = self._capture_forward(sig, static_inputs, None)
+        except BaseException as exc:  # noqa: BLE001
+            error = self._fail_in_step(call.key, exc)
+            if error is not None:
+                raise error from None
+            return self._run_eager(call)  # fallback="eager"
+        call.live, call.outputs = live, live.outputs_shape
+        self.plan.note_replay(live.generation, id(live.graph), True, self.name)
+        rt.replay_graph(live.graph)
+        self.replays += 1
+        call.run = _Run.LAUNCHED_CAPTURE
+        return [rt.detach(o) for o in live.outputs]
+
+    def _capture_and_launch_backward(self, call: _Call, sig: _Signature, diff_grads: list) -> list:
+        rt, live = self.runtime, call.live
+        call.live = None
+        static_grads = [rt.static_like(g) for g in diff_grads]
+        try:
+            done = self._capture_backward(sig, live, static_grads)
+        except BaseException as exc:  # noqa: BLE001
+            error = self._fail_in_step(call.key, exc)
+            raise (error or CaptureError(
+                f"{self.name}: capturing the backward failed under the stream-ordered allocator, where no "
+                f"eager run stands beside the capture; the layer runs eagerly from the next call on.")) from None
+        # The capture's own launches allocated its saved tensors; the graphs are instantiated
+        # to free them on relaunch. Keep the tensors referenced so they are not freed twice.
+        sig.positions[call.position] = dataclasses.replace(done, keepalive=live)
+        return self._replay_backward(call, done, diff_grads)
+
+    def _fail_in_step(self, key: Any, exc: BaseException) -> Optional[BaseException]:
+        error = self._capture_failed(key, exc)
+        exc = None  # drop the traceback's frames: they hold the capture's tensors
+        gc.collect()
+        self.runtime.release_cached_memory()
+        return error
+
+    # ----------------------------------------------------------------- helpers
+    def _outputs_of(self, result: Any) -> tuple:
+        """The output structure of ``result`` and its tensors."""
+        rt = self.runtime
+        leaves, spec = flatten(result)
+        index = tuple(i for i, x in enumerate(leaves) if rt.is_tensor(x))
+        if not index:
+            raise SignatureError(f"{self.name}: the wrapped layer returned no tensor; a graphed layer "
+                                 f"must return at least one tensor.")
+        tensors = [leaves[i] for i in index]
+        shape = _Outputs(tuple(None if i in index else x for i, x in enumerate(leaves)), spec, index,
+                         tuple(rt.spec(t).requires_grad for t in tensors))
+        return shape, tensors
 
     def _hand_off(self, targets: list, grads: list) -> list:
         """Give autograd gradients it may keep. A leaf with no gradient yet may adopt the tensor
@@ -458,7 +703,6 @@ class GraphedCallable:
                 grads[i] = c
         return grads
 
-    # ----------------------------------------------------------------- helpers
     def _bind_grads(self, params: list, buffers: list) -> None:
         """Make each buffer its parameter's ``.grad``, keeping the gradient's value: an unset
         ``.grad`` becomes the zeroed buffer, another tensor is copied into it."""
@@ -477,7 +721,7 @@ class GraphedCallable:
         rt.zero_many(unset)
         rt.copy_many(dst, src)
 
-    def _param_buffers(self, params: list) -> list:
+    def _param_buffers(self, params: Sequence[Any]) -> list:
         if self._param_grad_buffers is None or len(self._param_grad_buffers) != len(params):
             self._param_grad_buffers = [self.runtime.static_like(p) for p in params]
         return self._param_grad_buffers
@@ -488,7 +732,7 @@ class GraphedCallable:
         tensor_pos = set(tensor_index)
         consts = tuple(_const_key(x) for i, x in enumerate(leaves) if i not in tensor_pos)
         mode = (getattr(self.fn, "training", None), self.runtime.mode_key())
-        return (tuple(specs), consts, _hashable_spec(spec), mode)
+        return (specs, consts, _hashable_spec(spec), mode)
 
     def _signature_for(self, call: _Call) -> Optional[_Signature]:
         sig = self._signatures.get(call.key)
@@ -496,61 +740,16 @@ class GraphedCallable:
             return sig
         if len(self._signatures) >= self.options.max_signatures:
             self._warn_once(("full", call.key),
-                            f"{self.name}: input signature {_describe(call.specs)} is new and "
+                            f"{self.name}: input signature {_describe(call.shape.specs)} is new and "
                             f"{self.options.max_signatures} signatures are already captured "
                             f"(max_signatures); it runs eagerly. Pad inputs to a few fixed shapes, or "
                             f"raise max_signatures.")
             return None
         if self._signatures:
             logger.info("%s: new input signature %s; it will be warmed up and captured anew",
-                        self.name, _describe(call.specs))
-        sig = self._signatures[call.key] = _Signature(_describe(call.specs))
+                        self.name, _describe(call.shape.specs))
+        sig = self._signatures[call.key] = _Signature(call.key, _describe(call.shape.specs), call.shape)
         return sig
-
-    def _rebuild(self, call: _Call, tensors: list) -> tuple:
-        leaves = list(call.leaves)
-        for i, t in zip(call.tensor_index, tensors):
-            leaves[i] = t
-        return unflatten(call.spec, leaves)
-
-    def _set_outputs(self, call: _Call, out_leaves: list, out_spec: Any, tensor_index=None) -> None:
-        rt = self.runtime
-        if tensor_index is None:
-            tensor_index = [i for i, x in enumerate(out_leaves) if rt.is_tensor(x)]
-            if not tensor_index:
-                raise SignatureError(f"{self.name}: the wrapped layer returned no tensor; a graphed layer "
-                                     f"must return at least one tensor.")
-        call.out_leaves = out_leaves
-        call.out_spec = out_spec
-        call.out_tensor_index = tensor_index
-
-    def _drop_pair(self, call: _Call) -> None:
-        sig = self._signatures.get(call.key)
-        if sig is not None:
-            sig.pairs.pop(call.position, None)
-
-    def _capture_failed(self, call: _Call, gen, phase: str, exc: BaseException) -> None:
-        rt = self.runtime
-        cause = f"{type(exc).__name__}: {exc}"
-        try:
-            rt.abort_capture()
-        finally:
-            self.plan.note_aborted(gen)
-            self._drop_pair(call)
-            exc = None  # drop the traceback's frames: they hold the capture's tensors
-            gc.collect()
-            rt.release_cached_memory()
-        hint = ("Graphs cannot contain host synchronisation (.item(), .numpy(), printing a tensor, "
-                "data-dependent shapes such as nonzero/masked_select) or CPU work. Move it out of the "
-                "layer, mark the layer not capturable, or pass fallback='eager'.")
-        if self.options.fallback == "eager":
-            self._disabled_reason = f"capturing the {phase} failed: {cause}"
-            self._warn_once("fallback", f"{self.name}: capturing the {phase} failed ({cause}); the layer "
-                                        f"runs eagerly from now on (fallback='eager'). {hint}")
-            call.kind = EAGER
-            return
-        raise CaptureError(f"{self.name}: capturing the {phase} failed: {cause}. The capture's memory was "
-                           f"released. {hint}") from None
 
     def _warn_once(self, key, message: str) -> None:
         if key not in self._warned:
@@ -563,8 +762,28 @@ class GraphedCallable:
         return len(self.queue)
 
     def graph_count(self) -> int:
-        return sum(int(p.fwd_graph is not None) + int(p.bwd_graph is not None)
-                   for s in self._signatures.values() for p in s.pairs.values())
+        return sum(2 * len(s.positions) for s in self._signatures.values())
+
+    def phase(self, key: Any = None) -> Optional[Phase]:
+        """The phase of signature ``key`` (default: the only signature), or ``None``."""
+        if key is None:
+            if len(self._signatures) != 1:
+                return None
+            return next(iter(self._signatures.values())).phase
+        sig = self._signatures.get(key)
+        return sig.phase if sig is not None else None
+
+
+def _with_layer(error: BaseException, context: str) -> BaseException:
+    """``error``'s type with the layer named, chained to ``error``; the original (with a
+    note) where the type cannot be rebuilt from a message."""
+    try:
+        new = type(error)(f"{context}: {error}")
+    except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+        error.add_note(context)
+        return error
+    new.__cause__ = error
+    return new
 
 
 def _buffer_key(spec: TensorSpec):
@@ -587,17 +806,8 @@ def _hashable_spec(spec):
     return (kind, meta_key, tuple(_hashable_spec(c) for c in children))
 
 
-def _describe(specs: list) -> str:
+def _describe(specs: Sequence[TensorSpec]) -> str:
     return "(" + "; ".join(s.describe() for s in specs) + ")"
-
-
-@contextlib.contextmanager
-def _capture_guard(graph: Any, owner: str):
-    """Around every capture: compiled code traces the branch that will be captured
-    (core.guards), and custom all-reduce buffers reserved inside belong to ``graph``
-    (core.collectives), so they are unregistered when the graph is freed."""
-    with _guards.sot_warmup_guard(True), _collectives.capturing_graph(graph, owner):
-        yield
 
 
 def node_forward(ctx: Any, call: _Call) -> tuple:
@@ -616,27 +826,33 @@ def node_backward(ctx: Any, grads: Sequence[Any]) -> list:
     return ctx.call.backward(list(grads))
 
 
+_ACCUMULATE_DOC = """        accumulate_grads: ``"auto"`` (default) adds parameter gradients into ``.grad``
+            inside the backward graph (``.grad`` becomes a buffer the layer owns), except where
+            a parameter's accumulation runs hooks (DistributedDataParallel, Python accumulation
+            hooks): there autograd accumulates, and the hooks see every gradient. ``True``
+            forces it (an error with such hooks); ``False`` turns it off (the layer then keeps
+            a second set of gradient buffers).
+"""
+
 #: The documentation of both frameworks' graphed layer classes (formatted per framework).
 GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and backward replay CUDA graphs.
 
-    Calls ``1..num_warmup_steps`` run eagerly; capture starts at the next moment no
-    micro-batch is in flight and runs during a real step (the eager run gives that step's
-    results; nothing is replayed right after capture). Each micro-batch position of the
-    schedule gets its own forward/backward graph pair; backwards pair with forwards in FIFO
-    order, so 1F1B and interleaved schedules work. All graphs share one memory pool.
+    Calls ``1..num_warmup_steps`` run eagerly. The next step (from a moment no micro-batch is
+    in flight) runs eagerly too and is recorded; at the start of the step after it, every
+    recorded micro-batch position of every graphed layer is captured in the order the step
+    ran them, into one memory pool, and that step replays. Each position of the schedule
+    gets its own forward/backward graph pair; backwards pair with forwards in FIFO order, so
+    1F1B and interleaved schedules work.
 
     Args:
         {arg}: the {base} to graph. Its parameters must stay on the GPU at fixed addresses.
-        num_warmup_steps: eager calls per input signature before capture.
+        num_warmup_steps: eager calls per input signature before recording.
         fallback: ``"error"`` (default) raises :class:`paddle_graphpp.CaptureError` when capture
             fails; ``"eager"`` warns once and keeps running eagerly.
         memory: ``"shared"`` (default), ``"shared_reuse"`` or ``"per_graph"``.
         max_in_flight: forwards that may await their backward before that is an error.
         max_signatures: input signatures captured; later new ones run eagerly with a warning.
-        accumulate_grads: add parameter gradients into ``.grad`` inside the backward graph
-            (``.grad`` becomes a buffer the layer owns; PyTorch only; not with accumulation
-            hooks such as DDP's on these parameters). Default ``False``.
-        name: the name used in messages (default: the class name of ``{arg}``).
+{accumulate}        name: the name used in messages (default: the class name of ``{arg}``).
 
     Without CUDA (or with CPU inputs) it runs eagerly and warns once. Under ``{no_grad}`` it
     always runs eagerly.
@@ -647,11 +863,19 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
        storage to them): graphs read fixed addresses. In-place optimizer updates are fine.
     .. warning:: Code inside must not synchronise with the host (``.item()``, printing tensors,
        data-dependent shapes); capture fails with a :class:`paddle_graphpp.CaptureError`.
+       Other exceptions raised by its code during capture keep their type, with the layer named.
     .. warning:: Gradient hooks on tensors inside the wrapped {base} run at capture only; hooks
        on its inputs, outputs and parameters work as usual.
     .. warning:: The schedule must repeat every step: graphs are replayed in capture order, and a
        different order raises :class:`paddle_graphpp.GraphScheduleError` (use ``memory="per_graph"``).
     """
+
+
+def graphed_layer_doc(*, arg: str, base: str, no_grad: str, accumulate_grads: bool) -> str:
+    """:data:`GRAPHED_LAYER_DOC` for one framework's class (``accumulate_grads``: whether its
+    constructor takes that argument)."""
+    return GRAPHED_LAYER_DOC.format(arg=arg, base=base, no_grad=no_grad,
+                                    accumulate=_ACCUMULATE_DOC if accumulate_grads else "")
 
 
 def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, kind: str,

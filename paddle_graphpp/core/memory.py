@@ -3,11 +3,13 @@
 Modes (``memory=`` of a graphed layer):
 
 ``shared`` (default)
-    Every graph of the process allocates from one pool. This is safe because graphs are
-    captured during a real step in execution order, each graph runs once per episode, and
-    the schedule repeats: memory a graph frees is only reused by graphs that run after it.
-    Replays are checked against the capture order; a capture that comes after replays have
-    started opens a new pool *generation*, so a late capture never aliases live memory.
+    Every graph of the process allocates from one pool. This is safe because the graphs of
+    one *generation* are captured back to back, in the order one real step ran them
+    (:mod:`paddle_graphpp.core.capture`), each graph runs once per episode, and the schedule
+    repeats: memory a graph frees is only reused by graphs that run after it. Replays are
+    checked against the capture order; graphs captured after replays have started (a new
+    signature, a position not seen before) form a new generation with its own pool, so a
+    late capture never aliases live memory.
 ``shared_reuse``
     ``shared``, plus the static input and incoming-gradient buffers of a micro-batch position
     are handed to later positions (of any layer) with the same shape and dtype once its
@@ -26,7 +28,6 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections import defaultdict
 from typing import Any, Optional
 
 from .errors import GraphScheduleError
@@ -64,7 +65,6 @@ class _Generation:
         self.sealed = False  # a replay happened: later captures need a new generation
         self.cursor = -1  # capture index of the last graph run
         self.in_flight = 0  # forward graphs whose backward graph has not run yet
-        self.free_buffers: dict[Any, list] = defaultdict(list)
 
 
 class MemoryPlan:
@@ -77,8 +77,6 @@ class MemoryPlan:
         self.capture_seconds = 0.0
         self._pending_log = False
         self._per_graph_pools: list = []
-        self.in_flight = 0  # forwards of graphed layers awaiting their backward, process-wide
-        self.episode = 0  # bumped by a forward that finds nothing in flight anywhere
         self._async: Optional[bool] = None
 
     # ------------------------------------------------------------ allocation
@@ -114,20 +112,9 @@ class MemoryPlan:
             return pool
         return gen.pool
 
-    def take_buffer(self, gen: Optional[_Generation], key: Any) -> Any:
-        """A released static buffer with this (shape, dtype, device) key, or ``None``."""
-        if gen is None:
-            return None
-        bucket = gen.free_buffers.get(key)
-        return bucket.pop() if bucket else None
-
-    def release_buffer(self, gen: Optional[_Generation], key: Any, buffer: Any) -> None:
-        """Offer ``buffer`` to positions captured later in the same generation."""
-        if gen is not None:
-            gen.free_buffers[key].append(buffer)
-
     # --------------------------------------------------------- capture order
     def note_capture(self, gen: Optional[_Generation], graph_id: int, seconds: float, forward: bool) -> None:
+        """A graph was captured into ``gen`` (``None``: a pool of its own)."""
         self.graphs_captured += 1
         self.capture_seconds += seconds
         self._pending_log = True
@@ -140,11 +127,7 @@ class MemoryPlan:
     def note_replay(self, gen: Optional[_Generation], graph_id: int, forward: bool, owner: str) -> None:
         """Check that a replay follows the capture order of its pool; raise if it cannot be safe."""
         if self._pending_log:
-            # The capture phase is over. Its eager runs (which gave the capture step's results)
-            # left their memory cached by the framework's allocator: give it back once, so the
-            # steady state holds the graphs' memory and not that as well.
-            self.runtime.release_cached_memory()
-            self._log_summary()
+            self.log_summary()
         if gen is None:
             return
         gen.sealed = True
@@ -163,6 +146,12 @@ class MemoryPlan:
         """A capture failed: graphs captured later must not share its pool."""
         if gen is not None:
             gen.sealed = True
+
+    def note_batch_end(self) -> None:
+        """A batch of captures ended between episodes: every position captured has its
+        backward graph (or was dropped), so the next replay starts an episode."""
+        for gen in self._generations:
+            gen.in_flight = 0
 
     # -------------------------------------------------------------- telemetry
     def report(self) -> dict:
@@ -183,7 +172,10 @@ class MemoryPlan:
             "device_allocated_bytes": stats["allocated_bytes"],
         }
 
-    def _log_summary(self) -> None:
+    def log_summary(self) -> None:
+        """Log the graph memory figures once after captures (INFO)."""
+        if not self._pending_log:
+            return
         self._pending_log = False
         if not logger.isEnabledFor(logging.INFO):
             return

@@ -17,7 +17,7 @@ from typing import Any, Hashable, Optional
 
 from .errors import GraphScheduleError
 
-__all__ = ["InFlightQueue"]
+__all__ = ["InFlightQueue", "EpisodeClock"]
 
 
 class InFlightQueue:
@@ -50,10 +50,6 @@ class InFlightQueue:
     def at_episode_start(self) -> bool:
         """True when nothing is in flight: the next forward starts an episode."""
         return not self._pending
-
-    def next_position(self, key: Hashable) -> int:
-        """Position the next forward with signature ``key`` takes in the current episode."""
-        return self._positions.get(key, 0)
 
     def push(self, record: Any, key: Hashable, episode: Optional[int] = None) -> int:
         """Enqueue a forward; returns its position. Raises when too many are in flight.
@@ -106,7 +102,29 @@ class InFlightQueue:
         except ValueError:
             pass
 
-    def discard_all(self) -> None:
-        """Forget every pending forward (after an aborted step)."""
-        self._pending.clear()
-        self._positions.clear()
+
+class EpisodeClock:
+    """Process-wide count of micro-batches in flight in any graphed layer, and the episode
+    number. One per runtime; every graphed layer of the process reports to it."""
+
+    __slots__ = ("in_flight", "episode")
+
+    def __init__(self):
+        self.in_flight = 0
+        self.episode = 0
+
+    @property
+    def between_episodes(self) -> bool:
+        """True when nothing is in flight anywhere: the next forward starts an episode."""
+        return self.in_flight == 0
+
+    def forward_started(self) -> int:
+        """Count a forward; returns the episode it belongs to."""
+        if self.in_flight == 0:
+            self.episode += 1
+        self.in_flight += 1
+        return self.episode
+
+    def forward_done(self) -> None:
+        """Its backward ran, or the forward raised before returning."""
+        self.in_flight -= 1

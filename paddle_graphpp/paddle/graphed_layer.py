@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import paddle
 
-from ..core.engine import GRAPHED_LAYER_DOC, GraphedCallable, graphed_engine
+from ..core.engine import GraphedCallable, graphed_engine, graphed_layer_doc
 from .runtime import RUNTIME
 
 __all__ = ["CUDAGraphedLayer"]
 
 
 class CUDAGraphedLayer(paddle.nn.Layer):
-    __doc__ = GRAPHED_LAYER_DOC.format(arg="layer", base="paddle.nn.Layer", no_grad="paddle.no_grad()")
+    __doc__ = graphed_layer_doc(arg="layer", base="paddle.nn.Layer", no_grad="paddle.no_grad()",
+                                accumulate_grads=False)
 
     def __init__(self, layer: paddle.nn.Layer, num_warmup_steps: int = 3, *, fallback: str = "error",
                  memory: str = "shared", max_in_flight: int = 64, max_signatures: int = 4,

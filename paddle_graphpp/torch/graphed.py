@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from ..core.engine import GRAPHED_LAYER_DOC, GraphedCallable, graphed_engine
+from ..core.engine import GraphedCallable, graphed_engine, graphed_layer_doc
 from .runtime import RUNTIME
 
 __all__ = ["CUDAGraphedModule"]
 
 
 class CUDAGraphedModule(torch.nn.Module):
-    __doc__ = GRAPHED_LAYER_DOC.format(arg="module", base="torch.nn.Module", no_grad="torch.no_grad()")
+    __doc__ = graphed_layer_doc(arg="module", base="torch.nn.Module", no_grad="torch.no_grad()",
+                                accumulate_grads=True)
 
     def __init__(self, module: torch.nn.Module, num_warmup_steps: int = 3, *, fallback: str = "error",
                  memory: str = "shared", max_in_flight: int = 64, max_signatures: int = 4,
-                 accumulate_grads: bool = False, name: str | None = None):
+                 accumulate_grads: bool | str = "auto", name: str | None = None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"CUDAGraphedModule wraps a torch.nn.Module, got {type(module).__name__}")

@@ -26,7 +26,7 @@ interleaved schedule on one rank do not interfere.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from torch import nn
 
@@ -167,7 +167,7 @@ def graph_stage_module(
     shared: Iterable[nn.Module] = (),
     fallback: str = "error",
     memory: str = "shared",
-    accumulate_grads: bool = False,
+    accumulate_grads: Union[bool, str] = "auto",
     name: Optional[str] = None,
 ) -> GraphedStage:
     """Split a pipeline stage into runs of capturable modules, each captured as CUDA graphs.
@@ -186,9 +186,10 @@ def graph_stage_module(
             ``"eager"`` warns once and keeps running eagerly (passed to ``CUDAGraphedModule``).
         memory: the graphs' memory mode, ``"shared"``, ``"shared_reuse"`` or ``"per_graph"``
             (passed to ``CUDAGraphedModule``).
-        accumulate_grads: accumulate the graphed runs' parameter gradients into ``.grad``
-            inside their backward graphs (passed to ``CUDAGraphedModule``); not with DDP-style
-            accumulation hooks on those parameters.
+        accumulate_grads: ``"auto"`` (default) accumulates the graphed runs' parameter
+            gradients into ``.grad`` inside their backward graphs, except for parameters whose
+            accumulation runs hooks (DDP); ``True`` forces it, ``False`` turns it off (passed
+            to ``CUDAGraphedModule``).
         name: prefix of the graphed runs' names in logs and errors (``"stage"`` by default).
 
     Returns:

@@ -1,0 +1,134 @@
+"""Record, then capture: the process-wide side of the graph engine.
+
+Every graphed layer of a process reports to one :class:`Process` per runtime. It owns
+
+* the :class:`~paddle_graphpp.core.schedule.EpisodeClock`: micro-batches in flight in any
+  graphed layer, and the episode number (an episode runs from one moment with nothing in
+  flight to the next);
+* the :class:`~paddle_graphpp.core.memory.MemoryPlan`: pools, generations, capture order;
+* the *recording*: during one eager episode, each graphed layer whose signature is armed
+  appends ``(layer, signature, position, forward|backward)`` here, in the order the
+  schedule ran them, together with the static buffers the position will use.
+
+At the start of the next episode (the first graphed forward that finds nothing in flight),
+:meth:`Process.capture_recorded` gives the eager episode's cached memory back to the
+driver, then captures every recorded position in recorded order into one pool generation:
+forward graphs and backward graphs interleaved exactly as the step ran them, so memory a
+graph frees is only reused by graphs that run after it. No eager pass runs beside a
+capture, so the capture costs what one eager step's activations cost, once. Capture does
+not execute anything; the episode that follows replays the new graphs.
+
+Under the stream-ordered allocator nothing is recorded: graph memory exists only once a
+graph has run, so each position is captured and launched in its own step
+(see :mod:`paddle_graphpp.core.engine`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import warnings
+from collections import defaultdict
+from typing import Any, Hashable
+
+from . import memory as _memory
+from .schedule import EpisodeClock
+
+__all__ = ["Process", "process_for"]
+
+logger = logging.getLogger("paddle_graphpp")
+
+
+class Process:
+    """Process-wide state of one runtime: episode clock, memory plan, recorded calls."""
+
+    def __init__(self, plan: "_memory.MemoryPlan"):
+        self.runtime = plan.runtime
+        self.plan = plan
+        self.clock = EpisodeClock()
+        self._events: list[tuple[Any, Hashable, int, bool]] = []  # (layer, key, position, forward)
+        self._free_buffers: dict[Any, list] = defaultdict(list)
+
+    # ------------------------------------------------------------- recording
+    @property
+    def has_recording(self) -> bool:
+        return bool(self._events)
+
+    def record(self, layer: Any, key: Hashable, position: int, forward: bool) -> None:
+        """Append one call of the episode being recorded."""
+        self._events.append((layer, key, position, forward))
+
+    def take_buffer(self, key: Any) -> Any:
+        """``shared_reuse``: a static buffer (shape, dtype, device) released earlier in this
+        recording by a position whose backward has run, or ``None``."""
+        bucket = self._free_buffers.get(key)
+        return bucket.pop() if bucket else None
+
+    def release_buffer(self, key: Any, buffer: Any) -> None:
+        self._free_buffers[key].append(buffer)
+
+    # --------------------------------------------------------------- capture
+    def capture_recorded(self) -> None:
+        """Capture every position recorded in the last episode, in recorded order.
+
+        Positions whose backward was not recorded are dropped (they are recorded again when
+        they next run). A failure is handled by its layer (``fallback``); the first error
+        that must reach the user is raised after the other layers' graphs are captured, and
+        after the failed captures' memory is released.
+        """
+        events, self._events = self._events, []
+        self._free_buffers.clear()
+        complete = {(id(layer), key, pos) for layer, key, pos, forward in events if not forward}
+        layers = list({id(layer): layer for layer, *_ in events}.values())
+        # The recorded episode's activations are free but cached by the allocator: return them
+        # so the graphs' pool can take that memory instead of adding to it.
+        gc.collect()
+        self.runtime.release_cached_memory()
+        live: dict[tuple, Any] = {}
+        captured: set = set()  # per_graph slots come back within an episode: capture each once
+        failed: set = set()
+        errors: list[BaseException] = []
+        for layer, key, pos, forward in events:
+            slot = (id(layer), key, pos)
+            if slot not in complete or slot in captured or (id(layer), key) in failed:
+                continue
+            try:
+                if forward:
+                    state = layer._capture_recorded_forward(key, pos)
+                    if state is not None:
+                        live[slot] = state
+                elif slot in live:
+                    layer._capture_recorded_backward(key, pos, live.pop(slot))
+                    captured.add(slot)
+            except BaseException as exc:  # noqa: BLE001 - the layer decides what a failure means
+                failed.add((id(layer), key))
+                for other in [s for s in live if s[:2] == (id(layer), key)]:
+                    del live[other]
+                error = layer._capture_failed(key, exc)
+                exc = None  # the traceback's frames hold the failed capture's tensors
+                if error is not None:
+                    errors.append(error)
+        live.clear()
+        self.plan.note_batch_end()
+        for layer in layers:
+            layer._recording_captured()
+        if failed:
+            gc.collect()
+            self.runtime.release_cached_memory()
+        self.plan.log_summary()
+        for extra in errors[1:]:
+            warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=3)
+        if errors:
+            raise errors[0]
+
+
+_PROCESSES: dict[str, Process] = {}
+
+
+def process_for(runtime: Any) -> Process:
+    """The process-wide state of ``runtime`` (renewed when its memory plan is)."""
+    plan = _memory.plan_for(runtime)
+    proc = _PROCESSES.get(runtime.name)
+    if proc is None or proc.plan is not plan:
+        proc = _PROCESSES[runtime.name] = Process(plan)
+    return proc
