@@ -1,9 +1,10 @@
 """Graph-safe optimizer steps: one captured sequence of clip + step + zero-grad.
 
 The public names dispatch on the framework of their argument (a ``torch.optim.Optimizer``
-or ``torch.Tensor``; a ``paddle.optimizer.Optimizer`` or ``paddle.Tensor``). The maths lives
-in :mod:`paddle_graphpp.torch.optim` and :mod:`paddle_graphpp.paddle.optim`; importing this
-module imports neither framework.
+or ``torch.Tensor``; a ``paddle.optimizer.Optimizer`` or ``paddle.Tensor``), decided by
+:func:`paddle_graphpp.core.runtime.framework_of`. The maths lives in the ``optim`` module of
+each framework's package (:mod:`paddle_graphpp.torch.optim`, :mod:`paddle_graphpp.paddle.optim`);
+importing this module imports neither framework.
 
 Everything here keeps its values on the device: the global norm is a 0-d device tensor,
 the clipping coefficient ``min(1, max_norm / (norm + eps))`` is multiplied in without a host
@@ -12,20 +13,19 @@ branch, and gradients are zeroed in place so their addresses stay fixed for the 
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Optional, Sequence
+
+from .core.runtime import framework_module, framework_of
 
 __all__ = ["GraphedOptimizer", "global_grad_norm", "clip_by_global_norm"]
 
-_MODULES = {"torch": "paddle_graphpp.torch.optim", "paddle": "paddle_graphpp.paddle.optim"}
-
 
 def _framework_module(obj: Any, what: str):
-    root = type(obj).__module__.partition(".")[0]
-    if root not in _MODULES:
+    name = framework_of(obj)
+    if name is None:
         raise TypeError(f"paddle_graphpp.{what}: expected a torch or paddle object, got "
                         f"{type(obj).__module__}.{type(obj).__qualname__}")
-    return importlib.import_module(_MODULES[root])
+    return framework_module(name, "optim")
 
 
 def _first_tensor(tensors: Sequence[Any], what: str):

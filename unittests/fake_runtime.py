@@ -24,7 +24,8 @@ class FakeGraphRuntime(TorchRuntime):
         self.capturing = False
         self.pools = itertools.count()
         self.released = 0
-        self.aborted = 0
+        self.aborted = 0  # captures whose body raised (capture_to_graph ended them)
+        self.modes = []  # the mode keys mode_context re-entered, in order
 
     def graphs_unavailable_reason(self, tensors):
         return None
@@ -40,6 +41,9 @@ class FakeGraphRuntime(TorchRuntime):
         self.capturing = True
         try:
             yield graph
+        except BaseException:
+            self.aborted += 1
+            raise
         finally:
             self.capturing = False
         graph.captured = True
@@ -51,13 +55,16 @@ class FakeGraphRuntime(TorchRuntime):
     def is_capturing(self):
         return self.capturing
 
-    def abort_capture(self):
-        self.aborted += 1
+    @contextlib.contextmanager
+    def mode_context(self, key):
+        # CPU tensors: CUDA autocast cannot be entered here; only note what would be.
+        self.modes.append(key)
+        yield
 
     def async_allocator_active(self):
         return False
 
-    def pool_memory(self, pools):
+    def memory_stats(self, pools=None):
         return {"reserved_bytes": 0, "allocated_bytes": 0}
 
     def release_cached_memory(self):

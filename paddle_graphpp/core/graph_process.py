@@ -15,12 +15,11 @@ The accelerator-style trio :func:`create_graph`, :func:`capture_to_graph` and
 :func:`replay_graph` is exposed for code that manages its own graphs.
 
 The framework is found from the tensor arguments (``torch.Tensor`` or ``paddle.Tensor``)
-through :func:`paddle_graphpp.core.runtime.get_runtime`; this module imports neither.
+through :func:`paddle_graphpp.core.runtime.framework_of`; this module imports neither.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import weakref
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Hashable, Optional
 
 from .errors import CaptureError
-from .runtime import GraphRuntime, available_runtimes, get_runtime
+from .runtime import FRAMEWORKS, GraphRuntime, framework_of, get_runtime
 
 __all__ = ["graph_process", "create_graph", "capture_to_graph", "replay_graph", "clear_graph_cache"]
 
@@ -53,8 +52,8 @@ def graph_process(func: Callable, *args, replay_first_step: bool = False, key: O
                   **kwargs) -> Any:
     """Run ``func(*args, **kwargs)`` through a cached CUDA graph.
 
-    First call for a cache slot: ``func`` runs once eagerly as warmup (on the runtime's warmup
-    stream), is captured into a new graph, and then either the graph is replayed
+    First call for a cache slot: ``func`` runs once eagerly as warmup (on the current stream),
+    is captured into a new graph, and then either the graph is replayed
     (``replay_first_step=True``) or the warmup's results are kept (``False``: tensor outputs
     of the warmup are copied into the graph's output tensors, and ``func``'s device work has
     run exactly once). Later calls replay the graph and return the same output objects.
@@ -160,15 +159,12 @@ def replay_graph(graph: Any, *, framework: Optional[str] = None) -> None:
 # --------------------------------------------------------------- capturing
 def _warmup_and_capture(runtime: GraphRuntime, func, args, kwargs, replay_first_step: bool):
     # Warmup: lazy state (optimizer moments, library handles) is created outside the graph.
-    with _warmup_context(runtime):
-        warm = func(*args, **kwargs)
+    warm = func(*args, **kwargs)
     graph = runtime.create_graph()
     try:
-        with runtime.capture_to_graph(graph):
+        with runtime.capture_to_graph(graph):  # ends a failed capture itself
             output = func(*args, **kwargs)
     except Exception as exc:
-        with contextlib.suppress(Exception):
-            runtime.abort_capture()
         raise CaptureError(
             f"graph_process({_name(func)}): capturing failed ({type(exc).__name__}: {exc}). A captured "
             "function must not synchronise with the host: no .item()/.cpu()/.numpy(), no printing "
@@ -180,12 +176,6 @@ def _warmup_and_capture(runtime: GraphRuntime, func, args, kwargs, replay_first_
     else:
         _copy_outputs(runtime, warm, output)
     return graph, output
-
-
-def _warmup_context(runtime: GraphRuntime) -> ContextManager:
-    # Optional seam hook: run the warmup on a side stream where the runtime offers one.
-    hook = getattr(runtime, "warmup_context", None)
-    return hook() if hook is not None else contextlib.nullcontext()
 
 
 def _copy_outputs(runtime: GraphRuntime, warm, static) -> None:
@@ -296,14 +286,9 @@ def _collect(obj, out: list) -> None:
             out.append(item)
 
 
-def _framework_of(obj) -> Optional[str]:
-    root = type(obj).__module__.partition(".")[0]
-    return root if root in available_runtimes() else None
-
-
 def _runtime_of_leaves(leaves: list) -> Optional[GraphRuntime]:
     for leaf in leaves:
-        name = _framework_of(leaf)
+        name = framework_of(leaf)
         if name is not None:
             runtime = get_runtime(name)
             if runtime.is_tensor(leaf):
@@ -311,9 +296,13 @@ def _runtime_of_leaves(leaves: list) -> Optional[GraphRuntime]:
     return _imported_runtime()
 
 
+def _imported_frameworks() -> list:
+    return [name for name in FRAMEWORKS if name in sys.modules]
+
+
 def _imported_runtime() -> Optional[GraphRuntime]:
     # No tensor argument: the one framework that is imported, if exactly one is.
-    imported = [name for name in ("paddle", "torch") if name in sys.modules]
+    imported = _imported_frameworks()
     return get_runtime(imported[0]) if len(imported) == 1 else None
 
 
@@ -327,7 +316,7 @@ def _runtime_named(framework: Optional[str]) -> GraphRuntime:
         return get_runtime(framework)
     runtime = _imported_runtime()
     if runtime is None:
-        imported = [name for name in ("paddle", "torch") if name in sys.modules]
+        imported = _imported_frameworks()
         state = "both paddle and torch are imported" if imported else "neither paddle nor torch is imported"
         raise RuntimeError(f"paddle_graphpp graph API: cannot tell the framework ({state}); "
                            "pass framework='torch' or framework='paddle'.")
@@ -336,7 +325,7 @@ def _runtime_named(framework: Optional[str]) -> GraphRuntime:
 
 def _runtime_of_graph(graph, framework: Optional[str]) -> GraphRuntime:
     if framework is None:
-        framework = _framework_of(graph)
+        framework = framework_of(graph)
     return _runtime_named(framework)
 
 

@@ -1,12 +1,15 @@
 """The runtime seam: everything the engine needs from a framework, and nothing more.
 
-The core never imports a framework. A runtime is one small adapter module
-(``paddle_graphpp.paddle.runtime`` or ``paddle_graphpp.torch.runtime``) that implements
-:class:`GraphRuntime`; :func:`get_runtime` loads it lazily by name.
+The core never imports a framework. Each framework has one package of adapters, named in
+:data:`FRAMEWORKS`: its ``runtime`` module implements :class:`GraphRuntime` (and imports the
+framework), its ``optim`` module holds the graph-safe optimizer steps, and its ``allocator``
+module the stream-ordered allocator switch (which must work before the framework is
+imported, so that module imports no framework at import time).
 
-The methods are grouped by concern, in the spirit of an accelerator interface
-(``create_graph / capture_to_graph / replay_graph``), widened only where graphed
-training needs it: static copies, autograd, gradient hand-off and memory figures.
+Which framework an object belongs to is decided in one place, :func:`framework_of`, from
+the module its type (or a base class) is defined in; :func:`runtime_for` turns that into the
+runtime, :func:`get_runtime` loads a runtime by name, :func:`framework_module` any other part
+of a framework's package. Nothing here imports a framework until one of these is called.
 """
 
 from __future__ import annotations
@@ -14,9 +17,27 @@ from __future__ import annotations
 import abc
 import importlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
-__all__ = ["GraphRuntime", "TensorSpec", "get_runtime", "available_runtimes"]
+__all__ = [
+    "FRAMEWORKS",
+    "GraphRuntime",
+    "TensorSpec",
+    "available_runtimes",
+    "framework_module",
+    "framework_of",
+    "get_runtime",
+    "runtime_for",
+]
+
+#: Framework name (the top-level module of its types) -> the package of its adapters. The
+#: order is the order in which a switch that touches every framework applies them.
+FRAMEWORKS: dict[str, str] = {
+    "paddle": "paddle_graphpp.paddle",
+    "torch": "paddle_graphpp.torch",
+}
+_INSTALL = {"paddle": "paddlepaddle-gpu (or paddlepaddle for CPU)", "torch": "torch"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +54,31 @@ class TensorSpec:
         return f"shape {list(self.shape)}, {self.dtype} on {self.device}{grad}"
 
 
+
 class GraphRuntime(abc.ABC):
     """Adapter from the framework-neutral engine to one framework.
 
-    A runtime is stateless apart from per-process handles (the capture stream);
-    one instance serves every graphed layer of a process.
+    Members, by concern (each documented with its contract below):
+
+    * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`static_like`, :meth:`copy_many`,
+      :meth:`clone_many`, :meth:`detach`;
+    * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`;
+    * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
+      :meth:`autograd_grad`, :meth:`apply_graphed_function`, :meth:`leaves_without_grad`,
+      :attr:`adopts_held_gradients`;
+    * gradient accumulation inside graphs (only where :attr:`accumulates_grads_in_graph`):
+      :meth:`add_many`, :meth:`zero_many`, :meth:`grad_of`, :meth:`set_grad`,
+      :meth:`params_with_grad_hooks`;
+    * graphs: :meth:`create_graph`, :meth:`new_pool`, :meth:`capture_to_graph`,
+      :meth:`replay_graph`, :meth:`is_capturing`;
+    * memory: :meth:`memory_stats`, :meth:`async_allocator_active`, :meth:`release_cached_memory`,
+      :meth:`lend_pool`.
+
+    A runtime is stateless apart from per-process handles (the capture stream); one instance
+    serves every graphed layer of a process.
     """
 
-    #: short framework name, used in messages and the loader table
+    #: short framework name, used in messages and as the key of :data:`FRAMEWORKS`
     name: str = "abstract"
 
     # ----------------------------------------------------------------- tensors
@@ -53,35 +91,39 @@ class GraphRuntime(abc.ABC):
         """Shape, dtype, device and whether autograd tracks it."""
 
     @abc.abstractmethod
+    def static_like(self, tensor: Any) -> Any:
+        """A new, uninitialised tensor with the same shape, dtype and device, not tracked by autograd."""
+
+    @abc.abstractmethod
+    def copy_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """Copy each ``srcs[i]`` into ``dsts[i]`` in place, on the current stream, capturable, in as
+        few kernel launches as the framework allows; a pair that already shares memory is skipped."""
+
+    @abc.abstractmethod
+    def clone_many(self, tensors: Sequence[Any]) -> list:
+        """Fresh copies of ``tensors`` (new memory), in as few kernel launches as the framework allows."""
+
+    @abc.abstractmethod
+    def detach(self, tensor: Any, requires_grad: bool = False) -> Any:
+        """An alias of ``tensor`` cut from autograd, tracked again (as a new leaf) if ``requires_grad``."""
+
+    # --------------------------------------------------------- framework state
+    @abc.abstractmethod
     def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
-        """``None`` when these tensors can go through a CUDA graph, else why not.
+        """``None`` when these tensors (possibly none) can go through a CUDA graph, else why not.
 
         Typical reasons: a CPU build of the framework, no visible GPU, a CPU tensor.
         """
 
     @abc.abstractmethod
     def mode_key(self) -> Any:
-        """A hashable summary of the framework state a capture bakes in (mixed precision)."""
+        """A hashable summary of the framework state a capture bakes in (mixed precision);
+        ``None`` for the plain state. Called on every graphed call: keep it cheap."""
 
     @abc.abstractmethod
-    def static_like(self, tensor: Any) -> Any:
-        """A new, uninitialised tensor with the same shape, dtype and device."""
-
-    @abc.abstractmethod
-    def copy_(self, dst: Any, src: Any) -> None:
-        """Copy ``src`` into ``dst`` in place, on the current stream."""
-
-    @abc.abstractmethod
-    def copy_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
-        """``copy_`` for many pairs, in as few kernel launches as the framework allows."""
-
-    @abc.abstractmethod
-    def detach(self, tensor: Any, requires_grad: bool = False) -> Any:
-        """An alias of ``tensor`` cut from autograd, tracked again if ``requires_grad``."""
-
-    @abc.abstractmethod
-    def clone_many(self, tensors: Sequence[Any]) -> list:
-        """Fresh copies of ``tensors``, in as few kernel launches as the framework allows."""
+    def mode_context(self, key: Any) -> ContextManager:
+        """Context that re-enters the state ``key`` (a :meth:`mode_key` value) describes, so a
+        call recorded under it can be captured later; inside it, ``mode_key() == key``."""
 
     # ---------------------------------------------------------------- autograd
     @abc.abstractmethod
@@ -99,7 +141,8 @@ class GraphRuntime(abc.ABC):
         Returns ``(result, aliases)``: ``aliases[i]`` shares memory with ``params[i]``, so graphs
         read the real weights, but the engine's inner autograd graphs differentiate against the
         aliases. The user's parameters (their hooks, their gradient accumulators, the stream
-        these were created on) are touched only by the outer autograd node.
+        these were created on) are touched only by the outer autograd node. A framework without
+        a functional call may return the parameters themselves as their aliases.
         """
 
     @abc.abstractmethod
@@ -107,39 +150,6 @@ class GraphRuntime(abc.ABC):
                       inputs: Sequence[Any], retain_graph: bool = False) -> list:
         """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the autograd
         graph's saved tensors unless ``retain_graph``."""
-
-    #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
-    #: shares it); False when it copies any gradient it does not own outright (PyTorch).
-    adopts_held_gradients: bool = True
-
-    #: True when the runtime implements :meth:`add_many`, :meth:`grad_of`, :meth:`set_grad`,
-    #: :meth:`zero_many` and :meth:`params_with_grad_hooks` (``accumulate_grads=True``).
-    accumulates_grads_in_graph: bool = False
-
-    def add_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
-        """``dst += src`` for each pair, capturable."""
-        raise NotImplementedError(f"{self.name} runtime: add_many")
-
-    def zero_many(self, tensors: Sequence[Any]) -> None:
-        """Zero each tensor in place."""
-        raise NotImplementedError(f"{self.name} runtime: zero_many")
-
-    def grad_of(self, param: Any) -> Any:
-        """``param``'s accumulated gradient, or ``None``."""
-        raise NotImplementedError(f"{self.name} runtime: grad_of")
-
-    def set_grad(self, param: Any, grad: Any) -> None:
-        """Make ``grad`` the accumulated gradient of ``param``."""
-        raise NotImplementedError(f"{self.name} runtime: set_grad")
-
-    def params_with_grad_hooks(self, params: Sequence[Any]) -> list:
-        """Indices of ``params`` whose gradient accumulation runs hooks (those must go through
-        the framework's accumulation)."""
-        raise NotImplementedError(f"{self.name} runtime: params_with_grad_hooks")
-
-    @abc.abstractmethod
-    def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
-        """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
 
     @abc.abstractmethod
     def apply_graphed_function(self, call: Any, tensors: Sequence[Any], params: Sequence[Any]) -> tuple:
@@ -151,6 +161,41 @@ class GraphRuntime(abc.ABC):
         returns one gradient (or ``None``) per entry of ``tensors + params``.
         Returns the output tensors as a tuple.
         """
+
+    @abc.abstractmethod
+    def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
+        """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
+
+    #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
+    #: shares it); False when it copies any gradient it does not own outright (PyTorch).
+    adopts_held_gradients: bool = True
+
+    # ------------------------------------------- gradient accumulation in graphs
+    #: True when the runtime implements :meth:`add_many`, :meth:`grad_of`, :meth:`set_grad`,
+    #: :meth:`zero_many` and :meth:`params_with_grad_hooks` (``accumulate_grads=True``).
+    accumulates_grads_in_graph: bool = False
+
+    def add_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """``dst += src`` for each pair, in place, capturable."""
+        raise NotImplementedError(f"{self.name} runtime: add_many")
+
+    def zero_many(self, tensors: Sequence[Any]) -> None:
+        """Zero each tensor in place (addresses unchanged), capturable."""
+        raise NotImplementedError(f"{self.name} runtime: zero_many")
+
+    def grad_of(self, param: Any) -> Any:
+        """``param``'s accumulated gradient (its ``.grad``), or ``None``."""
+        raise NotImplementedError(f"{self.name} runtime: grad_of")
+
+    def set_grad(self, param: Any, grad: Any) -> None:
+        """Make ``grad`` (the tensor itself, not a copy) the accumulated gradient of ``param``."""
+        raise NotImplementedError(f"{self.name} runtime: set_grad")
+
+    def params_with_grad_hooks(self, params: Sequence[Any]) -> list:
+        """Indices of ``params`` whose gradient accumulation runs hooks (those must keep going
+        through the framework's accumulation). May answer for every parameter when hooks are
+        installed where they cannot be seen (a data-parallel wrapper's reducer)."""
+        raise NotImplementedError(f"{self.name} runtime: params_with_grad_hooks")
 
     # --------------------------------------------------------- graph operations
     @abc.abstractmethod
@@ -165,9 +210,11 @@ class GraphRuntime(abc.ABC):
     def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> ContextManager:
         """Capture the work issued inside the context into ``graph``.
 
-        Capture runs on ``stream`` (the runtime's capture stream when ``None``),
-        allocates from ``pool``, registers the default RNG generator, and uses the
-        thread-local capture mode so other threads (NCCL watchdogs) are unaffected.
+        Capture runs on ``stream`` (the runtime's capture stream when ``None``), allocates from
+        ``pool``, registers the default RNG generator, and uses the thread-local capture mode so
+        other threads (NCCL watchdogs) are unaffected. When the body raises, the context ends
+        the broken capture itself (the stream, the pool redirection and the RNG bookkeeping can
+        be used again; ``graph`` is left empty) and re-raises the body's exception.
         """
 
     @abc.abstractmethod
@@ -178,52 +225,103 @@ class GraphRuntime(abc.ABC):
     def is_capturing(self) -> bool:
         """True when the current stream is capturing a graph."""
 
-    @abc.abstractmethod
-    def abort_capture(self) -> None:
-        """End a capture that failed part-way, so the stream can be used again."""
-
     # ------------------------------------------------------------------ memory
     @abc.abstractmethod
-    def synchronize(self) -> None:
-        """Wait for all work on the device."""
+    def memory_stats(self, pools: Optional[Sequence[Any]] = None) -> dict:
+        """``{"reserved_bytes": int, "allocated_bytes": int}``: with ``pools=None``, for the current
+        device; with a sequence of pool handles, held by those pools together (a runtime that
+        cannot attribute memory to pools says so in its docstring). Zeros without a device."""
 
     @abc.abstractmethod
-    def memory_stats(self) -> dict:
-        """``{"reserved_bytes": int, "allocated_bytes": int}`` for the current device (zeros on CPU)."""
-
-    @abc.abstractmethod
-    def pool_memory(self, pools: Sequence[Any]) -> dict:
-        """``{"reserved_bytes", "allocated_bytes"}`` held by the given graph pools together."""
-
     def async_allocator_active(self) -> bool:
         """True when the framework allocates with the stream-ordered allocator (cudaMallocAsync):
-        graph pools are then ignored. Raises ``AllocatorSwitchError`` on a half-switch."""
-        from ..allocator import async_allocator_active
-
-        return async_allocator_active(self.name)
+        graph pools are then ignored. Imports the framework. Raises
+        :class:`paddle_graphpp.allocator.AllocatorSwitchError` on a half-switch (the switch was
+        asked for, but this framework's allocator was set up before it)."""
 
     @abc.abstractmethod
     def release_cached_memory(self) -> None:
-        """Return cached, unused device memory to the driver (after a failed capture)."""
+        """Return cached, unused device memory to the driver (before a batch of captures, and
+        after a failed one)."""
+
+    def lend_pool(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
+        """Let eager work that runs while ``is_idle()`` (no micro-batch in flight, so every
+        activation in ``pool`` is dead) take its temporaries from ``pool``'s free memory,
+        instead of memory of its own; it must free them before the next replay. If such work
+        leaves memory allocated in ``pool``, call ``on_leak()`` (the core then drops the pool's
+        graphs) and stop lending. Default: lend nothing. PyTorch lends to optimizer steps."""
+
+    # ------------------------------------------------ deprecated compatibility
+    def abort_capture(self) -> None:
+        """Deprecated no-op: :meth:`capture_to_graph` ends a failed capture itself."""
+
+    def pool_memory(self, pools: Sequence[Any]) -> dict:
+        """Deprecated: use ``memory_stats(pools)``."""
+        return self.memory_stats(pools)
 
 
-
-# Name -> module that defines ``RUNTIME`` (a GraphRuntime instance). Loaded on first use only.
-_LOADERS: dict[str, str] = {
-    "paddle": "paddle_graphpp.paddle.runtime",
-    "torch": "paddle_graphpp.torch.runtime",
-}
+# ------------------------------------------------------------------ the table
 _LOADED: dict[str, GraphRuntime] = {}
 _EXTRA: dict[str, Callable[[], GraphRuntime]] = {}
 
 
+def framework_of(obj: Any) -> Optional[str]:
+    """The name (a key of :data:`FRAMEWORKS`) of the framework ``obj`` belongs to, or ``None``.
+
+    Decided from the top-level module of ``obj``'s type, or of the first base class defined in a
+    framework (a user's ``torch.nn.Module`` subclass belongs to torch). Works for tensors,
+    modules and layers, optimizers and graph objects; imports nothing.
+    """
+    cls = type(obj)
+    root = cls.__module__.partition(".")[0]
+    if root in FRAMEWORKS:
+        return root
+    for base in cls.__mro__[1:]:
+        root = base.__module__.partition(".")[0]
+        if root in FRAMEWORKS:
+            return root
+    return None
+
+
+def runtime_for(obj: Any) -> GraphRuntime:
+    """The runtime of the framework ``obj`` belongs to (see :func:`framework_of`).
+
+    Raises:
+        TypeError: ``obj`` is not an object of a supported framework.
+        ImportError: as :func:`get_runtime`.
+    """
+    name = framework_of(obj)
+    if name is None:
+        raise TypeError(f"paddle_graphpp: expected a torch or paddle object, got "
+                        f"{type(obj).__module__}.{type(obj).__qualname__}")
+    return get_runtime(name)
+
+
+def framework_module(name: str, part: str) -> ModuleType:
+    """Module ``part`` (``"runtime"``, ``"optim"``, ``"allocator"``) of framework ``name``'s package.
+
+    Raises:
+        ValueError: unknown framework name.
+        ImportError: the framework is not installed; the message says what to install.
+    """
+    if name not in FRAMEWORKS:
+        raise ValueError(f"unknown framework {name!r}; choose one of {sorted(FRAMEWORKS)}")
+    try:
+        return importlib.import_module(f"{FRAMEWORKS[name]}.{part}")
+    except ModuleNotFoundError as exc:
+        if exc.name != name:
+            raise
+        raise ImportError(f"paddle_graphpp: the {name} support needs {name}, which is not installed; "
+                          f"install {_INSTALL[name]}") from exc
+
+
 def available_runtimes() -> list[str]:
     """Names :func:`get_runtime` accepts."""
-    return sorted(set(_LOADERS) | set(_EXTRA))
+    return sorted(set(FRAMEWORKS) | set(_EXTRA))
 
 
 def register_runtime(name: str, factory: Callable[[], GraphRuntime]) -> None:
-    """Add a runtime under ``name`` (used by tests to plug in a fake graph runtime)."""
+    """Serve ``factory()`` as the runtime ``name`` (used by tests to plug in a fake graph runtime)."""
     _EXTRA[name] = factory
     _LOADED.pop(name, None)
 
@@ -245,8 +343,8 @@ def get_runtime(name: str) -> GraphRuntime:
         return _LOADED[name]
     if name in _EXTRA:
         runtime = _EXTRA[name]()
-    elif name in _LOADERS:
-        runtime = importlib.import_module(_LOADERS[name]).RUNTIME
+    elif name in FRAMEWORKS:
+        runtime = framework_module(name, "runtime").RUNTIME
     else:
         raise ValueError(f"unknown runtime {name!r}; choose one of {available_runtimes()}")
     _LOADED[name] = runtime

@@ -7,7 +7,8 @@ Nothing needs registering from Python; the torch runtime's counterpart is the de
 generator registration that ``CUDAGraph.capture_begin`` performs.
 
 This runtime is exercised on CPU only here (eager fallback): no Paddle wheel with GPU kernels
-runs on the Hopper GPUs we test on. The graph code paths mirror the PyTorch runtime's.
+runs on the Hopper GPUs we test on. The graph code paths mirror the PyTorch runtime's. See
+:mod:`paddle_graphpp.core.runtime` for each member's contract.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from paddle.autograd import PyLayer
 
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
+from .allocator import async_allocator_active as _async_allocator_active
 
 __all__ = ["PaddleRuntime", "RUNTIME"]
 
@@ -51,29 +53,10 @@ class PaddleRuntime(GraphRuntime):
         return TensorSpec(tuple(tensor.shape), str(tensor.dtype).replace("paddle.", ""), str(tensor.place),
                           not tensor.stop_gradient)
 
-    def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
-        if not paddle.is_compiled_with_cuda():
-            return "this Paddle build has no CUDA"
-        if paddle.device.cuda.device_count() == 0:
-            return "Paddle sees no CUDA device"
-        for t in tensors:
-            if not t.place.is_gpu_place():
-                return f"an input is on {t.place}"
-        return None
-
-    def mode_key(self):
-        if paddle.amp.is_autocast_enabled():
-            tracer = paddle.base.framework._dygraph_tracer()
-            return ("amp", str(tracer._amp_level), str(tracer._amp_dtype))
-        return None
-
     def static_like(self, tensor):
         out = paddle.empty_like(tensor)
         out.stop_gradient = True
         return out
-
-    def copy_(self, dst, src) -> None:
-        paddle.assign(src, output=dst)
 
     def copy_many(self, dsts, srcs) -> None:
         with paddle.no_grad():
@@ -89,6 +72,47 @@ class PaddleRuntime(GraphRuntime):
     def clone_many(self, tensors) -> list:
         with paddle.no_grad():
             return [t.clone() for t in tensors]
+
+    # framework state
+    def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
+        if not paddle.is_compiled_with_cuda():
+            return "this Paddle build has no CUDA"
+        if paddle.device.cuda.device_count() == 0:
+            return "Paddle sees no CUDA device"
+        for t in tensors:
+            if not t.place.is_gpu_place():
+                return f"an input is on {t.place}"
+        return None
+
+    def mode_key(self):
+        # The tracer's whole AMP state (what paddle.amp.auto_cast sets), so that mode_context
+        # can put it back as it was, custom op lists included.
+        if paddle.amp.is_autocast_enabled():
+            tracer = paddle.base.framework._dygraph_tracer()
+            white, black = tracer._get_amp_op_list()
+            return ("amp", tracer._amp_level, str(tracer._amp_dtype), frozenset(white), frozenset(black),
+                    bool(tracer._use_promote))
+        return None
+
+    @contextlib.contextmanager
+    def mode_context(self, key):
+        tracer = paddle.base.framework._dygraph_tracer()
+        if key == self.mode_key() or tracer is None:
+            yield
+            return
+        saved = (tracer._amp_level, tracer._amp_dtype, tracer._get_amp_op_list(), tracer._use_promote)
+        if key is None:
+            tracer._amp_level = paddle.base.core.AmpLevel.O0
+        else:
+            _, level, dtype, white, black, promote = key
+            tracer._amp_level, tracer._amp_dtype, tracer._use_promote = level, dtype, promote
+            tracer._set_amp_op_list(set(white), set(black))
+        try:
+            yield
+        finally:
+            level, dtype, (white, black), promote = saved
+            tracer._amp_level, tracer._amp_dtype, tracer._use_promote = level, dtype, promote
+            tracer._set_amp_op_list(white, black)
 
     # autograd
     def grad_enabled(self) -> bool:
@@ -141,8 +165,12 @@ class PaddleRuntime(GraphRuntime):
             try:
                 yield graph
             except BaseException:
+                # End the broken capture here, so the stream and the pool can be used again.
                 with contextlib.suppress(Exception):
                     graph.capture_end()
+                with contextlib.suppress(Exception):
+                    if _has_gpu():
+                        paddle.device.cuda.synchronize()
                 raise
             graph.capture_end()
         current.wait_stream(stream)
@@ -155,27 +183,25 @@ class PaddleRuntime(GraphRuntime):
 
         return bool(getattr(core, "is_cuda_graph_capturing", lambda: False)())
 
-    def abort_capture(self) -> None:
-        self.synchronize()
-
     # memory
-    def synchronize(self) -> None:
-        if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count():
-            paddle.device.cuda.synchronize()
-
-    def memory_stats(self) -> dict:
-        if not (paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count()):
+    def memory_stats(self, pools=None) -> dict:
+        """Device totals, also when ``pools`` are given: Paddle exposes no per-pool figures, and
+        the device totals are the closest honest answer."""
+        if not _has_gpu():
             return {"reserved_bytes": 0, "allocated_bytes": 0}
         return {"reserved_bytes": int(paddle.device.cuda.memory_reserved()),
                 "allocated_bytes": int(paddle.device.cuda.memory_allocated())}
 
-    def pool_memory(self, pools) -> dict:
-        # Paddle exposes no per-pool figures; the device totals are the closest honest answer.
-        return self.memory_stats()
+    def async_allocator_active(self) -> bool:
+        return _async_allocator_active()
 
     def release_cached_memory(self) -> None:
-        if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count():
+        if _has_gpu():
             paddle.device.cuda.empty_cache()
+
+
+def _has_gpu() -> bool:
+    return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
 
 
 RUNTIME = PaddleRuntime()

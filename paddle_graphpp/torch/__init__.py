@@ -1,4 +1,8 @@
-"""PyTorch API of paddle_graphpp. Importing this module imports torch."""
+"""PyTorch API of paddle_graphpp.
+
+Importing this package does not import torch (:mod:`paddle_graphpp.torch.allocator` must work
+before ``import torch``); its public names import torch on first use.
+"""
 
 from .._lazy import lazy_attributes
 

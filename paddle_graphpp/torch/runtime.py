@@ -1,4 +1,5 @@
-"""PyTorch adapter for the graph engine (see :mod:`paddle_graphpp.core.runtime`)."""
+"""PyTorch adapter for the graph engine (see :mod:`paddle_graphpp.core.runtime` for each
+member's contract)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch.autograd.function import once_differentiable
 
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
+from .allocator import async_allocator_active as _async_allocator_active
 
 __all__ = ["TorchRuntime", "RUNTIME"]
 
@@ -32,6 +34,7 @@ class TorchRuntime(GraphRuntime):
 
     def __init__(self):
         self._capture_streams: dict[int, torch.cuda.Stream] = {}
+        self._lender = None  # pool_lending.PoolLender, once a pool is lent
 
     # tensors
     def is_tensor(self, obj: Any) -> bool:
@@ -41,24 +44,8 @@ class TorchRuntime(GraphRuntime):
         return TensorSpec(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), str(tensor.device),
                           bool(tensor.requires_grad))
 
-    def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
-        if not torch.cuda.is_available():
-            return "PyTorch sees no CUDA device"
-        for t in tensors:
-            if not t.is_cuda:
-                return f"an input is on {t.device}"
-        return None
-
-    def mode_key(self):
-        if torch.is_autocast_enabled("cuda"):
-            return ("autocast", torch.get_autocast_dtype("cuda"))
-        return None
-
     def static_like(self, tensor):
         return torch.empty_like(tensor, requires_grad=False).detach()
-
-    def copy_(self, dst, src) -> None:
-        dst.copy_(src)
 
     def copy_many(self, dsts, srcs) -> None:
         pairs = [(d, s) for d, s in zip(dsts, srcs) if d.data_ptr() != s.data_ptr()]
@@ -76,6 +63,29 @@ class TorchRuntime(GraphRuntime):
         outs = [torch.empty_like(t) for t in tensors]
         self.copy_many(outs, tensors)
         return outs
+
+    # framework state
+    def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
+        if not torch.cuda.is_available():
+            return "PyTorch sees no CUDA device"
+        for t in tensors:
+            if not t.is_cuda:
+                return f"an input is on {t.device}"
+        return None
+
+    def mode_key(self):
+        if torch.is_autocast_enabled("cuda"):
+            return ("autocast", torch.get_autocast_dtype("cuda"))
+        return None
+
+    def mode_context(self, key):
+        if key == self.mode_key():
+            return contextlib.nullcontext()
+        if key is None:
+            return torch.autocast("cuda", enabled=False)
+        _, dtype = key
+        # No autocast cache: casts made inside a capture must not be handed to code outside it.
+        return torch.autocast("cuda", dtype=dtype, cache_enabled=False)
 
     # autograd
     def grad_enabled(self) -> bool:
@@ -119,6 +129,10 @@ class TorchRuntime(GraphRuntime):
         param.grad = grad
 
     def params_with_grad_hooks(self, params) -> list:
+        # DistributedDataParallel's reducer hooks each parameter's gradient accumulator in C++,
+        # invisible from Python: inside its forward, every parameter counts as hooked.
+        if _inside_ddp_forward():
+            return list(range(len(params)))
         return [i for i, p in enumerate(params)
                 if getattr(p, "_post_accumulate_grad_hooks", None) or getattr(p, "_backward_hooks", None)]
 
@@ -126,6 +140,8 @@ class TorchRuntime(GraphRuntime):
         return [i for i, t in enumerate(tensors) if t.grad is None and t.requires_grad and t.is_leaf]
 
     def apply_graphed_function(self, call, tensors, params) -> tuple:
+        if self._lender is not None:
+            self._lender.abandon_step()  # an optimizer step that raised left the borrowed pool active
         return _GraphedFunction.apply(call, *tensors, *params)
 
     # graph operations
@@ -133,7 +149,8 @@ class TorchRuntime(GraphRuntime):
         return torch.cuda.CUDAGraph()
 
     def new_pool(self):
-        return torch.cuda.graph_pool_handle()
+        # A MemPool (not a bare handle): eager work can then be routed into it (lend_pool).
+        return torch.cuda.MemPool()
 
     def capture_stream(self) -> "torch.cuda.Stream":
         device = torch.cuda.current_device()
@@ -148,10 +165,11 @@ class TorchRuntime(GraphRuntime):
         current = torch.cuda.current_stream()
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            graph.capture_begin(pool=_pool_id(pool), capture_error_mode="thread_local")
             try:
                 yield graph
             except BaseException:
+                # End the broken capture here, so the stream and the pool can be used again.
                 with contextlib.suppress(Exception):
                     graph.capture_end()  # ends the invalidated capture and the pool redirection
                 with contextlib.suppress(Exception):
@@ -163,8 +181,8 @@ class TorchRuntime(GraphRuntime):
 
     @staticmethod
     def _reset_capture_state(stream) -> None:
-        """After a failed capture, run one empty capture so per-capture state (the RNG
-        generators' capture bookkeeping) is closed the normal way."""
+        """After a failed capture, wait for the device, then run one empty capture so
+        per-capture state (the RNG generators' capture bookkeeping) is closed the normal way."""
         import warnings
 
         with warnings.catch_warnings():
@@ -183,33 +201,22 @@ class TorchRuntime(GraphRuntime):
     def is_capturing(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-    def abort_capture(self) -> None:
-        # capture_to_graph already ended the capture; make sure the device is usable again.
-        if torch.cuda.is_available():
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize()
-
     # memory
-    def synchronize(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def memory_stats(self) -> dict:
+    def memory_stats(self, pools=None) -> dict:
         if not torch.cuda.is_available():
             return {"reserved_bytes": 0, "allocated_bytes": 0}
-        return {"reserved_bytes": torch.cuda.memory_reserved(), "allocated_bytes": torch.cuda.memory_allocated()}
-
-    def pool_memory(self, pools) -> dict:
-        if not torch.cuda.is_available():
-            return {"reserved_bytes": 0, "allocated_bytes": 0}
+        if pools is None:
+            return {"reserved_bytes": torch.cuda.memory_reserved(),
+                    "allocated_bytes": torch.cuda.memory_allocated()}
         if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
-            # no snapshot under cudaMallocAsync: graph memory is the driver's, counted there
+            # No snapshot and no private pools under cudaMallocAsync: all graph memory is the
+            # driver's, reported as a whole whatever the pools.
             from ..core.driver_memory import GraphMemory
 
             gm = GraphMemory(torch.cuda.current_device())
             return {"reserved_bytes": gm.get(GraphMemory.RESERVED_CURRENT) or 0,
                     "allocated_bytes": gm.get(GraphMemory.USED_CURRENT) or 0}
-        wanted = {tuple(p) for p in pools if p is not None}
+        wanted = {tuple(_pool_id(p)) for p in pools if p is not None}
         reserved = allocated = 0
         for seg in torch.cuda.memory_snapshot():
             if tuple(seg.get("segment_pool_id", ())) in wanted:
@@ -217,9 +224,29 @@ class TorchRuntime(GraphRuntime):
                 allocated += seg["allocated_size"]
         return {"reserved_bytes": reserved, "allocated_bytes": allocated}
 
+    def async_allocator_active(self) -> bool:
+        return _async_allocator_active()
+
+    def lend_pool(self, pool, is_idle, on_leak) -> None:
+        if self._lender is None:
+            from .pool_lending import PoolLender
+
+            self._lender = PoolLender(self.capture_stream)
+        self._lender.lend(pool, is_idle, on_leak)
+
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _inside_ddp_forward() -> bool:
+    """True inside the forward of a ``DistributedDataParallel`` module (C++ reducer)."""
+    active = getattr(torch.nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
+    return active is not None and active() is not None
+
+
+def _pool_id(pool):
+    return pool.id if isinstance(pool, torch.cuda.MemPool) else pool
 
 
 RUNTIME = TorchRuntime()
