@@ -47,6 +47,7 @@ def run(body: str, **env_vars) -> dict:
 
 
 # ------------------------------------------------------------------------------ early calls
+@pytest.mark.slow  # imports both frameworks in a fresh interpreter
 def test_early_call_sets_both_frameworks_before_import_and_paddle_takes_the_flag():
     out = run("""
         r = switch()
@@ -178,6 +179,7 @@ def test_conflicting_paddle_setting_after_import_raises():
 
 
 # --------------------------------------------------------------------------- the env switch
+@pytest.mark.slow  # imports both frameworks in a fresh interpreter
 def test_env_flag_is_honoured_for_torch_and_paddle():
     out = run("""
         from paddle_graphpp.allocator import apply_env_switch, async_allocator_requested

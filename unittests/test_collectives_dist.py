@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every case starts two ranks
+
 HERE = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(HERE))
 

@@ -100,6 +100,7 @@ def check_identical_losses(results, nranks, steps):
             f"!= use_cudagraph=False {reference}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_pp2_1f1b_tied_embedding_identical_losses(tmp_path):
     steps, micro = 5, 4
@@ -120,6 +121,7 @@ def test_pp2_1f1b_tied_embedding_identical_losses(tmp_path):
         assert data["uses_hop_groups"] is False  # a 2-rank pipe group carries gloo p2p as is
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_pp4_vpp2_interleaved_on_4_cpu_ranks(tmp_path):
     steps, micro = 5, 8
@@ -137,6 +139,7 @@ def test_pp4_vpp2_interleaved_on_4_cpu_ranks(tmp_path):
         assert set(graphed["graphed_calls"].values()) == {steps * micro}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_dead_rank_makes_the_others_exit(tmp_path):
     rc, seconds, logs, results = launch(2, ["--pp", "2", "--die-rank", "1"], tmp_path, timeout=120)
@@ -145,6 +148,7 @@ def test_dead_rank_makes_the_others_exit(tmp_path):
     assert seconds < 90, f"took {seconds:.0f}s to fail"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bad_interleave_config_fails_on_every_rank_before_communicating(tmp_path):
     # 4 micro-batches < 2 * pp: upstream would assert only inside distributed_model.

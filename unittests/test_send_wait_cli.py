@@ -8,6 +8,7 @@ import pytest
 from static_pass_utils.runner import ROOT, legacy_env, run_script
 
 pytest.importorskip("paddle")
+pytestmark = pytest.mark.slow  # each case runs the command line in a fresh interpreter
 
 
 def cli(*args, env=None):

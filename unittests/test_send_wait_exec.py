@@ -10,6 +10,7 @@ import pytest
 from static_pass_utils.runner import ROOT, legacy_env, run_script
 
 pytest.importorskip("paddle")
+pytestmark = pytest.mark.slow  # each case runs programs in fresh interpreters, one on two ranks
 
 
 def test_nop_program_runs_on_cpu_with_identical_results(tmp_path):

@@ -163,6 +163,7 @@ def run_ranks(args, tmp_path, world=2, timeout=150):
     return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("vpp", [1, 2], ids=["Schedule1F1B", "ScheduleInterleaved1F1B"])
 def test_graphed_stages_train_like_plain_stages(vpp, tmp_path):
@@ -176,6 +177,7 @@ def test_graphed_stages_train_like_plain_stages(vpp, tmp_path):
             assert "scale: plain callable" in report and "Probe: marked with mark_not_capturable" in report
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("vpp,memory", [(1, "shared"), (2, "shared")],
                          ids=["Schedule1F1B", "ScheduleInterleaved1F1B"])

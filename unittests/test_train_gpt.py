@@ -63,6 +63,7 @@ def train_ok(args, timeout=150):
     return last_json(out), out, seconds
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_default_command_trains_paddle_pp2_within_a_minute():
     record, out, seconds = train_ok(["--cudagraph"])  # the README's demo command
@@ -75,6 +76,7 @@ def test_default_command_trains_paddle_pp2_within_a_minute():
     assert sum(line.startswith("step ") for line in out.splitlines()) == record["steps"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(280)
 @pytest.mark.parametrize("framework,extra", [
     ("paddle", []),
@@ -91,6 +93,7 @@ def test_cudagraph_on_and_off_give_identical_losses(framework, extra):
     assert all(loss == loss for loss in eager["losses"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_tied_embedding_gives_the_same_model_whatever_the_pipeline():
     # dropout off: pp=1 (both tie ends on one rank), pp=2 and pp=2 x vpp=2 compute the same losses
@@ -100,6 +103,7 @@ def test_tied_embedding_gives_the_same_model_whatever_the_pipeline():
     assert piped["losses"] == pytest.approx(single["losses"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_text_file_data(tmp_path):
     text = tmp_path / "corpus.txt"
@@ -134,6 +138,7 @@ def test_text_too_short_for_the_sequence_length(tmp_path):
     assert rc == 2 and "smaller --seq-len" in err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_dying_rank_stops_the_others():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
