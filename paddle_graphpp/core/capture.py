@@ -28,6 +28,7 @@ from __future__ import annotations
 import gc
 import logging
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any, Hashable
 
@@ -48,6 +49,7 @@ class Process:
         self.clock = EpisodeClock()
         self._events: list[tuple[Any, Hashable, int, bool]] = []  # (layer, key, position, forward)
         self._free_buffers: dict[Any, list] = defaultdict(list)
+        self._layers = weakref.WeakValueDictionary()  # id -> layer with captured graphs
 
     # ------------------------------------------------------------- recording
     @property
@@ -112,6 +114,11 @@ class Process:
         self.plan.note_batch_end()
         for layer in layers:
             layer._recording_captured()
+        self._layers.update({id(layer): layer for layer in layers})
+        gen = self.plan.newest_generation()
+        if gen is not None and gen.order:
+            self.runtime.lend_pool(gen.pool, lambda: self.clock.between_episodes,
+                                   lambda: self._drop_generation(gen))
         if failed:
             gc.collect()
             self.runtime.release_cached_memory()
@@ -120,6 +127,14 @@ class Process:
             warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=3)
         if errors:
             raise errors[0]
+
+    def _drop_generation(self, gen: Any) -> None:
+        """Eager work left memory allocated in ``gen``'s pool, which its graphs use as
+        scratch: drop them (their positions are recorded and captured again, into a new pool)."""
+        self.plan.note_aborted(gen)
+        for layer in self._layers.values():
+            layer._drop_generation(gen)
+        logger.warning("paddle_graphpp: graphs of pool generation %d dropped; they are captured anew", gen.index)
 
 
 _PROCESSES: dict[str, Process] = {}

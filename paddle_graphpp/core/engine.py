@@ -518,6 +518,12 @@ class GraphedCallable:
         rec = sig.recordings.pop(position)
         sig.positions[position] = self._capture_backward(sig, live, rec.static_grad_outputs)
 
+    def _drop_generation(self, gen: Any) -> None:
+        """Forget the positions captured into ``gen`` (they are recorded again when they run)."""
+        for sig in self._signatures.values():
+            for pos in [p for p, done in sig.positions.items() if done.generation is gen]:
+                del sig.positions[pos]
+
     def _recording_captured(self) -> None:
         """The capture batch is over: recorded signatures replay from now on."""
         for sig in self._signatures.values():

@@ -93,6 +93,9 @@ class MemoryPlan:
                             "so the new graphs cannot alias memory that earlier graphs still use", gen.index)
         return gen
 
+    def newest_generation(self) -> Optional[_Generation]:
+        return self._generations[-1] if self._generations else None
+
     @property
     def async_allocator(self) -> bool:
         """Whether the stream-ordered allocator is active (asked once, at the first capture)."""
@@ -159,7 +162,7 @@ class MemoryPlan:
         pools = [g.pool for g in self._generations] + self._per_graph_pools
         if self._async:
             pools = [None]  # graph memory is the driver's: the runtime reports it as a whole
-        pool_stats = self.runtime.pool_memory(pools) if pools else {"reserved_bytes": 0, "allocated_bytes": 0}
+        pool_stats = self.runtime.memory_stats(pools) if pools else {"reserved_bytes": 0, "allocated_bytes": 0}
         return {
             "runtime": self.runtime.name,
             "graphs_captured": self.graphs_captured,

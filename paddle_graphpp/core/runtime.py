@@ -251,14 +251,6 @@ class GraphRuntime(abc.ABC):
         leaves memory allocated in ``pool``, call ``on_leak()`` (the core then drops the pool's
         graphs) and stop lending. Default: lend nothing. PyTorch lends to optimizer steps."""
 
-    # ------------------------------------------------ deprecated compatibility
-    def abort_capture(self) -> None:
-        """Deprecated no-op: :meth:`capture_to_graph` ends a failed capture itself."""
-
-    def pool_memory(self, pools: Sequence[Any]) -> dict:
-        """Deprecated: use ``memory_stats(pools)``."""
-        return self.memory_stats(pools)
-
 
 # ------------------------------------------------------------------ the table
 _LOADED: dict[str, GraphRuntime] = {}
