@@ -15,6 +15,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "CUDAGraphedLayer": "paddle_graphpp.paddle.graphed_layer",
     "PipelineLayer": "paddle_graphpp.paddle.pipeline",
+    "graph_pipeline": "paddle_graphpp.paddle.pipeline",
+    "GraphedPipeline": "paddle_graphpp.paddle.pipeline",
+    "install": "paddle_graphpp.paddle.upstream",
+    "uninstall": "paddle_graphpp.paddle.upstream",
     "mark_not_capturable": "paddle_graphpp.core.segment",
     "memory_report": "paddle_graphpp.core.memory",
     "MemoryMode": "paddle_graphpp.core.memory",

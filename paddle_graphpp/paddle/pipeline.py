@@ -1,27 +1,32 @@
-"""``PipelineLayer``: fleet's pipeline layer with each stage split into CUDA-graphed runs.
+"""Fleet pipeline models with each stage split into CUDA-graphed runs of layers.
 
-A drop-in for ``paddle.distributed.fleet.meta_parallel.PipelineLayer``: same constructor,
-same parameter names and checkpoints, trained the same way
-(``fleet.distributed_model(model).train_batch(...)``, 1F1B or interleaved).
-
-With ``use_cudagraph=True`` each stage's layers (each virtual chunk's, with
-``num_virtual_pipeline_stages > 1``) are split by :mod:`paddle_graphpp.core.segment` into
-runs of contiguous capturable layers; each run is wrapped in one
-:class:`paddle_graphpp.CUDAGraphedLayer`. These stay eager and end the run before them:
+:func:`graph_pipeline` graphs an already-built fleet pipeline model in place: any instance of
+``paddle.distributed.fleet.meta_parallel.PipelineLayer`` or of a subclass, whether built from
+``LayerDesc`` lists by hand or by a model library that subclasses fleet's class and calls its
+constructor itself (PaddleFormers' ``LlamaForCausalLMPipe``, ``Qwen...Pipe``, ...). Each stage's
+layers (each virtual chunk's, with ``num_virtual_pipeline_stages > 1``) are split by
+:mod:`paddle_graphpp.core.segment` into runs of contiguous capturable layers; each run is
+wrapped in one :class:`paddle_graphpp.CUDAGraphedLayer`. These stay eager and end the run
+before them:
 
 * ``SharedLayerDesc`` layers (tied embeddings: their weight gradients are all-reduced
   across stages after the schedule, outside any graph);
 * plain callables in the layer list;
 * layers marked with :func:`paddle_graphpp.mark_not_capturable` (or containing one).
 
-Each graphed run keeps its own FIFO of in-flight micro-batches; the schedule (1F1B or
-interleaved) calls every chunk's runs in its own order, and the FIFOs follow it.
-Upstream's own ``use_cudagraph`` path (one queue of Paddle ``CUDAGraphedLayer`` per flush)
-is never taken: the base class is built with ``use_cudagraph=False`` and the runs are
-graphed afterwards, so layers are built, seeded and named exactly as without graphs.
+Only fleet's ``run_function`` lists change: a graphed run replaces its layers' entries there.
+The layers stay registered where fleet put them and the graphed wrappers are not sublayers,
+so parameter names, ``state_dict()`` keys and the optimizer's parameter list are unchanged;
+a run follows its layers' train/eval mode, and ``save_state_dict`` / ``set_state_dir`` see
+fleet's per-layer lists. Each graphed run keeps its own FIFO of in-flight micro-batches; the
+schedule (1F1B or interleaved) calls every chunk's runs in its own order, and the FIFOs
+follow it.
 
-On a CPU build (gloo) the module makes fleet's CPU adjustments itself
-(:mod:`paddle_graphpp.paddle.fleet_cpu`), and the graphed runs execute eagerly.
+:class:`PipelineLayer` is fleet's class that checks its configuration before any process
+communicates, makes fleet's CPU adjustments (:mod:`paddle_graphpp.paddle.fleet_cpu`) and,
+with ``use_cudagraph=True``, calls :func:`graph_pipeline` on itself.
+:func:`paddle_graphpp.install` makes fleet's own ``use_cudagraph`` flag do the same.
+Without CUDA the graphed runs execute eagerly (one warning).
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+from dataclasses import dataclass
+from typing import Optional
 
+import paddle
 from paddle import nn
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipelineLayer
@@ -37,7 +45,10 @@ from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipeli
 from paddle_graphpp.core.segment import classify, describe_runs, split_into_runs
 from paddle_graphpp.paddle import fleet_cpu
 
-__all__ = ["PipelineLayer"]
+__all__ = ["graph_pipeline", "GraphedPipeline", "PipelineLayer"]
+
+# Set on a graphed model: its GraphedPipeline.
+_GRAPHS_ATTR = "_paddle_graphpp_pipeline"
 
 
 class _RunBody(nn.Layer):
@@ -48,6 +59,19 @@ class _RunBody(nn.Layer):
         self._run = list(layers)
         for idx, layer in enumerate(self._run):
             self.add_sublayer(str(idx), layer)
+
+    @property
+    def training(self):
+        # The run is no sublayer of the pipeline model, its layers are: model.train() and
+        # model.eval() set them, and the engine keys its captures on this value.
+        modes = {layer.training for layer in self.__dict__.get("_run", ())}
+        if len(modes) <= 1:
+            return modes.pop() if modes else True
+        return tuple(layer.training for layer in self._run)
+
+    @training.setter
+    def training(self, mode):
+        pass  # follows the layers (see the getter)
 
     def forward(self, *inputs):
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)
@@ -73,6 +97,217 @@ class _GraphedRunCall:
 
     def __repr__(self):
         return f"GraphedRun({self.name})"
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """One stage (or virtual chunk) of this rank: fleet's entry list and how it was split."""
+
+    chunk_id: Optional[int]
+    run_function: list  # fleet's own list object, edited in place
+    eager: list  # its entries as fleet built them, one per layer
+    graphed: list  # its entries with each graphed run in one entry
+    runs: list  # core.segment.Run, in order
+
+
+class GraphedPipeline:
+    """The graphed runs :func:`graph_pipeline` made of one pipeline model (on this rank)."""
+
+    def __init__(self, model, chunks, graphed_layers):
+        self.model = model
+        self._chunks = chunks
+        self._graphed_layers = graphed_layers
+
+    @staticmethod
+    def of(model) -> Optional["GraphedPipeline"]:
+        """The graphs of ``model`` (a fleet pipeline model or its ``fleet.distributed_model``
+        wrapper), or ``None`` if it was not graphed."""
+        return getattr(_unwrap(model), _GRAPHS_ATTR, None)
+
+    def segmentation_report(self) -> str:
+        """How this rank's chunks were split: one line per graphed or eager run."""
+        lines = []
+        stage = self.model._stage_id
+        for chunk in self._chunks:
+            lines.append(f"stage {stage}" + (f" chunk {chunk.chunk_id}" if chunk.chunk_id is not None else "") + ":")
+            lines.extend("  " + line for line in describe_runs(chunk.runs).splitlines())
+        return "\n".join(lines)
+
+    def graphed_layers(self) -> list:
+        """The :class:`paddle_graphpp.CUDAGraphedLayer` of each graphed run on this rank, in layer order."""
+        return list(self._graphed_layers)
+
+    @contextlib.contextmanager
+    def eager_view(self):
+        """Show fleet's per-layer ``run_function`` lists inside the block (graphs otherwise).
+
+        ``save_state_dict`` / ``set_state_dir`` of the model use it already; code that searches
+        ``run_function`` for a layer of some type needs it too.
+        """
+        for chunk in self._chunks:
+            chunk.run_function[:] = chunk.eager
+        try:
+            yield
+        finally:
+            for chunk in self._chunks:
+                chunk.run_function[:] = chunk.graphed
+
+
+def _unwrap(model):
+    """The pipeline layer inside a ``fleet.distributed_model`` wrapper, else ``model``."""
+    inner = getattr(model, "_layers", None)
+    if not isinstance(model, _FleetPipelineLayer) and isinstance(inner, _FleetPipelineLayer):
+        return inner
+    return model
+
+
+def graph_pipeline(model, *, num_warmup_steps: int = 3) -> GraphedPipeline:
+    """Graph an already-built fleet pipeline model in place; returns its :class:`GraphedPipeline`.
+
+    Args:
+        model: an instance of ``paddle.distributed.fleet.meta_parallel.PipelineLayer`` or of a
+            subclass (PaddleFormers' ``LlamaForCausalLMPipe``, ...), 1F1B or interleaved, built
+            with ``use_cudagraph=False``; or its ``fleet.distributed_model`` wrapper. Call it
+            on every rank, before the first training step.
+        num_warmup_steps: eager calls each graphed run takes before capture.
+
+    Parameter names, ``state_dict()`` keys and parameters are unchanged, so an optimizer
+    built before the call stays valid. ``GraphedPipeline.of(model)`` returns the result again.
+
+    Raises:
+        TypeError: ``model`` is not a fleet pipeline model.
+        RuntimeError: ``model`` is graphed already (by this function, by
+            :class:`PipelineLayer` or through :func:`paddle_graphpp.install`); or this Paddle's
+            ``PipelineLayer`` does not keep its layers in ``run_function`` lists (the error
+            names the version).
+        ValueError: ``model`` was built with upstream's ``use_cudagraph=True`` (its layers sit
+            in Paddle's own ``CUDAGraphedLayer``), recomputes (``recompute_interval > 0``), or
+            the strategy declares dynamic shapes.
+        NotImplementedError: ``model`` uses the dualpipev schedule.
+
+    Warnings:
+        * Every micro-batch must have the same shapes (pad sequences): a graph replays the
+          shapes it captured.
+        * A layer that synchronises with the host, communicates, or has data-dependent shapes
+          must be marked with :func:`paddle_graphpp.mark_not_capturable` before this call.
+        * ``run_function`` holds graphed runs, not single layers, afterwards: code that looks
+          for a layer there must do so inside ``GraphedPipeline.eager_view()``.
+    """
+    model = _unwrap(model)
+    name = type(model).__name__
+    if not isinstance(model, _FleetPipelineLayer):
+        raise TypeError(
+            f"graph_pipeline() needs a fleet pipeline model (an instance of "
+            f"paddle.distributed.fleet.meta_parallel.PipelineLayer or a subclass), got {name}; "
+            "wrap a single layer with paddle_graphpp.CUDAGraphedLayer instead")
+    if GraphedPipeline.of(model) is not None:
+        raise RuntimeError(
+            f"graph_pipeline({name}): the model is graphed already (by graph_pipeline, "
+            "paddle_graphpp.PipelineLayer(use_cudagraph=True) or a use_cudagraph flag after "
+            "paddle_graphpp.install()); graph each model once")
+    containers = _entry_lists(model)
+    _check_graphable(f"graph_pipeline({name})", use_dualpipev=getattr(model, "_use_dualpipev", False),
+                     recompute_interval=getattr(model, "_recompute_interval", 0))
+    _refuse_upstream_graphs(model, containers)
+
+    from paddle_graphpp.paddle.graphed_layer import CUDAGraphedLayer
+
+    shared_keys = {id(layer): key for key, layer in model.shared_layers.items()}
+    chunks, graphed_layers = [], []
+    for chunk_id, start, run_function in containers:
+        eager = list(run_function)
+        runs = split_into_runs([_classify(start + i, obj, shared_keys) for i, obj in enumerate(eager)])
+        graphed = []
+        for run in runs:
+            if not run.graphed:
+                graphed.append(run.entries[0].obj)
+                continue
+            label = (f"stage{model._stage_id}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
+                     + f".layers[{run.start}:{run.stop}]")
+            layer = CUDAGraphedLayer(_RunBody(run.objects()), num_warmup_steps, name=label)
+            graphed_layers.append(layer)
+            graphed.append(_GraphedRunCall(layer, run, label))
+        run_function[:] = graphed
+        chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
+
+    graphs = GraphedPipeline(model, chunks, graphed_layers)
+    setattr(model, _GRAPHS_ATTR, graphs)
+    for method in ("save_state_dict", "set_state_dir"):
+        _with_eager_view(model, method, graphs)
+    model.use_cudagraph = True
+    return graphs
+
+
+def _entry_lists(model):
+    """``(chunk_id or None, first layer index, fleet's entry list)`` for each chunk of this rank."""
+    try:
+        if model._num_virtual_pipeline_stages > 1 or getattr(model, "_use_dualpipev", False):
+            return [(cid, start, chunk.run_function)
+                    for cid, (start, chunk) in enumerate(zip(model._start_poss, model._model_chunks))]
+        return [(None, model._start_pos, model.run_function)]
+    except AttributeError as exc:
+        raise RuntimeError(
+            f"graph_pipeline({type(model).__name__}): fleet's PipelineLayer in Paddle {paddle.__version__} "
+            f"does not keep its layers as Paddle 3.x does (run_function / _model_chunks: {exc}); graph "
+            "the layers one by one with paddle_graphpp.CUDAGraphedLayer, or use Paddle 3.x") from exc
+
+
+def _refuse_upstream_graphs(model, containers):
+    from paddle.device.cuda.cuda_graphed_layer import CUDAGraphedLayer as UpstreamGraphedLayer
+
+    for _, _, run_function in containers:
+        if any(isinstance(obj, UpstreamGraphedLayer) for obj in run_function):
+            raise ValueError(
+                f"graph_pipeline({type(model).__name__}): the model was built with use_cudagraph=True, so "
+                "Paddle's own CUDAGraphedLayer already wraps its layers; build it with use_cudagraph=False "
+                "and then call graph_pipeline, or call paddle_graphpp.install() before building it")
+
+
+def _classify(index, obj, shared_keys):
+    target = obj.args[0] if isinstance(obj, functools.partial) and obj.args else obj
+    key = shared_keys.get(id(target))
+    is_layer = isinstance(obj, nn.Layer)
+    name = (f"shared:{key}" if key is not None else
+            f"{type(obj).__name__}#{index}" if is_layer else
+            f"{getattr(obj, '__name__', type(obj).__name__)}#{index}")
+    return classify(index, obj, is_layer=lambda o: isinstance(o, nn.Layer), shared=key is not None,
+                    sublayers=obj.sublayers() if is_layer else None, name=name)
+
+
+def _with_eager_view(model, method_name, graphs):
+    """Make ``model.<method_name>`` (fleet's per-layer checkpoint files) run inside the eager view."""
+    method = getattr(model, method_name)
+
+    @functools.wraps(method)
+    def in_eager_view(*args, **kwargs):
+        with graphs.eager_view():
+            return method(*args, **kwargs)
+
+    setattr(model, method_name, in_eager_view)
+
+
+# ---------------------------------------------------------------- configuration checks
+def _check_graphable(subject, *, use_dualpipev, recompute_interval):
+    """Reject what graphed runs cannot do, naming ``subject`` (the call or class) and the fix."""
+    if use_dualpipev:
+        raise NotImplementedError(
+            f"{subject} does not support use_dualpipev=True; "
+            "use the 1F1B or interleaved schedule, or set use_cudagraph=False")
+    if recompute_interval > 0:
+        raise ValueError(
+            f"{subject} cannot recompute (recompute_interval={recompute_interval}): "
+            "a recomputed forward would replay a graph out of the schedule's order. "
+            "Set recompute_interval=0, or mark the layers to recompute with mark_not_capturable")
+    strategy = getattr(fleet.fleet, "_user_defined_strategy", None)
+    if strategy is None:
+        return
+    pp_cfg = strategy.strategy.hybrid_configs.pp_configs
+    if pp_cfg.enable_dynamic_shape or not strategy.pipeline_configs.get("p2p_cache_shape", True):
+        raise ValueError(
+            f"{subject} needs the same shapes in every micro-batch, but the "
+            "strategy declares dynamic shapes (pp_configs.enable_dynamic_shape=True or "
+            "pipeline_configs['p2p_cache_shape']=False): pad sequences to a fixed length and turn "
+            "dynamic shapes off, or set use_cudagraph=False")
 
 
 def _pipe_degree(num_stages, topology):
@@ -101,15 +336,9 @@ def _check_configuration(layers, *, num_stages, topology, seg_method, vpp, use_c
     pp = _pipe_degree(num_stages, topology)
     if pp is None:
         raise ValueError("PipelineLayer needs num_stages or topology")
-    if use_cudagraph and use_dualpipev:
-        raise NotImplementedError(
-            "PipelineLayer(use_cudagraph=True) does not support use_dualpipev=True; "
-            "use the 1F1B or interleaved schedule, or set use_cudagraph=False")
-    if use_cudagraph and recompute_interval > 0:
-        raise ValueError(
-            f"PipelineLayer(use_cudagraph=True) cannot recompute (recompute_interval={recompute_interval}): "
-            "a recomputed forward would replay a graph out of the schedule's order. "
-            "Set recompute_interval=0, or mark the layers to recompute with mark_not_capturable")
+    if use_cudagraph:
+        _check_graphable("PipelineLayer(use_cudagraph=True)", use_dualpipev=use_dualpipev,
+                         recompute_interval=recompute_interval)
     parts = pp * vpp
     if len(layers) < parts:
         raise ValueError(
@@ -141,16 +370,9 @@ def _check_configuration(layers, *, num_stages, topology, seg_method, vpp, use_c
             f"the interleaved schedule (num_virtual_pipeline_stages={vpp}) needs at least 2*pp = {2 * pp} "
             f"micro-batches, got accumulate_steps={acc}: raise strategy.pipeline_configs['accumulate_steps'] "
             f"to {2 * pp} or more")
-    if use_cudagraph:
-        pp_cfg = strategy.strategy.hybrid_configs.pp_configs
-        if pp_cfg.enable_dynamic_shape or not strategy.pipeline_configs.get("p2p_cache_shape", True):
-            raise ValueError(
-                "PipelineLayer(use_cudagraph=True) needs the same shapes in every micro-batch, but the "
-                "strategy declares dynamic shapes (pp_configs.enable_dynamic_shape=True or "
-                "pipeline_configs['p2p_cache_shape']=False): pad sequences to a fixed length and turn "
-                "dynamic shapes off, or set use_cudagraph=False")
 
 
+# ---------------------------------------------------------------- the drop-in class
 class PipelineLayer(_FleetPipelineLayer):
     """Fleet's ``PipelineLayer`` whose stages run as CUDA-graphed runs of layers.
 
@@ -159,13 +381,13 @@ class PipelineLayer(_FleetPipelineLayer):
             callables, exactly as for fleet's ``PipelineLayer``.
         num_stages, topology, loss_fn, seg_method, recompute_interval, recompute_ctx,
         num_virtual_pipeline_stages, use_dualpipev: as for fleet's ``PipelineLayer``.
-        use_cudagraph: split each stage (or virtual chunk) into runs of capturable layers
-            and graph each run with :class:`paddle_graphpp.CUDAGraphedLayer`. Without CUDA
+        use_cudagraph: build the model eagerly, then :func:`graph_pipeline` it. Without CUDA
             the runs execute eagerly (one warning).
         num_warmup_steps: eager steps each graphed run takes before capture.
 
     Build it after ``fleet.init(is_collective=True, strategy=...)`` and on every rank
     (it may create communication groups), then wrap it with ``fleet.distributed_model``.
+    On a CPU build it makes fleet's CPU adjustments (:mod:`paddle_graphpp.paddle.fleet_cpu`).
 
     Raises:
         ValueError: a configuration that cannot run, before any process communicates:
@@ -175,13 +397,7 @@ class PipelineLayer(_FleetPipelineLayer):
             recomputation.
         NotImplementedError: ``use_cudagraph`` together with ``use_dualpipev``.
 
-    Warnings:
-        * Every micro-batch must have the same shapes (pad sequences): a graph replays the
-          shapes it captured.
-        * A layer that synchronises with the host, communicates, or has data-dependent shapes
-          must be marked with :func:`paddle_graphpp.mark_not_capturable`.
-        * ``run_function`` holds graphed runs, not single layers, when ``use_cudagraph`` is
-          on; ``save_state_dict`` / ``set_state_dir`` still write and read per layer.
+    The warnings of :func:`graph_pipeline` apply.
     """
 
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seg_method="uniform",
@@ -193,119 +409,25 @@ class PipelineLayer(_FleetPipelineLayer):
                              vpp=vpp, use_cudagraph=use_cudagraph, use_dualpipev=use_dualpipev,
                              recompute_interval=recompute_interval)
         on_cpu = fleet_cpu.adjust_for_cpu()
+        # use_cudagraph=False: upstream's own wrapping is never taken, so layers are built,
+        # seeded and named exactly as without graphs (also under paddle_graphpp.install()).
         super().__init__(layers, num_stages=num_stages, topology=topology, loss_fn=loss_fn,
                          seg_method=seg_method, recompute_interval=recompute_interval,
                          recompute_ctx=recompute_ctx, num_virtual_pipeline_stages=num_virtual_pipeline_stages,
                          use_cudagraph=False, use_dualpipev=use_dualpipev)
+        self.uses_hop_groups = bool(on_cpu and fleet_cpu.use_hop_groups(fleet.get_hybrid_communicate_group()))
         self.use_cudagraph = bool(use_cudagraph)
-        self.uses_hop_groups = False
-        if on_cpu:
-            self.uses_hop_groups = fleet_cpu.use_hop_groups(fleet.get_hybrid_communicate_group())
-        # Per chunk: the eager entry list (for checkpoints) and the segmentation (for reports).
-        self._eager_run_functions = []
-        self._segmentation = []
-        self._graphed_layers = []
         if self.use_cudagraph:
-            self._graph_stage(num_warmup_steps)
+            graph_pipeline(self, num_warmup_steps=num_warmup_steps)
 
-    # ------------------------------------------------------------------ building
-    def _chunks(self):
-        """``(chunk_id or None, start layer index, container)`` for each chunk of this rank."""
-        if self._num_virtual_pipeline_stages > 1:
-            return [(cid, start, chunk) for cid, (start, chunk) in
-                    enumerate(zip(self._start_poss, self._model_chunks))]
-        return [(None, self._start_pos, None)]
-
-    def _graph_stage(self, num_warmup_steps):
-        from paddle_graphpp.paddle.graphed_layer import CUDAGraphedLayer
-
-        shared_keys = {id(layer): key for key, layer in self.shared_layers.items()}
-        for chunk_id, start, chunk in self._chunks():
-            eager = list(chunk.run_function if chunk is not None else self.run_function)
-            runs = split_into_runs([self._classify(start + i, obj, shared_keys) for i, obj in enumerate(eager)])
-            graphed = []
-            for run in runs:
-                if not run.graphed:
-                    graphed.append(run.entries[0].obj)
-                    continue
-                name = (f"stage{self._stage_id}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
-                        + f".layers[{run.start}:{run.stop}]")
-                layer = CUDAGraphedLayer(_RunBody(run.objects()), num_warmup_steps, name=name)
-                self._graphed_layers.append(layer)
-                graphed.append(_GraphedRunCall(layer, run, name))
-            if chunk is not None:
-                chunk.run_function = graphed
-            else:
-                self.run_function[:] = graphed
-            self._eager_run_functions.append(eager)
-            self._segmentation.append(runs)
-
-    @staticmethod
-    def _classify(index, obj, shared_keys):
-        target = obj.args[0] if isinstance(obj, functools.partial) and obj.args else obj
-        key = shared_keys.get(id(target))
-        is_layer = isinstance(obj, nn.Layer)
-        name = (f"shared:{key}" if key is not None else
-                f"{type(obj).__name__}#{index}" if is_layer else
-                f"{getattr(obj, '__name__', type(obj).__name__)}#{index}")
-        return classify(index, obj, is_layer=lambda o: isinstance(o, nn.Layer), shared=key is not None,
-                        sublayers=obj.sublayers() if is_layer else None, name=name)
-
-    # ------------------------------------------------------------------ reports
     def segmentation_report(self) -> str:
         """How this rank's chunks were split: one line per graphed or eager run."""
-        if not self.use_cudagraph:
+        graphs = GraphedPipeline.of(self)
+        if graphs is None:
             return f"stage {self._stage_id}: use_cudagraph=False, every layer eager"
-        lines = []
-        for (chunk_id, _, _), runs in zip(self._chunks(), self._segmentation):
-            lines.append(f"stage {self._stage_id}" + (f" chunk {chunk_id}" if chunk_id is not None else "") + ":")
-            lines.extend("  " + line for line in describe_runs(runs).splitlines())
-        return "\n".join(lines)
+        return graphs.segmentation_report()
 
     def graphed_layers(self) -> list:
-        """The :class:`CUDAGraphedLayer` of each graphed run on this rank, in layer order."""
-        return list(self._graphed_layers)
-
-    # ------------------------------------------------------------- mode, checkpoints
-    def train(self, mode: bool = True):
-        super().train(mode)
-        # The graphed wrappers are not sublayers (to keep state_dict keys unchanged).
-        for layer in self._graphed_layers:
-            for sub in [layer, *layer.sublayers()]:
-                sub.training = mode
-        return self
-
-    def eval(self):
-        return self.train(False)
-
-    @contextlib.contextmanager
-    def _eager_view(self):
-        """Show fleet's per-layer ``run_function`` lists while checkpoints are written or read."""
-        if not self.use_cudagraph:
-            yield
-            return
-        saved = []
-        for (_, _, chunk), eager in zip(self._chunks(), self._eager_run_functions):
-            if chunk is not None:
-                saved.append(chunk.run_function)
-                chunk.run_function = eager
-            else:
-                saved.append(list(self.run_function))
-                self.run_function[:] = eager
-        try:
-            yield
-        finally:
-            for (_, _, chunk), graphed in zip(self._chunks(), saved):
-                if chunk is not None:
-                    chunk.run_function = graphed
-                else:
-                    self.run_function[:] = graphed
-
-    def save_state_dict(self, path):
-        with self._eager_view():
-            return super().save_state_dict(path)
-
-    def set_state_dir(self, path):
-        with self._eager_view():
-            return super().set_state_dir(path)
-
+        """The :class:`paddle_graphpp.CUDAGraphedLayer` of each graphed run on this rank, in layer order."""
+        graphs = GraphedPipeline.of(self)
+        return [] if graphs is None else graphs.graphed_layers()

@@ -1,0 +1,119 @@
+"""``install()``: fleet's own ``use_cudagraph`` flag builds this project's graphed runs.
+
+Paddle 3.x's ``PipelineLayer(use_cudagraph=True)`` wraps each flushed group of layers in
+Paddle's ``paddle.device.cuda.cuda_graphed_layer.CUDAGraphedLayer``: one graph pair and one
+memory pool per in-flight micro-batch. After :func:`install`, fleet's
+``PipelineLayer.__init__`` builds such a model with ``use_cudagraph=False`` and hands it to
+:func:`paddle_graphpp.graph_pipeline`, so the flag gives this project's runs instead (one
+shared pool, shared layers eager, names and checkpoints unchanged). Upstream's
+``CUDAGraphedLayer`` is then never built by fleet.
+
+With ``default_use_cudagraph=True`` every fleet pipeline model built afterwards is graphed
+unless its constructor call passes ``use_cudagraph=False``: the switch for model classes that
+never pass the flag (PaddleFormers' ``...Pipe`` models call ``PipelineLayer.__init__``
+without it).
+
+The hook is the ``use_cudagraph`` argument of fleet's ``PipelineLayer.__init__`` (Paddle
+3.x); :func:`install` refuses a Paddle without it, naming the version.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Optional
+
+import paddle
+from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipelineLayer
+
+from paddle_graphpp.paddle.pipeline import _check_graphable, graph_pipeline
+
+__all__ = ["install", "uninstall"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Settings:
+    default_use_cudagraph: bool
+    num_warmup_steps: int
+
+
+_SETTINGS: Optional[_Settings] = None
+_ORIGINAL_INIT = None  # fleet's own PipelineLayer.__init__ while installed
+_WRAPPER = None  # what install() put in its place
+
+
+def install(*, default_use_cudagraph: bool = False, num_warmup_steps: int = 3) -> None:
+    """Make fleet's ``PipelineLayer(..., use_cudagraph=True)`` graph with this project's engine.
+
+    Affects pipeline models built after the call, of fleet's class and every subclass; call
+    it on every rank (models must be graphed alike everywhere). Calling it again changes the
+    settings.
+
+    Args:
+        default_use_cudagraph: graph models whose constructor call does not pass
+            ``use_cudagraph`` (model libraries such as PaddleFormers never do); an explicit
+            ``use_cudagraph=False`` still builds an eager model.
+        num_warmup_steps: eager calls each graphed run takes before capture.
+
+    Raises:
+        RuntimeError: this Paddle's fleet ``PipelineLayer`` has no ``use_cudagraph`` argument
+            (the message names the version); build the model as usual and call
+            :func:`paddle_graphpp.graph_pipeline` on it instead.
+
+    A model graphed this way fails its constructor (before building anything) with the errors
+    of :func:`paddle_graphpp.graph_pipeline`: recomputation, dualpipev, dynamic shapes.
+    ``paddle_graphpp.GraphedPipeline.of(model)`` returns its graphs and segmentation report.
+    """
+    global _SETTINGS, _ORIGINAL_INIT, _WRAPPER
+    if "use_cudagraph" not in inspect.signature(_FleetPipelineLayer.__init__).parameters:
+        raise RuntimeError(
+            f"paddle_graphpp.install(): fleet's PipelineLayer in Paddle {paddle.__version__} has no "
+            "use_cudagraph argument, so there is no flag to redirect. Build the model as usual and call "
+            "paddle_graphpp.graph_pipeline(model) on it, on every rank")
+    _SETTINGS = _Settings(bool(default_use_cudagraph), int(num_warmup_steps))
+    if _WRAPPER is None:
+        _ORIGINAL_INIT = _FleetPipelineLayer.__init__
+        _WRAPPER = _FleetPipelineLayer.__init__ = _graphing_init(_ORIGINAL_INIT)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: fleet's ``use_cudagraph`` builds upstream's graphs again.
+
+    Models graphed already stay graphed. A no-op when not installed.
+
+    Raises:
+        RuntimeError: something else replaced ``PipelineLayer.__init__`` after :func:`install`
+            (restoring the original would drop that); undo that first.
+    """
+    global _SETTINGS, _ORIGINAL_INIT, _WRAPPER
+    if _WRAPPER is None:
+        return
+    if _FleetPipelineLayer.__dict__.get("__init__") is not _WRAPPER:
+        raise RuntimeError(
+            "paddle_graphpp.uninstall(): fleet's PipelineLayer.__init__ was replaced after "
+            "paddle_graphpp.install(); undo that replacement first")
+    _FleetPipelineLayer.__init__ = _ORIGINAL_INIT
+    _SETTINGS = _ORIGINAL_INIT = _WRAPPER = None
+
+
+def _graphing_init(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        settings = _SETTINGS
+        bound = signature.bind(self, *args, **kwargs)
+        requested = bound.arguments.get("use_cudagraph")  # None: the call did not pass it
+        use_graphs = settings is not None and (
+            settings.default_use_cudagraph if requested is None else bool(requested))
+        if not use_graphs:
+            return original(self, *args, **kwargs)
+        _check_graphable(f"{type(self).__name__}(use_cudagraph=True)",
+                         use_dualpipev=bound.arguments.get("use_dualpipev", False),
+                         recompute_interval=bound.arguments.get("recompute_interval", 0))
+        bound.arguments["use_cudagraph"] = False
+        original(*bound.args, **bound.kwargs)
+        graph_pipeline(self, num_warmup_steps=settings.num_warmup_steps)
+
+    return __init__

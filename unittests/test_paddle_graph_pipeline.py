@@ -1,0 +1,308 @@
+"""graph_pipeline(model) and install() on fleet pipeline models built in one process (CPU).
+
+Fleet's ``PipelineLayer`` builds in a single process with ``num_stages=1`` (the pipe group has
+one rank, so no communication): enough to check what graphing does to a built model — entry
+lists, names, checkpoints, modes, errors — and the upstream-flag hook. Training over real
+ranks is in test_paddle_pipeline.py and test_paddleformers_pipe.py.
+"""
+
+import functools
+import os
+import types
+import warnings
+
+import pytest
+
+paddle = pytest.importorskip("paddle")
+
+from paddle import nn  # noqa: E402
+from paddle.distributed.fleet.meta_parallel import LayerDesc, SharedLayerDesc  # noqa: E402
+from paddle.distributed.fleet.meta_parallel import PipelineLayer as FleetPipelineLayer  # noqa: E402
+
+import paddle_graphpp  # noqa: E402
+from paddle_graphpp import GraphedPipeline, graph_pipeline  # noqa: E402
+from paddle_graphpp.paddle import upstream  # noqa: E402
+
+VOCAB, HIDDEN = 11, 8
+
+
+class Block(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(paddle.tanh(self.fc(x)))
+
+
+@paddle_graphpp.mark_not_capturable
+class HostProbe(nn.Layer):
+    def forward(self, x):
+        return x
+
+
+def tied_head(embedding, hidden):
+    return paddle.matmul(hidden, embedding.weight, transpose_y=True)
+
+
+def halve(x):
+    return x * 0.5
+
+
+def descs(blocks=4, probe=False, callable_at=None):
+    layers = [SharedLayerDesc("embed", nn.Embedding, None, "weight", VOCAB, HIDDEN)]
+    for i in range(blocks):
+        layers.append(LayerDesc(Block))
+        if i == callable_at:
+            layers.append(halve)
+        if probe and i == blocks // 2 - 1:
+            layers.append(LayerDesc(HostProbe))
+    layers.append(SharedLayerDesc("embed", nn.Embedding, tied_head, "weight", VOCAB, HIDDEN))
+    return layers
+
+
+@pytest.fixture(autouse=True)
+def single_process_fleet(monkeypatch):
+    """What fleet_cpu.adjust_for_cpu gives a CPU build (fleet reads ParallelEnv().device_id);
+    and no patch of fleet's class left behind by a test."""
+    from paddle.distributed.parallel import ParallelEnv
+
+    if not hasattr(ParallelEnv, "_device_id"):
+        monkeypatch.setattr(ParallelEnv, "_device_id", 0, raising=False)
+    warnings.filterwarnings("ignore", message=".*runs eagerly.*")
+    yield
+    upstream.uninstall()
+
+
+@pytest.fixture
+def fleet_state(monkeypatch):
+    """What fleet.init(is_collective=True, strategy=...) leaves for paddle_graphpp.PipelineLayer
+    (fleet.init itself needs a launched job): the strategy and a one-stage pipe group."""
+    from paddle.distributed import fleet
+
+    monkeypatch.setattr(fleet.fleet, "_user_defined_strategy", fleet.DistributedStrategy(), raising=False)
+    one_stage = types.SimpleNamespace(get_pipe_parallel_world_size=lambda: 1)
+    monkeypatch.setattr(fleet, "get_hybrid_communicate_group", lambda: one_stage)
+
+
+def build(vpp=None, cls=FleetPipelineLayer, **kwargs):
+    paddle.seed(5)
+    return cls(kwargs.pop("layers", None) or descs(), num_stages=1, num_virtual_pipeline_stages=vpp,
+               seg_method="layer:Block", **kwargs)
+
+
+def entries(model):
+    if model._num_virtual_pipeline_stages > 1:
+        return [f for chunk in model._model_chunks for f in chunk.run_function]
+    return list(model.run_function)
+
+
+def run(model, tokens):
+    if model._num_virtual_pipeline_stages == 1:
+        return model(tokens)
+    x = tokens
+    for chunk_id in range(len(model._model_chunks)):
+        x = model(x, chunk_id=chunk_id)
+    return x
+
+
+def upstream_graphed(model):
+    from paddle.device.cuda.cuda_graphed_layer import CUDAGraphedLayer as Upstream
+
+    return any(isinstance(f, Upstream) for f in entries(model))
+
+
+# ---------------------------------------------------------------- graph_pipeline
+@pytest.mark.parametrize("vpp", [None, 2], ids=["1f1b", "interleaved"])
+def test_names_keys_and_optimizer_parameters_unchanged(vpp):
+    model = build(vpp)
+    keys = list(model.state_dict().keys())
+    names = [p.name for p in model.parameters()]
+    sublayers = [name for name, _ in model.named_sublayers()]
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    params = list(opt._parameter_list)
+
+    graphs = graph_pipeline(model)  # after the optimizer: fine, nothing is created or replaced
+
+    assert list(model.state_dict().keys()) == keys
+    assert [p.name for p in model.parameters()] == names
+    assert [name for name, _ in model.named_sublayers()] == sublayers
+    assert all(a is b for a, b in zip(model.parameters(), params)) and len(params) == len(names)
+    assert GraphedPipeline.of(model) is graphs and model.use_cudagraph is True
+    assert sum(type(f).__name__ == "_GraphedRunCall" for f in entries(model)) == len(graphs.graphed_layers())
+
+
+@pytest.mark.parametrize("vpp", [None, 2], ids=["1f1b", "interleaved"])
+def test_graphed_model_computes_what_the_eager_one_does(vpp):
+    eager, graphed = build(vpp), build(vpp)
+    graph_pipeline(graphed)
+    tokens = paddle.to_tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    results = []
+    for model in (eager, graphed):
+        paddle.seed(11)  # the same dropout masks
+        out = run(model, tokens)
+        out.sum().backward()
+        results.append((out.numpy(), [p.grad.numpy() for p in model.parameters()]))
+    (out_e, grads_e), (out_g, grads_g) = results
+    assert (out_e == out_g).all()
+    assert len(grads_e) == len(grads_g) and all((a == b).all() for a, b in zip(grads_e, grads_g))
+
+
+def test_segmentation_keeps_shared_callables_and_opted_out_layers_eager():
+    model = build(layers=descs(blocks=4, probe=True, callable_at=2))
+    report = graph_pipeline(model).segmentation_report()
+    lines = [line.strip() for line in report.splitlines()]
+    assert lines == [
+        "stage 0:",
+        "eager   [0] shared:embed: shared weights (gradients synced across stages)",
+        "graphed [1:3) Block#1, Block#2",
+        "eager   [3] HostProbe#3: marked with mark_not_capturable",
+        "graphed [4:5) Block#4",
+        "eager   [5] halve#5: plain callable",
+        "graphed [6:7) Block#6",
+        "eager   [7] shared:embed: shared weights (gradients synced across stages)",
+    ], report
+
+
+def test_runs_follow_the_models_train_and_eval_mode():
+    model = build()
+    graphs = graph_pipeline(model)
+    bodies = [layer.layer for layer in graphs.graphed_layers()]
+    model.eval()
+    assert [body.training for body in bodies] == [False]
+    model.train()
+    assert [body.training for body in bodies] == [True]
+
+
+@pytest.mark.parametrize("vpp", [None, 2], ids=["1f1b", "interleaved"])
+def test_checkpoint_files_are_fleets_per_layer_files(vpp, tmp_path):
+    eager, graphed = build(vpp), build(vpp)
+    graph_pipeline(graphed)
+    before = entries(graphed)
+    eager.save_state_dict(str(tmp_path / "eager"))
+    graphed.save_state_dict(str(tmp_path / "graphed"))
+    assert sorted(os.listdir(tmp_path / "graphed")) == sorted(os.listdir(tmp_path / "eager"))
+    assert entries(graphed) == before  # the graphed runs are back after the save
+
+    for p in graphed.parameters():
+        p.set_value(paddle.zeros_like(p))
+    graphed.set_state_dir(str(tmp_path / "eager"))
+    assert all((a.numpy() == b.numpy()).all() for a, b in zip(eager.parameters(), graphed.parameters()))
+    assert entries(graphed) == before
+
+
+def test_eager_view_shows_fleets_lists():
+    model = build()
+    eager = entries(model)
+    graphs = graph_pipeline(model)
+    with graphs.eager_view():
+        assert entries(model) == eager
+    assert entries(model) != eager
+
+
+def test_distributed_model_wrapper_is_unwrapped():
+    model = build()
+    wrapper = types.SimpleNamespace(_layers=model)  # what fleet.distributed_model returns holds it so
+    graphs = graph_pipeline(wrapper)
+    assert graphs.model is model and GraphedPipeline.of(wrapper) is graphs
+
+
+def test_errors_name_the_model_and_the_fix():
+    with pytest.raises(TypeError, match=r"got Linear; wrap a single layer with paddle_graphpp.CUDAGraphedLayer"):
+        graph_pipeline(nn.Linear(2, 2))
+    model = build()
+    graph_pipeline(model)
+    with pytest.raises(RuntimeError, match=r"graph_pipeline\(PipelineLayer\): the model is graphed already"):
+        graph_pipeline(model)
+    with pytest.raises(ValueError, match="built with use_cudagraph=True.*paddle_graphpp.install"):
+        graph_pipeline(build(use_cudagraph=True))
+    recomputing = build(recompute_interval=1, recompute_ctx={"mp_group": None, "offload": False, "partition": False})
+    with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\) cannot recompute.*recompute_interval=0"):
+        graph_pipeline(recomputing)
+    dualpipe = FleetPipelineLayer([LayerDesc(Block) for _ in range(2)], num_stages=1, use_dualpipev=True)
+    with pytest.raises(NotImplementedError, match="use_dualpipev"):
+        graph_pipeline(dualpipe)
+    assert GraphedPipeline.of(recomputing) is None and GraphedPipeline.of(dualpipe) is None
+
+
+def test_unknown_layout_names_the_paddle_version():
+    model = build()
+    del model.run_function
+    with pytest.raises(RuntimeError, match=f"Paddle {paddle.__version__} does not keep its layers"):
+        graph_pipeline(model)
+
+
+def test_paddle_graphpp_pipeline_layer_is_graph_pipeline(fleet_state):
+    model = build(cls=paddle_graphpp.PipelineLayer, use_cudagraph=True)
+    graphs = GraphedPipeline.of(model)
+    assert graphs is not None and model.graphed_layers() == graphs.graphed_layers()
+    assert model.segmentation_report() == graphs.segmentation_report()
+    eager = build(cls=paddle_graphpp.PipelineLayer)
+    assert GraphedPipeline.of(eager) is None and eager.graphed_layers() == []
+    assert list(model.state_dict().keys()) == list(eager.state_dict().keys())
+
+
+# ---------------------------------------------------------------- install(): upstream's flag
+class LibraryPipe(FleetPipelineLayer):
+    """Like PaddleFormers' ...Pipe models: calls fleet's constructor itself, without use_cudagraph."""
+
+    def __init__(self, **kwargs):
+        paddle.seed(5)
+        FleetPipelineLayer.__init__(self, layers=descs(), num_stages=1, seg_method="layer:Block", **kwargs)
+
+
+def test_install_makes_the_upstream_flag_build_our_runs():
+    eager = build()
+    paddle_graphpp.install()
+    model = build(use_cudagraph=True)
+    assert GraphedPipeline.of(model) is not None and not upstream_graphed(model)
+    assert list(model.state_dict().keys()) == list(eager.state_dict().keys())
+    assert GraphedPipeline.of(build()) is None  # no flag, no default: eager
+    assert GraphedPipeline.of(LibraryPipe()) is None
+    interleaved = build(2, use_cudagraph=True)
+    assert "stage 0 chunk 1:" in GraphedPipeline.of(interleaved).segmentation_report()
+
+
+def test_install_default_graphs_classes_that_never_pass_the_flag(fleet_state):
+    paddle_graphpp.install(default_use_cudagraph=True, num_warmup_steps=5)
+    model = LibraryPipe()
+    graphs = GraphedPipeline.of(model)
+    assert graphs is not None and not upstream_graphed(model)
+    assert "graphed [1:5) Block#1, Block#2, Block#3, Block#4" in graphs.segmentation_report()
+    assert GraphedPipeline.of(LibraryPipe(use_cudagraph=False)) is None  # an explicit False is kept
+    ours = build(cls=paddle_graphpp.PipelineLayer, use_cudagraph=True)  # graphed once, by itself
+    assert GraphedPipeline.of(ours) is not None
+
+
+def test_install_checks_before_building_and_uninstall_restores():
+    original = FleetPipelineLayer.__init__
+    paddle_graphpp.install()
+    paddle_graphpp.install()  # again: settings only, one wrapper
+    assert FleetPipelineLayer.__init__.__wrapped__ is original
+    with pytest.raises(ValueError, match=r"PipelineLayer\(use_cudagraph=True\) cannot recompute"):
+        build(use_cudagraph=True, recompute_interval=1, recompute_ctx={})
+    paddle_graphpp.uninstall()
+    assert FleetPipelineLayer.__init__ is original
+    assert upstream_graphed(build(use_cudagraph=True))  # upstream's own path again
+    paddle_graphpp.uninstall()  # not installed: nothing to do
+
+
+def test_install_refuses_a_paddle_without_the_hook(monkeypatch):
+    def old_init(self, layers, num_stages=None, topology=None, loss_fn=None, seg_method="uniform"):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(FleetPipelineLayer, "__init__", old_init)
+    with pytest.raises(RuntimeError, match=f"Paddle {paddle.__version__} has no use_cudagraph argument.*"
+                                           r"graph_pipeline\(model\)"):
+        paddle_graphpp.install()
+    assert FleetPipelineLayer.__init__ is old_init
+
+
+def test_uninstall_refuses_to_drop_a_later_patch(monkeypatch):
+    paddle_graphpp.install()
+    ours = FleetPipelineLayer.__init__
+    monkeypatch.setattr(FleetPipelineLayer, "__init__", functools.wraps(ours)(lambda *a, **k: ours(*a, **k)))
+    with pytest.raises(RuntimeError, match="replaced after paddle_graphpp.install"):
+        paddle_graphpp.uninstall()
+    monkeypatch.undo()
