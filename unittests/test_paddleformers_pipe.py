@@ -1,0 +1,145 @@
+"""A real client: PaddleFormers' LlamaForCausalLMPipe trained by fleet on CPU ranks (gloo).
+
+PaddleFormers builds its pipe models by subclassing fleet's ``PipelineLayer`` and calling its
+constructor itself, without ``use_cudagraph``. Each case launches
+unittests/workers/paddleformers_worker.py under ``python -m paddle.distributed.launch`` and
+trains the same tiny Llama eagerly, after ``paddle_graphpp.graph_pipeline(model)`` and under
+``paddle_graphpp.install(default_use_cudagraph=True)``: the per-step losses must be identical,
+the decoder layers graphed and the tied embedding/head eager. The graphed runs execute eagerly
+on CPU, so this checks the wiring (segmentation, names, schedule), not graph replay.
+
+Needs ``pip install --no-deps -r requirements-paddleformers.txt``; skipped without it. Each
+launch runs in its own session under a time limit (tools/launch.py), and is retried when
+gloo fails to connect inside ``fleet.init`` (before any code under test runs).
+"""
+
+import glob
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("paddle")
+# Checked without importing it: importing paddleformers switches transformers' PyTorch support
+# off for the whole process (it sets transformers' is_torch_available to False).
+if importlib.util.find_spec("paddleformers") is None:
+    pytest.skip("paddleformers is not installed: pip install --no-deps -r requirements-paddleformers.txt",
+                allow_module_level=True)
+
+from tools import launch  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "unittests", "workers", "paddleformers_worker.py")
+FLEET_READY = "paddle_graphpp-worker: fleet.init done"
+INIT_DEADLINE_S = 45  # fleet.init takes ~5 s per rank here; past this it is stuck in gloo
+INIT_ATTEMPTS = 12  # gloo inside fleet.init often refuses connections with 4 ranks on 2 cores
+ROUTES = ("eager", "graph_pipeline", "install")
+
+
+def _logs(log_dir):
+    text = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "workerlog.*"))):
+        with open(path, errors="replace") as f:
+            lines = [ln for ln in f.read().splitlines() if not ln.startswith(("I1", "W1"))]
+        text.append(f"== {os.path.basename(path)}\n" + "\n".join(lines))
+    return "\n".join(text)
+
+
+def _launch_once(nproc, args, out, timeout):
+    log_dir = os.path.join(out, "log")
+    os.makedirs(log_dir, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
+           "--log_dir", log_dir, WORKER, "--out", out, *args]
+
+    def stuck_in_fleet_init(elapsed):
+        return elapsed > INIT_DEADLINE_S and _logs(log_dir).count(FLEET_READY) < nproc
+
+    end = launch.run(cmd, cwd=out, env=env, timeout=timeout, merge_stderr=True, abandon=stuck_in_fleet_init)
+    return None if end.stopped else end.returncode, end.seconds, _logs(log_dir)
+
+
+def run_workers(nproc, args, tmp_path, timeout):
+    """Run the worker on ``nproc`` ranks; returns (rc or None when stopped, seconds, logs, results by rank)."""
+    for attempt in range(INIT_ATTEMPTS):
+        out = str(tmp_path / f"run{attempt}")
+        os.makedirs(out)
+        rc, seconds, logs = _launch_once(nproc, args, out, timeout)
+        results = {}
+        for path in glob.glob(os.path.join(out, "rank*.json")):
+            with open(path) as f:
+                data = json.load(f)
+            results[data["rank"]] = data
+        if rc == 0 or logs.count(FLEET_READY) >= nproc:
+            break  # not a failure inside fleet.init's own gloo setup: no retry
+    return rc, seconds, logs, results
+
+
+def check_routes_agree(results, nranks, steps, micro):
+    assert sorted(results) == list(range(nranks))
+    reference = results[0]["eager"]["losses"]
+    assert len(reference) == steps and not any(math.isnan(loss) for loss in reference)
+    for rank, data in results.items():
+        eager = data["eager"]
+        for route in ROUTES:
+            assert data[route]["losses"] == reference, f"rank {rank} {route}: {data[route]['losses']} != {reference}"
+            assert data[route]["state_dict_keys"] == eager["state_dict_keys"], f"rank {rank} {route}: keys differ"
+        assert data["graph_pipeline"]["names_before"] == data["graph_pipeline"]["names_after"]
+        for route in ROUTES[1:]:
+            calls = data[route]["graphed_calls"]
+            # every graphed run took part in every micro-batch of every step
+            assert calls and set(calls.values()) == {steps * micro}, f"rank {rank} {route}: {calls}"
+            assert data[route]["report"] == data["graph_pipeline"]["report"]
+
+
+def report_lines(data):
+    return [line.strip() for line in data["install"]["report"].splitlines()]
+
+
+SHARED = "shared:model_shared_weight: shared weights (gradients synced across stages)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tie", [1, 0], ids=["tied", "untied"])
+def test_llama_pipe_pp2_1f1b_identical_losses(tmp_path, tie):
+    steps, micro = 4, 4
+    rc, seconds, logs, results = run_workers(
+        2, ["--pp", "2", "--tie", str(tie), "--steps", str(steps), "--micro-batches", str(micro)],
+        tmp_path, timeout=240)
+    assert rc == 0, f"launch failed (rc={rc}, {seconds:.0f}s)\n{logs[-6000:]}"
+    check_routes_agree(results, 2, steps, micro)
+    losses = results[0]["eager"]["losses"]
+    assert losses[-1] < losses[0], f"the model did not train: {losses}"
+    first, last = report_lines(results[0]), report_lines(results[1])
+    if tie:  # the tied embedding and head eager, the decoder layers (and the final norm) graphed
+        assert first == ["stage 0:", f"eager   [0] {SHARED}", "graphed [1:3) DecoderLayerPipe#1, DecoderLayerPipe#2"]
+        assert last == ["stage 1:", "graphed [3:6) DecoderLayerPipe#3, DecoderLayerPipe#4, RMSNormPipe#5",
+                        f"eager   [6] {SHARED}"]
+    else:  # nothing shared: each stage is one graphed run
+        assert first == ["stage 0:", "graphed [0:3) EmbeddingPipe#0, DecoderLayerPipe#1, DecoderLayerPipe#2"]
+        assert last == ["stage 1:",
+                        "graphed [3:7) DecoderLayerPipe#3, DecoderLayerPipe#4, RMSNormPipe#5, LMHeadPipe#6"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_llama_pipe_pp4_vpp2_interleaved_identical_losses(tmp_path):
+    # Fleet's interleaved schedule needs pp > 2; gloo needs one 2-rank group per hop then
+    # (fleet_cpu.use_hop_groups), and 2*pp micro-batches.
+    steps, micro = 3, 8
+    rc, seconds, logs, results = run_workers(
+        4, ["--pp", "4", "--vpp", "2", "--layers", "8", "--tie", "1", "--steps", str(steps),
+            "--micro-batches", str(micro), "--micro-batch-size", "1"], tmp_path, timeout=300)
+    assert rc == 0, f"launch failed (rc={rc}, {seconds:.0f}s)\n{logs[-6000:]}"
+    check_routes_agree(results, 4, steps, micro)
+    for rank, data in results.items():
+        assert data["uses_hop_groups"] is True
+        lines = report_lines(data)
+        assert lines[0] == f"stage {rank} chunk 0:" and f"stage {rank} chunk 1:" in lines
+        assert sum("DecoderLayerPipe" in line and line.startswith("graphed") for line in lines) == 2
+    assert f"eager   [0] {SHARED}" in report_lines(results[0])
+    assert report_lines(results[3])[-1] == f"eager   [10] {SHARED}"

@@ -1,0 +1,131 @@
+"""One rank of PaddleFormers' LlamaForCausalLMPipe trained by fleet, launched by
+unittests/test_paddleformers_pipe.py.
+
+Run with ``python -m paddle.distributed.launch --nproc_per_node N`` (gloo on CPU). A tiny
+Llama (hidden 64, ``--layers`` decoder layers, ``fuse_rms_norm=False``: the fused kernel has no
+CPU build) is built and trained three times with the same seeds and data, through
+``fleet.distributed_model(...).train_batch(...)``:
+
+* ``eager``: as PaddleFormers builds it;
+* ``graph_pipeline``: built the same way, then ``paddle_graphpp.graph_pipeline(model)``;
+* ``install``: built under ``paddle_graphpp.install(default_use_cudagraph=True)``
+  (PaddleFormers calls fleet's ``PipelineLayer.__init__`` without ``use_cudagraph``).
+
+Writes per-rank JSON to ``--out``: per-step losses, segmentation reports, state_dict keys,
+parameter names before and after graphing, and how often each graphed run was called.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import paddle
+from paddle.distributed import fleet
+
+import paddle_graphpp
+from paddle_graphpp.paddle import fleet_cpu
+
+FLEET_READY = "paddle_graphpp-worker: fleet.init done"
+VOCAB, HIDDEN, SEQ = 96, 64, 8
+
+
+def llama_config(args):
+    from paddleformers.transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=bool(args.tie))
+    config.fuse_rms_norm = False  # the fused RMSNorm kernel has no CPU build
+    config.virtual_pipeline_model_parallel_size = args.vpp
+    return config
+
+
+def build(args, route):
+    from paddleformers.transformers import LlamaForCausalLMPipe
+
+    paddle.seed(args.seed)
+    if route == "install":
+        paddle_graphpp.install(default_use_cudagraph=True)
+        try:
+            model = LlamaForCausalLMPipe(llama_config(args))
+        finally:
+            paddle_graphpp.uninstall()
+        return model, None
+    model = LlamaForCausalLMPipe(llama_config(args))
+    if route == "eager":
+        return model, None
+    names = [p.name for p in model.parameters()]
+    paddle_graphpp.graph_pipeline(model)
+    return model, names
+
+
+def train(args, route):
+    model, names_before = build(args, route)
+    graphs = paddle_graphpp.GraphedPipeline.of(model)
+    calls = {}
+    for idx, layer in enumerate(graphs.graphed_layers() if graphs else []):
+        calls[idx] = 0
+
+        def count(layer, inputs, key=idx):
+            calls[key] += 1
+
+        layer.register_forward_pre_hook(count)
+    record = {
+        "report": graphs.segmentation_report() if graphs else None,
+        "state_dict_keys": list(model.state_dict().keys()),
+        "names_before": names_before,
+        "names_after": [p.name for p in model.parameters()],
+    }
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(opt)
+    data = np.random.RandomState(args.seed)
+    batch = args.micro_batches * args.micro_batch_size
+    losses = []
+    for _ in range(args.steps):
+        tokens = data.randint(0, VOCAB, (batch, SEQ + 1)).astype("int64")
+        x, y = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
+        loss = model.train_batch([x, y], opt)
+        losses.append(float(np.asarray(loss.numpy()).reshape(-1)[0]))
+    record.update(losses=losses, graphed_calls=calls)
+    return record
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tie", type=int, choices=(0, 1), default=1)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": args.pp}
+    strategy.pipeline_configs = {"accumulate_steps": args.micro_batches,
+                                 "micro_batch_size": args.micro_batch_size}
+    fleet.init(is_collective=True, strategy=strategy)
+    rank = paddle.distributed.get_rank()
+    print(FLEET_READY, flush=True)  # tells the test that gloo's own group setup succeeded
+    paddle.distributed.barrier()
+    # The project's CPU fleet adjustments, which any fleet pipeline needs on CPU ranks.
+    fleet_cpu.adjust_for_cpu()
+    uses_hop_groups = fleet_cpu.use_hop_groups(fleet.get_hybrid_communicate_group())
+    result = {"rank": rank, "uses_hop_groups": uses_hop_groups}
+    for route in ("eager", "graph_pipeline", "install"):
+        result[route] = train(args, route)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    # Skip interpreter teardown of gloo groups: a peer that already left must not stall us.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
