@@ -4,8 +4,9 @@ One command, two GPUs of one host (run blind on nvidia-h200-x2)::
 
     python tools/bench_allreduce.py            # writes benchmarks/results/allreduce-<device>.json
 
-It launches its own 2 ranks (torch.multiprocessing spawn) under a hard timeout and kills them
-if they hang. Rank 0 writes its results after each section, so a timeout still leaves data.
+It launches its own 2 ranks (this script again, through tools/launch.py) under a hard timeout
+and stops them if they hang or one fails. Rank 0 writes its results after each section, so a
+timeout still leaves data.
 
 Sections:
   * latency: for each size (4 KiB..8 MiB, bf16), one graph of ``--calls`` back-to-back
@@ -30,7 +31,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -40,10 +40,9 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (REPO, os.path.join(REPO, "tools")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-import benchlib  # noqa: E402
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
+from tools import benchlib, launch  # noqa: E402
 
 DEFAULT_SIZES = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10,
                  512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
@@ -319,12 +318,16 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--timeout", type=float, default=220.0, help="hard limit for the 2 ranks, seconds")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--partial", help=argparse.SUPPRESS)  # a rank process: where rank 0 writes
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
+    if args.partial:
+        _entry(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), args,
+               args.partial)
     if any(s <= 0 or s % 16 for s in args.sizes) or args.calls < 1 or args.rounds < 3:
         p.error("sizes must be positive multiples of 16 bytes, --calls >= 1, --rounds >= 3")
 
     import torch
-    import torch.multiprocessing as mp
 
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         print(f"bench_allreduce: needs 2 CUDA devices, found "
@@ -336,24 +339,12 @@ def main(argv=None) -> int:
     partial = out_file + ".rank0.partial"
     if os.path.exists(partial):
         os.remove(partial)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
 
     t0 = time.monotonic()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, 2, port, args, partial), daemon=False) for r in range(2)]
-    for pr in procs:
-        pr.start()
-    deadline = t0 + args.timeout
-    for pr in procs:
-        pr.join(timeout=max(0.1, deadline - time.monotonic()))
-    timed_out = any(pr.is_alive() for pr in procs)
-    for pr in procs:
-        if pr.is_alive():
-            pr.kill()
-            pr.join(5)
-    codes = [pr.exitcode for pr in procs]
+    cmds = [[sys.executable, os.path.abspath(__file__), *argv, "--partial", partial]] * 2
+    ends = launch.run_ranks(cmds, envs=launch.rank_envs(2), timeout=args.timeout, capture=False)
+    timed_out = ends[0].timed_out
+    codes = [e.returncode for e in ends]
     data = json.load(open(partial)) if os.path.exists(partial) else {}
     if os.path.exists(partial):
         os.remove(partial)

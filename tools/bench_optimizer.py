@@ -40,14 +40,15 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-import benchlib  # noqa: E402
 from paddle_graphpp.core import graph_process as gp  # noqa: E402
 from paddle_graphpp.optim import GraphedOptimizer  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 MAX_NORM = 1.0
 LR = 1e-3

@@ -23,15 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
+import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import benchlib  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
+from tools import benchlib, launch  # noqa: E402
 
-TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_gpt.py")
+TRAIN = os.path.join(REPO, "tools", "train_gpt.py")
 BUDGET_S = 450  # the whole benchmark stays under 8 minutes
 LOSS_RTOL = 1e-5
 TARGET_SPEEDUP = 1.8  # launch-bound configuration, graphs over eager
@@ -52,43 +53,18 @@ SCHEDULES = {"1F1B": ["--pp", "2"], "interleaved": ["--pp", "2", "--vpp", "2"]}
 
 def run_one(args: list, timeout: float) -> dict:
     """One train_gpt.py run in its own session; its last stdout line parsed, or the failure."""
-    cmd = [sys.executable, TRAIN, *args]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=max(1.0, timeout))
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        timed_out = True
-    finally:
-        try:  # ranks left behind, if any
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    record = {"command": " ".join(["python", "tools/train_gpt.py", *args]), "seconds": round(time.monotonic() - start, 1)}
-    lines = [line for line in out.strip().splitlines() if line.strip()]
-    try:
-        result = json.loads(lines[-1])
-    except (IndexError, ValueError):
-        result = None
-    if timed_out or proc.returncode != 0 or result is None:
-        record["error"] = ("timed out after %.0fs" % timeout) if timed_out else f"exit code {proc.returncode}"
-        record["stderr_tail"] = err[-3000:]
+    end = launch.run([sys.executable, TRAIN, *args], env=env, timeout=max(1.0, timeout))
+    record = {"command": " ".join(["python", "tools/train_gpt.py", *args]), "seconds": round(end.seconds, 1)}
+    result = benchlib.last_json_line(end.stdout)
+    if end.timed_out or end.returncode != 0 or result is None:
+        record["error"] = ("timed out after %.0fs" % timeout) if end.timed_out else f"exit code {end.returncode}"
+        record["stderr_tail"] = end.stderr[-3000:]
         return record
     record.update(result)
     return record
-
-
-def _median(values: list) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else 0.5 * (values[mid - 1] + values[mid])
 
 
 def summarize(records: list) -> dict:
@@ -97,9 +73,9 @@ def summarize(records: list) -> dict:
     if not ok:
         return {"error": records[0].get("error", "no run") if records else "no run"}
     tps = [r["tokens_per_s"] for r in ok]
-    return {"tokens_per_s": _median(tps), "tokens_per_s_rounds": tps, "spread": max(tps) / min(tps),
-            "peak_mem_mib": _median([r["peak_mem_mib"] for r in ok]),
-            "steady_peak_mem_mib": _median([r.get("steady_peak_mem_mib", r["peak_mem_mib"]) for r in ok]),
+    return {"tokens_per_s": statistics.median(tps), "tokens_per_s_rounds": tps, "spread": max(tps) / min(tps),
+            "peak_mem_mib": statistics.median([r["peak_mem_mib"] for r in ok]),
+            "steady_peak_mem_mib": statistics.median([r.get("steady_peak_mem_mib", r["peak_mem_mib"]) for r in ok]),
             "losses": ok[0]["losses"],
             "graphs_active": all(r.get("graphs_active", False) for r in ok),
             "commands": sorted({r["command"] for r in ok})}

@@ -12,12 +12,15 @@ capture), max over ranks, in ``benchmarks/results/memory-pipeline-<device>.json`
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import benchlib  # noqa: E402
-from bench_pipeline import run_one  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
+from tools import benchlib  # noqa: E402
+from tools.bench_pipeline import run_one  # noqa: E402
 
 CONFIG = ["--framework", "torch", "--pp", "2", "--vpp", "2", "--hidden", "2048", "--layers", "4",
           "--micro-batch-size", "4", "--seq-len", "512", "--micro-batches", "8", "--steps", "12",

@@ -90,6 +90,16 @@ def time_rounds(variants: dict[str, Callable[[], None]], *, iters: int, rounds: 
     return out
 
 
+def last_json_line(text: str):
+    """The last non-blank line of ``text`` parsed as JSON (a tool's result line), or ``None``
+    when ``text`` is blank or that line is not JSON."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return None
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write ``benchmarks/results/<name>-<device>.json`` (and a copy under $OUT if set)."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -6,13 +6,11 @@ This file is also the rank worker: ``python test_collectives_dist.py torch|paddl
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
+
+from tools import launch
 
 pytestmark = pytest.mark.slow  # every case starts two ranks
 
@@ -21,31 +19,10 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 
 
 # ------------------------------------------------------------------------- launching
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmds, env, cwd, timeout):
-    procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              start_new_session=True, text=True) for cmd in cmds]
-    deadline = time.monotonic() + timeout
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append((p.returncode, out))
-    except subprocess.TimeoutExpired:
-        outs.append((None, "timeout"))
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
-    return outs
+    """[(exit code, or None for a process stopped at the timeout or after a peer failed; output)]."""
+    ends = launch.run_ranks(cmds, envs=[env] * len(cmds), cwd=cwd, timeout=timeout, merge_stderr=True)
+    return [(None if e.stopped else e.returncode, e.stdout + ("\ntimeout" if e.timed_out else "")) for e in ends]
 
 
 def _env():
@@ -59,7 +36,7 @@ def _results(tmp_path, n=2):
 
 @pytest.mark.timeout(200)
 def test_torch_gloo_fallback_sums_and_tensor_parallel(tmp_path):
-    port = str(_free_port())
+    port = str(launch.free_port())
     cmds = [[sys.executable, HERE, "torch", str(r), port, str(tmp_path)] for r in range(2)]
     outs = _run(cmds, _env(), str(tmp_path), timeout=170)
     assert all(rc == 0 for rc, _ in outs), "\n".join(o[-3000:] for _, o in outs)

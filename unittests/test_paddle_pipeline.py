@@ -4,13 +4,7 @@ Each distributed case starts ``python -m paddle.distributed.launch`` in its own 
 a timeout and kills that session's processes afterwards, whatever happened.
 """
 
-import glob
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -18,74 +12,17 @@ paddle = pytest.importorskip("paddle")
 
 from paddle.distributed import fleet  # noqa: E402
 from paddle.distributed.fleet.meta_parallel import LayerDesc, SharedLayerDesc  # noqa: E402
+from workers.fleet_ranks import launch_workers  # noqa: E402
 
 from paddle_graphpp.paddle import pipeline as pipeline_mod  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "unittests", "workers", "paddle_pipeline_worker.py")
-FLEET_READY = "paddle_graphpp-worker: fleet.init done"
-INIT_DEADLINE_S = 45  # fleet.init takes ~5 s per rank here; past this it is stuck in gloo
-# Paddle's own gloo setup inside fleet.init (new_group -> ProcessGroupGloo -> connectFullMesh)
-# often fails on this 2-core machine with "connection refused": in about 6 of 10 launches with
-# 4 ranks, measured. It fails before any code under test runs, so such launches are retried.
-INIT_ATTEMPTS = 12
-
-
-def _logs(log_dir):
-    text = []
-    for path in sorted(glob.glob(os.path.join(log_dir, "workerlog.*"))):
-        with open(path, errors="replace") as f:
-            lines = [ln for ln in f.read().splitlines() if not ln.startswith(("I1", "W1"))]
-        text.append(f"== {os.path.basename(path)}\n" + "\n".join(lines))
-    return "\n".join(text)
-
-
-def _launch_once(nproc, args, out, timeout):
-    log_dir = os.path.join(out, "log")
-    os.makedirs(log_dir, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-           "--log_dir", log_dir, WORKER, "--out", out, *args]
-    start = time.monotonic()
-    with open(os.path.join(out, "launch.txt"), "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            rc = None
-            while time.monotonic() - start < timeout:
-                try:
-                    rc = proc.wait(timeout=1.0)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if time.monotonic() - start > INIT_DEADLINE_S and _logs(log_dir).count(FLEET_READY) < nproc:
-                    break  # stuck in fleet.init's own gloo setup: give up on this attempt early
-        finally:
-            try:  # the launcher and every rank share the new session's process group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    return rc, time.monotonic() - start, _logs(log_dir)
 
 
 def launch(nproc, args, tmp_path, timeout):
     """Run the worker on ``nproc`` ranks; returns (rc or None on timeout, seconds, logs, results)."""
-    for attempt in range(INIT_ATTEMPTS):
-        out = str(tmp_path / f"run{attempt}")
-        os.makedirs(out)
-        rc, seconds, logs = _launch_once(nproc, args, out, timeout)
-        results = {}
-        for path in glob.glob(os.path.join(out, "rank*.json")):
-            with open(path) as f:
-                data = json.load(f)
-            results[data["rank"]] = data
-        # On a loaded machine gloo occasionally fails to connect (refused / TIMEOUT) while
-        # fleet.init builds fleet's own groups, before any code under test runs: try again.
-        flaky_init = rc != 0 and logs.count(FLEET_READY) < nproc
-        if not flaky_init:
-            break
-    return rc, seconds, logs, results
+    return launch_workers(WORKER, nproc, args, tmp_path, timeout)
 
 
 def check_identical_losses(results, nranks, steps):

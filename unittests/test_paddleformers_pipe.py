@@ -13,12 +13,9 @@ launch runs in its own session under a time limit (tools/launch.py), and is retr
 gloo fails to connect inside ``fleet.init`` (before any code under test runs).
 """
 
-import glob
 import importlib.util
-import json
 import math
 import os
-import sys
 
 import pytest
 
@@ -29,53 +26,16 @@ if importlib.util.find_spec("paddleformers") is None:
     pytest.skip("paddleformers is not installed: pip install --no-deps -r requirements-paddleformers.txt",
                 allow_module_level=True)
 
-from tools import launch  # noqa: E402
+from workers.fleet_ranks import launch_workers  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "unittests", "workers", "paddleformers_worker.py")
-FLEET_READY = "paddle_graphpp-worker: fleet.init done"
-INIT_DEADLINE_S = 45  # fleet.init takes ~5 s per rank here; past this it is stuck in gloo
-INIT_ATTEMPTS = 12  # gloo inside fleet.init often refuses connections with 4 ranks on 2 cores
 ROUTES = ("eager", "graph_pipeline", "install")
-
-
-def _logs(log_dir):
-    text = []
-    for path in sorted(glob.glob(os.path.join(log_dir, "workerlog.*"))):
-        with open(path, errors="replace") as f:
-            lines = [ln for ln in f.read().splitlines() if not ln.startswith(("I1", "W1"))]
-        text.append(f"== {os.path.basename(path)}\n" + "\n".join(lines))
-    return "\n".join(text)
-
-
-def _launch_once(nproc, args, out, timeout):
-    log_dir = os.path.join(out, "log")
-    os.makedirs(log_dir, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(nproc),
-           "--log_dir", log_dir, WORKER, "--out", out, *args]
-
-    def stuck_in_fleet_init(elapsed):
-        return elapsed > INIT_DEADLINE_S and _logs(log_dir).count(FLEET_READY) < nproc
-
-    end = launch.run(cmd, cwd=out, env=env, timeout=timeout, merge_stderr=True, abandon=stuck_in_fleet_init)
-    return None if end.stopped else end.returncode, end.seconds, _logs(log_dir)
 
 
 def run_workers(nproc, args, tmp_path, timeout):
     """Run the worker on ``nproc`` ranks; returns (rc or None when stopped, seconds, logs, results by rank)."""
-    for attempt in range(INIT_ATTEMPTS):
-        out = str(tmp_path / f"run{attempt}")
-        os.makedirs(out)
-        rc, seconds, logs = _launch_once(nproc, args, out, timeout)
-        results = {}
-        for path in glob.glob(os.path.join(out, "rank*.json")):
-            with open(path) as f:
-                data = json.load(f)
-            results[data["rank"]] = data
-        if rc == 0 or logs.count(FLEET_READY) >= nproc:
-            break  # not a failure inside fleet.init's own gloo setup: no retry
-    return rc, seconds, logs, results
+    return launch_workers(WORKER, nproc, args, tmp_path, timeout)
 
 
 def check_routes_agree(results, nranks, steps, micro):

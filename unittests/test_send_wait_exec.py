@@ -1,13 +1,12 @@
 """Running programs that went through the send-wait pass on Paddle 3.3.1 CPU."""
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 
 import pytest
 from static_pass_utils.runner import ROOT, legacy_env, run_script
+
+from tools import launch
 
 pytest.importorskip("paddle")
 pytestmark = pytest.mark.slow  # each case runs programs in fresh interpreters, one on two ranks
@@ -25,12 +24,6 @@ def test_nop_program_runs_on_cpu_with_identical_results(tmp_path):
     assert r["params_changed_by"] > 1e-3  # and training did move the parameters
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_rank_gloo_static_send_recv_not_executable_on_cpu(tmp_path):
     """Paddle 3.3.1's CPU build has no static-mode kernel for send_v2/recv_v2 (nor the stream
     syncs), so the transformed 2-rank programs cannot run on gloo. If a later Paddle runs them,
@@ -39,24 +32,11 @@ def test_two_rank_gloo_static_send_recv_not_executable_on_cpu(tmp_path):
     import json
 
     for attempt in range(3):  # gloo's rendezvous on fresh ports can fail on a loaded machine: retry
-        port = _free_port()
+        port = launch.free_port()
         outs = [tmp_path / f"a{attempt}-r{rank}.json" for rank in (0, 1)]
-        procs = [subprocess.Popen([sys.executable, script, str(rank), str(port), str(outs[rank])],
-                                  cwd=ROOT, env=legacy_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  start_new_session=True) for rank in (0, 1)]
-        errors = []
-        try:
-            for p in procs:
-                try:
-                    _, err = p.communicate(timeout=120)
-                    errors.append(err.decode(errors="replace")[-2000:])
-                except subprocess.TimeoutExpired:
-                    errors.append("timed out")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+        ends = launch.run_ranks([[sys.executable, script, str(rank), str(port), str(outs[rank])] for rank in (0, 1)],
+                                envs=[legacy_env()] * 2, cwd=ROOT, timeout=120)
+        errors = ["timed out" if e.stopped else e.stderr[-2000:] for e in ends]
         if all(o.exists() for o in outs):
             break
     assert all(o.exists() for o in outs), "a rank wrote no result:\n" + "\n---\n".join(errors)

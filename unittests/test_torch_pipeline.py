@@ -7,9 +7,6 @@ graphed run's FIFO. Capture and replay numbers are checked on GPUs (tools/bench_
 """
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import warnings
 
@@ -20,6 +17,7 @@ from torch import nn
 import paddle_graphpp
 from paddle_graphpp.torch.graphed import CUDAGraphedModule
 from paddle_graphpp.torch.pipelining import GraphedStage, graph_stage_module
+from tools import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -128,37 +126,13 @@ def test_bad_stages_are_rejected_with_the_fix():
 
 
 # ------------------------------------------------------------------------- distributed
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(args, tmp_path, world=2, timeout=150):
     """Start the worker on ``world`` gloo ranks; kill them all on timeout. Returns {rank: result}."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-               PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(tmp_path / f"log{rank}.txt", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, WORKER, "--out", str(tmp_path), *args],
-                                      env=dict(env, RANK=str(rank)), stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True))
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    except subprocess.TimeoutExpired:
-        codes = None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    text = ""
-    for log in logs:
-        log.seek(0)
-        text += log.read()
-        log.close()
+    envs = launch.rank_envs(world, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
+    ends = launch.run_ranks([[sys.executable, WORKER, "--out", str(tmp_path), *args]] * world, envs=envs,
+                            timeout=timeout, merge_stderr=True)
+    codes = [None if e.stopped else e.returncode for e in ends]
+    text = "".join(e.stdout for e in ends)
     assert codes == [0] * world, f"ranks failed or hung (codes {codes}):\n{text[-6000:]}"
     return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
 

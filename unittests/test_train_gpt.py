@@ -2,8 +2,6 @@
 
 Every run is a subprocess in its own session, under a timeout, killed with its ranks afterwards.
 """
-import importlib.util
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +10,9 @@ import time
 
 import pytest
 
+from tools import launch
+from tools.benchlib import last_json_line
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SCRIPT = os.path.join(REPO, "tools", "train_gpt.py")
@@ -19,32 +20,18 @@ FIELDS = {"framework", "pp", "vpp", "cudagraph", "steps", "loss_first", "loss_la
           "peak_mem_mib", "device"}
 
 
-def _kill_session(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def train(args, timeout=150):
     """Run the trainer; returns (exit code, stdout, stderr, seconds). Kills every rank on timeout."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PADDLE_TRAINER_ID")}
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=REPO, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_session(proc)
+    end = launch.run([sys.executable, SCRIPT, *args], env=env, cwd=REPO, timeout=timeout)
+    if end.timed_out:
         pytest.fail(f"train_gpt.py {' '.join(args)} did not finish in {timeout}s")
-    _kill_session(proc)  # ranks left behind, if any
-    return proc.returncode, out, err, time.monotonic() - start
+    return end.returncode, end.stdout, end.stderr, end.seconds
 
 
 def last_json(out):
-    lines = [line for line in out.strip().splitlines() if line.strip()]
-    record = json.loads(lines[-1])
+    record = last_json_line(out)
+    assert record is not None, f"no JSON line at the end of the output:\n{out[-2000:]}"
     assert FIELDS <= set(record), f"missing fields {FIELDS - set(record)}"
     return record
 
@@ -142,9 +129,8 @@ def test_text_too_short_for_the_sequence_length(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_dying_rank_stops_the_others():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--framework", "torch", "--steps", "100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
+    proc = launch.start([sys.executable, SCRIPT, "--framework", "torch", "--steps", "100000"],
+                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
     try:
         # rank 1 prints the step lines: once one is out, both ranks are training
         assert proc.stdout.readline().startswith("step "), "training did not start"
@@ -159,7 +145,7 @@ def test_a_dying_rank_stops_the_others():
         for pid in ranks:
             assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"rank process {pid} still running"
     finally:
-        _kill_session(proc)
+        launch.stop(proc)
 
 
 def _is_zombie(pid):
@@ -171,20 +157,18 @@ def _is_zombie(pid):
 
 
 def test_validation_rules_as_a_library():
-    spec = importlib.util.spec_from_file_location("train_gpt", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_gpt"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    mod.validate(mod.parse_args([]))  # the defaults work
-    mod.validate(mod.parse_args(["--framework", "torch", "--pp", "2", "--vpp", "2", "--micro-batches", "4"]))
-    with pytest.raises(mod.ConfigError, match="multiple of 4"):
-        mod.validate(mod.parse_args(["--framework", "torch", "--pp", "2", "--vpp", "2", "--layers", "6"]))
-    with pytest.raises(mod.ConfigError, match="2\\*pp = 8"):
-        mod.validate(mod.parse_args(["--pp", "4", "--vpp", "2", "--layers", "8", "--micro-batches", "4"]))
-    cfg = mod.parse_args(["--micro-batches", "2", "--micro-batch-size", "3", "--seq-len", "16"])
-    corpus = mod.load_corpus(cfg)
-    x, y = mod.batch_for_step(corpus, cfg, 7)
+    from tools.train_gpt import ConfigError, batch_for_step, load_corpus, parse_args, validate
+
+    validate(parse_args([]))  # the defaults work
+    validate(parse_args(["--framework", "torch", "--pp", "2", "--vpp", "2", "--micro-batches", "4"]))
+    with pytest.raises(ConfigError, match="multiple of 4"):
+        validate(parse_args(["--framework", "torch", "--pp", "2", "--vpp", "2", "--layers", "6"]))
+    with pytest.raises(ConfigError, match="2\\*pp = 8"):
+        validate(parse_args(["--pp", "4", "--vpp", "2", "--layers", "8", "--micro-batches", "4"]))
+    cfg = parse_args(["--micro-batches", "2", "--micro-batch-size", "3", "--seq-len", "16"])
+    corpus = load_corpus(cfg)
+    x, y = batch_for_step(corpus, cfg, 7)
     assert x.shape == y.shape == (6, 16)
     assert (x[:, 1:] == y[:, :-1]).all()
-    x2, _ = mod.batch_for_step(corpus, cfg, 7)
+    x2, _ = batch_for_step(corpus, cfg, 7)
     assert (x == x2).all()  # every rank draws the same batch

@@ -6,11 +6,12 @@ hard timeout) and checks its JSON. The full latency run is ``python tools/bench_
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tools import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,11 +24,11 @@ def test_custom_allreduce_in_graphs(tmp_path):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     cmd = [sys.executable, os.path.join(REPO, "tools", "bench_allreduce.py"), "--sizes", "4096,262144,4194304",
            "--calls", "8", "--rounds", "5", "--stress-calls", "50", "--timeout", "200", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=260)
+    end = launch.run(cmd, env=env, timeout=260)
     files = list(tmp_path.glob("allreduce-*.json"))
-    assert files, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert files, end.stdout[-3000:] + end.stderr[-3000:]
     rec = json.load(open(files[0]))
-    assert rec["status"] == "ok", proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert rec["status"] == "ok", end.stdout[-3000:] + end.stderr[-3000:]
     assert rec["custom_unavailable_reason"] is None, rec["peer_access"]
     for row in rec["sections"]["latency"]:
         assert row["errors"] == {} and all(row["correct"].values()), row

@@ -12,9 +12,7 @@ ranks fail instead of hanging).
 """
 
 import argparse
-import json
 import os
-import sys
 
 import numpy as np
 import paddle
@@ -24,10 +22,10 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import LayerDesc, SharedLayerDesc
 
 import paddle_graphpp
+from fleet_ranks import finish, init_fleet
 from paddle_graphpp.paddle.pipeline import PipelineLayer
 
 VOCAB, HIDDEN, SEQ = 32, 16, 6
-FLEET_READY = "paddle_graphpp-worker: fleet.init done"
 
 
 class TiedEmbedding(nn.Layer):
@@ -134,22 +132,8 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": args.pp}
-    strategy.pipeline_configs = {"accumulate_steps": args.micro_batches,
-                                 "micro_batch_size": args.micro_batch_size}
-    fleet.init(is_collective=True, strategy=strategy)
-    rank = paddle.distributed.get_rank()
-    print(FLEET_READY, flush=True)  # tells the test that gloo's own group setup succeeded
-    # fleet.init is not a barrier: a rank that finished it may fail (a bad configuration) and
-    # exit while a slower rank still connects its groups, which then sees "connection refused".
-    paddle.distributed.barrier()
-    result = {"rank": rank, "eager": train(args, False), "graphed": train(args, True)}
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    # Skip interpreter teardown of gloo groups: a peer that already left must not stall us.
-    os._exit(0)
+    rank = init_fleet(args.pp, args.micro_batches, args.micro_batch_size)
+    finish(args.out, rank, {"rank": rank, "eager": train(args, False), "graphed": train(args, True)})
 
 
 if __name__ == "__main__":

@@ -16,18 +16,15 @@ parameter names before and after graphing, and how often each graphed run was ca
 """
 
 import argparse
-import json
-import os
-import sys
 
 import numpy as np
 import paddle
 from paddle.distributed import fleet
 
 import paddle_graphpp
+from fleet_ranks import finish, init_fleet
 from paddle_graphpp.paddle import fleet_cpu
 
-FLEET_READY = "paddle_graphpp-worker: fleet.init done"
 VOCAB, HIDDEN, SEQ = 96, 64, 8
 
 
@@ -106,25 +103,14 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": args.pp}
-    strategy.pipeline_configs = {"accumulate_steps": args.micro_batches,
-                                 "micro_batch_size": args.micro_batch_size}
-    fleet.init(is_collective=True, strategy=strategy)
-    rank = paddle.distributed.get_rank()
-    print(FLEET_READY, flush=True)  # tells the test that gloo's own group setup succeeded
-    paddle.distributed.barrier()
+    rank = init_fleet(args.pp, args.micro_batches, args.micro_batch_size)
     # The project's CPU fleet adjustments, which any fleet pipeline needs on CPU ranks.
     fleet_cpu.adjust_for_cpu()
     uses_hop_groups = fleet_cpu.use_hop_groups(fleet.get_hybrid_communicate_group())
     result = {"rank": rank, "uses_hop_groups": uses_hop_groups}
     for route in ("eager", "graph_pipeline", "install"):
         result[route] = train(args, route)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    # Skip interpreter teardown of gloo groups: a peer that already left must not stall us.
-    os._exit(0)
+    finish(args.out, rank, result)
 
 
 if __name__ == "__main__":
