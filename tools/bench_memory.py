@@ -37,17 +37,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import benchlib  # noqa: E402
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
 from paddle_graphpp.core.driver_memory import GraphMemory  # noqa: E402
+from tools import benchlib, launch  # noqa: E402
 
 MODES = ("eager", "per_graph", "shared", "shared_reuse", "async")
 GRAPHED = ("per_graph", "shared", "shared_reuse", "async")
@@ -111,27 +110,15 @@ def describe_schedule(cfg: Config) -> str:
 
 
 # ----------------------------------------------------------------------------- device side
-def build_chunk(torch, cfg: Config, n_layers: int):
-    nn, F = torch.nn, torch.nn.functional
+def build_chunk(cfg: Config, n_layers: int):
+    """``n_layers`` blocks of the trainer's GPT (tools/gpt_torch.py): SDPA attention, no dropout."""
+    import torch
 
-    class Block(nn.Module):
-        """Pre-LN GPT block: causal self-attention (SDPA) and a 4x GELU MLP."""
+    from tools.gpt_torch import Block, GPTShape
 
-        def __init__(self):
-            super().__init__()
-            h = cfg.hidden
-            self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-            self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-            self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-        def forward(self, x):
-            b, s, h = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, cfg.heads, h // cfg.heads).permute(2, 0, 3, 1, 4).unbind(0)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
-
-    return nn.Sequential(*[Block() for _ in range(n_layers)])
+    shape = GPTShape(hidden=cfg.hidden, heads=cfg.heads, vocab=1, seq_len=cfg.seq, layers=cfg.layers,
+                     attention="sdpa")
+    return torch.nn.Sequential(*[Block(shape) for _ in range(n_layers)])
 
 
 def child(mode: str, cfg: Config) -> dict:
@@ -192,7 +179,7 @@ def child(mode: str, cfg: Config) -> dict:
     baseline = used_mib()
     per_chunk = cfg.layers // cfg.chunks
     with dev:  # initialise the parameters on the device: 400M parameters are slow to initialise on a CPU
-        chunks = [build_chunk(torch, cfg, per_chunk).to(dtype) for _ in range(cfg.chunks)]
+        chunks = [build_chunk(cfg, per_chunk).to(dtype) for _ in range(cfg.chunks)]
     if mode != "eager":
         from paddle_graphpp.torch import CUDAGraphedModule
 
@@ -296,23 +283,17 @@ def child_env(mode: str) -> dict:
 
 def run_child(mode: str, cfg: Config, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--config", json.dumps(asdict(cfg))]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(mode),
-                            cwd=benchlib.ROOT, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        return {"mode": mode, "error": f"timed out after {timeout:.0f} s", "stderr_tail": stderr[-2000:]}
-    wall = time.perf_counter() - start
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if proc.returncode != 0 or not lines:
-        return {"mode": mode, "error": f"exit code {proc.returncode}", "stderr_tail": stderr[-3000:],
+    end = launch.run(cmd, env=child_env(mode), cwd=benchlib.ROOT, timeout=timeout)
+    if end.timed_out:
+        return {"mode": mode, "error": f"timed out after {timeout:.0f} s", "stderr_tail": end.stderr[-2000:]}
+    wall = end.seconds
+    lines = [ln for ln in end.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if end.returncode != 0 or not lines:
+        return {"mode": mode, "error": f"exit code {end.returncode}", "stderr_tail": end.stderr[-3000:],
                 "wall_s": wall}
     result = json.loads(lines[-1][len(RESULT_TAG):])
     result["wall_s"] = wall
-    warn = [ln for ln in stderr.splitlines() if "Warning" in ln or "warn" in ln.lower()]
+    warn = [ln for ln in end.stderr.splitlines() if "Warning" in ln or "warn" in ln.lower()]
     if warn:
         result["stderr_warnings"] = sorted(set(warn))[:10]
     return result

@@ -35,9 +35,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +46,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
+from tools import launch  # noqa: E402
 
 # Eager micro-batches each graphed run sees before it captures (the engine's default).
 NUM_WARMUP_STEPS = 3
@@ -338,8 +336,8 @@ def cpu_peak_mib() -> float:
 
 # ------------------------------------------------------------------------------------ torch
 def model_shape(cfg: Config):
-    """The torch model's :class:`tools.gpt_torch.GPTShape` for this configuration."""
-    from tools.gpt_torch import GPTShape
+    """The model's :class:`tools.gpt_shape.GPTShape` for this configuration."""
+    from tools.gpt_shape import GPTShape
 
     return GPTShape(hidden=cfg.hidden, heads=cfg.num_heads, vocab=cfg.vocab, seq_len=cfg.seq_len, layers=cfg.layers,
                     dropout=cfg.dropout, attention=cfg.attention)
@@ -398,7 +396,7 @@ def run_torch(cfg: Config) -> None:
         device = torch.device("cpu")
     if world > 1 or "MASTER_ADDR" in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(launch.free_port()))
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout))
     else:
@@ -528,64 +526,6 @@ def _sum_tied_grads(tied: list, group) -> None:
 
 
 # ----------------------------------------------------------------------------------- paddle
-def _paddle_modules(cfg: Config):
-    import paddle
-    from paddle import nn
-    import paddle.nn.functional as F
-
-    normal = lambda: paddle.ParamAttr(initializer=nn.initializer.Normal(std=0.02))  # noqa: E731
-
-    class EmbeddingPipe(nn.Layer):
-        """Token + position embeddings; the token table ``weight`` is shared with the head."""
-
-        def __init__(self):
-            super().__init__()
-            paddle.seed(cfg.seed + 1)
-            self.weight = self.create_parameter([cfg.vocab, cfg.hidden], attr=normal())
-            self.pos = self.create_parameter([cfg.seq_len, cfg.hidden], attr=normal())
-            self.drop = nn.Dropout(cfg.dropout)
-
-        def forward(self, ids):
-            return self.drop(F.embedding(ids, self.weight) + self.pos[: ids.shape[1]])
-
-    def head_forward(embedding, x):
-        return paddle.matmul(x, embedding.weight, transpose_y=True)
-
-    class Block(nn.Layer):
-        """Pre-norm causal self-attention and MLP, each with residual dropout."""
-
-        def __init__(self, index):
-            super().__init__()
-            paddle.seed(cfg.seed + 100 + index)  # weights do not depend on pp/vpp
-            h = cfg.hidden
-            self.heads = cfg.num_heads
-            self.ln1 = nn.LayerNorm(h)
-            self.qkv = nn.Linear(h, 3 * h)
-            self.proj = nn.Linear(h, h)
-            self.ln2 = nn.LayerNorm(h)
-            self.fc1 = nn.Linear(h, 4 * h)
-            self.fc2 = nn.Linear(4 * h, h)
-            self.drop = nn.Dropout(cfg.dropout)
-            mask = paddle.triu(paddle.full([cfg.seq_len, cfg.seq_len], float("-inf")), 1)
-            self.register_buffer("mask", mask, persistable=False)
-
-        def forward(self, x):
-            b, t, c = x.shape
-            hd = c // self.heads
-            qkv = self.qkv(self.ln1(x)).reshape([b, t, 3, self.heads, hd]).transpose([2, 0, 3, 1, 4])
-            q, k, v = qkv[0], qkv[1], qkv[2]
-            att = paddle.matmul(q, k, transpose_y=True) * (1.0 / math.sqrt(hd)) + self.mask[:t, :t]
-            y = paddle.matmul(self.drop(F.softmax(att, axis=-1)), v).transpose([0, 2, 1, 3]).reshape([b, t, c])
-            x = x + self.drop(self.proj(y))
-            return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
-
-    class LossPipe(nn.Layer):
-        def forward(self, logits, labels):
-            return F.cross_entropy(logits.reshape([-1, cfg.vocab]), labels.reshape([-1, 1])).mean()
-
-    return EmbeddingPipe, head_forward, Block, LossPipe
-
-
 def run_paddle(cfg: Config) -> None:
     """One Paddle fleet rank: PipelineLayer with a SharedLayerDesc tie, ``train_batch`` per step."""
     import paddle
@@ -607,13 +547,16 @@ def run_paddle(cfg: Config) -> None:
     fleet.init(is_collective=True, strategy=strategy)
     rank = dist.get_rank()
 
-    EmbeddingPipe, head_forward, Block, LossPipe = _paddle_modules(cfg)
-    descs = [SharedLayerDesc("embed", EmbeddingPipe, shared_weight_attr="weight")]
-    descs += [LayerDesc(Block, i) for i in range(cfg.layers)]
+    from tools.gpt_paddle import Block, EmbeddingPipe, LossPipe, head_forward
+
+    shape = model_shape(cfg)
+    descs = [SharedLayerDesc("embed", EmbeddingPipe, shared_weight_attr="weight", shape=shape, seed=cfg.seed)]
+    descs += [LayerDesc(Block, shape, i, cfg.seed) for i in range(cfg.layers)]
     descs += [LayerDesc(nn.LayerNorm, cfg.hidden),
-              SharedLayerDesc("embed", EmbeddingPipe, forward_func=head_forward, shared_weight_attr="weight")]
+              SharedLayerDesc("embed", EmbeddingPipe, forward_func=head_forward, shared_weight_attr="weight",
+                              shape=shape, seed=cfg.seed)]
     model = paddle_graphpp.PipelineLayer(
-        descs, num_stages=cfg.pp, loss_fn=LossPipe(), seg_method="layer:Block",
+        descs, num_stages=cfg.pp, loss_fn=LossPipe(cfg.vocab), seg_method="layer:Block",
         num_virtual_pipeline_stages=cfg.vpp if cfg.vpp > 1 else None, use_cudagraph=cfg.cudagraph,
         num_warmup_steps=NUM_WARMUP_STEPS)
     optimizer = paddle.optimizer.AdamW(learning_rate=cfg.lr, parameters=model.parameters())
@@ -670,30 +613,11 @@ def _paddle_single_stage_step(model, optimizer, x, y, cfg: Config):
 
 
 # ----------------------------------------------------------------------------------- launch
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def under_launcher(framework: str) -> bool:
     """True when a launcher (torchrun / paddle.distributed.launch / our own) started this process."""
     if framework == "torch":
         return "RANK" in os.environ and "WORLD_SIZE" in os.environ
     return "PADDLE_TRAINER_ID" in os.environ
-
-
-def _terminate(procs: list) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.time() + 5
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def spawn_ranks(cfg: Config, argv: list) -> int:
@@ -702,44 +626,29 @@ def spawn_ranks(cfg: Config, argv: list) -> int:
     When a rank fails, the others are stopped at once rather than left to time out.
     """
     script = os.path.abspath(__file__)
-    env = dict(os.environ)
-    env["NCCL_NVLS_ENABLE"] = "0"
-    env["PYTHONUNBUFFERED"] = "1"
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    log_dir = None
     if cfg.framework == "paddle":
         log_dir = tempfile.mkdtemp(prefix="train_gpt_paddle_")
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(cfg.pp),
-               "--log_dir", log_dir, script, *argv]
         # paddle's launcher prints rank 0's output and stops every rank when one fails
-        procs = [subprocess.Popen(cmd, env=env, start_new_session=True)]
-        cleanup = log_dir
+        cmds = [[sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(cfg.pp),
+                 "--log_dir", log_dir, script, *argv]]
+        envs = [env]
     else:
-        cleanup = None
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(cfg.pp),
-                   LOCAL_WORLD_SIZE=str(cfg.pp))
-        procs = []
-        for rank in range(cfg.pp):
-            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-            procs.append(subprocess.Popen([sys.executable, script, *argv], env=rank_env, start_new_session=True))
-    old = signal.signal(signal.SIGTERM, lambda *_: (_terminate(procs), sys.exit(143)))
+        cmds = [[sys.executable, script, *argv]] * cfg.pp
+        envs = launch.rank_envs(cfg.pp, base=env)
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                _terminate(procs)
-                where = f" (rank logs in {cleanup})" if cleanup else ""
-                print(f"train_gpt: a rank exited with code {failed[0]}; stopped the others{where}", file=sys.stderr)
-                return failed[0]
-            if all(c == 0 for c in codes):
-                if cleanup:
-                    shutil.rmtree(cleanup, ignore_errors=True)
-                return 0
-            time.sleep(0.2)
+        ends = launch.run_ranks(cmds, envs=envs, timeout=None, capture=False)
     except KeyboardInterrupt:
-        _terminate(procs)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    failed = [e.returncode for e in ends if e.returncode != 0 and not e.stopped]
+    if failed:
+        where = f" (rank logs in {log_dir})" if log_dir else ""
+        print(f"train_gpt: a rank exited with code {failed[0]}; stopped the others{where}", file=sys.stderr)
+        return failed[0]
+    if log_dir:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return 0
 
 
 # ------------------------------------------------------------------------------------- main

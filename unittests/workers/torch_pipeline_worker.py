@@ -1,10 +1,10 @@
 """One rank of a torch.distributed.pipelining run, started by unittests/test_torch_pipeline.py.
 
 Runs as ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` say (gloo on CPU). It trains a
-small stage model twice from the same seeds, once with plain stage modules and once with
-``graph_stage_module``, through ``Schedule1F1B`` or ``ScheduleInterleaved1F1B``, and writes
-``rank<N>.json`` into ``--out``: the losses of both runs (last rank) and, per graphed run, the
-engine's capture/replay counts.
+small stage model (blocks of the trainer's GPT, tools/gpt_torch.py) twice from the same seeds,
+once with plain stage modules and once with ``graph_stage_module``, through ``Schedule1F1B`` or
+``ScheduleInterleaved1F1B``, and writes ``rank<N>.json`` into ``--out``: the losses of both runs
+(last rank) and, per graphed run, the engine's capture/replay counts.
 
 ``--runtime fake`` plugs the fake graph runtime (unittests/fake_runtime.py) into
 ``CUDAGraphedModule``: capture and replay then only do bookkeeping (replayed values are stale),
@@ -27,17 +27,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 
 import paddle_graphpp  # noqa: E402
 from paddle_graphpp.torch.pipelining import graph_stage_module  # noqa: E402
+from tools.gpt_torch import Block, GPTShape  # noqa: E402
 
-WIDTH, MBS = 16, 2
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2, self.drop = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH), nn.Dropout(0.1)
-
-    def forward(self, x):
-        return x + self.drop(self.fc2(torch.tanh(self.fc1(x))))
+WIDTH, MBS, SEQ = 16, 2, 4
+SHAPE = GPTShape(hidden=WIDTH, heads=2, vocab=1, seq_len=SEQ, layers=3, dropout=0.1)
 
 
 class Probe(nn.Module):
@@ -57,7 +50,7 @@ def build_chunk(chunk, num_chunks, seed):
     entries = []
     if chunk == 0:
         entries.append(nn.Linear(WIDTH, WIDTH))
-    entries += [Block(), Block(), scale, paddle_graphpp.mark_not_capturable(Probe()), Block()]
+    entries += [Block(SHAPE), Block(SHAPE), scale, paddle_graphpp.mark_not_capturable(Probe()), Block(SHAPE)]
     if chunk == num_chunks - 1:
         entries.append(nn.Linear(WIDTH, 1))
     return entries
@@ -71,8 +64,8 @@ def train(args, rank, world, graphed):
         entries = build_chunk(s, num_chunks, args.seed)
         mod = graph_stage_module(entries, 2, memory=args.memory, name=f"chunk{s}") if graphed else _Plain(entries)
         modules[s] = mod
-        x = torch.empty(MBS, WIDTH, requires_grad=s > 0)
-        y = torch.empty(MBS, 1 if s == num_chunks - 1 else WIDTH, requires_grad=True)
+        x = torch.empty(MBS, SEQ, WIDTH, requires_grad=s > 0)
+        y = torch.empty(MBS, SEQ, 1 if s == num_chunks - 1 else WIDTH, requires_grad=True)
         stages.append(PipelineStage(mod, s, num_chunks, torch.device("cpu"), input_args=(x,), output_args=(y,)))
     loss_fn = nn.MSELoss()
     if args.vpp == 1:
@@ -85,7 +78,7 @@ def train(args, rank, world, graphed):
     data = torch.Generator().manual_seed(args.seed)
     losses = []
     for _ in range(args.steps):
-        x = torch.randn(args.micro_batches * MBS, WIDTH, generator=data)
+        x = torch.randn(args.micro_batches * MBS, SEQ, WIDTH, generator=data)
         y = x.sum(-1, keepdim=True).tanh()
         step_losses = [] if rank == world - 1 else None
         opt.zero_grad()
