@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib  # noqa: E402
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
+from tools import benchlib, launch  # noqa: E402
 
 ROOT = benchlib.ROOT
 ONE_F_ONE_B = "f1 f2 f3 f4 b1 f5 b2 f6 b3 f7 b4 f8 b5 b6 b7 b8"  # 4 in flight, 8 micro-batches
@@ -118,11 +118,11 @@ def pool_child(mode: str) -> None:
 def bench_pools() -> dict:
     out = {}
     for mode in ("eager", "shared", "shared_reuse", "per_graph"):
-        proc = subprocess.run([sys.executable, __file__, "--pool-child", mode], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"pool measurement for {mode} failed:\n{proc.stderr[-3000:]}")
-        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        end = launch.run([sys.executable, __file__, "--pool-child", mode], timeout=300)
+        if end.returncode != 0 or end.timed_out:
+            why = "timed out after 300 s" if end.timed_out else f"exit code {end.returncode}"
+            raise RuntimeError(f"pool measurement for {mode} failed ({why}):\n{end.stderr[-3000:]}")
+        out[mode] = benchlib.last_json_line(end.stdout)
     return {
         "config": "same stack, input 4096 x 256, 8 micro-batches with 4 in flight (1F1B: " + ONE_F_ONE_B + ")",
         "modes": out,
@@ -134,24 +134,23 @@ def bench_pools() -> dict:
 
 
 def parity() -> float:
-    path = ROOT / "unittests" / "gpu" / "test_engine_gpu.py"
-    spec = importlib.util.spec_from_file_location("test_engine_gpu", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     import torch
+
+    from tools.engine_parity import check_parity
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    mod.test_parity_with_eager_interleaved_dropout_optimizer(accumulate_grads=False)
-    return mod.test_parity_with_eager_interleaved_dropout_optimizer.worst
+    return check_parity(accumulate_grads=False)
 
 
 def run_tests(paths: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", "-rfEs"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=900)
-    tail = proc.stdout.strip().splitlines()[-25:]
+    end = launch.run([sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", "-rfEs"],
+                     cwd=ROOT, timeout=900)
+    tail = end.stdout.strip().splitlines()[-25:]
+    if end.timed_out:
+        tail.append("gpu_check: the tests did not finish in 900 s; stopped")
     print("\n".join(tail))
-    return {"paths": paths, "exit_code": proc.returncode, "summary": tail[-1] if tail else ""}
+    return {"paths": paths, "exit_code": end.returncode, "summary": tail[-1] if tail else ""}
 
 
 def main() -> int:

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires 
 
 from paddle_graphpp.core.errors import CaptureError  # noqa: E402
 from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
+from tools.engine_parity import ORDER, Stack, check_parity, rel, run_step  # noqa: E402
 
-ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"
 DEV = "cuda"
 
 
@@ -27,93 +27,9 @@ def _fp32_exact():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-class Block(torch.nn.Module):
-    """A pre-norm transformer block with dropout in attention output and MLP."""
-
-    def __init__(self, hidden=64, heads=4, p=0.1):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = torch.nn.LayerNorm(hidden)
-        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
-        self.proj = torch.nn.Linear(hidden, hidden)
-        self.ln2 = torch.nn.LayerNorm(hidden)
-        self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
-        self.fc2 = torch.nn.Linear(4 * hidden, hidden)
-        self.drop = torch.nn.Dropout(p)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        a = torch.softmax(q @ k.transpose(-1, -2) / (h // self.heads) ** 0.5, dim=-1) @ v
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, s, h)))
-        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x)))))
-
-
-class Stack(torch.nn.Module):
-    """Blocks, with two differentiable outputs (hidden state and an auxiliary head)."""
-
-    def __init__(self, n=3, hidden=64):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(hidden) for _ in range(n))
-        self.aux = torch.nn.Linear(hidden, 8)
-
-    def forward(self, x):
-        for blk in self.blocks:
-            x = blk(x)
-        return x, self.aux(x)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def run_step(model, xs, order, seed):
-    """Interleaved schedule over 4 micro-batches; returns outputs, input grads and losses."""
-    torch.manual_seed(seed)
-    outs, losses = {}, []
-    for tok in order.split():
-        n = int(tok[1:]) - 1
-        if tok[0] == "f":
-            h, aux = model(xs[n])
-            outs[n] = (h.detach().clone(), aux.detach().clone(), h, aux)
-        else:
-            _, _, h, aux = outs[n]
-            loss = h.square().mean() + aux.sin().mean()
-            loss.backward()
-            losses.append(loss.detach())
-    return {n: o[:2] for n, o in outs.items()}, [x.grad.clone() for x in xs], torch.stack(losses)
-
-
 @pytest.mark.parametrize("accumulate_grads", [False, True])
 def test_parity_with_eager_interleaved_dropout_optimizer(accumulate_grads):
-    torch.manual_seed(0)
-    eager = Stack().to(DEV)
-    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=2, accumulate_grads=accumulate_grads)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
-    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
-    worst = 0.0
-    for step in range(12):
-        base = [torch.randn(2, 16, 64, device=DEV) for _ in range(4)]
-        xe = [b.clone().requires_grad_(True) for b in base]
-        xg = [b.clone().requires_grad_(True) for b in base]
-        oe, ge, le = run_step(eager, xe, ORDER, seed=1000 + step)
-        og, gg, lg = run_step(graphed, xg, ORDER, seed=1000 + step)
-        errs = [rel(lg, le)]
-        for n in range(4):
-            errs += [rel(og[n][0], oe[n][0]), rel(og[n][1], oe[n][1]), rel(gg[n], ge[n])]
-        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
-        worst = max(worst, max(errs))
-        assert max(errs) <= 1e-6, f"step {step}: max relative error {max(errs):.3e}"
-        if accumulate_grads and step >= 1:  # from the capture step on, .grad is the layer's buffer
-            bufs = graphed.engine._param_grad_buffers
-            assert all(q.grad is b for q, b in zip(graphed.module.parameters(), bufs))
-        opt_e.step(); opt_g.step()
-        opt_e.zero_grad(); opt_g.zero_grad()
-    for p, q in zip(eager.parameters(), graphed.module.parameters()):
-        assert rel(q, p) <= 1e-6
-    assert graphed.engine.captures == 8  # 4 positions x (fwd, bwd)
-    assert graphed.engine.replays == 8 * (12 - 2)  # step 0 warms up (to the episode end), step 1 captures
-    test_parity_with_eager_interleaved_dropout_optimizer.worst = worst
+    check_parity(accumulate_grads=accumulate_grads, device=DEV)
 
 
 def test_dropout_masks_differ_between_replays():

@@ -1,0 +1,103 @@
+"""Graphed against eager on a small GPT stack: the engine's parity check on a GPU (PyTorch).
+
+Shared by ``unittests/gpu/test_engine_gpu.py`` (which runs it as a test) and
+``tools/gpu_check.py`` (which records the worst error it saw). The stack is three blocks of the
+trainer's GPT (``tools/gpt_torch.py``, explicit attention, dropout 0.1) with two differentiable
+outputs (the hidden state and an auxiliary head); each step runs four micro-batches in an
+interleaved pipeline order, then an AdamW step.
+
+Run it with TF32 off (``torch.backends.cuda.matmul.allow_tf32 = False``, likewise cuDNN): the
+bound of 1e-6 is for fp32 kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tools.gpt_torch import Block, GPTShape
+
+__all__ = ["ORDER", "Stack", "rel", "run_step", "check_parity"]
+
+ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"
+"""The micro-batch order of one step: forwards ``fN`` and backwards ``bN`` of 4 micro-batches."""
+SEQ = 16
+TOLERANCE = 1e-6
+
+
+class Stack(torch.nn.Module):
+    """``n`` GPT blocks, with two differentiable outputs (hidden state and an auxiliary head)."""
+
+    def __init__(self, n=3, hidden=64):
+        super().__init__()
+        shape = GPTShape(hidden=hidden, heads=4, vocab=8, seq_len=SEQ, layers=n, dropout=0.1)
+        self.blocks = torch.nn.ModuleList(Block(shape) for _ in range(n))
+        self.aux = torch.nn.Linear(hidden, 8)
+
+    def forward(self, x):
+        for blk in self.blocks:
+            x = blk(x)
+        return x, self.aux(x)
+
+
+def rel(a, b) -> float:
+    """Relative error of ``a`` against ``b`` (float64 norms)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def run_step(model, xs, order, seed):
+    """Run ``order`` over the micro-batches ``xs``; returns outputs, input grads and losses."""
+    torch.manual_seed(seed)
+    outs, losses = {}, []
+    for tok in order.split():
+        n = int(tok[1:]) - 1
+        if tok[0] == "f":
+            h, aux = model(xs[n])
+            outs[n] = (h.detach().clone(), aux.detach().clone(), h, aux)
+        else:
+            _, _, h, aux = outs[n]
+            loss = h.square().mean() + aux.sin().mean()
+            loss.backward()
+            losses.append(loss.detach())
+    return {n: o[:2] for n, o in outs.items()}, [x.grad.clone() for x in xs], torch.stack(losses)
+
+
+def check_parity(*, accumulate_grads: bool, steps: int = 12, device: str = "cuda") -> float:
+    """Train the stack eagerly and graphed side by side for ``steps`` steps; return the worst
+    relative error of losses, outputs, input and parameter gradients, and final weights.
+
+    Raises:
+        AssertionError: an error above 1e-6 (naming the step), a parameter whose ``.grad`` is
+            not the engine's buffer with ``accumulate_grads``, or capture/replay counts off.
+    """
+    from paddle_graphpp.torch import CUDAGraphedModule
+
+    torch.manual_seed(0)
+    eager = Stack().to(device)
+    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=2, accumulate_grads=accumulate_grads)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    worst = 0.0
+    for step in range(steps):
+        base = [torch.randn(2, SEQ, 64, device=device) for _ in range(4)]
+        xe = [b.clone().requires_grad_(True) for b in base]
+        xg = [b.clone().requires_grad_(True) for b in base]
+        oe, ge, le = run_step(eager, xe, ORDER, seed=1000 + step)
+        og, gg, lg = run_step(graphed, xg, ORDER, seed=1000 + step)
+        errs = [rel(lg, le)]
+        for n in range(4):
+            errs += [rel(og[n][0], oe[n][0]), rel(og[n][1], oe[n][1]), rel(gg[n], ge[n])]
+        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+        worst = max(worst, max(errs))
+        assert max(errs) <= TOLERANCE, f"step {step}: max relative error {max(errs):.3e}"
+        if accumulate_grads and step >= 1:  # from the capture step on, .grad is the layer's buffer
+            bufs = graphed.engine._param_grad_buffers
+            assert all(q.grad is b for q, b in zip(graphed.module.parameters(), bufs))
+        opt_e.step(); opt_g.step()
+        opt_e.zero_grad(); opt_g.zero_grad()
+    for p, q in zip(eager.parameters(), graphed.module.parameters()):
+        assert rel(q, p) <= TOLERANCE
+    assert graphed.engine.captures == 8  # 4 positions x (fwd, bwd)
+    assert graphed.engine.replays == 8 * (steps - 2)  # step 0 warms up (to the episode end), step 1 captures
+    return worst
