@@ -1,7 +1,8 @@
 """Fleet pipeline workers on CPU ranks: the worker's half and the test's half.
 
 A worker (``paddle_pipeline_worker.py``, ``paddleformers_worker.py``) calls :func:`init_fleet`,
-trains, and ends with :func:`finish`, which writes ``rank<N>.json`` into ``--out``. A test calls
+trains (:func:`train_on_random_tokens`, :func:`count_calls`), and ends with :func:`finish`,
+which writes ``rank<N>.json`` into ``--out``. A test calls
 :func:`launch_workers`, which runs the worker under ``python -m paddle.distributed.launch`` in
 its own session under a time limit (``tools/launch.py``) and reads the results back.
 
@@ -39,6 +40,44 @@ def init_fleet(pp: int, micro_batches: int, micro_batch_size: int) -> int:
     # exit while a slower rank still connects its groups, which then sees "connection refused".
     paddle.distributed.barrier()
     return rank
+
+
+def count_calls(layers) -> dict:
+    """``{index: calls}`` of ``layers``, counted by a forward pre-hook on each."""
+    calls = {}
+    for idx, layer in enumerate(layers):
+        calls[idx] = 0
+
+        def count(_layer, _inputs, key=idx):
+            calls[key] += 1
+
+        layer.register_forward_pre_hook(count)
+    return calls
+
+
+def train_on_random_tokens(model, args, vocab: int, seq: int, *, die_rank: int = -1):
+    """Train ``fleet.distributed_model(model)`` with AdamW(1e-2) for ``args.steps`` steps of
+    ``args.micro_batches * args.micro_batch_size`` random token sequences of length ``seq``
+    (seeded by ``args.seed``); returns the distributed model and the per-step losses. Rank
+    ``die_rank`` exits abruptly (code 3) in the first step instead."""
+    import numpy as np
+    import paddle
+    from paddle.distributed import fleet
+
+    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(opt)
+    data = np.random.RandomState(args.seed)
+    batch = args.micro_batches * args.micro_batch_size
+    losses = []
+    for _ in range(args.steps):
+        tokens = data.randint(0, vocab, (batch, seq + 1)).astype("int64")
+        x, y = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
+        if die_rank == paddle.distributed.get_rank():
+            os._exit(3)
+        loss = model.train_batch([x, y], opt)
+        losses.append(float(np.asarray(loss.numpy()).reshape(-1)[0]))
+    return model, losses
 
 
 def finish(out: str, rank: int, result: dict) -> None:

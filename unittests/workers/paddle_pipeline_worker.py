@@ -12,17 +12,14 @@ ranks fail instead of hanging).
 """
 
 import argparse
-import os
 
-import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
-from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import LayerDesc, SharedLayerDesc
 
 import paddle_graphpp
-from fleet_ranks import finish, init_fleet
+from fleet_ranks import count_calls, finish, init_fleet, train_on_random_tokens
 from paddle_graphpp.paddle.pipeline import PipelineLayer
 
 VOCAB, HIDDEN, SEQ = 32, 16, 6
@@ -90,27 +87,8 @@ def train(args, use_cudagraph):
         num_virtual_pipeline_stages=args.vpp if args.vpp > 1 else None,
         use_cudagraph=use_cudagraph,
     )
-    calls = {}
-    for idx, graphed in enumerate(model.graphed_layers()):
-        calls[idx] = 0
-
-        def count(layer, inputs, key=idx):
-            calls[key] += 1
-
-        graphed.register_forward_pre_hook(count)
-    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
-    model = fleet.distributed_model(model)
-    opt = fleet.distributed_optimizer(opt)
-    data = np.random.RandomState(args.seed)
-    batch = args.micro_batches * args.micro_batch_size
-    losses = []
-    for step in range(args.steps):
-        tokens = data.randint(0, VOCAB, (batch, SEQ + 1)).astype("int64")
-        x, y = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
-        if args.die_rank == paddle.distributed.get_rank():
-            os._exit(3)
-        loss = model.train_batch([x, y], opt)
-        losses.append(float(np.asarray(loss.numpy()).reshape(-1)[0]))
+    calls = count_calls(model.graphed_layers())
+    model, losses = train_on_random_tokens(model, args, VOCAB, SEQ, die_rank=args.die_rank)
     inner = model._layers
     return {"losses": losses, "report": inner.segmentation_report(), "graphed_calls": calls,
             "uses_hop_groups": inner.uses_hop_groups,

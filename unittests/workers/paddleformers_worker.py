@@ -17,12 +17,11 @@ parameter names before and after graphing, and how often each graphed run was ca
 
 import argparse
 
-import numpy as np
 import paddle
 from paddle.distributed import fleet
 
 import paddle_graphpp
-from fleet_ranks import finish, init_fleet
+from fleet_ranks import count_calls, finish, init_fleet, train_on_random_tokens
 from paddle_graphpp.paddle import fleet_cpu
 
 VOCAB, HIDDEN, SEQ = 96, 64, 8
@@ -61,31 +60,14 @@ def build(args, route):
 def train(args, route):
     model, names_before = build(args, route)
     graphs = paddle_graphpp.GraphedPipeline.of(model)
-    calls = {}
-    for idx, layer in enumerate(graphs.graphed_layers() if graphs else []):
-        calls[idx] = 0
-
-        def count(layer, inputs, key=idx):
-            calls[key] += 1
-
-        layer.register_forward_pre_hook(count)
+    calls = count_calls(graphs.graphed_layers() if graphs else [])
     record = {
         "report": graphs.segmentation_report() if graphs else None,
         "state_dict_keys": list(model.state_dict().keys()),
         "names_before": names_before,
         "names_after": [p.name for p in model.parameters()],
     }
-    opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
-    model = fleet.distributed_model(model)
-    opt = fleet.distributed_optimizer(opt)
-    data = np.random.RandomState(args.seed)
-    batch = args.micro_batches * args.micro_batch_size
-    losses = []
-    for _ in range(args.steps):
-        tokens = data.randint(0, VOCAB, (batch, SEQ + 1)).astype("int64")
-        x, y = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
-        loss = model.train_batch([x, y], opt)
-        losses.append(float(np.asarray(loss.numpy()).reshape(-1)[0]))
+    _, losses = train_on_random_tokens(model, args, VOCAB, SEQ)
     record.update(losses=losses, graphed_calls=calls)
     return record
 
