@@ -20,6 +20,8 @@ machine cannot run the benchmark.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import argparse
 import json
 import os
@@ -51,13 +53,15 @@ EXTRA_VARIANTS = ("graphed_optimizer", "graphed_accumulate")
 SCHEDULES = {"1F1B": ["--pp", "2"], "interleaved": ["--pp", "2", "--vpp", "2"]}
 
 
-def run_one(args: list, timeout: float) -> dict:
-    """One train_gpt.py run in its own session; its last stdout line parsed, or the failure."""
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+def run_one(args: list, timeout: float, extra_env: Optional[dict] = None) -> dict:
+    """One train_gpt.py run in its own session; its last stdout line parsed, or the failure.
+    ``extra_env``: variables added to the run's environment (recorded with the command)."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", **(extra_env or {}))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
     end = launch.run([sys.executable, TRAIN, *args], env=env, timeout=max(1.0, timeout))
-    record = {"command": " ".join(["python", "tools/train_gpt.py", *args]), "seconds": round(end.seconds, 1)}
+    prefix = [f"{k}={v}" for k, v in (extra_env or {}).items()]
+    record = {"command": " ".join([*prefix, "python", "tools/train_gpt.py", *args]), "seconds": round(end.seconds, 1)}
     result = benchlib.last_json_line(end.stdout)
     if end.timed_out or end.returncode != 0 or result is None:
         record["error"] = ("timed out after %.0fs" % timeout) if end.timed_out else f"exit code {end.returncode}"

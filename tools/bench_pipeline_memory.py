@@ -1,18 +1,29 @@
 #!/usr/bin/env python
-"""Graph memory modes in a real interleaved pipeline (2 GPUs): eager vs each memory mode.
+"""Graph memory in a real pipeline (2 GPUs): eager against every graphed setting.
 
-    python tools/bench_pipeline_memory.py
+    python tools/bench_pipeline_memory.py --preset gpt1.3b      # GPT-3 1.3B shape, bf16
+    python tools/bench_pipeline_memory.py --preset small        # the earlier small interleaved run
 
-Runs ``tools/train_gpt.py --framework torch --pp 2 --vpp 2`` (hidden 2048, 4 layers, micro-batch
-4 x 512, 8 micro-batches, 12 steps) eagerly and with ``--cudagraph --graph-memory MODE`` for
-``per_graph``, ``shared`` and ``shared_reuse``, and records each run's ``peak_mem_mib`` (max
-reserved over the run, capture step included) and ``steady_peak_mem_mib`` (after warmup and
-capture), max over ranks, in ``benchmarks/results/memory-pipeline-<device>.json``.
+Each variant is one ``tools/train_gpt.py --framework torch --pp 2`` run in its own processes
+(peaks do not reset cleanly inside one process). Per rank it records the peak of reserved
+memory including the capture step, the steady peak after it, ``memory_report()``, the
+per-step losses, and tokens/s. Speed is compared as the median of ``--rounds`` alternating
+rounds of eager and the default graphed settings.
+
+Variants: ``eager``; ``default`` (``--cudagraph``: the library's defaults); ``no_accumulate``;
+``shared_reuse``; ``per_graph`` (upstream Paddle's design: a pool per graph); ``async``
+(the default settings under ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``: graph
+memory nodes shared with eager stream-ordered allocations). The gpt1.3b preset runs them
+with 1F1B at seq 2048, eager and default interleaved (vpp 2), and eager and default at
+seq 512 (launch-bound). Writes ``benchmarks/results/memory-pipeline-<preset>-<device>.json``
+with ``summary.default`` (1F1B, the longest sequence) and a PNG chart next to it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -22,44 +33,181 @@ if REPO not in sys.path:  # run from a checkout without installing
 from tools import benchlib  # noqa: E402
 from tools.bench_pipeline import run_one  # noqa: E402
 
-CONFIG = ["--framework", "torch", "--pp", "2", "--vpp", "2", "--hidden", "2048", "--layers", "4",
-          "--micro-batch-size", "4", "--seq-len", "512", "--micro-batches", "8", "--steps", "12",
-          "--seed", "1234", "--timeout", "120"]
-VARIANTS = {"eager": [], "per_graph": ["--cudagraph", "--graph-memory", "per_graph"],
-            "shared": ["--cudagraph", "--graph-memory", "shared"],
-            "shared_reuse": ["--cudagraph", "--graph-memory", "shared_reuse"]}
+PRESETS = {
+    "gpt1.3b": ["--framework", "torch", "--pp", "2", "--hidden", "2048", "--layers", "24", "--heads", "16",
+                "--vocab", "50304", "--micro-batch-size", "1", "--micro-batches", "8", "--dtype", "bfloat16",
+                "--attention", "sdpa", "--dropout", "0.1", "--steps", "10", "--seed", "1234", "--timeout", "120"],
+    "small": ["--framework", "torch", "--pp", "2", "--vpp", "2", "--hidden", "2048", "--layers", "4",
+              "--micro-batch-size", "4", "--micro-batches", "8", "--steps", "12", "--seed", "1234",
+              "--timeout", "120"],
+}
+SEQ = {"gpt1.3b": (2048, 512), "small": (512,)}
+GRAPHED = {
+    "default": ([], None),
+    "no_accumulate": (["--no-graph-accumulate-grads"], None),
+    "shared_reuse": (["--graph-memory", "shared_reuse"], None),
+    "per_graph": (["--graph-memory", "per_graph"], None),
+    "async": ([], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
+}
+KEEP = ("command", "error", "stderr_tail", "peak_mem_mib", "steady_peak_mem_mib", "tokens_per_s", "losses",
+        "per_rank", "seconds")
 
 
-def main() -> int:
+def plan(preset: str, variants: list[str], rounds: int) -> list[tuple[str, list, dict | None]]:
+    """(label, train_gpt arguments, extra env) in run order: the alternating speed rounds of
+    eager and default first, then one run of every other variant."""
+    base = PRESETS[preset]
+    runs = []
+    seqs = SEQ[preset]
+    long_seq = seqs[0]
+    for r in range(rounds):
+        for seq in seqs:
+            for vpp in ((1, 2) if preset == "gpt1.3b" and seq == long_seq else (None,)):
+                sched = [] if vpp is None else ["--vpp", str(vpp)]
+                tag = f"seq{seq}" + ("" if vpp is None else ("_1f1b" if vpp == 1 else "_vpp2"))
+                for name in ("eager", "default"):
+                    if r > 0 and vpp == 2:
+                        continue  # interleaved: memory only, one round
+                    extra = [] if name == "eager" else ["--cudagraph"]
+                    runs.append((f"{name}@{tag}#{r}", base + ["--seq-len", str(seq)] + sched + extra, None))
+    tag = f"seq{long_seq}" + ("_1f1b" if preset == "gpt1.3b" else "")
+    sched = ["--vpp", "1"] if preset == "gpt1.3b" else []
+    for name in variants:
+        if name in ("eager", "default"):
+            continue
+        extra, env = GRAPHED[name]
+        runs.append((f"{name}@{tag}#0", base + ["--seq-len", str(long_seq)] + sched + ["--cudagraph"] + extra, env))
+    return runs
+
+
+def summarize(runs: dict) -> dict:
+    """Per configuration and variant: memory per rank against eager's, speed as the median
+    over rounds against eager's median."""
+    by = {}
+    for label, r in runs.items():
+        name, rest = label.split("@")
+        tag, _ = rest.split("#")
+        by.setdefault(tag, {}).setdefault(name, []).append(r)
+    out = {}
+    for tag, variants in by.items():
+        eager = [r for r in variants.get("eager", []) if "error" not in r]
+        if not eager:
+            continue
+        e0 = eager[0]
+        eager_tps = statistics.median(r["tokens_per_s"] for r in eager)
+        rows = {}
+        for name, rs in variants.items():
+            ok = [r for r in rs if "error" not in r]
+            if not ok:
+                rows[name] = {"error": rs[0].get("error")}
+                continue
+            r0 = ok[0]
+            peak = [a["peak_mem_mib"] / b["peak_mem_mib"] for a, b in zip(r0["per_rank"], e0["per_rank"])]
+            steady = [a["steady_peak_mem_mib"] / b["steady_peak_mem_mib"]
+                      for a, b in zip(r0["per_rank"], e0["per_rank"])]
+            tps = [r["tokens_per_s"] for r in ok]
+            rows[name] = {
+                "peak_mib_per_rank": [a["peak_mem_mib"] for a in r0["per_rank"]],
+                "steady_mib_per_rank": [a["steady_peak_mem_mib"] for a in r0["per_rank"]],
+                "peak_vs_eager": round(max(peak), 4), "steady_vs_eager": round(max(steady), 4),
+                "tokens_per_s_median": statistics.median(tps), "tokens_per_s_all": tps,
+                "speed_vs_eager": round(statistics.median(tps) / eager_tps, 4),
+                "max_abs_loss_diff_vs_eager": (max(abs(a - b) for a, b in zip(r0["losses"], e0["losses"]))
+                                               if r0.get("losses") and e0.get("losses") else None),
+            }
+        out[tag] = rows
+    return out
+
+
+def chart(summary: dict, tag: str, path: str, title: str) -> None:
+    """Bars of peak and steady MiB per variant and rank, eager's as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary[tag]
+    names = [n for n in rows if "error" not in rows[n]]
+    ranks = len(rows["eager"]["peak_mib_per_rank"])
+    fig, axes = plt.subplots(1, ranks, figsize=(5 * ranks, 4), sharey=True)
+    for rank, ax in enumerate(axes if ranks > 1 else [axes]):
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [rows[n]["peak_mib_per_rank"][rank] for n in names], 0.4, label="peak (capture step)")
+        ax.bar([x + 0.2 for x in xs], [rows[n]["steady_mib_per_rank"][rank] for n in names], 0.4, label="steady")
+        ax.axhline(rows["eager"]["peak_mib_per_rank"][rank], color="k", lw=1, ls="--", label="eager")
+        ax.set_xticks(list(xs), names, rotation=30, ha="right")
+        ax.set_title(f"rank {rank}")
+        ax.set_ylabel("max reserved MiB")
+    axes_first = axes[0] if ranks > 1 else axes
+    axes_first.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt1.3b")
+    parser.add_argument("--variants", default=",".join(["eager", *GRAPHED]),
+                        help="comma-separated, from: eager," + ",".join(GRAPHED))
+    parser.add_argument("--rounds", type=int, default=2, help="alternating eager/default rounds for speed")
+    parser.add_argument("--budget", type=float, default=560.0, help="seconds for all runs")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    args = parser.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - {"eager", *GRAPHED})
+    if unknown or args.rounds < 1:
+        parser.error(f"unknown variants {unknown}" if unknown else "--rounds must be >= 1")
+    runs_plan = plan(args.preset, variants, args.rounds)
+    if args.dry_run:
+        for label, a, env in runs_plan:
+            print(label, " ".join(f"{k}={v}" for k, v in (env or {}).items()), "python tools/train_gpt.py", *a)
+        return 0
     import torch
 
     if torch.cuda.device_count() < 2:
         print("bench_pipeline_memory: needs 2 GPUs", file=sys.stderr)
         return 2
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + args.budget
     runs = {}
-    for name, extra in VARIANTS.items():
+    for i, (label, a, env) in enumerate(runs_plan, 1):
         remaining = deadline - time.monotonic()
-        if remaining < 20:
-            runs[name] = {"error": "skipped: time budget spent"}
+        if remaining < 25:
+            runs[label] = {"error": "skipped: time budget spent"}
             continue
-        print(f"[{name}] ...", flush=True)
-        runs[name] = run_one(CONFIG + extra, timeout=min(150.0, remaining - 5))
-    eager = runs["eager"]
-    print(f"{'variant':<14}{'peak MiB':>10}{'x eager':>9}{'steady MiB':>12}{'x eager':>9}{'tok/s':>10}")
-    for name, r in runs.items():
-        if "error" in r:
-            print(f"{name:<14} FAILED: {r['error']}\n{r.get('stderr_tail', '')[-800:]}")
-            continue
-        x = r["peak_mem_mib"] / eager.get("peak_mem_mib", float("nan"))
-        y = r["steady_peak_mem_mib"] / eager.get("steady_peak_mem_mib", float("nan"))
-        print(f"{name:<14}{r['peak_mem_mib']:>10.0f}{x:>9.2f}{r['steady_peak_mem_mib']:>12.0f}{y:>9.2f}"
-              f"{r['tokens_per_s']:>10.0f}")
-    keep = ("command", "error", "peak_mem_mib", "steady_peak_mem_mib", "tokens_per_s", "losses", "graphs_active")
-    payload = {"command": benchlib.command(), **benchlib.environment(), "config": CONFIG,
-               "runs": {k: {f: v[f] for f in keep if f in v} for k, v in runs.items()}}
-    path = benchlib.write_result("memory-pipeline", payload)
+        print(f"[{i}/{len(runs_plan)}] {label} ...", flush=True)
+        r = run_one(a, timeout=min(150.0, remaining - 5), extra_env=env)
+        runs[label] = {f: r[f] for f in KEEP if f in r}
+    summary = summarize(runs)
+    long_tag = next(iter(summary)) if summary else None
+    default_tag = "seq2048_1f1b" if args.preset == "gpt1.3b" else long_tag
+    print(f"{'config':<14}{'variant':<15}{'peak x':>8}{'steady x':>10}{'speed x':>9}  MiB peak/steady per rank")
+    for tag, rows in summary.items():
+        for name, row in rows.items():
+            if "error" in row:
+                print(f"{tag:<14}{name:<15} FAILED: {row['error']}")
+                continue
+            print(f"{tag:<14}{name:<15}{row['peak_vs_eager']:>8.3f}{row['steady_vs_eager']:>10.3f}"
+                  f"{row['speed_vs_eager']:>9.3f}  {row['peak_mib_per_rank']} / {row['steady_mib_per_rank']}")
+    default = summary.get(default_tag, {}).get("default", {})
+    payload = {"command": benchlib.command(), **benchlib.environment(), "preset": args.preset,
+               "config": PRESETS[args.preset], "summary": {
+                   "default": {k: default.get(k) for k in ("peak_vs_eager", "steady_vs_eager", "speed_vs_eager")},
+                   "default_config": default_tag, "by_config": summary},
+               "runs": runs}
+    path = benchlib.write_result(f"memory-pipeline-{args.preset}", payload)
     print(f"wrote {path}")
+    if default_tag in summary and "eager" in summary[default_tag]:
+        try:
+            png = str(path).replace(".json", ".png")
+            chart(summary, default_tag, png, f"{args.preset}, {default_tag}: max reserved per rank")
+            print(f"wrote {png}")
+            if os.environ.get("OUT"):
+                import shutil
+
+                shutil.copy(png, os.environ["OUT"])
+        except ImportError as exc:
+            print(f"no chart ({exc})", file=sys.stderr)
     return 0 if all("error" not in r for r in runs.values()) else 1
 
 

@@ -31,6 +31,7 @@ loss_last, tokens_per_s, peak_mem_mib, device, plus the rest of the configuratio
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 import json
 import math
 import os
@@ -102,9 +103,10 @@ class Config:
     """Seconds a rank waits for its peers before it gives up with an error."""
     graph_memory: str = "shared"
     """Memory mode of the graphed runs: ``shared``, ``shared_reuse`` or ``per_graph`` (PyTorch)."""
-    graph_accumulate_grads: bool = False
+    graph_accumulate_grads: Optional[bool] = None
     """Accumulate parameter gradients into ``.grad`` inside the backward graphs (PyTorch;
-    ``accumulate_grads=True`` of ``graph_stage_module``)."""
+    ``accumulate_grads`` of ``graph_stage_module``); ``None``: the library's default
+    (``"auto"``)."""
     graph_optimizer: bool = False
     """Capture the optimizer step and gradient zeroing as one CUDA graph (PyTorch only;
     ``paddle_graphpp.GraphedOptimizer``); eager and bit-identical on CPU."""
@@ -132,8 +134,9 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--cudagraph", action="store_true", help="capture stage blocks as CUDA graphs")
     parser.add_argument("--graph-memory", choices=["shared", "shared_reuse", "per_graph"],
                         default=defaults.graph_memory, help="memory mode of the graphed runs (--framework torch)")
-    parser.add_argument("--graph-accumulate-grads", action="store_true",
-                        help="accumulate parameter gradients inside the backward graphs (--framework torch)")
+    parser.add_argument("--graph-accumulate-grads", action=argparse.BooleanOptionalAction, default=None,
+                        help="accumulate parameter gradients inside the backward graphs, or not "
+                             "(--framework torch; default: the library's, 'auto')")
     parser.add_argument("--graph-optimizer", action="store_true",
                         help="capture AdamW step + zero-grad as one CUDA graph (--framework torch)")
     parser.add_argument("--attention", choices=["explicit", "sdpa"], default=defaults.attention)
@@ -179,7 +182,7 @@ def validate(cfg: Config) -> None:
     if cfg.graph_memory != "shared" and cfg.framework != "torch":
         raise ConfigError("--graph-memory works with --framework torch; paddle_graphpp.PipelineLayer uses "
                           "the shared pool")
-    if cfg.graph_accumulate_grads and cfg.framework != "torch":
+    if cfg.graph_accumulate_grads is not None and cfg.framework != "torch":
         raise ConfigError("--graph-accumulate-grads works with --framework torch")
     if cfg.graph_optimizer and cfg.framework != "torch":
         raise ConfigError("--graph-optimizer works with --framework torch; Paddle's fleet wraps the "
@@ -419,9 +422,9 @@ def run_torch(cfg: Config) -> None:
             from paddle_graphpp.torch.pipelining import graph_stage_module
 
             t = tied_by_chunk[s]
+            accumulate = "auto" if cfg.graph_accumulate_grads is None else cfg.graph_accumulate_grads
             mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, shared=() if t is None else (t if isinstance(t, tuple) else (t,)),
-                                     memory=cfg.graph_memory, accumulate_grads=cfg.graph_accumulate_grads,
-                                     name=f"stage{s}")
+                                     memory=cfg.graph_memory, accumulate_grads=accumulate, name=f"stage{s}")
             graphed.extend(mod.graphed_modules)
         else:
             mod = chunks[s]

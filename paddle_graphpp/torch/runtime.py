@@ -35,6 +35,7 @@ class TorchRuntime(GraphRuntime):
     def __init__(self):
         self._capture_streams: dict[int, torch.cuda.Stream] = {}
         self._lender = None  # pool_lending.PoolLender, once a pool is lent
+        self._pools: list = []  # every MemPool handed out (see new_pool)
 
     # tensors
     def is_tensor(self, obj: Any) -> bool:
@@ -149,8 +150,13 @@ class TorchRuntime(GraphRuntime):
         return torch.cuda.CUDAGraph()
 
     def new_pool(self):
-        # A MemPool (not a bare handle): eager work can then be routed into it (lend_pool).
-        return torch.cuda.MemPool()
+        # A MemPool (not a bare handle): eager work can then be routed into it (lend_pool). A
+        # MemPool must outlive every graph captured into it (its destructor asserts that none
+        # is left), and a graph's attributes are released before the graph itself: the runtime
+        # keeps the pools for the life of the process.
+        pool = torch.cuda.MemPool()
+        self._pools.append(pool)
+        return pool
 
     def capture_stream(self) -> "torch.cuda.Stream":
         device = torch.cuda.current_device()
@@ -171,7 +177,11 @@ class TorchRuntime(GraphRuntime):
             except BaseException:
                 # End the broken capture here, so the stream and the pool can be used again.
                 with contextlib.suppress(Exception):
-                    graph.capture_end()  # ends the invalidated capture and the pool redirection
+                    graph.capture_end()  # ends the invalidated capture
+                with contextlib.suppress(Exception):
+                    # capture_end raises before it ends the allocator's redirection into the
+                    # pool when the capture was invalidated: end it here
+                    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), tuple(_pool_id(pool) or graph.pool()))
                 with contextlib.suppress(Exception):
                     graph.reset()
                 self._reset_capture_state(stream)
