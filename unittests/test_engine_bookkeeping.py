@@ -215,6 +215,8 @@ def test_per_graph_mode_has_no_order_constraint(rt):
 class SyncsInCapture(torch.nn.Module):
     """Stands in for a host sync: fails only while the (fake) stream captures."""
 
+    error = RuntimeError("operation not permitted when stream is capturing")
+
     def __init__(self, runtime):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
@@ -222,7 +224,7 @@ class SyncsInCapture(torch.nn.Module):
 
     def forward(self, x):
         if self.runtime.is_capturing():
-            raise RuntimeError("operation not permitted when stream is capturing")
+            raise type(self.error)(*self.error.args)
         return self.lin(x)
 
 
@@ -239,18 +241,10 @@ def test_capture_failure_names_layer_releases_memory_and_training_goes_on(rt):
     step(layer, "f1 b1")  # training goes on (recorded again)
 
 
-class RaisesInCapture(torch.nn.Module):
+class RaisesInCapture(SyncsInCapture):
     """User code that raises a ValueError only while the (fake) stream captures."""
 
-    def __init__(self, runtime):
-        super().__init__()
-        self.lin = torch.nn.Linear(4, 4)
-        self.runtime = runtime
-
-    def forward(self, x):
-        if self.runtime.is_capturing():
-            raise ValueError("bad value")
-        return self.lin(x)
+    error = ValueError("bad value")
 
 
 def test_an_error_of_the_layers_own_code_during_capture_keeps_its_type(rt):

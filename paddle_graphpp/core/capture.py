@@ -111,7 +111,6 @@ class Process:
                 if error is not None:
                     errors.append(error)
         live.clear()
-        self.plan.note_batch_end()
         for layer in layers:
             layer._recording_captured()
         self._layers.update({id(layer): layer for layer in layers})

@@ -120,16 +120,16 @@ class _Run(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class _CallShape:
-    """The argument structure of a signature: leaves (tensor slots ``None``), tree spec,
-    which leaves are tensors, and their specs."""
+class _Tree:
+    """A nested structure with its tensors taken out: leaves (tensor slots ``None``), tree
+    spec, and which leaves are tensors."""
 
     leaves: tuple
     spec: Any
     tensor_index: tuple
-    specs: tuple
 
-    def rebuild(self, tensors: Sequence[Any]) -> tuple:
+    def rebuild(self, tensors: Sequence[Any]) -> Any:
+        """The structure with ``tensors`` put back in their slots."""
         leaves = list(self.leaves)
         for i, t in zip(self.tensor_index, tensors):
             leaves[i] = t
@@ -137,20 +137,17 @@ class _CallShape:
 
 
 @dataclass(frozen=True, slots=True)
-class _Outputs:
-    """A call's output structure: leaves (tensor slots ``None``), tree spec, which leaves are
-    tensors, and which of those carry a gradient."""
+class _CallShape(_Tree):
+    """The argument structure of a signature, and its tensors' specs."""
 
-    leaves: tuple
-    spec: Any
-    tensor_index: tuple
+    specs: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class _Outputs(_Tree):
+    """A call's output structure, and which of its tensors carry a gradient."""
+
     differentiable: tuple
-
-    def rebuild(self, tensors: Sequence[Any]) -> Any:
-        leaves = list(self.leaves)
-        for i, t in zip(self.tensor_index, tensors):
-            leaves[i] = t
-        return unflatten(self.spec, leaves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -549,7 +546,7 @@ class GraphedCallable:
         if outputs is not None and (captured.spec != outputs.spec or captured.tensor_index != outputs.tensor_index):
             raise CaptureError(f"{self.name}: the captured forward returned a different structure than the "
                                f"eager run; a graphed layer must return the same structure every call.")
-        plan.note_capture(gen, id(graph), _memory.now() - start, forward=True)
+        plan.note_capture(gen, id(graph), _memory.now() - start)
         self.captures += 1
         return _Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured)
 
@@ -577,7 +574,7 @@ class GraphedCallable:
             # The parameter gradients now live in the layer's buffers: free the graph's own
             # copies inside the capture, so later graphs reuse that memory.
             del got, used
-        plan.note_capture(live.generation, id(graph), _memory.now() - start, forward=False)
+        plan.note_capture(live.generation, id(graph), _memory.now() - start)
         self.captures += 1
         it = iter(input_grads)
         return _Position(

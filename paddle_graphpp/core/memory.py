@@ -116,16 +116,15 @@ class MemoryPlan:
         return gen.pool
 
     # --------------------------------------------------------- capture order
-    def note_capture(self, gen: Optional[_Generation], graph_id: int, seconds: float, forward: bool) -> None:
-        """A graph was captured into ``gen`` (``None``: a pool of its own)."""
+    def note_capture(self, gen: Optional[_Generation], graph_id: int, seconds: float) -> None:
+        """A graph was captured into ``gen`` (``None``: a pool of its own). Captures into a
+        generation happen between episodes (core.capture): nothing is in flight after them."""
         self.graphs_captured += 1
         self.capture_seconds += seconds
         self._pending_log = True
         if gen is None:
             return
         gen.order[graph_id] = len(gen.order)
-        gen.cursor = gen.order[graph_id]
-        gen.in_flight += 1 if forward else -1
 
     def note_replay(self, gen: Optional[_Generation], graph_id: int, forward: bool, owner: str) -> None:
         """Check that a replay follows the capture order of its pool; raise if it cannot be safe."""
@@ -149,12 +148,6 @@ class MemoryPlan:
         """A capture failed: graphs captured later must not share its pool."""
         if gen is not None:
             gen.sealed = True
-
-    def note_batch_end(self) -> None:
-        """A batch of captures ended between episodes: every position captured has its
-        backward graph (or was dropped), so the next replay starts an episode."""
-        for gen in self._generations:
-            gen.in_flight = 0
 
     # -------------------------------------------------------------- telemetry
     def report(self) -> dict:
