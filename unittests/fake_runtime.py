@@ -24,6 +24,7 @@ class FakeGraphRuntime(TorchRuntime):
         self.capturing = False
         self.pools = itertools.count()
         self.released = 0
+        self.generators_registered = []  # per capture: the generators it was asked to register
         self.aborted = 0  # captures whose body raised (capture_to_graph ended them)
         self.modes = []  # the mode keys mode_context re-entered, in order
 
@@ -37,7 +38,8 @@ class FakeGraphRuntime(TorchRuntime):
         return ("fake-pool", next(self.pools))
 
     @contextlib.contextmanager
-    def capture_to_graph(self, graph, pool=None, stream=None):
+    def capture_to_graph(self, graph, pool=None, stream=None, generators=()):
+        self.generators_registered.append(tuple(generators))
         self.capturing = True
         try:
             yield graph

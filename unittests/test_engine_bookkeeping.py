@@ -452,3 +452,55 @@ def test_accumulate_grads_needs_a_runtime_that_supports_it(rt):
         Graphed(torch.nn.Linear(4, 3), rt, accumulate_grads=True)
     with pytest.raises(ValueError, match="accumulate_grads must be a bool"):
         Graphed(torch.nn.Linear(4, 3), FakeGraphRuntime(), accumulate_grads="yes")
+
+
+# ------------------------------------------------------------------ generators
+def test_generators_are_passed_to_every_capture(rt):
+    gens = [object(), object()]
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1, generators=gens)
+    for _ in range(3):
+        step(layer, INTERLEAVED)
+    assert layer.engine.captures == 8
+    assert rt.generators_registered == [tuple(gens)] * 8
+
+
+def test_generators_callable_is_read_at_each_capture(rt):
+    reads = []
+
+    def current():
+        reads.append(1)
+        return [f"state-{len(reads)}"]
+
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1, generators=current)
+    for _ in range(3):
+        step(layer, INTERLEAVED)
+    assert [g for (g,) in rt.generators_registered] == [f"state-{i}" for i in range(1, 9)]
+
+
+def test_generators_option_rejects_other_types():
+    with pytest.raises(ValueError, match="generators must be a list or tuple"):
+        EngineOptions(generators=torch.Generator()).validate("test:layer")
+
+
+class DrawsFromUnregistered(torch.nn.Module):
+    """Fails in capture the way torch does when a generator was not registered."""
+
+    def __init__(self, runtime):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.runtime = runtime
+
+    def forward(self, x):
+        if self.runtime.capturing:
+            raise RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
+        return self.lin(x)
+
+
+def test_unregistered_generator_failure_names_the_fix(rt):
+    layer = Graphed(DrawsFromUnregistered(rt), rt, num_warmup_steps=1)
+    with pytest.raises(CaptureError) as info:
+        for _ in range(3):
+            step(layer, INTERLEAVED)
+    msg = str(info.value)
+    assert "test:DrawsFromUnregistered" in msg and "did not register" in msg and "generators=[...]" in msg
+    assert "host synchronisation" not in msg

@@ -103,3 +103,25 @@ def test_rejects_non_module():
 def test_state_dict_keys_nest_under_module():
     model = CUDAGraphedModule(torch.nn.Linear(2, 2))
     assert set(model.state_dict()) == {"module.weight", "module.bias"}
+
+
+def test_generators_must_be_cuda_generators():
+    with pytest.raises(ValueError, match=r"CUDAGraphedModule\(Linear\): generators: .*cpu generator"):
+        CUDAGraphedModule(torch.nn.Linear(2, 2), generators=[torch.Generator()])
+    with pytest.raises(TypeError, match="expected torch.Generator objects, got int"):
+        CUDAGraphedModule(torch.nn.Linear(2, 2), name="blk", generators=[3])
+
+
+def test_megatron_tracker_without_graph_safe_states_is_named(monkeypatch):
+    import sys
+    import types
+
+    from paddle_graphpp.torch.runtime import RUNTIME
+
+    random = types.ModuleType("megatron.core.tensor_parallel.random")
+    random._CUDA_RNG_STATE_TRACKER = types.SimpleNamespace(states_={"model-parallel-rng": torch.zeros(16)})
+    monkeypatch.setitem(sys.modules, "megatron.core.tensor_parallel.random", random)
+    error = RuntimeError("Attempt to increase offset for a CUDA generator not in capture mode.")
+    hint = RUNTIME.capture_failure_hint(error, ())
+    assert "['model-parallel-rng']" in hint and "use_cudagraphable_rng=True" in hint
+    assert RUNTIME.capture_failure_hint(RuntimeError("operation not permitted when stream is capturing"), ()) is None

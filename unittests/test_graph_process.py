@@ -28,7 +28,7 @@ class RecordingRuntime(FakeGraphRuntime):
     def graphs_unavailable_reason(self, tensors):
         return None if self.available else "fake: no GPU"
 
-    def capture_to_graph(self, graph, pool=None, stream=None):
+    def capture_to_graph(self, graph, pool=None, stream=None, generators=()):
         self.captures += 1
         graph.labels = []
         self._graph = graph

@@ -86,6 +86,10 @@ class EngineOptions:
     ``"auto"`` (default): ``True`` where the runtime supports it and no parameter's
     gradient accumulation runs hooks (Python accumulation hooks, or a DistributedDataParallel
     forward around the layer); ``False`` there, so the hooks keep seeing every gradient."""
+    generators: Any = None
+    """Random generators the layer draws from besides the framework's default one (which is
+    always registered): a sequence, or a callable returning one at each capture. Runtimes
+    also register the generators of RNG trackers they recognise (see each runtime)."""
 
     def validate(self, owner: str) -> "_memory.MemoryMode":
         if not isinstance(self.num_warmup_steps, int) or self.num_warmup_steps < 0:
@@ -98,6 +102,10 @@ class EngineOptions:
             raise ValueError(f"{owner}: max_in_flight must be an int >= 1, got {self.max_in_flight!r}")
         if not (isinstance(self.accumulate_grads, bool) or self.accumulate_grads == "auto"):
             raise ValueError(f"{owner}: accumulate_grads must be a bool or 'auto', got {self.accumulate_grads!r}")
+        if not (self.generators is None or callable(self.generators)
+                or isinstance(self.generators, (list, tuple))):
+            raise ValueError(f"{owner}: generators must be a list or tuple of generators, or a callable returning "
+                             f"one, got {type(self.generators).__name__}")
         return _memory.MemoryMode.parse(self.memory, owner)
 
 
@@ -592,7 +600,7 @@ class GraphedCallable:
         rt = self.runtime
         try:
             with _guards.sot_warmup_guard(True), _collectives.capturing_graph(graph, self.name), \
-                    rt.capture_to_graph(graph, self.plan.pool_for(gen)):
+                    rt.capture_to_graph(graph, self.plan.pool_for(gen), generators=self._generators()):
                 try:
                     yield
                 except GraphedLayerError:
@@ -619,9 +627,10 @@ class GraphedCallable:
         if not isinstance(exc, _CaptureFailed):
             return exc  # the engine's own errors (GraphedLayerError) and interrupts
         cause = f"{type(exc.error).__name__}: {exc.error}"
-        hint = ("Graphs cannot contain host synchronisation (.item(), .numpy(), printing a tensor, "
-                "data-dependent shapes such as nonzero/masked_select) or CPU work. Move it out of the "
-                "layer, or pass fallback='eager'.")
+        hint = self.runtime.capture_failure_hint(exc.error, self._generators()) or (
+            "Graphs cannot contain host synchronisation (.item(), .numpy(), printing a tensor, "
+            "data-dependent shapes such as nonzero/masked_select) or CPU work. Move it out of the "
+            "layer, or pass fallback='eager'.")
         if self.options.fallback == "eager":
             self._disabled_reason = f"capturing the {exc.phase} failed: {cause}"
             for other in self._signatures.values():
@@ -723,6 +732,13 @@ class GraphedCallable:
             rt.set_grad(p, b)
         rt.zero_many(unset)
         rt.copy_many(dst, src)
+
+    def _generators(self) -> tuple:
+        """The generators named by the ``generators`` option, read at each capture."""
+        chosen = self.options.generators
+        if chosen is None:
+            return ()
+        return tuple(chosen() if callable(chosen) else chosen)
 
     def _param_buffers(self, params: Sequence[Any]) -> list:
         if self._param_grad_buffers is None or len(self._param_grad_buffers) != len(params):
@@ -837,6 +853,13 @@ _ACCUMULATE_DOC = """        accumulate_grads: ``"auto"`` (default) adds paramet
             a second set of gradient buffers).
 """
 
+_GENERATORS_DOC = """        generators: random generators the layer draws from besides the default CUDA
+            generator (always registered), as a list or a callable returning one; each
+            capture registers them so every replay draws fresh numbers from them. The
+            generators of Megatron-Core's RNG tracker are found and registered without this
+            (``model_parallel_cuda_manual_seed(..., use_cudagraphable_rng=True)``).
+"""
+
 #: The documentation of both frameworks' graphed layer classes (formatted per framework).
 GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and backward replay CUDA graphs.
 
@@ -855,7 +878,7 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
         memory: ``"shared"`` (default), ``"shared_reuse"`` or ``"per_graph"``.
         max_in_flight: forwards that may await their backward before that is an error.
         max_signatures: input signatures captured; later new ones run eagerly with a warning.
-{accumulate}        name: the name used in messages (default: the class name of ``{arg}``).
+{accumulate}{generators}        name: the name used in messages (default: the class name of ``{arg}``).
 
     Without CUDA (or with CPU inputs) it runs eagerly and warns once. Under ``{no_grad}`` it
     always runs eagerly.
@@ -874,11 +897,12 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
     """
 
 
-def graphed_layer_doc(*, arg: str, base: str, no_grad: str, accumulate_grads: bool) -> str:
-    """:data:`GRAPHED_LAYER_DOC` for one framework's class (``accumulate_grads``: whether its
-    constructor takes that argument)."""
+def graphed_layer_doc(*, arg: str, base: str, no_grad: str, accumulate_grads: bool, generators: bool) -> str:
+    """:data:`GRAPHED_LAYER_DOC` for one framework's class (``accumulate_grads``,
+    ``generators``: whether its constructor takes that argument)."""
     return GRAPHED_LAYER_DOC.format(arg=arg, base=base, no_grad=no_grad,
-                                    accumulate=_ACCUMULATE_DOC if accumulate_grads else "")
+                                    accumulate=_ACCUMULATE_DOC if accumulate_grads else "",
+                                    generators=_GENERATORS_DOC if generators else "")
 
 
 def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, kind: str,

@@ -70,7 +70,7 @@ class GraphRuntime(abc.ABC):
       :meth:`add_many`, :meth:`zero_many`, :meth:`grad_of`, :meth:`set_grad`,
       :meth:`params_with_grad_hooks`;
     * graphs: :meth:`create_graph`, :meth:`new_pool`, :meth:`capture_to_graph`,
-      :meth:`replay_graph`, :meth:`is_capturing`;
+      :meth:`capture_failure_hint`, :meth:`replay_graph`, :meth:`is_capturing`;
     * memory: :meth:`memory_stats`, :meth:`async_allocator_active`, :meth:`release_cached_memory`,
       :meth:`lend_pool`.
 
@@ -207,15 +207,24 @@ class GraphRuntime(abc.ABC):
         """A handle to a new private memory pool that graphs can share."""
 
     @abc.abstractmethod
-    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None) -> ContextManager:
+    def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None,
+                         generators: Sequence[Any] = ()) -> ContextManager:
         """Capture the work issued inside the context into ``graph``.
 
         Capture runs on ``stream`` (the runtime's capture stream when ``None``), allocates from
-        ``pool``, registers the default RNG generator, and uses the thread-local capture mode so
-        other threads (NCCL watchdogs) are unaffected. When the body raises, the context ends
-        the broken capture itself (the stream, the pool redirection and the RNG bookkeeping can
-        be used again; ``graph`` is left empty) and re-raises the body's exception.
+        ``pool``, registers the default RNG generator, ``generators`` and those of RNG trackers
+        the runtime recognises (so each replay draws fresh numbers from them), and uses the
+        thread-local capture mode so other threads (NCCL watchdogs) are unaffected. When the
+        body raises, the context ends the broken capture itself (the stream, the pool
+        redirection and the RNG bookkeeping can be used again; ``graph`` is left empty) and
+        re-raises the body's exception.
         """
+
+    def capture_failure_hint(self, error: BaseException, generators: Sequence[Any]) -> Optional[str]:
+        """What to do about a capture that failed with ``error`` when the runtime knows the
+        cause (an unregistered RNG generator, say); ``None`` for the engine's general hint.
+        ``generators``: those the layer registered."""
+        return None
 
     @abc.abstractmethod
     def replay_graph(self, graph: Any) -> None:

@@ -18,7 +18,7 @@ __all__ = ["CUDAGraphedLayer"]
 
 class CUDAGraphedLayer(paddle.nn.Layer):
     __doc__ = graphed_layer_doc(arg="layer", base="paddle.nn.Layer", no_grad="paddle.no_grad()",
-                                accumulate_grads=False)
+                                accumulate_grads=False, generators=False)
 
     def __init__(self, layer: paddle.nn.Layer, num_warmup_steps: int = 3, *, fallback: str = "error",
                  memory: str = "shared", max_in_flight: int = 64, max_signatures: int = 4,

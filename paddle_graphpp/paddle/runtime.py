@@ -153,7 +153,9 @@ class PaddleRuntime(GraphRuntime):
         return CoreCUDAGraph.gen_new_memory_pool_id()
 
     @contextlib.contextmanager
-    def capture_to_graph(self, graph, pool=None, stream=None):
+    def capture_to_graph(self, graph, pool=None, stream=None, generators=()):
+        # ``generators`` need no registration: every Paddle generator a kernel draws from while
+        # the stream captures registers itself with the graph (see the module docstring).
         if self._capture_stream is None:
             self._capture_stream = paddle.device.Stream()
         stream = stream if stream is not None else self._capture_stream

@@ -4,6 +4,7 @@ member's contract)."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -166,10 +167,12 @@ class TorchRuntime(GraphRuntime):
         return stream
 
     @contextlib.contextmanager
-    def capture_to_graph(self, graph, pool=None, stream=None):
+    def capture_to_graph(self, graph, pool=None, stream=None, generators=()):
         stream = stream if stream is not None else self.capture_stream()
         current = torch.cuda.current_stream()
         stream.wait_stream(current)
+        for gen in _registered_generators(generators):
+            graph.register_generator_state(gen)
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=_pool_id(pool), capture_error_mode="thread_local")
             try:
@@ -204,6 +207,24 @@ class TorchRuntime(GraphRuntime):
                 empty.capture_begin(capture_error_mode="thread_local")
                 empty.capture_end()
             del empty
+
+    def capture_failure_hint(self, error, generators):
+        if "generator not in capture mode" not in str(error):
+            return None
+        tracker, unsafe = _megatron_tracker_states()
+        if unsafe:
+            return (f"The layer draws random numbers from Megatron-Core's RNG tracker (states {sorted(unsafe)}), "
+                    f"whose states are not graph-safe. Seed it with "
+                    f"model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True).")
+        known = ["the default CUDA generator"]
+        if tracker:
+            known.append(f"Megatron-Core's RNG tracker states {sorted(tracker)}")
+        if generators:
+            known.append(f"{len(generators)} generator(s) passed as generators=")
+        return (f"The layer draws random numbers from a CUDA generator this capture did not register "
+                f"(registered: {', '.join(known)}); a torch.Generator(device='cuda') the layer creates or "
+                f"is given must be passed to the graphed layer as generators=[...] (or a callable "
+                f"returning them).")
 
     def replay_graph(self, graph) -> None:
         graph.replay()
@@ -253,6 +274,34 @@ def _inside_ddp_forward() -> bool:
     """True inside the forward of a ``DistributedDataParallel`` module (C++ reducer)."""
     active = getattr(torch.nn.parallel.DistributedDataParallel, "_get_active_ddp_module", None)
     return active is not None and active() is not None
+
+
+def _megatron_tracker_states() -> tuple:
+    """The states of Megatron-Core's CUDA RNG tracker when Megatron is imported and the tracker
+    set up: ``({name: generator} of graph-safe states, [names of states that are not])``."""
+    random = sys.modules.get("megatron.core.tensor_parallel.random")
+    tracker = getattr(random, "_CUDA_RNG_STATE_TRACKER", None) if random is not None else None
+    states = getattr(tracker, "states_", None)
+    if not isinstance(states, dict):
+        return {}, []
+    safe = {name: s for name, s in states.items() if isinstance(s, torch.Generator)}
+    return safe, [name for name in states if name not in safe]
+
+
+def _registered_generators(extra) -> list:
+    """The generators a capture registers besides the default one: ``extra`` and the graph-safe
+    states of recognised RNG trackers, each once, on CUDA."""
+    found, seen = [], set()
+    for gen in [*extra, *_megatron_tracker_states()[0].values()]:
+        if not isinstance(gen, torch.Generator):
+            raise TypeError(f"generators: expected torch.Generator objects, got {type(gen).__name__}")
+        if gen.device.type != "cuda":
+            raise ValueError(f"generators: {gen!r} is a {gen.device.type} generator; graphs draw only from "
+                             f"CUDA generators (torch.Generator(device='cuda'))")
+        if id(gen) not in seen:
+            seen.add(id(gen))
+            found.append(gen)
+    return found
 
 
 def _pool_id(pool):
