@@ -125,3 +125,30 @@ def test_megatron_tracker_without_graph_safe_states_is_named(monkeypatch):
     hint = RUNTIME.capture_failure_hint(error, ())
     assert "['model-parallel-rng']" in hint and "use_cudagraphable_rng=True" in hint
     assert RUNTIME.capture_failure_hint(RuntimeError("operation not permitted when stream is capturing"), ()) is None
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_backward_into_matches_autograd_grad(accumulate):
+    """The torch runtime's backward_into: input gradients returned, parameter gradients added
+    into (or copied over) their buffers, unused parameters reported and left alone."""
+    from paddle_graphpp.torch.runtime import RUNTIME
+
+    torch.manual_seed(0)
+    lin, unused = torch.nn.Linear(5, 3), torch.nn.Parameter(torch.randn(2))
+    x = torch.randn(4, 5, requires_grad=True)
+    dy = torch.randn(4, 3)
+    params = [lin.weight, lin.bias, unused]
+    aliases = [p.detach().requires_grad_() for p in params]
+    y = torch.func.functional_call(lin, {"weight": aliases[0], "bias": aliases[1]}, (x,))
+    expected = torch.autograd.grad(y, [x, aliases[0], aliases[1]], dy)
+    start = [torch.full_like(p, 0.5) for p in params]
+    buffers = [b.clone() for b in start]
+    inputs = [x.detach().requires_grad_()]
+    y = torch.func.functional_call(lin, {"weight": aliases[0], "bias": aliases[1]}, (inputs[0],))
+    grads, used = RUNTIME.backward_into([y], [dy], inputs, aliases, buffers, accumulate=accumulate)
+    assert used == [True, True, False]
+    torch.testing.assert_close(grads[0], expected[0], rtol=0, atol=0)
+    for buf, s, e in zip(buffers[:2], start[:2], expected[1:]):
+        torch.testing.assert_close(buf, s + e if accumulate else e, rtol=0, atol=0)
+    assert torch.equal(buffers[2], start[2])
+    assert all(a.grad is None for a in aliases) and inputs[0].grad is None

@@ -564,24 +564,23 @@ class GraphedCallable:
         param_buffers = self._param_buffers(sig.params)
         shape = live.outputs_shape
         outs = [o for o, d in zip(live.outputs, shape.differentiable) if d]
-        wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad] + live.params
+        wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad]
         graph = rt.create_graph()
         start = _memory.now()
         with self._capturing(graph, live.generation, "backward"):
+            # Parameter gradients go into the layer's buffers as autograd produces them (added:
+            # the buffers are the parameters' .grad at replay, see _bind_grads; or copied), so
+            # the graph holds one parameter's gradient at a time, as eager autograd does.
             # Under the stream-ordered allocator, freeing the forward graph's saved tensors
             # inside this capture would put another graph's allocations into this one; they
             # are released after the capture instead (with ``live``).
-            got = (rt.autograd_grad(outs, list(static_grads), wrt, retain_graph=plan.async_allocator)
-                   if outs else [None] * len(wrt))
-            n_in = len(wrt) - len(sig.params)
-            input_grads = got[:n_in]
-            param_used = tuple(g is not None for g in got[n_in:])
-            used = [(b, g) for b, g in zip(param_buffers, got[n_in:]) if g is not None]
-            if used:  # accumulate: the buffers are the parameters' .grad at replay (_bind_grads)
-                (rt.add_many if sig.accumulate else rt.copy_many)([b for b, _ in used], [g for _, g in used])
-            # The parameter gradients now live in the layer's buffers: free the graph's own
-            # copies inside the capture, so later graphs reuse that memory.
-            del got, used
+            if outs:
+                input_grads, param_used = rt.backward_into(
+                    outs, list(static_grads), wrt, live.params, param_buffers, accumulate=sig.accumulate,
+                    retain_graph=plan.async_allocator)
+            else:
+                input_grads, param_used = [None] * len(wrt), [False] * len(live.params)
+            param_used = tuple(param_used)
         plan.note_capture(live.generation, id(graph), _memory.now() - start)
         self.captures += 1
         it = iter(input_grads)

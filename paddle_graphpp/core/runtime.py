@@ -64,7 +64,8 @@ class GraphRuntime(abc.ABC):
       :meth:`clone_many`, :meth:`detach`;
     * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`;
     * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
-      :meth:`autograd_grad`, :meth:`apply_graphed_function`, :meth:`leaves_without_grad`,
+      :meth:`autograd_grad`, :meth:`backward_into`, :meth:`apply_graphed_function`,
+      :meth:`leaves_without_grad`,
       :attr:`adopts_held_gradients`;
     * gradient accumulation inside graphs (only where :attr:`accumulates_grads_in_graph`):
       :meth:`add_many`, :meth:`zero_many`, :meth:`grad_of`, :meth:`set_grad`,
@@ -150,6 +151,24 @@ class GraphRuntime(abc.ABC):
                       inputs: Sequence[Any], retain_graph: bool = False) -> list:
         """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the autograd
         graph's saved tensors unless ``retain_graph``."""
+
+    def backward_into(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
+                      params: Sequence[Any], buffers: Sequence[Any], *, accumulate: bool,
+                      retain_graph: bool = False) -> tuple:
+        """Backward of ``outputs``: returns ``(input_grads, used)``, the gradients w.r.t.
+        ``inputs`` (``None`` where unused) and, per parameter, whether it got a gradient; the
+        gradient of ``params[i]`` goes into ``buffers[i]``, added when ``accumulate``, else
+        copied (an unused parameter's buffer is left alone). Runs inside a capture. This
+        default holds every parameter gradient until the end; a runtime that can move each
+        into its buffer as soon as autograd produces it should, so the graph's pool never
+        holds them all at once."""
+        got = self.autograd_grad(outputs, grad_outputs, [*inputs, *params], retain_graph=retain_graph)
+        n = len(inputs)
+        used = [g is not None for g in got[n:]]
+        pairs = [(b, g) for b, g in zip(buffers, got[n:]) if g is not None]
+        if pairs:
+            (self.add_many if accumulate else self.copy_many)([b for b, _ in pairs], [g for _, g in pairs])
+        return got[:n], used
 
     @abc.abstractmethod
     def apply_graphed_function(self, call: Any, tensors: Sequence[Any], params: Sequence[Any]) -> tuple:

@@ -18,6 +18,7 @@ lending stops for this process, with a warning.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import warnings
@@ -40,6 +41,7 @@ class PoolLender:
         self._on_leak: Callable[[], None] = lambda: None
         self._handles: list = []
         self._active: Optional[tuple] = None  # (exit stack, stream, caller stream, bytes before)
+        self._fresh = False  # the default cache has yet to be emptied for the pool lent last
         self.disabled = False
         self.steps = 0
 
@@ -48,16 +50,29 @@ class PoolLender:
         if self.disabled or not isinstance(pool, torch.cuda.MemPool):
             return
         self._pool, self._is_idle, self._on_leak = pool, is_idle, on_leak
+        self._fresh = True
         if not self._handles:
             from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
             self._handles = [register_optimizer_step_pre_hook(self._pre), register_optimizer_step_post_hook(self._post)]
+            # A step that raised and was never followed by another graphed call or step would
+            # leave the allocator routed into the pool; the allocator refuses to shut down so.
+            atexit.register(self.abandon_step)
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return  # traced by torch.compile: the hooks' effects would not be balanced at run time
+        self.abandon_step()  # a previous step that raised never reached _post
         pool = self._pool
-        if (pool is None or self.disabled or self._active is not None or not self._is_idle()
+        if (pool is None or self.disabled or not self._is_idle()
                 or torch.cuda.is_current_stream_capturing() or not _state_complete(optimizer)):
             return
+        if self._fresh:
+            # Steps before this one kept their temporaries in the default cache; from now on
+            # they come from the pool, so that cache would only add to the peak. (Once per
+            # pool: here or after the first step that could not borrow.)
+            self._fresh = False
+            torch.cuda.empty_cache()
         stream, caller = self._capture_stream(), torch.cuda.current_stream()
         before = _allocated(pool)
         stack = contextlib.ExitStack()
@@ -67,7 +82,14 @@ class PoolLender:
         self._active = (stack, stream, caller, before)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._active is None:
+            if self._fresh and self._pool is not None:
+                # A step that could not borrow (its optimizer state was being created): its
+                # temporaries are cached by now; later ones come from the pool.
+                self._fresh = False
+                torch.cuda.empty_cache()
             return
         stack, stream, caller, before = self._active
         self._active = None

@@ -110,6 +110,39 @@ class TorchRuntime(GraphRuntime):
         return list(torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph,
                                         allow_unused=True))
 
+    def backward_into(self, outputs, grad_outputs, inputs, params, buffers, *, accumulate, retain_graph=False):
+        # Each parameter alias accumulates its gradient as soon as autograd produces it: into
+        # its buffer, preset as the alias's .grad (accumulate), or through a hook that copies
+        # it over and drops it. Either way one parameter gradient is alive at a time.
+        used = [False] * len(params)
+        handles = []
+
+        def hook(i, buffer):
+            def moved(alias):
+                used[i] = True
+                if not accumulate:
+                    buffer.copy_(alias.grad)
+                    alias.grad = None
+            return moved
+
+        for i, (alias, buffer) in enumerate(zip(params, buffers)):
+            alias.grad = buffer if accumulate else None
+            handles.append(alias.register_post_accumulate_grad_hook(hook(i, buffer)))
+        for x in inputs:
+            x.grad = None
+        try:
+            torch.autograd.backward(list(outputs), list(grad_outputs), retain_graph=retain_graph,
+                                    inputs=[*inputs, *params])
+        finally:
+            for h in handles:
+                h.remove()
+            for alias in params:
+                alias.grad = None
+        grads = [x.grad for x in inputs]
+        for x in inputs:
+            x.grad = None
+        return grads, used
+
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.
     adopts_held_gradients = False

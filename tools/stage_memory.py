@@ -1,0 +1,228 @@
+"""One pipeline rank's memory on one GPU: a stage of the GPT run in its rank's 1F1B order.
+
+    python tools/stage_memory.py                              # both stages of pp=2, eager and default
+    python tools/stage_memory.py --stages 1 --variants eager,default --seq-len 512 --trace
+
+A rank of a pipeline sees only its stage: the forwards and backwards of its micro-batches in
+the order its schedule runs them, activations coming in and gradients coming back. This tool
+runs exactly that in one process on one GPU (inputs and output gradients are random tensors
+of the shapes the neighbours would send; the last stage computes the loss itself), so the
+memory a rank of a multi-GPU pipeline holds can be studied where only one GPU is at hand.
+Each (stage, variant) runs in its own process; per run it prints the peak including the
+capture step, the steady peak after it, and with ``--trace`` where the memory was at the peak
+(tools/memtrace.py). Not included: the peer-to-peer buffers and the tied-weight all-reduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from tools import launch  # noqa: E402
+from tools.benchlib import last_json_line  # noqa: E402
+
+VARIANTS = {  # graph_stage_module options per variant (None: eager)
+    "eager": None,
+    "default": {},
+    "no_accumulate": {"accumulate_grads": False},
+    "shared_reuse": {"memory": "shared_reuse"},
+    "per_graph": {"memory": "per_graph"},
+}
+WARMUP = 3  # graph_stage_module's num_warmup_steps, as the trainer uses
+
+
+def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[str]:
+    """The order one stage of a 1F1B pipeline runs: ``stages - stage`` forwards, then one
+    backward per forward, then the remaining backwards."""
+    warm = min(stages - stage, micro_batches)
+    order = [f"f{i}" for i in range(warm)]
+    for i in range(warm, micro_batches):
+        order += [f"b{i - warm}", f"f{i}"]
+    order += [f"b{i}" for i in range(micro_batches - warm, micro_batches)]
+    return order
+
+
+def worker(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from tools.gpt_shape import GPTShape
+    from tools.gpt_torch import build_chunk
+
+    torch.cuda.set_device(0)
+    if args.trace:
+        from tools import memtrace
+
+        memtrace.start()
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    shape = GPTShape(hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=args.seq_len,
+                     layers=args.layers, dropout=0.1, attention="sdpa")
+    per = args.layers // args.pp
+    first, last = args.stage == 0, args.stage == args.pp - 1
+    chunk, tied = build_chunk(shape, range(args.stage * per, (args.stage + 1) * per), first=first, last=last,
+                              seed=1234)
+    chunk.to(device=dev, dtype=dtype)
+    params = list(chunk.parameters())
+    options = VARIANTS[args.variant]
+    model = chunk
+    if options is not None:
+        from paddle_graphpp.torch.pipelining import graph_stage_module
+
+        model = graph_stage_module(chunk, WARMUP, shared=tied if isinstance(tied, tuple) else (tied,),
+                                   name=f"stage{args.stage}", **options)
+    optimizer = torch.optim.AdamW(params, lr=3e-4)
+    gen = torch.Generator(device=dev).manual_seed(args.stage)
+    mb, seq, hid = 1, args.seq_len, args.hidden
+    order = one_f_one_b(args.stage, args.pp, args.micro_batches)
+    per_step = []  # (peak reserved in the step, reserved at its end, graph pools' reserved at its end), MiB
+    losses = []
+    seconds = []
+    for step in range(args.steps):
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        outs = {}
+        for op in order:
+            i = int(op[1:])
+            if op[0] == "f":
+                if first:
+                    x = torch.randint(0, args.vocab, (mb, seq), device=dev, generator=gen)
+                else:
+                    x = torch.randn(mb, seq, hid, device=dev, dtype=dtype, generator=gen).requires_grad_()
+                outs[i] = model(x)
+            else:
+                y = outs.pop(i)
+                if last:
+                    labels = torch.randint(0, args.vocab, (mb, seq), device=dev, generator=gen)
+                    loss = F.cross_entropy(y.flatten(0, 1).float(), labels.flatten()) / args.micro_batches
+                    losses.append(loss.detach())
+                    loss.backward()
+                else:
+                    y.backward(torch.randn(y.shape, device=dev, dtype=dtype, generator=gen))
+        optimizer.step()
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        per_step.append((torch.cuda.max_memory_reserved() / 2**20, torch.cuda.memory_reserved() / 2**20,
+                         _pools_reserved_mib()))
+    out = {"stage": args.stage, "variant": args.variant, "seq_len": seq,
+           "peak_mib": max(p for p, _, _ in per_step), "steady_mib": max(p for p, _, _ in per_step[args.steady_from:]),
+           "per_step_mib": per_step,
+           "steady_step_ms": 1000 * statistics.median(seconds[args.steady_from:]),
+           "allocated_end_mib": torch.cuda.memory_allocated() / 2**20,
+           "loss_last": float(torch.stack(losses[-args.micro_batches:]).sum()) if losses else None}
+    if options is not None:
+        from paddle_graphpp.core.memory import memory_report
+
+        from paddle_graphpp.torch.runtime import RUNTIME
+
+        out["memory_report"] = memory_report()
+        lender = RUNTIME._lender
+        out["optimizer_steps_in_pool"] = None if lender is None else lender.steps
+    if args.trace:
+        from tools import memtrace
+
+        out["trace"] = memtrace.analyze(torch.cuda.memory._snapshot())
+    return out
+
+
+def _pools_reserved_mib() -> float:
+    """Reserved by the graph pools (every pool but the default one)."""
+    import torch
+
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)) / 2**20
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stages", default="0,1", help="comma-separated stage indices (default 0,1)")
+    ap.add_argument("--variants", default="eager,default", help="comma-separated, from: " + ",".join(VARIANTS))
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steady-from", type=int, default=6, help="first step of the steady state")
+    ap.add_argument("--trace", action="store_true", help="break the peak down by allocation site")
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    ap.add_argument("--out", help="write all runs as JSON here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="eager", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return 0
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+    stages = [int(s) for s in args.stages.split(",")]
+    if any(not 0 <= s < args.pp for s in stages) or args.layers % args.pp:
+        ap.error(f"stages must be in [0, {args.pp}) and --layers a multiple of --pp")
+    passthrough = _drop_values(argv if argv is not None else sys.argv[1:], ("--stages", "--variants", "--out"))
+    runs = []
+    for stage in stages:
+        for variant in variants:
+            cmd = [sys.executable, __file__, *passthrough, "--worker", "--stage", str(stage), "--variant", variant]
+            res = launch.run(cmd, timeout=args.timeout, env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
+            rec = last_json_line(res.stdout) if res.returncode == 0 else None
+            if rec is None:
+                rec = {"stage": stage, "variant": variant, "error": f"exit {res.returncode}",
+                       "stderr_tail": (res.stderr or "")[-2000:]}
+            runs.append(rec)
+            _print_row(rec, runs)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "runs": runs}, indent=1))
+    return 0 if all("error" not in r for r in runs) else 1
+
+
+def _drop_values(argv: list, names: tuple) -> list:
+    """``argv`` without the options in ``names`` (and their values)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in names:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in names:
+            continue
+        out.append(a)
+    return out
+
+
+def _print_row(rec: dict, runs: list) -> None:
+    if "error" in rec:
+        print(f"stage {rec['stage']} {rec['variant']:<14} ERROR {rec['error']}\n{rec.get('stderr_tail', '')}")
+        return
+    eager = next((r for r in runs if r.get("variant") == "eager" and r.get("stage") == rec["stage"]
+                  and "error" not in r), None)
+    ratio = (f"  x{rec['peak_mib'] / eager['peak_mib']:.3f} / x{rec['steady_mib'] / eager['steady_mib']:.3f}"
+             if eager else "")
+    print(f"stage {rec['stage']} {rec['variant']:<14} peak {rec['peak_mib']:8.0f}  steady {rec['steady_mib']:8.0f} MiB"
+          f"{ratio}  step {rec['steady_step_ms']:.1f} ms", flush=True)
+    print("   optimizer steps in the graph pool:", rec.get("optimizer_steps_in_pool"),
+          " per step (peak / end / pools):", " ".join(f"{a:.0f}/{b:.0f}/{c:.0f}" for a, b, c in rec["per_step_mib"]))
+    if "trace" in rec:
+        t = rec["trace"].get("peak_reserved", {})
+        print("   at peak reserved:", json.dumps(t.get("reserved_by_pool_mib")),
+              "allocated:", json.dumps(t.get("allocated_by_pool_mib")))
+        for site, mib in list(t.get("top_sites_mib", {}).items())[:10]:
+            print(f"     {mib:9.1f}  {site}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
