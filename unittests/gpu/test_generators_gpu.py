@@ -110,22 +110,29 @@ class SwappingTracker:
             default.graphsafe_set_state(outer)
 
 
-def test_tracker_states_registered_through_a_callable():
+def _eager_and_graphed_agree(new_tracker, graph_kwargs, steps=5):
+    """Train an eager and a graphed copy of one model, each with a fresh tracker from
+    ``new_tracker()`` (its ``fork`` around the draws); outputs and gradients must be equal."""
     torch.manual_seed(0)
     base = OwnNoise(None).to(DEV)
     runs = []
     for graph in (False, True):
-        tracker = SwappingTracker(seed=11)
+        tracker = new_tracker()
         model = copy.deepcopy(base)
         model.fork = tracker.fork
         if graph:
-            model = CUDAGraphedModule(model, num_warmup_steps=1, generators=lambda: [tracker.state])
-        runs.append([_run(model, _inputs(step)) for step in range(5)])
+            model = CUDAGraphedModule(model, num_warmup_steps=1, **graph_kwargs(tracker))
+        runs.append([_run(model, _inputs(step)) for step in range(steps)])
         if graph:
             assert model.engine.replays > 0
     for step, ((out_e, grad_e), (out_g, grad_g)) in enumerate(zip(*runs)):
         for a, b in zip(out_e + grad_e, out_g + grad_g):
             assert torch.equal(a, b), f"step {step}: graphed differs from eager"
+
+
+def test_tracker_states_registered_through_a_callable():
+    _eager_and_graphed_agree(lambda: SwappingTracker(seed=11),
+                             lambda tracker: {"generators": lambda: [tracker.state]})
 
 
 def test_megatron_tracker_found_without_arguments():
@@ -139,19 +146,9 @@ def test_megatron_tracker_found_without_arguments():
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(0)
-    base = OwnNoise(None).to(DEV)
-    runs = []
-    for graph in (False, True):
+
+    def new_tracker():
         tensor_parallel.model_parallel_cuda_manual_seed(123, use_cudagraphable_rng=True, force_reset_rng=True)
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        model = copy.deepcopy(base)
-        model.fork = tracker.fork
-        if graph:
-            model = CUDAGraphedModule(model, num_warmup_steps=1)  # no generators=: found in Megatron
-        runs.append([_run(model, _inputs(step)) for step in range(5)])
-        if graph:
-            assert model.engine.replays > 0
-    for step, ((out_e, grad_e), (out_g, grad_g)) in enumerate(zip(*runs)):
-        for a, b in zip(out_e + grad_e, out_g + grad_g):
-            assert torch.equal(a, b), f"step {step}: graphed differs from eager"
+        return tensor_parallel.get_cuda_rng_tracker()
+
+    _eager_and_graphed_agree(new_tracker, lambda tracker: {})  # no generators=: found in Megatron
