@@ -313,8 +313,10 @@ def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
     if variant == "ours":
         from paddle_graphpp.core.memory import memory_report
 
+        report = memory_report()
         return {"graphs": sum(l.engine.graph_count() for l in layers),
-                "replays": sum(l.engine.replays for l in layers), "memory_report": memory_report()}
+                "replays": sum(l.engine.replays for l in layers),
+                "capture_s": sum(r["capture_seconds"] for r in report.values()), "memory_report": report}
     if variant == "megatron":
         runners = [r for l in layers for r in getattr(getattr(l, "cudagraph_manager", None), "cudagraph_runners", [])]
         return {"graphs": sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in runners),
