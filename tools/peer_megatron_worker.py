@@ -1,0 +1,436 @@
+"""One variant of ``tools/bench_peer_megatron.py`` on one pipeline rank: Megatron-Core's GPTModel
+(local layer spec, no TransformerEngine) trained through Megatron's own schedule.
+
+Started by the benchmark, one process per rank (``RANK``/``WORLD_SIZE``/``MASTER_PORT`` from
+``tools.launch.rank_envs``); prints ONE JSON line as its last output: this rank's figures, or
+``{"error": ..., "traceback": ...}`` with exit status 1.
+
+Variants (all train the same math: bf16 parameters, bf16 gradients accumulated over the
+micro-batches, plain ``torch.optim.AdamW`` on the bf16 parameters, dropout 0.1 drawn through
+Megatron's graph-safe RNG tracker):
+
+* ``eager`` / ``eager_repeat``: ``Float16Module(GPTModel)``; gradients in ``.grad``.
+* ``megatron``: Megatron's local graphs (``cuda_graph_impl="local"``); the model is wrapped in
+  Megatron's ``DistributedDataParallel(grad_reduce_in_fp32=False)`` because its backward graphs
+  add weight gradients into ``param.main_grad``; the optimizer reads ``main_grad``.
+* ``ours``: every ``TransformerLayer`` wrapped in ``paddle_graphpp.torch.CUDAGraphedModule``
+  with its default settings; gradients in ``.grad``.
+
+The tied embedding of a pipeline's first and last stage is summed by
+``finalize_model_grads`` (Megatron's DDP) or by Megatron's embedding all-reduce on ``.grad``.
+
+Steps: ``CAPTURE_STEPS`` steps (warmup, recording, capture), then ``rounds`` timed rounds of
+``STEPS_PER_ROUND`` steps, each between two device synchronisations. Memory: the peak of
+reserved memory over the capture steps (from after the model is built), then the peak over
+the timed steps. ``--device cpu`` runs a tiny model on gloo (a check of the code, not of graphs:
+Megatron's graphs need CUDA, ours run eagerly on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import contextlib
+import datetime
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
+
+VARIANTS = ("eager", "megatron", "ours", "eager_repeat")
+CAPTURE_STEPS = 3  # ours: 3 warmup calls, a recorded step, the capture step; Megatron: step 1 records, captures at its end
+STEPS_PER_ROUND = 3
+MICRO_BATCHES = 8
+MICRO_BATCH_SIZE = 1
+SEED = 1234
+LR = 3e-4
+#: GPT-3 1.3B (the default) and the tiny shape of the CPU check.
+SHAPES = {
+    "gpt1.3b": dict(hidden=2048, layers=24, heads=16, vocab=50304),
+    "tiny": dict(hidden=64, layers=2, heads=4, vocab=128),
+}
+DROPOUT = 0.1
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", choices=VARIANTS, required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--profile", action="store_true", help="profile one steady step (torch.profiler and cProfile)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        record = run(opts, rank)
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver, then exit 1
+        sys.stdout.flush()
+        print(json.dumps({"rank": rank, "variant": opts.variant, "seq": opts.seq,
+                          "error": f"{type(exc).__name__}: {exc}"[:4000],
+                          "traceback": traceback.format_exc()[-6000:]}), flush=True)
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------- setup
+def init_distributed(opts, rank: int):
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != opts.pp:
+        raise ValueError(f"started with {world} processes but --pp {opts.pp}")
+    if opts.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+        if torch.cuda.device_count() <= local:
+            raise RuntimeError(f"rank {rank} needs GPU {local}, {torch.cuda.device_count()} visible")
+        torch.cuda.set_device(local)
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from tools.launch import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("nccl" if opts.device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+
+
+def build(opts, rank: int):
+    """The model (wrapped as the variant needs), its config and the optimizer."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=opts.pp)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    # As megatron.training seeds: per pipeline stage; the graph-safe tracker in every variant,
+    # so all of them draw the same dropout masks.
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED + 100 * pp_rank, use_cudagraphable_rng=opts.device == "cuda")
+    torch.manual_seed(SEED + 100 * pp_rank)
+    shape = SHAPES["tiny" if opts.device == "cpu" else "gpt1.3b"]
+    config = TransformerConfig(
+        num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
+        ffn_hidden_size=4 * shape["hidden"], hidden_dropout=DROPOUT, attention_dropout=DROPOUT,
+        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        pipeline_model_parallel_size=opts.pp, use_cpu_initialization=opts.device == "cpu",
+        # on CPU (a check of this script) the megatron variant keeps its DDP and main_grad path, without graphs
+        cuda_graph_impl="local" if opts.variant == "megatron" and opts.device == "cuda" else "none",
+        batch_p2p_comm=opts.device == "cuda",  # gloo has no coalesced p2p
+    )
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=shape["vocab"], max_sequence_length=opts.seq,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
+    if opts.device == "cuda":
+        model.cuda(torch.cuda.current_device())
+    model = Float16Module(config, model)
+    gpt = model.module
+    if opts.variant == "megatron":
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), model)
+        config.finalize_model_grads_func = finalize_model_grads
+    else:
+        config.finalize_model_grads_func = _tied_grads_finalizer(gpt)
+    if opts.variant == "ours":
+        from paddle_graphpp.torch import CUDAGraphedModule
+
+        layers = gpt.decoder.layers
+        for i, layer in enumerate(layers):
+            layers[i] = CUDAGraphedModule(layer)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    return model, gpt, config, optimizer, shape
+
+
+def _tied_grads_finalizer(gpt):
+    """``finalize_model_grads`` without a DDP wrapper: the tied embedding's ``.grad`` summed over
+    the first and last pipeline stage (what Megatron's DDP does on ``main_grad``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_embedding_group(check_initialized=False)
+
+    def finalize(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        if group is None or dist.get_world_size(group) < 2 or dist.get_rank() not in dist.get_process_group_ranks(group):
+            return
+        weight = gpt.shared_embedding_or_output_weight()
+        if weight is not None and weight.grad is not None:
+            dist.all_reduce(weight.grad, group=group)
+
+    return finalize
+
+
+def batches(opts, vocab: int, steps: int, device):
+    """Every step's micro-batches, made up front on the device (the same in every variant)."""
+    import torch
+
+    g = torch.Generator().manual_seed(SEED)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(MICRO_BATCHES):
+            tokens = torch.randint(0, vocab, (MICRO_BATCH_SIZE, opts.seq + 1), generator=g)
+            step.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
+        out.append(step)
+    positions = torch.arange(opts.seq, device=device).unsqueeze(0).expand(MICRO_BATCH_SIZE, -1)
+    return out, positions
+
+
+# ------------------------------------------------------------------------------------ train
+def run(opts, rank: int) -> dict:
+    import torch
+
+    if opts.device == "cpu":
+        _cpu_adjustments()
+    init_distributed(opts, rank)
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model, gpt, config, optimizer, shape = build(opts, rank)
+    cuda = opts.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    total_steps = CAPTURE_STEPS + opts.rounds * STEPS_PER_ROUND
+    data, positions = batches(opts, shape["vocab"], total_steps + (1 if opts.profile else 0), device)
+    last = parallel_state.is_pipeline_last_stage()
+    forward_backward = get_forward_backward_func()
+    megatron_capture = _watch_megatron_capture() if opts.variant == "megatron" else []
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+    def forward_step(data_iterator, model_):
+        tokens, labels = next(data_iterator)
+        return model_(tokens, positions, None, labels=labels), loss_func
+
+    def step(i: int):
+        if opts.variant == "megatron":
+            model.zero_grad_buffer()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        out = forward_backward(forward_step_func=forward_step, data_iterator=iter(data[i]), model=[model],
+                               num_microbatches=MICRO_BATCHES, seq_length=opts.seq,
+                               micro_batch_size=MICRO_BATCH_SIZE, forward_only=False)
+        if opts.variant == "megatron":  # its graphs accumulate into main_grad
+            params = [p for p in model.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = p.main_grad
+            optimizer.step()
+            for p in params:
+                p.grad = None
+        else:
+            optimizer.step()
+        return torch.stack([d["lm loss"] for d in out]).mean() if last else None
+
+    sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
+    losses = []
+    mem = {}
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(CAPTURE_STEPS):
+        losses.append(step(i))
+    sync()
+    capture_phase_s = time.perf_counter() - t0
+    if cuda:
+        mem["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+        mem["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    round_s = []
+    i = CAPTURE_STEPS
+    for _ in range(opts.rounds):
+        sync()
+        t = time.perf_counter()
+        for _ in range(STEPS_PER_ROUND):
+            losses.append(step(i))
+            i += 1
+        sync()
+        round_s.append(time.perf_counter() - t)
+    if cuda:
+        mem["steady_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
+        mem["steady_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    tokens_per_round = STEPS_PER_ROUND * MICRO_BATCHES * MICRO_BATCH_SIZE * opts.seq
+    tps = [tokens_per_round / s for s in round_s]
+    record = {
+        "rank": rank, "variant": opts.variant, "seq": opts.seq, "pp": opts.pp, "device": opts.device,
+        "shape": shape, "micro_batches": MICRO_BATCHES, "micro_batch_size": MICRO_BATCH_SIZE,
+        "capture_steps": CAPTURE_STEPS, "steps_per_round": STEPS_PER_ROUND, "rounds": opts.rounds,
+        "tokens_per_s": statistics.median(tps), "tokens_per_s_rounds": tps,
+        "tokens_per_s_spread": max(tps) / min(tps), "capture_phase_s": capture_phase_s,
+        "losses": [float(x) for x in losses] if last else None,
+        **{k: round(v, 1) for k, v in mem.items()},
+        **graph_stats(opts.variant, gpt, megatron_capture),
+    }
+    if opts.profile:
+        record["profile"] = profile_step(lambda: step(i), sync, layer_calls=len(gpt.decoder.layers) * MICRO_BATCHES)
+    if opts.pp > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    return record
+
+
+def _watch_megatron_capture() -> list:
+    """Keep what each ``create_cudagraphs()`` call of Megatron's schedules returns (capture time
+    and memory); the schedules discard it."""
+    from megatron.core.pipeline_parallel import schedules
+
+    stats, create = [], schedules.create_cudagraphs
+
+    def create_and_keep():
+        out = create()
+        if out:
+            stats.append(out)
+        return out
+
+    schedules.create_cudagraphs = create_and_keep
+    return stats
+
+
+def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
+    layers = list(gpt.decoder.layers)
+    if variant == "ours":
+        from paddle_graphpp.core.memory import memory_report
+
+        report = memory_report()
+        return {"graphs": sum(l.engine.graph_count() for l in layers),
+                "replays": sum(l.engine.replays for l in layers),
+                "capture_s": sum(r["capture_seconds"] for r in report.values()), "memory_report": report}
+    if variant == "megatron":
+        runners = [r for l in layers for r in getattr(getattr(l, "cudagraph_manager", None), "cudagraph_runners", [])]
+        return {"graphs": sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in runners),
+                "runners": len(runners),
+                "capture_s": sum(s.get("time", 0.0) for s in megatron_capture),
+                "capture_reserved_mib": sum(s.get("reserved_bytes", 0) for s in megatron_capture) / 2**20}
+    return {}
+
+
+# ---------------------------------------------------------------------------------- profile
+def profile_step(step, sync, *, layer_calls: int, top: int = 25) -> dict:
+    """One steady step under torch.profiler (CPU ops, self time) and one under cProfile (Python
+    functions); times are also given per layer call (forward calls of all graphed layers)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    op_rows = [{"name": e.key, "calls": e.count, "self_cpu_us": round(e.self_cpu_time_total, 1),
+                "cpu_total_us": round(e.cpu_time_total, 1),
+                "self_cpu_us_per_layer_call": round(e.self_cpu_time_total / layer_calls, 2)} for e in ops]
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top), file=sys.stderr)
+
+    sync()
+    prof_py = cProfile.Profile()
+    t = time.perf_counter()
+    prof_py.enable()
+    step()
+    sync()
+    prof_py.disable()
+    wall = time.perf_counter() - t
+    stats = pstats.Stats(prof_py)
+    rows = []
+    for (path, line, name), (cc, nc, tottime, cumtime, _) in stats.stats.items():
+        rows.append({"function": f"{_short(path)}:{line}({name})", "calls": nc, "tottime_ms": round(tottime * 1e3, 3),
+                     "cumtime_ms": round(cumtime * 1e3, 3),
+                     "tottime_us_per_layer_call": round(tottime * 1e6 / layer_calls, 2),
+                     "cumtime_us_per_layer_call": round(cumtime * 1e6 / layer_calls, 2)})
+    by_tot = sorted(rows, key=lambda r: r["tottime_ms"], reverse=True)[:top]
+    by_cum = sorted(rows, key=lambda r: r["cumtime_ms"], reverse=True)[:top]
+    text = io.StringIO()
+    pstats.Stats(prof_py, stream=text).sort_stats("tottime").print_stats(top)
+    print(text.getvalue(), file=sys.stderr)
+    return {"layer_calls": layer_calls, "torch_ops_by_self_cpu": op_rows, "cprofile_wall_ms": round(wall * 1e3, 2),
+            "python_by_tottime": by_tot, "python_by_cumtime": by_cum}
+
+
+def _short(path: str) -> str:
+    for marker in ("site-packages/", "paddle_graphpp/", "megatron/"):
+        if marker in path:
+            return path[path.index(marker):] if marker != "site-packages/" else path.split(marker, 1)[1]
+    return path
+
+
+# ------------------------------------------------------------------------------ CPU check
+def _cpu_adjustments() -> None:
+    """Let Megatron-Core run its CUDA-only code paths on a CPU build of torch, for checking this
+    script: tensors asked for on ``cuda`` are made on the CPU, and the RNG tracker keeps CPU
+    generator states. Nothing here runs on a GPU."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    def cpu(dev):
+        if isinstance(dev, int) or (isinstance(dev, str) and dev.startswith("cuda")) or \
+                (isinstance(dev, torch.device) and dev.type == "cuda"):
+            return torch.device("cpu")
+        return dev
+
+    class OnCPU(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func in (torch.Tensor.cuda,):
+                return args[0]
+            if "device" in kwargs:
+                kwargs["device"] = cpu(kwargs["device"])
+            if func is torch.Tensor.to and args and len(args) > 1 and not isinstance(args[1], torch.dtype) \
+                    and not isinstance(args[1], torch.Tensor):
+                args = (args[0], cpu(args[1]), *args[2:])
+            return func(*args, **kwargs)
+
+    OnCPU().__enter__()  # for the life of the process
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.is_available = lambda: False
+
+    class NoStream:  # Megatron's DDP orders its collectives on streams
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def record_event(self, event=None):
+            return None
+
+    torch.cuda.Stream = NoStream
+    torch.cuda.current_stream = lambda *a, **k: NoStream()
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
