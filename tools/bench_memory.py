@@ -1,4 +1,4 @@
-"""Graph memory by mode on one GPU: eager, per_graph, shared, shared_reuse, the async allocator.
+"""Graph memory by mode on one GPU: eager, per_graph, shared, the async allocator.
 
     python tools/bench_memory.py                 # all modes; ~2-3 min on an H100/H200
     python tools/bench_memory.py --plot-only benchmarks/results/memory-h100.json   # re-plot (CPU is fine)
@@ -48,11 +48,10 @@ if REPO not in sys.path:  # run from a checkout without installing
 from paddle_graphpp.core.driver_memory import GraphMemory  # noqa: E402
 from tools import benchlib, launch  # noqa: E402
 
-MODES = ("eager", "per_graph", "shared", "shared_reuse", "async")
-GRAPHED = ("per_graph", "shared", "shared_reuse", "async")
-ENGINE_MODE = {"per_graph": "per_graph", "shared": "shared", "shared_reuse": "shared_reuse", "async": "shared"}
-LABEL = {"eager": "eager", "per_graph": "per_graph", "shared": "shared", "shared_reuse": "shared+reuse",
-         "async": "async alloc"}
+MODES = ("eager", "per_graph", "shared", "async")
+GRAPHED = ("per_graph", "shared", "async")
+ENGINE_MODE = {"per_graph": "per_graph", "shared": "shared", "async": "shared"}
+LABEL = {"eager": "eager", "per_graph": "per_graph", "shared": "shared", "async": "async alloc"}
 RESULT_TAG = "BENCH_MEMORY_RESULT "
 MIB = 2 ** 20
 
@@ -325,7 +324,7 @@ def summarize(modes: dict) -> dict:
         return None if value is None else value <= limit
 
     targets = {
-        "shared_reuse_steady<=1.3x_eager": target(ratios["shared_reuse"]["steady_vs_eager"], 1.3),
+        "shared_steady<=1.3x_eager": target(ratios["shared"]["steady_vs_eager"], 1.3),
         "async_steady<=1.3x_eager": target(ratios["async"]["steady_vs_eager"], 1.3),
         **{f"{m}_step<=1.05x_best_graphed": target(ratios[m]["step_vs_best_graphed"], 1.05) for m in GRAPHED},
     }

@@ -11,7 +11,7 @@ per-step losses, and tokens/s. Speed is compared as the median of ``--rounds`` a
 rounds of eager and the default graphed settings.
 
 Variants: ``eager``; ``default`` (``--cudagraph``: the library's defaults); ``no_accumulate``;
-``shared_reuse``; ``per_graph`` (upstream Paddle's design: a pool per graph); ``async``
+``per_graph`` (upstream Paddle's design: a pool per graph); ``async``
 (the default settings under ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``: graph
 memory nodes shared with eager stream-ordered allocations). The gpt1.3b preset runs them
 with 1F1B at seq 2048, eager and default interleaved (vpp 2), and eager and default at
@@ -45,7 +45,6 @@ SEQ = {"gpt1.3b": (2048, 512), "small": (512,)}
 GRAPHED = {
     "default": ([], None),
     "no_accumulate": (["--no-graph-accumulate-grads"], None),
-    "shared_reuse": (["--graph-memory", "shared_reuse"], None),
     "per_graph": (["--graph-memory", "per_graph"], None),
     "async": ([], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
 }
@@ -80,9 +79,16 @@ def plan(preset: str, variants: list[str], rounds: int) -> list[tuple[str, list,
     return runs
 
 
+def _max_loss_diff(a: dict, b: dict):
+    if not a.get("losses") or not b.get("losses"):
+        return None
+    return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+
+
 def summarize(runs: dict) -> dict:
     """Per configuration and variant: memory per rank against eager's, speed as the median
-    over rounds against eager's median."""
+    over rounds against eager's median, and the per-step losses against eager's, next to the
+    spread of two identical eager runs (``eager_loss_spread``) where two rounds ran."""
     by = {}
     for label, r in runs.items():
         name, rest = label.split("@")
@@ -94,6 +100,7 @@ def summarize(runs: dict) -> dict:
         if not eager:
             continue
         e0 = eager[0]
+        spread = _max_loss_diff(eager[0], eager[1]) if len(eager) > 1 else None
         eager_tps = statistics.median(r["tokens_per_s"] for r in eager)
         rows = {}
         for name, rs in variants.items():
@@ -112,11 +119,15 @@ def summarize(runs: dict) -> dict:
                 "peak_vs_eager": round(max(peak), 4), "steady_vs_eager": round(max(steady), 4),
                 "tokens_per_s_median": statistics.median(tps), "tokens_per_s_all": tps,
                 "speed_vs_eager": round(statistics.median(tps) / eager_tps, 4),
-                "max_abs_loss_diff_vs_eager": (max(abs(a - b) for a, b in zip(r0["losses"], e0["losses"]))
-                                               if r0.get("losses") and e0.get("losses") else None),
+                "max_abs_loss_diff_vs_eager": _max_loss_diff(r0, e0),
+                "eager_loss_spread": spread,
             }
         out[tag] = rows
     return out
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2e}"
 
 
 def chart(summary: dict, tag: str, path: str, title: str) -> None:
@@ -181,14 +192,17 @@ def main(argv=None) -> int:
     summary = summarize(runs)
     long_tag = next(iter(summary)) if summary else None
     default_tag = "seq2048_1f1b" if args.preset == "gpt1.3b" else long_tag
-    print(f"{'config':<14}{'variant':<15}{'peak x':>8}{'steady x':>10}{'speed x':>9}  MiB peak/steady per rank")
+    print(f"{'config':<14}{'variant':<15}{'peak x':>8}{'steady x':>10}{'speed x':>9}{'loss diff':>11}"
+          f"{'eager spr':>11}  MiB peak/steady per rank")
     for tag, rows in summary.items():
         for name, row in rows.items():
             if "error" in row:
                 print(f"{tag:<14}{name:<15} FAILED: {row['error']}")
                 continue
+            diff, spread = row["max_abs_loss_diff_vs_eager"], row["eager_loss_spread"]
             print(f"{tag:<14}{name:<15}{row['peak_vs_eager']:>8.3f}{row['steady_vs_eager']:>10.3f}"
-                  f"{row['speed_vs_eager']:>9.3f}  {row['peak_mib_per_rank']} / {row['steady_mib_per_rank']}")
+                  f"{row['speed_vs_eager']:>9.3f}{_fmt(diff):>11}{_fmt(spread):>11}"
+                  f"  {row['peak_mib_per_rank']} / {row['steady_mib_per_rank']}")
     default = summary.get(default_tag, {}).get("default", {})
     payload = {"command": benchlib.command(), **benchlib.environment(), "preset": args.preset,
                "config": PRESETS[args.preset], "summary": {

@@ -117,7 +117,7 @@ def pool_child(mode: str) -> None:
 
 def bench_pools() -> dict:
     out = {}
-    for mode in ("eager", "shared", "shared_reuse", "per_graph"):
+    for mode in ("eager", "shared", "per_graph"):
         end = launch.run([sys.executable, __file__, "--pool-child", mode], timeout=300)
         if end.returncode != 0 or end.timed_out:
             why = "timed out after 300 s" if end.timed_out else f"exit code {end.returncode}"
@@ -127,7 +127,6 @@ def bench_pools() -> dict:
         "config": "same stack, input 4096 x 256, 8 micro-batches with 4 in flight (1F1B: " + ONE_F_ONE_B + ")",
         "modes": out,
         "pool_shared_mib": out["shared"]["pool_reserved_mib"],
-        "pool_shared_reuse_mib": out["shared_reuse"]["pool_reserved_mib"],
         "pool_separate_mib": out["per_graph"]["pool_reserved_mib"],
         "eager_in_flight_peak_mib": out["eager"]["pool_reserved_mib"],
     }
@@ -191,7 +190,7 @@ def main() -> int:
         print(f"{k + ' ms (spread)':<28}{t[k]['median_ms']:>8.4f} ({t[k]['spread']:.2f})")
     print(f"{'speedup_fwd_bwd':<28}{result['speedup_fwd_bwd']:>12.2f}")
     print(f"{'ratio_vs_torch_graphed':<28}{result['ratio_vs_torch_graphed']:>12.3f}")
-    for k in ("eager_in_flight_peak_mib", "pool_shared_mib", "pool_shared_reuse_mib", "pool_separate_mib"):
+    for k in ("eager_in_flight_peak_mib", "pool_shared_mib", "pool_separate_mib"):
         print(f"{k:<28}{result[k]:>12.1f}")
     print(f"targets: {result['targets']}\nwrote {path}")
     return 0 if all(result["targets"].values()) and result.get("tests", {}).get("exit_code", 0) == 0 else 2

@@ -33,7 +33,6 @@ VARIANTS = {  # graph_stage_module options per variant (None: eager)
     "eager": None,
     "default": {},
     "no_accumulate": {"accumulate_grads": False},
-    "shared_reuse": {"memory": "shared_reuse"},
     "per_graph": {"memory": "per_graph"},
 }
 WARMUP = 3  # graph_stage_module's num_warmup_steps, as the trainer uses
@@ -85,7 +84,10 @@ def worker(args) -> dict:
     per_step = []  # (peak reserved in the step, reserved at its end, graph pools' reserved at its end), MiB
     losses = []
     seconds = []
+    steady_since_us = None
     for step in range(args.steps):
+        if step == args.steady_from:
+            steady_since_us = time.time() * 1e6
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -129,7 +131,7 @@ def worker(args) -> dict:
     if args.trace:
         from tools import memtrace
 
-        out["trace"] = memtrace.analyze(torch.cuda.memory._snapshot())
+        out["trace"] = memtrace.analyze(torch.cuda.memory._snapshot(), steady_since_us=steady_since_us)
     return out
 
 
@@ -216,9 +218,11 @@ def _print_row(rec: dict, runs: list) -> None:
           f"{ratio}  step {rec['steady_step_ms']:.1f} ms", flush=True)
     print("   optimizer steps in the graph pool:", rec.get("optimizer_steps_in_pool"),
           " per step (peak / end / pools):", " ".join(f"{a:.0f}/{b:.0f}/{c:.0f}" for a, b, c in rec["per_step_mib"]))
-    if "trace" in rec:
-        t = rec["trace"].get("peak_reserved", {})
-        print("   at peak reserved:", json.dumps(t.get("reserved_by_pool_mib")),
+    for moment in ("peak_reserved", "steady_peak_reserved"):
+        t = rec.get("trace", {}).get(moment)
+        if not t:
+            continue
+        print(f"   at {moment.replace('_', ' ')}:", json.dumps(t.get("reserved_by_pool_mib")),
               "allocated:", json.dumps(t.get("allocated_by_pool_mib")))
         for site, mib in list(t.get("top_sites_mib", {}).items())[:10]:
             print(f"     {mib:9.1f}  {site}")

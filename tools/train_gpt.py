@@ -102,7 +102,7 @@ class Config:
     timeout: int = 120
     """Seconds a rank waits for its peers before it gives up with an error."""
     graph_memory: str = "shared"
-    """Memory mode of the graphed runs: ``shared``, ``shared_reuse`` or ``per_graph`` (PyTorch)."""
+    """Memory mode of the graphed runs: ``shared`` or ``per_graph`` (PyTorch)."""
     graph_accumulate_grads: Optional[bool] = None
     """Accumulate parameter gradients into ``.grad`` inside the backward graphs (PyTorch;
     ``accumulate_grads`` of ``graph_stage_module``); ``None``: the library's default
@@ -132,7 +132,7 @@ def parse_args(argv=None) -> Config:
                  "layers", "steps", "seed", "timeout"):
         parser.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(defaults, flag))
     parser.add_argument("--cudagraph", action="store_true", help="capture stage blocks as CUDA graphs")
-    parser.add_argument("--graph-memory", choices=["shared", "shared_reuse", "per_graph"],
+    parser.add_argument("--graph-memory", choices=["shared", "per_graph"],
                         default=defaults.graph_memory, help="memory mode of the graphed runs (--framework torch)")
     parser.add_argument("--graph-accumulate-grads", action=argparse.BooleanOptionalAction, default=None,
                         help="accumulate parameter gradients inside the backward graphs, or not "

@@ -287,7 +287,7 @@ def test_memory_mode_parse_accepts_names_and_members():
     from paddle_graphpp import MemoryMode
 
     assert MemoryMode.parse("shared") is MemoryMode.SHARED
-    assert MemoryMode.parse("shared_reuse") is MemoryMode.SHARED_REUSE
+    assert MemoryMode.parse("shared_reuse") is MemoryMode.SHARED  # the former name of shared's buffer reuse
     assert MemoryMode.parse("per_graph") is MemoryMode.PER_GRAPH
     assert MemoryMode.parse(MemoryMode.PER_GRAPH) is MemoryMode.PER_GRAPH
 
@@ -300,7 +300,7 @@ def test_memory_mode_invalid_names_list_the_choices(bad):
         MemoryMode.parse(bad, "my layer")
     msg = str(err.value)
     assert msg.startswith("my layer: memory=")
-    for choice in ("'shared'", "'shared_reuse'", "'per_graph'"):
+    for choice in ("'shared'", "'per_graph'"):
         assert choice in msg
 
 
@@ -320,9 +320,9 @@ def test_paddle_layer_memory_setting_is_validated_and_stored():
     paddle = pytest.importorskip("paddle")
     from paddle_graphpp import CUDAGraphedLayer, MemoryMode
 
-    layer = CUDAGraphedLayer(paddle.nn.Linear(2, 2), memory="shared_reuse")
-    assert layer.engine.memory_mode is MemoryMode.SHARED_REUSE
-    with pytest.raises(ValueError, match=r"memory='reuse'.*'shared', 'shared_reuse', 'per_graph'"):
+    layer = CUDAGraphedLayer(paddle.nn.Linear(2, 2), memory="per_graph")
+    assert layer.engine.memory_mode is MemoryMode.PER_GRAPH
+    with pytest.raises(ValueError, match=r"memory='reuse'.*'shared', 'per_graph'"):
         CUDAGraphedLayer(paddle.nn.Linear(2, 2), memory="reuse")
 
 

@@ -299,17 +299,54 @@ def test_bad_options_are_rejected_with_the_layer_name(rt):
         Graphed(torch.nn.Linear(2, 2), rt, num_warmup_steps=-1)
 
 
-def test_shared_reuse_hands_static_inputs_to_later_positions(rt):
-    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="shared_reuse")
+def _positions(layer):
+    return layer.engine._signatures[next(iter(layer.engine._signatures))].positions
+
+
+@pytest.mark.parametrize("memory", ["shared", "shared_reuse"])
+def test_static_buffers_are_shared_by_lifetime(rt, memory):
+    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory=memory)
     step(layer, "f1 f2 b1 f3 b2 b3")  # recorded
     step(layer, "f1 f2 b1 f3 b2 b3")  # captured, replayed
-    pairs = layer.engine._signatures[next(iter(layer.engine._signatures))].positions
+    pairs = _positions(layer)
     # position 2 is recorded after position 0's backward: it takes over one of position 0's
     # buffers of the same shape (its static input or its incoming-gradient buffer)
     released = [pairs[0].static_inputs[0], pairs[0].static_grad_outputs[0]]
     assert any(pairs[2].static_inputs[0] is b for b in released)
-    # position 1 overlaps position 0 in time: nothing is shared
+    # position 1 overlaps position 0 in time: its input buffer is its own
     assert not any(pairs[1].static_inputs[0] is b for b in released)
+    # while a position is in flight, no other position's copy writes its input buffer:
+    # inputs of positions in flight together differ, and a backward's incoming-gradient
+    # buffer is no input of a position in flight when it runs
+    assert pairs[0].static_inputs[0] is not pairs[1].static_inputs[0]
+    assert pairs[1].static_inputs[0] is not pairs[2].static_inputs[0]
+    assert pairs[0].static_grad_outputs[0] is not pairs[1].static_inputs[0]  # b1 runs while f2 is in flight
+    assert pairs[1].static_grad_outputs[0] is not pairs[2].static_inputs[0]  # b2 runs while f3 is in flight
+    # three positions, at most two in flight: three buffers in all (two inputs and one
+    # gradient buffer in flight at once), carved from one block
+    buffers = {id(b) for p in pairs.values() for b in p.static_inputs + p.static_grad_outputs}
+    assert len(buffers) == 3
+    blocks = {b.untyped_storage().data_ptr() for p in pairs.values() for b in p.static_inputs}
+    assert len(blocks) == 1
+
+
+def test_static_buffers_are_allocated_at_capture_not_while_recording(rt):
+    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    made = []
+    real = rt.static_buffers
+    rt.static_buffers = lambda specs: made.append(len(specs)) or real(specs)
+    step(layer, "f1 f2 b1 b2")  # recorded: slots only
+    assert made == [] and layer.engine.captures == 0
+    step(layer, "f1 f2 b1 b2")  # captured: one call for the whole recording
+    assert made == [3]  # two inputs in flight together, one incoming-gradient buffer
+
+
+def test_per_graph_positions_keep_their_own_buffers(rt):
+    layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
+    step(layer, "f1 b1 f2 b2")
+    step(layer, "f1 b1 f2 b2")
+    (only,) = _positions(layer).values()  # per_graph recycles slot 0
+    assert only.static_inputs[0] is not only.static_grad_outputs[0]
 
 
 def test_no_grad_calls_bypass_the_fifo(rt):

@@ -8,11 +8,13 @@ Every graphed layer of a process reports to one :class:`Process` per runtime. It
 * the :class:`~paddle_graphpp.core.memory.MemoryPlan`: pools, generations, capture order;
 * the *recording*: during one eager episode, each graphed layer whose signature is armed
   appends ``(layer, signature, position, forward|backward)`` here, in the order the
-  schedule ran them, together with the static buffers the position will use.
+  schedule ran them, and the *slots* of the static buffers each position will copy its
+  inputs and incoming gradients into (a slot is reused by later positions once the
+  position's backward has run; the buffers themselves are allocated at capture).
 
 At the start of the next episode (the first graphed forward that finds nothing in flight),
 :meth:`Process.capture_recorded` gives the eager episode's cached memory back to the
-driver, then captures every recorded position in recorded order into one pool generation:
+driver, allocates the static buffers in one block, then captures every recorded position in recorded order into one pool generation:
 forward graphs and backward graphs interleaved exactly as the step ran them, so memory a
 graph frees is only reused by graphs that run after it. No eager pass runs beside a
 capture, so the capture costs what one eager step's activations cost, once. Capture does
@@ -48,7 +50,8 @@ class Process:
         self.plan = plan
         self.clock = EpisodeClock()
         self._events: list[tuple[Any, Hashable, int, bool]] = []  # (layer, key, position, forward)
-        self._free_buffers: dict[Any, list] = defaultdict(list)
+        self._slot_specs: list = []  # spec of each static buffer slot of the recording
+        self._free_slots: dict[Any, list] = defaultdict(list)
         self._layers = weakref.WeakValueDictionary()  # id -> layer with captured graphs
 
     # ------------------------------------------------------------- recording
@@ -60,14 +63,21 @@ class Process:
         """Append one call of the episode being recorded."""
         self._events.append((layer, key, position, forward))
 
-    def take_buffer(self, key: Any) -> Any:
-        """``shared_reuse``: a static buffer (shape, dtype, device) released earlier in this
-        recording by a position whose backward has run, or ``None``."""
-        bucket = self._free_buffers.get(key)
-        return bucket.pop() if bucket else None
+    def buffer_slot(self, spec: Any, *, reuse: bool) -> int:
+        """The static buffer a recorded call will copy a tensor of ``spec`` into, as a slot of
+        this recording's buffers (allocated at capture). With ``reuse``, a slot released
+        earlier in the recording for the same shape, dtype and device is taken over."""
+        key = (spec.shape, spec.dtype, spec.device)
+        free = self._free_slots.get(key) if reuse else None
+        if free:
+            return free.pop()
+        self._slot_specs.append(spec)
+        return len(self._slot_specs) - 1
 
-    def release_buffer(self, key: Any, buffer: Any) -> None:
-        self._free_buffers[key].append(buffer)
+    def release_slot(self, slot: int) -> None:
+        """No graph recorded after this point reads ``slot``'s buffer as its own."""
+        spec = self._slot_specs[slot]
+        self._free_slots[(spec.shape, spec.dtype, spec.device)].append(slot)
 
     # --------------------------------------------------------------- capture
     def capture_recorded(self) -> None:
@@ -79,13 +89,17 @@ class Process:
         after the failed captures' memory is released.
         """
         events, self._events = self._events, []
-        self._free_buffers.clear()
+        specs, self._slot_specs = self._slot_specs, []
+        self._free_slots.clear()
         complete = {(id(layer), key, pos) for layer, key, pos, forward in events if not forward}
         layers = list({id(layer): layer for layer, *_ in events}.values())
         # The recorded episode's activations are free but cached by the allocator: return them
         # so the graphs' pool can take that memory instead of adding to it.
         gc.collect()
         self.runtime.release_cached_memory()
+        # The static buffers, in one block allocated on the emptied cache (allocated while the
+        # recorded episode ran, they would pin pieces of its activations' cached blocks).
+        buffers = self.runtime.static_buffers(specs) if specs else []
         live: dict[tuple, Any] = {}
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         failed: set = set()
@@ -96,11 +110,11 @@ class Process:
                 continue
             try:
                 if forward:
-                    state = layer._capture_recorded_forward(key, pos)
+                    state = layer._capture_recorded_forward(key, pos, buffers)
                     if state is not None:
                         live[slot] = state
                 elif slot in live:
-                    layer._capture_recorded_backward(key, pos, live.pop(slot))
+                    layer._capture_recorded_backward(key, pos, live.pop(slot), buffers)
                     captured.add(slot)
             except BaseException as exc:  # noqa: BLE001 - the layer decides what a failure means
                 failed.add((id(layer), key))
@@ -111,6 +125,7 @@ class Process:
                 if error is not None:
                     errors.append(error)
         live.clear()
+        buffers = None  # the captured positions hold the buffers they use
         for layer in layers:
             layer._recording_captured()
         self._layers.update({id(layer): layer for layer in layers})

@@ -73,7 +73,7 @@ class EngineOptions:
     """``"error"``: a failed capture raises :class:`CaptureError`. ``"eager"``: warn once and
     keep running this layer eagerly."""
     memory: str = "shared"
-    """``"shared"``, ``"shared_reuse"`` or ``"per_graph"``; see :mod:`paddle_graphpp.core.memory`."""
+    """``"shared"`` or ``"per_graph"``; see :mod:`paddle_graphpp.core.memory`."""
     max_in_flight: int = 64
     """Forwards that may wait for their backward before that is an error."""
     max_signatures: int = 4
@@ -160,11 +160,12 @@ class _Outputs(_Tree):
 
 @dataclass(frozen=True, slots=True)
 class _Recording:
-    """What capturing one recorded position needs, kept without the eager tensors."""
+    """What capturing one recorded position needs, kept without the eager tensors: its static
+    buffers as slots of the recording (:meth:`Process.buffer_slot`) and its output structure."""
 
-    static_inputs: tuple
+    input_slots: tuple
     outputs: _Outputs
-    static_grad_outputs: Optional[tuple] = None  # set when its backward is recorded
+    grad_slots: Optional[tuple] = None  # set when its backward is recorded
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,15 +420,13 @@ class GraphedCallable:
         return [rt.detach(o) for o in outs]
 
     def _record_forward(self, call: _Call, sig: _Signature) -> None:
-        """Keep what capturing this position needs: its static input buffers (handed over
-        from an earlier position under ``shared_reuse``) and its output structure."""
-        rt, proc = self.runtime, self.process
-        reuse = self.memory_mode is _memory.MemoryMode.SHARED_REUSE
-        static_inputs = []
-        for t, s in zip(call.tensors, call.shape.specs):
-            buf = proc.take_buffer(_buffer_key(s)) if reuse else None
-            static_inputs.append(buf if buf is not None else rt.static_like(t))
-        sig.recordings[call.position] = _Recording(tuple(static_inputs), call.outputs)
+        """Keep what capturing this position needs: the slots of its static input buffers
+        (taken over from positions whose backward has run, see core.memory) and its output
+        structure."""
+        proc = self.process
+        reuse = self.memory_mode is not _memory.MemoryMode.PER_GRAPH
+        slots = tuple(proc.buffer_slot(s, reuse=reuse) for s in call.shape.specs)
+        sig.recordings[call.position] = _Recording(slots, call.outputs)
         proc.record(self, call.key, call.position, forward=True)
         call.run = _Run.RECORDED
 
@@ -474,17 +473,14 @@ class GraphedCallable:
         rec = sig.recordings.get(call.position)
         if rec is None:
             return
-        reuse = self.memory_mode is _memory.MemoryMode.SHARED_REUSE
-        static_grads = []
-        for g in diff_grads:
-            buf = proc.take_buffer(_buffer_key(rt.spec(g))) if reuse else None
-            static_grads.append(buf if buf is not None else rt.static_like(g))
-        sig.recordings[call.position] = dataclasses.replace(rec, static_grad_outputs=tuple(static_grads))
-        if reuse:  # positions recorded after this backward may take these buffers over
-            for buf, s in zip(rec.static_inputs, call.shape.specs):
-                proc.release_buffer(_buffer_key(s), buf)
-            for buf in static_grads:
-                proc.release_buffer(_buffer_key(rt.spec(buf)), buf)
+        reuse = self.memory_mode is not _memory.MemoryMode.PER_GRAPH
+        grad_slots = tuple(proc.buffer_slot(rt.spec(g), reuse=reuse) for g in diff_grads)
+        sig.recordings[call.position] = dataclasses.replace(rec, grad_slots=grad_slots)
+        if reuse:
+            # Positions recorded after this backward may take these buffers over: the inputs
+            # are read by nothing after this backward, the gradients by nothing outside it.
+            for slot in rec.input_slots + grad_slots:
+                proc.release_slot(slot)
         proc.record(self, call.key, call.position, forward=False)
 
     def _replay_backward(self, call: _Call, done: _Position, diff_grads: list) -> list:
@@ -507,21 +503,21 @@ class GraphedCallable:
 
     # ---------------------------------------------------------------- capture
     # Called by Process.capture_recorded, in recorded order, between episodes.
-    def _capture_recorded_forward(self, key: Any, position: int) -> Optional[_Live]:
+    def _capture_recorded_forward(self, key: Any, position: int, buffers: Sequence[Any]) -> Optional[_Live]:
         """``None``: the layer's train/eval mode changed since the recording (the position is
-        recorded again when it next runs)."""
+        recorded again when it next runs). ``buffers``: the recording's static buffers."""
         sig = self._signatures[key]
         rec = sig.recordings[position]
         training, mode = key[3]
         if getattr(self.fn, "training", None) != training:
             return None
         with self.runtime.mode_context(mode):
-            return self._capture_forward(sig, rec.static_inputs, rec.outputs)
+            return self._capture_forward(sig, tuple(buffers[i] for i in rec.input_slots), rec.outputs)
 
-    def _capture_recorded_backward(self, key: Any, position: int, live: _Live) -> None:
+    def _capture_recorded_backward(self, key: Any, position: int, live: _Live, buffers: Sequence[Any]) -> None:
         sig = self._signatures[key]
         rec = sig.recordings.pop(position)
-        sig.positions[position] = self._capture_backward(sig, live, rec.static_grad_outputs)
+        sig.positions[position] = self._capture_backward(sig, live, tuple(buffers[i] for i in rec.grad_slots))
 
     def _drop_generation(self, gen: Any) -> None:
         """Forget the positions captured into ``gen`` (they are recorded again when they run)."""
@@ -874,7 +870,8 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
         num_warmup_steps: eager calls per input signature before recording.
         fallback: ``"error"`` (default) raises :class:`paddle_graphpp.CaptureError` when capture
             fails; ``"eager"`` warns once and keeps running eagerly.
-        memory: ``"shared"`` (default), ``"shared_reuse"`` or ``"per_graph"``.
+        memory: ``"shared"`` (default: one pool, static buffers shared by lifetime) or
+            ``"per_graph"`` (a pool per graph, upstream Paddle's design).
         max_in_flight: forwards that may await their backward before that is an error.
         max_signatures: input signatures captured; later new ones run eagerly with a warning.
 {accumulate}{generators}        name: the name used in messages (default: the class name of ``{arg}``).

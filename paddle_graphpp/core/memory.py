@@ -9,11 +9,13 @@ Modes (``memory=`` of a graphed layer):
     repeats: memory a graph frees is only reused by graphs that run after it. Replays are
     checked against the capture order; graphs captured after replays have started (a new
     signature, a position not seen before) form a new generation with its own pool, so a
-    late capture never aliases live memory.
-``shared_reuse``
-    ``shared``, plus the static input and incoming-gradient buffers of a micro-batch position
-    are handed to later positions (of any layer) with the same shape and dtype once its
-    backward has run.
+    late capture never aliases live memory. The static buffers that inputs and incoming
+    gradients are copied into are allocated at capture, together, and are shared by lifetime:
+    a position's input buffer goes to a later position (of any layer, same shape and dtype)
+    once its backward has run, and an incoming-gradient buffer, read only by its own backward
+    graph, serves every position. So a stage holds as many input buffers as it has
+    micro-batches in flight, not one per micro-batch. (``"shared_reuse"``, the name this
+    sharing had when it was optional, is accepted and means ``"shared"``.)
 ``per_graph``
     Each graph gets its own pool: upstream Paddle's behaviour, kept for comparison.
 
@@ -41,13 +43,14 @@ class MemoryMode(str, enum.Enum):
     """How graphs of a layer share memory; see the module docstring."""
 
     SHARED = "shared"
-    SHARED_REUSE = "shared_reuse"
     PER_GRAPH = "per_graph"
 
     @classmethod
     def parse(cls, value: Any, owner: str = "graphed layer") -> "MemoryMode":
         if isinstance(value, cls):
             return value
+        if value == "shared_reuse":  # the former name of shared's buffer sharing, now always on
+            return cls.SHARED
         try:
             return cls(value)
         except ValueError:

@@ -60,7 +60,8 @@ class GraphRuntime(abc.ABC):
 
     Members, by concern (each documented with its contract below):
 
-    * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`static_like`, :meth:`copy_many`,
+    * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`static_like`, :meth:`static_buffers`,
+      :meth:`copy_many`,
       :meth:`clone_many`, :meth:`detach`;
     * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`;
     * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
@@ -94,6 +95,12 @@ class GraphRuntime(abc.ABC):
     @abc.abstractmethod
     def static_like(self, tensor: Any) -> Any:
         """A new, uninitialised tensor with the same shape, dtype and device, not tracked by autograd."""
+
+    @abc.abstractmethod
+    def static_buffers(self, specs: Sequence[TensorSpec]) -> list:
+        """New uninitialised tensors, one per spec (shape, dtype, device), not tracked by
+        autograd. Allocated together (one block per device where the framework allows), so
+        that buffers living as long as the graphs do not pin pieces of many cached blocks."""
 
     @abc.abstractmethod
     def copy_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:

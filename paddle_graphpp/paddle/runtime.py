@@ -58,6 +58,15 @@ class PaddleRuntime(GraphRuntime):
         out.stop_gradient = True
         return out
 
+    def static_buffers(self, specs) -> list:
+        # Paddle tensors are made on the current place, where the layer runs and captures.
+        out = []
+        for s in specs:
+            t = paddle.empty(list(s.shape), dtype=s.dtype)
+            t.stop_gradient = True
+            out.append(t)
+        return out
+
     def copy_many(self, dsts, srcs) -> None:
         with paddle.no_grad():
             for d, s in zip(dsts, srcs):

@@ -184,7 +184,7 @@ def graph_stage_module(
             detected and kept eager without being listed.
         fallback: what a graphed run does when capture fails: ``"error"`` raises,
             ``"eager"`` warns once and keeps running eagerly (passed to ``CUDAGraphedModule``).
-        memory: the graphs' memory mode, ``"shared"``, ``"shared_reuse"`` or ``"per_graph"``
+        memory: the graphs' memory mode, ``"shared"`` or ``"per_graph"``
             (passed to ``CUDAGraphedModule``).
         accumulate_grads: ``"auto"`` (default) accumulates the graphed runs' parameter
             gradients into ``.grad`` inside their backward graphs, except for parameters whose

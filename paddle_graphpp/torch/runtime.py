@@ -4,6 +4,7 @@ member's contract)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from typing import Any, Optional, Sequence
 
@@ -15,6 +16,8 @@ from ..core.runtime import GraphRuntime, TensorSpec
 from .allocator import async_allocator_active as _async_allocator_active
 
 __all__ = ["TorchRuntime", "RUNTIME"]
+
+_ALIGN = 512  # bytes between buffers carved from one block (the caching allocator's own rounding)
 
 
 class _GraphedFunction(torch.autograd.Function):
@@ -48,6 +51,23 @@ class TorchRuntime(GraphRuntime):
 
     def static_like(self, tensor):
         return torch.empty_like(tensor, requires_grad=False).detach()
+
+    def static_buffers(self, specs) -> list:
+        out: list = [None] * len(specs)
+        by_device: dict = {}
+        for i, s in enumerate(specs):
+            by_device.setdefault(s.device, []).append(i)
+        for device, index in by_device.items():
+            dtypes = [getattr(torch, specs[i].dtype) for i in index]
+            sizes = [math.prod(specs[i].shape) * d.itemsize for i, d in zip(index, dtypes)]
+            offsets, total = [], 0
+            for n in sizes:
+                offsets.append(total)
+                total += -(-n // _ALIGN) * _ALIGN
+            block = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+            for i, d, start, n in zip(index, dtypes, offsets, sizes):
+                out[i] = block[start:start + n].view(d).view(specs[i].shape)
+        return out
 
     def copy_many(self, dsts, srcs) -> None:
         pairs = [(d, s) for d, s in zip(dsts, srcs) if d.data_ptr() != s.data_ptr()]

@@ -167,7 +167,7 @@ def test_capture_failure_with_eager_fallback_keeps_results_right():
     assert graphed.engine.replays == 0
 
 
-@pytest.mark.parametrize("memory", ["shared", "shared_reuse", "per_graph"])
+@pytest.mark.parametrize("memory", ["shared", "per_graph"])
 def test_memory_modes_agree_with_eager(memory):
     torch.manual_seed(0)
     eager = Stack(n=2).to(DEV)
