@@ -3,7 +3,9 @@
 These tests check which path each call takes. Whether capture and replay compute the right
 numbers is checked on a GPU (unittests/gpu/test_engine_gpu.py).
 """
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -239,6 +241,25 @@ def test_capture_failure_names_layer_releases_memory_and_training_goes_on(rt):
     assert layer.engine.in_flight == 0 and layer.engine.graph_count() == 0
     assert layer.engine.phase() is Phase.WARMUP  # it warms up again
     step(layer, "f1 b1")  # training goes on (recorded again)
+
+
+def test_a_failed_captures_buffers_are_freed_while_its_error_is_held(rt, monkeypatch):
+    made = []
+    allocate = rt.static_buffers
+
+    def tracked(specs):
+        buffers = allocate(specs)
+        made.extend(weakref.ref(b) for b in buffers)
+        return buffers
+
+    monkeypatch.setattr(rt, "static_buffers", tracked)
+    layer = Graphed(SyncsInCapture(rt), rt, num_warmup_steps=0)
+    step(layer, "f1 b1")
+    with pytest.raises(CaptureError) as err:
+        layer(torch.randn(2, 4, requires_grad=True))
+    gc.collect()
+    assert made and all(ref() is None for ref in made)  # err (and its traceback) still held
+    assert "SyncsInCapture" in str(err.value)
 
 
 class RaisesInCapture(SyncsInCapture):

@@ -48,7 +48,7 @@ from . import collectives as _collectives
 from . import guards as _guards
 from . import memory as _memory
 from .capture import Process, process_for
-from .errors import CaptureError, GraphedLayerError, SignatureError
+from .errors import CaptureError, GraphedLayerError, SignatureError, release_frames
 from .runtime import GraphRuntime, TensorSpec
 from .schedule import InFlightQueue
 from .tree import flatten, unflatten
@@ -612,6 +612,7 @@ class GraphedCallable:
     def _capture_failed(self, key: Any, exc: BaseException) -> Optional[BaseException]:
         """A capture of signature ``key`` failed. Forget its graphs; returns the error to
         raise, or ``None`` when ``fallback="eager"`` turned the layer eager."""
+        release_frames(exc)  # the frames below the capture hold its buffers and outputs
         sig = self._signatures.get(key)
         if sig is not None:
             sig.reset()

@@ -1,5 +1,7 @@
 """Errors the engine raises. Each message names the graphed layer and says what to do."""
 
+import traceback
+
 __all__ = ["GraphedLayerError", "CaptureError", "GraphScheduleError", "SignatureError"]
 
 
@@ -17,3 +19,16 @@ class GraphScheduleError(GraphedLayerError):
 
 class SignatureError(GraphedLayerError, ValueError):
     """The inputs cannot be graphed as given (non-tensor where a tensor was captured, ...)."""
+
+
+def release_frames(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames in the tracebacks of ``exc`` and of
+    the exceptions it chains. A failed capture's tensors (static buffers, partial outputs)
+    are locals of those frames: an error kept by the caller would keep their memory. The
+    traceback's file and line information stays."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
