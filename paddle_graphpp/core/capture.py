@@ -10,7 +10,11 @@ Every graphed layer of a process reports to one :class:`Process` per runtime. It
   appends ``(layer, signature, position, forward|backward)`` here, in the order the
   schedule ran them, and the *slots* of the static buffers each position will copy its
   inputs and incoming gradients into (a slot is reused by later positions once the
-  position's backward has run; the buffers themselves are allocated at capture).
+  position's backward has run; the buffers themselves are allocated at capture). An input
+  that was another recorded layer's output (layer ``i + 1`` reading layer ``i``'s result), or
+  an incoming gradient that was another recorded layer's input gradient, is a :class:`Link`
+  instead of a slot: at capture it is that graph's static output itself, so at replay the
+  producer's graph writes what the consumer's graph reads and nothing is copied.
 
 At the start of the next episode (the first graphed forward that finds nothing in flight),
 :meth:`Process.capture_recorded` gives the eager episode's cached memory back to the
@@ -32,7 +36,7 @@ import logging
 import warnings
 import weakref
 from collections import defaultdict
-from typing import Any, Hashable
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 from . import memory as _memory
 from .schedule import EpisodeClock
@@ -40,6 +44,17 @@ from .schedule import EpisodeClock
 __all__ = ["Process", "process_for"]
 
 logger = logging.getLogger("paddle_graphpp")
+
+
+class Link(NamedTuple):
+    """Where a recorded input came from: output ``index`` (``kind="out"``) or input gradient
+    ``index`` (``kind="grad"``) of ``layer``'s ``position`` under signature ``key``."""
+
+    layer: int
+    key: Hashable
+    position: int
+    index: int
+    kind: str
 
 
 class Process:
@@ -53,6 +68,11 @@ class Process:
         self._slot_specs: list = []  # spec of each static buffer slot of the recording
         self._free_slots: dict[Any, list] = defaultdict(list)
         self._layers = weakref.WeakValueDictionary()  # id -> layer with captured graphs
+        # Tensors recorded calls produced, by (kind, alias key): (weak reference, Link). The
+        # weak reference proves the memory still belongs to that tensor when it is looked up.
+        self._produced_recorded: dict[tuple, tuple] = {}
+        self._buffers: Sequence[Any] = ()  # during capture_recorded: the slots' buffers
+        self._produced: dict[Link, Any] = {}  # during capture_recorded: captured static tensors
 
     # ------------------------------------------------------------- recording
     @property
@@ -79,7 +99,42 @@ class Process:
         spec = self._slot_specs[slot]
         self._free_slots[(spec.shape, spec.dtype, spec.device)].append(slot)
 
+    def note_produced(self, layer: Any, key: Hashable, position: int, kind: str,
+                      tensors: Sequence[Any]) -> None:
+        """A recorded call produced ``tensors`` (its outputs, or its input gradients)."""
+        rt = self.runtime
+        for index, t in enumerate(tensors):
+            if t is None:
+                continue
+            try:
+                ref = weakref.ref(t)
+            except TypeError:  # a tensor type without weak references: nothing is linked
+                return
+            self._produced_recorded[(kind, rt.alias_key(t))] = (ref, Link(id(layer), key, position, index, kind))
+
+    def link_of(self, kind: str, tensor: Any) -> Optional[Link]:
+        """The recorded producer ``tensor`` is an exact alias of, if it is still alive."""
+        entry = self._produced_recorded.get((kind, self.runtime.alias_key(tensor)))
+        if entry is None or entry[0]() is None:
+            return None
+        return entry[1]
+
     # --------------------------------------------------------------- capture
+    def static_for(self, slot: Any, spec: Any) -> Any:
+        """During capture: the static tensor of a recorded slot: a buffer, or for a
+        :class:`Link` the producer's captured tensor (a buffer of its own when the producer
+        was not captured)."""
+        if isinstance(slot, Link):
+            tensor = self._produced.get(slot)
+            return tensor if tensor is not None else self.runtime.static_buffers([spec])[0]
+        return self._buffers[slot]
+
+    def captured(self, layer: Any, key: Hashable, position: int, kind: str, tensors: Sequence[Any]) -> None:
+        """During capture: ``tensors`` are the static outputs (or input gradients) of a
+        position just captured, for the links recorded to them."""
+        for index, t in enumerate(tensors):
+            if t is not None:
+                self._produced[Link(id(layer), key, position, index, kind)] = t
     def capture_recorded(self) -> None:
         """Capture every position recorded in the last episode, in recorded order.
 
@@ -91,6 +146,7 @@ class Process:
         events, self._events = self._events, []
         specs, self._slot_specs = self._slot_specs, []
         self._free_slots.clear()
+        self._produced_recorded.clear()
         complete = {(id(layer), key, pos) for layer, key, pos, forward in events if not forward}
         layers = list({id(layer): layer for layer, *_ in events}.values())
         # The recorded episode's activations are free but cached by the allocator: return them
@@ -99,7 +155,7 @@ class Process:
         self.runtime.release_cached_memory()
         # The static buffers, in one block allocated on the emptied cache (allocated while the
         # recorded episode ran, they would pin pieces of its activations' cached blocks).
-        buffers = self.runtime.static_buffers(specs) if specs else []
+        self._buffers = self.runtime.static_buffers(specs) if specs else []
         live: dict[tuple, Any] = {}
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         failed: set = set()
@@ -110,11 +166,11 @@ class Process:
                 continue
             try:
                 if forward:
-                    state = layer._capture_recorded_forward(key, pos, buffers)
+                    state = layer._capture_recorded_forward(key, pos)
                     if state is not None:
                         live[slot] = state
                 elif slot in live:
-                    layer._capture_recorded_backward(key, pos, live.pop(slot), buffers)
+                    layer._capture_recorded_backward(key, pos, live.pop(slot))
                     captured.add(slot)
             except BaseException as exc:  # noqa: BLE001 - the layer decides what a failure means
                 failed.add((id(layer), key))
@@ -125,7 +181,7 @@ class Process:
                 if error is not None:
                     errors.append(error)
         live.clear()
-        buffers = None  # the captured positions hold the buffers they use
+        self._buffers, self._produced = (), {}  # the captured positions hold the tensors they use
         for layer in layers:
             layer._recording_captured()
         self._layers.update({id(layer): layer for layer in layers})

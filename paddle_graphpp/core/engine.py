@@ -163,9 +163,10 @@ class _Recording:
     """What capturing one recorded position needs, kept without the eager tensors: its static
     buffers as slots of the recording (:meth:`Process.buffer_slot`) and its output structure."""
 
-    input_slots: tuple
+    input_slots: tuple  # a slot index, or a capture.Link to the tensor's producer
     outputs: _Outputs
     grad_slots: Optional[tuple] = None  # set when its backward is recorded
+    grad_specs: Optional[tuple] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +185,9 @@ class _Position:
     outputs: _Outputs
     accumulate: bool
     keepalive: Any = None  # stream-ordered allocator: the forward capture's tensors (see _capture_backward)
+    # Inputs whose static tensor is another position's static output (a recorded link): their
+    # index and alias key. A replay is only right when the call passes exactly that tensor.
+    linked: tuple = ()
 
 
 @dataclass(slots=True)
@@ -197,6 +201,7 @@ class _Live:
     outputs: list
     params: list
     outputs_shape: _Outputs
+    linked: tuple = ()  # see _Position.linked
 
 
 class _Signature:
@@ -376,6 +381,8 @@ class GraphedCallable:
                 return self._run_eager(call)
             done = sig.positions.get(call.position)
             if done is not None:
+                if done.linked and not self._inputs_in_place(call, done):
+                    return self._run_eager(call)
                 return self._replay_forward(call, done)
             if self.plan.async_allocator:
                 return self._capture_and_launch_forward(call, sig)
@@ -421,14 +428,31 @@ class GraphedCallable:
 
     def _record_forward(self, call: _Call, sig: _Signature) -> None:
         """Keep what capturing this position needs: the slots of its static input buffers
-        (taken over from positions whose backward has run, see core.memory) and its output
-        structure."""
+        (taken over from positions whose backward has run, see core.memory), or links to the
+        recorded layers whose outputs the inputs are, and its output structure."""
         proc = self.process
         reuse = self.memory_mode is not _memory.MemoryMode.PER_GRAPH
-        slots = tuple(proc.buffer_slot(s, reuse=reuse) for s in call.shape.specs)
+        slots = tuple((proc.link_of("out", t) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
+                      for t, s in zip(call.tensors, call.shape.specs))
         sig.recordings[call.position] = _Recording(slots, call.outputs)
         proc.record(self, call.key, call.position, forward=True)
+        if reuse:
+            proc.note_produced(self, call.key, call.position, "out", call.eager[1])
         call.run = _Run.RECORDED
+
+    def _inputs_in_place(self, call: _Call, done: _Position) -> bool:
+        """The linked inputs are the tensors the graph reads. If not (the data flow between
+        layers differs from the captured step's), copying into them would overwrite another
+        position's outputs: the call runs eagerly instead."""
+        rt = self.runtime
+        for index, key in done.linked:
+            if rt.alias_key(call.tensors[index]) != key:
+                self._warn_once("linked", (
+                    f"{self.name}: input {index} is not the tensor the previous graphed layer returned, as it was "
+                    f"in the captured step; such calls run eagerly (correct, without the graphs' speed). Pass "
+                    f"the previous layer's output unchanged, or give the layer a copy in every step."))
+                return False
+        return True
 
     def _replay_forward(self, call: _Call, done: _Position, copy_inputs: bool = True) -> list:
         rt = self.runtime
@@ -455,7 +479,7 @@ class GraphedCallable:
             return self._capture_and_launch_backward(call, sig, diff_grads)
         result = self._eager_backward(call, diff_grads)
         if call.run is _Run.RECORDED and sig is not None:
-            self._record_backward(call, sig, diff_grads)
+            self._record_backward(call, sig, diff_grads, result[:len(call.shape.specs)])
         call.eager = None
         return result
 
@@ -468,19 +492,23 @@ class GraphedCallable:
         input_grads = [next(got) if s.requires_grad else None for s in call.shape.specs]
         return input_grads + list(got)
 
-    def _record_backward(self, call: _Call, sig: _Signature, diff_grads: list) -> None:
+    def _record_backward(self, call: _Call, sig: _Signature, diff_grads: list, input_grads: list) -> None:
         rt, proc = self.runtime, self.process
         rec = sig.recordings.get(call.position)
         if rec is None:
             return
         reuse = self.memory_mode is not _memory.MemoryMode.PER_GRAPH
-        grad_slots = tuple(proc.buffer_slot(rt.spec(g), reuse=reuse) for g in diff_grads)
-        sig.recordings[call.position] = dataclasses.replace(rec, grad_slots=grad_slots)
+        specs = tuple(rt.spec(g) for g in diff_grads)
+        grad_slots = tuple((proc.link_of("grad", g) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
+                           for g, s in zip(diff_grads, specs))
+        sig.recordings[call.position] = dataclasses.replace(rec, grad_slots=grad_slots, grad_specs=specs)
         if reuse:
             # Positions recorded after this backward may take these buffers over: the inputs
             # are read by nothing after this backward, the gradients by nothing outside it.
             for slot in rec.input_slots + grad_slots:
-                proc.release_slot(slot)
+                if isinstance(slot, int):
+                    proc.release_slot(slot)
+            proc.note_produced(self, call.key, call.position, "grad", input_grads)
         proc.record(self, call.key, call.position, forward=False)
 
     def _replay_backward(self, call: _Call, done: _Position, diff_grads: list) -> list:
@@ -503,21 +531,30 @@ class GraphedCallable:
 
     # ---------------------------------------------------------------- capture
     # Called by Process.capture_recorded, in recorded order, between episodes.
-    def _capture_recorded_forward(self, key: Any, position: int, buffers: Sequence[Any]) -> Optional[_Live]:
+    def _capture_recorded_forward(self, key: Any, position: int) -> Optional[_Live]:
         """``None``: the layer's train/eval mode changed since the recording (the position is
-        recorded again when it next runs). ``buffers``: the recording's static buffers."""
+        recorded again when it next runs)."""
+        rt, proc = self.runtime, self.process
         sig = self._signatures[key]
         rec = sig.recordings[position]
         training, mode = key[3]
         if getattr(self.fn, "training", None) != training:
             return None
-        with self.runtime.mode_context(mode):
-            return self._capture_forward(sig, tuple(buffers[i] for i in rec.input_slots), rec.outputs)
+        static_inputs = tuple(proc.static_for(slot, spec) for slot, spec in zip(rec.input_slots, sig.shape.specs))
+        with rt.mode_context(mode):
+            live = self._capture_forward(sig, static_inputs, rec.outputs)
+        live.linked = tuple((i, rt.alias_key(t)) for i, (slot, t) in enumerate(zip(rec.input_slots, static_inputs))
+                            if not isinstance(slot, int))
+        proc.captured(self, key, position, "out", [rt.detach(o) for o in live.outputs])
+        return live
 
-    def _capture_recorded_backward(self, key: Any, position: int, live: _Live, buffers: Sequence[Any]) -> None:
+    def _capture_recorded_backward(self, key: Any, position: int, live: _Live) -> None:
+        proc = self.process
         sig = self._signatures[key]
         rec = sig.recordings.pop(position)
-        sig.positions[position] = self._capture_backward(sig, live, tuple(buffers[i] for i in rec.grad_slots))
+        static_grads = tuple(proc.static_for(slot, spec) for slot, spec in zip(rec.grad_slots, rec.grad_specs))
+        done = sig.positions[position] = self._capture_backward(sig, live, static_grads)
+        proc.captured(self, key, position, "grad", done.static_grad_inputs)
 
     def _drop_generation(self, gen: Any) -> None:
         """Forget the positions captured into ``gen`` (they are recorded again when they run)."""
@@ -584,7 +621,7 @@ class GraphedCallable:
             generation=live.generation, fwd_graph=live.graph, bwd_graph=graph, static_inputs=live.static_inputs,
             static_outputs=tuple(rt.detach(o) for o in live.outputs), static_grad_outputs=tuple(static_grads),
             static_grad_inputs=tuple(next(it) if s.requires_grad else None for s in sig.shape.specs),
-            param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate)
+            param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate, linked=live.linked)
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):

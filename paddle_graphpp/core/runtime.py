@@ -18,7 +18,7 @@ import abc
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence, Hashable
 
 __all__ = [
     "FRAMEWORKS",
@@ -60,8 +60,8 @@ class GraphRuntime(abc.ABC):
 
     Members, by concern (each documented with its contract below):
 
-    * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`static_like`, :meth:`static_buffers`,
-      :meth:`copy_many`,
+    * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`alias_key`, :meth:`static_like`,
+      :meth:`static_buffers`, :meth:`copy_many`,
       :meth:`clone_many`, :meth:`detach`;
     * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`;
     * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
@@ -91,6 +91,11 @@ class GraphRuntime(abc.ABC):
     @abc.abstractmethod
     def spec(self, tensor: Any) -> TensorSpec:
         """Shape, dtype, device and whether autograd tracks it."""
+
+    @abc.abstractmethod
+    def alias_key(self, tensor: Any) -> Hashable:
+        """Equal for two tensors exactly when they hold the same elements at the same
+        addresses (address, shape, strides, dtype, device): one is the other's alias."""
 
     @abc.abstractmethod
     def static_like(self, tensor: Any) -> Any:

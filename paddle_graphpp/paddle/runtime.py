@@ -58,6 +58,9 @@ class PaddleRuntime(GraphRuntime):
         out.stop_gradient = True
         return out
 
+    def alias_key(self, tensor):
+        return (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.strides), str(tensor.dtype), str(tensor.place))
+
     def static_buffers(self, specs) -> list:
         # Paddle tensors are made on the current place, where the layer runs and captures.
         out = []

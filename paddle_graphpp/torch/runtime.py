@@ -52,6 +52,9 @@ class TorchRuntime(GraphRuntime):
     def static_like(self, tensor):
         return torch.empty_like(tensor, requires_grad=False).detach()
 
+    def alias_key(self, tensor):
+        return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
     def static_buffers(self, specs) -> list:
         out: list = [None] * len(specs)
         by_device: dict = {}
