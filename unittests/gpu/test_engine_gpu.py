@@ -185,13 +185,13 @@ def test_memory_modes_agree_with_eager(memory):
 
 
 class ChainStack(Stack):
-    """The parity stack; with ``perturb``, block 2 gets a copy of block 1's output."""
+    """The parity stack; with ``perturb``, block 1 gets a copy of block 0's output."""
 
     perturb = False
 
     def forward(self, x):
         for i, blk in enumerate(self.blocks):
-            if self.perturb and i == 2:
+            if self.perturb and i == 1:
                 x = x * 1.0  # the same values in another tensor
             x = blk(x)
         return x, self.aux(x)
@@ -227,5 +227,5 @@ def test_chained_blocks_read_each_others_graph_outputs_and_match_eager(perturb_a
     replays = [eng.replays for eng in blocks]
     if perturb_at is None:
         assert len(set(replays)) == 1 and replays[0] > 0
-    else:  # block 2's calls in the perturbed step ran eagerly: 4 forwards and 4 backwards fewer
-        assert replays[2] == replays[1] - 8 and replays[3] == replays[1] - 8
+    else:  # in the perturbed step blocks 1 and 2 (which then reads an eager output) ran eagerly
+        assert replays[1] == replays[2] == replays[0] - 8
