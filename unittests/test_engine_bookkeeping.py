@@ -620,3 +620,28 @@ def test_a_chained_layer_given_another_tensor_runs_eagerly_and_writes_no_graph_m
     assert torch.equal(y, b.module(h))  # (the fake runtime's replays leave a's values stale)
     b(a(x)).sum().backward()  # the captured data flow again: replayed
     assert b.engine.replays == replays + 2
+
+
+def test_accumulate_grads_auto_steps_aside_for_megatron_style_accumulator_hooks(rt):
+    """Megatron-Core's DDP hooks each parameter's gradient accumulator node and adds .grad into
+    the parameter's main_grad there: every micro-batch's gradient must reach that hook."""
+    lin = torch.nn.Linear(4, 4)
+    seen = []
+    accs = []  # the hooked nodes must stay alive, as Megatron keeps them
+    for p in lin.parameters():
+        p.main_grad = torch.zeros_like(p)
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+
+        def hook(*_, p=p):
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            seen.append(1)
+
+        acc.register_hook(hook)
+        accs.append(acc)
+    layer = Graphed(lin, rt, num_warmup_steps=1)
+    for _ in range(4):
+        step(layer, "f1 f2 b1 b2")
+    sig = next(iter(layer.engine._signatures.values()))
+    assert sig.accumulate is False
+    assert layer.engine.replays == 8 and len(seen) == 2 * 8  # two parameters, every micro-batch

@@ -191,8 +191,12 @@ class TorchRuntime(GraphRuntime):
         # invisible from Python: inside its forward, every parameter counts as hooked.
         if _inside_ddp_forward():
             return list(range(len(params)))
+        # Megatron-Core's DistributedDataParallel hooks the accumulator node from Python
+        # (``grad_fn.next_functions[0][0].register_hook``), which no attribute of the parameter
+        # shows; the ``main_grad`` buffer it gives each parameter does.
         return [i for i, p in enumerate(params)
-                if getattr(p, "_post_accumulate_grad_hooks", None) or getattr(p, "_backward_hooks", None)]
+                if getattr(p, "_post_accumulate_grad_hooks", None) or getattr(p, "_backward_hooks", None)
+                or hasattr(p, "main_grad")]
 
     def leaves_without_grad(self, tensors) -> list:
         return [i for i, t in enumerate(tensors) if t.grad is None and t.requires_grad and t.is_leaf]
