@@ -128,6 +128,7 @@ def worker(args) -> dict:
         out["memory_report"] = memory_report()
         lender = RUNTIME._lender
         out["optimizer_steps_in_pool"] = None if lender is None else lender.steps
+        out["optimizer_steps_declined"] = None if lender is None else lender.declined
     if args.trace:
         from tools import memtrace
 
@@ -217,6 +218,7 @@ def _print_row(rec: dict, runs: list) -> None:
     print(f"stage {rec['stage']} {rec['variant']:<14} peak {rec['peak_mib']:8.0f}  steady {rec['steady_mib']:8.0f} MiB"
           f"{ratio}  step {rec['steady_step_ms']:.1f} ms", flush=True)
     print("   optimizer steps in the graph pool:", rec.get("optimizer_steps_in_pool"),
+          "declined:", rec.get("optimizer_steps_declined"),
           " per step (peak / end / pools):", " ".join(f"{a:.0f}/{b:.0f}/{c:.0f}" for a, b, c in rec["per_step_mib"]))
     for moment in ("peak_reserved", "steady_peak_reserved"):
         t = rec.get("trace", {}).get(moment)
