@@ -229,3 +229,44 @@ def test_chained_blocks_read_each_others_graph_outputs_and_match_eager(perturb_a
         assert len(set(replays)) == 1 and replays[0] > 0
     else:  # in the perturbed step blocks 1 and 2 (which then reads an eager output) ran eagerly
         assert replays[1] == replays[2] == replays[0] - 8
+
+
+def test_a_new_signature_adds_only_its_own_pool_and_memory_stays_flat_over_1000_steps():
+    """The memory issue's bounds over time: a shorter batch (a new signature) adds its own pool
+    generation and its static buffers, nothing else; then 1000 steps mixing both signatures,
+    with AdamW steps, leave reserved and allocated memory unchanged."""
+    from paddle_graphpp import memory_report
+
+    torch.manual_seed(0)
+    model = ChainStack().to(DEV)
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = CUDAGraphedModule(blk, num_warmup_steps=1, name=f"block{i}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(seq):
+        xs = [torch.randn(2, seq, 64, device=DEV, requires_grad=True) for _ in range(4)]
+        run_step(model, xs, ORDER, seed=0)
+        opt.step()
+        opt.zero_grad()
+
+    def pools():
+        return memory_report()["torch"]["pool_reserved_bytes"]
+
+    for _ in range(5):
+        step(16)
+    torch.cuda.synchronize()
+    reserved, pool = torch.cuda.memory_reserved(), pools()
+    for _ in range(4):
+        step(8)  # warmup, recorded, captured and replayed, replayed
+    step(16)
+    torch.cuda.synchronize()
+    grown, pool_grown = torch.cuda.memory_reserved() - reserved, pools() - pool
+    assert pool_grown > 0  # the new signature's graphs live in a generation of their own
+    assert grown <= pool_grown + 2 * 2**20, (grown, pool_grown)  # + one small segment of static buffers
+    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    replays = model.blocks[0].engine.replays
+    for i in range(1000):
+        step(8 if i % 10 == 0 else 16)
+    torch.cuda.synchronize()
+    assert model.blocks[0].engine.replays == replays + 1000 * 8
+    assert torch.cuda.memory_reserved() == reserved and torch.cuda.memory_allocated() == allocated
