@@ -221,6 +221,64 @@ def test_losses_and_gradients_equal_eager_over_steps_and_micro_batches(kind):
     assert all(b.engine.in_flight == 0 for b in blocks_of(graphed))
 
 
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    """CUDAGraphedModules built while it is active use the fake graph runtime: capture runs the
+    code eagerly and replay only counts (values after a replay are stale), so the engine's
+    graph path (record, capture, replay, links between chained blocks) runs on CPU."""
+    from fake_runtime import FakeGraphRuntime
+
+    import paddle_graphpp.torch.graphed as graphed_mod
+    from paddle_graphpp.core import capture as capture_mod
+    from paddle_graphpp.core import memory as memory_mod
+
+    rt = FakeGraphRuntime()
+    monkeypatch.setattr(graphed_mod, "RUNTIME", rt)
+    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
+        table.pop(rt.name, None)
+    yield rt
+    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
+        table.pop(rt.name, None)
+
+
+@KINDS
+@pytest.mark.parametrize("staged", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["in_place", "stages"])
+def test_blocks_record_capture_and_replay_with_hugging_face_arguments(kind, staged, fake_runtime):
+    # The graph path with the models' own calling conventions (keyword tensors, None and bool
+    # arguments, the (cos, sin) tuple): every block captures one graph pair per micro-batch
+    # position and replays them in every later step, without falling back to eager.
+    model = build(kind)
+    if staged:
+        stages = [causal_lm_stage(model, s, 2, num_warmup_steps=1) for s in range(2)]
+
+        def forward(tokens):
+            logits = compose(stages, tokens)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    else:
+        graph_layers(blocks_of(model), num_warmup_steps=1)
+
+        def forward(tokens):
+            return model(tokens, labels=tokens).loss
+    data = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback of any kind
+        for step in range(5):
+            batches = [torch.randint(0, VOCAB, (2, SEQ), generator=data) for _ in range(4)]
+            losses = {}
+            for tok in ORDER.split():
+                n = int(tok[1:]) - 1
+                if tok[0] == "f":
+                    losses[n] = forward(batches[n])
+                else:
+                    losses.pop(n).backward()
+    for block in blocks_of(model):
+        assert block.engine.captures == 8, block  # 4 positions x (forward, backward)
+        assert block.engine.replays == 8 * 3, block  # step 0 warms up, step 1 records
+        assert block.engine.in_flight == 0
+        (sig,) = block.engine._signatures.values()
+        assert len(sig.positions) == 4
+
+
 # ------------------------------------------------------------------------------ stages
 def compose(stages, x):
     for stage in stages:
