@@ -1,10 +1,11 @@
 """Custom all-reduce vs NCCL inside replayed CUDA graphs, plus the TP=2 parity and misuse checks.
 
-One command, two GPUs of one host (run blind on nvidia-h200-x2)::
+One command, two (or ``--ranks`` 4 or 8) GPUs of one host (run blind on nvidia-h200-x2)::
 
     python tools/bench_allreduce.py            # writes benchmarks/results/allreduce-<device>.json
+    python tools/bench_allreduce.py --ranks 4  # writes benchmarks/results/allreduce-4r-<device>.json
 
-It launches its own 2 ranks (this script again, through tools/launch.py) under a hard timeout
+It launches its own ranks (this script again, through tools/launch.py) under a hard timeout
 and stops them if they hang or one fails. Rank 0 writes its results after each section, so a
 timeout still leaves data.
 
@@ -14,7 +15,12 @@ Sections:
     kernel: our push one-shot below 4 MiB, stock two-shot above; stock_one_shot = PyTorch's
     one-shot kernel; two_shot = PyTorch's two-shot kernel; NCCL), replayed in alternating rounds (the order rotates every round);
     per-call latency = replay time / calls. Medians and p10/p90 over rounds, per rank.
-    Results of the custom graphs are checked against the exact sum.
+    Results of the custom graphs are checked against the exact sum. ``suggested_choice``
+    reads off where the custom kernels beat NCCL, in the form of
+    ``paddle_graphpp.torch.allreduce.MEASURED``.
+  * stress / epoch wrap: many eager custom calls, each checked against a float64 sum of all
+    ranks' inputs within ``world x eps(dtype) x sum |x|`` (with 2 ranks both sides compute
+    ``a + b`` and are also compared with NCCL bit for bit; with more, the sum order differs).
   * parity: a TP=2 transformer MLP block (Column -> GELU -> Row) graphed with the custom
     all-reduce captured (registered path) vs the same block eager, over 20 replays with new
     inputs, fp32 (TF32 off, tolerance 1e-6) and bf16 (tolerance 1e-2), max abs difference.
@@ -52,6 +58,59 @@ TARGET_RATIO, TARGET_MAX_BYTES = 0.6, 256 << 10
 def _pct(values, q):
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _reference64(t, world):
+    """(float64 sum over ranks, float64 sum of magnitudes, world, dtype): the exact-ish answer."""
+    import torch.distributed as dist
+
+    exact, mag = t.double(), t.double().abs()
+    dist.all_reduce(exact)
+    dist.all_reduce(mag)
+    return exact, mag, world, t.dtype
+
+
+def _within(got, reference) -> bool:
+    """``|got - exact| <= world x eps(dtype) x sum |x|`` elementwise (any summation order)."""
+    import torch
+
+    exact, mag, world, dtype = reference
+    bound = world * torch.finfo(dtype).eps * mag + torch.finfo(dtype).tiny
+    return bool(((got.double() - exact).abs() <= bound).all())
+
+
+def suggested_choice(rows) -> dict:
+    """Where the custom kernels beat NCCL in the latency rows, as ``MeasuredChoice`` fields:
+    ``custom_max_bytes`` = the largest size up to which every size's best custom kernel was
+    faster than NCCL, ``two_shot_min_bytes`` = the smallest size from which two-shot beat the
+    one-shot kernels at every size up to ``custom_max_bytes``."""
+    rows = sorted(rows, key=lambda r: r["bytes"])
+
+    def us(row, variant):
+        return row[variant]["median_us"] if variant in row else None
+
+    def one_shot(row):
+        # "custom" ran the dispatcher's pick; below the current two-shot switch that is push
+        pick = [us(row, "push"), us(row, "stock_one_shot"),
+                us(row, "custom") if row.get("custom_kernel") in ("push", "one_shot") else None]
+        pick = [v for v in pick if v is not None]
+        return min(pick) if pick else None
+
+    custom_max = 0
+    for row in rows:
+        best = min(v for v in (one_shot(row), us(row, "two_shot")) if v is not None) if (
+            one_shot(row) is not None or us(row, "two_shot") is not None) else None
+        if best is None or "nccl" not in row or best >= us(row, "nccl"):
+            break
+        custom_max = row["bytes"]
+    two_shot_min = None
+    for row in reversed([r for r in rows if r["bytes"] <= custom_max]):
+        ts, os_ = us(row, "two_shot"), one_shot(row)
+        if ts is None or os_ is None or ts >= os_:
+            break
+        two_shot_min = row["bytes"]
+    return {"custom_max_bytes": custom_max,
+            "two_shot_min_bytes": two_shot_min if two_shot_min is not None else 2 * max(custom_max, 1)}
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -176,7 +235,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     if result["custom_unavailable_reason"] is None:
         gen = torch.Generator(device=device).manual_seed(77 + rank)
         sizes = [4 << 10, 260 << 10, 64 << 10, 1 << 20, 12 << 10]
-        customs, refs = [], []
+        customs, refs, refs64 = [], [], []
         for i in range(args.stress_calls):
             for dtype in (torch.bfloat16, torch.float32):
                 numel = sizes[i % len(sizes)] // (2 if dtype == torch.bfloat16 else 4)
@@ -185,13 +244,18 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                 ref = t.clone()
                 dist.all_reduce(ref)
                 refs.append(ref)
+                refs64.append(_reference64(t, world))
         torch.cuda.synchronize()
         bad = sum(not torch.equal(c, r) for c, r in zip(customs, refs))
         worst = max(float((c.float() - r.float()).abs().max()) for c, r in zip(customs, refs))
+        within = all(_within(c, r64) for c, r64 in zip(customs, refs64))
         result["sections"]["stress"] = {"calls": len(customs), "not_bit_equal_to_nccl": bad,
-                                        "max_abs_diff": worst, "passed": worst <= 1e-2,
-                                        "note": "2 ranks: both sum a+b, so bit-equality is expected"}
-        del customs, refs
+                                        "max_abs_diff_vs_nccl": worst, "within_float64_tolerance": within,
+                                        "passed": within and (world > 2 or bad == 0),
+                                        "note": "checked against a float64 sum within world x eps x sum|x|; "
+                                                "with 2 ranks both sum a+b, so bit-equality with NCCL is "
+                                                "required too"}
+        del customs, refs, refs64
         save()
         # Epoch wrap: move every block's epoch counter (same value on both ranks, at a quiet
         # point) just below the modulus and run across it, checked against NCCL again.
@@ -210,7 +274,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                 got = ar.all_reduce(t)
                 ref = t.clone()
                 dist.all_reduce(ref)
-                ok = ok and torch.equal(got, ref)
+                ok = ok and _within(got, _reference64(t, world)) and (world > 2 or torch.equal(got, ref))
             torch.cuda.synchronize()
             wrapped = int(push.counters[0].item())
             result["sections"]["epoch_wrap"] = {"calls": 24, "counter_after": wrapped,
@@ -316,7 +380,8 @@ def main(argv=None) -> int:
     p.add_argument("--stress-calls", type=int, default=200, help="eager calls per dtype in the stress check")
     p.add_argument("--hidden", type=int, default=1024, help="MLP hidden size for the parity check")
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--timeout", type=float, default=220.0, help="hard limit for the 2 ranks, seconds")
+    p.add_argument("--ranks", type=int, default=2, choices=[2, 4, 8], help="GPUs (ranks) of one host")
+    p.add_argument("--timeout", type=float, default=220.0, help="hard limit for the ranks, seconds")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--partial", help=argparse.SUPPRESS)  # a rank process: where rank 0 writes
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -329,20 +394,21 @@ def main(argv=None) -> int:
 
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        print(f"bench_allreduce: needs 2 CUDA devices, found "
-              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < args.ranks:
+        print(f"bench_allreduce: --ranks {args.ranks} needs {args.ranks} CUDA devices, found {found}")
         return 2
     slug = benchlib.device_slug()
     os.makedirs(args.out, exist_ok=True)
-    out_file = os.path.join(args.out, f"allreduce-{slug}.json")
+    out_file = os.path.join(args.out, f"allreduce-{slug}.json" if args.ranks == 2 else
+                            f"allreduce-{args.ranks}r-{slug}.json")
     partial = out_file + ".rank0.partial"
     if os.path.exists(partial):
         os.remove(partial)
 
     t0 = time.monotonic()
-    cmds = [[sys.executable, os.path.abspath(__file__), *argv, "--partial", partial]] * 2
-    ends = launch.run_ranks(cmds, envs=launch.rank_envs(2), timeout=args.timeout, capture=False)
+    cmds = [[sys.executable, os.path.abspath(__file__), *argv, "--partial", partial]] * args.ranks
+    ends = launch.run_ranks(cmds, envs=launch.rank_envs(args.ranks), timeout=args.timeout, capture=False)
     timed_out = ends[0].timed_out
     codes = [e.returncode for e in ends]
     data = json.load(open(partial)) if os.path.exists(partial) else {}
@@ -355,7 +421,8 @@ def main(argv=None) -> int:
         "command": benchlib.command(),
         **benchlib.environment(),
         "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
-        "status": "timeout" if timed_out else ("ok" if codes == [0, 0] and data.get("done") else "failed"),
+        "ranks": args.ranks,
+        "status": "timeout" if timed_out else ("ok" if codes == [0] * args.ranks and data.get("done") else "failed"),
         "exit_codes": codes,
         "seconds": round(time.monotonic() - t0, 1),
         "dtype": "bfloat16",
@@ -366,12 +433,13 @@ def main(argv=None) -> int:
                    "met_by_custom": bool(small) and all((r["ratio_custom_vs_nccl"] or 9) <= TARGET_RATIO for r in small),
                    "met_by_best_variant": bool(small) and all((r["ratio_best_custom_vs_nccl"] or 9) <= TARGET_RATIO
                                                               for r in small)},
+        "suggested_choice": suggested_choice(lat) if lat else None,
         **{k: v for k, v in data.items() if k != "rank"},
     }
     with open(out_file, "w") as f:
         json.dump(record, f, indent=1)
 
-    print(f"\nall-reduce inside replayed graphs, {record['device']} x2, bf16, {args.calls} calls/graph, "
+    print(f"\nall-reduce inside replayed graphs, {record['device']} x{args.ranks}, bf16, {args.calls} calls/graph, "
           f"{args.rounds} rounds (median us [p10-p90])")
     print(f"{'bytes':>9} {'kernel':>8} {'custom':>20} {'stock-1shot':>11} {'two-shot':>10} {'push':>8} "
           f"{'nccl':>20} {'ratio':>6} ok")
@@ -397,6 +465,7 @@ def main(argv=None) -> int:
     print(f"misuse: {'PASS' if misuse.get('passed') else 'FAIL/missing'} {misuse}")
     print(f"peer access: {data.get('peer_access')}; custom unavailable: {data.get('custom_unavailable_reason')}")
     print(f"target custom <= {TARGET_RATIO}x NCCL up to {TARGET_MAX_BYTES} B: {record['target']}")
+    print(f"suggested kernel choice for {args.ranks} ranks: {record['suggested_choice']}")
     print(f"status {record['status']} exit codes {codes} in {record['seconds']} s -> {out_file}")
     return 0 if record["status"] == "ok" else 1
 

@@ -66,7 +66,10 @@ class Config:
     framework: str = "paddle"
     """``paddle`` (fleet PipelineParallel) or ``torch`` (torch.distributed.pipelining)."""
     pp: int = 2
-    """Pipeline stages, one process each."""
+    """Pipeline stages."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage (PyTorch): each block's heads and MLP split over them;
+    ``tp * pp`` processes in all, the ranks of one stage adjacent (one GPU each)."""
     vpp: int = 1
     """Virtual chunks per process; > 1 selects the interleaved 1F1B schedule."""
     micro_batches: int = 4
@@ -128,7 +131,7 @@ def parse_args(argv=None) -> Config:
     defaults = Config()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", choices=["paddle", "torch"], default=defaults.framework)
-    for flag in ("pp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "heads", "vocab",
+    for flag in ("pp", "tp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "heads", "vocab",
                  "layers", "steps", "seed", "timeout"):
         parser.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(defaults, flag))
     parser.add_argument("--cudagraph", action="store_true", help="capture stage blocks as CUDA graphs")
@@ -157,8 +160,8 @@ def validate(cfg: Config) -> None:
     Raises:
         ConfigError: naming the flag to change.
     """
-    for flag in ("pp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "vocab", "layers", "steps",
-                 "timeout"):
+    for flag in ("pp", "tp", "vpp", "micro_batches", "micro_batch_size", "seq_len", "hidden", "vocab", "layers",
+                 "steps", "timeout"):
         if getattr(cfg, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(cfg, flag)}")
     if not 0.0 <= cfg.dropout < 1.0:
@@ -202,6 +205,13 @@ def validate(cfg: Config) -> None:
                           "or pass --heads")
     if cfg.hidden % cfg.num_heads:
         raise ConfigError(f"--hidden {cfg.hidden} is not a multiple of --heads {cfg.num_heads}")
+    if cfg.tp > 1:
+        if cfg.framework != "torch":
+            raise ConfigError("--tp works with --framework torch; for Paddle use fleet's mp_degree with its "
+                              "ColumnParallelLinear/RowParallelLinear")
+        if cfg.num_heads % cfg.tp:
+            raise ConfigError(f"--tp {cfg.tp} must divide the {cfg.num_heads} attention heads; use --heads a multiple "
+                              f"of {cfg.tp}")
     if cfg.vocab < VOCAB_SIZE:
         raise ConfigError(f"--vocab {cfg.vocab} is smaller than the {VOCAB_SIZE} byte tokens of the data; use --vocab "
                           f"{VOCAB_SIZE} or more")
@@ -287,6 +297,7 @@ class Reporter:
         record = {
             "framework": self.cfg.framework,
             "pp": self.cfg.pp,
+            "tp": self.cfg.tp,
             "vpp": self.cfg.vpp,
             "cudagraph": self.cfg.cudagraph,
             "steps": self.cfg.steps,
@@ -346,15 +357,46 @@ def model_shape(cfg: Config):
                     dropout=cfg.dropout, attention=cfg.attention)
 
 
-def build_torch_chunk(cfg: Config, chunk: int):
-    """Chunk ``chunk`` of the model as ``nn.Sequential`` and its tied module(s) (or ``None``).
+def build_torch_chunk(cfg: Config, chunk: int, tp=None):
+    """Chunk ``chunk`` of the model as ``nn.Sequential`` and its tied module(s) (or ``None``);
+    ``tp``: the tensor-parallel all-reduce dispatcher, when ``cfg.tp > 1``.
 
-    Every module is seeded by its position in the whole model, so weights do not depend on pp/vpp.
+    Every module is seeded by its position in the whole model, so weights do not depend on pp/vpp/tp.
     """
     from tools.gpt_torch import build_chunk
 
     return build_chunk(model_shape(cfg), chunk_layout(cfg, chunk), first=chunk == 0,
-                       last=chunk == cfg.pp * cfg.vpp - 1, seed=cfg.seed)
+                       last=chunk == cfg.pp * cfg.vpp - 1, seed=cfg.seed, tp=tp)
+
+
+def torch_mesh(cfg: Config, rank: int):
+    """This rank's place in the tp x pp mesh: ``(pp_rank, tp_rank, tp_group, pp_group, tie_group)``.
+
+    Ranks ``pp_rank * tp .. pp_rank * tp + tp - 1`` form one stage's tensor-parallel group
+    (adjacent GPUs); ranks of the same ``tp_rank`` form a pipeline. Every rank creates every
+    group, in the same order (``new_group`` is collective). ``tp_group`` and ``pp_group`` are
+    ``None`` without tensor parallelism (the world is the pipeline), ``tie_group`` (first and
+    last stage, for the tied embedding) with one stage.
+    """
+    import torch.distributed as dist
+
+    pp_rank, tp_rank = divmod(rank, cfg.tp)
+    mine = {}
+    if cfg.tp > 1:
+        for p in range(cfg.pp):
+            group = dist.new_group([p * cfg.tp + t for t in range(cfg.tp)])
+            if p == pp_rank:
+                mine["tp"] = group
+        for t in range(cfg.tp):
+            group = dist.new_group([p * cfg.tp + t for p in range(cfg.pp)])
+            if t == tp_rank:
+                mine["pp"] = group
+    if cfg.pp > 1:
+        for t in range(cfg.tp):
+            group = dist.new_group([t, (cfg.pp - 1) * cfg.tp + t])
+            if t == tp_rank:
+                mine["tie"] = group
+    return pp_rank, tp_rank, mine.get("tp"), mine.get("pp"), mine.get("tie")
 
 
 def _tied_pairs(tied_by_chunk: dict) -> list:
@@ -378,13 +420,15 @@ def run_torch(cfg: Config) -> None:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    if world != cfg.pp:
-        raise ConfigError(f"started with {world} processes but --pp {cfg.pp}; launch --pp processes (torchrun --nproc_per_node {cfg.pp})")
+    if world != cfg.pp * cfg.tp:
+        raise ConfigError(f"started with {world} processes but --pp {cfg.pp} x --tp {cfg.tp}; launch pp * tp processes "
+                          f"(torchrun --nproc_per_node {cfg.pp * cfg.tp})")
     use_cuda = torch.cuda.is_available()
     dtype = getattr(torch, cfg.dtype)
     if use_cuda:
         if torch.cuda.device_count() <= local_rank:
-            raise ConfigError(f"rank {rank} needs GPU {local_rank} but {torch.cuda.device_count()} are visible; lower --pp")
+            raise ConfigError(f"rank {rank} needs GPU {local_rank} but {torch.cuda.device_count()} are visible; "
+                              f"lower --pp or --tp")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         # TF32 matmuls, as GPU training runs them; eager and graphed runs use the same kernels.
@@ -405,12 +449,18 @@ def run_torch(cfg: Config) -> None:
     else:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
+    pp_rank, tp_rank, tp_group, pp_group, tie_group = torch_mesh(cfg, rank)
+    tp = None
+    if tp_group is not None:
+        from paddle_graphpp.torch.allreduce import create_allreduce
+
+        tp = create_allreduce(tp_group)  # the custom kernel on NVLink peers, NCCL or gloo otherwise
     num_stages = cfg.pp * cfg.vpp
-    stage_ids = [rank + k * cfg.pp for k in range(cfg.vpp)]
-    first_rank, last_rank = rank == 0, rank == cfg.pp - 1
+    stage_ids = [pp_rank + k * cfg.pp for k in range(cfg.vpp)]
+    first_rank, last_rank = pp_rank == 0, pp_rank == cfg.pp - 1
     chunks, tied_by_chunk = {}, {}
     for s in stage_ids:
-        chunks[s], tied_by_chunk[s] = build_torch_chunk(cfg, s)
+        chunks[s], tied_by_chunk[s] = build_torch_chunk(cfg, s, tp)
         chunks[s].to(device=device, dtype=dtype)
     tied = _tied_pairs(tied_by_chunk)  # the tied weights this rank holds (0, 1 or 2)
     params = [p for s in stage_ids for p in chunks[s].parameters()]
@@ -437,7 +487,8 @@ def run_torch(cfg: Config) -> None:
         inp = torch.zeros(mbs, seq, dtype=torch.long, device=device) if s == 0 else hidden_meta
         out = (torch.empty(mbs, seq, cfg.vocab, device=device, dtype=dtype, requires_grad=True)
                if s == num_stages - 1 else hidden_meta)
-        stages.append(PipelineStage(stage_modules[s], s, num_stages, device, input_args=(inp,), output_args=(out,)))
+        stages.append(PipelineStage(stage_modules[s], s, num_stages, device, input_args=(inp,), output_args=(out,),
+                                    group=pp_group))
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -451,12 +502,13 @@ def run_torch(cfg: Config) -> None:
         from paddle_graphpp import GraphedOptimizer
 
         optimizer = GraphedOptimizer(optimizer)  # step + in-place zero-grad, one graph replay
-    # The tie between the first and the last stage: each holds a copy, gradients are summed.
-    tie_group = dist.new_group([0, cfg.pp - 1]) if cfg.pp > 1 else None
+    # The tie between the first and the last stage: each holds a copy, gradients are summed
+    # over tie_group (from torch_mesh).
 
     corpus = load_corpus(cfg)
-    torch.manual_seed(cfg.seed * 7 + rank)  # dropout stream, the same with and without graphs
-    reporter = Reporter(cfg, enabled=last_rank)
+    # dropout stream, the same with and without graphs, and on every rank of a tensor-parallel group
+    torch.manual_seed(cfg.seed * 7 + pp_rank)
+    reporter = Reporter(cfg, enabled=last_rank and tp_rank == 0)
     sync = (lambda: torch.cuda.synchronize(device)) if use_cuda else (lambda: None)
     timer = StepTimer(cfg, sync)
     if use_cuda:
@@ -624,7 +676,7 @@ def under_launcher(framework: str) -> bool:
 
 
 def spawn_ranks(cfg: Config, argv: list) -> int:
-    """Start one process per pipeline rank running this script; return the first failure's code.
+    """Start one process per rank (pp x tp) running this script; return the first failure's code.
 
     When a rank fails, the others are stopped at once rather than left to time out.
     """
@@ -638,8 +690,8 @@ def spawn_ranks(cfg: Config, argv: list) -> int:
                  "--log_dir", log_dir, script, *argv]]
         envs = [env]
     else:
-        cmds = [[sys.executable, script, *argv]] * cfg.pp
-        envs = launch.rank_envs(cfg.pp, base=env)
+        cmds = [[sys.executable, script, *argv]] * (cfg.pp * cfg.tp)
+        envs = launch.rank_envs(cfg.pp * cfg.tp, base=env)
     try:
         ends = launch.run_ranks(cmds, envs=envs, timeout=None, capture=False)
     except KeyboardInterrupt:
@@ -664,13 +716,15 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"train_gpt: error: {exc}", file=sys.stderr)
         return 2
-    if not under_launcher(cfg.framework) and cfg.pp > 1:
+    ranks = cfg.pp * cfg.tp
+    if not under_launcher(cfg.framework) and ranks > 1:
         if cfg.framework == "torch":
             import torch
 
-            if torch.cuda.is_available() and torch.cuda.device_count() < cfg.pp:
-                print(f"train_gpt: error: --pp {cfg.pp} needs {cfg.pp} GPUs, {torch.cuda.device_count()} visible; "
-                      "lower --pp or make more GPUs visible", file=sys.stderr)
+            if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
+                print(f"train_gpt: error: --pp {cfg.pp} x --tp {cfg.tp} needs {ranks} GPUs, "
+                      f"{torch.cuda.device_count()} visible; lower --pp or --tp or make more GPUs visible",
+                      file=sys.stderr)
                 return 2
         return spawn_ranks(cfg, argv)
     try:

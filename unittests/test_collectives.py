@@ -234,3 +234,37 @@ def test_registered_call_reserves_the_backends_buffer_bytes():
         d.all_reduce([1.0] * 4)            # 16 bytes -> 64 -> 256
     assert [c[1] for c in backend.calls] == [0, 1792]
     assert d.registered_bytes == 1792 + 256
+
+
+def test_kernel_choice_per_group_size_follows_its_record():
+    pytest.importorskip("torch")
+    import json
+    import os
+
+    from paddle_graphpp.torch.allreduce import MEASURED, policy_for_world
+
+    def facts(n):
+        return C.TensorFacts(nbytes=n, dtype="bfloat16", contiguous=True, address_mod16=0)
+
+    two, four, eight = policy_for_world(2), policy_for_world(4), policy_for_world(8)
+    assert two.reject_reason(facts(8 << 20), 2) is None            # push up to 8 MiB on 2 ranks
+    assert four.reject_reason(facts(1 << 20), 4) is None
+    assert "max_bytes" in four.reject_reason(facts(2 << 20), 4)    # NCCL from 2 MiB on 4 ranks
+    assert "world size" in eight.reject_reason(facts(4096), 8)     # not measured: NCCL
+    # the 2-rank choice agrees with the record it names: at every size it admits, the kernel
+    # it picks (push below two_shot_min_bytes) was faster than NCCL
+    choice = MEASURED[2]
+    record = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), choice.source.split()[0])
+    rows = json.load(open(record))["sections"]["latency"]
+    for row in rows:
+        if row["bytes"] > choice.custom_max_bytes:
+            continue
+        picked = "push" if row["bytes"] < choice.two_shot_min_bytes else "two_shot"
+        us = row[picked]["median_us"] if picked in row else row["custom"]["median_us"]
+        assert picked == "two_shot" or "push" in row or row["custom_kernel"] == "push", row["bytes"]
+        assert us < row["nccl"]["median_us"], (row["bytes"], us, row["nccl"]["median_us"])
+    # and the benchmark reads the same choice off its own record
+    from tools.bench_allreduce import suggested_choice
+
+    assert suggested_choice(rows) == {"custom_max_bytes": choice.custom_max_bytes,
+                                      "two_shot_min_bytes": choice.two_shot_min_bytes}

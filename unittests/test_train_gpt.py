@@ -91,6 +91,21 @@ def test_tied_embedding_gives_the_same_model_whatever_the_pipeline():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("pp", [1, 2])
+def test_tensor_parallel_blocks_compute_the_dense_model(pp):
+    # dropout off: tp=2 (heads and MLP split over 2 gloo ranks, all-reduces through the
+    # project's dispatcher) trains the same model as tp=1; graphed (eager on CPU) as well
+    args = ["--framework", "torch", "--steps", "3", "--dropout", "0", "--heads", "2", "--pp", str(pp)]
+    dense, _, _ = train_ok(args)
+    split, _, _ = train_ok(args + ["--tp", "2", "--cudagraph"])
+    assert (split["tp"], dense["tp"]) == (2, 1)
+    assert len(split["per_rank"]) == 2 * pp
+    assert split["losses"] == pytest.approx(dense["losses"], rel=1e-5)
+    assert split["loss_last"] < split["loss_first"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_text_file_data(tmp_path):
     text = tmp_path / "corpus.txt"
@@ -109,6 +124,8 @@ def test_text_file_data(tmp_path):
     (["--hidden", "100"], "--hidden"),
     (["--graph-optimizer"], "--framework torch"),
     (["--graph-accumulate-grads"], "--framework torch"),
+    (["--tp", "2"], "--framework torch"),
+    (["--framework", "torch", "--tp", "2", "--heads", "3", "--hidden", "96"], "--heads a multiple of 2"),
 ])
 def test_bad_configurations_fail_before_any_rank_starts(args, fix):
     rc, out, err, seconds = train(args, timeout=60)

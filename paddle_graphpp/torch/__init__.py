@@ -9,6 +9,8 @@ from .._lazy import lazy_attributes
 _LAZY = {
     "CUDAGraphedModule": "paddle_graphpp.torch.graphed",
     "graph_stage_module": "paddle_graphpp.torch.pipelining",
+    "graph_layers": "paddle_graphpp.torch.layers",
+    "ungraph_layers": "paddle_graphpp.torch.layers",
     "ColumnParallelLinear": "paddle_graphpp.torch.tensor_parallel",
     "RowParallelLinear": "paddle_graphpp.torch.tensor_parallel",
 }

@@ -8,6 +8,11 @@ Kernels, by message size:
   Without Triton, PyTorch's stock one-shot kernel (``torch.ops.symm_mem``) takes its place.
 * from ``two_shot_min_bytes`` up: PyTorch's stock two-shot kernel (reduce-scatter +
   all-gather over peer memory).
+* above the policy's ``max_bytes``: NCCL.
+
+Where each switch sits depends on the group size; :data:`MEASURED` holds the choice per size,
+each with the benchmark record it was read from (:func:`policy_for_world`). A group size
+without a measurement uses NCCL.
 
 None needs NVLink multicast, which must stay off on the lent machines
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
@@ -22,6 +27,7 @@ Without CUDA, peer access, NCCL or the symmetric-memory ops, every call falls ba
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Optional
 
@@ -32,7 +38,49 @@ from ..core.collectives import (AllReduceBackend, AllReduceDispatcher, CustomAll
                                 TensorFacts, check_replay)
 from ..core.runtime import get_runtime
 
-__all__ = ["TorchSymmMemBackend", "create_allreduce", "replay", "peer_access_report"]
+__all__ = ["TorchSymmMemBackend", "create_allreduce", "replay", "peer_access_report", "MEASURED",
+           "MeasuredChoice", "policy_for_world"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredChoice:
+    """The kernel switch for one group size, as measured (bf16, messages in graphs)."""
+
+    custom_max_bytes: int
+    """Largest message a custom kernel takes; larger ones go to NCCL."""
+    two_shot_min_bytes: int
+    """From this size up the stock two-shot kernel (above ``custom_max_bytes``: never)."""
+    source: str
+    """The record the choice was read from, and what it showed."""
+
+
+MEASURED = {
+    2: MeasuredChoice(
+        custom_max_bytes=8 << 20, two_shot_min_bytes=16 << 20,
+        source="benchmarks/results/allreduce-h200.json (2 x H200, NV18, 2026-11-22): the push kernel is "
+               "faster than NCCL at every size from 4 KiB to 8 MiB (0.38-0.45x up to 2 MiB; 20.2 vs 36.7 us "
+               "at 4 MiB, 36.2 vs 50.1 us at 8 MiB) and faster than the stock two-shot kernel (27.3 and "
+               "42.2 us there)"),
+    4: MeasuredChoice(
+        custom_max_bytes=1 << 20, two_shot_min_bytes=2 << 20,
+        source="issue 17's 4-rank run of tools/bench_allreduce.py on 4 x H200 (its record is not in "
+               "benchmarks/results yet): push 7.2-10.7 us vs NCCL 14.0-15.8 us up to 256 KiB, 0.96x NCCL at "
+               "1 MiB, 1.11x at 2 MiB; NCCL from 2 MiB"),
+}
+"""Group size -> where the custom kernels beat NCCL. Re-measure with
+``python tools/bench_allreduce.py --ranks N`` (its ``suggested_choice``) on new hardware."""
+
+
+def policy_for_world(world_size: int) -> CustomAllReducePolicy:
+    """The dispatcher's policy for a group of ``world_size`` ranks, from :data:`MEASURED`.
+
+    A size without a measurement gets a policy that admits no custom call (every all-reduce
+    goes to NCCL, and ``why_not_custom`` says the size was not measured)."""
+    choice = MEASURED.get(world_size)
+    if choice is None:
+        return CustomAllReducePolicy(world_sizes=frozenset(MEASURED))
+    return CustomAllReducePolicy(max_bytes=choice.custom_max_bytes, two_shot_min_bytes=choice.two_shot_min_bytes,
+                                 world_sizes=frozenset(MEASURED))
 
 
 def peer_access_report() -> dict:
@@ -236,7 +284,8 @@ def create_allreduce(group: Any = None, *, policy: Optional[CustomAllReducePolic
 
     Args:
         group: the process group (default: world).
-        policy: which tensors use the custom kernel (size, dtype, alignment, world size).
+        policy: which tensors use the custom kernel (size, dtype, alignment, world size);
+            default: :func:`policy_for_world` of the group's size.
         arena_bytes: room for buffers registered by graphs captured in
             ``capture_custom_allreduce()``; when full, further captured calls use NCCL.
 
@@ -244,7 +293,7 @@ def create_allreduce(group: Any = None, *, policy: Optional[CustomAllReducePolic
         an :class:`~paddle_graphpp.core.collectives.AllReduceDispatcher`; call its
         ``all_reduce(tensor)`` and use the returned tensor.
     """
-    policy = policy or CustomAllReducePolicy()
+    policy = policy or policy_for_world(dist.get_world_size(group if group is not None else dist.group.WORLD))
     backend = TorchSymmMemBackend(group, max_bytes=policy.max_bytes, arena_bytes=arena_bytes,
                                   two_shot_min_bytes=policy.two_shot_min_bytes)
     return AllReduceDispatcher(backend, policy)

@@ -1,0 +1,275 @@
+"""Hugging Face causal LMs cut into pipeline stages for ``torch.distributed.pipelining``.
+
+A ``transformers`` causal LM is not an ``nn.Sequential``: its forward builds the attention mask,
+position ids and (Llama) rotary embeddings before the blocks, and the head comes after the
+final norm. :func:`causal_lm_stage` cuts such a model into the stage of one pipeline rank: the
+first stage takes token ids through the embeddings and its blocks, middle stages take hidden
+states through their blocks, the last adds the final norm and the head and returns logits.
+Each stage rebuilds the mask and position inputs itself, calls its blocks the way the model
+calls them (``use_cache=False``), and graphs them in place with
+:func:`~paddle_graphpp.torch.layers.graph_layers`' machinery::
+
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from paddle_graphpp.torch.hf import causal_lm_stage
+
+    model = LlamaForCausalLM(config)                 # the same seed on every rank, or load weights
+    stage_mod = causal_lm_stage(model, rank, world).to(device)
+    x, y = stage_mod.example_io(micro_batch_size, seq_len)
+    stage = PipelineStage(stage_mod, rank, world, device, input_args=(x,), output_args=(y,))
+    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)   # loss_fn(logits, targets)
+
+Two layouts are known: Llama's (``model.model.embed_tokens / layers / norm / rotary_emb``,
+``model.lm_head``; Mistral-style models share it) and GPT-2's (``model.transformer.wte / wpe
+/ drop / h / ln_f``, ``model.lm_head``). Both are tested with ``transformers`` 5.x.
+
+The stage holds the model's own modules under the model's own attribute names (the blocks in an
+``nn.ModuleDict`` keyed by their index in the model), so ``stage.state_dict()`` keys are the
+full model's keys for the parts this stage holds, with the same tensors.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .layers import graph_in_place
+
+__all__ = ["causal_lm_stage", "CausalLMStage"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a model family keeps its parts (attribute names)."""
+
+    family: str
+    base: str  # the base model on the causal LM
+    embed: str
+    layers: str
+    norm: str
+    position_embed: Optional[str] = None  # learned absolute positions (GPT-2)
+    dropout: Optional[str] = None  # dropout after the embeddings (GPT-2)
+    rotary: Optional[str] = None  # rotary embeddings shared by all blocks (Llama)
+
+
+_LAYOUTS = (
+    _Layout("llama", base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb"),
+    _Layout("gpt2", base="transformer", embed="wte", layers="h", norm="ln_f", position_embed="wpe", dropout="drop"),
+)
+
+
+def _layout_of(model: nn.Module) -> _Layout:
+    for layout in _LAYOUTS:
+        base = getattr(model, layout.base, None)
+        wanted = [layout.embed, layout.layers, layout.norm, layout.position_embed, layout.rotary]
+        if isinstance(base, nn.Module) and isinstance(getattr(model, "lm_head", None), nn.Module) and all(
+                isinstance(getattr(base, a, None), nn.Module) for a in wanted if a is not None):
+            return layout
+    raise TypeError(
+        f"causal_lm_stage() knows the Llama layout (model.model.embed_tokens/layers/norm/rotary_emb, model.lm_head) "
+        f"and GPT-2's (model.transformer.wte/wpe/drop/h/ln_f, model.lm_head); {type(model).__name__} has neither. "
+        f"For another model, build each stage as your own module and call graph_layers() on its blocks.")
+
+
+def _split(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence[int]]) -> list:
+    if layers_per_stage is None:
+        if num_layers < num_stages:
+            raise ValueError(f"causal_lm_stage(): {num_layers} blocks cannot fill {num_stages} stages")
+        base, extra = divmod(num_layers, num_stages)
+        layers_per_stage = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    counts = list(layers_per_stage)
+    if len(counts) != num_stages or any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != num_layers:
+        raise ValueError(f"causal_lm_stage(): layers_per_stage={counts} must give {num_stages} counts >= 0 that add "
+                         f"up to the model's {num_layers} blocks")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+
+
+def _parameter_names(fn) -> frozenset:
+    try:
+        return frozenset(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+class _Part(nn.Module):
+    """Holds a stage's share of the base model under the base model's attribute names."""
+
+
+class CausalLMStage(nn.Module):
+    """One pipeline stage of a Hugging Face causal LM; made by :func:`causal_lm_stage`.
+
+    ``forward(x)``: on the first stage ``x`` is token ids ``(batch, seq)``, elsewhere the hidden
+    state ``(batch, seq, hidden)``; the last stage returns logits ``(batch, seq, vocab)``, the
+    others the hidden state. Sequences are taken as unpadded (a causal mask, positions
+    ``0..seq-1``), as pipeline training on packed sequences feeds them.
+
+    Attributes:
+        stage_index, num_stages: this stage's place in the pipeline.
+        layer_indices: the model's blocks this stage holds, by index.
+        blocks: those blocks, in order (graphed in place unless built with ``graph=False``).
+        config: the model's config.
+    """
+
+    def __init__(self, model: nn.Module, layout: _Layout, stage_index: int, num_stages: int,
+                 layer_indices: Sequence[int]):
+        super().__init__()
+        base = getattr(model, layout.base)
+        blocks = getattr(base, layout.layers)
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.layer_indices = list(layer_indices)
+        self.__dict__["config"] = model.config
+        self.__dict__["_layout"] = layout
+        part = _Part()
+        for attr in [layout.embed, layout.position_embed, layout.dropout] if self.is_first else []:
+            if attr is not None:
+                setattr(part, attr, getattr(base, attr))
+        setattr(part, layout.layers, nn.ModuleDict({str(i): blocks[i] for i in self.layer_indices}))
+        for attr in [layout.rotary] + ([layout.norm] if self.is_last else []):
+            if attr is not None:
+                setattr(part, attr, getattr(base, attr))
+        setattr(self, layout.base, part)
+        if self.is_last:
+            self.lm_head = model.lm_head
+        block_cls = type(blocks[0]) if len(blocks) else None
+        original = getattr(block_cls, "_graphpp_original", block_cls)
+        self.__dict__["_block_params"] = _parameter_names(original.forward) if original is not None else frozenset()
+        from transformers.masking_utils import create_causal_mask
+
+        self.__dict__["_create_causal_mask"] = create_causal_mask
+        self.__dict__["_mask_params"] = _parameter_names(create_causal_mask)
+
+    @property
+    def blocks(self) -> list:
+        return list(getattr(self._part, self._layout.layers).values())
+
+    @property
+    def _part(self) -> nn.Module:
+        return getattr(self, self._layout.base)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layout, part = self._layout, self._part
+        if self.is_first:
+            hidden = getattr(part, layout.embed)(x)
+            if layout.position_embed is not None:
+                positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+                hidden = hidden + getattr(part, layout.position_embed)(positions)
+            if layout.dropout is not None:
+                hidden = getattr(part, layout.dropout)(hidden)
+        else:
+            hidden = x
+        kwargs = self._block_kwargs(hidden)
+        for block in getattr(part, layout.layers).values():
+            hidden = block(hidden, **kwargs)
+            if isinstance(hidden, tuple):  # blocks of transformers 4.x return (hidden, ...)
+                hidden = hidden[0]
+        if not self.is_last:
+            return hidden
+        return self.lm_head(getattr(part, layout.norm)(hidden))
+
+    def _block_kwargs(self, hidden: torch.Tensor) -> dict:
+        """What the model's own forward passes its blocks, for an unpadded causal batch."""
+        cache_position = torch.arange(hidden.shape[1], device=hidden.device)
+        position_ids = cache_position.unsqueeze(0)
+        offered = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                       position_ids=position_ids, cache_position=cache_position)
+        mask = self._create_causal_mask(**{k: v for k, v in offered.items() if k in self._mask_params})
+        kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=position_ids, use_cache=False)
+        if "cache_position" in self._block_params:  # transformers < 5.17 blocks take it
+            kwargs["cache_position"] = cache_position
+        if self._layout.rotary is not None:
+            kwargs["position_embeddings"] = getattr(self._part, self._layout.rotary)(hidden, position_ids)
+        return kwargs
+
+    def example_io(self, micro_batch_size: int, seq_len: int) -> tuple:
+        """Example ``(input, output)`` tensors of one micro-batch, for ``PipelineStage``'s
+        ``input_args``/``output_args``, on the stage's device and in its dtype. Hidden-state
+        inputs require grad (the stage sends their gradient back), as do outputs."""
+        param = next(self.parameters())
+        hidden = self.config.hidden_size
+        if self.is_first:
+            x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=param.device)
+        else:
+            x = torch.zeros(micro_batch_size, seq_len, hidden, dtype=param.dtype, device=param.device,
+                            requires_grad=True)
+        width = self.lm_head.out_features if self.is_last else hidden
+        y = torch.zeros(micro_batch_size, seq_len, width, dtype=param.dtype, device=param.device, requires_grad=True)
+        return x, y
+
+    def extra_repr(self) -> str:
+        return (f"family={self._layout.family}, stage={self.stage_index}/{self.num_stages}, "
+                f"blocks={self.layer_indices}")
+
+
+def causal_lm_stage(
+    model: nn.Module,
+    stage_index: int,
+    num_stages: int,
+    num_warmup_steps: int = 3,
+    *,
+    layers_per_stage: Optional[Sequence[int]] = None,
+    graph: bool = True,
+    fallback: str = "error",
+    memory: str = "shared",
+    accumulate_grads: Union[bool, str] = "auto",
+    generators: Any = None,
+) -> CausalLMStage:
+    """Cut a Hugging Face causal LM into pipeline stage ``stage_index`` of ``num_stages``.
+
+    The first stage holds the embeddings, the last the final norm and ``lm_head``; the blocks
+    are split evenly (earlier stages take one more when they do not divide) unless
+    ``layers_per_stage`` says otherwise. The stage shares the model's modules (no copies):
+    move it with ``.to(device)`` and build the optimizer on ``stage.parameters()``. Its blocks
+    are graphed in place (see :func:`~paddle_graphpp.torch.layers.graph_layers`), which also
+    changes them in ``model``.
+
+    Args:
+        model: a ``transformers`` causal LM with the Llama or GPT-2 layout (see the module
+            docstring), built the same way on every rank.
+        stage_index, num_stages: which stage to build, of how many.
+        num_warmup_steps: eager calls before each block captures (see ``CUDAGraphedModule``).
+        layers_per_stage: blocks per stage, ``num_stages`` counts adding up to the model's.
+        graph: ``False`` builds the same stage with eager blocks (a reference run).
+        fallback, memory, accumulate_grads, generators: passed to each block's
+            ``CUDAGraphedModule``.
+
+    Returns:
+        A :class:`CausalLMStage`; ``example_io(micro_batch_size, seq_len)`` gives the example
+        tensors ``PipelineStage`` wants.
+
+    Raises:
+        TypeError: the model has neither known layout.
+        ValueError: a bad ``stage_index`` or split; embeddings tied to the head across stages
+            (the message says to build the model with ``tie_word_embeddings=False``); a block
+            already graphed or with gradient checkpointing on.
+
+    Warning:
+        With more than one stage, the input embedding and ``lm_head`` live on different ranks,
+        so a model that ties them (GPT-2's default) is refused: nothing here would reduce the
+        tied weight's gradients across ranks. Build it with ``tie_word_embeddings=False``.
+    """
+    layout = _layout_of(model)
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"causal_lm_stage(): num_stages must be an int >= 1, got {num_stages!r}")
+    if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
+        raise ValueError(f"causal_lm_stage(): stage_index must be in [0, {num_stages}), got {stage_index!r}")
+    base = getattr(model, layout.base)
+    embed_weight = getattr(getattr(base, layout.embed), "weight", None)
+    if num_stages > 1 and embed_weight is not None and getattr(model.lm_head, "weight", None) is embed_weight:
+        raise ValueError(
+            f"causal_lm_stage(): {type(model).__name__} ties its input embedding to lm_head, which would sit on "
+            f"stages 0 and {num_stages - 1} with nothing to reduce the shared weight's gradients. Build the model "
+            f"with tie_word_embeddings=False in its config.")
+    blocks = getattr(base, layout.layers)
+    indices = _split(len(blocks), num_stages, layers_per_stage)[stage_index]
+    stage = CausalLMStage(model, layout, stage_index, num_stages, indices)
+    if graph and indices:
+        prefix = f"{layout.base}.{layout.layers}"
+        graph_in_place([(str(i), blocks[i]) for i in indices], [f"{prefix}.{i}" for i in indices],
+                       check_config=False, num_warmup_steps=num_warmup_steps, fallback=fallback, memory=memory,
+                       accumulate_grads=accumulate_grads, generators=generators)
+    return stage

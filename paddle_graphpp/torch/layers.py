@@ -1,0 +1,352 @@
+"""Graph the repeated blocks of an existing model in place: :func:`graph_layers`.
+
+Model libraries such as Hugging Face ``transformers`` build a causal LM as embeddings, a list
+of identical decoder blocks (``model.model.layers`` in Llama, ``model.transformer.h`` in
+GPT-2) and a head. :func:`graph_layers` turns each block of such a list into a graphed block
+without changing the model around it::
+
+    from paddle_graphpp.torch import graph_layers
+
+    model.config.use_cache = False            # training: no key/value cache
+    graph_layers(model.model.layers)          # Llama; GPT-2: graph_layers(model.transformer.h)
+    optimizer = torch.optim.AdamW(model.parameters())
+    loss = model(input_ids, labels=labels).loss
+
+Each block stays the same object, in the same place: its class becomes a subclass of its own
+class (``GraphedLlamaDecoderLayer`` of ``LlamaDecoderLayer``) whose ``forward`` goes through a
+:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` built around the block's original
+forward. So parameter names, ``state_dict()`` keys, the optimizer's parameter list,
+``isinstance`` checks, attributes of the block (``layer.self_attn``, ``layer.attention_type``)
+and hooks registered on it (``transformers``' output recording) are all as before. The
+``CUDAGraphedModule`` is kept on the block (``layer.graphed``) but is not one of its
+submodules, so it adds no names.
+
+A graphed block cannot update a key/value cache: the update is Python-side state that would
+happen once, at capture, and never at replay. :func:`graph_layers` refuses a model whose
+config has ``use_cache`` on, and a graphed block refuses a call with grad enabled that passes
+``use_cache=True``, a cache object, or ``output_attentions=True`` (attention weights are
+recorded by hooks inside the block, which replays do not run). Under ``torch.no_grad()``
+(evaluation, ``generate()``) a graphed block runs its original forward eagerly, so caches work
+there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from .graphed import CUDAGraphedModule
+
+__all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer"]
+
+# Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
+# the names transformers' decoder blocks use for them.
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+_FLAG_ARGS = ("use_cache", "output_attentions")
+
+_GRAPHED_CLASSES: dict = {}
+_SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
+_NAME = "_graphpp_name"
+
+
+class _OriginalForward(nn.Module):
+    """The block's original ``forward``, called on the block itself, as the module the engine
+    wraps. Its parameters are the block's (under ``layer.``); its train/eval mode is the block's."""
+
+    def __init__(self, layer: nn.Module, forward):
+        super().__init__()
+        self.layer = layer
+        self._forward = forward
+
+    @property
+    def training(self) -> bool:  # the engine keys signatures by the wrapped module's mode
+        return self.layer.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:  # nn.Module.__init__ and train() set it; the block's own wins
+        pass
+
+    def forward(self, *args, **kwargs):
+        return self._forward(self.layer, *args, **kwargs)
+
+
+class GraphedLayer(nn.Module):
+    """Base of the classes :func:`graph_layers` gives graphed blocks (``Graphed<Class>``).
+
+    Placed before the block's own class in the method resolution order; it only replaces
+    ``forward`` (which checks the call, then runs the block's ``CUDAGraphedModule``) and adds
+    ``graphed`` and ``engine``.
+    """
+
+    _graphpp_positions: dict = {}
+    _graphpp_original: type = nn.Module
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self._graphpp_check_call(args, kwargs)
+        return self.__dict__[_SLOT](*args, **kwargs)
+
+    @property
+    def graphed(self) -> CUDAGraphedModule:
+        """The ``CUDAGraphedModule`` that runs this block's forward (not a submodule of it)."""
+        return self.__dict__[_SLOT]
+
+    @property
+    def engine(self):
+        """The graph engine: ``replays``, ``captures``, ``in_flight`` and ``graph_count()``."""
+        return self.__dict__[_SLOT].engine
+
+    def extra_repr(self) -> str:
+        own = self._graphpp_original.extra_repr(self)
+        return f"{own}, cuda_graphs=True" if own else "cuda_graphs=True"
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"{self.__dict__.get(_NAME, type(self).__name__)} is graphed in place and cannot be pickled or "
+            f"deep-copied (it holds CUDA graphs). Save model.state_dict() (its keys are the ungraphed model's), "
+            f"copy the model before graph_layers(), or call paddle_graphpp.torch.ungraph_layers() first.")
+
+    def _graphpp_check_call(self, args: tuple, kwargs: dict) -> None:
+        positions = self._graphpp_positions
+        name = self.__dict__[_NAME]
+
+        def given(arg):
+            if arg in kwargs:
+                return kwargs[arg]
+            index = positions.get(arg)
+            return args[index] if index is not None and index < len(args) else None
+
+        if given("use_cache"):
+            raise ValueError(
+                f"{name}: use_cache=True reached a graphed layer, which cannot update a key/value cache (the "
+                f"update would happen at capture only). For training set `model.config.use_cache = False` or "
+                f"pass use_cache=False to the model's forward; under torch.no_grad() (generate()) the layer runs "
+                f"eagerly and the cache works.")
+        for arg in _CACHE_ARGS:
+            cache = given(arg)
+            if cache is not None:
+                raise ValueError(
+                    f"{name}: a cache object ({type(cache).__name__}, argument {arg}) reached a graphed layer, "
+                    f"which cannot update it (the update would happen at capture only). For training set "
+                    f"`model.config.use_cache = False` or pass use_cache=False (and no past_key_values) to the "
+                    f"model's forward; under torch.no_grad() the layer runs eagerly and caches work.")
+        if given("output_attentions") or "attentions" in _recorded_outputs():
+            raise ValueError(
+                f"{name}: output_attentions=True with a graphed layer: attention weights are recorded by hooks "
+                f"inside the layer, which graph replays do not run. Pass output_attentions=False (and leave "
+                f"model.config.output_attentions off) while training with graphs.")
+
+
+def _recorded_outputs() -> Any:
+    """What ``transformers``' output recording collects in the current forward (its hooks feed a
+    context variable); empty when transformers is not loaded or records nothing."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    try:
+        found = collector.get() if collector is not None else None
+    except LookupError:  # a context variable without a default, never set
+        found = None
+    return found if isinstance(found, dict) else {}
+
+
+def _arg_positions(forward) -> dict:
+    """Positional indices (``self`` excluded) of the cache and flag arguments of ``forward``."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    positional = [p.name for p in params
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return {n: positional.index(n) for n in (*_CACHE_ARGS, *_FLAG_ARGS) if n in positional}
+
+
+def _graphed_class(cls: type) -> type:
+    graphed = _GRAPHED_CLASSES.get(cls)
+    if graphed is None:
+        graphed = type(f"Graphed{cls.__name__}", (GraphedLayer, cls), {
+            "__module__": __name__,
+            "__doc__": f"{cls.__name__} graphed in place by paddle_graphpp.torch.graph_layers().",
+            "_graphpp_positions": _arg_positions(cls.forward),
+            "_graphpp_original": cls,
+        })
+        _GRAPHED_CLASSES[cls] = graphed
+    return graphed
+
+
+def is_graphed_layer(module: Any) -> bool:
+    """Whether ``module`` was graphed in place by :func:`graph_layers`."""
+    return isinstance(module, GraphedLayer)
+
+
+def _entries(layers: Any) -> list:
+    """``(key, module)`` pairs of the container, keys as they appear in parameter names."""
+    if isinstance(layers, nn.ModuleDict):
+        pairs = list(layers.items())
+    elif isinstance(layers, (nn.ModuleList, nn.Sequential, list, tuple)):
+        pairs = [(str(i), m) for i, m in enumerate(layers)]
+    elif isinstance(layers, nn.Module):
+        raise TypeError(
+            f"graph_layers() takes the list of a model's repeated blocks (e.g. model.model.layers, "
+            f"model.transformer.h), got a single {type(layers).__name__}; pass [module] to graph it alone, or wrap "
+            f"it in CUDAGraphedModule.")
+    else:
+        raise TypeError(f"graph_layers() takes an nn.ModuleList, nn.ModuleDict, nn.Sequential or a list of modules, "
+                        f"got {type(layers).__name__}")
+    if not pairs:
+        raise ValueError("graph_layers() got no layers")
+    for key, module in pairs:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"graph_layers(): entry {key} is a {type(module).__name__}, not an nn.Module")
+    return pairs
+
+
+def _config_of(layer: nn.Module) -> Any:
+    """The model config a block's submodules hold (transformers' attention modules keep one)."""
+    for module in layer.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            return config
+    return None
+
+
+def _check_layer(name: str, layer: nn.Module, check_config: bool) -> None:
+    if isinstance(layer, GraphedLayer):
+        raise TypeError(f"{name} is already graphed (graph_layers() was called on it before)")
+    if isinstance(layer, CUDAGraphedModule):
+        raise TypeError(f"{name} is already a CUDAGraphedModule; pass the plain block to graph_layers()")
+    if getattr(layer, "gradient_checkpointing", False):
+        raise ValueError(
+            f"{name} has gradient checkpointing on; its recomputation cannot run inside a graph. Call "
+            f"model.gradient_checkpointing_disable() before graph_layers() (graphed layers keep their "
+            f"activations in the graph pool instead).")
+    config = _config_of(layer) if check_config else None
+    if config is not None and getattr(config, "use_cache", False):
+        raise ValueError(
+            f"{name}: the model's config has use_cache=True, and a graphed layer cannot update a key/value cache "
+            f"(the update would happen at capture only). Set `model.config.use_cache = False` before "
+            f"graph_layers() (and pass use_cache=False to forward if you set it there); generate() under "
+            f"torch.no_grad() still runs the layers eagerly and may use the cache.")
+    if config is not None and getattr(config, "output_attentions", False):
+        raise ValueError(
+            f"{name}: the model's config has output_attentions=True; attention weights are recorded by hooks "
+            f"inside the layer, which graph replays do not run. Set `model.config.output_attentions = False`.")
+
+
+def graph_layers(
+    layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, Iterable[nn.Module]],
+    num_warmup_steps: int = 3,
+    *,
+    name: Optional[str] = None,
+    fallback: str = "error",
+    memory: str = "shared",
+    max_in_flight: int = 64,
+    max_signatures: int = 4,
+    accumulate_grads: Union[bool, str] = "auto",
+    generators: Any = None,
+) -> list:
+    """Graph each block of a model's list of repeated blocks in place, keeping every name.
+
+    Each block keeps its identity and place; its class becomes ``Graphed<Class>``, a subclass
+    of its own, whose forward runs a :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`
+    built around the original forward (``layer.graphed``; ``layer.engine`` for replay counts).
+    Parameter names, ``state_dict()`` keys, ``model.parameters()`` (so an optimizer built
+    before or after) and hooks on the block are unchanged.
+
+    Hugging Face decoder blocks are called as their models call them: the hidden state plus
+    keyword arguments (``attention_mask``, ``position_ids``, ``position_embeddings`` as a
+    ``(cos, sin)`` tuple, ``cache_position``, ``use_cache=False``, ``past_key_values=None``);
+    tensors among them are copied into static buffers at each replay, ``None``/bool/int values
+    are part of the input signature, and a tensor or a tuple output is returned as the block
+    returns it.
+
+    Args:
+        layers: the blocks: ``nn.ModuleList`` (``model.model.layers``, ``model.transformer.h``),
+            ``nn.ModuleDict``, ``nn.Sequential`` or a list of modules. Graphed in place.
+        num_warmup_steps: eager calls per input signature before each block records and
+            captures (passed to ``CUDAGraphedModule``, as are the options below).
+        name: prefix of the blocks' names in messages: ``f"{name}.{key}"`` (key: the index, or
+            the ``ModuleDict`` key); default ``f"{Class}[{key}]"``.
+        fallback: ``"error"`` (default) raises when capture fails; ``"eager"`` warns once and
+            keeps that block eager.
+        memory: ``"shared"`` (default, one pool for all graphs) or ``"per_graph"``.
+        max_in_flight: micro-batches a block may hold awaiting their backward.
+        max_signatures: input signatures captured per block.
+        accumulate_grads: ``"auto"`` (default), ``True`` or ``False``; see ``CUDAGraphedModule``.
+        generators: extra random generators the blocks draw from (the default CUDA generator
+            is always registered, so dropout works without this).
+
+    Returns:
+        The graphed blocks, in order (the same objects as in ``layers``).
+
+    Raises:
+        TypeError: ``layers`` is not a container of modules, or a block is already graphed.
+        ValueError: the model's config has ``use_cache`` or ``output_attentions`` on, or a
+            block has gradient checkpointing on (the message names the block and the fix);
+            an invalid option.
+
+    Warning:
+        Set ``model.config.use_cache = False`` for training. A graphed block called with grad
+        enabled and ``use_cache=True``, a cache object or ``output_attentions=True`` raises
+        ``ValueError``; under ``torch.no_grad()`` it runs eagerly, so ``generate()`` works.
+
+    Warning:
+        Keep input shapes fixed (pad to a fixed sequence length): each new shape is captured
+        anew, up to ``max_signatures`` per block.
+
+    Warning:
+        Outputs alias graph memory until the same micro-batch position replays again (the next
+        step); ``output_hidden_states=True`` hands out those outputs, so clone what you keep.
+
+    Warning:
+        Move the model to its GPU and dtype before the first step, and do not rebind
+        parameters afterwards (``param.data = ...``): graphs read fixed addresses. A graphed
+        model cannot be pickled or deep-copied; save its ``state_dict()``.
+    """
+    pairs = _entries(layers)
+    names = [f"{name}.{key}" if name else f"{type(m).__name__}[{key}]" for key, m in pairs]
+    return graph_in_place(pairs, names, check_config=True, num_warmup_steps=num_warmup_steps,
+                          fallback=fallback, memory=memory, max_in_flight=max_in_flight,
+                          max_signatures=max_signatures, accumulate_grads=accumulate_grads, generators=generators)
+
+
+def graph_in_place(pairs: list, names: list, *, check_config: bool, **options: Any) -> list:
+    """The work of :func:`graph_layers` on ``(key, block)`` pairs named ``names``.
+
+    ``check_config=False`` skips the model-config checks (``use_cache``, ``output_attentions``):
+    for callers that call the blocks themselves with ``use_cache=False``
+    (:mod:`paddle_graphpp.torch.hf`). The per-call checks stay.
+    """
+    for label, (_, module) in zip(names, pairs):
+        _check_layer(label, module, check_config)
+    seen: set = set()
+    for label, (_, module) in zip(names, pairs):
+        if id(module) in seen:
+            raise ValueError(f"graph_layers(): {label} appears twice in the list; each block is graphed once")
+        seen.add(id(module))
+    runners = [CUDAGraphedModule(_OriginalForward(layer, type(layer).forward), name=label, **options)
+               for label, (_, layer) in zip(names, pairs)]  # every option checked before any block changes
+    graphed = []
+    for label, (_, layer), runner in zip(names, pairs, runners):
+        layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
+        layer.__dict__[_NAME] = label
+        layer.__class__ = _graphed_class(type(layer))
+        graphed.append(layer)
+    return graphed
+
+
+def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, Iterable[nn.Module]]) -> list:
+    """Undo :func:`graph_layers`: each graphed block gets its own class back and drops its graphs
+    (their memory is freed once nothing else holds them). Blocks that are not graphed are left
+    as they are. Returns the blocks, in order."""
+    out = []
+    for _, layer in _entries(layers):
+        if isinstance(layer, GraphedLayer):
+            layer.__class__ = type(layer)._graphpp_original
+            layer.__dict__.pop(_SLOT, None)
+            layer.__dict__.pop(_NAME, None)
+        out.append(layer)
+    return out

@@ -1,0 +1,287 @@
+"""Unmodified Hugging Face causal LMs with graphed blocks, on CPU (PyTorch runtime).
+
+``graph_layers`` graphs GPT-2's and Llama's decoder blocks in place; ``causal_lm_stage`` cuts
+the models into pipeline stages. Without CUDA the graphed blocks run eagerly through the
+engine's FIFO bookkeeping, so these tests check what CPU can show: names, state_dict keys and
+the optimizer's parameters unchanged, the ``use_cache`` errors, the stages computing what the
+full model computes, and losses and gradients equal to eager's under a pipeline-like order.
+Capture and replay are checked on GPUs (``unittests/gpu/test_hf_gpu.py``).
+"""
+import copy
+import json
+import os
+import pickle
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from paddle_graphpp.torch import CUDAGraphedModule, graph_layers, ungraph_layers  # noqa: E402
+from paddle_graphpp.torch.hf import CausalLMStage, causal_lm_stage  # noqa: E402
+from paddle_graphpp.torch.layers import is_graphed_layer  # noqa: E402
+from tools import launch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "workers", "hf_pipeline_worker.py")
+VOCAB, SEQ = 64, 8
+ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"  # a 1F1B-like order: backwards pair with forwards in FIFO order
+
+
+@pytest.fixture(autouse=True)
+def _quiet_cpu_fallback():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA graphs are not used.*")
+        yield
+
+
+def build(kind, *, use_cache=False, tie=False, layers=4, dropout=0.1):
+    """A small model from a config (no download), the same weights for the same seed."""
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             attention_dropout=dropout, use_cache=use_cache, tie_word_embeddings=tie)
+        return LlamaForCausalLM(config)
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=64, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, use_cache=use_cache, tie_word_embeddings=tie)
+    return GPT2LMHeadModel(config)
+
+
+def blocks_of(model):
+    return model.model.layers if hasattr(model, "model") else model.transformer.h
+
+
+KINDS = pytest.mark.parametrize("kind", ["gpt2", "llama"])
+
+
+# ----------------------------------------------------------------------------- in place
+@KINDS
+def test_graph_layers_keeps_names_state_dict_and_optimizer_parameters(kind):
+    model = build(kind)
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    keys = list(model.state_dict())
+    modules = [n for n, _ in model.named_modules()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before graphing
+    original = [type(b) for b in blocks_of(model)]
+    out = graph_layers(blocks_of(model))
+
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert list(model.state_dict()) == keys
+    assert [n for n, _ in model.named_modules()] == modules  # the CUDAGraphedModule adds no submodule
+    assert [p for group in opt.param_groups for p in group["params"]] == params
+    for block, cls, returned in zip(blocks_of(model), original, out):
+        assert returned is block and is_graphed_layer(block)
+        assert isinstance(block, cls) and type(block).__name__ == f"Graphed{cls.__name__}"
+        assert isinstance(block.graphed, CUDAGraphedModule)
+        assert {id(p) for p in block.graphed.parameters()} == {id(p) for p in block.parameters()}
+    assert "cuda_graphs=True" in repr(blocks_of(model)[0])
+
+
+@KINDS
+def test_use_cache_in_the_config_is_refused_naming_the_layer(kind):
+    model = build(kind, use_cache=True)
+    with pytest.raises(ValueError, match=r"\[0\].*use_cache=True.*model\.config\.use_cache = False"):
+        graph_layers(blocks_of(model))
+    assert not any(is_graphed_layer(b) for b in blocks_of(model))  # nothing half-graphed
+    with pytest.raises(ValueError, match=r"^model\.layers\.0: "):
+        graph_layers(blocks_of(model), name="model.layers")
+    model.config.use_cache = False
+    graph_layers(blocks_of(model))
+    assert all(is_graphed_layer(b) for b in blocks_of(model))
+
+
+@KINDS
+def test_cache_and_attention_outputs_at_forward_are_refused_with_the_fix(kind):
+    model = build(kind)
+    graph_layers(blocks_of(model), name="blocks")
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(ValueError, match=r"blocks\.0: use_cache=True.*use_cache=False"):
+        model(x, use_cache=True)
+    with pytest.raises(ValueError, match=r"blocks\.0: .*cache object \(DynamicCache"):
+        model(x, past_key_values=DynamicCache(config=model.config))
+    with pytest.raises(ValueError, match=r"blocks\.0: output_attentions=True.*output_attentions=False"):
+        model(x, output_attentions=True)
+    assert all(b.engine.in_flight == 0 for b in blocks_of(model))  # refused before the engine
+
+
+@KINDS
+def test_without_grad_the_cache_works_eagerly(kind):
+    model = build(kind).eval()
+    ref = copy.deepcopy(model)
+    graph_layers(blocks_of(model))
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.no_grad():
+        got = model(x, use_cache=True)
+        want = ref(x, use_cache=True)
+        assert torch.equal(got.logits, want.logits)
+        assert got.past_key_values.get_seq_length() == SEQ
+        nxt = torch.randint(0, VOCAB, (2, 1))
+        assert torch.equal(model(nxt, past_key_values=got.past_key_values).logits,
+                           ref(nxt, past_key_values=want.past_key_values).logits)
+
+
+def test_bad_arguments_name_the_fix():
+    model = build("llama")
+    with pytest.raises(TypeError, match="single LlamaDecoderLayer.*pass \\[module\\]"):
+        graph_layers(model.model.layers[0])
+    with pytest.raises(TypeError, match="not an nn.Module"):
+        graph_layers([model.model.layers[0], 3])
+    with pytest.raises(ValueError, match="no layers"):
+        graph_layers([])
+    with pytest.raises(ValueError, match="appears twice"):
+        graph_layers([model.model.layers[0], model.model.layers[0]])
+    with pytest.raises(ValueError, match="fallback"):
+        graph_layers(model.model.layers, fallback="sometimes")
+    assert not any(is_graphed_layer(b) for b in model.model.layers)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"LlamaDecoderLayer\[0\] has gradient checkpointing on.*disable"):
+        graph_layers(model.model.layers)
+    model.gradient_checkpointing_disable()
+    graph_layers(model.model.layers)
+    with pytest.raises(TypeError, match="already graphed"):
+        graph_layers(model.model.layers)
+
+
+def test_checkpoints_load_and_ungraph_restores_the_classes():
+    model, other = build("gpt2"), build("gpt2")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    graph_layers(blocks_of(model))
+    params = list(model.parameters())
+    model.load_state_dict(other.state_dict())  # copies in place: the graphs' addresses stay valid
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    for (n, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), n
+    with pytest.raises(TypeError, match="cannot be pickled or deep-copied.*state_dict"):
+        pickle.dumps(model)
+    ungraph_layers(blocks_of(model))
+    assert not any(is_graphed_layer(b) for b in blocks_of(model))
+    assert type(blocks_of(model)[0]).__name__ == "GPT2Block"
+    assert pickle.loads(pickle.dumps(model)) is not None
+
+
+def run_order(model, batches, order, seed):
+    """Forwards and backwards of micro-batches in ``order``; losses in backward order."""
+    torch.manual_seed(seed)
+    outs, losses = {}, []
+    for tok in order.split():
+        n = int(tok[1:]) - 1
+        if tok[0] == "f":
+            outs[n] = model(batches[n][:, :-1], labels=batches[n][:, 1:].contiguous())
+        else:
+            outs[n].loss.backward()
+            losses.append(outs[n].loss.detach())
+    return torch.stack(losses)
+
+
+@KINDS
+def test_losses_and_gradients_equal_eager_over_steps_and_micro_batches(kind):
+    eager = build(kind)
+    graphed = copy.deepcopy(eager)
+    graph_layers(blocks_of(graphed), num_warmup_steps=1)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1)
+    for step in range(4):
+        batches = [torch.randint(0, VOCAB, (2, SEQ + 1), generator=data) for _ in range(4)]
+        le = run_order(eager, batches, ORDER, seed=100 + step)
+        lg = run_order(graphed, batches, ORDER, seed=100 + step)
+        assert torch.equal(lg, le), step
+        for (n, p), q in zip(eager.named_parameters(), graphed.parameters()):
+            assert torch.equal(q.grad, p.grad), (step, n)
+        opt_e.step(), opt_g.step()
+        opt_e.zero_grad(), opt_g.zero_grad()
+    for p, q in zip(eager.parameters(), graphed.parameters()):
+        assert torch.equal(p, q)
+    assert all(b.engine.in_flight == 0 for b in blocks_of(graphed))
+
+
+# ------------------------------------------------------------------------------ stages
+def compose(stages, x):
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
+@KINDS
+@pytest.mark.parametrize("num_stages,split", [(1, None), (2, None), (3, None), (2, [0, 4]), (3, [1, 3, 0])])
+def test_stages_compute_what_the_full_model_computes(kind, num_stages, split):
+    full, model = build(kind), build(kind)
+    stages = [causal_lm_stage(model, s, num_stages, layers_per_stage=split) for s in range(num_stages)]
+    assert all(isinstance(s, CausalLMStage) for s in stages)
+    # Every key of the full model, each on one stage, with the same tensors.
+    keys = [k for s in stages for k in s.state_dict()]
+    assert sorted(keys) == sorted(full.state_dict())
+    state = model.state_dict()
+    for s in stages:
+        for k, v in s.state_dict().items():
+            assert v is state[k] or torch.equal(v, state[k]), k
+    assert sum(len(s.blocks) for s in stages) == 4 and all(is_graphed_layer(b) for s in stages for b in s.blocks)
+
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    torch.manual_seed(5)  # dropout on: the same draws in the same order
+    want = full(x).logits
+    torch.manual_seed(5)
+    got = compose(stages, x)
+    assert torch.equal(got, want)
+    torch.nn.functional.cross_entropy(want.flatten(0, 1), y.flatten()).backward()
+    torch.nn.functional.cross_entropy(got.flatten(0, 1), y.flatten()).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for n, p in full.named_parameters():
+        assert torch.equal(grads[n], p.grad), n
+
+
+def test_stage_example_io_and_the_eager_reference():
+    model = build("llama")
+    first, last = causal_lm_stage(model, 0, 2, graph=False), causal_lm_stage(model, 1, 2, graph=False)
+    assert not any(is_graphed_layer(b) for b in model.model.layers)
+    assert first.layer_indices == [0, 1] and last.layer_indices == [2, 3]
+    x, y = first.example_io(3, SEQ)
+    assert x.shape == (3, SEQ) and x.dtype == torch.long and y.shape == (3, SEQ, 32)
+    x, y = last.example_io(3, SEQ)
+    assert x.shape == (3, SEQ, 32) and x.dtype == torch.float32 and y.shape == (3, SEQ, VOCAB)
+    assert "blocks=[2, 3]" in repr(last)
+
+
+def test_stage_errors_say_what_to_do():
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        causal_lm_stage(build("gpt2", tie=True), 0, 2)
+    causal_lm_stage(build("gpt2", tie=True), 0, 1)  # one stage holds both ends: fine
+    with pytest.raises(ValueError, match=r"stage_index must be in \[0, 2\)"):
+        causal_lm_stage(build("llama"), 2, 2)
+    with pytest.raises(ValueError, match="add up to the model's 4 blocks"):
+        causal_lm_stage(build("llama"), 0, 2, layers_per_stage=[1, 2])
+    with pytest.raises(ValueError, match="cannot fill 5 stages"):
+        causal_lm_stage(build("llama"), 0, 5)
+    with pytest.raises(TypeError, match="Llama layout.*graph_layers"):
+        causal_lm_stage(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0, 1)
+
+
+# ------------------------------------------------------------------------- distributed
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@KINDS
+def test_1f1b_over_two_gloo_ranks_trains_like_eager_stages(kind, tmp_path):
+    envs = launch.rank_envs(2, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    ends = launch.run_ranks([[sys.executable, WORKER, "--model", kind, "--steps", "4", "--out", str(tmp_path)]] * 2,
+                            envs=envs, timeout=200, merge_stderr=True)
+    codes = [None if e.stopped else e.returncode for e in ends]
+    assert codes == [0, 0], f"ranks failed or hung (codes {codes}):\n{''.join(e.stdout for e in ends)[-6000:]}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    eager, graphed = results[1]["eager"]["losses"], results[1]["graphed"]["losses"]
+    assert len(eager) == 4 and all(v == v for v in eager)
+    assert graphed == eager
+    for r in results:
+        assert r["grads_compared"] >= 4 * 10 and r["grad_mismatches"] == []  # every step, tensor by tensor
+        assert r["graphed"]["blocks"] and all(b.startswith("Graphed") for b in r["graphed"]["blocks"])
+        assert r["graphed"]["state_dict_keys"] == r["eager"]["state_dict_keys"]
