@@ -83,6 +83,13 @@ class Process:
         """Append one call of the episode being recorded."""
         self._events.append((layer, key, position, forward))
 
+    def forget(self, layer: Any) -> None:
+        """``layer`` was reset: drop its calls from the recording (the static buffer slots they
+        took stay allocated; inputs recorded as links to its outputs get buffers of their own
+        at capture) and from the layers whose graphs a dropped generation concerns."""
+        self._events = [e for e in self._events if e[0] is not layer]
+        self._layers.pop(id(layer), None)
+
     def buffer_slot(self, spec: Any, *, reuse: bool) -> int:
         """The static buffer a recorded call will copy a tensor of ``spec`` into, as a slot of
         this recording's buffers (allocated at capture). With ``reuse``, a slot released

@@ -48,13 +48,14 @@ from . import collectives as _collectives
 from . import guards as _guards
 from . import memory as _memory
 from .capture import Process, process_for
-from .errors import CaptureError, GraphedLayerError, SignatureError, release_frames
+from .errors import CaptureError, GraphedLayerError, GraphScheduleError, SignatureError, StateReplacedError, release_frames
 from .runtime import GraphRuntime, TensorSpec
 from .schedule import InFlightQueue
+from .state import StateWatch
 from .tree import flatten, unflatten
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine", "node_forward",
-           "node_backward"]
+           "node_backward", "reset_graphs"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -188,6 +189,7 @@ class _Position:
     # Inputs whose static tensor is another position's static output (a recorded link): their
     # index and alias key. A replay is only right when the call passes exactly that tensor.
     linked: tuple = ()
+    state: Optional[StateWatch] = None  # the layer's parameters and buffers the graphs read (core.state)
 
 
 @dataclass(slots=True)
@@ -202,6 +204,7 @@ class _Live:
     params: list
     outputs_shape: _Outputs
     linked: tuple = ()  # see _Position.linked
+    state: Optional[StateWatch] = None  # see _Position.state
 
 
 class _Signature:
@@ -316,6 +319,8 @@ class GraphedCallable:
         self._param_grad_buffers: Optional[list] = None
         self._disabled_reason: Optional[str] = None
         self._warned: set = set()
+        self._watch: Optional[StateWatch] = None  # parameters and buffers as the newest capture read them
+        self._state_checked: Optional[tuple] = None  # (episode, watch) last found unchanged
         self.replays = 0  # forward + backward graph replays, for tests and telemetry
         self.captures = 0
 
@@ -456,6 +461,8 @@ class GraphedCallable:
 
     def _replay_forward(self, call: _Call, done: _Position, copy_inputs: bool = True) -> list:
         rt = self.runtime
+        if done.state is not None:
+            self._check_state(done.state)
         self.plan.note_replay(done.generation, id(done.fwd_graph), True, self.name)
         _collectives.check_replay(done.fwd_graph)
         if copy_inputs:
@@ -589,7 +596,8 @@ class GraphedCallable:
                                f"eager run; a graphed layer must return the same structure every call.")
         plan.note_capture(gen, id(graph), _memory.now() - start)
         self.captures += 1
-        return _Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured)
+        return _Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured,
+                     state=self._state_watch())
 
     def _capture_backward(self, sig: _Signature, live: _Live, static_grads: Sequence[Any]) -> _Position:
         """Capture the backward of ``live``'s forward; returns the position's record."""
@@ -621,7 +629,8 @@ class GraphedCallable:
             generation=live.generation, fwd_graph=live.graph, bwd_graph=graph, static_inputs=live.static_inputs,
             static_outputs=tuple(rt.detach(o) for o in live.outputs), static_grad_outputs=tuple(static_grads),
             static_grad_inputs=tuple(next(it) if s.requires_grad else None for s in sig.shape.specs),
-            param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate, linked=live.linked)
+            param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate, linked=live.linked,
+            state=live.state)
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):
@@ -719,6 +728,55 @@ class GraphedCallable:
         gc.collect()
         self.runtime.release_cached_memory()
         return error
+
+    # --------------------------------------------------- replaced state, reset
+    def _state_watch(self) -> Optional[StateWatch]:
+        """The watch a new capture records: the current one while nothing was replaced (every
+        position then shares it, and one check per step covers them all), else a new one."""
+        watch = self._watch
+        if watch is None or watch.changed() is not None:
+            slots = self.runtime.state_slots(self.fn)
+            watch = self._watch = StateWatch(self.runtime, slots) if slots else None
+        return watch
+
+    def _check_state(self, watch: StateWatch) -> None:
+        """Refuse to replay graphs whose parameters or buffers were replaced since their capture.
+        Checked once per step (episode) and watch: replacing a parameter between the
+        micro-batches of one step is not something a training loop does."""
+        checked = self._state_checked
+        episode = self.queue.episode
+        if checked is not None and checked[0] == episode and checked[1] is watch:
+            return
+        what = watch.changed()
+        if what is not None:
+            raise StateReplacedError(
+                f"{self.name}: {what} since its CUDA graphs were captured; replaying them would compute with "
+                f"the old memory, so the layer refuses to. Change parameters and buffers in place "
+                f"(module.load_state_dict(...), param.copy_(...) under no_grad) rather than assigning new "
+                f"tensors or storage. If the replacement is meant (a dtype round trip, a checkpoint loader that "
+                f"rebinds tensors), call paddle_graphpp.reset_graphs(model) between steps: it makes every graphed layer "
+                f"of the model forget its graphs and capture them anew, against the new tensors, after warmup.")
+        self._state_checked = (episode, watch)
+
+    def reset(self) -> None:
+        """Forget every graph and recording of this layer, as if it were newly wrapped: each
+        signature warms up and is captured again, reading the layer's parameters and buffers
+        anew. Its graph memory is freed with the graphs (positions of other layers keep theirs;
+        new captures go into a new pool generation).
+
+        Raises:
+            GraphScheduleError: micro-batches of this layer are in flight (run their backwards first).
+        """
+        if self.in_flight:
+            raise GraphScheduleError(
+                f"{self.name}: reset with {self.in_flight} micro-batch(es) in flight; run their "
+                f"backwards first (reset between steps).")
+        self.process.forget(self)
+        self._signatures.clear()
+        self._param_grad_buffers = None
+        self._disabled_reason = None
+        self._warned.clear()
+        self._watch = self._state_checked = None
 
     # ----------------------------------------------------------------- helpers
     def _outputs_of(self, result: Any) -> tuple:
@@ -919,8 +977,11 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
 
     .. warning:: Outputs alias graph memory: they are valid until the same micro-batch position
        is replayed again (the next step). Clone an output you keep across steps (a logged loss).
-    .. warning:: Do not modify outputs in place, and do not replace parameters (assigning new
-       storage to them): graphs read fixed addresses. In-place optimizer updates are fine.
+    .. warning:: Do not modify outputs in place, and do not replace parameters or buffers
+       (assigning new tensors or storage to them, ``module.to(dtype)``) after capture: graphs
+       read fixed addresses, and the next replay raises
+       :class:`paddle_graphpp.StateReplacedError` (call :func:`paddle_graphpp.reset_graphs`
+       on the model to capture anew). In-place updates (optimizers, ``load_state_dict``) are fine.
     .. warning:: Code inside must not synchronise with the host (``.item()``, printing tensors,
        data-dependent shapes); capture fails with a :class:`paddle_graphpp.CaptureError`.
        Other exceptions raised by its code during capture keep their type, with the layer named.
@@ -944,3 +1005,34 @@ def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], 
     """The engine behind a framework's graphed layer class (``kind`` names that class)."""
     return GraphedCallable(wrapped, runtime, trainable, name=name or f"{kind}({type(wrapped).__name__})",
                            options=EngineOptions(**options))
+
+
+def reset_graphs(model: Any) -> int:
+    """Make every graphed layer in ``model`` (``model`` itself included) forget its graphs and
+    capture them anew after warmup, against the parameters and buffers it has now.
+
+    Call it between steps after replacing parameters or buffers on purpose (a dtype round
+    trip, a checkpoint loader that assigns new tensors): replays of the old graphs raise
+    :class:`paddle_graphpp.StateReplacedError`. Resetting all layers of a model together keeps
+    chained layers (one graphed layer reading another's output) linked in the new capture.
+    In-place loads (``load_state_dict``) need no reset.
+
+    Args:
+        model: a ``torch.nn.Module`` or ``paddle.nn.Layer``.
+
+    Returns:
+        The number of graphed layers reset.
+
+    Raises:
+        GraphScheduleError: a micro-batch is in flight in one of them (nothing is reset).
+    """
+    walk = getattr(model, "modules", None)
+    subs = walk() if callable(walk) else model.sublayers(include_self=True)
+    engines = [e for e in (getattr(m, "_engine", None) for m in subs) if isinstance(e, GraphedCallable)]
+    busy = [e.name for e in engines if e.in_flight]
+    if busy:
+        raise GraphScheduleError(f"reset_graphs: micro-batches are in flight in {busy[:4]}; run their "
+                                 f"backwards first (reset between steps). Nothing was reset.")
+    for engine in engines:
+        engine.reset()
+    return len(engines)

@@ -63,7 +63,9 @@ class GraphRuntime(abc.ABC):
     * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`alias_key`, :meth:`static_like`,
       :meth:`static_buffers`, :meth:`copy_many`,
       :meth:`clone_many`, :meth:`detach`;
-    * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`;
+    * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`,
+      :meth:`state_slots`, :meth:`storage_addresses` (the replay-time check of
+      :mod:`paddle_graphpp.core.state`);
     * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
       :meth:`autograd_grad`, :meth:`backward_into`, :meth:`apply_graphed_function`,
       :meth:`leaves_without_grad`,
@@ -137,6 +139,18 @@ class GraphRuntime(abc.ABC):
     def mode_context(self, key: Any) -> ContextManager:
         """Context that re-enters the state ``key`` (a :meth:`mode_key` value) describes, so a
         call recorded under it can be captured later; inside it, ``mode_key() == key``."""
+
+    def state_slots(self, layer: Any) -> list:
+        """Where ``layer``'s parameters and buffers live, for the replay-time check that they
+        still hold the tensors a capture read (:class:`paddle_graphpp.core.state.StateWatch`):
+        ``(holder, key, name)`` triples, ``holder[key]`` being the tensor and ``name`` saying
+        which it is (``"parameter 'fc.weight'"``). Default: nothing is checked."""
+        return []
+
+    def storage_addresses(self, tensors: Sequence[Any]) -> list:
+        """The device address of each tensor's first element (called at every check: keep it
+        to one attribute read per tensor)."""
+        return [self.alias_key(t)[0] for t in tensors]
 
     # ---------------------------------------------------------------- autograd
     @abc.abstractmethod
