@@ -350,11 +350,12 @@ def test_stage_errors_say_what_to_do():
 # ------------------------------------------------------------------------- distributed
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@KINDS
-def test_1f1b_over_two_gloo_ranks_trains_like_eager_stages(kind, tmp_path):
+@pytest.mark.parametrize("kind,vpp", [("gpt2", 1), ("llama", 1), ("llama", 2)],
+                         ids=["gpt2-Schedule1F1B", "llama-Schedule1F1B", "llama-ScheduleInterleaved1F1B"])
+def test_pipeline_over_two_gloo_ranks_trains_like_eager_stages(kind, vpp, tmp_path):
     envs = launch.rank_envs(2, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    ends = launch.run_ranks([[sys.executable, WORKER, "--model", kind, "--steps", "4", "--out", str(tmp_path)]] * 2,
-                            envs=envs, timeout=200, merge_stderr=True)
+    cmd = [sys.executable, WORKER, "--model", kind, "--vpp", str(vpp), "--steps", "4", "--out", str(tmp_path)]
+    ends = launch.run_ranks([cmd] * 2, envs=envs, timeout=200, merge_stderr=True)
     codes = [None if e.stopped else e.returncode for e in ends]
     assert codes == [0, 0], f"ranks failed or hung (codes {codes}):\n{''.join(e.stdout for e in ends)[-6000:]}"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -363,5 +364,5 @@ def test_1f1b_over_two_gloo_ranks_trains_like_eager_stages(kind, tmp_path):
     assert graphed == eager
     for r in results:
         assert r["grads_compared"] >= 4 * 10 and r["grad_mismatches"] == []  # every step, tensor by tensor
-        assert r["graphed"]["blocks"] and all(b.startswith("Graphed") for b in r["graphed"]["blocks"])
+        assert len(r["graphed"]["blocks"]) == 2 and all(b.startswith("Graphed") for b in r["graphed"]["blocks"])
         assert r["graphed"]["state_dict_keys"] == r["eager"]["state_dict_keys"]

@@ -10,8 +10,9 @@ GPT-2 and Llama built from small configs (no download), fp32 with TF32 off, drop
   captured once per micro-batch position and replayed in every step after the capture.
   Both attention implementations: ``sdpa`` (the default; its dropout runs inside the fused
   kernel) and ``eager``.
-* Two GPUs: ``causal_lm_stage`` on each rank, ``Schedule1F1B`` over NCCL, eager stages then
-  graphed stages from the same seeds (``unittests/workers/hf_pipeline_worker.py``); losses and
+* Two GPUs: ``causal_lm_stage`` on each rank, ``Schedule1F1B`` (and Llama also
+  ``ScheduleInterleaved1F1B``, two stages per rank) over NCCL, eager stages then graphed stages
+  from the same seeds (``unittests/workers/hf_pipeline_worker.py``); losses and
   gradients as eager's, graphs replayed.
 
 Run on the GPU machine: ``python -m pytest unittests/gpu/test_hf_gpu.py -q``. Skipped without
@@ -130,12 +131,13 @@ def test_graphed_outputs_feed_hidden_state_recording():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
-def test_stages_over_two_gpus_with_1f1b_train_like_eager(kind, tmp_path):
+@pytest.mark.parametrize("kind,vpp", [("gpt2", 1), ("llama", 1), ("llama", 2)],
+                         ids=["gpt2-Schedule1F1B", "llama-Schedule1F1B", "llama-ScheduleInterleaved1F1B"])
+def test_stages_over_two_gpus_train_like_eager(kind, vpp, tmp_path):
     envs = launch.rank_envs(2, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                             NCCL_NVLS_ENABLE="0")
-    cmd = [sys.executable, WORKER, "--model", kind, "--device", "cuda", "--hidden", str(HIDDEN), "--steps",
-           str(STEPS), "--out", str(tmp_path)]
+    cmd = [sys.executable, WORKER, "--model", kind, "--vpp", str(vpp), "--device", "cuda", "--hidden", str(HIDDEN),
+           "--steps", str(STEPS), "--out", str(tmp_path)]
     ends = launch.run_ranks([cmd] * 2, envs=envs, timeout=240, merge_stderr=True)
     codes = [None if e.stopped else e.returncode for e in ends]
     assert codes == [0, 0], f"ranks failed or hung (codes {codes}):\n{''.join(e.stdout for e in ends)[-6000:]}"
@@ -147,6 +149,6 @@ def test_stages_over_two_gpus_with_1f1b_train_like_eager(kind, tmp_path):
     for r in results:
         assert r["grads_compared"] > 0 and r["grad_max_rel"] <= 1e-5, r["grad_mismatches"][:5]
         engines = r["graphed"]["engines"]
-        assert len(engines) == 2  # 4 blocks over 2 stages
+        assert len(engines) == 2  # 4 blocks over 2 ranks
         for e in engines:
             assert e["captures"] > 0 and e["replays"] > 0 and e["in_flight"] == 0, e
