@@ -128,6 +128,22 @@ def test_without_grad_the_cache_works_eagerly(kind):
                            ref(nxt, past_key_values=want.past_key_values).logits)
 
 
+@KINDS
+def test_hidden_state_recording_sees_the_graphed_blocks(kind):
+    # transformers records hidden states with forward hooks on the block class; a graphed block is
+    # still an instance of it, and its hooks run outside the graphs.
+    model = build(kind, dropout=0.0)
+    ref = copy.deepcopy(model)
+    graph_layers(blocks_of(model), num_warmup_steps=1)
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    for _ in range(3):
+        got, want = model(x, output_hidden_states=True), ref(x, output_hidden_states=True)
+        assert len(got.hidden_states) == len(want.hidden_states) == 5
+        for a, b in zip(got.hidden_states, want.hidden_states):
+            assert torch.equal(a, b)
+        got.logits.sum().backward()
+
+
 def test_bad_arguments_name_the_fix():
     model = build("llama")
     with pytest.raises(TypeError, match="single LlamaDecoderLayer.*pass \\[module\\]"):
@@ -176,7 +192,7 @@ def run_order(model, batches, order, seed):
     for tok in order.split():
         n = int(tok[1:]) - 1
         if tok[0] == "f":
-            outs[n] = model(batches[n][:, :-1], labels=batches[n][:, 1:].contiguous())
+            outs[n] = model(batches[n], labels=batches[n])  # the model shifts the labels
         else:
             outs[n].loss.backward()
             losses.append(outs[n].loss.detach())
@@ -192,7 +208,7 @@ def test_losses_and_gradients_equal_eager_over_steps_and_micro_batches(kind):
     opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1)
     for step in range(4):
-        batches = [torch.randint(0, VOCAB, (2, SEQ + 1), generator=data) for _ in range(4)]
+        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=data) for _ in range(4)]
         le = run_order(eager, batches, ORDER, seed=100 + step)
         lg = run_order(graphed, batches, ORDER, seed=100 + step)
         assert torch.equal(lg, le), step
@@ -203,6 +219,64 @@ def test_losses_and_gradients_equal_eager_over_steps_and_micro_batches(kind):
     for p, q in zip(eager.parameters(), graphed.parameters()):
         assert torch.equal(p, q)
     assert all(b.engine.in_flight == 0 for b in blocks_of(graphed))
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    """CUDAGraphedModules built while it is active use the fake graph runtime: capture runs the
+    code eagerly and replay only counts (values after a replay are stale), so the engine's
+    graph path (record, capture, replay, links between chained blocks) runs on CPU."""
+    from fake_runtime import FakeGraphRuntime
+
+    import paddle_graphpp.torch.graphed as graphed_mod
+    from paddle_graphpp.core import capture as capture_mod
+    from paddle_graphpp.core import memory as memory_mod
+
+    rt = FakeGraphRuntime()
+    monkeypatch.setattr(graphed_mod, "RUNTIME", rt)
+    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
+        table.pop(rt.name, None)
+    yield rt
+    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
+        table.pop(rt.name, None)
+
+
+@KINDS
+@pytest.mark.parametrize("staged", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["in_place", "stages"])
+def test_blocks_record_capture_and_replay_with_hugging_face_arguments(kind, staged, fake_runtime):
+    # The graph path with the models' own calling conventions (keyword tensors, None and bool
+    # arguments, the (cos, sin) tuple): every block captures one graph pair per micro-batch
+    # position and replays them in every later step, without falling back to eager.
+    model = build(kind)
+    if staged:
+        stages = [causal_lm_stage(model, s, 2, num_warmup_steps=1) for s in range(2)]
+
+        def forward(tokens):
+            logits = compose(stages, tokens)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    else:
+        graph_layers(blocks_of(model), num_warmup_steps=1)
+
+        def forward(tokens):
+            return model(tokens, labels=tokens).loss
+    data = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback of any kind
+        for step in range(5):
+            batches = [torch.randint(0, VOCAB, (2, SEQ), generator=data) for _ in range(4)]
+            losses = {}
+            for tok in ORDER.split():
+                n = int(tok[1:]) - 1
+                if tok[0] == "f":
+                    losses[n] = forward(batches[n])
+                else:
+                    losses.pop(n).backward()
+    for block in blocks_of(model):
+        assert block.engine.captures == 8, block  # 4 positions x (forward, backward)
+        assert block.engine.replays == 8 * 3, block  # step 0 warms up, step 1 records
+        assert block.engine.in_flight == 0
+        (sig,) = block.engine._signatures.values()
+        assert len(sig.positions) == 4
 
 
 # ------------------------------------------------------------------------------ stages
