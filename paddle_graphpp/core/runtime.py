@@ -217,6 +217,13 @@ class GraphRuntime(abc.ABC):
     #: compares this count as well.
     graph_grad_writes: int = 0
 
+    #: Set by a framework's capture-agreement helper (torch: ``agree_on_captures``): called at the
+    #: end of every batch of captures with whether an error of this process's captures is about
+    #: to reach the user; returns the ranks of the agreement group whose captures failed so
+    #: (empty: none), or raises :class:`~paddle_graphpp.CaptureError` when the peers do not
+    #: answer in time. ``None``: each process decides alone.
+    capture_agreement: Optional[Callable[[bool], list]] = None
+
     #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
     #: shares it); False when it copies any gradient it does not own outright (PyTorch).
     adopts_held_gradients: bool = True
