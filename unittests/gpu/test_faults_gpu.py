@@ -166,15 +166,17 @@ class OutOfMemoryInCapture(torch.nn.Module):
     """Asks for more memory than the device has while a capture runs (a deterministic stand-in
     for a capture step that does not fit); eager calls are normal."""
 
-    def __init__(self):
+    def __init__(self, after_activations=False):
         super().__init__()
         self.lin = torch.nn.Linear(256, 256)
         self.fail = True
+        self.after_activations = after_activations
 
     def forward(self, x):
+        h = self.lin(x) if self.after_activations else None
         if self.fail and torch.cuda.is_current_stream_capturing():
             torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8, device=DEV)
-        return torch.nn.functional.gelu(self.lin(x))
+        return torch.nn.functional.gelu(self.lin(x) if h is None else h)
 
 
 def _settled_reserved() -> int:
@@ -186,6 +188,18 @@ def _settled_reserved() -> int:
 
 @pytest.mark.parametrize("fallback", ["error", "eager"])
 def test_out_of_memory_during_capture(fallback):
+    _out_of_memory_during_capture(fallback, after_activations=False)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "expected to fail: the failed capture's activation (64 KiB) takes a segment of the new pool "
+    "generation, which is sealed after the failure and whose MemPool the runtime keeps for the "
+    "process, so empty_cache cannot return it. Run with -rxX to see the measured difference."))
+def test_out_of_memory_after_some_capture_allocations_returns_reserved_memory():
+    _out_of_memory_during_capture("error", after_activations=True)
+
+
+def _out_of_memory_during_capture(fallback, after_activations):
     torch.manual_seed(0)
     x = torch.randn(64, 256, device=DEV, requires_grad=True)
     # A layer captured before: the capture stream's library workspaces exist already, as they
@@ -193,7 +207,7 @@ def test_out_of_memory_during_capture(fallback):
     warm = CUDAGraphedModule(torch.nn.Linear(256, 256).to(DEV), num_warmup_steps=0)
     for _ in range(2):
         warm(x).sum().backward()
-    mod = OutOfMemoryInCapture().to(DEV)
+    mod = OutOfMemoryInCapture(after_activations).to(DEV)
     graphed = CUDAGraphedModule(mod, num_warmup_steps=0, name="OOMLayer", fallback=fallback)
     graphed(x).sum().backward()  # recorded: the capture runs at the next call
     before = _settled_reserved()
