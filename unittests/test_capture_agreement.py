@@ -72,6 +72,8 @@ def _worker(mode, rank, port, out):
     from paddle_graphpp.torch import agree_on_captures
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    if mode == "gpu":
+        _gpu_worker(rank, out)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
     rt = FakeGraphRuntime()
     runtime_mod.register_runtime("torch", lambda: rt)
@@ -111,6 +113,54 @@ def _worker(mode, rank, port, out):
         time.sleep(AGREEMENT_TIMEOUT + 4)  # stay connected: rank 0 must give up on its own timeout
     sys.stdout.flush()
     os._exit(0)  # no destroy_process_group: a broken gloo group can hang there
+
+
+def _gpu_worker(rank, out):
+    """Mode "gpu" (unittests/gpu/test_faults_gpu.py, 2 GPUs): NCCL ranks with real captures; rank 1's
+    layer reads a value on the host, which fails its capture; an NCCL all-reduce follows every
+    step, where rank 0 would wait for rank 1 if it went on alone."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from paddle_graphpp.core.errors import CaptureError
+    from paddle_graphpp.torch import CUDAGraphedModule, agree_on_captures
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60),
+                            device_id=torch.device("cuda", rank))
+    agree_on_captures(timeout=AGREEMENT_TIMEOUT)
+
+    class HostSync(torch.nn.Module):
+        def __init__(self, sync):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+            self.sync = sync
+
+        def forward(self, x):
+            y = self.lin(x)
+            if self.sync and y.sum().item() > 1e30:  # a host read: cannot be captured
+                y = y * 0
+            return y
+
+    layer = CUDAGraphedModule(HostSync(rank == 1).cuda(), num_warmup_steps=0, name=f"rank{rank}-layer")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    result = {"outcome": "trained", "notes": ""}
+    step = 0
+    try:
+        for step in range(3):  # recorded, then captured (at step 1's start) and replayed
+            layer(x).sum().backward()
+            total = torch.ones(1, device="cuda")
+            dist.all_reduce(total)
+            torch.cuda.synchronize()
+    except CaptureError as exc:
+        result.update(outcome="CaptureError", message=str(exc), notes=" ".join(getattr(exc, "__notes__", [])))
+    result.update(step=step, replays=layer.engine.replays)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # no destroy_process_group: it can hang after NCCL work
 
 
 if __name__ == "__main__":

@@ -234,6 +234,30 @@ def _out_of_memory_during_capture(fallback, after_activations):
     assert graphed.engine.replays == (0 if fallback == "eager" else 4)
 
 
+# ------------------------------------------------------------ ranks agree on a failed capture
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
+@pytest.mark.timeout(200)
+def test_two_ranks_both_raise_when_one_capture_fails(tmp_path):
+    import json
+    import os
+    import sys
+
+    from tools import launch
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    worker = os.path.join(repo, "unittests", "test_capture_agreement.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.dirname(worker),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    port = str(launch.free_port())
+    ends = launch.run_ranks([[sys.executable, worker, "gpu", str(r), port, str(tmp_path)] for r in range(2)],
+                            envs=[env, env], cwd=str(tmp_path), timeout=150, merge_stderr=True)
+    assert all(e.returncode == 0 and not e.timed_out for e in ends), "\n".join(e.stdout[-3000:] for e in ends)
+    r0, r1 = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert r1["outcome"] == "CaptureError" and "rank1-layer: capturing the forward failed" in r1["message"], r1
+    assert r0["outcome"] == "CaptureError" and "failed on rank(s) [1]" in r0["message"], r0
+    assert r0["step"] == r1["step"] == 1
+
+
 # ------------------------------------------------------------ long runs
 def test_ten_thousand_steps_keep_memory_flat_and_match_eager():
     torch.manual_seed(0)
