@@ -40,6 +40,7 @@ from collections import defaultdict
 from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 from . import memory as _memory
+from .errors import CaptureError
 from .schedule import EpisodeClock
 
 __all__ = ["Process", "process_for"]
@@ -210,10 +211,29 @@ class Process:
             gc.collect()
             self.runtime.release_cached_memory()
         self.plan.log_summary()
+        errors = self._agree(errors)
         for extra in errors[1:]:
             warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=3)
         if errors:
             raise errors[0]
+
+    def _agree(self, errors: list) -> list:
+        """With a capture agreement set (see ``GraphRuntime.capture_agreement``), every rank of
+        the group raises when any rank's captures raise, so that no rank goes on into a
+        collective that waits for a peer that stopped."""
+        agreement = self.runtime.capture_agreement
+        if agreement is None:
+            return errors
+        failed = agreement(bool(errors))
+        if errors:
+            errors[0].add_note(f"paddle_graphpp: every rank of the capture agreement group raises with it "
+                               f"(ranks whose captures failed: {failed}).")
+        elif failed:
+            errors = [CaptureError(
+                f"capturing CUDA graphs failed on rank(s) {failed} of the capture agreement group, so this rank "
+                f"raises too instead of going on into collectives they will not join. The cause is in those "
+                f"ranks' CaptureError; fallback='eager' on the failing layers keeps every rank training.")]
+        return errors
 
     def _drop_generation(self, gen: Any) -> None:
         """Eager work left memory allocated in ``gen``'s pool, which its graphs use as

@@ -627,6 +627,7 @@ class GraphedCallable:
         rt.replay_graph(done.bwd_graph)
         self.replays += 1
         if done.accumulate:
+            rt.graph_grad_writes += 1  # .grad changed without a version bump (see GraphRuntime)
             param_grads = [None] * len(call.params)
         else:
             param_grads = [b if u else None for b, u in zip(buffers, done.param_grad_used)]

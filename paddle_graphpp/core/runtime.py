@@ -213,6 +213,19 @@ class GraphRuntime(abc.ABC):
     def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
         """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
 
+    #: Backward graph replays so far that added parameter gradients into ``.grad`` inside the
+    #: graph (counted by the engine). A replay's writes do not bump tensors' version counters,
+    #: so code that skips work on gradients nobody wrote (``GraphedOptimizer.zero_grad``)
+    #: compares this count as well.
+    graph_grad_writes: int = 0
+
+    #: Set by a framework's capture-agreement helper (torch: ``agree_on_captures``): called at the
+    #: end of every batch of captures with whether an error of this process's captures is about
+    #: to reach the user; returns the ranks of the agreement group whose captures failed so
+    #: (empty: none), or raises :class:`~paddle_graphpp.CaptureError` when the peers do not
+    #: answer in time. ``None``: each process decides alone.
+    capture_agreement: Optional[Callable[[bool], list]] = None
+
     #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
     #: shares it); False when it copies any gradient it does not own outright (PyTorch).
     adopts_held_gradients: bool = True

@@ -13,6 +13,7 @@ _LAZY = {
     "ungraph_layers": "paddle_graphpp.torch.layers",
     "ColumnParallelLinear": "paddle_graphpp.torch.tensor_parallel",
     "RowParallelLinear": "paddle_graphpp.torch.tensor_parallel",
+    "agree_on_captures": "paddle_graphpp.torch.agreement",
 }
 
 __all__ = sorted(_LAZY)
