@@ -201,13 +201,14 @@ def weights_wanted(ctx: Any, n_tensors: int) -> bool:
     inputs after the first ``n_tensors`` (the parameters)? ``False`` under
     ``torch.autograd.grad`` w.r.t. the inputs only, the input pass of a zero-bubble schedule."""
     edges = ctx.next_functions[n_tensors:]
-    if not edges:
+    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    if not edges or will_execute is None:  # a torch that cannot tell: always the whole backward
         return True
     for node, _ in edges:
         if node is None:
             continue
         try:
-            if torch._C._will_engine_execute_node(node):
+            if will_execute(node):
                 return True
         except RuntimeError:
             # Raised for a leaf whose gradient torch.autograd.grad captures: it is wanted.

@@ -9,6 +9,9 @@ given; the zero-bubble ones: ``interleaved_zb``, ``zbv``, ``dualpipev``), and wr
 stage), every parameter's gradient after each step's schedule, and, per graphed run, the
 engine's capture/replay counts.
 
+``--device cuda`` runs on one GPU per rank with NCCL (fp32, TF32 off), so graphs are captured
+and replayed for real: unittests/gpu/test_zero_bubble_gpu.py.
+
 ``--runtime fake`` plugs the fake graph runtime (unittests/fake_runtime.py) into
 ``CUDAGraphedModule``: capture and replay then only do bookkeeping (replayed values are stale),
 which checks that the schedule's forward/backward order pairs up in every graphed run's FIFO.
@@ -70,30 +73,34 @@ SCHEDULES = {  # name -> (class name, stages per rank, V-shaped placement)
 
 
 def train(args, rank, world, graphed):
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", rank)) if args.device == "cuda" else None)
     cls_name, per_rank, v_shape = SCHEDULES[args.schedule]
     num_chunks = world * per_rank
     stage_ids = [rank, num_chunks - 1 - rank] if v_shape else [rank + k * world for k in range(per_rank)]
     stages, modules, entry_params = [], {}, []
     for s in stage_ids:
         entries = build_chunk(s, num_chunks, args.seed)
+        for e in entries:
+            if isinstance(e, nn.Module):
+                e.to(device)
         mod = graph_stage_module(entries, 2, memory=args.memory, name=f"chunk{s}") if graphed else _Plain(entries)
         modules[s] = mod
         entry_params += [(f"chunk{s}.{i}.{n}", p) for i, e in enumerate(entries) if isinstance(e, nn.Module)
                          for n, p in e.named_parameters()]
-        x = torch.empty(MBS, SEQ, WIDTH, requires_grad=s > 0)
-        y = torch.empty(MBS, SEQ, 1 if s == num_chunks - 1 else WIDTH, requires_grad=True)
-        stages.append(PipelineStage(mod, s, num_chunks, torch.device("cpu"), input_args=(x,), output_args=(y,)))
+        x = torch.empty(MBS, SEQ, WIDTH, device=device, requires_grad=s > 0)
+        y = torch.empty(MBS, SEQ, 1 if s == num_chunks - 1 else WIDTH, device=device, requires_grad=True)
+        stages.append(PipelineStage(mod, s, num_chunks, device, input_args=(x,), output_args=(y,)))
     loss_fn = nn.MSELoss()
     cls = getattr(pipelining, cls_name)
     schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
     has_first, has_last = 0 in stage_ids, num_chunks - 1 in stage_ids
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
-    torch.manual_seed(args.seed * 7 + rank)  # the dropout stream
     data = torch.Generator().manual_seed(args.seed)
     losses, grads = [], []
-    for _ in range(args.steps):
-        x = torch.randn(args.micro_batches * MBS, SEQ, WIDTH, generator=data)
+    for step in range(args.steps):
+        torch.manual_seed(args.seed * 7 + rank + 1000 * step)  # the dropout stream, the same in both runs
+        x = torch.randn(args.micro_batches * MBS, SEQ, WIDTH, generator=data).to(device)
         y = x.sum(-1, keepdim=True).tanh()
         step_losses = [] if has_last else None
         opt.zero_grad()
@@ -134,6 +141,7 @@ def main():
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--runtime", choices=["real", "fake"], default="real")
     parser.add_argument("--memory", default="shared")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.schedule is None:
@@ -143,7 +151,13 @@ def main():
         os._exit(3)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 kernels: graphed and eager agree to ~1e-6
+            torch.backends.cudnn.allow_tf32 = False
+            os.environ["NCCL_NVLS_ENABLE"] = "0"
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
         result = {"rank": rank, "eager": train(args, rank, world, graphed=False)}
         if args.runtime == "fake":
             from fake_runtime import FakeGraphRuntime
