@@ -164,6 +164,12 @@ def test_bad_arguments_name_the_fix():
     graph_layers(model.model.layers)
     with pytest.raises(TypeError, match="already graphed"):
         graph_layers(model.model.layers)
+    model.gradient_checkpointing_enable()  # after graphing: refused at the first training forward
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(ValueError, match=r"LlamaDecoderLayer\[0\] has gradient checkpointing on.*disable"):
+        model(x, labels=x)
+    with pytest.raises(TypeError, match="cannot be pickled or deep-copied"):
+        copy.deepcopy(model)
 
 
 def test_checkpoints_load_and_ungraph_restores_the_classes():
