@@ -51,6 +51,13 @@ from tools import launch  # noqa: E402
 
 # Eager micro-batches each graphed run sees before it captures (the engine's default).
 NUM_WARMUP_STEPS = 3
+# --schedule -> (torch.distributed.pipelining class, chunks placed in a V)
+SCHEDULES = {
+    "1f1b": (None, False),  # Schedule1F1B, or ScheduleInterleaved1F1B with --vpp > 1
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", False),
+    "zbv": ("ScheduleZBVZeroBubble", True),
+    "dualpipev": ("ScheduleDualPipeV", True),
+}
 VOCAB_SIZE = 256  # byte-level tokens: any text file works without a tokenizer
 
 
@@ -71,7 +78,15 @@ class Config:
     """Tensor-parallel ranks per stage (PyTorch): each block's heads and MLP split over them;
     ``tp * pp`` processes in all, the ranks of one stage adjacent (one GPU each)."""
     vpp: int = 1
-    """Virtual chunks per process; > 1 selects the interleaved 1F1B schedule."""
+    """Virtual chunks per process; > 1 selects the interleaved 1F1B schedule (with ``--schedule
+    1f1b``)."""
+    schedule: str = "1f1b"
+    """PyTorch pipeline schedule: ``1f1b`` (``Schedule1F1B``, or ``ScheduleInterleaved1F1B``
+    with ``--vpp`` > 1), or a zero-bubble one, whose backward runs as an input pass and a
+    deferred weight pass: ``interleaved_zb`` (``ScheduleInterleavedZeroBubble``, ``--vpp`` 2
+    or more), ``zbv`` (``ScheduleZBVZeroBubble``) or ``dualpipev`` (``ScheduleDualPipeV``);
+    the last two place ``--vpp 2`` chunks per rank in a V (rank r holds chunks r and
+    2*pp-1-r, so the first rank also holds the last chunk and computes the loss)."""
     micro_batches: int = 4
     """Micro-batches per step (gradient accumulation steps)."""
     micro_batch_size: int = 4
@@ -135,6 +150,8 @@ def parse_args(argv=None) -> Config:
                  "layers", "steps", "seed", "timeout"):
         parser.add_argument("--" + flag.replace("_", "-"), type=int, default=getattr(defaults, flag))
     parser.add_argument("--cudagraph", action="store_true", help="capture stage blocks as CUDA graphs")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=defaults.schedule,
+                        help="pipeline schedule (--framework torch; zero-bubble ones split each backward)")
     parser.add_argument("--graph-memory", choices=["shared", "per_graph"],
                         default=defaults.graph_memory, help="memory mode of the graphed runs (--framework torch)")
     parser.add_argument("--graph-accumulate-grads", action=argparse.BooleanOptionalAction, default=None,
@@ -182,6 +199,19 @@ def validate(cfg: Config) -> None:
             f"the interleaved schedule (--vpp {cfg.vpp}) needs --micro-batches to be a multiple of "
             f"--pp {cfg.pp}, got {cfg.micro_batches}; use --micro-batches {cfg.pp * math.ceil(cfg.micro_batches / cfg.pp)}"
         )
+    if cfg.schedule != "1f1b":
+        if cfg.framework != "torch":
+            raise ConfigError(f"--schedule {cfg.schedule} works with --framework torch (Paddle: see the README's "
+                              f"zero-bubble section for fleet's DualPipeV)")
+        if cfg.tp > 1:
+            raise ConfigError(f"--schedule {cfg.schedule} with --tp is untested; use --tp 1")
+        if cfg.schedule in ("zbv", "dualpipev") and cfg.vpp != 2:
+            raise ConfigError(f"--schedule {cfg.schedule} places two chunks per rank in a V; pass --vpp 2")
+        if cfg.schedule == "interleaved_zb" and cfg.vpp < 2:
+            raise ConfigError("--schedule interleaved_zb needs --vpp 2 or more (chunks per rank)")
+        if cfg.schedule == "dualpipev" and cfg.micro_batches < 2 * cfg.pp:
+            raise ConfigError(f"--schedule dualpipev needs at least 2*pp = {2 * cfg.pp} micro-batches; "
+                              f"use --micro-batches {2 * cfg.pp}")
     if cfg.graph_memory != "shared" and cfg.framework != "torch":
         raise ConfigError("--graph-memory works with --framework torch; paddle_graphpp.PipelineLayer uses "
                           "the shared pool")
@@ -299,6 +329,7 @@ class Reporter:
             "pp": self.cfg.pp,
             "tp": self.cfg.tp,
             "vpp": self.cfg.vpp,
+            "schedule": self.cfg.schedule,
             "cudagraph": self.cfg.cudagraph,
             "steps": self.cfg.steps,
             "loss_first": losses[0] if losses else None,
@@ -415,6 +446,7 @@ def run_torch(cfg: Config) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    import torch.distributed.pipelining as pipelining
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     rank = int(os.environ.get("RANK", "0"))
@@ -456,8 +488,15 @@ def run_torch(cfg: Config) -> None:
 
         tp = create_allreduce(tp_group)  # the custom kernel on NVLink peers, NCCL or gloo otherwise
     num_stages = cfg.pp * cfg.vpp
-    stage_ids = [pp_rank + k * cfg.pp for k in range(cfg.vpp)]
-    first_rank, last_rank = pp_rank == 0, pp_rank == cfg.pp - 1
+    schedule_name, v_shape = SCHEDULES[cfg.schedule]
+    if schedule_name is not None and not hasattr(pipelining, schedule_name):
+        raise ConfigError(f"--schedule {cfg.schedule}: torch {torch.__version__} has no {schedule_name}")
+    if v_shape:
+        stage_ids = [pp_rank, num_stages - 1 - pp_rank]
+        tie_group = None  # the first and the last chunk are both on the first rank
+    else:
+        stage_ids = [pp_rank + k * cfg.pp for k in range(cfg.vpp)]
+    first_rank, last_rank = 0 in stage_ids, num_stages - 1 in stage_ids
     chunks, tied_by_chunk = {}, {}
     for s in stage_ids:
         chunks[s], tied_by_chunk[s] = build_torch_chunk(cfg, s, tp)
@@ -493,7 +532,9 @@ def run_torch(cfg: Config) -> None:
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
-    if cfg.vpp == 1:
+    if schedule_name is not None:
+        schedule = getattr(pipelining, schedule_name)(stages, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
+    elif cfg.vpp == 1:
         schedule = Schedule1F1B(stages[0], n_microbatches=cfg.micro_batches, loss_fn=loss_fn)
     else:
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)

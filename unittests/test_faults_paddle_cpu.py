@@ -80,3 +80,14 @@ def test_set_state_dict_resume_equals_uninterrupted_run(tmp_path):
         np.testing.assert_array_equal(b.numpy(), a)
         np.testing.assert_array_equal(c.numpy(), a)
     assert fsched.last_lr == sched.last_lr
+
+
+def test_grad_scaler_reads_the_wrapped_optimizers_parameters():
+    # paddle.amp.GradScaler turns itself off on a CPU build (so its overflow skipping is not
+    # testable here); when on, it unscales the gradients of optimizer._param_groups or
+    # optimizer._parameter_list, which the wrapper must expose as the wrapped optimizer's.
+    model = paddle.nn.Linear(4, 4)
+    inner = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
+    opt = paddle_graphpp.GraphedOptimizer(inner)
+    assert opt._parameter_list is inner._parameter_list
+    assert opt._param_groups is inner._param_groups

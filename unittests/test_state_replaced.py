@@ -293,3 +293,31 @@ def test_master_weights_model_parameter_replaced_is_refused(graphed_torch):
     with pytest.raises(StateReplacedError, match=r"model parameter 0 of master_weights was given new storage.*"
                                                  r"build a new MasterWeights"):
         run()
+
+
+def test_zero_grad_after_a_skipped_step_zeroes_what_backward_graphs_wrote(graphed_torch):
+    # A step skipped after backward (an overflow, a nan check) leaves gradients that backward
+    # graphs added in-graph: a replay writes .grad without bumping its version counter, so
+    # zero_grad must not take the gradients for clean.
+    from paddle_graphpp.core.runtime import get_runtime
+
+    rt = get_runtime("torch")  # the fake runtime: its replays write nothing; .data writes stand in
+    memory_mod._PLANS.pop(rt.name, None)
+    capture_mod._PROCESSES.pop(rt.name, None)
+    lin = torch.nn.Linear(4, 4)
+    layer = Graphed(lin, rt, num_warmup_steps=0)
+    gopt = _graphed_opt(torch.optim.AdamW(lin.parameters(), lr=1e-2))
+    for _ in range(3):  # recorded, captured and replayed, replayed
+        layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        gopt.step()
+        gopt.zero_grad()
+    assert layer._engine.replays == 4 and all(torch.count_nonzero(p.grad) == 0 for p in lin.parameters())
+    for p in lin.parameters():
+        p.grad.data.fill_(1.0)  # written as a graph writes: no version bump
+    gopt.zero_grad()
+    assert all(torch.count_nonzero(p.grad) > 0 for p in lin.parameters()), "nothing wrote them: skipped"
+    layer(torch.randn(3, 4, requires_grad=True)).sum().backward()  # a backward replay (step skipped)
+    gopt.zero_grad()
+    assert all(torch.count_nonzero(p.grad) == 0 for p in lin.parameters())
+    memory_mod._PLANS.pop(rt.name, None)
+    capture_mod._PROCESSES.pop(rt.name, None)

@@ -70,7 +70,11 @@ def test_default_command_trains_paddle_pp2_within_a_minute():
     ("torch", []),
     ("torch", ["--vpp", "2"]),
     ("torch", ["--graph-optimizer"]),
-], ids=["paddle-1F1B", "torch-1F1B", "torch-interleaved", "torch-graph-optimizer"])
+    ("torch", ["--vpp", "2", "--schedule", "interleaved_zb"]),
+    ("torch", ["--vpp", "2", "--schedule", "zbv"]),
+    ("torch", ["--vpp", "2", "--schedule", "dualpipev"]),
+], ids=["paddle-1F1B", "torch-1F1B", "torch-interleaved", "torch-graph-optimizer", "torch-interleaved-zb",
+        "torch-zbv", "torch-dualpipev"])
 def test_cudagraph_on_and_off_give_identical_losses(framework, extra):
     args = ["--framework", framework, "--steps", "5", *extra]
     eager, _, _ = train_ok(args)
@@ -87,6 +91,19 @@ def test_tied_embedding_gives_the_same_model_whatever_the_pipeline():
     args = ["--framework", "torch", "--steps", "3", "--dropout", "0"]
     single, _, _ = train_ok(args + ["--pp", "1"])
     piped, _, _ = train_ok(args + ["--pp", "2", "--vpp", "2"])
+    assert piped["losses"] == pytest.approx(single["losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("schedule", ["interleaved_zb", "zbv", "dualpipev"])
+def test_zero_bubble_schedules_train_the_same_model(schedule):
+    # dropout off: the zero-bubble schedules (V-shaped placement for zbv and dualpipev, tied
+    # embedding then on one rank) compute the losses of the model on one rank
+    args = ["--framework", "torch", "--steps", "3", "--dropout", "0"]
+    single, _, _ = train_ok(args + ["--pp", "1"])
+    piped, _, _ = train_ok(args + ["--pp", "2", "--vpp", "2", "--schedule", schedule, "--cudagraph"])
+    assert piped["schedule"] == schedule
     assert piped["losses"] == pytest.approx(single["losses"], rel=1e-5)
 
 
@@ -126,6 +143,10 @@ def test_text_file_data(tmp_path):
     (["--graph-accumulate-grads"], "--framework torch"),
     (["--tp", "2"], "--framework torch"),
     (["--framework", "torch", "--tp", "2", "--heads", "3", "--hidden", "96"], "--heads a multiple of 2"),
+    (["--schedule", "zbv"], "--framework torch"),
+    (["--framework", "torch", "--schedule", "zbv"], "--vpp 2"),
+    (["--framework", "torch", "--schedule", "interleaved_zb"], "--vpp 2"),
+    (["--framework", "torch", "--vpp", "2", "--schedule", "dualpipev", "--micro-batches", "2"], "--micro-batches 4"),
 ])
 def test_bad_configurations_fail_before_any_rank_starts(args, fix):
     rc, out, err, seconds = train(args, timeout=60)

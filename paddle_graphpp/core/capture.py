@@ -8,7 +8,8 @@ Every graphed layer of a process reports to one :class:`Process` per runtime. It
 * the :class:`~paddle_graphpp.core.memory.MemoryPlan`: pools, generations, capture order;
 * the *recording*: during one eager episode, each graphed layer whose signature is armed
   appends ``(layer, signature, position, forward|backward)`` here, in the order the
-  schedule ran them, and the *slots* of the static buffers each position will copy its
+  schedule ran them (a split backward of a zero-bubble schedule appends its input half and
+  its weight half, each where it ran), and the *slots* of the static buffers each position will copy its
   inputs and incoming gradients into (a slot is reused by later positions once the
   position's backward has run; the buffers themselves are allocated at capture). An input
   that was another recorded layer's output (layer ``i + 1`` reading layer ``i``'s result), or
@@ -39,6 +40,7 @@ from collections import defaultdict
 from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 from . import memory as _memory
+from .errors import CaptureError
 from .schedule import EpisodeClock
 
 __all__ = ["Process", "process_for"]
@@ -64,7 +66,9 @@ class Process:
         self.runtime = plan.runtime
         self.plan = plan
         self.clock = EpisodeClock()
-        self._events: list[tuple[Any, Hashable, int, bool]] = []  # (layer, key, position, forward)
+        # (layer, key, position, forward, half): half is None, or "input" / "weight" for the two
+        # halves of a split backward
+        self._events: list[tuple[Any, Hashable, int, bool, Optional[str]]] = []
         self._slot_specs: list = []  # spec of each static buffer slot of the recording
         self._free_slots: dict[Any, list] = defaultdict(list)
         self._layers = weakref.WeakValueDictionary()  # id -> layer with captured graphs
@@ -79,9 +83,10 @@ class Process:
     def has_recording(self) -> bool:
         return bool(self._events)
 
-    def record(self, layer: Any, key: Hashable, position: int, forward: bool) -> None:
-        """Append one call of the episode being recorded."""
-        self._events.append((layer, key, position, forward))
+    def record(self, layer: Any, key: Hashable, position: int, forward: bool, *, half: Optional[str] = None) -> None:
+        """Append one call of the episode being recorded (``half``: ``"input"`` or ``"weight"``
+        for the halves of a split backward)."""
+        self._events.append((layer, key, position, forward, half))
 
     def forget(self, layer: Any) -> None:
         """``layer`` was reset: drop its calls from the recording (the static buffer slots they
@@ -154,7 +159,8 @@ class Process:
         specs, self._slot_specs = self._slot_specs, []
         self._free_slots.clear()
         self._produced_recorded.clear()
-        complete = {(id(layer), key, pos) for layer, key, pos, forward in events if not forward}
+        complete = {(id(layer), key, pos) for layer, key, pos, forward, half in events
+                    if not forward and half != "input"}
         layers = list({id(layer): layer for layer, *_ in events}.values())
         # The recorded episode's activations are free but cached by the allocator: return them
         # so the graphs' pool can take that memory instead of adding to it.
@@ -167,7 +173,7 @@ class Process:
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         failed: set = set()
         errors: list[BaseException] = []
-        for layer, key, pos, forward in events:
+        for layer, key, pos, forward, half in events:
             slot = (id(layer), key, pos)
             if slot not in complete or slot in captured or (id(layer), key) in failed:
                 continue
@@ -176,6 +182,11 @@ class Process:
                     state = layer._capture_recorded_forward(key, pos)
                     if state is not None:
                         live[slot] = state
+                elif slot in live and half == "input":
+                    live[slot] = layer._capture_recorded_backward_input(key, pos, live[slot])
+                elif slot in live and half == "weight":
+                    layer._capture_recorded_backward_weight(key, pos, live.pop(slot))
+                    captured.add(slot)
                 elif slot in live:
                     layer._capture_recorded_backward(key, pos, live.pop(slot))
                     captured.add(slot)
@@ -200,10 +211,29 @@ class Process:
             gc.collect()
             self.runtime.release_cached_memory()
         self.plan.log_summary()
+        errors = self._agree(errors)
         for extra in errors[1:]:
             warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=3)
         if errors:
             raise errors[0]
+
+    def _agree(self, errors: list) -> list:
+        """With a capture agreement set (see ``GraphRuntime.capture_agreement``), every rank of
+        the group raises when any rank's captures raise, so that no rank goes on into a
+        collective that waits for a peer that stopped."""
+        agreement = self.runtime.capture_agreement
+        if agreement is None:
+            return errors
+        failed = agreement(bool(errors))
+        if errors:
+            errors[0].add_note(f"paddle_graphpp: every rank of the capture agreement group raises with it "
+                               f"(ranks whose captures failed: {failed}).")
+        elif failed:
+            errors = [CaptureError(
+                f"capturing CUDA graphs failed on rank(s) {failed} of the capture agreement group, so this rank "
+                f"raises too instead of going on into collectives they will not join. The cause is in those "
+                f"ranks' CaptureError; fallback='eager' on the failing layers keeps every rank training.")]
+        return errors
 
     def _drop_generation(self, gen: Any) -> None:
         """Eager work left memory allocated in ``gen``'s pool, which its graphs use as

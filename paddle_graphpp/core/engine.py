@@ -31,6 +31,14 @@ eagerly with one warning. A signature is never replayed into another's graph.
 Backwards pair with forwards through the layer's FIFO (:mod:`paddle_graphpp.core.schedule`),
 so 1F1B and interleaved schedules work. Memory modes are described in
 :mod:`paddle_graphpp.core.memory`.
+
+Zero-bubble schedules run a backward in two halves. Where the runtime can tell (PyTorch: the
+custom function asks autograd whether the parameters' gradients are wanted), a backward that
+asks for input gradients only runs the *input half* (B) and keeps what the *weight half* (W)
+needs; the next backward through the same call (the schedule's weight pass) runs W. A
+position recorded that way is captured as three graphs (forward, B, W) in the order the step
+ran them, into the same pool; W hands the parameter gradients to autograd, which the schedule
+adds into ``.grad`` as it does eagerly. A backward that asks for everything stays one graph.
 """
 
 from __future__ import annotations
@@ -168,6 +176,7 @@ class _Recording:
     outputs: _Outputs
     grad_slots: Optional[tuple] = None  # set when its backward is recorded
     grad_specs: Optional[tuple] = None
+    split: bool = False  # its backward ran as an input half and a weight half
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +199,10 @@ class _Position:
     # index and alias key. A replay is only right when the call passes exactly that tensor.
     linked: tuple = ()
     state: Optional[StateWatch] = None  # the layer's parameters and buffers the graphs read (core.state)
+    # Split backward (zero-bubble schedules): bwd_graph is the input half, weight_graph the
+    # weight half, which writes every parameter's gradient into weight_buffers.
+    weight_graph: Any = None
+    weight_buffers: tuple = ()
 
 
 @dataclass(slots=True)
@@ -205,6 +218,17 @@ class _Live:
     outputs_shape: _Outputs
     linked: tuple = ()  # see _Position.linked
     state: Optional[StateWatch] = None  # see _Position.state
+
+
+@dataclass(slots=True)
+class _InputHalf:
+    """A captured input half (B) of a split backward, held until its weight half is captured."""
+
+    live: _Live
+    graph: Any
+    static_grads: tuple
+    static_grad_inputs: tuple
+    state: Any  # the runtime's backward_input state: what the weight half needs
 
 
 class _Signature:
@@ -243,7 +267,7 @@ class _Call:
     """One forward call and, later, its backward. Lives in the layer's FIFO in between."""
 
     __slots__ = ("engine", "key", "shape", "tensors", "params", "force_eager", "position", "run", "outputs",
-                 "done", "eager", "live")
+                 "done", "eager", "live", "weight_state")
 
     def __init__(self, engine: "GraphedCallable", key: Any, shape: _CallShape, tensors: list, params: tuple,
                  force_eager: bool):
@@ -259,6 +283,7 @@ class _Call:
         self.done: Optional[_Position] = None  # the position replayed (or captured and launched)
         self.eager: Optional[tuple] = None  # (inputs, outputs, params) of the eager autograd graph
         self.live: Optional[_Live] = None  # stream-ordered allocator: forward captured this step
+        self.weight_state: Any = None  # eager split backward: the runtime's state between B and W
 
     @property
     def differentiable(self) -> tuple:
@@ -267,8 +292,8 @@ class _Call:
     def forward(self) -> list:
         return self.engine._forward(self)
 
-    def backward(self, grads: Sequence[Any]) -> list:
-        return self.engine._backward(self, grads)
+    def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+        return self.engine._backward(self, grads, weights_wanted)
 
 
 class _UserError(Exception):
@@ -317,6 +342,7 @@ class GraphedCallable:
         self.queue = InFlightQueue(name, options.max_in_flight)
         self._signatures: dict[Any, _Signature] = {}
         self._param_grad_buffers: Optional[list] = None
+        self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
         self._disabled_reason: Optional[str] = None
         self._warned: set = set()
         self._watch: Optional[StateWatch] = None  # parameters and buffers as the newest capture read them
@@ -473,13 +499,22 @@ class GraphedCallable:
         return [rt.detach(o) for o in done.static_outputs]
 
     # -------------------------------------------------------------- backward
-    def _backward(self, call: _Call, grads: Sequence[Any]) -> list:
-        self.queue.pop(call)
-        self.process.clock.forward_done()
+    def _backward(self, call: _Call, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+        if self.queue.awaits_weight(call):
+            return self._backward_weight(call)  # the schedule's weight pass, after the input pass
+        split = not weights_wanted and bool(call.params) and self.runtime.splits_backward
+        if split and call.run is _Run.LAUNCHED_CAPTURE:
+            raise GraphScheduleError(
+                f"{self.name}: a backward asked for input gradients only (a zero-bubble schedule's input pass), "
+                f"which the stream-ordered allocator (backend:cudaMallocAsync) cannot serve: its graphs are "
+                f"captured within the step, as one backward. Use the default caching allocator with "
+                f"zero-bubble schedules, or a schedule with full backwards (1F1B, interleaved 1F1B).")
+        self.queue.pop(call, weight_later=split)
         sig = self._signatures.get(call.key)
-        if sig is not None:
-            sig.busy.discard(call.position)
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
+        if split:
+            return self._backward_input(call, sig, diff_grads)
+        self._leave_flight(call, sig)
         if call.run is _Run.REPLAY:
             return self._replay_backward(call, call.done, diff_grads)
         if call.run is _Run.LAUNCHED_CAPTURE:
@@ -490,6 +525,57 @@ class GraphedCallable:
         call.eager = None
         return result
 
+    def _leave_flight(self, call: _Call, sig: Optional[_Signature]) -> None:
+        """The call's backward is complete (a full backward, or the weight half of a split one)."""
+        self.process.clock.forward_done()
+        if sig is not None:
+            sig.busy.discard(call.position)
+
+    def _backward_input(self, call: _Call, sig: Optional[_Signature], diff_grads: list) -> list:
+        """The input half of a split backward: input gradients now, parameter gradients left
+        for :meth:`_backward_weight`."""
+        if call.run is _Run.REPLAY:
+            if call.done.weight_graph is None:
+                raise GraphScheduleError(
+                    f"{self.name}: micro-batch position {call.position} was captured with a full backward, but "
+                    f"this step's backward asks for input gradients only (a zero-bubble schedule's input "
+                    f"pass). Graphs replay the schedule they were captured under: run the same schedule every "
+                    f"step (a schedule change needs new graphs: build the stage anew).")
+            return self._replay_backward_input(call, call.done, diff_grads)
+        rt = self.runtime
+        inner, outs, inner_params = call.eager
+        outs = [o for o, d in zip(outs, call.differentiable) if d]
+        wrt = [x for x, s in zip(inner, call.shape.specs) if s.requires_grad]
+        if outs:
+            got, call.weight_state = rt.backward_input(outs, diff_grads, wrt, inner_params)
+        else:
+            got = [None] * len(wrt)
+        it = iter(got)
+        input_grads = [next(it) if s.requires_grad else None for s in call.shape.specs]
+        if call.run is _Run.RECORDED and sig is not None:
+            self._record_backward(call, sig, diff_grads, input_grads, half="input")
+        return input_grads + [None] * len(call.params)
+
+    def _backward_weight(self, call: _Call) -> list:
+        """The weight half of a split backward: every parameter's gradient, handed to autograd
+        (the schedule's weight pass adds them into ``.grad``)."""
+        self.queue.pop_weight(call)
+        sig = self._signatures.get(call.key)
+        self._leave_flight(call, sig)
+        n_inputs = len(call.shape.specs)
+        if call.run is _Run.REPLAY:
+            return [None] * n_inputs + self._replay_weight_graph(call, call.done)
+        grads = [None] * len(call.params)
+        if call.weight_state is not None:
+            _, _, inner_params = call.eager
+            for index, got in self.runtime.backward_weight(call.weight_state, inner_params):
+                for i, g in zip(index, got):
+                    grads[i] = g
+        if call.run is _Run.RECORDED and sig is not None:
+            self._record_backward(call, sig, [], [], half="weight")
+        call.eager = call.weight_state = None
+        return [None] * n_inputs + grads
+
     def _eager_backward(self, call: _Call, diff_grads: list) -> list:
         rt = self.runtime
         inner, outs, inner_params = call.eager
@@ -499,27 +585,37 @@ class GraphedCallable:
         input_grads = [next(got) if s.requires_grad else None for s in call.shape.specs]
         return input_grads + list(got)
 
-    def _record_backward(self, call: _Call, sig: _Signature, diff_grads: list, input_grads: list) -> None:
+    def _record_backward(self, call: _Call, sig: _Signature, diff_grads: list, input_grads: list,
+                         half: Optional[str] = None) -> None:
+        """Record a backward: a full one (``half=None``), or the ``"input"`` or ``"weight"``
+        half of a split one. The static buffers of the position are released when its backward
+        is complete: the weight half still reads the inputs and the incoming gradients."""
         rt, proc = self.runtime, self.process
         rec = sig.recordings.get(call.position)
         if rec is None:
             return
         reuse = self.memory_mode is not _memory.MemoryMode.PER_GRAPH
-        specs = tuple(rt.spec(g) for g in diff_grads)
-        grad_slots = tuple((proc.link_of("grad", g) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
-                           for g, s in zip(diff_grads, specs))
-        sig.recordings[call.position] = dataclasses.replace(rec, grad_slots=grad_slots, grad_specs=specs)
-        if reuse:
+        if half != "weight":
+            specs = tuple(rt.spec(g) for g in diff_grads)
+            grad_slots = tuple((proc.link_of("grad", g) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
+                               for g, s in zip(diff_grads, specs))
+            rec = sig.recordings[call.position] = dataclasses.replace(
+                rec, grad_slots=grad_slots, grad_specs=specs, split=half == "input")
+            if reuse:
+                proc.note_produced(self, call.key, call.position, "grad", input_grads)
+        if reuse and half != "input":
             # Positions recorded after this backward may take these buffers over: the inputs
             # are read by nothing after this backward, the gradients by nothing outside it.
-            for slot in rec.input_slots + grad_slots:
+            for slot in rec.input_slots + rec.grad_slots:
                 if isinstance(slot, int):
                     proc.release_slot(slot)
-            proc.note_produced(self, call.key, call.position, "grad", input_grads)
-        proc.record(self, call.key, call.position, forward=False)
+        proc.record(self, call.key, call.position, forward=False, half=half)
 
     def _replay_backward(self, call: _Call, done: _Position, diff_grads: list) -> list:
         rt = self.runtime
+        if done.weight_graph is not None:  # captured as two halves; this step wants both at once
+            return (self._replay_backward_input(call, done, diff_grads)[:len(call.shape.specs)]
+                    + self._replay_weight_graph(call, done))
         self.plan.note_replay(done.generation, id(done.bwd_graph), False, self.name)
         _collectives.check_replay(done.bwd_graph)
         if done.static_grad_outputs:
@@ -531,10 +627,37 @@ class GraphedCallable:
         rt.replay_graph(done.bwd_graph)
         self.replays += 1
         if done.accumulate:
+            rt.graph_grad_writes += 1  # .grad changed without a version bump (see GraphRuntime)
             param_grads = [None] * len(call.params)
         else:
             param_grads = [b if u else None for b, u in zip(buffers, done.param_grad_used)]
         return self._hand_off(list(call.tensors) + list(call.params), list(done.static_grad_inputs) + param_grads)
+
+    def _replay_backward_input(self, call: _Call, done: _Position, diff_grads: list) -> list:
+        rt = self.runtime
+        self.plan.note_replay(done.generation, id(done.bwd_graph), False, self.name, finishes=False)
+        _collectives.check_replay(done.bwd_graph)
+        if done.static_grad_outputs:
+            rt.copy_many(done.static_grad_outputs, diff_grads)
+        rt.replay_graph(done.bwd_graph)
+        self.replays += 1
+        return self._hand_off(list(call.tensors), list(done.static_grad_inputs)) + [None] * len(call.params)
+
+    def _replay_weight_graph(self, call: _Call, done: _Position) -> list:
+        """Replay the weight half; the parameter gradients, in buffers the layer keeps (copies
+        where a parameter has no ``.grad`` yet: the caller may make the gradient it gets its
+        ``.grad``, as the zero-bubble weight pass does, and the next replay would overwrite it)."""
+        rt = self.runtime
+        self.plan.note_replay(done.generation, id(done.weight_graph), False, self.name)
+        _collectives.check_replay(done.weight_graph)
+        rt.replay_graph(done.weight_graph)
+        self.replays += 1
+        grads = list(done.weight_buffers)
+        fresh = rt.leaves_without_grad(call.params)
+        if fresh:
+            for i, c in zip(fresh, rt.clone_many([grads[i] for i in fresh])):
+                grads[i] = c
+        return grads
 
     # ---------------------------------------------------------------- capture
     # Called by Process.capture_recorded, in recorded order, between episodes.
@@ -562,6 +685,20 @@ class GraphedCallable:
         static_grads = tuple(proc.static_for(slot, spec) for slot, spec in zip(rec.grad_slots, rec.grad_specs))
         done = sig.positions[position] = self._capture_backward(sig, live, static_grads)
         proc.captured(self, key, position, "grad", done.static_grad_inputs)
+
+    def _capture_recorded_backward_input(self, key: Any, position: int, live: _Live) -> _InputHalf:
+        proc = self.process
+        sig = self._signatures[key]
+        rec = sig.recordings[position]
+        static_grads = tuple(proc.static_for(slot, spec) for slot, spec in zip(rec.grad_slots, rec.grad_specs))
+        half = self._capture_backward_input(sig, live, static_grads)
+        proc.captured(self, key, position, "grad", half.static_grad_inputs)
+        return half
+
+    def _capture_recorded_backward_weight(self, key: Any, position: int, half: _InputHalf) -> None:
+        sig = self._signatures[key]
+        sig.recordings.pop(position)
+        sig.positions[position] = self._capture_backward_weight(sig, half)
 
     def _drop_generation(self, gen: Any) -> None:
         """Forget the positions captured into ``gen`` (they are recorded again when they run)."""
@@ -631,6 +768,51 @@ class GraphedCallable:
             static_grad_inputs=tuple(next(it) if s.requires_grad else None for s in sig.shape.specs),
             param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate, linked=live.linked,
             state=live.state)
+
+    def _capture_backward_input(self, sig: _Signature, live: _Live, static_grads: Sequence[Any]) -> _InputHalf:
+        """Capture the input half of ``live``'s backward; its autograd graph stays live for
+        the weight half."""
+        rt, plan = self.runtime, self.plan
+        outs = [o for o, d in zip(live.outputs, live.outputs_shape.differentiable) if d]
+        wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad]
+        graph = rt.create_graph()
+        start = _memory.now()
+        with self._capturing(graph, live.generation, "backward (input half)"):
+            if outs:
+                input_grads, state = rt.backward_input(outs, list(static_grads), wrt, live.params)
+            else:
+                input_grads, state = [None] * len(wrt), None
+        plan.note_capture(live.generation, id(graph), _memory.now() - start)
+        self.captures += 1
+        it = iter(input_grads)
+        return _InputHalf(live, graph, tuple(static_grads),
+                          tuple(next(it) if s.requires_grad else None for s in sig.shape.specs), state)
+
+    def _capture_backward_weight(self, sig: _Signature, half: _InputHalf) -> _Position:
+        """Capture the weight half: every parameter's gradient into the layer's weight-gradient
+        buffers (the schedule's weight pass adds them into ``.grad``). The autograd graph kept
+        since the forward is released inside this capture, as a full backward releases it."""
+        rt, plan, live = self.runtime, self.plan, half.live
+        if self._weight_grad_buffers is None or len(self._weight_grad_buffers) != len(sig.params):
+            self._weight_grad_buffers = [rt.static_like(p) for p in sig.params]
+        buffers = tuple(self._weight_grad_buffers)
+        static_outputs = tuple(rt.detach(o) for o in live.outputs)
+        graph = rt.create_graph()
+        start = _memory.now()
+        with self._capturing(graph, live.generation, "backward (weight half)"):
+            if half.state is not None:
+                for index, grads in rt.backward_weight(half.state, live.params):
+                    rt.copy_many([buffers[i] for i in index], grads)
+            half.state = None
+            live.outputs = list(static_outputs)  # drops the last references to the autograd graph
+        plan.note_capture(live.generation, id(graph), _memory.now() - start)
+        self.captures += 1
+        return _Position(
+            generation=live.generation, fwd_graph=live.graph, bwd_graph=half.graph, static_inputs=live.static_inputs,
+            static_outputs=static_outputs, static_grad_outputs=half.static_grads,
+            static_grad_inputs=half.static_grad_inputs, param_grad_used=(True,) * len(sig.params),
+            outputs=live.outputs_shape, accumulate=False, linked=live.linked, weight_graph=graph,
+            weight_buffers=buffers, state=live.state)
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):
@@ -872,7 +1054,14 @@ class GraphedCallable:
         return len(self.queue)
 
     def graph_count(self) -> int:
-        return sum(2 * len(s.positions) for s in self._signatures.values())
+        return sum(2 + (p.weight_graph is not None) for s in self._signatures.values() for p in s.positions.values())
+
+    def position_kinds(self) -> dict:
+        """Captured positions by backward: ``{"full": n, "split": m}`` (split: an input half and
+        a weight half, as zero-bubble schedules run them)."""
+        done = [p for s in self._signatures.values() for p in s.positions.values()]
+        split = sum(p.weight_graph is not None for p in done)
+        return {"full": len(done) - split, "split": split}
 
     def phase(self, key: Any = None) -> Optional[Phase]:
         """The phase of signature ``key`` (default: the only signature), or ``None``."""
@@ -931,9 +1120,11 @@ def node_forward(ctx: Any, call: _Call) -> tuple:
     return tuple(outputs)
 
 
-def node_backward(ctx: Any, grads: Sequence[Any]) -> list:
-    """Body of the matching backward: one gradient (or ``None``) per tensor input and parameter."""
-    return ctx.call.backward(list(grads))
+def node_backward(ctx: Any, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+    """Body of the matching backward: one gradient (or ``None``) per tensor input and parameter.
+    ``weights_wanted=False`` (the runtime saw that autograd asks for no parameter gradient)
+    runs the input half of a split backward; the next backward through ``ctx`` the weight half."""
+    return ctx.call.backward(list(grads), weights_wanted)
 
 
 _ACCUMULATE_DOC = """        accumulate_grads: ``"auto"`` (default) adds parameter gradients into ``.grad``

@@ -129,8 +129,11 @@ class MemoryPlan:
             return
         gen.order[graph_id] = len(gen.order)
 
-    def note_replay(self, gen: Optional[_Generation], graph_id: int, forward: bool, owner: str) -> None:
-        """Check that a replay follows the capture order of its pool; raise if it cannot be safe."""
+    def note_replay(self, gen: Optional[_Generation], graph_id: int, forward: bool, owner: str, *,
+                    finishes: bool = True) -> None:
+        """Check that a replay follows the capture order of its pool; raise if it cannot be safe.
+        A backward graph after which the micro-batch stays in flight (the input-gradient half of
+        a split backward) passes ``finishes=False``."""
         if self._pending_log:
             self.log_summary()
         if gen is None:
@@ -145,7 +148,7 @@ class MemoryPlan:
                 f"same schedule every step, or memory='per_graph' for schedules that change."
             )
         gen.cursor = index
-        gen.in_flight += 1 if forward else -1
+        gen.in_flight += 1 if forward else (-1 if finishes else 0)
 
     def note_aborted(self, gen: Optional[_Generation]) -> None:
         """A capture failed: graphs captured later must not share its pool."""

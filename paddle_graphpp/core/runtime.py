@@ -18,7 +18,7 @@ import abc
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Optional, Sequence, Hashable
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional, Sequence
 
 __all__ = [
     "FRAMEWORKS",
@@ -70,6 +70,8 @@ class GraphRuntime(abc.ABC):
       :meth:`autograd_grad`, :meth:`backward_into`, :meth:`apply_graphed_function`,
       :meth:`leaves_without_grad`,
       :attr:`adopts_held_gradients`;
+    * split backward for zero-bubble schedules (only where :attr:`splits_backward`):
+      :meth:`backward_input`, :meth:`backward_weight`;
     * gradient accumulation inside graphs (only where :attr:`accumulates_grads_in_graph`):
       :meth:`add_many`, :meth:`zero_many`, :meth:`grad_of`, :meth:`set_grad`,
       :meth:`params_with_grad_hooks`;
@@ -211,9 +213,43 @@ class GraphRuntime(abc.ABC):
     def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
         """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
 
+    #: Backward graph replays so far that added parameter gradients into ``.grad`` inside the
+    #: graph (counted by the engine). A replay's writes do not bump tensors' version counters,
+    #: so code that skips work on gradients nobody wrote (``GraphedOptimizer.zero_grad``)
+    #: compares this count as well.
+    graph_grad_writes: int = 0
+
+    #: Set by a framework's capture-agreement helper (torch: ``agree_on_captures``): called at the
+    #: end of every batch of captures with whether an error of this process's captures is about
+    #: to reach the user; returns the ranks of the agreement group whose captures failed so
+    #: (empty: none), or raises :class:`~paddle_graphpp.CaptureError` when the peers do not
+    #: answer in time. ``None``: each process decides alone.
+    capture_agreement: Optional[Callable[[bool], list]] = None
+
     #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
     #: shares it); False when it copies any gradient it does not own outright (PyTorch).
     adopts_held_gradients: bool = True
+
+    # ------------------------------------------------ split backward (zero bubble)
+    #: True when the runtime implements :meth:`backward_input` and :meth:`backward_weight`, and
+    #: its custom function tells the engine whether a backward asks for parameter gradients
+    #: (``call.backward(grads, weights_wanted=...)``).
+    splits_backward: bool = False
+
+    def backward_input(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
+                       params: Sequence[Any]) -> tuple:
+        """The input-gradient half of a backward: returns ``(input_grads, state)``, the
+        gradients w.r.t. ``inputs`` (``None`` where unused) and what :meth:`backward_weight`
+        needs to produce the gradients of ``params`` later (the autograd graph is kept).
+        Runs inside a capture."""
+        raise NotImplementedError(f"{self.name} runtime: backward_input")
+
+    def backward_weight(self, state: Any, params: Sequence[Any]) -> Iterator[tuple]:
+        """The weight-gradient half: yields ``(indices, gradients)`` of ``params``, a few at a
+        time (the caller moves each batch into its buffers before asking for the next), until
+        every parameter had one (zeros for a parameter the outputs do not depend on); then
+        releases ``state``. Runs inside a capture."""
+        raise NotImplementedError(f"{self.name} runtime: backward_weight")
 
     # ------------------------------------------- gradient accumulation in graphs
     #: True when the runtime implements :meth:`add_many`, :meth:`grad_of`, :meth:`set_grad`,

@@ -8,6 +8,12 @@ FIFO mid-step while the other chunk still holds micro-batches: that is not an ep
 A forward's *position* is its index within the episode, counted per layer and input
 signature. Under a fixed schedule every episode has the same sequence, which is what lets
 graphs be captured once in execution order and replayed safely from one shared memory pool.
+
+Zero-bubble schedules split a backward in two: the input-gradient half (B) runs on the
+critical path, the weight-gradient half (W) later, in a bubble. B pops the forward in FIFO
+order like a full backward; the micro-batch then waits for its W, which may come in any order
+among those waiting (several can be pending). A micro-batch stays in flight until its W has
+run: its activations and saved gradients are still in use until then.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ class InFlightQueue:
         self.owner = owner
         self.max_in_flight = max_in_flight
         self._pending: deque = deque()
+        self._awaiting_weight: list = []  # B ran, W not yet (zero-bubble schedules)
         self._positions: dict[Hashable, int] = {}
         self._episode = 0
         self.episodes = 0
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._awaiting_weight)
 
     @property
     def episode(self) -> int:
@@ -49,7 +56,7 @@ class InFlightQueue:
     @property
     def at_episode_start(self) -> bool:
         """True when nothing is in flight: the next forward starts an episode."""
-        return not self._pending
+        return not self._pending and not self._awaiting_weight
 
     def push(self, record: Any, key: Hashable, episode: Optional[int] = None) -> int:
         """Enqueue a forward; returns its position. Raises when too many are in flight.
@@ -57,15 +64,19 @@ class InFlightQueue:
         ``episode`` is the process-wide episode number: positions restart when it changes.
         By default an episode starts whenever this queue is empty.
         """
-        if len(self._pending) >= self.max_in_flight:
+        if len(self) >= self.max_in_flight:
+            waiting = (f" ({len(self._awaiting_weight)} of them ran the input-gradient half of their backward "
+                       f"and wait for the weight-gradient half: a backward that asks for input gradients only "
+                       f"leaves that half to a later pass, as zero-bubble schedules' stage_backward_weight does)"
+                       if self._awaiting_weight else "")
             raise GraphScheduleError(
-                f"{self.owner}: {len(self._pending)} forwards are waiting for their backward, the "
+                f"{self.owner}: {len(self)} forwards are waiting for their backward{waiting}, the "
                 f"limit is max_in_flight={self.max_in_flight}. Run backward for each micro-batch "
                 f"(inference belongs under no_grad, which runs eagerly), or raise max_in_flight if "
                 f"your schedule really keeps this many micro-batches in flight."
             )
         if episode is None:
-            episode = self._episode + (not self._pending)
+            episode = self._episode + self.at_episode_start
         if episode != self._episode:
             self._episode = episode
             self._positions.clear()
@@ -75,8 +86,10 @@ class InFlightQueue:
         self._pending.append(record)
         return position
 
-    def pop(self, record: Any) -> None:
-        """Dequeue ``record`` for its backward; it must be the oldest forward in flight."""
+    def pop(self, record: Any, *, weight_later: bool = False) -> None:
+        """Dequeue ``record`` for its backward; it must be the oldest forward in flight. With
+        ``weight_later`` the backward is the input-gradient half: ``record`` stays in flight
+        until :meth:`pop_weight`."""
         if not self._pending:
             raise GraphScheduleError(
                 f"{self.owner}: a backward arrived with no forward in flight (a second backward "
@@ -94,6 +107,23 @@ class InFlightQueue:
                 f"forward still waits. Run the backward of the oldest micro-batch first."
             )
         self._pending.popleft()
+        if weight_later:
+            self._awaiting_weight.append(record)
+
+    def awaits_weight(self, record: Any) -> bool:
+        """True when ``record``'s input-gradient half ran and its weight-gradient half has not."""
+        return any(r is record for r in self._awaiting_weight)
+
+    def pop_weight(self, record: Any) -> None:
+        """The weight-gradient half of ``record``'s backward runs: it leaves the flight."""
+        for i, r in enumerate(self._awaiting_weight):
+            if r is record:
+                del self._awaiting_weight[i]
+                return
+        raise GraphScheduleError(
+            f"{self.owner}: the weight-gradient half of a backward was asked for a micro-batch whose "
+            f"input-gradient half has not run (or whose weight half already ran). Run the input pass "
+            f"(stage_backward_input) of each micro-batch before its weight pass.")
 
     def discard(self, record: Any) -> None:
         """Remove ``record`` if present (its forward raised before returning)."""

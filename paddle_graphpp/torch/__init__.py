@@ -14,6 +14,7 @@ _LAZY = {
     "causal_lm_stage": "paddle_graphpp.torch.hf",
     "ColumnParallelLinear": "paddle_graphpp.torch.tensor_parallel",
     "RowParallelLinear": "paddle_graphpp.torch.tensor_parallel",
+    "agree_on_captures": "paddle_graphpp.torch.agreement",
 }
 
 __all__ = sorted(_LAZY)

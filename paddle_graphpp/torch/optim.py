@@ -215,7 +215,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
                              "in order; build the optimizer over MasterWeights(params).master.")
         # whose .grad the step reads and zeroes: the model's parameters
         self._grad_owners = master_weights.params if master_weights is not None else self._params
-        runtime = get_runtime("torch")
+        runtime = self._runtime = get_runtime("torch")
         self.unavailable_reason = runtime.graphs_unavailable_reason(self._params)
         self.graphed = self.unavailable_reason is None
         self._lrs: list = []
@@ -272,6 +272,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         else:
             norm = self._sequence(self._params, grads, self._generation)
         self._clean = [(g, g._version) for g in grads if g is not None]
+        self._clean_writes = self._runtime.graph_grad_writes
         return norm
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -390,6 +391,9 @@ class TorchGraphedOptimizer(GraphedOptimizer):
             f"wrapped optimizer (opt.optimizer.load_state_dict) replaces its state behind the graph's back.")
 
     def _untouched(self, grads) -> bool:
+        # Backward graphs that accumulate in-graph write .grad without bumping its version.
+        if self._runtime.graph_grad_writes != self._clean_writes:
+            return False
         present = [g for g in grads if g is not None]
         if len(present) != len(self._clean):
             return False

@@ -14,6 +14,7 @@ from torch.autograd.function import once_differentiable
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
 from ..core.state import module_state_slots
+from . import split_backward as _split
 from .allocator import async_allocator_active as _async_allocator_active
 
 __all__ = ["TorchRuntime", "RUNTIME"]
@@ -31,7 +32,11 @@ class _GraphedFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        return (None, *node_backward(ctx, grads))
+        # Zero-bubble schedules ask for the inputs' gradients first (torch.autograd.grad
+        # w.r.t. the stage inputs) and for the parameters' later: the engine splits the backward
+        # when autograd wants no parameter gradient from this node.
+        wanted = _split.weights_wanted(ctx, len(ctx.call.tensors))
+        return (None, *node_backward(ctx, grads, weights_wanted=wanted))
 
 
 class TorchRuntime(GraphRuntime):
@@ -174,6 +179,14 @@ class TorchRuntime(GraphRuntime):
         for x in inputs:
             x.grad = None
         return grads, used
+
+    splits_backward = True
+
+    def backward_input(self, outputs, grad_outputs, inputs, params):
+        return _split.backward_input(outputs, grad_outputs, inputs, params)
+
+    def backward_weight(self, state, params):
+        return _split.backward_weight(state, params)
 
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.

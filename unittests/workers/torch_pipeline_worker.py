@@ -2,9 +2,15 @@
 
 Runs as ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` say (gloo on CPU). It trains a
 small stage model (blocks of the trainer's GPT, tools/gpt_torch.py) twice from the same seeds,
-once with plain stage modules and once with ``graph_stage_module``, through ``Schedule1F1B`` or
-``ScheduleInterleaved1F1B``, and writes ``rank<N>.json`` into ``--out``: the losses of both runs
-(last rank) and, per graphed run, the engine's capture/replay counts.
+once with plain stage modules and once with ``graph_stage_module``, through the schedule
+``--schedule`` names (``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` by ``--vpp`` when not
+given; the zero-bubble ones: ``interleaved_zb``, ``zbv``, ``dualpipev``), and writes
+``rank<N>.json`` into ``--out``: the per-step losses of both runs (the rank holding the last
+stage), every parameter's gradient after each step's schedule, and, per graphed run, the
+engine's capture/replay counts.
+
+``--device cuda`` runs on one GPU per rank with NCCL (fp32, TF32 off), so graphs are captured
+and replayed for real: unittests/gpu/test_zero_bubble_gpu.py.
 
 ``--runtime fake`` plugs the fake graph runtime (unittests/fake_runtime.py) into
 ``CUDAGraphedModule``: capture and replay then only do bookkeeping (replayed values are stale),
@@ -23,7 +29,8 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B  # noqa: E402
+import torch.distributed.pipelining as pipelining  # noqa: E402
+from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 import paddle_graphpp  # noqa: E402
 from paddle_graphpp.torch.pipelining import graph_stage_module  # noqa: E402
@@ -56,44 +63,61 @@ def build_chunk(chunk, num_chunks, seed):
     return entries
 
 
+SCHEDULES = {  # name -> (class name, stages per rank, V-shaped placement)
+    "1f1b": ("Schedule1F1B", 1, False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, False),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", 2, False),
+    "zbv": ("ScheduleZBVZeroBubble", 2, True),
+    "dualpipev": ("ScheduleDualPipeV", 2, True),
+}
+
+
 def train(args, rank, world, graphed):
-    num_chunks = world * args.vpp
-    stage_ids = [rank + k * world for k in range(args.vpp)]
-    stages, modules = [], {}
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", rank)) if args.device == "cuda" else None)
+    cls_name, per_rank, v_shape = SCHEDULES[args.schedule]
+    num_chunks = world * per_rank
+    stage_ids = [rank, num_chunks - 1 - rank] if v_shape else [rank + k * world for k in range(per_rank)]
+    stages, modules, entry_params = [], {}, []
     for s in stage_ids:
         entries = build_chunk(s, num_chunks, args.seed)
+        for e in entries:
+            if isinstance(e, nn.Module):
+                e.to(device)
         mod = graph_stage_module(entries, 2, memory=args.memory, name=f"chunk{s}") if graphed else _Plain(entries)
         modules[s] = mod
-        x = torch.empty(MBS, SEQ, WIDTH, requires_grad=s > 0)
-        y = torch.empty(MBS, SEQ, 1 if s == num_chunks - 1 else WIDTH, requires_grad=True)
-        stages.append(PipelineStage(mod, s, num_chunks, torch.device("cpu"), input_args=(x,), output_args=(y,)))
+        entry_params += [(f"chunk{s}.{i}.{n}", p) for i, e in enumerate(entries) if isinstance(e, nn.Module)
+                         for n, p in e.named_parameters()]
+        x = torch.empty(MBS, SEQ, WIDTH, device=device, requires_grad=s > 0)
+        y = torch.empty(MBS, SEQ, 1 if s == num_chunks - 1 else WIDTH, device=device, requires_grad=True)
+        stages.append(PipelineStage(mod, s, num_chunks, device, input_args=(x,), output_args=(y,)))
     loss_fn = nn.MSELoss()
-    if args.vpp == 1:
-        schedule = Schedule1F1B(stages[0], n_microbatches=args.micro_batches, loss_fn=loss_fn)
-    else:
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    cls = getattr(pipelining, cls_name)
+    schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    has_first, has_last = 0 in stage_ids, num_chunks - 1 in stage_ids
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
-    torch.manual_seed(args.seed * 7 + rank)  # the dropout stream
     data = torch.Generator().manual_seed(args.seed)
-    losses = []
-    for _ in range(args.steps):
-        x = torch.randn(args.micro_batches * MBS, SEQ, WIDTH, generator=data)
+    losses, grads = [], []
+    for step in range(args.steps):
+        torch.manual_seed(args.seed * 7 + rank + 1000 * step)  # the dropout stream, the same in both runs
+        x = torch.randn(args.micro_batches * MBS, SEQ, WIDTH, generator=data).to(device)
         y = x.sum(-1, keepdim=True).tanh()
-        step_losses = [] if rank == world - 1 else None
+        step_losses = [] if has_last else None
         opt.zero_grad()
-        schedule.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None, losses=step_losses)
+        schedule.step(*((x,) if has_first else ()), target=y if has_last else None, losses=step_losses)
+        grads.append({name: None if p.grad is None else p.grad.flatten().tolist() for name, p in entry_params})
         opt.step()
         if step_losses is not None:
-            losses.append(torch.stack(step_losses).mean().item())
+            losses.append([v.item() for v in step_losses])
     stats = []
     if graphed:
         for s in stage_ids:
             for g in modules[s].graphed_modules:
                 stats.append({"chunk": s, "captures": g.engine.captures, "replays": g.engine.replays,
-                              "in_flight": g.engine.in_flight, "graphs": g.engine.graph_count()})
+                              "in_flight": g.engine.in_flight, "graphs": g.engine.graph_count(),
+                              "positions": g.engine.position_kinds()})
     runs = {s: modules[s].describe() for s in stage_ids} if graphed else {}
-    return {"losses": losses, "graphed_runs": stats, "segmentation": runs}
+    return {"losses": losses, "grads": grads, "graphed_runs": stats, "segmentation": runs}
 
 
 class _Plain(nn.Module):
@@ -111,16 +135,29 @@ class _Plain(nn.Module):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=None)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--runtime", choices=["real", "fake"], default="real")
     parser.add_argument("--memory", default="shared")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.schedule is None:
+        args.schedule = "1f1b" if args.vpp == 1 else "interleaved_1f1b"
+    if not hasattr(pipelining, SCHEDULES[args.schedule][0]):
+        print(f"this torch has no {SCHEDULES[args.schedule][0]}", file=sys.stderr)
+        os._exit(3)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 kernels: graphed and eager agree to ~1e-6
+            torch.backends.cudnn.allow_tf32 = False
+            os.environ["NCCL_NVLS_ENABLE"] = "0"
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
         result = {"rank": rank, "eager": train(args, rank, world, graphed=False)}
         if args.runtime == "fake":
             from fake_runtime import FakeGraphRuntime

@@ -1,0 +1,258 @@
+"""Zero-bubble schedules: a graphed layer's backward in two halves (input, then weight).
+
+PyTorch's zero-bubble schedules run each stage's backward as an input pass
+(``stage_backward_input``: ``torch.autograd.grad`` w.r.t. the stage inputs) and, later, a
+weight pass (``stage_backward_weight``: autograd restarted where the weights' paths join).
+Here, on CPU: the eager split matches the plain module under those very functions; the fake
+graph runtime shows the split positions captured as three graphs and replayed in order;
+and, on two gloo ranks, graphed stages train exactly like plain stages under every zero-bubble
+schedule this torch has. Values replayed from real graphs are checked on GPUs
+(unittests/gpu/test_zero_bubble_gpu.py).
+"""
+import copy
+import json
+import os
+import re
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.pipelining as pipelining
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from fake_runtime import FakeGraphRuntime
+from paddle_graphpp.core import memory as memory_mod
+from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
+from paddle_graphpp.core.errors import GraphScheduleError
+from paddle_graphpp.torch import CUDAGraphedModule
+from tools import launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "workers", "torch_pipeline_worker.py")
+
+ZB_SCHEDULES = [name for name, cls in [("interleaved_zb", "ScheduleInterleavedZeroBubble"),
+                                       ("zbv", "ScheduleZBVZeroBubble"),
+                                       ("dualpipev", "ScheduleDualPipeV")] if hasattr(pipelining, cls)]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_cpu_fallback():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA graphs are not used.*")
+        yield
+
+
+class Block(torch.nn.Module):
+    """Two matmuls, a norm, a residual, a second output that depends on a weight only, and a
+    parameter the forward never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+        self.shift = torch.nn.Parameter(torch.randn(8))
+        self.unused = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(self.norm(x)))) + x
+        return h * 2 + self.shift, self.shift.square().sum()
+
+
+def zero_bubble_step(module, xs, order):
+    """Run micro-batches through ``module`` as a zero-bubble stage does: ``f<n>`` forward,
+    ``i<n>`` input pass, ``w<n>`` weight pass, ``b<n>`` full backward. Returns the inputs'
+    gradients."""
+    outs, passes = {}, {}
+    for tok in order.split():
+        kind, n = tok[0], int(tok[1:])
+        if kind == "f":
+            outs[n] = module(xs[n])
+        elif kind == "i":
+            h, extra = outs[n]
+            _, passes[n] = stage_backward_input([h.square().sum() + extra], None, [xs[n]], module.parameters())
+        elif kind == "w":
+            stage_backward_weight(module.parameters(), passes.pop(n))
+        else:
+            h, extra = outs[n]
+            (h.square().sum() + extra).backward()
+    return [x.grad for x in xs]
+
+
+ZB_ORDER = "f0 f1 i0 f2 w0 i1 i2 w2 w1"  # several weight passes pending, the last two out of order
+
+
+def test_split_backward_matches_the_plain_module_exactly():
+    torch.manual_seed(0)
+    plain = Block()
+    graphed = CUDAGraphedModule(copy.deepcopy(plain), num_warmup_steps=1)
+    for step in range(3):
+        inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(3)]
+        got = {}
+        for name, module in (("plain", plain), ("graphed", graphed)):
+            xs = [x.clone().requires_grad_(True) for x in inputs]
+            got[name] = zero_bubble_step(module, xs, ZB_ORDER)
+        for a, b in zip(got["plain"], got["graphed"]):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        for (name, p), q in zip(plain.named_parameters(), graphed.module.parameters()):
+            if name == "unused":  # the weight pass asks for it: a zero gradient where eager has none
+                assert p.grad is None and torch.count_nonzero(q.grad) == 0
+            else:
+                torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+        assert graphed.engine.in_flight == 0
+        if step == 1:
+            plain.zero_grad()
+            graphed.zero_grad()
+
+
+def test_a_full_backward_still_runs_in_one_piece():
+    # Schedules that merge an input pass with the weight pass right after it, and plain
+    # loss.backward(), ask for every gradient at once: no weight pass follows.
+    torch.manual_seed(0)
+    plain = Block()
+    graphed = CUDAGraphedModule(copy.deepcopy(plain), num_warmup_steps=1)
+    inputs = [torch.randn(4, 8) for _ in range(2)]
+    for module in (plain, graphed):
+        zero_bubble_step(module, [x.clone().requires_grad_(True) for x in inputs], "f0 f1 b0 i1 w1")
+    for p, q in zip(plain.parameters(), graphed.module.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+    assert graphed.engine.in_flight == 0
+
+
+# ----------------------------------------------------------------- fake graph runtime
+@pytest.fixture
+def rt():
+    runtime = FakeGraphRuntime()
+    memory_mod._PLANS.pop(runtime.name, None)
+    yield runtime
+    memory_mod._PLANS.pop(runtime.name, None)
+
+
+class Graphed(torch.nn.Module):
+    def __init__(self, module, runtime, **opts):
+        super().__init__()
+        self.module = module
+        self.engine = GraphedCallable(module, runtime, lambda: list(module.parameters()),
+                                      name=f"test:{type(module).__name__}", options=EngineOptions(**opts))
+
+    def forward(self, *args):
+        return self.engine(args, {})
+
+
+def fake_step(layer, order):
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+    return zero_bubble_step(layer, xs, order)
+
+
+def test_split_positions_are_captured_as_three_graphs_and_replayed_in_order(rt):
+    layer = Graphed(Block(), rt, num_warmup_steps=1)
+    order = "f0 f1 i0 f2 w0 i1 b2 w1"  # positions 0 and 1 split, position 2 full
+    fake_step(layer, order)  # warmup
+    fake_step(layer, order)  # recorded
+    assert layer.engine.captures == 0
+    fake_step(layer, order)  # captured at its start, then replayed
+    assert layer.engine.position_kinds() == {"full": 1, "split": 2}
+    assert layer.engine.graph_count() == 3 + 3 + 2
+    assert layer.engine.captures == 8 and layer.engine.replays == 8
+    for _ in range(2):
+        fake_step(layer, order)
+    assert layer.engine.captures == 8 and layer.engine.replays == 24
+    assert layer.engine.in_flight == 0
+
+
+def test_a_micro_batch_stays_in_flight_until_its_weight_pass(rt):
+    layer = Graphed(Block(), rt, num_warmup_steps=0)
+    x = torch.randn(4, 8, requires_grad=True)
+    h, extra = layer(x)
+    _, groups = stage_backward_input([h.sum() + extra], None, [x], layer.parameters())
+    assert layer.engine.in_flight == 1  # its input pass ran; its weight pass has not
+    stage_backward_weight(layer.parameters(), groups)
+    assert layer.engine.in_flight == 0
+
+
+def test_a_position_captured_whole_refuses_an_input_only_backward(rt):
+    layer = Graphed(Block(), rt, num_warmup_steps=1)
+    for _ in range(3):
+        fake_step(layer, "f0 f1 b0 b1")
+    assert layer.engine.position_kinds() == {"full": 2, "split": 0}
+    x = torch.randn(4, 8, requires_grad=True)
+    h, extra = layer(x)
+    with pytest.raises(RuntimeError) as raised:  # stage_backward_input chains what it caught
+        stage_backward_input([h.sum() + extra], None, [x], layer.parameters())
+    cause = raised.value.__cause__
+    assert isinstance(cause, GraphScheduleError)
+    assert re.search(r"test:Block: micro-batch position 0 was captured with a full backward.*input gradients "
+                     r"only.*same schedule every step", str(cause))
+
+
+def test_a_position_captured_split_serves_a_full_backward(rt):
+    # Both halves replay back to back (correct values; the pool's order check guards the rest).
+    layer = Graphed(Block(), rt, num_warmup_steps=1)
+    for _ in range(3):
+        fake_step(layer, "f0 i0 w0")
+    before = layer.engine.replays
+    fake_step(layer, "f0 b0")
+    assert layer.engine.replays == before + 3 and layer.engine.in_flight == 0
+
+
+def test_pending_weight_passes_count_against_max_in_flight(rt):
+    layer = Graphed(Block(), rt, num_warmup_steps=0, max_in_flight=2)
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
+    for x in xs[:2]:
+        h, extra = layer(x)
+        stage_backward_input([h.sum() + extra], None, [x], layer.parameters())
+    with pytest.raises(GraphScheduleError, match="2 of them ran the input-gradient half"):
+        layer(xs[2])
+
+
+# ------------------------------------------------------------------- two gloo ranks
+def run_ranks(args, tmp_path, world=2, timeout=150):
+    """The pipeline worker on ``world`` gloo ranks, killed at ``timeout``. Returns {rank: result}."""
+    envs = launch.rank_envs(world, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
+    ends = launch.run_ranks([[sys.executable, WORKER, "--out", str(tmp_path), *args]] * world, envs=envs,
+                            timeout=timeout, merge_stderr=True)
+    codes = [None if e.stopped else e.returncode for e in ends]
+    text = "".join(e.stdout for e in ends)
+    assert codes == [0] * world, f"ranks failed or hung (codes {codes}):\n{text[-6000:]}"
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("micro_batches", [4, 8])
+@pytest.mark.parametrize("schedule", ZB_SCHEDULES)
+def test_graphed_stages_train_like_plain_stages_under_zero_bubble(schedule, micro_batches, tmp_path):
+    results = run_ranks(["--schedule", schedule, "--steps", "4", "--micro-batches", str(micro_batches)], tmp_path)
+    with_losses = [r for r in results.values() if r["eager"]["losses"]]
+    assert len(with_losses) == 1  # the rank holding the last stage
+    eager, graphed = with_losses[0]["eager"]["losses"], with_losses[0]["graphed"]["losses"]
+    assert len(eager) == 4 and all(len(step) == micro_batches for step in eager)
+    assert graphed == eager  # per step, per micro-batch, bit for bit
+    for data in results.values():
+        assert len(data["graphed"]["grads"]) == 4
+        for step_eager, step_graphed in zip(data["eager"]["grads"], data["graphed"]["grads"]):
+            assert step_graphed.keys() == step_eager.keys()
+            for name, want in step_eager.items():
+                assert want is not None, name
+                assert step_graphed[name] == want, (schedule, name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("schedule", ZB_SCHEDULES)
+def test_zero_bubble_schedules_capture_split_positions_in_every_graphed_run(schedule, tmp_path):
+    # Fake runtime: capture and replay are bookkeeping only (values after a replay are stale).
+    results = run_ranks(["--schedule", schedule, "--steps", "5", "--runtime", "fake"], tmp_path)
+    split = 0
+    for rank, data in results.items():
+        for run in data["graphed"]["graphed_runs"]:
+            assert run["captures"] > 0 and run["replays"] > 0, (rank, run)
+            assert run["in_flight"] == 0, (rank, run)
+            kinds = run["positions"]
+            assert kinds["full"] + kinds["split"] == 4, (rank, run)  # one position per micro-batch
+            assert run["graphs"] == 2 * kinds["full"] + 3 * kinds["split"]
+            split += kinds["split"]
+    assert split > 0  # the first stage backs up whole (it has no input gradient); the others split
