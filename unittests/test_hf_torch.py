@@ -144,6 +144,43 @@ def test_hidden_state_recording_sees_the_graphed_blocks(kind):
         got.logits.sum().backward()
 
 
+class LegacyBlock(torch.nn.Module):
+    """A decoder block in transformers 4.x style: cache arguments by position, a tuple output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states, layer_past=None, attention_mask=None, use_cache=False, output_attentions=False):
+        out = torch.tanh(self.proj(hidden_states))
+        if attention_mask is not None:
+            out = out * attention_mask
+        return (out, None) if not output_attentions else (out, None, out.mean())
+
+
+def test_positional_cache_arguments_and_tuple_outputs():
+    blocks = torch.nn.ModuleList([LegacyBlock(), LegacyBlock()])
+    ref = copy.deepcopy(blocks)
+    graph_layers(blocks, num_warmup_steps=1, name="h")
+    x, mask = torch.randn(2, 3, 8), torch.rand(2, 3, 8)
+    with pytest.raises(ValueError, match=r"h\.0: a cache object \(tuple, argument layer_past\)"):
+        blocks[0](x, (x, x))
+    with pytest.raises(ValueError, match=r"h\.0: use_cache=True"):
+        blocks[0](x, None, mask, True)
+    with pytest.raises(ValueError, match=r"h\.0: output_attentions=True"):
+        blocks[0](x, None, mask, False, True)
+    for _ in range(3):
+        h, g = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        for block, plain in zip(blocks, ref):
+            out, want = block(h, None, mask), plain(g, None, mask)
+            assert isinstance(out, tuple) and out[1] is None and torch.equal(out[0], want[0])
+            h, g = out[0], want[0]
+        h.sum().backward()
+        g.sum().backward()
+    for p, q in zip(blocks.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_bad_arguments_name_the_fix():
     model = build("llama")
     with pytest.raises(TypeError, match="single LlamaDecoderLayer.*pass \\[module\\]"):
