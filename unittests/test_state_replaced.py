@@ -84,8 +84,13 @@ def replacements():
     def new_buffer(model):
         model[0].module.scale = torch.full((4,), 3.0)
 
+    def load_assigning(model):  # load_state_dict(assign=True) rebinds instead of copying
+        fresh = Scaled()
+        model[0].module.load_state_dict(fresh.state_dict(), assign=True)
+
     return [
         (assign_data, r"parameter 'fc\.weight' was given new storage"),
+        (load_assigning, r"buffer 'scale' was replaced by another object"),
         # Module.to rebinds buffers and gives parameters new storage; the buffer comes first.
         (dtype_round_trip, r"buffer 'scale' was replaced by another object"),
         (new_parameter, r"parameter 'fc\.weight' was replaced by another object"),

@@ -934,7 +934,7 @@ class GraphedCallable:
             raise StateReplacedError(
                 f"{self.name}: {what} since its CUDA graphs were captured; replaying them would compute with "
                 f"the old memory, so the layer refuses to. Change parameters and buffers in place "
-                f"(module.load_state_dict(...), param.copy_(...) under no_grad) rather than assigning new "
+                f"(module.load_state_dict(...) without assign=True, param.copy_(...) under no_grad) rather than assigning new "
                 f"tensors or storage. If the replacement is meant (a dtype round trip, a checkpoint loader that "
                 f"rebinds tensors), call paddle_graphpp.reset_graphs(model) between steps: it makes every graphed layer "
                 f"of the model forget its graphs and capture them anew, against the new tensors, after warmup.")
