@@ -109,9 +109,10 @@ def restore(t: Trainer, blob: bytes) -> None:
     t.model.load_state_dict(state["model"])
     t.opt.load_state_dict(state["opt"])
     t.sched.load_state_dict(state["sched"])
-    torch.set_rng_state(state["cpu_rng"])
+    # RNG states are byte tensors on the CPU whatever map_location moved them to
+    torch.set_rng_state(state["cpu_rng"].cpu())
     if "cuda_rng" in state:
-        torch.cuda.set_rng_state(state["cuda_rng"])
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu())
 
 
 def resume_losses(device: str, *, steps: int = 8, at: int = 4, dropout: float = 0.0) -> dict:

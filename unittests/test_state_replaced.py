@@ -24,6 +24,10 @@ class Graphed(torch.nn.Module):
         self._engine = GraphedCallable(module, runtime, lambda: list(module.parameters()),
                                        name=f"test:{type(module).__name__}", options=EngineOptions(**opts))
 
+    @property
+    def engine(self):
+        return self._engine
+
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)
 
@@ -80,8 +84,13 @@ def replacements():
     def new_buffer(model):
         model[0].module.scale = torch.full((4,), 3.0)
 
+    def load_assigning(model):  # load_state_dict(assign=True) rebinds instead of copying
+        fresh = Scaled()
+        model[0].module.load_state_dict(fresh.state_dict(), assign=True)
+
     return [
         (assign_data, r"parameter 'fc\.weight' was given new storage"),
+        (load_assigning, r"buffer 'scale' was replaced by another object"),
         # Module.to rebinds buffers and gives parameters new storage; the buffer comes first.
         (dtype_round_trip, r"buffer 'scale' was replaced by another object"),
         (new_parameter, r"parameter 'fc\.weight' was replaced by another object"),
@@ -141,6 +150,16 @@ def test_reset_graphs_captures_anew_against_the_new_tensors(rt):
     replays = model[1]._engine.replays
     step(model)
     assert model[1]._engine.replays == replays + 4  # forward and backward of 2 micro-batches
+
+
+def test_reset_graphs_finds_blocks_graphed_in_place():
+    from paddle_graphpp.torch import CUDAGraphedModule, graph_layers
+
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), CUDAGraphedModule(torch.nn.Linear(4, 4)))
+    model.add_module("blocks", blocks)
+    graph_layers(blocks)  # in place: the blocks' engines are not submodules
+    assert paddle_graphpp.reset_graphs(model) == 4
 
 
 def test_reset_refuses_while_in_flight(rt):

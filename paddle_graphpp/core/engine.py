@@ -934,7 +934,7 @@ class GraphedCallable:
             raise StateReplacedError(
                 f"{self.name}: {what} since its CUDA graphs were captured; replaying them would compute with "
                 f"the old memory, so the layer refuses to. Change parameters and buffers in place "
-                f"(module.load_state_dict(...), param.copy_(...) under no_grad) rather than assigning new "
+                f"(module.load_state_dict(...) without assign=True, param.copy_(...) under no_grad) rather than assigning new "
                 f"tensors or storage. If the replacement is meant (a dtype round trip, a checkpoint loader that "
                 f"rebinds tensors), call paddle_graphpp.reset_graphs(model) between steps: it makes every graphed layer "
                 f"of the model forget its graphs and capture them anew, against the new tensors, after warmup.")
@@ -955,7 +955,7 @@ class GraphedCallable:
                 f"backwards first (reset between steps).")
         self.process.forget(self)
         self._signatures.clear()
-        self._param_grad_buffers = None
+        self._param_grad_buffers = self._weight_grad_buffers = None
         self._disabled_reason = None
         self._warned.clear()
         self._watch = self._state_checked = None
@@ -1219,7 +1219,10 @@ def reset_graphs(model: Any) -> int:
     """
     walk = getattr(model, "modules", None)
     subs = walk() if callable(walk) else model.sublayers(include_self=True)
-    engines = [e for e in (getattr(m, "_engine", None) for m in subs) if isinstance(e, GraphedCallable)]
+    # Graphed layer classes expose their engine as ``engine`` (blocks graphed in place by
+    # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
+    engines = list({id(e): e for e in (getattr(m, "engine", None) for m in subs)
+                    if isinstance(e, GraphedCallable)}.values())
     busy = [e.name for e in engines if e.in_flight]
     if busy:
         raise GraphScheduleError(f"reset_graphs: micro-batches are in flight in {busy[:4]}; run their "

@@ -217,6 +217,12 @@ def _out_of_memory_during_capture(fallback, after_activations):
         assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
         after = _settled_reserved()  # `err` still holds the error: its frames were cleared
         assert after == before, f"reserved {after - before:+d} bytes after the failed capture"
+        # The CUDA RNG left capture mode: eager draws work and follow the seed.
+        draws = []
+        for _ in range(2):
+            torch.cuda.manual_seed(123)
+            draws.append(torch.rand(4, device=DEV))
+        assert torch.equal(*draws)
         mod.fail = False  # the memory is there now: the layer warms up again and is captured
     else:
         with pytest.warns(RuntimeWarning, match=r"(?s)OOMLayer: capturing the forward failed.*runs eagerly from now on"):
