@@ -41,7 +41,7 @@ from torch import nn
 
 from .graphed import CUDAGraphedModule
 
-__all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer"]
+__all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
 # the names transformers' decoder blocks use for them.
