@@ -24,6 +24,8 @@ _LAZY = {
     "MemoryMode": "paddle_graphpp.core.memory",
     "CaptureError": "paddle_graphpp.core.errors",
     "GraphScheduleError": "paddle_graphpp.core.errors",
+    "StateReplacedError": "paddle_graphpp.core.errors",
+    "reset_graphs": "paddle_graphpp.core.engine",
     "use_cuda_malloc_async_allocator": "paddle_graphpp.allocator",
     "AllocatorSwitchError": "paddle_graphpp.allocator",
     "capture_custom_allreduce": "paddle_graphpp.core.collectives",

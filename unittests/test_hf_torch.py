@@ -128,6 +128,59 @@ def test_without_grad_the_cache_works_eagerly(kind):
                            ref(nxt, past_key_values=want.past_key_values).logits)
 
 
+@KINDS
+def test_hidden_state_recording_sees_the_graphed_blocks(kind):
+    # transformers records hidden states with forward hooks on the block class; a graphed block is
+    # still an instance of it, and its hooks run outside the graphs.
+    model = build(kind, dropout=0.0)
+    ref = copy.deepcopy(model)
+    graph_layers(blocks_of(model), num_warmup_steps=1)
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    for _ in range(3):
+        got, want = model(x, output_hidden_states=True), ref(x, output_hidden_states=True)
+        assert len(got.hidden_states) == len(want.hidden_states) == 5
+        for a, b in zip(got.hidden_states, want.hidden_states):
+            assert torch.equal(a, b)
+        got.logits.sum().backward()
+
+
+class LegacyBlock(torch.nn.Module):
+    """A decoder block in transformers 4.x style: cache arguments by position, a tuple output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states, layer_past=None, attention_mask=None, use_cache=False, output_attentions=False):
+        out = torch.tanh(self.proj(hidden_states))
+        if attention_mask is not None:
+            out = out * attention_mask
+        return (out, None) if not output_attentions else (out, None, out.mean())
+
+
+def test_positional_cache_arguments_and_tuple_outputs():
+    blocks = torch.nn.ModuleList([LegacyBlock(), LegacyBlock()])
+    ref = copy.deepcopy(blocks)
+    graph_layers(blocks, num_warmup_steps=1, name="h")
+    x, mask = torch.randn(2, 3, 8), torch.rand(2, 3, 8)
+    with pytest.raises(ValueError, match=r"h\.0: a cache object \(tuple, argument layer_past\)"):
+        blocks[0](x, (x, x))
+    with pytest.raises(ValueError, match=r"h\.0: use_cache=True"):
+        blocks[0](x, None, mask, True)
+    with pytest.raises(ValueError, match=r"h\.0: output_attentions=True"):
+        blocks[0](x, None, mask, False, True)
+    for _ in range(3):
+        h, g = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        for block, plain in zip(blocks, ref):
+            out, want = block(h, None, mask), plain(g, None, mask)
+            assert isinstance(out, tuple) and out[1] is None and torch.equal(out[0], want[0])
+            h, g = out[0], want[0]
+        h.sum().backward()
+        g.sum().backward()
+    for p, q in zip(blocks.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
 def test_bad_arguments_name_the_fix():
     model = build("llama")
     with pytest.raises(TypeError, match="single LlamaDecoderLayer.*pass \\[module\\]"):
@@ -148,6 +201,12 @@ def test_bad_arguments_name_the_fix():
     graph_layers(model.model.layers)
     with pytest.raises(TypeError, match="already graphed"):
         graph_layers(model.model.layers)
+    model.gradient_checkpointing_enable()  # after graphing: refused at the first training forward
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(ValueError, match=r"LlamaDecoderLayer\[0\] has gradient checkpointing on.*disable"):
+        model(x, labels=x)
+    with pytest.raises(TypeError, match="cannot be pickled or deep-copied"):
+        copy.deepcopy(model)
 
 
 def test_checkpoints_load_and_ungraph_restores_the_classes():
@@ -176,7 +235,7 @@ def run_order(model, batches, order, seed):
     for tok in order.split():
         n = int(tok[1:]) - 1
         if tok[0] == "f":
-            outs[n] = model(batches[n][:, :-1], labels=batches[n][:, 1:].contiguous())
+            outs[n] = model(batches[n], labels=batches[n])  # the model shifts the labels
         else:
             outs[n].loss.backward()
             losses.append(outs[n].loss.detach())
@@ -192,7 +251,7 @@ def test_losses_and_gradients_equal_eager_over_steps_and_micro_batches(kind):
     opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1)
     for step in range(4):
-        batches = [torch.randint(0, VOCAB, (2, SEQ + 1), generator=data) for _ in range(4)]
+        batches = [torch.randint(0, VOCAB, (2, SEQ), generator=data) for _ in range(4)]
         le = run_order(eager, batches, ORDER, seed=100 + step)
         lg = run_order(graphed, batches, ORDER, seed=100 + step)
         assert torch.equal(lg, le), step
@@ -203,6 +262,64 @@ def test_losses_and_gradients_equal_eager_over_steps_and_micro_batches(kind):
     for p, q in zip(eager.parameters(), graphed.parameters()):
         assert torch.equal(p, q)
     assert all(b.engine.in_flight == 0 for b in blocks_of(graphed))
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    """CUDAGraphedModules built while it is active use the fake graph runtime: capture runs the
+    code eagerly and replay only counts (values after a replay are stale), so the engine's
+    graph path (record, capture, replay, links between chained blocks) runs on CPU."""
+    from fake_runtime import FakeGraphRuntime
+
+    import paddle_graphpp.torch.graphed as graphed_mod
+    from paddle_graphpp.core import capture as capture_mod
+    from paddle_graphpp.core import memory as memory_mod
+
+    rt = FakeGraphRuntime()
+    monkeypatch.setattr(graphed_mod, "RUNTIME", rt)
+    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
+        table.pop(rt.name, None)
+    yield rt
+    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
+        table.pop(rt.name, None)
+
+
+@KINDS
+@pytest.mark.parametrize("staged", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["in_place", "stages"])
+def test_blocks_record_capture_and_replay_with_hugging_face_arguments(kind, staged, fake_runtime):
+    # The graph path with the models' own calling conventions (keyword tensors, None and bool
+    # arguments, the (cos, sin) tuple): every block captures one graph pair per micro-batch
+    # position and replays them in every later step, without falling back to eager.
+    model = build(kind)
+    if staged:
+        stages = [causal_lm_stage(model, s, 2, num_warmup_steps=1) for s in range(2)]
+
+        def forward(tokens):
+            logits = compose(stages, tokens)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    else:
+        graph_layers(blocks_of(model), num_warmup_steps=1)
+
+        def forward(tokens):
+            return model(tokens, labels=tokens).loss
+    data = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback of any kind
+        for step in range(5):
+            batches = [torch.randint(0, VOCAB, (2, SEQ), generator=data) for _ in range(4)]
+            losses = {}
+            for tok in ORDER.split():
+                n = int(tok[1:]) - 1
+                if tok[0] == "f":
+                    losses[n] = forward(batches[n])
+                else:
+                    losses.pop(n).backward()
+    for block in blocks_of(model):
+        assert block.engine.captures == 8, block  # 4 positions x (forward, backward)
+        assert block.engine.replays == 8 * 3, block  # step 0 warms up, step 1 records
+        assert block.engine.in_flight == 0
+        (sig,) = block.engine._signatures.values()
+        assert len(sig.positions) == 4
 
 
 # ------------------------------------------------------------------------------ stages
@@ -270,11 +387,12 @@ def test_stage_errors_say_what_to_do():
 # ------------------------------------------------------------------------- distributed
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@KINDS
-def test_1f1b_over_two_gloo_ranks_trains_like_eager_stages(kind, tmp_path):
+@pytest.mark.parametrize("kind,vpp", [("gpt2", 1), ("llama", 1), ("llama", 2)],
+                         ids=["gpt2-Schedule1F1B", "llama-Schedule1F1B", "llama-ScheduleInterleaved1F1B"])
+def test_pipeline_over_two_gloo_ranks_trains_like_eager_stages(kind, vpp, tmp_path):
     envs = launch.rank_envs(2, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    ends = launch.run_ranks([[sys.executable, WORKER, "--model", kind, "--steps", "4", "--out", str(tmp_path)]] * 2,
-                            envs=envs, timeout=200, merge_stderr=True)
+    cmd = [sys.executable, WORKER, "--model", kind, "--vpp", str(vpp), "--steps", "4", "--out", str(tmp_path)]
+    ends = launch.run_ranks([cmd] * 2, envs=envs, timeout=200, merge_stderr=True)
     codes = [None if e.stopped else e.returncode for e in ends]
     assert codes == [0, 0], f"ranks failed or hung (codes {codes}):\n{''.join(e.stdout for e in ends)[-6000:]}"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -283,5 +401,5 @@ def test_1f1b_over_two_gloo_ranks_trains_like_eager_stages(kind, tmp_path):
     assert graphed == eager
     for r in results:
         assert r["grads_compared"] >= 4 * 10 and r["grad_mismatches"] == []  # every step, tensor by tensor
-        assert r["graphed"]["blocks"] and all(b.startswith("Graphed") for b in r["graphed"]["blocks"])
+        assert len(r["graphed"]["blocks"]) == 2 and all(b.startswith("Graphed") for b in r["graphed"]["blocks"])
         assert r["graphed"]["state_dict_keys"] == r["eager"]["state_dict_keys"]

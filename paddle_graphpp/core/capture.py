@@ -40,6 +40,7 @@ from collections import defaultdict
 from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 from . import memory as _memory
+from .errors import CaptureError
 from .schedule import EpisodeClock
 
 __all__ = ["Process", "process_for"]
@@ -86,6 +87,13 @@ class Process:
         """Append one call of the episode being recorded (``half``: ``"input"`` or ``"weight"``
         for the halves of a split backward)."""
         self._events.append((layer, key, position, forward, half))
+
+    def forget(self, layer: Any) -> None:
+        """``layer`` was reset: drop its calls from the recording (the static buffer slots they
+        took stay allocated; inputs recorded as links to its outputs get buffers of their own
+        at capture) and from the layers whose graphs a dropped generation concerns."""
+        self._events = [e for e in self._events if e[0] is not layer]
+        self._layers.pop(id(layer), None)
 
     def buffer_slot(self, spec: Any, *, reuse: bool) -> int:
         """The static buffer a recorded call will copy a tensor of ``spec`` into, as a slot of
@@ -203,10 +211,29 @@ class Process:
             gc.collect()
             self.runtime.release_cached_memory()
         self.plan.log_summary()
+        errors = self._agree(errors)
         for extra in errors[1:]:
             warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=3)
         if errors:
             raise errors[0]
+
+    def _agree(self, errors: list) -> list:
+        """With a capture agreement set (see ``GraphRuntime.capture_agreement``), every rank of
+        the group raises when any rank's captures raise, so that no rank goes on into a
+        collective that waits for a peer that stopped."""
+        agreement = self.runtime.capture_agreement
+        if agreement is None:
+            return errors
+        failed = agreement(bool(errors))
+        if errors:
+            errors[0].add_note(f"paddle_graphpp: every rank of the capture agreement group raises with it "
+                               f"(ranks whose captures failed: {failed}).")
+        elif failed:
+            errors = [CaptureError(
+                f"capturing CUDA graphs failed on rank(s) {failed} of the capture agreement group, so this rank "
+                f"raises too instead of going on into collectives they will not join. The cause is in those "
+                f"ranks' CaptureError; fallback='eager' on the failing layers keeps every rank training.")]
+        return errors
 
     def _drop_generation(self, gen: Any) -> None:
         """Eager work left memory allocated in ``gen``'s pool, which its graphs use as

@@ -56,13 +56,14 @@ from . import collectives as _collectives
 from . import guards as _guards
 from . import memory as _memory
 from .capture import Process, process_for
-from .errors import CaptureError, GraphedLayerError, GraphScheduleError, SignatureError, release_frames
+from .errors import CaptureError, GraphedLayerError, GraphScheduleError, SignatureError, StateReplacedError, release_frames
 from .runtime import GraphRuntime, TensorSpec
 from .schedule import InFlightQueue
+from .state import StateWatch
 from .tree import flatten, unflatten
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine", "node_forward",
-           "node_backward"]
+           "node_backward", "reset_graphs"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -197,6 +198,7 @@ class _Position:
     # Inputs whose static tensor is another position's static output (a recorded link): their
     # index and alias key. A replay is only right when the call passes exactly that tensor.
     linked: tuple = ()
+    state: Optional[StateWatch] = None  # the layer's parameters and buffers the graphs read (core.state)
     # Split backward (zero-bubble schedules): bwd_graph is the input half, weight_graph the
     # weight half, which writes every parameter's gradient into weight_buffers.
     weight_graph: Any = None
@@ -215,6 +217,7 @@ class _Live:
     params: list
     outputs_shape: _Outputs
     linked: tuple = ()  # see _Position.linked
+    state: Optional[StateWatch] = None  # see _Position.state
 
 
 @dataclass(slots=True)
@@ -225,7 +228,7 @@ class _InputHalf:
     graph: Any
     static_grads: tuple
     static_grad_inputs: tuple
-    state: Any  # the runtime's backward_input state: what the weight half needs
+    weight_state: Any  # the runtime's backward_input state: what the weight half needs
 
 
 class _Signature:
@@ -342,6 +345,8 @@ class GraphedCallable:
         self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
         self._disabled_reason: Optional[str] = None
         self._warned: set = set()
+        self._watch: Optional[StateWatch] = None  # parameters and buffers as the newest capture read them
+        self._state_checked: Optional[tuple] = None  # (episode, watch) last found unchanged
         self.replays = 0  # forward + backward graph replays, for tests and telemetry
         self.captures = 0
 
@@ -482,6 +487,8 @@ class GraphedCallable:
 
     def _replay_forward(self, call: _Call, done: _Position, copy_inputs: bool = True) -> list:
         rt = self.runtime
+        if done.state is not None:
+            self._check_state(done.state)
         self.plan.note_replay(done.generation, id(done.fwd_graph), True, self.name)
         _collectives.check_replay(done.fwd_graph)
         if copy_inputs:
@@ -620,6 +627,7 @@ class GraphedCallable:
         rt.replay_graph(done.bwd_graph)
         self.replays += 1
         if done.accumulate:
+            rt.graph_grad_writes += 1  # .grad changed without a version bump (see GraphRuntime)
             param_grads = [None] * len(call.params)
         else:
             param_grads = [b if u else None for b, u in zip(buffers, done.param_grad_used)]
@@ -725,7 +733,8 @@ class GraphedCallable:
                                f"eager run; a graphed layer must return the same structure every call.")
         plan.note_capture(gen, id(graph), _memory.now() - start)
         self.captures += 1
-        return _Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured)
+        return _Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured,
+                     state=self._state_watch())
 
     def _capture_backward(self, sig: _Signature, live: _Live, static_grads: Sequence[Any]) -> _Position:
         """Capture the backward of ``live``'s forward; returns the position's record."""
@@ -757,7 +766,8 @@ class GraphedCallable:
             generation=live.generation, fwd_graph=live.graph, bwd_graph=graph, static_inputs=live.static_inputs,
             static_outputs=tuple(rt.detach(o) for o in live.outputs), static_grad_outputs=tuple(static_grads),
             static_grad_inputs=tuple(next(it) if s.requires_grad else None for s in sig.shape.specs),
-            param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate, linked=live.linked)
+            param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate, linked=live.linked,
+            state=live.state)
 
     def _capture_backward_input(self, sig: _Signature, live: _Live, static_grads: Sequence[Any]) -> _InputHalf:
         """Capture the input half of ``live``'s backward; its autograd graph stays live for
@@ -790,10 +800,10 @@ class GraphedCallable:
         graph = rt.create_graph()
         start = _memory.now()
         with self._capturing(graph, live.generation, "backward (weight half)"):
-            if half.state is not None:
-                for index, grads in rt.backward_weight(half.state, live.params):
+            if half.weight_state is not None:
+                for index, grads in rt.backward_weight(half.weight_state, live.params):
                     rt.copy_many([buffers[i] for i in index], grads)
-            half.state = None
+            half.weight_state = None
             live.outputs = list(static_outputs)  # drops the last references to the autograd graph
         plan.note_capture(live.generation, id(graph), _memory.now() - start)
         self.captures += 1
@@ -802,7 +812,7 @@ class GraphedCallable:
             static_outputs=static_outputs, static_grad_outputs=half.static_grads,
             static_grad_inputs=half.static_grad_inputs, param_grad_used=(True,) * len(sig.params),
             outputs=live.outputs_shape, accumulate=False, linked=live.linked, weight_graph=graph,
-            weight_buffers=buffers)
+            weight_buffers=buffers, state=live.state)
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):
@@ -900,6 +910,55 @@ class GraphedCallable:
         gc.collect()
         self.runtime.release_cached_memory()
         return error
+
+    # --------------------------------------------------- replaced state, reset
+    def _state_watch(self) -> Optional[StateWatch]:
+        """The watch a new capture records: the current one while nothing was replaced (every
+        position then shares it, and one check per step covers them all), else a new one."""
+        watch = self._watch
+        if watch is None or watch.changed() is not None:
+            slots = self.runtime.state_slots(self.fn)
+            watch = self._watch = StateWatch(self.runtime, slots) if slots else None
+        return watch
+
+    def _check_state(self, watch: StateWatch) -> None:
+        """Refuse to replay graphs whose parameters or buffers were replaced since their capture.
+        Checked once per step (episode) and watch: replacing a parameter between the
+        micro-batches of one step is not something a training loop does."""
+        checked = self._state_checked
+        episode = self.queue.episode
+        if checked is not None and checked[0] == episode and checked[1] is watch:
+            return
+        what = watch.changed()
+        if what is not None:
+            raise StateReplacedError(
+                f"{self.name}: {what} since its CUDA graphs were captured; replaying them would compute with "
+                f"the old memory, so the layer refuses to. Change parameters and buffers in place "
+                f"(module.load_state_dict(...) without assign=True, param.copy_(...) under no_grad) rather than assigning new "
+                f"tensors or storage. If the replacement is meant (a dtype round trip, a checkpoint loader that "
+                f"rebinds tensors), call paddle_graphpp.reset_graphs(model) between steps: it makes every graphed layer "
+                f"of the model forget its graphs and capture them anew, against the new tensors, after warmup.")
+        self._state_checked = (episode, watch)
+
+    def reset(self) -> None:
+        """Forget every graph and recording of this layer, as if it were newly wrapped: each
+        signature warms up and is captured again, reading the layer's parameters and buffers
+        anew. Its graph memory is freed with the graphs (positions of other layers keep theirs;
+        new captures go into a new pool generation).
+
+        Raises:
+            GraphScheduleError: micro-batches of this layer are in flight (run their backwards first).
+        """
+        if self.in_flight:
+            raise GraphScheduleError(
+                f"{self.name}: reset with {self.in_flight} micro-batch(es) in flight; run their "
+                f"backwards first (reset between steps).")
+        self.process.forget(self)
+        self._signatures.clear()
+        self._param_grad_buffers = self._weight_grad_buffers = None
+        self._disabled_reason = None
+        self._warned.clear()
+        self._watch = self._state_checked = None
 
     # ----------------------------------------------------------------- helpers
     def _outputs_of(self, result: Any) -> tuple:
@@ -1109,8 +1168,11 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
 
     .. warning:: Outputs alias graph memory: they are valid until the same micro-batch position
        is replayed again (the next step). Clone an output you keep across steps (a logged loss).
-    .. warning:: Do not modify outputs in place, and do not replace parameters (assigning new
-       storage to them): graphs read fixed addresses. In-place optimizer updates are fine.
+    .. warning:: Do not modify outputs in place, and do not replace parameters or buffers
+       (assigning new tensors or storage to them, ``module.to(dtype)``) after capture: graphs
+       read fixed addresses, and the next replay raises
+       :class:`paddle_graphpp.StateReplacedError` (call :func:`paddle_graphpp.reset_graphs`
+       on the model to capture anew). In-place updates (optimizers, ``load_state_dict``) are fine.
     .. warning:: Code inside must not synchronise with the host (``.item()``, printing tensors,
        data-dependent shapes); capture fails with a :class:`paddle_graphpp.CaptureError`.
        Other exceptions raised by its code during capture keep their type, with the layer named.
@@ -1134,3 +1196,37 @@ def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], 
     """The engine behind a framework's graphed layer class (``kind`` names that class)."""
     return GraphedCallable(wrapped, runtime, trainable, name=name or f"{kind}({type(wrapped).__name__})",
                            options=EngineOptions(**options))
+
+
+def reset_graphs(model: Any) -> int:
+    """Make every graphed layer in ``model`` (``model`` itself included) forget its graphs and
+    capture them anew after warmup, against the parameters and buffers it has now.
+
+    Call it between steps after replacing parameters or buffers on purpose (a dtype round
+    trip, a checkpoint loader that assigns new tensors): replays of the old graphs raise
+    :class:`paddle_graphpp.StateReplacedError`. Resetting all layers of a model together keeps
+    chained layers (one graphed layer reading another's output) linked in the new capture.
+    In-place loads (``load_state_dict``) need no reset.
+
+    Args:
+        model: a ``torch.nn.Module`` or ``paddle.nn.Layer``.
+
+    Returns:
+        The number of graphed layers reset.
+
+    Raises:
+        GraphScheduleError: a micro-batch is in flight in one of them (nothing is reset).
+    """
+    walk = getattr(model, "modules", None)
+    subs = walk() if callable(walk) else model.sublayers(include_self=True)
+    # Graphed layer classes expose their engine as ``engine`` (blocks graphed in place by
+    # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
+    engines = list({id(e): e for e in (getattr(m, "engine", None) for m in subs)
+                    if isinstance(e, GraphedCallable)}.values())
+    busy = [e.name for e in engines if e.in_flight]
+    if busy:
+        raise GraphScheduleError(f"reset_graphs: micro-batches are in flight in {busy[:4]}; run their "
+                                 f"backwards first (reset between steps). Nothing was reset.")
+    for engine in engines:
+        engine.reset()
+    return len(engines)

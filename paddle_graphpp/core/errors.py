@@ -2,7 +2,7 @@
 
 import traceback
 
-__all__ = ["GraphedLayerError", "CaptureError", "GraphScheduleError", "SignatureError"]
+__all__ = ["GraphedLayerError", "CaptureError", "GraphScheduleError", "SignatureError", "StateReplacedError"]
 
 
 class GraphedLayerError(RuntimeError):
@@ -19,6 +19,12 @@ class GraphScheduleError(GraphedLayerError):
 
 class SignatureError(GraphedLayerError, ValueError):
     """The inputs cannot be graphed as given (non-tensor where a tensor was captured, ...)."""
+
+
+class StateReplacedError(GraphedLayerError):
+    """A parameter, buffer or optimizer state tensor that a captured graph reads was replaced
+    (new storage, or another tensor in its place) since the capture; replaying would compute
+    with the old memory, so the replay is refused."""
 
 
 def release_frames(exc: BaseException) -> None:

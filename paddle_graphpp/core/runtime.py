@@ -63,7 +63,9 @@ class GraphRuntime(abc.ABC):
     * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`alias_key`, :meth:`static_like`,
       :meth:`static_buffers`, :meth:`copy_many`,
       :meth:`clone_many`, :meth:`detach`;
-    * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`;
+    * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`,
+      :meth:`state_slots`, :meth:`storage_addresses` (the replay-time check of
+      :mod:`paddle_graphpp.core.state`);
     * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
       :meth:`autograd_grad`, :meth:`backward_into`, :meth:`apply_graphed_function`,
       :meth:`leaves_without_grad`,
@@ -140,6 +142,18 @@ class GraphRuntime(abc.ABC):
         """Context that re-enters the state ``key`` (a :meth:`mode_key` value) describes, so a
         call recorded under it can be captured later; inside it, ``mode_key() == key``."""
 
+    def state_slots(self, layer: Any) -> list:
+        """Where ``layer``'s parameters and buffers live, for the replay-time check that they
+        still hold the tensors a capture read (:class:`paddle_graphpp.core.state.StateWatch`):
+        ``(holder, key, name)`` triples, ``holder[key]`` being the tensor and ``name`` saying
+        which it is (``"parameter 'fc.weight'"``). Default: nothing is checked."""
+        return []
+
+    def storage_addresses(self, tensors: Sequence[Any]) -> list:
+        """The device address of each tensor's first element (called at every check: keep it
+        to one attribute read per tensor)."""
+        return [self.alias_key(t)[0] for t in tensors]
+
     # ---------------------------------------------------------------- autograd
     @abc.abstractmethod
     def grad_enabled(self) -> bool:
@@ -198,6 +212,19 @@ class GraphRuntime(abc.ABC):
     @abc.abstractmethod
     def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
         """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
+
+    #: Backward graph replays so far that added parameter gradients into ``.grad`` inside the
+    #: graph (counted by the engine). A replay's writes do not bump tensors' version counters,
+    #: so code that skips work on gradients nobody wrote (``GraphedOptimizer.zero_grad``)
+    #: compares this count as well.
+    graph_grad_writes: int = 0
+
+    #: Set by a framework's capture-agreement helper (torch: ``agree_on_captures``): called at the
+    #: end of every batch of captures with whether an error of this process's captures is about
+    #: to reach the user; returns the ranks of the agreement group whose captures failed so
+    #: (empty: none), or raises :class:`~paddle_graphpp.CaptureError` when the peers do not
+    #: answer in time. ``None``: each process decides alone.
+    capture_agreement: Optional[Callable[[bool], list]] = None
 
     #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
     #: shares it); False when it copies any gradient it does not own outright (PyTorch).

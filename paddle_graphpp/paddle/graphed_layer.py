@@ -35,6 +35,12 @@ class CUDAGraphedLayer(paddle.nn.Layer):
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)
 
+    def reset_graphs(self) -> None:
+        """Forget this layer's graphs; they are captured anew after warmup, against the
+        parameters and buffers it has now (see :func:`paddle_graphpp.reset_graphs`, which resets
+        every graphed layer of a model at once)."""
+        self._engine.reset()
+
     @property
     def engine(self) -> GraphedCallable:
         """The engine: ``replays``, ``captures``, ``in_flight`` and ``graph_count()`` for inspection."""

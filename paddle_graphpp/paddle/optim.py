@@ -197,8 +197,25 @@ class PaddleGraphedOptimizer(GraphedOptimizer):
     zero_grad = clear_grad
 
     def state_dict(self) -> dict:
-        """The wrapped optimizer's state dict."""
+        """The wrapped optimizer's state dict (with its ``LRScheduler``'s state)."""
         return self.optimizer.state_dict()
+
+    # paddle.amp.GradScaler unscales the gradients of the optimizer it is given by reading these.
+    @property
+    def _parameter_list(self):
+        return self.optimizer._parameter_list
+
+    @property
+    def _param_groups(self):
+        return self.optimizer._param_groups
+
+    def set_state_dict(self, state_dict: dict) -> None:
+        """Load into the wrapped optimizer. Paddle writes accumulators that exist into their
+        tensors in place (``set_value``; the captured step keeps reading them) and keeps the
+        others for their lazy creation on the first step."""
+        self.optimizer.set_state_dict(state_dict)
+
+    load_state_dict = set_state_dict
 
     def _sequence(self, params, grads):
         norm = None

@@ -21,6 +21,7 @@ from paddle.autograd import PyLayer
 
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
+from ..core.state import module_state_slots
 from .allocator import async_allocator_active as _async_allocator_active
 
 __all__ = ["PaddleRuntime", "RUNTIME"]
@@ -125,6 +126,14 @@ class PaddleRuntime(GraphRuntime):
             level, dtype, (white, black), promote = saved
             tracer._amp_level, tracer._amp_dtype, tracer._use_promote = level, dtype, promote
             tracer._set_amp_op_list(white, black)
+
+    def state_slots(self, layer) -> list:
+        if not isinstance(layer, paddle.nn.Layer):
+            return []
+        return module_state_slots(layer.named_sublayers(include_self=True))
+
+    def storage_addresses(self, tensors) -> list:
+        return [t.data_ptr() for t in tensors]
 
     # autograd
     def grad_enabled(self) -> bool:

@@ -11,8 +11,10 @@ _LAZY = {
     "graph_stage_module": "paddle_graphpp.torch.pipelining",
     "graph_layers": "paddle_graphpp.torch.layers",
     "ungraph_layers": "paddle_graphpp.torch.layers",
+    "causal_lm_stage": "paddle_graphpp.torch.hf",
     "ColumnParallelLinear": "paddle_graphpp.torch.tensor_parallel",
     "RowParallelLinear": "paddle_graphpp.torch.tensor_parallel",
+    "agree_on_captures": "paddle_graphpp.torch.agreement",
 }
 
 __all__ = sorted(_LAZY)

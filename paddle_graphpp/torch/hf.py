@@ -138,7 +138,11 @@ class CausalLMStage(nn.Module):
         block_cls = type(blocks[0]) if len(blocks) else None
         original = getattr(block_cls, "_graphpp_original", block_cls)
         self.__dict__["_block_params"] = _parameter_names(original.forward) if original is not None else frozenset()
-        from transformers.masking_utils import create_causal_mask
+        try:
+            from transformers.masking_utils import create_causal_mask
+        except ImportError as exc:
+            raise ImportError(f"causal_lm_stage() needs transformers.masking_utils (transformers >= 4.53); "
+                              f"this transformers has none: {exc}") from exc
 
         self.__dict__["_create_causal_mask"] = create_causal_mask
         self.__dict__["_mask_params"] = _parameter_names(create_causal_mask)

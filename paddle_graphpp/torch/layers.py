@@ -41,7 +41,7 @@ from torch import nn
 
 from .graphed import CUDAGraphedModule
 
-__all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer"]
+__all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
 # the names transformers' decoder blocks use for them.
@@ -120,6 +120,11 @@ class GraphedLayer(nn.Module):
             index = positions.get(arg)
             return args[index] if index is not None and index < len(args) else None
 
+        if getattr(self, "gradient_checkpointing", False) and self.training:
+            raise ValueError(
+                f"{name} has gradient checkpointing on (enabled after graph_layers()); its recomputation cannot "
+                f"run inside a graph. Call model.gradient_checkpointing_disable() (graphed layers keep their "
+                f"activations in the graph pool instead).")
         if given("use_cache"):
             raise ValueError(
                 f"{name}: use_cache=True reached a graphed layer, which cannot update a key/value cache (the "

@@ -12,11 +12,14 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from ..core.errors import StateReplacedError
 from ..core.graph_process import graph_process
 from ..core.runtime import get_runtime
+from ..core.state import StateWatch
 from ..optim import GraphedOptimizer
 
-__all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer"]
+__all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
+           "optimizer_state_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +215,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
                              "in order; build the optimizer over MasterWeights(params).master.")
         # whose .grad the step reads and zeroes: the model's parameters
         self._grad_owners = master_weights.params if master_weights is not None else self._params
-        runtime = get_runtime("torch")
+        runtime = self._runtime = get_runtime("torch")
         self.unavailable_reason = runtime.graphs_unavailable_reason(self._params)
         self.graphed = self.unavailable_reason is None
         self._lrs: list = []
@@ -234,6 +237,12 @@ class TorchGraphedOptimizer(GraphedOptimizer):
             logger.info("GraphedOptimizer(%s): compile=True applies to the captured GPU step; without it "
                         "(%s) the step runs eagerly and uncompiled", name, self.unavailable_reason)
         self._hyper = self._hyperparameters()
+        # What the captured step reads besides its arguments (optimizer state, the model
+        # parameters master weights write to): checked before every replay (core.state).
+        self._watch: Optional[StateWatch] = None
+        self._watch_stale = True  # rebuild after the next step (state is created lazily by the first)
+        if self.graphed:
+            self._watch = self._state_watch()
 
     # ------------------------------------------------------------------ public
     @property
@@ -247,14 +256,23 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         Returns:
             The global gradient norm before clipping, as a 0-d device tensor, or ``None``
             without ``clip_grad_norm``. A graph output: read it before the next step.
+
+        Raises:
+            StateReplacedError: the optimizer's state (or, with master weights, a model
+                parameter's storage) was replaced since the step was captured.
         """
+        if self.graphed and self._watch is not None:
+            self._check_state()
         self._sync_hyperparameters()
         grads = [p.grad for p in self._grad_owners]
         if self.graphed:
             norm = graph_process(self._sequence, self._params, grads, self._generation)
+            if self._watch_stale:
+                self._watch, self._watch_stale = self._state_watch(), False
         else:
             norm = self._sequence(self._params, grads, self._generation)
         self._clean = [(g, g._version) for g in grads if g is not None]
+        self._clean_writes = self._runtime.graph_grad_writes
         return norm
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -281,6 +299,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         self.optimizer.load_state_dict(state_dict)
         if self.graphed:
             self._make_capturable()
+            self._watch, self._watch_stale = self._state_watch(), True
         self._generation += 1
         self._hyper = self._hyperparameters()
 
@@ -349,12 +368,51 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         if hyper != self._hyper:
             self._hyper = hyper
             self._generation += 1
+            self._watch_stale = True
+
+    def _state_watch(self) -> StateWatch:
+        slots = optimizer_state_slots(self.optimizer, self._params)
+        if self.master_weights is not None:
+            held = dict(enumerate(self.master_weights.params))
+            slots += [(held, i, f"model parameter {i} of master_weights") for i in held]
+        return StateWatch(get_runtime("torch"), slots)
+
+    def _check_state(self) -> None:
+        what = self._watch.changed()
+        if what is None:
+            return
+        fix = ("build a new MasterWeights and GraphedOptimizer for the new parameters"
+               if what.startswith("model parameter") else
+               "load optimizer state through GraphedOptimizer.load_state_dict (it re-captures), or change "
+               "state tensors in place (copy_)")
+        raise StateReplacedError(
+            f"GraphedOptimizer({type(self.optimizer).__name__}): {what} since the step was captured; replaying "
+            f"it would update the old memory, so the step is refused. To fix it, {fix}; loading into the "
+            f"wrapped optimizer (opt.optimizer.load_state_dict) replaces its state behind the graph's back.")
 
     def _untouched(self, grads) -> bool:
+        # Backward graphs that accumulate in-graph write .grad without bumping its version.
+        if self._runtime.graph_grad_writes != self._clean_writes:
+            return False
         present = [g for g in grads if g is not None]
         if len(present) != len(self._clean):
             return False
         return all(g is c and g._version == v for g, (c, v) in zip(present, self._clean))
+
+
+def optimizer_state_slots(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list:
+    """``(holder, key, name)`` slots of what a captured step of ``optimizer`` reads besides
+    its arguments: the state dict itself (``load_state_dict`` replaces it), each parameter's
+    state entry and its tensors (:class:`paddle_graphpp.core.state.StateWatch`)."""
+    state = optimizer.state
+    slots = [(optimizer.__dict__, "state", "the optimizer's state (optimizer.state)")]
+    for i, p in enumerate(params):
+        entry = state.get(p)
+        slots.append((state, p, f"the optimizer state of parameter {i}"))
+        if entry is not None:
+            slots += [(entry, key, f"optimizer state '{key}' of parameter {i}")
+                      for key, value in entry.items() if isinstance(value, torch.Tensor)]
+    return slots
 
 
 def _no_compile_in_capture():

@@ -13,6 +13,7 @@ from torch.autograd.function import once_differentiable
 
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
+from ..core.state import module_state_slots
 from . import split_backward as _split
 from .allocator import async_allocator_active as _async_allocator_active
 
@@ -116,6 +117,14 @@ class TorchRuntime(GraphRuntime):
         _, dtype = key
         # No autocast cache: casts made inside a capture must not be handed to code outside it.
         return torch.autocast("cuda", dtype=dtype, cache_enabled=False)
+
+    def state_slots(self, layer) -> list:
+        if not isinstance(layer, torch.nn.Module):
+            return []
+        return module_state_slots(layer.named_modules())
+
+    def storage_addresses(self, tensors) -> list:
+        return list(map(torch.Tensor.data_ptr, tensors))
 
     # autograd
     def grad_enabled(self) -> bool:

@@ -3,7 +3,8 @@
 
 Runs as ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` say (2 ranks). It
 builds a small GPT-2 or Llama from a config (dropout on, untied embeddings), cuts it with
-``causal_lm_stage`` and trains this rank's stage twice from the same seeds: with eager blocks
+``causal_lm_stage`` (``--vpp 2``: two stages per rank, ScheduleInterleaved1F1B) and trains this
+rank's stages twice from the same seeds: with eager blocks
 (``graph=False``) and with graphed blocks. It writes ``rank<N>.json`` into ``--out``: per run the
 losses (last rank), the blocks' class names and the stage's state_dict keys, and how the two
 runs' parameter gradients compared after every step (compared here, tensor by tensor: the
@@ -23,7 +24,7 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B  # noqa: E402
 
 from paddle_graphpp.torch.hf import causal_lm_stage  # noqa: E402
 
@@ -49,11 +50,20 @@ def loss_fn(logits, target):
 
 def train(args, rank, world, graph):
     device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    stage_mod = causal_lm_stage(build(args.model, args.hidden), rank, world, 1, graph=graph).to(device)
-    x, y = stage_mod.example_io(MBS, SEQ)
-    stage = PipelineStage(stage_mod, rank, world, device, input_args=(x,), output_args=(y,))
-    schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-2)
+    num_stages = world * args.vpp
+    model = build(args.model, args.hidden)  # every rank builds the whole model, then keeps its stages
+    modules, stages = {}, []
+    for index in range(rank, num_stages, world):  # interleaved: stages rank, rank + world, ...
+        mod = causal_lm_stage(model, index, num_stages, 1, graph=graph).to(device)
+        x, y = mod.example_io(MBS, SEQ)
+        modules[index] = mod
+        stages.append(PipelineStage(mod, index, num_stages, device, input_args=(x,), output_args=(y,)))
+    if args.vpp == 1:
+        schedule = Schedule1F1B(stages[0], n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+    params = {f"{i}:{n}": p for i, mod in modules.items() for n, p in mod.named_parameters()}
+    opt = torch.optim.AdamW(params.values(), lr=1e-2)
     torch.manual_seed(args.seed * 7 + rank)  # the dropout stream
     data = torch.Generator().manual_seed(args.seed)
     losses, grads = [], []
@@ -63,20 +73,22 @@ def train(args, rank, world, graph):
         opt.zero_grad()
         schedule.step(*((tokens[:, :-1],) if rank == 0 else ()),
                       target=tokens[:, 1:] if rank == world - 1 else None, losses=step_losses)
-        grads.append({n: p.grad.clone() for n, p in stage_mod.named_parameters() if p.grad is not None})
+        grads.append({n: p.grad.clone() for n, p in params.items() if p.grad is not None})
         opt.step()
         if step_losses is not None:
             losses.append(torch.stack(step_losses).mean().item())
-    summary = {"losses": losses, "blocks": [type(b).__name__ for b in stage_mod.blocks],
-               "state_dict_keys": list(stage_mod.state_dict()),
+    blocks = [b for mod in modules.values() for b in mod.blocks]
+    summary = {"losses": losses, "blocks": [type(b).__name__ for b in blocks],
+               "state_dict_keys": [k for mod in modules.values() for k in mod.state_dict()],
                "engines": [{"captures": b.engine.captures, "replays": b.engine.replays, "in_flight": b.engine.in_flight}
-                           for b in stage_mod.blocks if graph]}
+                           for b in blocks if graph]}
     return summary, grads
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["gpt2", "llama"], required=True)
+    parser.add_argument("--vpp", type=int, default=1, help="stages per rank (ScheduleInterleaved1F1B when > 1)")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=3)

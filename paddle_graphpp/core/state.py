@@ -1,0 +1,93 @@
+"""Replay-time check that the tensors a graph was captured against are still the ones in use.
+
+A CUDA graph reads and writes fixed device addresses. Parameters, buffers and optimizer state
+are not copied into a graph at each replay: the graph works on their memory directly. When a
+user gives such a tensor new storage after the capture (``param.data = w``, a
+``module.to(torch.float64).to(torch.float32)`` round trip, a checkpoint loader that assigns
+new tensors, ``optimizer.load_state_dict`` on a graphed optimizer's inner optimizer), the
+graph would go on with the old memory: the model silently trains something else.
+:class:`StateWatch` notes, at capture, where each such tensor was found (its *holder*: a
+module's parameter dict, an optimizer's per-parameter state) and its storage address, and
+:meth:`StateWatch.changed` compares both before a replay. In-place changes
+(``load_state_dict`` of a module, ``param.copy_``, optimizer updates) keep the addresses and
+pass.
+
+The check costs one dictionary lookup, one identity test and one address read per tensor
+(0.14 µs per tensor on a CPU: ``tools/bench_state_check.py`` ->
+``benchmarks/results/state-check-cpu.json``); graphed layers run it once per layer and step
+(episode), not per micro-batch, and :class:`~paddle_graphpp.GraphedOptimizer` once per step.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Hashable, Optional, Sequence
+
+__all__ = ["StateWatch", "module_state_slots"]
+
+
+class StateWatch:
+    """Where the tensors (or containers of tensors) a capture read were held, and their
+    addresses then.
+
+    Args:
+        runtime: the framework's :class:`~paddle_graphpp.core.runtime.GraphRuntime`
+            (:meth:`~paddle_graphpp.core.runtime.GraphRuntime.storage_addresses`).
+        slots: ``(holder, key, name)`` triples: ``holder[key]`` is the object the graph read,
+            ``holder`` a ``dict`` (or a subclass: a module's ``OrderedDict``, an optimizer's
+            ``defaultdict``, read without creating entries) and ``name`` describes it in
+            messages (``"parameter 'fc.weight'"``). Tensors are checked for identity and
+            address, other objects (a state dict) for identity.
+    """
+
+    __slots__ = ("_runtime", "_holders", "_keys", "_names", "_objects", "_tensors", "_tensor_index",
+                 "_addresses")
+
+    def __init__(self, runtime: Any, slots: Sequence[tuple[dict, Hashable, str]]):
+        self._runtime = runtime
+        self._holders = tuple(h for h, _, _ in slots)
+        self._keys = tuple(k for _, k, _ in slots)
+        self._names = tuple(n for _, _, n in slots)
+        self._objects = tuple(h.get(k) for h, k, _ in slots)
+        self._tensor_index = tuple(i for i, o in enumerate(self._objects) if runtime.is_tensor(o))
+        self._tensors = [self._objects[i] for i in self._tensor_index]
+        self._addresses = runtime.storage_addresses(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def changed(self) -> Optional[str]:
+        """``None`` when every slot still holds its object at its address; else what changed
+        (the first slot, in slot order, that did), as a phrase naming it."""
+        if not all(map(operator.is_, map(dict.get, self._holders, self._keys), self._objects)) \
+                or self._runtime.storage_addresses(self._tensors) != self._addresses:
+            return self._describe()
+        return None
+
+    def _describe(self) -> str:
+        moved = dict(zip(self._tensor_index, zip(self._addresses, self._runtime.storage_addresses(self._tensors))))
+        for i, (holder, key, name) in enumerate(zip(self._holders, self._keys, self._names)):
+            now = holder.get(key)
+            if now is None and self._objects[i] is not None:
+                return f"{name} was removed"
+            if now is not self._objects[i]:
+                return f"{name} was replaced by another object (a new assignment to the attribute or entry)"
+            if i in moved and moved[i][0] != moved[i][1]:
+                return (f"{name} was given new storage (address {moved[i][0]:#x} -> {moved[i][1]:#x}: an "
+                        f"assignment to .data, a dtype or device round trip such as "
+                        f"module.to(torch.float64).to(torch.float32), or a loader that rebinds tensors)")
+        return "a tensor was replaced"
+
+
+def module_state_slots(named_modules) -> list:
+    """``(holder, key, name)`` of every parameter and buffer of the modules ``named_modules``
+    yields as ``(prefix, module)`` pairs. PyTorch modules and Paddle layers both keep them in
+    ``_parameters`` and ``_buffers`` dicts, which are the holders: rebinding an attribute
+    (``module.weight = new``) replaces the entry there."""
+    slots = []
+    for prefix, module in named_modules:
+        for kind, holder in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for key, tensor in holder.items():
+                if tensor is not None:
+                    slots.append((holder, key, f"{kind} '{prefix}.{key}'" if prefix else f"{kind} '{key}'"))
+    return slots

@@ -1,0 +1,296 @@
+"""Faults on the GPU (issue 16): replaced parameters and optimizer state, checkpoint and
+resume, loss-scaler overflow steps, out of memory during capture.
+
+Run on the GPU machine: ``python -m pytest unittests/gpu/test_faults_gpu.py -q``. Skipped
+without CUDA. Written without a GPU at hand (their CPU counterparts pass); not yet run on one
+when this was written. The CPU counterparts are unittests/test_state_replaced.py,
+unittests/test_faults_cpu.py and unittests/test_faults_paddle_cpu.py.
+"""
+import copy
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
+
+import paddle_graphpp  # noqa: E402
+from paddle_graphpp.core.errors import CaptureError, StateReplacedError  # noqa: E402
+from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
+from tools import fault_checks  # noqa: E402
+
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _fp32_exact():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _same(a, b, what=""):
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert torch.equal(p, q), f"{what} tensor {i}: max difference {(p - q).abs().max().item():.3e}"
+
+
+# ------------------------------------------------------------ replaced parameters
+def _captured_linear():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64).to(DEV)
+    graphed = CUDAGraphedModule(lin, num_warmup_steps=1, name="Replaced")
+    x = torch.randn(8, 64, device=DEV, requires_grad=True)
+    for _ in range(3):  # warmup, recorded, captured and replayed
+        graphed(x).sum().backward()
+    assert graphed.engine.replays == 2
+    return lin, graphed, x
+
+
+def _new_weight(lin):
+    lin.weight.data = torch.randn_like(lin.weight)
+
+
+def _round_trip(lin):
+    lin.to(torch.float64).to(torch.float32)
+
+
+@pytest.mark.parametrize("replace", [_new_weight, _round_trip], ids=["param.data", "to-float64-and-back"])
+def test_replaced_parameter_is_refused_then_reset_replays_the_new_weights(replace):
+    lin, graphed, x = _captured_linear()
+    replace(lin)
+    with pytest.raises(StateReplacedError, match=r"Replaced: parameter 'weight' was given new storage.*reset_graphs"):
+        graphed(x)
+    assert graphed.engine.replays == 2  # the old graphs never ran on the old memory
+    assert paddle_graphpp.reset_graphs(graphed) == 1
+    for _ in range(4):  # warmup, recorded, captured and replayed, replayed
+        y = graphed(x)
+        y.sum().backward()
+    assert graphed.engine.replays == 2 + 4
+    # the new graphs read the new weights
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=1e-6, atol=1e-6)
+
+
+def test_load_state_dict_is_in_place_and_replays_read_the_loaded_weights():
+    lin, graphed, x = _captured_linear()
+    other = torch.nn.Linear(64, 64).to(DEV)
+    graphed.load_state_dict({"module." + k: v for k, v in other.state_dict().items()})
+    y = graphed(x)
+    assert graphed.engine.replays == 3
+    torch.testing.assert_close(y, other(x), rtol=1e-6, atol=1e-6)
+    y.sum().backward()
+
+
+def test_graphed_optimizer_refuses_state_loaded_behind_it_and_recaptures_through_it():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(DEV)
+    twin = torch.nn.Linear(64, 64).to(DEV)
+    twin.load_state_dict(model.state_dict())
+    gopt = paddle_graphpp.GraphedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref = paddle_graphpp.GraphedOptimizer(torch.optim.AdamW(twin.parameters(), lr=1e-2))
+    ref.graphed = False  # the same sequence, run eagerly every step, as the reference
+
+    def step(m, opt, i):
+        g = torch.Generator(device=DEV).manual_seed(i)
+        m(torch.randn(8, 64, device=DEV, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(3):
+        step(model, gopt, i)
+        step(twin, ref, i)
+    saved = gopt.state_dict()
+    gopt.optimizer.load_state_dict(saved)  # behind the wrapper: new state tensors
+    model(torch.randn(8, 64, device=DEV)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(StateReplacedError, match=r"GraphedOptimizer\(AdamW\).*GraphedOptimizer\.load_state_dict"):
+        gopt.step()
+    _same(before, list(model.parameters()), "refused step")
+    gopt.zero_grad()
+    gopt.load_state_dict(saved)  # through the wrapper: re-captured
+    for i in range(3, 6):
+        step(model, gopt, i)
+        step(twin, ref, i)
+    for p, q in zip(twin.parameters(), model.parameters()):
+        assert (p - q).abs().max().item() <= 1e-6
+
+
+def test_zero_grad_after_a_skipped_step_clears_gradients_backward_graphs_added():
+    # A training loop that skips the optimizer step (a nan check) and zeroes the gradients:
+    # the backward graphs added into .grad without bumping its version, and zero_grad must
+    # still zero them, or the next step would step with two micro-batches' gradients.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64).to(DEV)
+    graphed = CUDAGraphedModule(lin, num_warmup_steps=0)
+    gopt = paddle_graphpp.GraphedOptimizer(torch.optim.AdamW(lin.parameters(), lr=1e-2))
+    x = torch.randn(8, 64, device=DEV)
+    for _ in range(3):  # recorded, captured and replayed, replayed
+        graphed(x).square().mean().backward()
+        gopt.step()
+        gopt.zero_grad()
+    graphed(x).square().mean().backward()  # replayed: adds into .grad inside the graph
+    assert graphed.engine.replays == 6
+    assert all(torch.count_nonzero(p.grad) > 0 for p in lin.parameters())
+    gopt.zero_grad()  # the step was skipped
+    assert all(torch.count_nonzero(p.grad) == 0 for p in lin.parameters())
+
+
+# ------------------------------------------------------------ checkpoint and resume
+def test_resumed_graphed_run_equals_uninterrupted_run():
+    got = fault_checks.resume_losses(DEV)
+    assert got["resumed"] == got["straight"][4:], (got["resumed"], got["straight"][4:])
+    assert got["rolled_back"] == got["straight"][4:], (got["rolled_back"], got["straight"][4:])
+    _same(got["final"], got["final_resumed"], "resumed")
+    _same(got["final"], got["final_rolled_back"], "rolled back")
+    assert min(got["replays"]) > 0, "the resumed model's last steps replayed graphs"
+
+
+# ------------------------------------------------------------ mixed precision
+def test_grad_scaler_overflow_step_is_skipped_as_eager_skips_it():
+    ref = fault_checks.scaled_losses(DEV, graphed=False)
+    got = fault_checks.scaled_losses(DEV, graphed=True)
+    assert got["losses"][2] == float("inf")
+    assert got["scales"] == ref["scales"] and got["scales"][2] == got["scales"][1] / 2
+    _same(got["params"][1], got["params"][2], "overflow step")  # skipped: nothing moved
+    for step, (a, b) in enumerate(zip(ref["params"], got["params"])):
+        _same(a, b, f"step {step}")
+    assert got["losses"][:2] + got["losses"][3:] == ref["losses"][:2] + ref["losses"][3:]
+    # 6 steps of 2 micro-batches: step 0 warms up, step 1 is recorded, steps 2-5 (the overflow
+    # step included) replay forward and backward graphs: the skip happens outside them.
+    assert got["replays"] == [16, 16]
+
+
+# ------------------------------------------------------------ out of memory during capture
+class OutOfMemoryInCapture(torch.nn.Module):
+    """Asks for more memory than the device has while a capture runs (a deterministic stand-in
+    for a capture step that does not fit); eager calls are normal."""
+
+    def __init__(self, after_activations=False):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+        self.fail = True
+        self.after_activations = after_activations
+
+    def forward(self, x):
+        h = self.lin(x) if self.after_activations else None
+        if self.fail and torch.cuda.is_current_stream_capturing():
+            torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8, device=DEV)
+        return torch.nn.functional.gelu(self.lin(x) if h is None else h)
+
+
+def _settled_reserved() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+@pytest.mark.parametrize("fallback", ["error", "eager"])
+def test_out_of_memory_during_capture(fallback):
+    _out_of_memory_during_capture(fallback, after_activations=False)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "expected to fail: the failed capture's activation (64 KiB) takes a segment of the new pool "
+    "generation, which is sealed after the failure and whose MemPool the runtime keeps for the "
+    "process, so empty_cache cannot return it. Run with -rxX to see the measured difference."))
+def test_out_of_memory_after_some_capture_allocations_returns_reserved_memory():
+    _out_of_memory_during_capture("error", after_activations=True)
+
+
+def _out_of_memory_during_capture(fallback, after_activations):
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, device=DEV, requires_grad=True)
+    # A layer captured before: the capture stream's library workspaces exist already, as they
+    # do after the first capture of a training run.
+    warm = CUDAGraphedModule(torch.nn.Linear(256, 256).to(DEV), num_warmup_steps=0)
+    for _ in range(2):
+        warm(x).sum().backward()
+    mod = OutOfMemoryInCapture(after_activations).to(DEV)
+    graphed = CUDAGraphedModule(mod, num_warmup_steps=0, name="OOMLayer", fallback=fallback)
+    graphed(x).sum().backward()  # recorded: the capture runs at the next call
+    before = _settled_reserved()
+    if fallback == "error":
+        with pytest.raises(CaptureError, match=r"OOMLayer: capturing the forward failed: OutOfMemoryError") as err:
+            graphed(x)
+        assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
+        after = _settled_reserved()  # `err` still holds the error: its frames were cleared
+        assert after == before, f"reserved {after - before:+d} bytes after the failed capture"
+        # The CUDA RNG left capture mode: eager draws work and follow the seed.
+        draws = []
+        for _ in range(2):
+            torch.cuda.manual_seed(123)
+            draws.append(torch.rand(4, device=DEV))
+        assert torch.equal(*draws)
+        mod.fail = False  # the memory is there now: the layer warms up again and is captured
+    else:
+        with pytest.warns(RuntimeWarning, match=r"(?s)OOMLayer: capturing the forward failed.*runs eagerly from now on"):
+            y = graphed(x)
+        torch.testing.assert_close(y, mod(x), rtol=0, atol=0)  # the eager run's own result
+        y.sum().backward()
+        del y
+        after = _settled_reserved()
+        assert after == before, f"reserved {after - before:+d} bytes after the failed capture"
+    # Training goes on, with the results of the plain module.
+    for _ in range(3):
+        y = graphed(x)
+        torch.testing.assert_close(y, mod(x), rtol=1e-6, atol=1e-6)
+        y.sum().backward()
+    assert graphed.engine.replays == (0 if fallback == "eager" else 4)
+
+
+# ------------------------------------------------------------ ranks agree on a failed capture
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
+@pytest.mark.timeout(200)
+def test_two_ranks_both_raise_when_one_capture_fails(tmp_path):
+    import json
+    import os
+    import sys
+
+    from tools import launch
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    worker = os.path.join(repo, "unittests", "test_capture_agreement.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.path.dirname(worker),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    port = str(launch.free_port())
+    ends = launch.run_ranks([[sys.executable, worker, "gpu", str(r), port, str(tmp_path)] for r in range(2)],
+                            envs=[env, env], cwd=str(tmp_path), timeout=150, merge_stderr=True)
+    assert all(e.returncode == 0 and not e.timed_out for e in ends), "\n".join(e.stdout[-3000:] for e in ends)
+    r0, r1 = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert r1["outcome"] == "CaptureError" and "rank1-layer: capturing the forward failed" in r1["message"], r1
+    assert r0["outcome"] == "CaptureError" and "failed on rank(s) [1]" in r0["message"], r0
+    assert r0["step"] == r1["step"] == 1
+
+
+# ------------------------------------------------------------ long runs
+def test_ten_thousand_steps_keep_memory_flat_and_match_eager():
+    torch.manual_seed(0)
+    block = fault_checks.Block(0.0).to(DEV)
+    twin = copy.deepcopy(block)
+    graphed = CUDAGraphedModule(block, num_warmup_steps=1)
+    gopt = paddle_graphpp.GraphedOptimizer(torch.optim.AdamW(block.parameters(), lr=1e-4), clip_grad_norm=1.0)
+    ref = paddle_graphpp.GraphedOptimizer(torch.optim.AdamW(twin.parameters(), lr=1e-4), clip_grad_norm=1.0)
+    ref.graphed = False  # the same sequence, run eagerly every step, as the reference
+    x = torch.randn(16, fault_checks.WIDTH, device=DEV)
+
+    def step(model, opt):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):  # warmup, recorded, captured and replayed
+        step(graphed, gopt)
+        step(twin, ref)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for _ in range(10_000):
+        step(graphed, gopt)
+        step(twin, ref)
+    torch.cuda.synchronize()
+    assert graphed.engine.replays == 2 * 10_001
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() == reserved
+    for p, q in zip(twin.parameters(), block.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

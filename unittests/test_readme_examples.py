@@ -1,0 +1,119 @@
+"""The examples of the README's "Using it with your model" section run as written, on CPU.
+
+Each ``python`` block there opens with a comment holding the command that runs it (``# python
+hf_llama.py``, ``# torchrun --nproc_per_node 2 hf_pipe.py``, ``# python -m
+paddle.distributed.launch --nproc_per_node 2 llama_pipe.py``). The test writes the block to that
+file in a fresh directory and runs the command there, in its own session under a time limit
+(``tools/launch.py``): it must exit 0 and print a loss for each step. The demo trainer's fleet
+launch line in the same section is run the same way.
+
+Paddle's gloo setup inside ``fleet.init`` sometimes fails on a 2-core machine before any example
+code runs (see ``unittests/workers/fleet_ranks.py``); a fleet launch in which no rank got to its
+first step is tried again, three times at most.
+"""
+import os
+import re
+import shlex
+import sys
+
+import pytest
+
+from tools import launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTION = "## Using it with your model"
+EXPECTED = {"llama_pipe.py", "llama_pipe_flag.py", "hf_llama.py", "hf_pipe.py"}
+DEMO = "python -m paddle.distributed.launch --nproc_per_node 2 tools/train_gpt.py --cudagraph"
+ATTEMPTS = 3
+
+
+def section() -> str:
+    text = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    start = text.index(SECTION + "\n")
+    end = text.find("\n## ", start + len(SECTION))
+    return text[start:end if end >= 0 else len(text)]
+
+
+def examples() -> dict:
+    """``{file name: (command, code)}`` of the section's python blocks."""
+    found = {}
+    for code in re.findall(r"```python\n(.*?)```", section(), flags=re.S):
+        first = code.splitlines()[0]
+        assert first.startswith("# "), f"a README example does not open with its command: {first!r}"
+        command = first[2:].strip()
+        name = command.split()[-1]
+        assert name.endswith(".py") and name not in found, command
+        found[name] = (command, code)
+    return found
+
+
+def test_the_section_holds_every_route_and_the_demo_launch_line():
+    assert set(examples()) == EXPECTED
+    assert f"`{DEMO}`" in section()
+
+
+def argv(command: str) -> list:
+    """The command with this interpreter in place of ``python`` and ``torchrun``."""
+    words = shlex.split(command)
+    if words[0] == "python":
+        return [sys.executable, *words[1:]]
+    if words[0] == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", *words[1:]]
+    raise AssertionError(f"unexpected launcher in {command!r}")
+
+
+def outputs(cwd, end) -> str:
+    """What the run printed: its own output, and the fleet launcher's worker logs."""
+    logs = ""
+    log_dir = os.path.join(cwd, "log")
+    if os.path.isdir(log_dir):
+        for name in sorted(os.listdir(log_dir)):
+            if name.startswith("workerlog"):
+                with open(os.path.join(log_dir, name), errors="replace") as f:
+                    logs += f.read()
+    return end.stdout + end.stderr + logs
+
+
+def run(command: str, cwd, timeout: float, steps, loss_line: str) -> str:
+    """Run ``command`` in ``cwd``; it must exit 0 and print ``loss_line`` (a regex with a
+    ``{step}`` field) for each of ``steps``. Returns what it printed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PADDLE_TRAINER_ID")}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
+    fleet = "paddle.distributed.launch" in command
+    for attempt in range(ATTEMPTS if fleet else 1):
+        log_dir = os.path.join(cwd, "log")
+        if os.path.isdir(log_dir):
+            for name in os.listdir(log_dir):
+                os.remove(os.path.join(log_dir, name))
+        end = launch.run(argv(command), env=env, cwd=str(cwd), timeout=timeout)
+        text = outputs(cwd, end)
+        started = re.search(loss_line.format(step=steps[0]), text, flags=re.M)
+        if end.returncode == 0 or started or not fleet:
+            break
+    assert end.returncode == 0 and not end.timed_out, f"{command} failed (code {end.returncode}):\n{text[-6000:]}"
+    for step in steps:
+        assert re.search(loss_line.format(step=step), text, flags=re.M), f"{command}: no step {step}:\n{text[-4000:]}"
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name,steps", [("hf_llama.py", 6), ("hf_pipe.py", 6), ("llama_pipe.py", 3),
+                                        ("llama_pipe_flag.py", 3)])
+def test_example_runs_as_written(name, steps, tmp_path):
+    if name.startswith("llama_pipe"):
+        pytest.importorskip("paddleformers")
+    pytest.importorskip("transformers")
+    command, code = examples()[name]
+    (tmp_path / name).write_text(code)
+    text = run(command, tmp_path, timeout=300, steps=range(steps), loss_line=r"^{step} \d+\.\d+")
+    if name.startswith("llama_pipe"):
+        assert "graphed [1:3) DecoderLayerPipe#1, DecoderLayerPipe#2" in text  # stage 0's report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_demo_runs_under_the_fleet_launcher(tmp_path):
+    pytest.importorskip("paddle")
+    command = DEMO.replace("tools/train_gpt.py", os.path.join(REPO, "tools", "train_gpt.py"))
+    run(command, tmp_path, timeout=300, steps=range(1, 9), loss_line=r"^step {step}/8 loss")
