@@ -198,6 +198,20 @@ def test_a_position_captured_split_serves_a_full_backward(rt):
     assert layer.engine.replays == before + 3 and layer.engine.in_flight == 0
 
 
+def test_per_graph_slots_are_recycled_only_after_the_weight_pass(rt):
+    # per_graph reuses a position once its backward is over; a split backward is over at its
+    # weight pass, so the second forward (after i0, before w0) needs a slot of its own.
+    split = Graphed(Block(), rt, num_warmup_steps=1, memory="per_graph")
+    for _ in range(3):
+        fake_step(split, "f0 i0 f1 w0 i1 w1")
+    assert split.engine.position_kinds() == {"full": 0, "split": 2}
+    whole = Graphed(Block(), rt, num_warmup_steps=1, memory="per_graph")
+    for _ in range(3):
+        fake_step(whole, "f0 b0 f1 b1")
+    assert whole.engine.position_kinds() == {"full": 1, "split": 0}
+    assert split.engine.in_flight == whole.engine.in_flight == 0
+
+
 def test_pending_weight_passes_count_against_max_in_flight(rt):
     layer = Graphed(Block(), rt, num_warmup_steps=0, max_in_flight=2)
     xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
