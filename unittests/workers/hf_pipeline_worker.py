@@ -12,7 +12,6 @@ names of those not bit-equal, and the largest relative difference), and on a GPU
 blocks' capture and replay counts.
 """
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from workers.torch_ranks import init_ranks  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B  # noqa: E402
 
 from paddle_graphpp.torch.hf import causal_lm_stage  # noqa: E402
@@ -96,18 +96,9 @@ def main():
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     warnings.filterwarnings("ignore", message=".*CUDA graphs are not used.*")
     try:
-        timeout = datetime.timedelta(seconds=60)
-        if args.device == "cuda":
-            torch.cuda.set_device(rank)
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
-                                    device_id=torch.device("cuda", rank))
-        else:
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        rank, world = init_ranks(args.device)
         eager, eager_grads = train(args, rank, world, graph=False)
         graphed, graphed_grads = train(args, rank, world, graph=True)
         compared, mismatched, worst = 0, [], 0.0

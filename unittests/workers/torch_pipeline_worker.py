@@ -17,7 +17,6 @@ and replayed for real: unittests/gpu/test_zero_bubble_gpu.py.
 which checks that the schedule's forward/backward order pairs up in every graphed run's FIFO.
 """
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from workers.torch_ranks import init_ranks  # noqa: E402
 from torch import nn  # noqa: E402
 import torch.distributed.pipelining as pipelining  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
@@ -149,15 +149,9 @@ def main():
     if not hasattr(pipelining, SCHEDULES[args.schedule][0]):
         print(f"this torch has no {SCHEDULES[args.schedule][0]}", file=sys.stderr)
         os._exit(3)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
     try:
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 kernels: graphed and eager agree to ~1e-6
-            torch.backends.cudnn.allow_tf32 = False
-            os.environ["NCCL_NVLS_ENABLE"] = "0"
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        rank, world = init_ranks(args.device)
         result = {"rank": rank, "eager": train(args, rank, world, graphed=False)}
         if args.runtime == "fake":
             from fake_runtime import FakeGraphRuntime
