@@ -23,3 +23,25 @@ def init_ranks(device: str, timeout_s: float = 60.0) -> tuple:
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     return rank, world
+
+
+def run_rank(device: str, out_dir: str, body) -> None:
+    """Join the group, write ``body(rank, world)`` (a JSON-able dict) to ``rank<N>.json`` in
+    ``out_dir``, wait for the peers and leave without process-group teardown (a peer that
+    already left must not stall this one). Any exception: its traceback and exit code 1."""
+    import json
+    import sys
+    import traceback
+
+    try:
+        rank, world = init_ranks(device)
+        result = body(rank, world)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
