@@ -128,6 +128,10 @@ class Config:
     graph_optimizer: bool = False
     """Capture the optimizer step and gradient zeroing as one CUDA graph (PyTorch only;
     ``paddle_graphpp.GraphedOptimizer``); eager and bit-identical on CPU."""
+    profile_steps: int = 0
+    """Profile the last N steps with ``torch.profiler`` (PyTorch on GPUs) and add, per rank,
+    ``compute_busy`` to the JSON line: the share of the time from the first to the last kernel
+    of those steps during which a compute (non-NCCL) kernel runs (``tools/busy.py``)."""
     memory_trace: bool = False
     """Record every CUDA allocation (PyTorch) and add, per rank, where memory went at the peak
     to the JSON line (``tools/memtrace.py``); slows the run down."""
@@ -162,6 +166,8 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--attention", choices=["explicit", "sdpa"], default=defaults.attention)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=defaults.dtype,
                         help="torch model dtype")
+    parser.add_argument("--profile-steps", type=int, default=defaults.profile_steps,
+                        help="profile the last N steps and report each rank's compute-busy share (torch, GPUs)")
     parser.add_argument("--memory-trace", action="store_true",
                         help="per rank, where memory went at the peak (torch on GPUs; slow)")
     parser.add_argument("--data", default=defaults.data, metavar="PATH", help="text file (default: synthetic)")
@@ -247,6 +253,11 @@ def validate(cfg: Config) -> None:
                           f"{VOCAB_SIZE} or more")
     if cfg.framework != "torch" and (cfg.dtype != "float32" or cfg.attention != "explicit" or cfg.memory_trace):
         raise ConfigError("--dtype, --attention and --memory-trace work with --framework torch")
+    if cfg.profile_steps and (cfg.framework != "torch" or cfg.profile_steps < 0
+                              or cfg.profile_steps > cfg.steps - NUM_WARMUP_STEPS - 2):
+        raise ConfigError(f"--profile-steps works with --framework torch and leaves at least one timed step after "
+                          f"warmup and capture: at most {max(0, cfg.steps - NUM_WARMUP_STEPS - 2)} with --steps "
+                          f"{cfg.steps}")
     if cfg.data and not os.path.isfile(cfg.data):
         raise ConfigError(f"--data {cfg.data!r} is not a file; pass a text file or leave --data out")
 
@@ -353,9 +364,11 @@ class StepTimer:
 
     def __init__(self, cfg: Config, sync):
         self.sync = sync
-        # Skip the eager warmup steps and the capture step; keep at least one timed step.
+        # Skip the eager warmup steps and the capture step; keep at least one timed step. The
+        # profiled steps (--profile-steps, at the end) are not timed: the profiler slows them.
         self.skip = min(NUM_WARMUP_STEPS + 1, cfg.steps - 1)
-        self.timed_steps = cfg.steps - self.skip
+        self.last = max(self.skip, cfg.steps - 1 - cfg.profile_steps)
+        self.timed_steps = self.last - self.skip + 1
         self.start = None
         self.elapsed = 0.0
 
@@ -365,7 +378,7 @@ class StepTimer:
             self.start = time.perf_counter()
 
     def after(self, step: int, cfg: Config) -> None:
-        if step == cfg.steps - 1:
+        if step == self.last:
             self.sync()
             self.elapsed = time.perf_counter() - self.start
 
@@ -556,7 +569,12 @@ def run_torch(cfg: Config) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     peak_before_steady = 0.0
     steady_since_us = None
+    profiler = None
     for step in range(cfg.steps):
+        if use_cuda and cfg.profile_steps and step == cfg.steps - cfg.profile_steps:
+            from tools import busy
+
+            profiler = busy.start()
         if use_cuda and step == timer.skip:  # warmup and capture are over: the steady state begins
             peak_before_steady = torch.cuda.max_memory_reserved(device) / 2**20
             torch.cuda.reset_peak_memory_stats(device)
@@ -575,6 +593,11 @@ def run_torch(cfg: Config) -> None:
         timer.after(step, cfg)
         reporter.step(step, loss, time.perf_counter() - t0)
 
+    compute_busy = None
+    if profiler is not None:
+        from tools import busy
+
+        compute_busy = busy.stop(profiler)
     if use_cuda:
         steady = torch.cuda.max_memory_reserved(device) / 2**20
         mine = {"peak_mem_mib": round(max(peak_before_steady, steady), 1), "steady_peak_mem_mib": round(steady, 1)}
@@ -582,6 +605,8 @@ def run_torch(cfg: Config) -> None:
     else:
         mine = {"peak_mem_mib": round(cpu_peak_mib(), 1), "steady_peak_mem_mib": round(cpu_peak_mib(), 1)}
         device_name = "cpu"
+    if compute_busy is not None:
+        mine["compute_busy"] = compute_busy
     if cfg.cudagraph:
         from paddle_graphpp.core.memory import memory_report
 

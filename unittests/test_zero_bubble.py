@@ -256,3 +256,24 @@ def test_zero_bubble_schedules_capture_split_positions_in_every_graphed_run(sche
             assert run["graphs"] == 2 * kinds["full"] + 3 * kinds["split"]
             split += kinds["split"]
     assert split > 0  # the first stage backs up whole (it has no input gradient); the others split
+
+
+# ------------------------------------------------------------------- the benchmark's tools
+def test_busy_share_merges_overlapping_kernels():
+    from tools.busy import busy_share
+
+    # kernels at [0, 2) and [1, 3) overlap (3 us busy), [5, 6) adds 1; the span is 6 us
+    assert busy_share([(0, 2), (1, 3), (5, 6)]) == round(4 / 6, 4)
+    assert busy_share([(0, 4), (1, 2)]) == 1.0
+    assert busy_share([]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_benchmark_smoke_runs_every_schedule_eager_and_graphed():
+    end = launch.run([sys.executable, os.path.join(REPO, "tools", "bench_zero_bubble.py"), "--smoke"],
+                     cwd=REPO, timeout=540)
+    assert end.returncode == 0, end.stdout[-3000:] + end.stderr[-3000:]
+    summary = json.loads(end.stdout[end.stdout.index("{\n"):])
+    assert summary["all_ok"] is True  # graphed losses equal eager's under each schedule
+    assert set(summary["graphed_zb_vs_eager_zb"]["seq64_mb4"]) == set(ZB_SCHEDULES)

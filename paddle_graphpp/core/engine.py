@@ -228,7 +228,7 @@ class _InputHalf:
     graph: Any
     static_grads: tuple
     static_grad_inputs: tuple
-    state: Any  # the runtime's backward_input state: what the weight half needs
+    weight_state: Any  # the runtime's backward_input state: what the weight half needs
 
 
 class _Signature:
@@ -800,10 +800,10 @@ class GraphedCallable:
         graph = rt.create_graph()
         start = _memory.now()
         with self._capturing(graph, live.generation, "backward (weight half)"):
-            if half.state is not None:
-                for index, grads in rt.backward_weight(half.state, live.params):
+            if half.weight_state is not None:
+                for index, grads in rt.backward_weight(half.weight_state, live.params):
                     rt.copy_many([buffers[i] for i in index], grads)
-            half.state = None
+            half.weight_state = None
             live.outputs = list(static_outputs)  # drops the last references to the autograd graph
         plan.note_capture(live.generation, id(graph), _memory.now() - start)
         self.captures += 1

@@ -1,0 +1,177 @@
+"""Zero-bubble schedules on real GPUs: a graphed layer's backward as input and weight graphs.
+
+One GPU: the GPT stack of tools/engine_parity.py (dropout 0.1, two differentiable outputs)
+runs micro-batches the way a zero-bubble stage does, through torch.distributed.pipelining's
+own input and weight passes (``stage_backward_input`` / ``stage_backward_weight``), eagerly
+and graphed side by side; losses, input gradients, parameter gradients and AdamW weights
+agree to 1e-6 (fp32, TF32 off), and memory stays flat over many replays.
+Two GPUs: the pipeline test worker trains graphed and plain stages under each zero-bubble
+schedule this torch has (NCCL), and compares per-step losses and every parameter gradient.
+
+Run on the GPU machine: ``python -m pytest unittests/gpu/test_zero_bubble_gpu.py -q``.
+Skipped without CUDA; the two-GPU tests skip unless two GPUs are visible.
+"""
+import copy
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
+
+import torch.distributed.pipelining as pipelining  # noqa: E402
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: E402
+
+from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
+from tools import launch  # noqa: E402
+from tools.engine_parity import SEQ, TOLERANCE, Stack, rel  # noqa: E402
+
+DEV = "cuda"
+HERE = os.path.dirname(os.path.abspath(__file__))
+UNITTESTS = os.path.dirname(HERE)
+REPO = os.path.dirname(UNITTESTS)
+WORKER = os.path.join(UNITTESTS, "workers", "torch_pipeline_worker.py")
+ZB_SCHEDULES = [name for name, cls in [("interleaved_zb", "ScheduleInterleavedZeroBubble"),
+                                       ("zbv", "ScheduleZBVZeroBubble"),
+                                       ("dualpipev", "ScheduleDualPipeV")] if hasattr(pipelining, cls)]
+
+# Forwards fN, input passes iN, weight passes wN, one full backward bN: micro-batches 1, 2 and 4
+# split (their weight passes pending together, run out of input order), 3 whole.
+ZB_ORDER = "f1 f2 f3 i1 f4 i2 w1 b3 i4 w4 w2"
+
+
+@pytest.fixture(autouse=True)
+def _fp32_exact():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def zb_step(model, xs, seed):
+    """Run ZB_ORDER over the micro-batches ``xs``; returns the losses and the input gradients.
+    ``seed``: reseed first, so the eager and the graphed model draw the same dropout masks."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    outs, passes, losses = {}, {}, {}
+    for tok in ZB_ORDER.split():
+        kind, n = tok[0], int(tok[1:]) - 1
+        if kind == "f":
+            outs[n] = model(xs[n])
+            continue
+        if kind in "ib":
+            h, aux = outs[n]
+            loss = h.square().mean() + aux.sin().mean()
+            losses[n] = loss.detach().clone()
+        if kind == "i":
+            _, passes[n] = stage_backward_input([loss], None, [xs[n]], model.parameters())
+        elif kind == "w":
+            stage_backward_weight(model.parameters(), passes.pop(n))
+        else:
+            loss.backward()
+    return torch.stack([losses[n] for n in range(len(xs))]), [x.grad.clone() for x in xs]
+
+
+@pytest.mark.parametrize("accumulate_grads", [False, True])
+def test_split_backward_graphs_match_eager_with_dropout(accumulate_grads):
+    torch.manual_seed(0)
+    eager = Stack().to(DEV)
+    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=2, accumulate_grads=accumulate_grads)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    steps = 12
+    for step in range(steps):
+        base = [torch.randn(2, SEQ, 64, device=DEV) for _ in range(4)]
+        le, ge = zb_step(eager, [b.clone().requires_grad_(True) for b in base], seed=1000 + step)
+        lg, gg = zb_step(graphed, [b.clone().requires_grad_(True) for b in base], seed=1000 + step)
+        errs = [rel(lg, le)] + [rel(g, e) for g, e in zip(gg, ge)]
+        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+        assert max(errs) <= TOLERANCE, f"step {step}: max relative error {max(errs):.3e}"
+        assert graphed.engine.in_flight == 0
+        opt_e.step(); opt_g.step()
+        opt_e.zero_grad(); opt_g.zero_grad()
+    for p, q in zip(eager.parameters(), graphed.module.parameters()):
+        assert rel(q, p) <= TOLERANCE
+    assert graphed.engine.position_kinds() == {"full": 1, "split": 3}
+    per_step = 3 * 3 + 2  # forward, input and weight graphs of 3 split positions; a pair for the whole one
+    assert graphed.engine.captures == per_step
+    assert graphed.engine.replays == per_step * (steps - 2)  # step 0 warms up, step 1 records
+
+
+def test_dropout_masks_differ_between_replays_of_a_split_position():
+    torch.manual_seed(0)
+    graphed = CUDAGraphedModule(Stack().to(DEV), num_warmup_steps=1)
+    grads = []
+    for step in range(6):
+        base = [torch.ones(2, SEQ, 64, device=DEV) for _ in range(4)]
+        _, input_grads = zb_step(graphed, [b.clone().requires_grad_(True) for b in base], seed=None)
+        grads.append(input_grads[0])
+        graphed.zero_grad()
+    assert graphed.engine.position_kinds()["split"] == 3
+    assert not torch.equal(grads[-1], grads[-2])  # same input, fresh masks: a different gradient
+
+
+def test_weight_graphs_share_the_pool_and_memory_stays_flat():
+    torch.manual_seed(0)
+    graphed = CUDAGraphedModule(Stack().to(DEV), num_warmup_steps=1)
+    opt = torch.optim.AdamW(graphed.parameters(), lr=1e-4)
+    base = [torch.randn(2, SEQ, 64, device=DEV) for _ in range(4)]
+
+    def one(step):
+        zb_step(graphed, [b.clone().requires_grad_(True) for b in base], seed=step)
+        opt.step()
+        opt.zero_grad()
+
+    from paddle_graphpp import memory_report
+
+    for step in range(5):  # warmup, recorded, captured + replayed, replayed, replayed
+        one(step)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    generations = memory_report()["torch"]["pool_generations"]
+    for step in range(5, 205):
+        one(step)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() == reserved
+    assert memory_report()["torch"]["pool_generations"] == generations  # no capture after the first
+    assert graphed.engine.captures == 11 and graphed.engine.replays == 11 * 203
+
+
+# ------------------------------------------------------------------------------- two GPUs
+def run_ranks(args, tmp_path, timeout=240):
+    envs = launch.rank_envs(2, PYTHONPATH=os.pathsep.join([REPO, UNITTESTS, os.environ.get("PYTHONPATH", "")]))
+    ends = launch.run_ranks([[sys.executable, WORKER, "--out", str(tmp_path), *args]] * 2, envs=envs,
+                            timeout=timeout, merge_stderr=True)
+    codes = [None if e.stopped else e.returncode for e in ends]
+    text = "".join(e.stdout for e in ends)
+    assert codes == [0, 0], f"ranks failed or hung (codes {codes}):\n{text[-6000:]}"
+    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
+@pytest.mark.parametrize("micro_batches", [4, 8])
+@pytest.mark.parametrize("schedule", ZB_SCHEDULES)
+def test_zero_bubble_schedules_on_two_gpus_match_eager_with_dropout(schedule, micro_batches, tmp_path):
+    steps = 6
+    results = run_ranks(["--device", "cuda", "--schedule", schedule, "--steps", str(steps),
+                         "--micro-batches", str(micro_batches)], tmp_path)
+    with_losses = [r for r in results.values() if r["eager"]["losses"]]
+    assert len(with_losses) == 1
+    eager = torch.tensor(with_losses[0]["eager"]["losses"], dtype=torch.float64)
+    graphed = torch.tensor(with_losses[0]["graphed"]["losses"], dtype=torch.float64)
+    assert eager.shape == (steps, micro_batches)
+    assert rel(graphed, eager) <= TOLERANCE, (graphed, eager)
+    split = 0
+    for rank, data in results.items():
+        for step, (ge, gg) in enumerate(zip(data["eager"]["grads"], data["graphed"]["grads"])):
+            for name, want in ge.items():
+                err = rel(torch.tensor(gg[name], dtype=torch.float64), torch.tensor(want, dtype=torch.float64))
+                assert err <= TOLERANCE, (rank, step, name, err)
+        for run in data["graphed"]["graphed_runs"]:
+            assert run["captures"] > 0 and run["replays"] > 0 and run["in_flight"] == 0, (rank, run)
+            split += run["positions"]["split"]
+    assert split > 0
