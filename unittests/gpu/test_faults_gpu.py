@@ -23,12 +23,8 @@ DEV = "cuda"
 
 
 @pytest.fixture(autouse=True)
-def _fp32_exact():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def _fp32_exact(fp32_exact):  # unittests/gpu/conftest.py
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _same(a, b, what=""):

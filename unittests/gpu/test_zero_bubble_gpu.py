@@ -43,12 +43,8 @@ ZB_ORDER = "f1 f2 f3 i1 f4 i2 w1 b3 i4 w4 w2"
 
 
 @pytest.fixture(autouse=True)
-def _fp32_exact():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+def _fp32_exact(fp32_exact):  # unittests/gpu/conftest.py
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def zb_step(model, xs, seed):

@@ -12,18 +12,15 @@ names of those not bit-equal, and the largest relative difference), and on a GPU
 blocks' capture and replay counts.
 """
 import argparse
-import datetime
-import json
 import os
 import sys
-import traceback
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from workers.torch_ranks import run_rank  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B  # noqa: E402
 
 from paddle_graphpp.torch.hf import causal_lm_stage  # noqa: E402
@@ -96,18 +93,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     warnings.filterwarnings("ignore", message=".*CUDA graphs are not used.*")
-    try:
-        timeout = datetime.timedelta(seconds=60)
-        if args.device == "cuda":
-            torch.cuda.set_device(rank)
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
-            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout,
-                                    device_id=torch.device("cuda", rank))
-        else:
-            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    def body(rank, world):
         eager, eager_grads = train(args, rank, world, graph=False)
         graphed, graphed_grads = train(args, rank, world, graph=True)
         compared, mismatched, worst = 0, [], 0.0
@@ -122,16 +109,9 @@ def main():
                     worst = max(worst, (diff / ge[name].double().norm().clamp_min(1e-30)).item())
         result = {"rank": rank, "eager": eager, "graphed": graphed, "grads_compared": compared,
                   "grad_mismatches": mismatched, "grad_max_rel": worst}
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)  # skip process-group teardown: a peer that already left must not stall us
+        return result
 
+    run_rank(args.device, args.out, body)
 
 if __name__ == "__main__":
     main()

@@ -17,17 +17,14 @@ and replayed for real: unittests/gpu/test_zero_bubble_gpu.py.
 which checks that the schedule's forward/backward order pairs up in every graphed run's FIFO.
 """
 import argparse
-import datetime
-import json
 import os
 import sys
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from workers.torch_ranks import run_rank  # noqa: E402
 from torch import nn  # noqa: E402
 import torch.distributed.pipelining as pipelining  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
@@ -149,15 +146,7 @@ def main():
     if not hasattr(pipelining, SCHEDULES[args.schedule][0]):
         print(f"this torch has no {SCHEDULES[args.schedule][0]}", file=sys.stderr)
         os._exit(3)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 kernels: graphed and eager agree to ~1e-6
-            torch.backends.cudnn.allow_tf32 = False
-            os.environ["NCCL_NVLS_ENABLE"] = "0"
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+    def body(rank, world):
         result = {"rank": rank, "eager": train(args, rank, world, graphed=False)}
         if args.runtime == "fake":
             from fake_runtime import FakeGraphRuntime
@@ -165,16 +154,9 @@ def main():
 
             graphed_mod.RUNTIME = FakeGraphRuntime()
         result["graphed"] = train(args, rank, world, graphed=True)
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)  # skip process-group teardown: a peer that already left must not stall us
+        return result
 
+    run_rank(args.device, args.out, body)
 
 if __name__ == "__main__":
     main()
