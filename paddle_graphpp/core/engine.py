@@ -1180,6 +1180,10 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
        on its inputs, outputs and parameters work as usual.
     .. warning:: The schedule must repeat every step: graphs are replayed in capture order, and a
        different order raises :class:`paddle_graphpp.GraphScheduleError` (use ``memory="per_graph"``).
+    .. warning:: (PyTorch) A backward that asks for input gradients only (``torch.autograd.grad``
+       w.r.t. the inputs, as zero-bubble schedules' input pass does) runs the input half; the
+       micro-batch stays in flight until a backward asks for the parameters' gradients (the
+       weight pass), which receives them as autograd would (the schedule adds them into ``.grad``).
     """
 
 

@@ -8,7 +8,8 @@ callables and modules marked with :func:`~paddle_graphpp.core.segment.mark_not_c
 stay eager between the graphs.
 
 The result is an ordinary ``torch.nn.Module``: hand it to ``PipelineStage`` and run
-``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` as usual::
+``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or a zero-bubble schedule
+(``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) as usual::
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from paddle_graphpp.torch.pipelining import graph_stage_module
@@ -21,7 +22,9 @@ The result is an ordinary ``torch.nn.Module``: hand it to ``PipelineStage`` and 
 The schedule's sends and receives happen between stage calls, so they stay outside the
 graphs; received activations are copied into each graph's static input buffers by the engine.
 Each graphed run keeps its own FIFO of in-flight micro-batches, so the several chunks of an
-interleaved schedule on one rank do not interfere.
+interleaved schedule on one rank do not interfere. Under a zero-bubble schedule each graphed
+run splits its backward the way the schedule does: the input pass replays an input-gradient
+graph, the deferred weight pass a weight-gradient graph (see ``paddle_graphpp.core.engine``).
 """
 
 from __future__ import annotations
