@@ -291,3 +291,46 @@ def test_benchmark_smoke_runs_every_schedule_eager_and_graphed():
     summary = json.loads(end.stdout[end.stdout.index("{\n"):])
     assert summary["all_ok"] is True  # graphed losses equal eager's under each schedule
     assert set(summary["graphed_zb_vs_eager_zb"]["seq64_mb4"]) == set(ZB_SCHEDULES)
+
+
+# ------------------------------------------------------------------ the split on its own
+class Reused(torch.nn.Module):
+    """One weight used twice on the activations' path (its junctions lie one after the other),
+    another only on the weights' side, one not at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.randn(8))
+        self.offset = torch.nn.Parameter(torch.randn(8))
+        self.unused = torch.nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        h = self.lin(torch.tanh(self.lin(x)))
+        return h * self.scale.exp() + self.offset.sin().sum(), self.offset.cos()
+
+
+def test_input_then_weight_half_give_autograd_gradients():
+    from paddle_graphpp.torch import split_backward
+
+    torch.manual_seed(0)
+    module = Reused()
+    params = list(module.parameters())
+    x = torch.randn(3, 8, requires_grad=True)
+    outs = module(x)
+    grads_out = [torch.randn_like(o) for o in outs]
+    want = torch.autograd.grad(outs, [x, *params], grads_out, retain_graph=True, allow_unused=True)
+
+    got_x, state = split_backward.backward_input(list(outs), grads_out, [x], params)
+    torch.testing.assert_close(got_x[0], want[0], rtol=0, atol=0)
+    got = [None] * len(params)
+    for index, grads in split_backward.backward_weight(state, params):
+        for i, g in zip(index, grads):
+            assert got[i] is None  # each parameter once
+            got[i] = g
+    for i, (g, w) in enumerate(zip(got, want[1:])):
+        if w is None:  # the unused parameter: zeros (the weight pass asks for every parameter)
+            assert torch.count_nonzero(g) == 0, i
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert state.groups == [] and state.saved == {}  # released
