@@ -35,8 +35,51 @@ class _GraphedFunction(torch.autograd.Function):
         # Zero-bubble schedules ask for the inputs' gradients first (torch.autograd.grad
         # w.r.t. the stage inputs) and for the parameters' later: the engine splits the backward
         # when autograd wants no parameter gradient from this node.
+        stashed = getattr(ctx, "stashed_grads", None)
+        if stashed is not None:  # see _hide_extra_output_grads
+            grads, ctx.stashed_grads = stashed, None
         wanted = _split.weights_wanted(ctx, len(ctx.call.tensors))
         return (None, *node_backward(ctx, grads, weights_wanted=wanted))
+
+
+def _weight_pass_sums_output_grads() -> bool:
+    """Does this torch's ``stage_backward_weight`` (torch.distributed.pipelining) sum the
+    gradients a multi-output node received and send the sum to its first output? Torch up to
+    2.11 does (pytorch/pytorch#170277): the sum fails when the outputs' shapes differ."""
+    global _SUMS_OUTPUT_GRADS
+    if _SUMS_OUTPUT_GRADS is None:
+        try:
+            import inspect
+
+            from torch.distributed.pipelining import _backward
+
+            _SUMS_OUTPUT_GRADS = "sum(non_none_grads)" in inspect.getsource(_backward.stage_backward_weight)
+        except Exception:  # noqa: BLE001 - no pipelining, or no source: nothing to work around
+            _SUMS_OUTPUT_GRADS = False
+    return _SUMS_OUTPUT_GRADS
+
+
+_SUMS_OUTPUT_GRADS = None
+
+
+def _hide_extra_output_grads(outputs: tuple) -> None:
+    """On a torch whose weight pass sums a node's output gradients: hand autograd's pre-hooks
+    (the pipelining input pass saves what they see) only the first output's gradient, and the
+    node the real ones. The node's weight half reads the gradients it kept from its input half,
+    so what the weight pass sends it is never used: only the sum must not fail."""
+    node = next((o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None), None)
+    if node is None:
+        return
+
+    def hide(grad_outputs):
+        if sum(g is not None for g in grad_outputs) < 2:
+            return None
+        node_ctx.stashed_grads = tuple(grad_outputs)
+        first = next(i for i, g in enumerate(grad_outputs) if g is not None)
+        return tuple(g if i == first else None for i, g in enumerate(grad_outputs))
+
+    node_ctx = node  # the node is the custom function's ctx
+    node.register_prehook(hide)
 
 
 class TorchRuntime(GraphRuntime):
@@ -226,7 +269,10 @@ class TorchRuntime(GraphRuntime):
     def apply_graphed_function(self, call, tensors, params) -> tuple:
         if self._lender is not None:
             self._lender.abandon_step()  # an optimizer step that raised left the borrowed pool active
-        return _GraphedFunction.apply(call, *tensors, *params)
+        outputs = _GraphedFunction.apply(call, *tensors, *params)
+        if isinstance(outputs, tuple) and len(outputs) > 1 and _weight_pass_sums_output_grads():
+            _hide_extra_output_grads(outputs)
+        return outputs
 
     # graph operations
     def create_graph(self):
