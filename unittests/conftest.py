@@ -7,3 +7,22 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def rt():
+    """A fresh fake graph runtime (unittests/fake_runtime.py: capture and replay only keep the
+    books), with no pool plan or capture process left from another test."""
+    from fake_runtime import FakeGraphRuntime
+    from paddle_graphpp.core import capture as capture_mod
+    from paddle_graphpp.core import memory as memory_mod
+
+    runtime = FakeGraphRuntime()
+    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
+        table.pop(runtime.name, None)
+    yield runtime
+    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
+        table.pop(runtime.name, None)

@@ -27,14 +27,6 @@ class Graphed(torch.nn.Module):
         return self.engine(args, kwargs)
 
 
-@pytest.fixture
-def rt():
-    runtime = FakeGraphRuntime()
-    memory_mod._PLANS.pop(runtime.name, None)
-    yield runtime
-    memory_mod._PLANS.pop(runtime.name, None)
-
-
 def step(layer, order, shape=(2, 4)):
     """Run an order like 'f1 f2 b1 b2'; returns the call kinds in order of forwards."""
     outs = {}

@@ -44,16 +44,6 @@ class Scaled(torch.nn.Module):
         return self.fc(x) * self.scale
 
 
-@pytest.fixture
-def rt():
-    runtime = FakeGraphRuntime()
-    memory_mod._PLANS.pop(runtime.name, None)
-    capture_mod._PROCESSES.pop(runtime.name, None)
-    yield runtime
-    memory_mod._PLANS.pop(runtime.name, None)
-    capture_mod._PROCESSES.pop(runtime.name, None)
-
-
 def step(model, n=2):
     """One step of ``n`` micro-batches (all forwards, then all backwards)."""
     outs = [model(torch.randn(3, 4, requires_grad=True)) for _ in range(n)]

@@ -5,9 +5,6 @@ identical with and without graph_stage_module under Schedule1F1B and ScheduleInt
 and, with the fake graph runtime, that each schedule's forward/backward order pairs up in every
 graphed run's FIFO. Capture and replay numbers are checked on GPUs (tools/bench_pipeline.py).
 """
-import json
-import os
-import sys
 import warnings
 
 import pytest
@@ -17,11 +14,7 @@ from torch import nn
 import paddle_graphpp
 from paddle_graphpp.torch.graphed import CUDAGraphedModule
 from paddle_graphpp.torch.pipelining import GraphedStage, graph_stage_module
-from tools import launch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-WORKER = os.path.join(HERE, "workers", "torch_pipeline_worker.py")
+from pipeline_ranks import run_pipeline_ranks
 
 
 @pytest.fixture(autouse=True)
@@ -126,15 +119,7 @@ def test_bad_stages_are_rejected_with_the_fix():
 
 
 # ------------------------------------------------------------------------- distributed
-def run_ranks(args, tmp_path, world=2, timeout=150):
-    """Start the worker on ``world`` gloo ranks; kill them all on timeout. Returns {rank: result}."""
-    envs = launch.rank_envs(world, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
-    ends = launch.run_ranks([[sys.executable, WORKER, "--out", str(tmp_path), *args]] * world, envs=envs,
-                            timeout=timeout, merge_stderr=True)
-    codes = [None if e.stopped else e.returncode for e in ends]
-    text = "".join(e.stdout for e in ends)
-    assert codes == [0] * world, f"ranks failed or hung (codes {codes}):\n{text[-6000:]}"
-    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
+run_ranks = run_pipeline_ranks
 
 
 @pytest.mark.slow

@@ -21,16 +21,14 @@ import torch
 import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from fake_runtime import FakeGraphRuntime
-from paddle_graphpp.core import memory as memory_mod
 from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
 from paddle_graphpp.core.errors import GraphScheduleError
 from paddle_graphpp.torch import CUDAGraphedModule
+from pipeline_ranks import run_pipeline_ranks
 from tools import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-WORKER = os.path.join(HERE, "workers", "torch_pipeline_worker.py")
 
 ZB_SCHEDULES = [name for name, cls in [("interleaved_zb", "ScheduleInterleavedZeroBubble"),
                                        ("zbv", "ScheduleZBVZeroBubble"),
@@ -157,12 +155,6 @@ def test_a_full_backward_still_runs_in_one_piece():
 
 
 # ----------------------------------------------------------------- fake graph runtime
-@pytest.fixture
-def rt():
-    runtime = FakeGraphRuntime()
-    memory_mod._PLANS.pop(runtime.name, None)
-    yield runtime
-    memory_mod._PLANS.pop(runtime.name, None)
 
 
 class Graphed(torch.nn.Module):
@@ -257,15 +249,7 @@ def test_pending_weight_passes_count_against_max_in_flight(rt):
 
 
 # ------------------------------------------------------------------- two gloo ranks
-def run_ranks(args, tmp_path, world=2, timeout=150):
-    """The pipeline worker on ``world`` gloo ranks, killed at ``timeout``. Returns {rank: result}."""
-    envs = launch.rank_envs(world, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
-    ends = launch.run_ranks([[sys.executable, WORKER, "--out", str(tmp_path), *args]] * world, envs=envs,
-                            timeout=timeout, merge_stderr=True)
-    codes = [None if e.stopped else e.returncode for e in ends]
-    text = "".join(e.stdout for e in ends)
-    assert codes == [0] * world, f"ranks failed or hung (codes {codes}):\n{text[-6000:]}"
-    return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
+run_ranks = run_pipeline_ranks
 
 
 @pytest.mark.slow
