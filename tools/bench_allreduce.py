@@ -98,9 +98,8 @@ def suggested_choice(rows) -> dict:
 
     custom_max = 0
     for row in rows:
-        best = min(v for v in (one_shot(row), us(row, "two_shot")) if v is not None) if (
-            one_shot(row) is not None or us(row, "two_shot") is not None) else None
-        if best is None or "nccl" not in row or best >= us(row, "nccl"):
+        customs = [v for v in (one_shot(row), us(row, "two_shot")) if v is not None]
+        if not customs or "nccl" not in row or min(customs) >= us(row, "nccl"):
             break
         custom_max = row["bytes"]
     two_shot_min = None

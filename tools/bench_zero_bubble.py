@@ -42,6 +42,7 @@ if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from tools import benchlib  # noqa: E402
 from tools.bench_pipeline import run_one  # noqa: E402
+from tools.engine_parity import run_order  # noqa: E402
 
 BUDGET_S = 3600
 LOSS_RTOL = 1e-3  # bf16: two eager runs already differ by ~1e-6; a wrong gradient shows far above this
@@ -158,26 +159,8 @@ FULL_ORDER = "f1 f2 b1 f3 b2 f4 b3 b4"
 SPLIT_ORDER = "f1 f2 i1 f3 i2 w1 f4 i3 w2 i4 w3 w4"
 
 
-def run_order(model, xs, order):
-    """One step of ``order`` over the micro-batches ``xs`` (fN forward, bN full backward, iN/wN
-    the input and weight passes of torch.distributed.pipelining); returns the losses."""
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-
-    outs, passes, losses = {}, {}, []
-    for tok in order.split():
-        kind, n = tok[0], int(tok[1:]) - 1
-        if kind == "f":
-            outs[n] = model(xs[n])
-        elif kind in "bi":
-            loss = outs[n].float().square().mean()
-            losses.append(loss.detach())
-            if kind == "b":
-                loss.backward()
-            else:
-                _, passes[n] = stage_backward_input([loss], None, [xs[n]], model.parameters())
-        else:
-            stage_backward_weight(model.parameters(), passes.pop(n))
-    return losses
+def split_loss(output):
+    return output.float().square().mean()
 
 
 def single_gpu(opts) -> int:
@@ -211,7 +194,7 @@ def single_gpu(opts) -> int:
 
             def one(model=model, order=order, key=key):
                 xs = [b.clone().requires_grad_(True) for b in base]
-                losses[key] = run_order(model, xs, order)
+                losses[key] = run_order(model, xs, order, split_loss)
                 model.zero_grad(set_to_none=False)
 
             variants[key] = one

@@ -63,6 +63,31 @@ def run_step(model, xs, order, seed):
     return {n: o[:2] for n, o in outs.items()}, [x.grad.clone() for x in xs], torch.stack(losses)
 
 
+def run_order(model, xs, order, loss_of, *, first=1):
+    """One step of a pipeline order over the micro-batches ``xs``: ``fN`` runs the forward of
+    micro-batch ``N`` (``xs[N - first]``), ``bN`` its full backward, ``iN`` and ``wN`` the input
+    and the weight pass of torch.distributed.pipelining's zero-bubble schedules
+    (``stage_backward_input`` / ``stage_backward_weight``). ``loss_of(output)`` makes the loss
+    of a forward's output. Returns ``{index into xs: detached loss}``."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    outs, passes, losses = {}, {}, {}
+    for tok in order.split():
+        kind, n = tok[0], int(tok[1:]) - first
+        if kind == "f":
+            outs[n] = model(xs[n])
+        elif kind == "w":
+            stage_backward_weight(model.parameters(), passes.pop(n))
+        else:
+            loss = loss_of(outs[n])
+            losses[n] = loss.detach()
+            if kind == "b":
+                loss.backward()
+            else:
+                _, passes[n] = stage_backward_input([loss], None, [xs[n]], model.parameters())
+    return losses
+
+
 def check_parity(*, accumulate_grads: bool, steps: int = 12, device: str = "cuda") -> float:
     """Train the stack eagerly and graphed side by side for ``steps`` steps; return the worst
     relative error of losses, outputs, input and parameter gradients, and final weights.

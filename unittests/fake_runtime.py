@@ -7,6 +7,9 @@ which calls warm up, capture or replay, pool generations, order checks and error
 import contextlib
 import itertools
 
+import torch
+
+from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
 from paddle_graphpp.torch.runtime import TorchRuntime
 
 
@@ -71,3 +74,17 @@ class FakeGraphRuntime(TorchRuntime):
 
     def release_cached_memory(self):
         self.released += 1
+
+
+class Graphed(torch.nn.Module):
+    """The shape of CUDAGraphedModule over a runtime of the test's choosing (this fake one,
+    usually): ``module`` behind a :class:`~paddle_graphpp.core.engine.GraphedCallable`."""
+
+    def __init__(self, module, runtime, **opts):
+        super().__init__()
+        self.module = module
+        self.engine = GraphedCallable(module, runtime, lambda: list(module.parameters()),
+                                      name=f"test:{type(module).__name__}", options=EngineOptions(**opts))
+
+    def forward(self, *args, **kwargs):
+        return self.engine(args, kwargs)

@@ -10,21 +10,10 @@ import weakref
 import pytest
 import torch
 
-from fake_runtime import FakeGraphRuntime
+from fake_runtime import FakeGraphRuntime, Graphed
 from paddle_graphpp.core import memory as memory_mod
-from paddle_graphpp.core.engine import EngineOptions, GraphedCallable, Phase
+from paddle_graphpp.core.engine import EngineOptions, Phase
 from paddle_graphpp.core.errors import CaptureError, GraphScheduleError
-
-
-class Graphed(torch.nn.Module):
-    def __init__(self, module, runtime, **opts):
-        super().__init__()
-        self.module = module
-        self.engine = GraphedCallable(module, runtime, lambda: list(module.parameters()),
-                                      name=f"test:{type(module).__name__}", options=EngineOptions(**opts))
-
-    def forward(self, *args, **kwargs):
-        return self.engine(args, kwargs)
 
 
 def step(layer, order, shape=(2, 4)):

@@ -91,3 +91,11 @@ def test_grad_scaler_reads_the_wrapped_optimizers_parameters():
     opt = paddle_graphpp.GraphedOptimizer(inner)
     assert opt._parameter_list is inner._parameter_list
     assert opt._param_groups is inner._param_groups
+
+
+def test_reset_graphs_walks_a_paddle_model():
+    # reset_graphs finds graphed layers through the runtime of the model's framework
+    # (Paddle: sublayers); the reset layers warm up again
+    model, _, _ = build(0)
+    assert paddle_graphpp.reset_graphs(model) == 2
+    assert paddle_graphpp.reset_graphs(paddle.nn.Linear(2, 2)) == 0

@@ -7,29 +7,12 @@ import pytest
 import torch
 
 import paddle_graphpp
-from fake_runtime import FakeGraphRuntime
+from fake_runtime import FakeGraphRuntime, Graphed
 from paddle_graphpp.core import capture as capture_mod
 from paddle_graphpp.core import memory as memory_mod
-from paddle_graphpp.core.engine import EngineOptions, GraphedCallable, Phase
+from paddle_graphpp.core.engine import Phase
 from paddle_graphpp.core.errors import GraphScheduleError, StateReplacedError
 from paddle_graphpp.core.state import StateWatch
-
-
-class Graphed(torch.nn.Module):
-    """The shape of CUDAGraphedModule over a runtime of the test's choosing."""
-
-    def __init__(self, module, runtime, **opts):
-        super().__init__()
-        self.module = module
-        self._engine = GraphedCallable(module, runtime, lambda: list(module.parameters()),
-                                       name=f"test:{type(module).__name__}", options=EngineOptions(**opts))
-
-    @property
-    def engine(self):
-        return self._engine
-
-    def forward(self, *args, **kwargs):
-        return self._engine(args, kwargs)
 
 
 class Scaled(torch.nn.Module):
@@ -57,7 +40,7 @@ def captured(rt):
                                 Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=1))
     for _ in range(3):
         step(model)
-    assert all(m._engine.phase() is Phase.READY and m._engine.replays == 4 for m in model)
+    assert all(m.engine.phase() is Phase.READY and m.engine.replays == 4 for m in model)
     return model
 
 
@@ -92,12 +75,12 @@ def replacements():
 def test_replaced_parameter_or_buffer_is_refused_at_replay(rt, replace, what):
     model = captured(rt)
     replace(model)
-    before = model[0]._engine.replays
+    before = model[0].engine.replays
     with pytest.raises(StateReplacedError, match=r"test:Scaled: " + what + r".*load_state_dict.*reset_graphs"):
         step(model)
-    assert model[0]._engine.replays == before  # nothing replayed into the old memory
+    assert model[0].engine.replays == before  # nothing replayed into the old memory
     # The refused call left no micro-batch in flight: the layer can be reset right away.
-    assert model[0]._engine.in_flight == 0 and model[0]._engine.process.clock.in_flight == 0
+    assert model[0].engine.in_flight == 0 and model[0].engine.process.clock.in_flight == 0
     with pytest.raises(StateReplacedError):  # and it keeps refusing, never replays stale
         step(model)
 
@@ -108,7 +91,7 @@ def test_load_state_dict_copies_in_place_and_replays_go_on(rt):
     model.load_state_dict(_graphed_keys(fresh.state_dict()))
     torch.testing.assert_close(model[0].module.fc.weight, fresh[0].fc.weight, rtol=0, atol=0)
     step(model)
-    assert [m._engine.replays for m in model] == [8, 8]
+    assert [m.engine.replays for m in model] == [8, 8]
 
 
 def _graphed_keys(state):
@@ -122,8 +105,8 @@ def test_reset_graphs_captures_anew_against_the_new_tensors(rt):
     with pytest.raises(StateReplacedError):
         step(model)
     assert paddle_graphpp.reset_graphs(model) == 2
-    assert all(m._engine.graph_count() == 0 for m in model)
-    captures = [m._engine.captures for m in model]
+    assert all(m.engine.graph_count() == 0 for m in model)
+    captures = [m.engine.captures for m in model]
     # Warmup runs eagerly with the new weights: the outputs are the plain modules' outputs.
     x = torch.randn(3, 4, requires_grad=True)
     y = model(x)
@@ -132,14 +115,14 @@ def test_reset_graphs_captures_anew_against_the_new_tensors(rt):
     y.sum().backward()
     for _ in range(3):  # warmup done, record, capture
         step(model)
-    assert [m._engine.captures - c for m, c in zip(model, captures)] == [4, 4]
-    assert all(m._engine.phase() is Phase.READY for m in model)
-    watch = model[0]._engine._signatures[next(iter(model[0]._engine._signatures))].positions[0].state
+    assert [m.engine.captures - c for m, c in zip(model, captures)] == [4, 4]
+    assert all(m.engine.phase() is Phase.READY for m in model)
+    watch = model[0].engine._signatures[next(iter(model[0].engine._signatures))].positions[0].state
     assert watch.changed() is None
     # Chained layers are linked again in the new capture: layer 1 replays, not eagerly.
-    replays = model[1]._engine.replays
+    replays = model[1].engine.replays
     step(model)
-    assert model[1]._engine.replays == replays + 4  # forward and backward of 2 micro-batches
+    assert model[1].engine.replays == replays + 4  # forward and backward of 2 micro-batches
 
 
 def test_reset_graphs_finds_blocks_graphed_in_place():
@@ -157,7 +140,7 @@ def test_reset_refuses_while_in_flight(rt):
     y = model(torch.randn(3, 4, requires_grad=True))
     with pytest.raises(GraphScheduleError, match="in flight.*Nothing was reset"):
         paddle_graphpp.reset_graphs(model)
-    assert all(m._engine.graph_count() == 4 for m in model)
+    assert all(m.engine.graph_count() == 4 for m in model)
     y.sum().backward()
 
 
@@ -166,9 +149,9 @@ def test_reset_while_a_recording_waits_for_capture(rt):
     step(model)  # recorded, to be captured at the next step's start
     paddle_graphpp.reset_graphs(model)
     step(model)  # nothing of the reset layer is captured: it records again
-    assert model[0]._engine.captures == 0 and model[0]._engine.phase() is Phase.RECORD
+    assert model[0].engine.captures == 0 and model[0].engine.phase() is Phase.RECORD
     step(model)
-    assert model[0]._engine.captures == 4 and model[0]._engine.replays == 4
+    assert model[0].engine.captures == 4 and model[0].engine.replays == 4
 
 
 def test_state_watch_costs_a_fraction_of_a_microsecond_per_tensor():
@@ -320,7 +303,7 @@ def test_zero_grad_after_a_skipped_step_zeroes_what_backward_graphs_wrote(graphe
         layer(torch.randn(3, 4, requires_grad=True)).sum().backward()
         gopt.step()
         gopt.zero_grad()
-    assert layer._engine.replays == 4 and all(torch.count_nonzero(p.grad) == 0 for p in lin.parameters())
+    assert layer.engine.replays == 4 and all(torch.count_nonzero(p.grad) == 0 for p in lin.parameters())
     for p in lin.parameters():
         p.grad.data.fill_(1.0)  # written as a graph writes: no version bump
     gopt.zero_grad()

@@ -21,11 +21,12 @@ import torch
 import torch.distributed.pipelining as pipelining
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
 from paddle_graphpp.core.errors import GraphScheduleError
 from paddle_graphpp.torch import CUDAGraphedModule
 from pipeline_ranks import run_pipeline_ranks
 from tools import launch
+from tools.engine_parity import run_order
+from fake_runtime import Graphed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -60,22 +61,10 @@ class Block(torch.nn.Module):
 
 
 def zero_bubble_step(module, xs, order):
-    """Run micro-batches through ``module`` as a zero-bubble stage does: ``f<n>`` forward,
-    ``i<n>`` input pass, ``w<n>`` weight pass, ``b<n>`` full backward. Returns the inputs'
-    gradients."""
-    outs, passes = {}, {}
-    for tok in order.split():
-        kind, n = tok[0], int(tok[1:])
-        if kind == "f":
-            outs[n] = module(xs[n])
-        elif kind == "i":
-            h, extra = outs[n]
-            _, passes[n] = stage_backward_input([h.square().sum() + extra], None, [xs[n]], module.parameters())
-        elif kind == "w":
-            stage_backward_weight(module.parameters(), passes.pop(n))
-        else:
-            h, extra = outs[n]
-            (h.square().sum() + extra).backward()
+    """Run micro-batches through ``module`` as a zero-bubble stage does (``f<n>`` forward,
+    ``i<n>`` input pass, ``w<n>`` weight pass, ``b<n>`` full backward; ``n`` from 0). Returns
+    the inputs' gradients."""
+    run_order(module, xs, order, lambda out: out[0].square().sum() + out[1], first=0)
     return [x.grad for x in xs]
 
 
@@ -155,17 +144,6 @@ def test_a_full_backward_still_runs_in_one_piece():
 
 
 # ----------------------------------------------------------------- fake graph runtime
-
-
-class Graphed(torch.nn.Module):
-    def __init__(self, module, runtime, **opts):
-        super().__init__()
-        self.module = module
-        self.engine = GraphedCallable(module, runtime, lambda: list(module.parameters()),
-                                      name=f"test:{type(module).__name__}", options=EngineOptions(**opts))
-
-    def forward(self, *args):
-        return self.engine(args, {})
 
 
 def fake_step(layer, order):

@@ -57,7 +57,7 @@ from . import guards as _guards
 from . import memory as _memory
 from .capture import Process, process_for
 from .errors import CaptureError, GraphedLayerError, GraphScheduleError, SignatureError, StateReplacedError, release_frames
-from .runtime import GraphRuntime, TensorSpec
+from .runtime import GraphRuntime, TensorSpec, runtime_for
 from .schedule import InFlightQueue
 from .state import StateWatch
 from .tree import flatten, unflatten
@@ -1221,8 +1221,7 @@ def reset_graphs(model: Any) -> int:
     Raises:
         GraphScheduleError: a micro-batch is in flight in one of them (nothing is reset).
     """
-    walk = getattr(model, "modules", None)
-    subs = walk() if callable(walk) else model.sublayers(include_self=True)
+    subs = runtime_for(model).submodules(model)
     # Graphed layer classes expose their engine as ``engine`` (blocks graphed in place by
     # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
     engines = list({id(e): e for e in (getattr(m, "engine", None) for m in subs)

@@ -65,7 +65,7 @@ class GraphRuntime(abc.ABC):
       :meth:`clone_many`, :meth:`detach`;
     * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`,
       :meth:`state_slots`, :meth:`storage_addresses` (the replay-time check of
-      :mod:`paddle_graphpp.core.state`);
+      :mod:`paddle_graphpp.core.state`), :meth:`submodules`;
     * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
       :meth:`autograd_grad`, :meth:`backward_into`, :meth:`apply_graphed_function`,
       :meth:`leaves_without_grad`,
@@ -148,6 +148,11 @@ class GraphRuntime(abc.ABC):
         ``(holder, key, name)`` triples, ``holder[key]`` being the tensor and ``name`` saying
         which it is (``"parameter 'fc.weight'"``). Default: nothing is checked."""
         return []
+
+    def submodules(self, model: Any) -> list:
+        """Every module (layer) of ``model``, ``model`` included: where
+        :func:`paddle_graphpp.reset_graphs` looks for graphed layers. Default: ``[model]``."""
+        return [model]
 
     def storage_addresses(self, tensors: Sequence[Any]) -> list:
         """The device address of each tensor's first element (called at every check: keep it

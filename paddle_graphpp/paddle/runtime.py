@@ -135,6 +135,9 @@ class PaddleRuntime(GraphRuntime):
     def storage_addresses(self, tensors) -> list:
         return [t.data_ptr() for t in tensors]
 
+    def submodules(self, model) -> list:
+        return model.sublayers(include_self=True) if isinstance(model, paddle.nn.Layer) else [model]
+
     # autograd
     def grad_enabled(self) -> bool:
         return paddle.is_grad_enabled()

@@ -375,7 +375,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         if self.master_weights is not None:
             held = dict(enumerate(self.master_weights.params))
             slots += [(held, i, f"model parameter {i} of master_weights") for i in held]
-        return StateWatch(get_runtime("torch"), slots)
+        return StateWatch(self._runtime, slots)
 
     def _check_state(self) -> None:
         what = self._watch.changed()

@@ -74,11 +74,10 @@ def _hide_extra_output_grads(outputs: tuple) -> None:
     def hide(grad_outputs):
         if sum(g is not None for g in grad_outputs) < 2:
             return None
-        node_ctx.stashed_grads = tuple(grad_outputs)
+        node.stashed_grads = tuple(grad_outputs)  # the node is the custom function's ctx
         first = next(i for i, g in enumerate(grad_outputs) if g is not None)
         return tuple(g if i == first else None for i, g in enumerate(grad_outputs))
 
-    node_ctx = node  # the node is the custom function's ctx
     node.register_prehook(hide)
 
 
@@ -168,6 +167,9 @@ class TorchRuntime(GraphRuntime):
 
     def storage_addresses(self, tensors) -> list:
         return list(map(torch.Tensor.data_ptr, tensors))
+
+    def submodules(self, model) -> list:
+        return list(model.modules()) if isinstance(model, torch.nn.Module) else [model]
 
     # autograd
     def grad_enabled(self) -> bool:

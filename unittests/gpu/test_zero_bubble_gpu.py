@@ -22,11 +22,10 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
 
 import torch.distributed.pipelining as pipelining  # noqa: E402
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight  # noqa: E402
 
 from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
 from tools import launch  # noqa: E402
-from tools.engine_parity import SEQ, TOLERANCE, Stack, rel  # noqa: E402
+from tools.engine_parity import SEQ, TOLERANCE, Stack, rel, run_order  # noqa: E402
 
 DEV = "cuda"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,22 +51,7 @@ def zb_step(model, xs, seed):
     ``seed``: reseed first, so the eager and the graphed model draw the same dropout masks."""
     if seed is not None:
         torch.manual_seed(seed)
-    outs, passes, losses = {}, {}, {}
-    for tok in ZB_ORDER.split():
-        kind, n = tok[0], int(tok[1:]) - 1
-        if kind == "f":
-            outs[n] = model(xs[n])
-            continue
-        if kind in "ib":
-            h, aux = outs[n]
-            loss = h.square().mean() + aux.sin().mean()
-            losses[n] = loss.detach().clone()
-        if kind == "i":
-            _, passes[n] = stage_backward_input([loss], None, [xs[n]], model.parameters())
-        elif kind == "w":
-            stage_backward_weight(model.parameters(), passes.pop(n))
-        else:
-            loss.backward()
+    losses = run_order(model, xs, ZB_ORDER, lambda out: out[0].square().mean() + out[1].sin().mean())
     return torch.stack([losses[n] for n in range(len(xs))]), [x.grad.clone() for x in xs]
 
 
