@@ -16,6 +16,7 @@ memory one pool caches and another cannot use.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 
 __all__ = ["start", "analyze"]
@@ -62,7 +63,11 @@ def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_sin
     ``top`` allocation sites alive then (MiB). ``complete`` is False when the history ring
     dropped early events (then baselines such as parameters may be missing). With
     ``steady_since_us`` (a ``time.time() * 1e6`` stamp) the peak reserved after that moment is
-    broken down too, as ``steady_peak_reserved``.
+    broken down too, as ``steady_peak_reserved``, and so is the moment each pool's allocated
+    memory peaked after it, as ``steady_peak_allocated <pool>``. Each moment also splits every
+    pool's free space into ``free_in_empty_segments_mib`` (segments with nothing allocated,
+    which ``empty_cache`` would return) and ``free_in_used_segments_mib`` (holes beside live
+    tensors, which only that pool's own later allocations can use).
     """
     import torch
 
@@ -75,6 +80,8 @@ def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_sin
     marks = {peaks["reserved_index"]: "peak_reserved", peaks["allocated_index"]: "peak_allocated"}
     if peaks.get("steady_index", -1) >= 0:
         marks.setdefault(peaks["steady_index"], "steady_peak_reserved")
+    for pool, index in sorted(peaks.get("steady_pool_index", {}).items()):
+        marks.setdefault(index, f"steady_peak_allocated {pool}")
     return {"complete": complete, "events": len(events), **_replay(events, marks, top)}
 
 
@@ -83,6 +90,8 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -
     seg_pool: dict[int, tuple] = {}  # segment addr -> (size, pool)
     reserved = allocated = 0
     best_res = best_alloc = best_steady = (-1, -1)
+    pool_alloc: dict = defaultdict(int)  # pool -> allocated now
+    best_pool: dict = {}  # pool -> (allocated, index), after since_us
     out: dict = {}
 
     def moment() -> dict:
@@ -94,11 +103,25 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -
         res_pool: dict = defaultdict(int)
         for size, pool in seg_pool.values():
             res_pool[pool] += size
+        # which segment each live block sits in: free space in used vs empty segments
+        starts = sorted(seg_pool)
+        used_in_seg: dict = defaultdict(int)
+        for addr, (size, _pool_name, _label) in live.items():
+            i = bisect.bisect_right(starts, addr) - 1
+            if i >= 0:
+                used_in_seg[starts[i]] += size
+        free_empty: dict = defaultdict(int)
+        free_used: dict = defaultdict(int)
+        for seg, (size, pool) in seg_pool.items():
+            used = used_in_seg.get(seg, 0)
+            (free_used if used else free_empty)[pool] += size - used
         return {
             "reserved_mib": round(reserved / MIB, 1),
             "allocated_mib": round(allocated / MIB, 1),
             "reserved_by_pool_mib": {k: round(v / MIB, 1) for k, v in sorted(res_pool.items())},
             "allocated_by_pool_mib": {k: round(v / MIB, 1) for k, v in sorted(alloc_pool.items())},
+            "free_in_empty_segments_mib": {k: round(v / MIB, 1) for k, v in sorted(free_empty.items())},
+            "free_in_used_segments_mib": {k: round(v / MIB, 1) for k, v in sorted(free_used.items())},
             "top_sites_mib": {k: round(v / MIB, 1)
                               for k, v in sorted(sites.items(), key=lambda kv: -kv[1])[:top]},
         }
@@ -110,10 +133,12 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -
             label = _label(ev.get("frames") or []) if marks is not None else ""
             live[ev["addr"]] = (size, _pool(ev), label)
             allocated += size
+            pool_alloc[_pool(ev)] += size
         elif action == "free_completed":
             entry = live.pop(ev["addr"], None)
             if entry is not None:
                 allocated -= entry[0]
+                pool_alloc[entry[1]] -= entry[0]
         elif action in ("segment_alloc", "segment_map"):
             seg_pool[ev["addr"]] = (ev["size"], _pool(ev))
             reserved += ev["size"]
@@ -125,12 +150,18 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -
                 best_res = (reserved, index)
             if allocated > best_alloc[0]:
                 best_alloc = (allocated, index)
-            if since_us is not None and ev.get("time_us", 0) >= since_us and reserved > best_steady[0]:
-                best_steady = (reserved, index)
+            if since_us is not None and ev.get("time_us", 0) >= since_us:
+                if reserved > best_steady[0]:
+                    best_steady = (reserved, index)
+                if action == "alloc":
+                    pool = _pool(ev)
+                    if pool_alloc[pool] > best_pool.get(pool, (-1, -1))[0]:
+                        best_pool[pool] = (pool_alloc[pool], index)
         elif index in marks:
             out[marks[index]] = moment()
     if marks is None:
-        return {"reserved_index": best_res[1], "allocated_index": best_alloc[1], "steady_index": best_steady[1]}
+        return {"reserved_index": best_res[1], "allocated_index": best_alloc[1], "steady_index": best_steady[1],
+                "steady_pool_index": {pool: index for pool, (_, index) in best_pool.items()}}
     out["end"] = moment()
     return out
 
@@ -138,12 +169,15 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -
 def describe(trace: dict, sites: int = 8) -> str:
     """A few lines per moment of an :func:`analyze` result."""
     lines = [f"  trace: {trace.get('events')} events, complete={trace.get('complete')}"]
-    for key in ("peak_reserved", "steady_peak_reserved", "peak_allocated", "end"):
+    keys = ["peak_reserved", "steady_peak_reserved", "peak_allocated",
+            *sorted(k for k in trace if k.startswith("steady_peak_allocated ")), "end"]
+    for key in keys:
         m = trace.get(key)
         if not m:
             continue
         lines.append(f"  {key}: reserved {m['reserved_mib']} MiB {m['reserved_by_pool_mib']}, "
-                     f"allocated {m['allocated_mib']} MiB {m['allocated_by_pool_mib']}")
+                     f"allocated {m['allocated_mib']} MiB {m['allocated_by_pool_mib']}, free in empty "
+                     f"segments {m.get('free_in_empty_segments_mib')}, in used {m.get('free_in_used_segments_mib')}")
         for site, mib in list(m["top_sites_mib"].items())[:sites]:
             lines.append(f"      {mib:>9.1f}  {site}")
     return "\n".join(lines)

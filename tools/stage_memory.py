@@ -34,7 +34,10 @@ VARIANTS = {  # graph_stage_module options per variant (None: eager)
     "default": {},
     "no_accumulate": {"accumulate_grads": False},
     "per_graph": {"memory": "per_graph"},
+    "no_reserve": {},  # default options, without the pool's reservation for the optimizer (see VARIANT_ENV)
+    "eager_tied": {"shared": "tied"},  # the tied embedding / head kept eager (the default before 2026-11-25)
 }
+VARIANT_ENV = {"no_reserve": {"FLAGS_graphpp_reserve_pool": "0"}}
 WARMUP = 3  # graph_stage_module's num_warmup_steps, as the trainer uses
 
 
@@ -75,8 +78,9 @@ def worker(args) -> dict:
     if options is not None:
         from paddle_graphpp.torch.pipelining import graph_stage_module
 
-        model = graph_stage_module(chunk, WARMUP, shared=tied if isinstance(tied, tuple) else (tied,),
-                                   name=f"stage{args.stage}", **options)
+        if options.get("shared") == "tied":
+            options = {**options, "shared": tied if isinstance(tied, tuple) else (tied,)}
+        model = graph_stage_module(chunk, WARMUP, name=f"stage{args.stage}", **options)
     optimizer = torch.optim.AdamW(params, lr=3e-4)
     gen = torch.Generator(device=dev).manual_seed(args.stage)
     mb, seq, hid = 1, args.seq_len, args.hidden
@@ -129,6 +133,7 @@ def worker(args) -> dict:
         lender = RUNTIME._lender
         out["optimizer_steps_in_pool"] = None if lender is None else lender.steps
         out["optimizer_steps_declined"] = None if lender is None else lender.declined
+        out["pool_reserved_before_capture_mib"] = None if lender is None else lender.reserved / 2**20
     if args.trace:
         from tools import memtrace
 
@@ -179,7 +184,8 @@ def main(argv=None) -> int:
     for stage in stages:
         for variant in variants:
             cmd = [sys.executable, __file__, *passthrough, "--worker", "--stage", str(stage), "--variant", variant]
-            res = launch.run(cmd, timeout=args.timeout, env={**os.environ, "NCCL_NVLS_ENABLE": "0"})
+            res = launch.run(cmd, timeout=args.timeout,
+                             env={**os.environ, "NCCL_NVLS_ENABLE": "0", **VARIANT_ENV.get(variant, {})})
             rec = last_json_line(res.stdout) if res.returncode == 0 else None
             if rec is None:
                 rec = {"stage": stage, "variant": variant, "error": f"exit {res.returncode}",
@@ -218,16 +224,13 @@ def _print_row(rec: dict, runs: list) -> None:
     print(f"stage {rec['stage']} {rec['variant']:<14} peak {rec['peak_mib']:8.0f}  steady {rec['steady_mib']:8.0f} MiB"
           f"{ratio}  step {rec['steady_step_ms']:.1f} ms", flush=True)
     print("   optimizer steps in the graph pool:", rec.get("optimizer_steps_in_pool"),
-          "declined:", rec.get("optimizer_steps_declined"),
+          "declined:", rec.get("optimizer_steps_declined"), "reserved before capture (MiB):",
+          rec.get("pool_reserved_before_capture_mib"),
           " per step (peak / end / pools):", " ".join(f"{a:.0f}/{b:.0f}/{c:.0f}" for a, b, c in rec["per_step_mib"]))
-    for moment in ("peak_reserved", "steady_peak_reserved"):
-        t = rec.get("trace", {}).get(moment)
-        if not t:
-            continue
-        print(f"   at {moment.replace('_', ' ')}:", json.dumps(t.get("reserved_by_pool_mib")),
-              "allocated:", json.dumps(t.get("allocated_by_pool_mib")))
-        for site, mib in list(t.get("top_sites_mib", {}).items())[:10]:
-            print(f"     {mib:9.1f}  {site}")
+    if rec.get("trace"):
+        from tools import memtrace
+
+        print(memtrace.describe(rec["trace"]))
 
 
 if __name__ == "__main__":
