@@ -15,7 +15,8 @@ declares it with ``SharedLayerDesc`` (fleet syncs the gradient); PyTorch keeps o
 the weight on the first and one on the last stage and sums their gradients after each step.
 With ``--cudagraph`` each stage's blocks are captured as CUDA graphs (``paddle_graphpp.
 PipelineLayer(use_cudagraph=True)`` / ``paddle_graphpp.torch.pipelining.graph_stage_module``);
-the tied layers stay eager. On CPU the graphed layers run eagerly. On GPUs the torch path uses
+Paddle keeps the tied (``SharedLayerDesc``) layers eager, PyTorch graphs them with the blocks.
+On CPU the graphed layers run eagerly. On GPUs the torch path uses
 NCCL (with ``NCCL_NVLS_ENABLE=0``) and TF32 matmuls, one GPU per rank; the paddle path needs a
 Paddle build with CUDA for graphs.
 
@@ -523,10 +524,10 @@ def run_torch(cfg: Config) -> None:
         if cfg.cudagraph:
             from paddle_graphpp.torch.pipelining import graph_stage_module
 
-            t = tied_by_chunk[s]
             accumulate = "auto" if cfg.graph_accumulate_grads is None else cfg.graph_accumulate_grads
-            mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, shared=() if t is None else (t if isinstance(t, tuple) else (t,)),
-                                     memory=cfg.graph_memory, accumulate_grads=accumulate, name=f"stage{s}")
+            # the tied embedding and head are graphed too; _sum_tied_grads reads their .grad after the step
+            mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, memory=cfg.graph_memory,
+                                     accumulate_grads=accumulate, name=f"stage{s}")
             graphed.extend(mod.graphed_modules)
         else:
             mod = chunks[s]

@@ -487,6 +487,30 @@ def test_accumulate_grads_true_refuses_parameters_with_accumulation_hooks(rt):
     assert layer.engine.in_flight == 0
 
 
+def test_a_weight_shared_by_two_layers_is_accumulated_in_one_layers_graphs_only(rt):
+    class Tied(torch.nn.Module):  # a head that uses another module's weight (as a tied embedding)
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+
+        def forward(self, x):
+            return x @ self.weight
+
+    lin = torch.nn.Linear(4, 4)
+    first = Graphed(lin, rt, num_warmup_steps=0)
+    second = Graphed(Tied(lin.weight), rt, num_warmup_steps=0)
+    for _ in range(3):
+        x = torch.randn(2, 4, requires_grad=True)
+        second(first(x)).sum().backward()
+    (sig_a,), (sig_b,) = first.engine._signatures.values(), second.engine._signatures.values()
+    assert sig_a.accumulate and not sig_b.accumulate  # the second leaves the shared weight to autograd
+    assert lin.weight.grad is first.engine._param_grad_buffers[0]
+    third = Graphed(Tied(lin.weight), rt, num_warmup_steps=0, accumulate_grads=True)
+    with pytest.raises(ValueError, match=r"test:Tied: accumulate_grads=True, but a parameter of this layer is "
+                                         r"also one of test:Linear's"):
+        step(third, "f1 b1", shape=(2, 4))
+
+
 def test_accumulate_grads_needs_a_runtime_that_supports_it(rt):
     rt.accumulates_grads_in_graph = False
     with pytest.raises(ValueError, match="accumulate_grads=True is not supported"):
@@ -626,3 +650,35 @@ def test_accumulate_grads_auto_steps_aside_for_megatron_style_accumulator_hooks(
     sig = next(iter(layer.engine._signatures.values()))
     assert sig.accumulate is False
     assert layer.engine.replays == 8 and len(seen) == 2 * 8  # two parameters, every micro-batch
+
+
+def test_a_deferred_capture_records_the_next_episode_instead(rt, monkeypatch):
+    from paddle_graphpp.core import capture as capture_mod
+
+    waits = iter([True, True])  # the runtime asks to wait twice, then lets the capture go
+    monkeypatch.setattr(rt, "defer_capture", lambda: next(waits, False))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    layer = Graphed(lin, rt, num_warmup_steps=1)
+    step(layer, "f1 f2 b1 b2")  # warmup
+    step(layer, "f1 f2 b1 b2")  # recorded
+    for _ in range(2):  # each: the recording is dropped, this episode is recorded instead (eager)
+        step(layer, "f1 f2 b1 b2")
+        assert layer.engine.captures == 0 and layer.engine.phase() is Phase.RECORD
+    assert rt.released == 0  # a dropped recording gives nothing back and captures nothing
+    step(layer, "f1 f2 b1 b2")  # captured at its start, from the last recording
+    assert layer.engine.captures == 4 and layer.engine.replays == 4
+    assert capture_mod.process_for(rt).deferred == 0
+
+
+def test_deferring_stops_after_the_limit(rt, monkeypatch):
+    from paddle_graphpp.core import capture as capture_mod
+
+    monkeypatch.setattr(capture_mod, "MAX_DEFERRED_EPISODES", 2)
+    monkeypatch.setattr(rt, "defer_capture", lambda: True)
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
+    for _ in range(3):  # recorded, then two recordings dropped
+        step(layer, "f1 b1")
+    assert layer.engine.captures == 0
+    step(layer, "f1 b1")  # the limit is reached: captured although the runtime still asks to wait
+    assert layer.engine.captures == 2

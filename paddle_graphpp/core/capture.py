@@ -18,8 +18,16 @@ Every graphed layer of a process reports to one :class:`Process` per runtime. It
   producer's graph writes what the consumer's graph reads and nothing is copied.
 
 At the start of the next episode (the first graphed forward that finds nothing in flight),
-:meth:`Process.capture_recorded` gives the eager episode's cached memory back to the
-driver, allocates the static buffers in one block, then captures every recorded position in recorded order into one pool generation:
+:meth:`Process.capture_recorded` captures the recording, unless the runtime asks to wait
+(:meth:`~paddle_graphpp.core.runtime.GraphRuntime.defer_capture`; PyTorch waits while an
+optimizer exists that has not stepped yet: its first step creates the optimizer state, which
+must not live in the graphs' pool, so a pool captured before it would sit beside that step's
+memory). Then the recording is dropped and the episode starting now is recorded in its place,
+at most :data:`MAX_DEFERRED_EPISODES` times in a row. A capture gives the eager episode's cached
+memory back to the driver, allocates the static buffers in one block, lets the runtime size a new shared pool
+for the eager work that will borrow it
+(:meth:`~paddle_graphpp.core.runtime.GraphRuntime.prepare_pool`), then captures every
+recorded position in recorded order into one pool generation:
 forward graphs and backward graphs interleaved exactly as the step ran them, so memory a
 graph frees is only reused by graphs that run after it. No eager pass runs beside a
 capture, so the capture costs what one eager step's activations cost, once. Capture does
@@ -47,6 +55,8 @@ __all__ = ["Process", "process_for"]
 
 logger = logging.getLogger("paddle_graphpp")
 
+MAX_DEFERRED_EPISODES = 64  # recordings dropped in a row at most while the runtime asks to wait
+
 
 class Link(NamedTuple):
     """Where a recorded input came from: output ``index`` (``kind="out"``) or input gradient
@@ -72,11 +82,15 @@ class Process:
         self._slot_specs: list = []  # spec of each static buffer slot of the recording
         self._free_slots: dict[Any, list] = defaultdict(list)
         self._layers = weakref.WeakValueDictionary()  # id -> layer with captured graphs
+        # id(parameter) -> the layer whose graphs accumulate its gradient (a layer holds its
+        # parameters, so an id here is not reused while its entry lives)
+        self.grad_owners = weakref.WeakValueDictionary()
         # Tensors recorded calls produced, by (kind, alias key): (weak reference, Link). The
         # weak reference proves the memory still belongs to that tensor when it is looked up.
         self._produced_recorded: dict[tuple, tuple] = {}
         self._buffers: Sequence[Any] = ()  # during capture_recorded: the slots' buffers
         self._produced: dict[Link, Any] = {}  # during capture_recorded: captured static tensors
+        self.deferred = 0  # recordings dropped in a row because the runtime asked to wait
 
     # ------------------------------------------------------------- recording
     @property
@@ -159,9 +173,15 @@ class Process:
         specs, self._slot_specs = self._slot_specs, []
         self._free_slots.clear()
         self._produced_recorded.clear()
+        layers = list({id(layer): layer for layer, *_ in events}.values())
+        if self.deferred < MAX_DEFERRED_EPISODES and self.runtime.defer_capture():
+            self.deferred += 1
+            for layer in layers:
+                layer._recording_dropped()
+            return
+        self.deferred = 0
         complete = {(id(layer), key, pos) for layer, key, pos, forward, half in events
                     if not forward and half != "input"}
-        layers = list({id(layer): layer for layer, *_ in events}.values())
         # The recorded episode's activations are free but cached by the allocator: return them
         # so the graphs' pool can take that memory instead of adding to it.
         gc.collect()
@@ -169,6 +189,10 @@ class Process:
         # The static buffers, in one block allocated on the emptied cache (allocated while the
         # recorded episode ran, they would pin pieces of its activations' cached blocks).
         self._buffers = self.runtime.static_buffers(specs) if specs else []
+        if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
+            gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
+            if gen is not None and not gen.order:
+                self.runtime.prepare_pool(gen.pool, [p for layer in layers for p in layer.params()])
         live: dict[tuple, Any] = {}
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         failed: set = set()

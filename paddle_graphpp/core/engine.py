@@ -444,7 +444,25 @@ class GraphedCallable:
                 f"{self.name}: accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
                 f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); pass "
                 f"accumulate_grads='auto' or False for this layer")
-        return not hooked
+        if hooked:
+            return False
+        # A parameter's .grad can be one layer's buffer only: a weight shared with a layer that
+        # already accumulates in its graph (a tied embedding in two stage modules of one rank)
+        # gets its gradient through autograd here, which adds into that buffer in place.
+        owners = self.process.grad_owners
+        other = next((owners[id(p)] for p in params if owners.get(id(p), self) is not self), None)
+        if other is not None:
+            if choice is True:
+                raise ValueError(
+                    f"{self.name}: accumulate_grads=True, but a parameter of this layer is also one of "
+                    f"{other.name}'s, whose graphs already accumulate its gradient; pass accumulate_grads='auto' "
+                    f"(this layer then leaves that parameter's accumulation to autograd) or False")
+            logger.info("%s: shares parameters with %s, which accumulates them in its graphs; this layer's "
+                        "gradients go through autograd", self.name, other.name)
+            return False
+        for p in params:
+            owners[id(p)] = self
+        return True
 
     def _run_eager(self, call: _Call) -> list:
         rt = self.runtime
@@ -519,7 +537,8 @@ class GraphedCallable:
             return self._replay_backward(call, call.done, diff_grads)
         if call.run is _Run.LAUNCHED_CAPTURE:
             return self._capture_and_launch_backward(call, sig, diff_grads)
-        result = self._eager_backward(call, diff_grads)
+        result = self._eager_backward(call, diff_grads, into_grads=call.run is _Run.RECORDED and sig is not None
+                                      and sig.accumulate)
         if call.run is _Run.RECORDED and sig is not None:
             self._record_backward(call, sig, diff_grads, result[:len(call.shape.specs)])
         call.eager = None
@@ -576,11 +595,20 @@ class GraphedCallable:
         call.eager = call.weight_state = None
         return [None] * n_inputs + grads
 
-    def _eager_backward(self, call: _Call, diff_grads: list) -> list:
+    def _eager_backward(self, call: _Call, diff_grads: list, into_grads: bool = False) -> list:
+        """The eager backward. With ``into_grads`` (a recorded call of a layer whose graphs will
+        accumulate into ``.grad``) each parameter gradient goes into ``.grad`` as autograd
+        produces it, as the graphs will do, instead of all of the run's gradients being handed
+        back together (a whole stage's parameter gradients alive at once)."""
         rt = self.runtime
         inner, outs, inner_params = call.eager
         outs = [o for o, d in zip(outs, call.differentiable) if d]
-        wrt = [x for x, s in zip(inner, call.shape.specs) if s.requires_grad] + list(inner_params)
+        inputs = [x for x, s in zip(inner, call.shape.specs) if s.requires_grad]
+        if into_grads and outs:
+            got = iter(rt.backward_to_grads(outs, diff_grads, inputs, inner_params, call.params))
+            rt.graph_grad_writes += 1  # .grad changed outside autograd (see GraphRuntime)
+            return [next(got) if s.requires_grad else None for s in call.shape.specs] + [None] * len(call.params)
+        wrt = inputs + list(inner_params)
         got = iter(rt.autograd_grad(outs, diff_grads, wrt) if outs else [None] * len(wrt))
         input_grads = [next(got) if s.requires_grad else None for s in call.shape.specs]
         return input_grads + list(got)
@@ -705,6 +733,12 @@ class GraphedCallable:
         for sig in self._signatures.values():
             for pos in [p for p, done in sig.positions.items() if done.generation is gen]:
                 del sig.positions[pos]
+
+    def _recording_dropped(self) -> None:
+        """The recorded episode is not captured (the runtime asked to wait): the next one is
+        recorded instead."""
+        for sig in self._signatures.values():
+            sig.recordings.clear()
 
     def _recording_captured(self) -> None:
         """The capture batch is over: recorded signatures replay from now on."""

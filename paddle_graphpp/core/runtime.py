@@ -185,6 +185,24 @@ class GraphRuntime(abc.ABC):
         """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the autograd
         graph's saved tensors unless ``retain_graph``."""
 
+    def backward_to_grads(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
+                          aliases: Sequence[Any], params: Sequence[Any]) -> list:
+        """Eager backward of ``outputs`` that adds the gradient of each parameter alias in
+        ``aliases`` into its parameter's (``params``) gradient, as autograd's accumulation
+        would without hooks (an unset gradient takes the new one); returns the gradients of
+        ``inputs``. Runtimes that can move each gradient as autograd produces it override this;
+        the default computes them all, then adds."""
+        got = self.autograd_grad(outputs, grad_outputs, list(inputs) + list(aliases))
+        for param, grad in zip(params, got[len(inputs):]):
+            if grad is None:
+                continue
+            current = self.grad_of(param)
+            if current is None:
+                self.set_grad(param, grad)
+            else:
+                self.add_many([current], [grad])
+        return got[:len(inputs)]
+
     def backward_into(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
                       params: Sequence[Any], buffers: Sequence[Any], *, accumulate: bool,
                       retain_graph: bool = False) -> tuple:
@@ -338,6 +356,21 @@ class GraphRuntime(abc.ABC):
     def release_cached_memory(self) -> None:
         """Return cached, unused device memory to the driver (before a batch of captures, and
         after a failed one)."""
+
+    def defer_capture(self) -> bool:
+        """Asked before a recorded episode is captured: ``True`` drops the recording and
+        records the next episode instead (asked again then; the core stops asking after
+        ``capture.MAX_DEFERRED_EPISODES`` in a row). For runtimes whose pools are better sized
+        or placed after some eager event, such as an optimizer's first step. Default: never."""
+        return False
+
+    def prepare_pool(self, pool: Any, params: Sequence[Any]) -> int:
+        """Before the first capture into the shared ``pool``: give it, as one free block, the
+        memory the eager work that borrows it (:meth:`lend_pool`) will need, so that the graphs'
+        scratch and that work share one block instead of the pool being cut to the activations'
+        sizes. ``params``: the parameters of the layers about to be captured (a size hint when
+        the runtime knows nothing better). Returns the bytes reserved. Default: nothing (0)."""
+        return 0
 
     def lend_pool(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
         """Let eager work that runs while ``is_idle()`` (no micro-batch in flight, so every

@@ -3,9 +3,13 @@
 A pipeline stage is an ordered list of modules. :func:`graph_stage_module` splits it into runs
 of contiguous capturable modules (the framework-neutral :mod:`paddle_graphpp.core.segment`
 code, shared with ``paddle_graphpp.PipelineLayer``) and wraps each run in
-:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`. Tied (shared) modules, plain
-callables and modules marked with :func:`~paddle_graphpp.core.segment.mark_not_capturable`
-stay eager between the graphs.
+:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`. Modules listed in ``shared=``,
+modules whose weight two entries of the stage use, plain callables and modules marked with
+:func:`~paddle_graphpp.core.segment.mark_not_capturable` stay eager between the graphs.
+An embedding or head tied to another stage is graphed like any module: its gradient is in
+``.grad`` after the stage's backwards, where the cross-stage reduction reads it, and its
+temporaries (the dense embedding gradient, the logits) share the graphs' memory instead of
+the default cache's.
 
 The result is an ordinary ``torch.nn.Module``: hand it to ``PipelineStage`` and run
 ``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or a zero-bubble schedule
@@ -14,7 +18,7 @@ The result is an ordinary ``torch.nn.Module``: hand it to ``PipelineStage`` and 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from paddle_graphpp.torch.pipelining import graph_stage_module
 
-    stage_mod = graph_stage_module(nn.Sequential(embed, *blocks), shared=[embed])
+    stage_mod = graph_stage_module(nn.Sequential(embed, *blocks))
     stage = PipelineStage(stage_mod, stage_index, num_stages, device,
                           input_args=example_input, output_args=example_output)
     schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
@@ -181,10 +185,14 @@ def graph_stage_module(
             into positional arguments).
         num_warmup_steps: eager micro-batches each graphed run sees before it captures
             (passed to ``CUDAGraphedModule``).
-        shared: modules whose weights are tied with another stage (a tied embedding and output
-            head); the entries holding them stay eager, so their gradients can be reduced
-            across stages outside any graph. Weights used by two entries of this stage are
-            detected and kept eager without being listed.
+        shared: modules to keep eager between the graphs. A weight tied to another stage (a
+            tied embedding or output head) need not be listed: graphed, its gradient is added
+            into ``.grad`` within each backward, as eagerly, and the reduction across stages
+            after the backwards reads it there; graphed, its temporaries share the graphs'
+            memory (on a GPT-3 1.3B pp=2 stage at sequence 2048, one H100: 1.032x eager's
+            memory with the embedding eager, 1.000x graphed). List it to keep it eager, for
+            example when a hook reduces its gradient during the backward. Weights used by two
+            entries of this stage are detected and kept eager without being listed.
         fallback: what a graphed run does when capture fails: ``"error"`` raises,
             ``"eager"`` warns once and keeps running eagerly (passed to ``CUDAGraphedModule``).
         memory: the graphs' memory mode, ``"shared"`` or ``"per_graph"``

@@ -12,11 +12,17 @@ that stream) and the current stream waits for it.
 Borrowing pays only where the temporaries fit into what the pool already has free: a pool
 that must grow for them keeps that memory for good (a pool with live graphs is never
 trimmed), while the default cache would have shared it with the eager work outside the
-graphs. Measured on the last stage of a GPT-3 1.3B pipeline at sequence 512, whose pool holds
-one micro-batch's activations (~0.5 GB) and grew to 1.75 GB for AdamW's 1.15 GB of
-temporaries. So each optimizer borrows a pool only when the pool's free bytes are at least the
-bytes of the parameters it updates (``foreach`` AdamW's temporaries are about that much), decided
-once per pool and optimizer.
+graphs. And a pool captured from nothing is made of the segments the activations asked for
+(20 MiB pieces at most for the 2-8 MiB tensors of a 1.3B layer at sequence 512), which the
+parameter-sized temporaries (24-32 MiB per tensor there) do not fit: measured on the last
+stage of a GPT-3 1.3B pipeline at sequence 512, the pool held one micro-batch's activations
+(~0.5 GB) and grew to 1.75 GB for AdamW's 1.15 GB of temporaries. So before the first capture
+into a pool, :meth:`PoolLender.reserve` gives the pool one free block as large as the
+parameters of the optimizers seen stepping (:func:`watch_optimizers`): the captures carve the
+activations out of it, and between episodes the temporaries fit into it again. Each optimizer
+then borrows a pool when its temporaries (one per parameter, the parameter's size) fit the
+pool's free blocks, simulated best-fit the way the caching allocator places them, with at
+most a quarter left over; decided once per pool and optimizer.
 
 A step that leaves memory allocated in the pool (optimizer state created lazily, a tensor
 kept from the step) would be overwritten by the next replays. That is checked after every
@@ -28,16 +34,61 @@ lending stops for this process, with a warning.
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import logging
 import warnings
-from typing import Any, Callable, Optional
+import weakref
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["PoolLender"]
+__all__ = ["PoolLender", "watch_optimizers"]
 
 logger = logging.getLogger("paddle_graphpp")
+
+_SMALL = 1 << 20  # the caching allocator serves requests up to 1 MiB from its small blocks
+_ROUND = 512  # ... and rounds every request up to a multiple of this
+_LEFT_OVER = 0.25  # borrow when at most this share of the temporaries' bytes does not fit
+
+_STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_WATCH: list = []
+_ANY_STEPPED = False  # an optimizer has stepped in this process
+_FOUND: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # by optimizer_pending's scan
+
+
+def watch_optimizers() -> None:
+    """From now on, remember every optimizer that steps (a weak reference; once per process)."""
+    if not _WATCH:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _WATCH.append(register_optimizer_step_post_hook(_stepped))
+
+
+def _stepped(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    global _ANY_STEPPED
+    _STEPPED.add(optimizer)
+    _ANY_STEPPED = True
+
+
+def optimizer_pending() -> bool:
+    """True while no optimizer has stepped in this process and one exists (found by a scan of
+    the garbage collector's objects, repeated only once the optimizers it found are gone).
+    Before its first step an optimizer has no state; that step creates the state and its
+    temporaries side by side and cannot borrow a graph pool (the state must not live there)."""
+    if _ANY_STEPPED:
+        return False
+    if not len(_FOUND):
+        import gc
+
+        _FOUND.update(o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer))
+    return bool(len(_FOUND))
+
+
+def stepped_param_bytes() -> int:
+    """Bytes of the trainable parameters of the largest optimizer seen stepping (0: none)."""
+    return max((sum(_rounded(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
+                for opt in list(_STEPPED)), default=0)
 
 
 class PoolLender:
@@ -54,7 +105,25 @@ class PoolLender:
         self.disabled = False
         self.steps = 0
         self.declined = 0  # steps that did not borrow because the pool had too little free
+        self.reserved = 0  # bytes reserved in pools before their captures
         self._fits: dict = {}  # (id(pool), id(optimizer)) -> does the pool have room for its temporaries
+
+    def reserve(self, pool: Any, params: Iterable[torch.Tensor] = ()) -> int:
+        """Before the first capture into ``pool``: give it one free block (on the capture
+        stream, where captures and borrowed steps allocate) the size of the parameters of the
+        optimizers seen stepping (of ``params`` when none has stepped yet), so that activations
+        and, between episodes, the temporaries of those optimizers' steps share it. Returns the
+        bytes reserved (0 when lending is off)."""
+        if self.disabled or not isinstance(pool, torch.cuda.MemPool):
+            return 0
+        nbytes = stepped_param_bytes() or sum(_rounded(p) for p in params if p.requires_grad)
+        if nbytes < 2 * _SMALL:
+            return 0
+        with torch.cuda.stream(self._capture_stream()), torch.cuda.use_mem_pool(pool):
+            block = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+            del block  # freed into the pool's cache: the block stays the pool's
+        self.reserved += nbytes
+        return nbytes
 
     def lend(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
         """From now on, optimizer steps run while ``is_idle()`` borrow ``pool``."""
@@ -80,7 +149,9 @@ class PoolLender:
             return
         room = self._fits.get((id(pool), id(optimizer)))
         if room is None:
-            room = self._fits[(id(pool), id(optimizer))] = _free(pool) >= _param_bytes(optimizer)
+            sizes = [_rounded(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            room = self._fits[(id(pool), id(optimizer))] = (
+                _left_over(_free_blocks(pool), sizes) <= _LEFT_OVER * sum(sizes))
         if not room:
             self.declined += 1
             return
@@ -147,10 +218,31 @@ def _allocated(pool: torch.cuda.MemPool) -> int:
     return sum(seg["allocated_size"] for seg in pool.snapshot())
 
 
-def _free(pool: torch.cuda.MemPool) -> int:
-    return sum(seg["total_size"] - seg["allocated_size"] for seg in pool.snapshot())
+def _rounded(t: torch.Tensor) -> int:
+    n = t.numel() * t.element_size()
+    return -(-n // _ROUND) * _ROUND
 
 
-def _param_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(p.numel() * p.element_size() for group in optimizer.param_groups for p in group["params"]
-               if p.grad is not None)
+def _free_blocks(pool: torch.cuda.MemPool) -> list:
+    """Sizes of the free blocks of ``pool``'s large segments."""
+    return [b["size"] for seg in pool.snapshot() if seg.get("segment_type", "large") == "large"
+            for b in seg["blocks"] if b["state"] == "inactive"]
+
+
+def _left_over(free: Iterable[int], sizes: Iterable[int]) -> int:
+    """Bytes of the ``sizes`` (allocated in this order, all alive together) that would not fit
+    ``free`` blocks placed best-fit with splitting, as the caching allocator does. Requests
+    up to 1 MiB come from small blocks and are not counted."""
+    blocks = sorted(free)
+    left = 0
+    for size in sizes:
+        if size <= _SMALL:
+            continue
+        i = bisect.bisect_left(blocks, size)
+        if i == len(blocks):
+            left += size
+            continue
+        rest = blocks.pop(i) - size
+        if rest > _SMALL:
+            bisect.insort(blocks, rest)
+    return left

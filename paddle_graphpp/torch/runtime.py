@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 from typing import Any, Optional, Sequence
 
@@ -88,6 +89,9 @@ class TorchRuntime(GraphRuntime):
         self._capture_streams: dict[int, torch.cuda.Stream] = {}
         self._lender = None  # pool_lending.PoolLender, once a pool is lent
         self._pools: list = []  # every MemPool handed out (see new_pool)
+        from .pool_lending import watch_optimizers
+
+        watch_optimizers()  # prepare_pool sizes a pool by the parameters of the optimizers that step
 
     # tensors
     def is_tensor(self, obj: Any) -> bool:
@@ -191,6 +195,37 @@ class TorchRuntime(GraphRuntime):
             return []
         return list(torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph,
                                         allow_unused=True))
+
+    def backward_to_grads(self, outputs, grad_outputs, inputs, aliases, params) -> list:
+        # As autograd's accumulation into .grad, one alias at a time: its gradient is adopted
+        # by the parameter (none yet) or added into it, and dropped.
+        def hook(param):
+            def moved(alias):
+                grad, alias.grad = alias.grad, None
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    with torch.no_grad():
+                        param.grad.add_(grad)
+            return moved
+
+        handles = []
+        for alias, param in zip(aliases, params):
+            alias.grad = None
+            handles.append(alias.register_post_accumulate_grad_hook(hook(param)))
+        for x in inputs:
+            x.grad = None
+        try:
+            torch.autograd.backward(list(outputs), list(grad_outputs), inputs=[*inputs, *aliases])
+        finally:
+            for h in handles:
+                h.remove()
+            for alias in aliases:
+                alias.grad = None
+        grads = [x.grad for x in inputs]
+        for x in inputs:
+            x.grad = None
+        return grads
 
     def backward_into(self, outputs, grad_outputs, inputs, params, buffers, *, accumulate, retain_graph=False):
         # Each parameter alias accumulates its gradient as soon as autograd produces it: into
@@ -388,16 +423,39 @@ class TorchRuntime(GraphRuntime):
     def async_allocator_active(self) -> bool:
         return _async_allocator_active()
 
-    def lend_pool(self, pool, is_idle, on_leak) -> None:
+    def _pool_lender(self):
         if self._lender is None:
             from .pool_lending import PoolLender
 
             self._lender = PoolLender(self.capture_stream)
-        self._lender.lend(pool, is_idle, on_leak)
+        return self._lender
+
+    def defer_capture(self) -> bool:
+        # An optimizer that has not stepped creates its state in its first step, beside a pool
+        # captured before it (the last stage of a 1F1B pipeline, whose episodes are single
+        # micro-batches, would otherwise capture within the first training step).
+        if not (_reserve_pool() and torch.cuda.is_available()):
+            return False
+        from .pool_lending import optimizer_pending
+
+        return optimizer_pending()
+
+    def prepare_pool(self, pool, params) -> int:
+        return self._pool_lender().reserve(pool, params) if _reserve_pool() else 0
+
+    def lend_pool(self, pool, is_idle, on_leak) -> None:
+        self._pool_lender().lend(pool, is_idle, on_leak)
 
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _reserve_pool() -> bool:
+    """``FLAGS_graphpp_reserve_pool`` (default on): before the first capture into a shared pool,
+    give the pool one free block the size of the stepping optimizers' parameters, for their
+    temporaries between episodes, and capture after the first optimizer step (see pool_lending)."""
+    return os.environ.get("FLAGS_graphpp_reserve_pool", "1").lower() not in ("0", "false", "off")
 
 
 def _inside_ddp_forward() -> bool:

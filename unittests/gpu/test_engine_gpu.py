@@ -266,3 +266,93 @@ def test_a_new_signature_adds_only_its_own_pool_and_memory_stays_flat_over_1000_
     torch.cuda.synchronize()
     assert model.blocks[0].engine.replays == replays + 1000 * 8
     assert torch.cuda.memory_reserved() == reserved and torch.cuda.memory_allocated() == allocated
+
+
+def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monkeypatch):
+    """The last stage of a 1F1B pipeline has one micro-batch in flight: each micro-batch is an
+    episode, so the recording is ready within the first training step. The capture waits for
+    the optimizer's first step (which creates its state outside the pool); afterwards the
+    optimizer steps borrow the pool, and training equals eager's."""
+    import weakref
+
+    from paddle_graphpp.torch import pool_lending
+    from paddle_graphpp.torch.runtime import RUNTIME
+    from tools.engine_parity import SEQ
+
+    monkeypatch.setattr(pool_lending, "_ANY_STEPPED", False)  # as in a fresh process
+    monkeypatch.setattr(pool_lending, "_FOUND", weakref.WeakSet())
+    if RUNTIME._lender is not None:  # an earlier test's leak check may have stopped lending in this process
+        monkeypatch.setattr(RUNTIME._lender, "disabled", False)
+    torch.manual_seed(0)
+    eager = Stack().to(DEV)
+    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=1)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    order = "f1 b1 f2 b2 f3 b3 f4 b4"
+    borrowed = None
+    for step in range(5):
+        base = [torch.randn(2, SEQ, 64, device=DEV) for _ in range(4)]
+        xe = [b.clone().requires_grad_(True) for b in base]
+        xg = [b.clone().requires_grad_(True) for b in base]
+        oe, ge, le = run_step(eager, xe, order, seed=2000 + step)
+        og, gg, lg = run_step(graphed, xg, order, seed=2000 + step)
+        if step == 0:
+            assert graphed.engine.captures == 0  # recorded at micro-batch 2, then 3, then 4: no capture yet
+        errs = [rel(lg, le)] + [rel(gg[n], ge[n]) for n in range(4)]
+        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+        assert max(errs) <= 1e-6, f"step {step}: max relative error {max(errs):.3e}"
+        for opt in (opt_e, opt_g):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if step == 1:
+            borrowed = RUNTIME._lender.steps
+    # one position (each micro-batch is an episode): its forward and backward graphs
+    assert graphed.engine.captures == 2 and graphed.engine.replays == 2 * 4 * 4
+    # steps 2..4 of both optimizers took their temporaries from the pool (any optimizer stepping
+    # between episodes borrows it, the eager model's too)
+    assert RUNTIME._lender.steps - borrowed == 2 * 3
+    assert max(rel(q, p) for p, q in zip(eager.parameters(), graphed.module.parameters())) <= 1e-6
+
+
+def test_a_weight_shared_by_two_graphed_modules_trains_like_eager():
+    """A tied embedding and head in two graphed modules of one rank (as the V schedules place
+    them): one module's graphs accumulate the shared gradient, the other's go through autograd."""
+    class Embed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(32, 64) * 0.1)
+            self.block = Stack(n=1)
+
+        def forward(self, ids):
+            return self.block(self.table[ids])[0]
+
+    class Head(torch.nn.Module):
+        def __init__(self, table):
+            super().__init__()
+            self.table = table
+
+        def forward(self, h):
+            return h @ self.table.t()
+
+    torch.manual_seed(0)
+    embed = Embed().to(DEV)
+    head = Head(embed.table)
+    ref_embed = copy.deepcopy(embed)
+    ref_head = Head(ref_embed.table)
+    g_embed, g_head = CUDAGraphedModule(embed, num_warmup_steps=1), CUDAGraphedModule(head, num_warmup_steps=1)
+    opt = torch.optim.AdamW(embed.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref_embed.parameters(), lr=1e-2)
+    for step in range(6):
+        ids = [torch.randint(0, 32, (2, 16), device=DEV) for _ in range(3)]
+        for run_embed, run_head, o in ((g_embed, g_head, opt), (ref_embed, ref_head, ref_opt)):
+            torch.manual_seed(step)
+            outs = [run_head(run_embed(i)) for i in ids]
+            for out in outs:
+                out.square().mean().backward()
+        err = rel(embed.table.grad, ref_embed.table.grad)
+        assert err <= 1e-6, f"step {step}: shared gradient off by {err:.3e}"
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    assert g_embed.engine.replays > 0 and g_head.engine.replays > 0
+    assert rel(embed.table, ref_embed.table) <= 1e-6
