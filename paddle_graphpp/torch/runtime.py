@@ -4,6 +4,7 @@ member's contract)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -199,65 +200,31 @@ class TorchRuntime(GraphRuntime):
     def backward_to_grads(self, outputs, grad_outputs, inputs, aliases, params) -> list:
         # As autograd's accumulation into .grad, one alias at a time: its gradient is adopted
         # by the parameter (none yet) or added into it, and dropped.
-        def hook(param):
-            def moved(alias):
-                grad, alias.grad = alias.grad, None
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    with torch.no_grad():
-                        param.grad.add_(grad)
-            return moved
+        def moved(i, alias):
+            grad, alias.grad = alias.grad, None
+            param = params[i]
+            if param.grad is None:
+                param.grad = grad
+            else:
+                with torch.no_grad():
+                    param.grad.add_(grad)
 
-        handles = []
-        for alias, param in zip(aliases, params):
-            alias.grad = None
-            handles.append(alias.register_post_accumulate_grad_hook(hook(param)))
-        for x in inputs:
-            x.grad = None
-        try:
-            torch.autograd.backward(list(outputs), list(grad_outputs), inputs=[*inputs, *aliases])
-        finally:
-            for h in handles:
-                h.remove()
-            for alias in aliases:
-                alias.grad = None
-        grads = [x.grad for x in inputs]
-        for x in inputs:
-            x.grad = None
-        return grads
+        return _backward_hooked(outputs, grad_outputs, inputs, aliases, moved)
 
     def backward_into(self, outputs, grad_outputs, inputs, params, buffers, *, accumulate, retain_graph=False):
         # Each parameter alias accumulates its gradient as soon as autograd produces it: into
         # its buffer, preset as the alias's .grad (accumulate), or through a hook that copies
         # it over and drops it. Either way one parameter gradient is alive at a time.
         used = [False] * len(params)
-        handles = []
 
-        def hook(i, buffer):
-            def moved(alias):
-                used[i] = True
-                if not accumulate:
-                    buffer.copy_(alias.grad)
-                    alias.grad = None
-            return moved
-
-        for i, (alias, buffer) in enumerate(zip(params, buffers)):
-            alias.grad = buffer if accumulate else None
-            handles.append(alias.register_post_accumulate_grad_hook(hook(i, buffer)))
-        for x in inputs:
-            x.grad = None
-        try:
-            torch.autograd.backward(list(outputs), list(grad_outputs), retain_graph=retain_graph,
-                                    inputs=[*inputs, *params])
-        finally:
-            for h in handles:
-                h.remove()
-            for alias in params:
+        def moved(i, alias):
+            used[i] = True
+            if not accumulate:
+                buffers[i].copy_(alias.grad)
                 alias.grad = None
-        grads = [x.grad for x in inputs]
-        for x in inputs:
-            x.grad = None
+
+        grads = _backward_hooked(outputs, grad_outputs, inputs, params, moved,
+                                 preset=list(buffers) if accumulate else None, retain_graph=retain_graph)
         return grads, used
 
     splits_backward = True
@@ -449,6 +416,31 @@ class TorchRuntime(GraphRuntime):
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _backward_hooked(outputs, grad_outputs, inputs, aliases, on_grad, *, preset=None, retain_graph=False) -> list:
+    """``torch.autograd.backward`` of ``outputs`` into ``inputs`` and ``aliases``, calling
+    ``on_grad(i, alias)`` as autograd accumulates each alias's gradient (``preset``: the
+    ``.grad`` each alias starts with, else none). Returns the inputs' gradients; leaves no
+    ``.grad`` on inputs or aliases."""
+    handles = []
+    for i, alias in enumerate(aliases):
+        alias.grad = None if preset is None else preset[i]
+        handles.append(alias.register_post_accumulate_grad_hook(functools.partial(on_grad, i)))
+    for x in inputs:
+        x.grad = None
+    try:
+        torch.autograd.backward(list(outputs), list(grad_outputs), retain_graph=retain_graph,
+                                inputs=[*inputs, *aliases])
+    finally:
+        for h in handles:
+            h.remove()
+        for alias in aliases:
+            alias.grad = None
+    grads = [x.grad for x in inputs]
+    for x in inputs:
+        x.grad = None
+    return grads
 
 
 def _reserve_pool() -> bool:
