@@ -18,7 +18,7 @@ import torch
 
 from tools.gpt_torch import Block, GPTShape
 
-__all__ = ["ORDER", "Stack", "rel", "run_step", "check_parity"]
+__all__ = ["ORDER", "Stack", "rel", "run_step", "twins", "check_parity"]
 
 ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"
 """The micro-batch order of one step: forwards ``fN`` and backwards ``bN`` of 4 micro-batches."""
@@ -88,6 +88,18 @@ def run_order(model, xs, order, loss_of, *, first=1):
     return losses
 
 
+def twins(*, device: str, num_warmup_steps: int = 2, **options):
+    """A :class:`Stack` and a graphed copy of it (``options`` go to ``CUDAGraphedModule``),
+    each with its own AdamW: ``(eager, graphed, eager optimizer, graphed optimizer)``."""
+    from paddle_graphpp.torch import CUDAGraphedModule
+
+    torch.manual_seed(0)
+    eager = Stack().to(device)
+    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=num_warmup_steps, **options)
+    return (eager, graphed, torch.optim.AdamW(eager.parameters(), lr=1e-3),
+            torch.optim.AdamW(graphed.parameters(), lr=1e-3))
+
+
 def check_parity(*, accumulate_grads: bool, steps: int = 12, device: str = "cuda") -> float:
     """Train the stack eagerly and graphed side by side for ``steps`` steps; return the worst
     relative error of losses, outputs, input and parameter gradients, and final weights.
@@ -96,13 +108,7 @@ def check_parity(*, accumulate_grads: bool, steps: int = 12, device: str = "cuda
         AssertionError: an error above 1e-6 (naming the step), a parameter whose ``.grad`` is
             not the engine's buffer with ``accumulate_grads``, or capture/replay counts off.
     """
-    from paddle_graphpp.torch import CUDAGraphedModule
-
-    torch.manual_seed(0)
-    eager = Stack().to(device)
-    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=2, accumulate_grads=accumulate_grads)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
-    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    eager, graphed, opt_e, opt_g = twins(device=device, accumulate_grads=accumulate_grads)
     worst = 0.0
     for step in range(steps):
         base = [torch.randn(2, SEQ, 64, device=device) for _ in range(4)]

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires 
 
 from paddle_graphpp.core.errors import CaptureError  # noqa: E402
 from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
-from tools.engine_parity import ORDER, Stack, check_parity, rel, run_step  # noqa: E402
+from tools.engine_parity import ORDER, Stack, check_parity, rel, run_step, twins  # noqa: E402
 
 DEV = "cuda"
 
@@ -283,11 +283,7 @@ def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monk
     monkeypatch.setattr(pool_lending, "_FOUND", weakref.WeakSet())
     if RUNTIME._lender is not None:  # an earlier test's leak check may have stopped lending in this process
         monkeypatch.setattr(RUNTIME._lender, "disabled", False)
-    torch.manual_seed(0)
-    eager = Stack().to(DEV)
-    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=1)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
-    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    eager, graphed, opt_e, opt_g = twins(device=DEV, num_warmup_steps=1)
     order = "f1 b1 f2 b2 f3 b3 f4 b4"
     borrowed = None
     for step in range(5):

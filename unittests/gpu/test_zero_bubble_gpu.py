@@ -11,7 +11,6 @@ schedule this torch has (NCCL), and compares per-step losses and every parameter
 Run on the GPU machine: ``python -m pytest unittests/gpu/test_zero_bubble_gpu.py -q``.
 Skipped without CUDA; the two-GPU tests skip unless two GPUs are visible.
 """
-import copy
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ import torch.distributed.pipelining as pipelining  # noqa: E402
 
 from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
 from tools import launch  # noqa: E402
-from tools.engine_parity import SEQ, TOLERANCE, Stack, rel, run_order  # noqa: E402
+from tools.engine_parity import SEQ, TOLERANCE, Stack, rel, run_order, twins  # noqa: E402
 
 DEV = "cuda"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,11 +56,7 @@ def zb_step(model, xs, seed):
 
 @pytest.mark.parametrize("accumulate_grads", [False, True])
 def test_split_backward_graphs_match_eager_with_dropout(accumulate_grads):
-    torch.manual_seed(0)
-    eager = Stack().to(DEV)
-    graphed = CUDAGraphedModule(copy.deepcopy(eager), num_warmup_steps=2, accumulate_grads=accumulate_grads)
-    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3)
-    opt_g = torch.optim.AdamW(graphed.parameters(), lr=1e-3)
+    eager, graphed, opt_e, opt_g = twins(device=DEV, accumulate_grads=accumulate_grads)
     steps = 12
     for step in range(steps):
         base = [torch.randn(2, SEQ, 64, device=DEV) for _ in range(4)]
