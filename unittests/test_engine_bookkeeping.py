@@ -509,6 +509,11 @@ def test_a_weight_shared_by_two_layers_is_accumulated_in_one_layers_graphs_only(
     with pytest.raises(ValueError, match=r"test:Tied: accumulate_grads=True, but a parameter of this layer is "
                                          r"also one of test:Linear's"):
         step(third, "f1 b1", shape=(2, 4))
+    first.engine.reset()  # the owner forgets its graphs: another layer may accumulate the weight now
+    fourth = Graphed(Tied(lin.weight), rt, num_warmup_steps=0, accumulate_grads=True)
+    step(fourth, "f1 b1", shape=(2, 4))
+    (sig_d,) = fourth.engine._signatures.values()
+    assert sig_d.accumulate
 
 
 def test_accumulate_grads_needs_a_runtime_that_supports_it(rt):

@@ -55,7 +55,8 @@ __all__ = ["Process", "process_for"]
 
 logger = logging.getLogger("paddle_graphpp")
 
-MAX_DEFERRED_EPISODES = 64  # recordings dropped in a row at most while the runtime asks to wait
+MAX_DEFERRED_EPISODES = 4096  # recordings dropped in a row at most while the runtime asks to wait
+# (episodes, not steps: on the last stage of a 1F1B pipeline every micro-batch is one)
 
 
 class Link(NamedTuple):
@@ -82,15 +83,32 @@ class Process:
         self._slot_specs: list = []  # spec of each static buffer slot of the recording
         self._free_slots: dict[Any, list] = defaultdict(list)
         self._layers = weakref.WeakValueDictionary()  # id -> layer with captured graphs
-        # id(parameter) -> the layer whose graphs accumulate its gradient (a layer holds its
-        # parameters, so an id here is not reused while its entry lives)
-        self.grad_owners = weakref.WeakValueDictionary()
+        # id(parameter) -> (weak reference to it, to the layer whose graphs accumulate its gradient)
+        self._grad_owners: dict[int, tuple] = {}
         # Tensors recorded calls produced, by (kind, alias key): (weak reference, Link). The
         # weak reference proves the memory still belongs to that tensor when it is looked up.
         self._produced_recorded: dict[tuple, tuple] = {}
         self._buffers: Sequence[Any] = ()  # during capture_recorded: the slots' buffers
         self._produced: dict[Link, Any] = {}  # during capture_recorded: captured static tensors
         self.deferred = 0  # recordings dropped in a row because the runtime asked to wait
+
+    # ------------------------------------------------------ shared parameters
+    def accumulate_in_graphs(self, layer: Any, params: Sequence[Any]) -> None:
+        """``layer``'s graphs add the gradients of ``params`` into ``.grad`` from now on."""
+        for p in params:
+            self._grad_owners[id(p)] = (weakref.ref(p), weakref.ref(layer))
+
+    def graph_accumulator_of(self, param: Any) -> Optional[Any]:
+        """The layer whose graphs add ``param``'s gradient into ``.grad``, if one still does
+        (not reset, not turned eager; the entry names this very tensor, not one that took its id)."""
+        entry = self._grad_owners.get(id(param))
+        if entry is None:
+            return None
+        layer = entry[1]()
+        if entry[0]() is not param or layer is None or not layer.accumulates_in_graphs(param):
+            del self._grad_owners[id(param)]
+            return None
+        return layer
 
     # ------------------------------------------------------------- recording
     @property
@@ -175,6 +193,9 @@ class Process:
         self._produced_recorded.clear()
         layers = list({id(layer): layer for layer, *_ in events}.values())
         if self.deferred < MAX_DEFERRED_EPISODES and self.runtime.defer_capture():
+            if not self.deferred:
+                logger.info("paddle_graphpp: the %s runtime asks captures to wait (PyTorch: an optimizer has not "
+                            "stepped yet); the next episode is recorded instead", self.runtime.name)
             self.deferred += 1
             for layer in layers:
                 layer._recording_dropped()

@@ -449,8 +449,7 @@ class GraphedCallable:
         # A parameter's .grad can be one layer's buffer only: a weight shared with a layer that
         # already accumulates in its graph (a tied embedding in two stage modules of one rank)
         # gets its gradient through autograd here, which adds into that buffer in place.
-        owners = self.process.grad_owners
-        other = next((owners[id(p)] for p in params if owners.get(id(p), self) is not self), None)
+        other = next((o for o in map(self.process.graph_accumulator_of, params) if o not in (None, self)), None)
         if other is not None:
             if choice is True:
                 raise ValueError(
@@ -460,9 +459,14 @@ class GraphedCallable:
             logger.info("%s: shares parameters with %s, which accumulates them in its graphs; this layer's "
                         "gradients go through autograd", self.name, other.name)
             return False
-        for p in params:
-            owners[id(p)] = self
+        self.process.accumulate_in_graphs(self, params)
         return True
+
+    def accumulates_in_graphs(self, param: Any) -> bool:
+        """Whether this layer's graphs add ``param``'s gradient into ``.grad`` (a signature past
+        warmup that accumulates and holds ``param``, and the layer not turned eager)."""
+        return self._disabled_reason is None and any(
+            sig.accumulate and any(q is param for q in sig.params or ()) for sig in self._signatures.values())
 
     def _run_eager(self, call: _Call) -> list:
         rt = self.runtime

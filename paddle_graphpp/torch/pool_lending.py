@@ -81,7 +81,8 @@ def optimizer_pending() -> bool:
     if not len(_FOUND):
         import gc
 
-        _FOUND.update(o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer))
+        # issubclass of the type: isinstance would ask a dead weakref.proxy and raise
+        _FOUND.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer))
     return bool(len(_FOUND))
 
 
@@ -112,16 +113,21 @@ class PoolLender:
         """Before the first capture into ``pool``: give it one free block (on the capture
         stream, where captures and borrowed steps allocate) the size of the parameters of the
         optimizers seen stepping (of ``params`` when none has stepped yet), so that activations
-        and, between episodes, the temporaries of those optimizers' steps share it. Returns the
-        bytes reserved (0 when lending is off)."""
-        if self.disabled or not isinstance(pool, torch.cuda.MemPool):
-            return 0
+        and, between episodes, the temporaries of those optimizers' steps share it. Once per
+        process (the first pool); nothing when the block does not fit the device. Returns the
+        bytes reserved."""
+        if self.disabled or self.reserved or not isinstance(pool, torch.cuda.MemPool):
+            return 0  # once per process: a later generation's pool is lent, but holds only its own graphs
         nbytes = stepped_param_bytes() or sum(_rounded(p) for p in params if p.requires_grad)
         if nbytes < 2 * _SMALL:
             return 0
-        with torch.cuda.stream(self._capture_stream()), torch.cuda.use_mem_pool(pool):
-            block = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
-            del block  # freed into the pool's cache: the block stays the pool's
+        try:
+            with torch.cuda.stream(self._capture_stream()), torch.cuda.use_mem_pool(pool):
+                block = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
+                del block  # freed into the pool's cache: the block stays the pool's
+        except torch.OutOfMemoryError:
+            logger.info("paddle_graphpp: no room to reserve %d MiB in the graph pool; captured without", nbytes >> 20)
+            return 0
         self.reserved += nbytes
         return nbytes
 
