@@ -213,7 +213,7 @@ class Process:
         if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
             gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
             if gen is not None and not gen.order:
-                self.runtime.prepare_pool(gen.pool, [p for layer in layers for p in layer.params()])
+                self.runtime.prepare_pool(gen.pool)
         live: dict[tuple, Any] = {}
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         failed: set = set()

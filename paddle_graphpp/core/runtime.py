@@ -364,12 +364,11 @@ class GraphRuntime(abc.ABC):
         or placed after some eager event, such as an optimizer's first step. Default: never."""
         return False
 
-    def prepare_pool(self, pool: Any, params: Sequence[Any]) -> int:
+    def prepare_pool(self, pool: Any) -> int:
         """Before the first capture into the shared ``pool``: give it, as one free block, the
         memory the eager work that borrows it (:meth:`lend_pool`) will need, so that the graphs'
         scratch and that work share one block instead of the pool being cut to the activations'
-        sizes. ``params``: the parameters of the layers about to be captured (a size hint when
-        the runtime knows nothing better). Returns the bytes reserved. Default: nothing (0)."""
+        sizes. Returns the bytes reserved. Default: nothing (0)."""
         return 0
 
     def lend_pool(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:

@@ -52,17 +52,19 @@ _ROUND = 512  # ... and rounds every request up to a multiple of this
 _LEFT_OVER = 0.25  # borrow when at most this share of the temporaries' bytes does not fit
 
 _STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_WATCH: list = []
+_WATCHING = False  # the step hook below is installed
 _ANY_STEPPED = False  # an optimizer has stepped in this process
 _FOUND: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # by optimizer_pending's scan
 
 
 def watch_optimizers() -> None:
     """From now on, remember every optimizer that steps (a weak reference; once per process)."""
-    if not _WATCH:
+    global _WATCHING
+    if not _WATCHING:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        _WATCH.append(register_optimizer_step_post_hook(_stepped))
+        register_optimizer_step_post_hook(_stepped)
+        _WATCHING = True
 
 
 def _stepped(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -109,16 +111,16 @@ class PoolLender:
         self.reserved = 0  # bytes reserved in pools before their captures
         self._fits: dict = {}  # (id(pool), id(optimizer)) -> does the pool have room for its temporaries
 
-    def reserve(self, pool: Any, params: Iterable[torch.Tensor] = ()) -> int:
+    def reserve(self, pool: Any) -> int:
         """Before the first capture into ``pool``: give it one free block (on the capture
         stream, where captures and borrowed steps allocate) the size of the parameters of the
-        optimizers seen stepping (of ``params`` when none has stepped yet), so that activations
-        and, between episodes, the temporaries of those optimizers' steps share it. Once per
-        process (the first pool); nothing when the block does not fit the device. Returns the
-        bytes reserved."""
+        largest optimizer seen stepping, so that activations and, between episodes, that
+        optimizer's temporaries share it. Once per process (the first pool); nothing when no
+        optimizer has stepped (nothing will borrow) or the block does not fit the device.
+        Returns the bytes reserved."""
         if self.disabled or self.reserved or not isinstance(pool, torch.cuda.MemPool):
             return 0  # once per process: a later generation's pool is lent, but holds only its own graphs
-        nbytes = stepped_param_bytes() or sum(_rounded(p) for p in params if p.requires_grad)
+        nbytes = stepped_param_bytes()
         if nbytes < 2 * _SMALL:
             return 0
         try:

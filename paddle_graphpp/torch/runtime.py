@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
+from ..allocator import env_flag_value
 from ..core.state import module_state_slots
 from . import split_backward as _split
 from .allocator import async_allocator_active as _async_allocator_active
@@ -407,8 +408,8 @@ class TorchRuntime(GraphRuntime):
 
         return optimizer_pending()
 
-    def prepare_pool(self, pool, params) -> int:
-        return self._pool_lender().reserve(pool, params) if _reserve_pool() else 0
+    def prepare_pool(self, pool) -> int:
+        return self._pool_lender().reserve(pool) if _reserve_pool() else 0
 
     def lend_pool(self, pool, is_idle, on_leak) -> None:
         self._pool_lender().lend(pool, is_idle, on_leak)
@@ -443,11 +444,15 @@ def _backward_hooked(outputs, grad_outputs, inputs, aliases, on_grad, *, preset=
     return grads
 
 
+_RESERVE_FLAG = "FLAGS_graphpp_reserve_pool"
+
+
 def _reserve_pool() -> bool:
     """``FLAGS_graphpp_reserve_pool`` (default on): before the first capture into a shared pool,
     give the pool one free block the size of the stepping optimizers' parameters, for their
     temporaries between episodes, and capture after the first optimizer step (see pool_lending)."""
-    return os.environ.get("FLAGS_graphpp_reserve_pool", "1").lower() not in ("0", "false", "off")
+    raw = os.environ.get(_RESERVE_FLAG)
+    return raw is None or env_flag_value(raw, _RESERVE_FLAG)
 
 
 def _inside_ddp_forward() -> bool:
