@@ -220,10 +220,7 @@ def test_errors_name_the_model_and_the_fix():
     recomputing = build(recompute_interval=1, recompute_ctx={"mp_group": None, "offload": False, "partition": False})
     with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\) cannot recompute.*recompute_interval=0"):
         graph_pipeline(recomputing)
-    dualpipe = FleetPipelineLayer([LayerDesc(Block) for _ in range(2)], num_stages=1, use_dualpipev=True)
-    with pytest.raises(NotImplementedError, match="use_dualpipev"):
-        graph_pipeline(dualpipe)
-    assert GraphedPipeline.of(recomputing) is None and GraphedPipeline.of(dualpipe) is None
+    assert GraphedPipeline.of(recomputing) is None
 
 
 def test_unknown_layout_names_the_paddle_version():

@@ -135,11 +135,18 @@ def test_configuration_errors_name_the_fix(strategy):
         _check(_descs(2), seg_method="uniform", vpp=1)
     with pytest.raises(ValueError, match="recompute_interval=0"):
         _check(_descs(8), recompute_interval=1)
-    with pytest.raises(NotImplementedError, match="use_dualpipev"):
+    # DualPipeV: 2*pp chunks, the strategy must ask for it, 2*pp micro-batches
+    with pytest.raises(ValueError, match=r"use_dualpipev=True needs the strategy.*\['use_dualpipev'\] = True"):
         _check(_descs(8), vpp=1, use_dualpipev=True)
+    strategy.hybrid_configs = {"pp_configs": {"use_dualpipev": True}}
+    _check(_descs(8), vpp=1, use_dualpipev=True)
+    with pytest.raises(ValueError, match=r"matches 12 layers.*2\*pp = 2\*4 = 8 chunks"):
+        _check(_descs(12), vpp=1, use_dualpipev=True)
     strategy.pipeline_configs = {"accumulate_steps": 6}
     with pytest.raises(ValueError, match="at least 2\\*pp = 8 micro-batches"):
         _check(_descs(8))
+    with pytest.raises(ValueError, match=r"DualPipeV \(use_dualpipev=True\) needs at least 2\*pp = 8"):
+        _check(_descs(8), vpp=1, use_dualpipev=True)
 
 
 def test_dynamic_shapes_rejected_only_with_cudagraph(strategy):

@@ -13,6 +13,15 @@ pipeline was written for device builds. Measured on Paddle 3.3.1 (CPU wheel):
   last stage to the first included, which the interleaved schedule uses) and routes fleet's
   p2p messages and shape metadata through them.
 
+* Fleet's DualPipeV schedule (``DualPipeVParallel``) posts each batch of its pipeline messages
+  in ``_commit_and_wait_comm`` through ``batch_isend_irecv`` and then reads CUDA events and
+  communication streams (``deep_ep``, ``paddle.device.current_stream()``,
+  ``ProcessGroup.get_stream``), none of which a CPU build has. Gloo's send also waits until the
+  peer posts the matching receive, so the two neighbours must post one batch's messages in the
+  same order. :func:`adjust_for_cpu` replaces that method with one that posts them so (by the
+  pair of ranks, lower rank's sends first) and waits for them, on two ranks (``pp=2``; more
+  stages under DualPipeV on gloo are untried).
+
 ``paddle_graphpp.PipelineLayer`` calls :func:`adjust_for_cpu` and :func:`use_hop_groups`
 itself; nothing here is needed on a CUDA build, where both are no-ops.
 """
@@ -67,7 +76,39 @@ def adjust_for_cpu() -> bool:
             "paddle_graphpp.PipelineLayer must be built after fleet.init(is_collective=True, strategy=...)"
         )
     strategy.strategy.hybrid_configs.pp_configs.use_batch_p2p_comm = False
+    _patch_dualpipev()
     return True
+
+
+def _patch_dualpipev() -> None:
+    """Make ``DualPipeVParallel`` exchange its messages with blocking gloo p2p (module docstring)."""
+    try:
+        from paddle.distributed.fleet.meta_parallel import dualpipev
+    except ImportError:  # a Paddle without DualPipeV
+        return
+    cls = dualpipev.DualPipeVParallel
+    if getattr(cls._commit_and_wait_comm, "_paddle_graphpp_cpu", False):
+        return
+
+    def commit_and_wait_on_cpu(self, p2p_overlap=False, use_outer_event_wait=False):
+        me = dist.get_rank()
+
+        def order(item):
+            index, op = item
+            sender, receiver = (me, op.peer) if op.op is dist.isend else (op.peer, me)
+            return (min(sender, receiver), max(sender, receiver), sender > receiver, index)
+
+        for ops in (self.comm_forward_ops, self.comm_backward_ops):
+            requests = [op.op(op.tensor, op.peer, op.group) for _, op in sorted(enumerate(ops), key=order)]
+            for request in requests:
+                if request is not None:
+                    request.wait()
+        self.comm_forward_ops, self.comm_backward_ops = [], []
+        self._free_tensors()
+        return None  # no CUDA event to hand on (only overlapped forward-backward models read it)
+
+    commit_and_wait_on_cpu._paddle_graphpp_cpu = True
+    cls._commit_and_wait_comm = commit_and_wait_on_cpu
 
 
 def pipe_backend(hcg) -> str:

@@ -19,8 +19,11 @@ The layers stay registered where fleet put them and the graphed wrappers are not
 so parameter names, ``state_dict()`` keys and the optimizer's parameter list are unchanged;
 a run follows its layers' train/eval mode, and ``save_state_dict`` / ``set_state_dir`` see
 fleet's per-layer lists. Each graphed run keeps its own FIFO of in-flight micro-batches; the
-schedule (1F1B or interleaved) calls every chunk's runs in its own order, and the FIFOs
-follow it.
+schedule (1F1B, interleaved or DualPipeV) calls every chunk's runs in its own order, and the
+FIFOs follow it. Under DualPipeV (``use_dualpipev=True``), a backward the schedule runs
+zero-bubble (fleet's ``WeightGradStore`` enabled) runs each graphed run's input half and queues
+its weight half into the store, which runs it in the schedule's weight pass
+(:mod:`paddle_graphpp.paddle.split_backward`).
 
 :class:`PipelineLayer` is fleet's class that checks its configuration before any process
 communicates, makes fleet's CPU adjustments (:mod:`paddle_graphpp.paddle.fleet_cpu`) and,
@@ -166,7 +169,7 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3) -> GraphedPipeline:
 
     Args:
         model: an instance of ``paddle.distributed.fleet.meta_parallel.PipelineLayer`` or of a
-            subclass (PaddleFormers' ``LlamaForCausalLMPipe``, ...), 1F1B or interleaved, built
+            subclass (PaddleFormers' ``LlamaForCausalLMPipe``, ...), 1F1B, interleaved or DualPipeV, built
             with ``use_cudagraph=False``; or its ``fleet.distributed_model`` wrapper. Call it
             on every rank, before the first training step.
         num_warmup_steps: eager calls each graphed run takes before capture.
@@ -183,7 +186,6 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3) -> GraphedPipeline:
         ValueError: ``model`` was built with upstream's ``use_cudagraph=True`` (its layers sit
             in Paddle's own ``CUDAGraphedLayer``), recomputes (``recompute_interval > 0``), or
             the strategy declares dynamic shapes.
-        NotImplementedError: ``model`` uses the dualpipev schedule.
 
     Warnings:
         * Every micro-batch must have the same shapes (pad sequences): a graph replays the
@@ -206,8 +208,7 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3) -> GraphedPipeline:
             "paddle_graphpp.PipelineLayer(use_cudagraph=True) or a use_cudagraph flag after "
             "paddle_graphpp.install()); graph each model once")
     containers = _entry_lists(model)
-    _check_graphable(f"graph_pipeline({name})", use_dualpipev=getattr(model, "_use_dualpipev", False),
-                     recompute_interval=getattr(model, "_recompute_interval", 0))
+    _check_graphable(f"graph_pipeline({name})", recompute_interval=getattr(model, "_recompute_interval", 0))
     _refuse_upstream_graphs(model, containers)
 
     from paddle_graphpp.paddle.graphed_layer import CUDAGraphedLayer
@@ -287,12 +288,8 @@ def _with_eager_view(model, method_name, graphs):
 
 
 # ---------------------------------------------------------------- configuration checks
-def _check_graphable(subject, *, use_dualpipev, recompute_interval):
+def _check_graphable(subject, *, recompute_interval):
     """Reject what graphed runs cannot do, naming ``subject`` (the call or class) and the fix."""
-    if use_dualpipev:
-        raise NotImplementedError(
-            f"{subject} does not support use_dualpipev=True; "
-            "use the 1F1B or interleaved schedule, or set use_cudagraph=False")
     if recompute_interval > 0:
         raise ValueError(
             f"{subject} cannot recompute (recompute_interval={recompute_interval}): "
@@ -337,12 +334,13 @@ def _check_configuration(layers, *, num_stages, topology, seg_method, vpp, use_c
     if pp is None:
         raise ValueError("PipelineLayer needs num_stages or topology")
     if use_cudagraph:
-        _check_graphable("PipelineLayer(use_cudagraph=True)", use_dualpipev=use_dualpipev,
-                         recompute_interval=recompute_interval)
-    parts = pp * vpp
+        _check_graphable("PipelineLayer(use_cudagraph=True)", recompute_interval=recompute_interval)
+    chunks = 2 if use_dualpipev else vpp  # DualPipeV: two chunks per rank, in a V
+    parts = pp * chunks
+    split = f"2*pp = 2*{pp}" if use_dualpipev else f"pp*vpp = {pp}*{vpp}"
     if len(layers) < parts:
         raise ValueError(
-            f"{len(layers)} layers cannot split into pp*vpp = {pp}*{vpp} = {parts} chunks: "
+            f"{len(layers)} layers cannot split into {split} = {parts} chunks: "
             "add layers or lower num_stages / num_virtual_pipeline_stages")
     if vpp > 1:
         if pp <= 2:
@@ -359,17 +357,23 @@ def _check_configuration(layers, *, num_stages, topology, seg_method, vpp, use_c
         if count == 0 or count % parts:
             raise ValueError(
                 f"seg_method={seg_method!r} matches {count} layers, which cannot split evenly into "
-                f"pp*vpp = {pp}*{vpp} = {parts} chunks: use a multiple of {parts} such layers, or change "
+                f"{split} = {parts} chunks: use a multiple of {parts} such layers, or change "
                 "num_stages / num_virtual_pipeline_stages")
     strategy = getattr(fleet.fleet, "_user_defined_strategy", None)
     if strategy is None:
         return
-    acc = strategy.pipeline_configs.get("accumulate_steps", 1)
-    if vpp > 1 and acc < 2 * pp:
+    if use_dualpipev and not strategy.strategy.hybrid_configs.pp_configs.use_dualpipev:
         raise ValueError(
-            f"the interleaved schedule (num_virtual_pipeline_stages={vpp}) needs at least 2*pp = {2 * pp} "
-            f"micro-batches, got accumulate_steps={acc}: raise strategy.pipeline_configs['accumulate_steps'] "
-            f"to {2 * pp} or more")
+            "use_dualpipev=True needs the strategy to ask for DualPipeV too, or fleet.distributed_model "
+            "runs the model under 1F1B: set strategy.hybrid_configs['pp_configs']['use_dualpipev'] = True "
+            "before fleet.init")
+    acc = strategy.pipeline_configs.get("accumulate_steps", 1)
+    if (vpp > 1 or use_dualpipev) and acc < 2 * pp:
+        schedule = "DualPipeV (use_dualpipev=True)" if use_dualpipev else \
+            f"the interleaved schedule (num_virtual_pipeline_stages={vpp})"
+        raise ValueError(
+            f"{schedule} needs at least 2*pp = {2 * pp} micro-batches, got accumulate_steps={acc}: "
+            f"raise strategy.pipeline_configs['accumulate_steps'] to {2 * pp} or more")
 
 
 # ---------------------------------------------------------------- the drop-in class
@@ -393,9 +397,9 @@ class PipelineLayer(_FleetPipelineLayer):
         ValueError: a configuration that cannot run, before any process communicates:
             ``num_virtual_pipeline_stages > 1`` with ``pp <= 2``, with fewer than ``2*pp``
             micro-batches or with a ``seg_method`` that does not split into ``pp*vpp``
-            chunks; ``use_cudagraph`` with dynamic shapes declared in the strategy or with
-            recomputation.
-        NotImplementedError: ``use_cudagraph`` together with ``use_dualpipev``.
+            chunks; ``use_dualpipev`` without the strategy's ``pp_configs['use_dualpipev']``
+            or with fewer than ``2*pp`` micro-batches; ``use_cudagraph`` with dynamic shapes
+            declared in the strategy or with recomputation.
 
     The warnings of :func:`graph_pipeline` apply.
     """

@@ -14,6 +14,7 @@ runs on the Hopper GPUs we test on. The graph code paths mirror the PyTorch runt
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Optional, Sequence
 
 import paddle
@@ -22,6 +23,7 @@ from paddle.autograd import PyLayer
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
 from ..core.state import module_state_slots
+from . import split_backward as _split
 from .allocator import async_allocator_active as _async_allocator_active
 
 __all__ = ["PaddleRuntime", "RUNTIME"]
@@ -29,7 +31,10 @@ __all__ = ["PaddleRuntime", "RUNTIME"]
 
 class _GraphedPyLayer(PyLayer):
     """Autograd node of one graphed call (the logic is the core's). Paddle wants one gradient
-    per tensor input, ``None`` where the input has stop_gradient=True: that is what it gets."""
+    per tensor input, ``None`` where the input has stop_gradient=True: that is what it gets.
+
+    During a zero-bubble backward of fleet's DualPipeV (``WeightGradStore.enabled``) it runs the
+    input half and queues the weight half into the store (see :mod:`.split_backward`)."""
 
     @staticmethod
     def forward(ctx, call, *tensors_and_params):
@@ -37,7 +42,21 @@ class _GraphedPyLayer(PyLayer):
 
     @staticmethod
     def backward(ctx, *grads):
-        return tuple(node_backward(ctx, grads))
+        if not _split.split_requested():
+            return tuple(node_backward(ctx, grads))
+        got = node_backward(ctx, grads, weights_wanted=False)
+        call = ctx.call
+        if call.engine.queue.awaits_weight(call):
+            _split.queue_weight_pass(functools.partial(_weight_pass, ctx))
+        return tuple(got)
+
+
+def _weight_pass(ctx) -> None:
+    """The weight half of a graphed call, run by fleet's ``WeightGradStore.pop()``: its parameter
+    gradients go into ``.grad`` (``main_grad``), as fleet's own deferred closures put theirs."""
+    call = ctx.call
+    got = node_backward(ctx, [])
+    _split.accumulate(call.params, got[len(call.tensors):])
 
 
 class PaddleRuntime(GraphRuntime):
@@ -153,7 +172,22 @@ class PaddleRuntime(GraphRuntime):
     def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:
             return []
-        return list(paddle.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True))
+        # SplitBWLinear layers inside hand their weight gradients back here, never to .grad.
+        with _split.own_weight_closures() as closures:
+            got = list(paddle.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True))
+        if closures:
+            _split.add_foreign(closures, inputs, got, self.is_capturing(), "CUDAGraphedLayer")
+        return got
+
+    # fleet's DualPipeV: the store's signal, SplitBWLinear's deferred products (split_backward.py)
+    splits_backward = True
+
+    def backward_input(self, outputs, grad_outputs, inputs, params):
+        return _split.input_half(outputs, grad_outputs, inputs, params, capturing=self.is_capturing(),
+                                 owner="CUDAGraphedLayer")
+
+    def backward_weight(self, state, params):
+        return _split.weight_half(state, params)
 
     # Paddle's gradient accumulation shares the first gradient it receives with ``.grad``.
     adopts_held_gradients = True

@@ -62,7 +62,7 @@ def install(*, default_use_cudagraph: bool = False, num_warmup_steps: int = 3) -
             :func:`paddle_graphpp.graph_pipeline` on it instead.
 
     A model graphed this way fails its constructor (before building anything) with the errors
-    of :func:`paddle_graphpp.graph_pipeline`: recomputation, dualpipev, dynamic shapes.
+    of :func:`paddle_graphpp.graph_pipeline`: recomputation, dynamic shapes.
     ``paddle_graphpp.GraphedPipeline.of(model)`` returns its graphs and segmentation report.
     """
     global _SETTINGS, _ORIGINAL_INIT, _WRAPPER
@@ -109,9 +109,7 @@ def _graphing_init(original):
             settings.default_use_cudagraph if requested is None else bool(requested))
         if not use_graphs:
             return original(self, *args, **kwargs)
-        _check_graphable(f"{type(self).__name__}(use_cudagraph=True)",
-                         use_dualpipev=bound.arguments.get("use_dualpipev", False),
-                         recompute_interval=bound.arguments.get("recompute_interval", 0))
+        _check_graphable(f"{type(self).__name__}(use_cudagraph=True)", recompute_interval=bound.arguments.get("recompute_interval", 0))
         bound.arguments["use_cudagraph"] = False
         original(*bound.args, **bound.kwargs)
         graph_pipeline(self, num_warmup_steps=settings.num_warmup_steps)

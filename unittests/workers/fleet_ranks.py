@@ -25,13 +25,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 # ------------------------------------------------------------------------- worker side
-def init_fleet(pp: int, micro_batches: int, micro_batch_size: int) -> int:
-    """``fleet.init`` for a pure pipeline of ``pp`` stages; returns this rank."""
+def init_fleet(pp: int, micro_batches: int, micro_batch_size: int, *, dualpipev: bool = False) -> int:
+    """``fleet.init`` for a pure pipeline of ``pp`` stages (DualPipeV's with ``dualpipev``);
+    returns this rank."""
     import paddle
     from paddle.distributed import fleet
 
     strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": pp}
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": pp,
+                               **({"pp_configs": {"use_dualpipev": True}} if dualpipev else {})}
     strategy.pipeline_configs = {"accumulate_steps": micro_batches, "micro_batch_size": micro_batch_size}
     fleet.init(is_collective=True, strategy=strategy)
     rank = paddle.distributed.get_rank()

@@ -1,0 +1,186 @@
+"""A graphed layer's backward in an input half and a weight half, for fleet's DualPipeV.
+
+How Paddle defers weight gradients (3.3.1, ``fleet.meta_parallel.zero_bubble_utils``): only
+layers built from ``SplitBWLinear`` defer anything. Their autograd function's backward, while
+``WeightGradStore.enabled`` is set (DualPipeV sets it around the backwards it runs zero-bubble),
+puts a closure computing ``input^T @ grad`` into ``WeightGradStore.cache`` instead of running it;
+the schedule then ``flush()``es that micro-batch's closures into a FIFO and, in a later bubble,
+``pop()``s the oldest group and runs it, which adds into ``weight.grad`` (or ``main_grad``). With
+the store off the closure runs at once, inside the backward.
+
+A graphed layer follows the same signal (:func:`split_requested`): its autograd node runs the
+input half of its backward (input gradients, and the gradients of parameters no ``SplitBWLinear``
+defers) and puts one closure of its own into the store, which runs the weight half (the deferred
+``input^T @ grad`` products) and adds every parameter gradient of the layer into ``.grad``.
+Graphed, the halves are two graphs; the store's FIFO runs the weight graphs in the schedule's
+order. Inside a graphed layer's own backward, eager or captured, the ``SplitBWLinear`` closures
+never reach fleet's store or ``.grad`` (:func:`own_weight_closures`): the layer computes those
+products itself, as gradients it hands on like any other, so a capture never rebinds ``.grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import Any, Sequence
+
+import paddle
+
+__all__ = ["split_requested", "own_weight_closures", "SplitState", "input_half", "weight_half",
+           "add_foreign", "queue_weight_pass", "accumulate"]
+
+_STORE_MODULE = "paddle.distributed.fleet.meta_parallel.zero_bubble_utils"
+_owned = 0  # depth of own_weight_closures blocks: the store is enabled by us, not by a schedule
+
+
+def _store_module():
+    """Fleet's zero-bubble module if something imported it (no store is enabled otherwise)."""
+    return sys.modules.get(_STORE_MODULE)
+
+
+def split_requested() -> bool:
+    """True while a schedule runs a zero-bubble backward (``WeightGradStore.enabled``)."""
+    zb = _store_module()
+    return zb is not None and _owned == 0 and bool(zb.WeightGradStore.enabled)
+
+
+@contextlib.contextmanager
+def own_weight_closures():
+    """Inside the block, ``SplitBWLinear`` backwards queue their weight closures into the list
+    this yields, whatever the store's state outside; the store is as it was afterwards."""
+    global _owned
+    zb = _store_module()
+    if zb is None:
+        yield []
+        return
+    store = zb.WeightGradStore
+    saved = store.enabled, store.cache
+    mine: list = []
+    store.enabled, store.cache = True, mine
+    _owned += 1
+    try:
+        yield mine
+    finally:
+        _owned -= 1
+        store.enabled, store.cache = saved
+
+
+def _matched(closures: Sequence[Any], params: Sequence[Any]) -> tuple[dict, list]:
+    """``({param index: [(input, out_grad), ...]}, foreign)``: the closures that compute the
+    gradient of one of ``params``, and the others (kept as they are)."""
+    zb = _store_module()
+    index = {id(p): i for i, p in enumerate(params)}
+    mine: dict = {}
+    foreign = []
+    for closure in closures:
+        if (isinstance(closure, functools.partial) and closure.func is getattr(zb, "grad_weight_fn", None)
+                and len(closure.args) == 3 and id(closure.args[1]) in index):
+            x, weight, out_grad = closure.args
+            if not weight.stop_gradient:  # fleet's closure does nothing for a frozen weight
+                mine.setdefault(index[id(weight)], []).append((x, out_grad))
+        else:
+            foreign.append(closure)
+    return mine, foreign
+
+
+def _product(param, pairs) -> Any:
+    """The weight gradient ``sum(input^T @ out_grad)`` of ``pairs``, in ``param``'s dtype."""
+    zb = _store_module()
+    total = None
+    with paddle.no_grad():
+        for x, out_grad in pairs:
+            g = paddle.matmul(zb.fold_init_dims(x), zb.fold_init_dims(out_grad), transpose_x=True)
+            total = g if total is None else total + g
+        if total.dtype != param.dtype:
+            total = total.astype(param.dtype)
+    return total
+
+
+def add_foreign(closures: Sequence[Any], wrt: Sequence[Any], got: list, capturing: bool, owner: str) -> None:
+    """After a full backward run under :func:`own_weight_closures`: add the deferred products of
+    the parameters in ``wrt`` to their entries of ``got``; run the other closures now (as they
+    would have run with the store off). During a capture those cannot run (they rebind ``.grad``)."""
+    mine, foreign = _matched(closures, wrt)
+    for i, pairs in mine.items():
+        g = _product(wrt[i], pairs)
+        got[i] = g if got[i] is None else got[i] + g
+    if foreign:
+        if capturing:
+            raise RuntimeError(_foreign_message(owner, len(foreign)))
+        for closure in foreign:
+            closure()
+
+
+def _foreign_message(owner: str, count: int) -> str:
+    return (f"{owner}: {count} weight-gradient closure(s) of fleet's WeightGradStore were queued during a "
+            f"capture for weights that are not parameters of this graphed layer (they would rebind .grad "
+            f"inside the graph). Keep the layers whose SplitBWLinear weights live elsewhere out of the "
+            f"graphed run (paddle_graphpp.mark_not_capturable), or use plain paddle.nn.Linear there.")
+
+
+class SplitState:
+    """What the weight half needs: the gradients the input half already produced (parameters
+    no ``SplitBWLinear`` defers) and the deferred ``(input, out_grad)`` pairs per parameter."""
+
+    __slots__ = ("early", "deferred")
+
+    def __init__(self, early: list, deferred: dict):
+        self.early = early
+        self.deferred = deferred
+
+
+def input_half(outputs, grad_outputs, inputs, params, *, capturing: bool, owner: str) -> tuple:
+    """The input half: ``(input gradients, SplitState)``."""
+    wrt = list(inputs) + list(params)
+    with own_weight_closures() as closures:
+        got = list(paddle.grad(outputs, wrt, grad_outputs, allow_unused=True)) if wrt else []
+    n = len(inputs)
+    deferred, foreign = _matched(closures, params)
+    if foreign:
+        if capturing:
+            raise RuntimeError(_foreign_message(owner, len(foreign)))
+        zb = _store_module()
+        for closure in foreign:  # the schedule's own weight pass runs them, as eagerly
+            zb.WeightGradStore.put(closure)
+    return got[:n], SplitState(got[n:], deferred)
+
+
+def weight_half(state: SplitState, params: Sequence[Any]):
+    """Yield ``(indices, gradients)`` for every parameter: first those the input half computed
+    (zeros for a parameter nothing depends on), then each deferred product, one at a time."""
+    ready = [i for i in range(len(params)) if i not in state.deferred]
+    if ready:
+        with paddle.no_grad():
+            yield ready, [state.early[i] if state.early[i] is not None else paddle.zeros_like(params[i])
+                          for i in ready]
+    for i, pairs in state.deferred.items():
+        g = _product(params[i], pairs)
+        if state.early[i] is not None:
+            g = g + state.early[i]
+        yield [i], [g]
+    state.early, state.deferred = [], {}
+
+
+def queue_weight_pass(closure) -> None:
+    """Put ``closure`` into fleet's store, with the closures of the backward running now."""
+    _store_module().WeightGradStore.put(closure)
+
+
+def accumulate(params: Sequence[Any], grads: Sequence[Any]) -> None:
+    """Add each gradient into its parameter's ``main_grad`` (where fleet's mixed precision gave
+    it one) or ``.grad``, in place where one exists, as fleet's own weight closures do."""
+    with paddle.no_grad():
+        for p, g in zip(params, grads):
+            if g is None or p.stop_gradient:
+                continue
+            if hasattr(p, "main_grad"):
+                if p.main_grad is None:
+                    p.main_grad = g.astype(paddle.float32)
+                else:
+                    p.main_grad.add_(g.astype(p.main_grad.dtype))
+            elif p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g.astype(p.grad.dtype) if g.dtype != p.grad.dtype else g)
+
