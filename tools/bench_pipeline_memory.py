@@ -10,7 +10,8 @@ memory including the capture step, the steady peak after it, ``memory_report()``
 per-step losses, and tokens/s. Speed is compared as the median of ``--rounds`` alternating
 rounds of eager and the default graphed settings.
 
-Variants: ``eager``; ``default`` (``--cudagraph``: the library's defaults); ``no_accumulate``;
+Variants: ``eager``; ``default`` (``--cudagraph``: the library's defaults, the loss graphed with
+the last stage by ``graph_loss``); ``eager_loss`` (the loss eager); ``no_accumulate``;
 ``per_graph`` (upstream Paddle's design: a pool per graph); ``async``
 (the default settings under ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``: graph
 memory nodes shared with eager stream-ordered allocations). The gpt1.3b preset runs them
@@ -44,6 +45,7 @@ PRESETS = {
 SEQ = {"gpt1.3b": (2048, 512), "small": (512,)}
 GRAPHED = {
     "default": ([], None),
+    "eager_loss": (["--no-graph-loss"], None),
     "no_accumulate": (["--no-graph-accumulate-grads"], None),
     "per_graph": (["--graph-memory", "per_graph"], None),
     "async": ([], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),

@@ -36,7 +36,9 @@ VARIANTS = {  # graph_stage_module options per variant (None: eager)
     "per_graph": {"memory": "per_graph"},
     "no_reserve": {},  # default options, without the pool's reservation for the optimizer (see VARIANT_ENV)
     "eager_tied": {"shared": "tied"},  # the tied embedding / head kept eager (the default before 2026-11-25)
+    "graphed_loss": {},  # default options, and the last stage's loss graphed too (graph_loss)
 }
+GRAPHED_LOSS = {"graphed_loss"}
 VARIANT_ENV = {"no_reserve": {"FLAGS_graphpp_reserve_pool": "0"}}
 WARMUP = 3  # graph_stage_module's num_warmup_steps, as the trainer uses
 
@@ -81,6 +83,13 @@ def worker(args) -> dict:
         if options.get("shared") == "tied":
             options = {**options, "shared": tied if isinstance(tied, tuple) else (tied,)}
         model = graph_stage_module(chunk, WARMUP, name=f"stage{args.stage}", **options)
+    def loss_fn(y, labels):
+        return F.cross_entropy(y.flatten(0, 1).float(), labels.flatten()) / args.micro_batches
+
+    if last and args.variant in GRAPHED_LOSS:
+        from paddle_graphpp.torch.pipelining import graph_loss
+
+        loss_fn = graph_loss(loss_fn, WARMUP)
     optimizer = torch.optim.AdamW(params, lr=3e-4)
     gen = torch.Generator(device=dev).manual_seed(args.stage)
     mb, seq, hid = 1, args.seq_len, args.hidden
@@ -108,8 +117,8 @@ def worker(args) -> dict:
                 y = outs.pop(i)
                 if last:
                     labels = torch.randint(0, args.vocab, (mb, seq), device=dev, generator=gen)
-                    loss = F.cross_entropy(y.flatten(0, 1).float(), labels.flatten()) / args.micro_batches
-                    losses.append(loss.detach())
+                    loss = loss_fn(y, labels)
+                    losses.append(loss.detach().clone())  # a graphed loss is overwritten by its next replay
                     loss.backward()
                 else:
                     y.backward(torch.randn(y.shape, device=dev, dtype=dtype, generator=gen))

@@ -126,6 +126,9 @@ class Config:
     """Accumulate parameter gradients into ``.grad`` inside the backward graphs (PyTorch;
     ``accumulate_grads`` of ``graph_stage_module``); ``None``: the library's default
     (``"auto"``)."""
+    graph_loss: bool = True
+    """With ``--cudagraph``, graph the last stage's loss too (PyTorch;
+    ``paddle_graphpp.torch.graph_loss``): its temporaries share the graphs' pool."""
     graph_optimizer: bool = False
     """Capture the optimizer step and gradient zeroing as one CUDA graph (PyTorch only;
     ``paddle_graphpp.GraphedOptimizer``); eager and bit-identical on CPU."""
@@ -162,6 +165,9 @@ def parse_args(argv=None) -> Config:
     parser.add_argument("--graph-accumulate-grads", action=argparse.BooleanOptionalAction, default=None,
                         help="accumulate parameter gradients inside the backward graphs, or not "
                              "(--framework torch; default: the library's, 'auto')")
+    parser.add_argument("--graph-loss", action=argparse.BooleanOptionalAction, default=defaults.graph_loss,
+                        help="with --cudagraph, graph the last stage's cross-entropy too (--framework torch; "
+                             "default: on)")
     parser.add_argument("--graph-optimizer", action="store_true",
                         help="capture AdamW step + zero-grad as one CUDA graph (--framework torch)")
     parser.add_argument("--attention", choices=["explicit", "sdpa"], default=defaults.attention)
@@ -545,6 +551,12 @@ def run_torch(cfg: Config) -> None:
 
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    if cfg.cudagraph and cfg.graph_loss and last_rank:
+        from paddle_graphpp.torch.pipelining import graph_loss
+
+        loss_fn = graph_loss(loss_fn, NUM_WARMUP_STEPS, memory=cfg.graph_memory)
+        graphed.append(loss_fn)
 
     if schedule_name is not None:
         schedule = getattr(pipelining, schedule_name)(stages, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)

@@ -151,3 +151,28 @@ def test_schedules_pair_forwards_and_backwards_in_every_graphed_run(vpp, memory,
         for run in runs:
             assert run["captures"] > 0 and run["replays"] > 0, (rank, run)
             assert run["in_flight"] == 0, (rank, run)
+
+
+def test_graph_loss_computes_the_loss_and_its_gradient_and_rejects_bad_input():
+    from paddle_graphpp.torch import graph_loss
+
+    def mse(out, target):
+        return (out - target).square().mean()
+
+    loss_fn = graph_loss(mse, 1)
+    assert isinstance(loss_fn, CUDAGraphedModule) and loss_fn.engine.name == "loss"
+    for _ in range(3):  # eager on CPU: warmup, recorded, eager
+        out = torch.randn(4, 8, requires_grad=True)
+        target = torch.randn(4, 8)
+        got = loss_fn(out, target)
+        got.backward()
+        ref_out = out.detach().clone().requires_grad_()
+        mse(ref_out, target).backward()
+        assert torch.equal(got.detach(), mse(out.detach(), target)) and torch.equal(out.grad, ref_out.grad)
+    assert loss_fn.engine.in_flight == 0
+    module_loss = graph_loss(nn.MSELoss(), name="mse")
+    assert isinstance(module_loss.module, nn.MSELoss) and module_loss.engine.name == "mse"
+    with pytest.raises(TypeError, match="needs the loss function"):
+        graph_loss(3)
+    with pytest.raises(TypeError, match="graphed already"):
+        graph_loss(loss_fn)

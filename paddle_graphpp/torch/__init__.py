@@ -9,6 +9,7 @@ from .._lazy import lazy_attributes
 _LAZY = {
     "CUDAGraphedModule": "paddle_graphpp.torch.graphed",
     "graph_stage_module": "paddle_graphpp.torch.pipelining",
+    "graph_loss": "paddle_graphpp.torch.pipelining",
     "graph_layers": "paddle_graphpp.torch.layers",
     "ungraph_layers": "paddle_graphpp.torch.layers",
     "causal_lm_stage": "paddle_graphpp.torch.hf",

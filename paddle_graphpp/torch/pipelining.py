@@ -23,6 +23,11 @@ The result is an ordinary ``torch.nn.Module``: hand it to ``PipelineStage`` and 
                           input_args=example_input, output_args=example_output)
     schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
 
+On the last stage, :func:`graph_loss` graphs the schedule's loss function as well
+(``Schedule1F1B(stage, 8, loss_fn=graph_loss(loss_fn))``): its temporaries (a cross-entropy
+over fp32 logits: several copies of the logits) then come from the graphs' pool, where the
+stage's own backward scratch is free at that moment, instead of from memory of their own.
+
 The schedule's sends and receives happen between stage calls, so they stay outside the
 graphs; received activations are copied into each graph's static input buffers by the engine.
 Each graphed run keeps its own FIFO of in-flight micro-batches, so the several chunks of an
@@ -39,7 +44,7 @@ from torch import nn
 
 from paddle_graphpp.core import segment
 
-__all__ = ["graph_stage_module", "GraphedStage"]
+__all__ = ["graph_stage_module", "graph_loss", "GraphedStage"]
 
 
 class _Call(nn.Module):
@@ -252,3 +257,48 @@ def graph_stage_module(
             entry = run.entries[0]
             steps.append(entry.obj if isinstance(entry.obj, nn.Module) else _Call(entry.obj, entry.name))
     return GraphedStage(steps, runs)
+
+
+class _Loss(nn.Module):
+    """A loss function as a module: ``loss_fn(output, target)``."""
+
+    def __init__(self, loss_fn: Callable):
+        super().__init__()
+        self.loss_fn = loss_fn
+
+    def forward(self, *args):
+        return self.loss_fn(*args)
+
+    def extra_repr(self) -> str:
+        return getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
+
+
+def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = "error", memory: str = "shared",
+               name: Optional[str] = None) -> nn.Module:
+    """The last stage's loss function, captured as CUDA graphs with the stage's graphs.
+
+    Pass the result as the schedule's ``loss_fn``. Each micro-batch position's loss (forward
+    and backward) is recorded and captured in the step's order into the shared pool, so its
+    temporaries reuse memory the stage's graphs hold anyway, and its launches are replayed.
+
+    Args:
+        loss_fn: ``loss_fn(output, target) -> loss`` (a function or an ``nn.Module``). It must
+            return a tensor and keep shapes fixed (a graph replays the shapes it captured); a
+            loss that reads a Python value per call (a changing scale) must take it as a tensor.
+        num_warmup_steps, fallback, memory: as for :func:`graph_stage_module`.
+        name: its name in logs and errors (``"loss"`` by default).
+
+    Returns:
+        A ``CUDAGraphedModule`` calling ``loss_fn``. On CPU tensors it computes eagerly.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable, or is graphed already.
+    """
+    from paddle_graphpp.torch.graphed import CUDAGraphedModule
+
+    if not callable(loss_fn):
+        raise TypeError(f"graph_loss() needs the loss function, got {loss_fn!r}")
+    if isinstance(loss_fn, CUDAGraphedModule):
+        raise TypeError("graph_loss() got a CUDAGraphedModule: the loss is graphed already")
+    module = loss_fn if isinstance(loss_fn, nn.Module) else _Loss(loss_fn)
+    return CUDAGraphedModule(module, num_warmup_steps, fallback=fallback, memory=memory, name=name or "loss")
