@@ -37,9 +37,14 @@ VARIANTS = {  # graph_stage_module options per variant (None: eager)
     "no_reserve": {},  # default options, without the pool's reservation for the optimizer (see VARIANT_ENV)
     "eager_tied": {"shared": "tied"},  # the tied embedding / head kept eager (the default before 2026-11-25)
     "graphed_loss": {},  # default options, and the last stage's loss graphed too (graph_loss)
+    "eager_async": None,  # eager under the stream-ordered allocator (see VARIANT_ENV)
+    "async": {},  # default options under the stream-ordered allocator
+    "per_graph_async": {"memory": "per_graph"},  # upstream Paddle's design under the stream-ordered allocator
 }
 GRAPHED_LOSS = {"graphed_loss"}
-VARIANT_ENV = {"no_reserve": {"FLAGS_graphpp_reserve_pool": "0"}}
+_ASYNC = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+VARIANT_ENV = {"no_reserve": {"FLAGS_graphpp_reserve_pool": "0"}, "eager_async": _ASYNC, "async": _ASYNC,
+               "per_graph_async": _ASYNC}
 WARMUP = 3  # graph_stage_module's num_warmup_steps, as the trainer uses
 
 
@@ -222,6 +227,16 @@ def _drop_values(argv: list, names: tuple) -> list:
     return out
 
 
+def _per_step(per_step: list) -> str:
+    """Each step's figures; for long runs the first five, then each change of the step peak."""
+    text = [f"{a:.0f}/{b:.0f}/{c:.0f}" for a, b, c in per_step]
+    if len(text) <= 20:
+        return " ".join(text)
+    changes = [f"step {i}: {text[i]}" for i in range(5, len(text)) if per_step[i][0] != per_step[i - 1][0]]
+    return " ".join(text[:5]) + f" ... {len(text)} steps; later changes of the step peak: " + (
+        ", ".join(changes) if changes else "none")
+
+
 def _print_row(rec: dict, runs: list) -> None:
     if "error" in rec:
         print(f"stage {rec['stage']} {rec['variant']:<14} ERROR {rec['error']}\n{rec.get('stderr_tail', '')}")
@@ -235,7 +250,7 @@ def _print_row(rec: dict, runs: list) -> None:
     print("   optimizer steps in the graph pool:", rec.get("optimizer_steps_in_pool"),
           "declined:", rec.get("optimizer_steps_declined"), "reserved before capture (MiB):",
           rec.get("pool_reserved_before_capture_mib"),
-          " per step (peak / end / pools):", " ".join(f"{a:.0f}/{b:.0f}/{c:.0f}" for a, b, c in rec["per_step_mib"]))
+          " per step (peak / end / pools):", _per_step(rec["per_step_mib"]))
     if rec.get("trace"):
         from tools import memtrace
 

@@ -6,6 +6,7 @@ calls warm up, capture or replay under Paddle's own autograd and fleet's schedul
 """
 import contextlib
 import itertools
+import sys
 
 import paddle
 
@@ -48,6 +49,18 @@ class FakePaddleRuntime(PaddleRuntime):
 
     @contextlib.contextmanager
     def capture_to_graph(self, graph, pool=None, stream=None, generators=()):
+        # What a real capture could not survive, checked here: fleet's weight-gradient closure
+        # running inside it (it rebinds .grad), or fleet's store changed by it.
+        zb = sys.modules.get("paddle.distributed.fleet.meta_parallel.zero_bubble_utils")
+        if zb is not None:
+            store = zb.WeightGradStore
+            before = (id(store.cache), len(store.cache), store.funcs_queue.qsize(), store.enabled)
+            original = zb.grad_weight_fn
+
+            def refuse(*args, **kwargs):
+                raise AssertionError("fleet's grad_weight_fn ran inside a capture (it rebinds .grad)")
+
+            zb.grad_weight_fn = refuse
         self.capturing = True
         try:
             yield graph
@@ -56,6 +69,11 @@ class FakePaddleRuntime(PaddleRuntime):
             raise
         finally:
             self.capturing = False
+            if zb is not None:
+                zb.grad_weight_fn = original
+        if zb is not None:
+            after = (id(store.cache), len(store.cache), store.funcs_queue.qsize(), store.enabled)
+            assert after == before, f"a capture changed fleet's WeightGradStore: {before} -> {after}"
         graph.captured = True
 
     def replay_graph(self, graph):

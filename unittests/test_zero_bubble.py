@@ -190,6 +190,31 @@ def test_a_position_captured_whole_refuses_an_input_only_backward(rt):
     assert isinstance(cause, GraphScheduleError)
     assert re.search(r"test:Block: micro-batch position 0 was captured with a full backward.*input gradients "
                      r"only.*same schedule every step", str(cause))
+    # refused before the FIFO was touched: the micro-batch is still in flight, and a full
+    # backward, as it was captured, completes it
+    assert layer.engine.in_flight == 1
+    (h.sum() + extra).backward()
+    assert layer.engine.in_flight == 0
+    fake_step(layer, "f0 f1 b0 b1")
+
+
+def test_a_failed_input_half_leaves_nothing_waiting_for_its_weight_half(rt, monkeypatch):
+    layer = Graphed(Block(), rt, num_warmup_steps=0)
+    x = torch.randn(4, 8, requires_grad=True)
+    h, extra = layer(x)
+
+    def broken(*args, **kwargs):
+        raise ValueError("input half failed")
+
+    monkeypatch.setattr(rt, "backward_input", broken)
+    with pytest.raises(RuntimeError) as raised:
+        stage_backward_input([h.sum() + extra], None, [x], layer.parameters())
+    assert "input half failed" in str(raised.value.__cause__)
+    assert layer.engine.in_flight == 0  # its backward is over: nothing waits for a weight pass
+    monkeypatch.undo()
+    for _ in range(3):  # the layer and the process's episode clock go on
+        fake_step(layer, "f0 i0 f1 w0 i1 w1")
+    assert layer.engine.in_flight == 0 and layer.engine.replays > 0
 
 
 def test_a_position_captured_split_serves_a_full_backward(rt):

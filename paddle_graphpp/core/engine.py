@@ -200,9 +200,12 @@ class _Position:
     linked: tuple = ()
     state: Optional[StateWatch] = None  # the layer's parameters and buffers the graphs read (core.state)
     # Split backward (zero-bubble schedules): bwd_graph is the input half, weight_graph the
-    # weight half, which writes every parameter's gradient into weight_buffers.
+    # weight half, which writes the gradients of the parameters marked in param_grad_used into
+    # weight_buffers; input_param_used marks those the input half wrote into the layer's
+    # parameter-gradient buffers (handed to autograd with the input gradients).
     weight_graph: Any = None
     weight_buffers: tuple = ()
+    input_param_used: tuple = ()
 
 
 @dataclass(slots=True)
@@ -229,6 +232,7 @@ class _InputHalf:
     static_grads: tuple
     static_grad_inputs: tuple
     weight_state: Any  # the runtime's backward_input state: what the weight half needs
+    param_used: tuple = ()  # per parameter: did the input half write its gradient (see _Position)
 
 
 class _Signature:
@@ -531,11 +535,24 @@ class GraphedCallable:
                 f"which the stream-ordered allocator (backend:cudaMallocAsync) cannot serve: its graphs are "
                 f"captured within the step, as one backward. Use the default caching allocator with "
                 f"zero-bubble schedules, or a schedule with full backwards (1F1B, interleaved 1F1B).")
+        if split and call.run is _Run.REPLAY and call.done.weight_graph is None:
+            raise GraphScheduleError(
+                f"{self.name}: micro-batch position {call.position} was captured with a full backward, but "
+                f"this step's backward asks for input gradients only (a zero-bubble schedule's input "
+                f"pass). Graphs replay the schedule they were captured under: run the same schedule every "
+                f"step (a schedule change needs new graphs: build the stage anew).")
         self.queue.pop(call, weight_later=split)
         sig = self._signatures.get(call.key)
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
         if split:
-            return self._backward_input(call, sig, diff_grads)
+            try:
+                return self._backward_input(call, sig, diff_grads)
+            except BaseException:
+                # The micro-batch's backward is over (failed): it must not wait for a weight half.
+                self.queue.pop_weight(call)
+                self._leave_flight(call, sig)
+                call.eager = call.weight_state = None
+                raise
         self._leave_flight(call, sig)
         if call.run is _Run.REPLAY:
             return self._replay_backward(call, call.done, diff_grads)
@@ -558,30 +575,24 @@ class GraphedCallable:
         """The input half of a split backward: input gradients now, parameter gradients left
         for :meth:`_backward_weight`."""
         if call.run is _Run.REPLAY:
-            if call.done.weight_graph is None:
-                raise GraphScheduleError(
-                    f"{self.name}: micro-batch position {call.position} was captured with a full backward, but "
-                    f"this step's backward asks for input gradients only (a zero-bubble schedule's input "
-                    f"pass). Graphs replay the schedule they were captured under: run the same schedule every "
-                    f"step (a schedule change needs new graphs: build the stage anew).")
             return self._replay_backward_input(call, call.done, diff_grads)
         rt = self.runtime
         inner, outs, inner_params = call.eager
         outs = [o for o, d in zip(outs, call.differentiable) if d]
         wrt = [x for x, s in zip(inner, call.shape.specs) if s.requires_grad]
         if outs:
-            got, call.weight_state = rt.backward_input(outs, diff_grads, wrt, inner_params)
+            got, param_grads, call.weight_state = rt.backward_input(outs, diff_grads, wrt, inner_params)
         else:
-            got = [None] * len(wrt)
+            got, param_grads = [None] * len(wrt), [None] * len(call.params)
         it = iter(got)
         input_grads = [next(it) if s.requires_grad else None for s in call.shape.specs]
         if call.run is _Run.RECORDED and sig is not None:
             self._record_backward(call, sig, diff_grads, input_grads, half="input")
-        return input_grads + [None] * len(call.params)
+        return input_grads + list(param_grads)
 
     def _backward_weight(self, call: _Call) -> list:
-        """The weight half of a split backward: every parameter's gradient, handed to autograd
-        (the schedule's weight pass adds them into ``.grad``)."""
+        """The weight half of a split backward: the parameter gradients it produces, handed to
+        autograd (the schedule's weight pass adds them into ``.grad``)."""
         self.queue.pop_weight(call)
         sig = self._signatures.get(call.key)
         self._leave_flight(call, sig)
@@ -646,8 +657,9 @@ class GraphedCallable:
     def _replay_backward(self, call: _Call, done: _Position, diff_grads: list) -> list:
         rt = self.runtime
         if done.weight_graph is not None:  # captured as two halves; this step wants both at once
-            return (self._replay_backward_input(call, done, diff_grads)[:len(call.shape.specs)]
-                    + self._replay_weight_graph(call, done))
+            n = len(call.shape.specs)
+            first = self._replay_backward_input(call, done, diff_grads)
+            return first[:n] + self._sum_grads(first[n:], self._replay_weight_graph(call, done))
         self.plan.note_replay(done.generation, id(done.bwd_graph), False, self.name)
         _collectives.check_replay(done.bwd_graph)
         if done.static_grad_outputs:
@@ -673,7 +685,10 @@ class GraphedCallable:
             rt.copy_many(done.static_grad_outputs, diff_grads)
         rt.replay_graph(done.bwd_graph)
         self.replays += 1
-        return self._hand_off(list(call.tensors), list(done.static_grad_inputs)) + [None] * len(call.params)
+        used = done.input_param_used or (False,) * len(call.params)
+        buffers = self._param_grad_buffers if any(used) else [None] * len(call.params)
+        return self._hand_off(list(call.tensors) + list(call.params),
+                              list(done.static_grad_inputs) + [b if u else None for b, u in zip(buffers, used)])
 
     def _replay_weight_graph(self, call: _Call, done: _Position) -> list:
         """Replay the weight half; the parameter gradients, in buffers the layer keeps (copies
@@ -684,8 +699,8 @@ class GraphedCallable:
         _collectives.check_replay(done.weight_graph)
         rt.replay_graph(done.weight_graph)
         self.replays += 1
-        grads = list(done.weight_buffers)
-        fresh = rt.leaves_without_grad(call.params)
+        grads = [b if u else None for b, u in zip(done.weight_buffers, done.param_grad_used)]
+        fresh = [i for i in rt.leaves_without_grad(call.params) if grads[i] is not None]
         if fresh:
             for i, c in zip(fresh, rt.clone_many([grads[i] for i in fresh])):
                 grads[i] = c
@@ -815,16 +830,28 @@ class GraphedCallable:
         wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad]
         graph = rt.create_graph()
         start = _memory.now()
+        param_used = (False,) * len(live.params)
         with self._capturing(graph, live.generation, "backward (input half)"):
             if outs:
-                input_grads, state = rt.backward_input(outs, list(static_grads), wrt, live.params)
+                input_grads, param_grads, state = rt.backward_input(outs, list(static_grads), wrt, live.params)
+                param_used = tuple(g is not None for g in param_grads)
+                if any(param_used):
+                    # into the layer's parameter-gradient buffers, handed to autograd at replay
+                    # (as a full backward's are without accumulation)
+                    if sig.accumulate:
+                        raise RuntimeError(f"{rt.name} runtime: backward_input returned parameter gradients "
+                                           f"for a layer that accumulates inside its graphs")
+                    buffers = self._param_buffers(sig.params)
+                    rt.copy_many([buffers[i] for i, u in enumerate(param_used) if u],
+                                 [g for g in param_grads if g is not None])
+                del param_grads
             else:
                 input_grads, state = [None] * len(wrt), None
         plan.note_capture(live.generation, id(graph), _memory.now() - start)
         self.captures += 1
         it = iter(input_grads)
         return _InputHalf(live, graph, tuple(static_grads),
-                          tuple(next(it) if s.requires_grad else None for s in sig.shape.specs), state)
+                          tuple(next(it) if s.requires_grad else None for s in sig.shape.specs), state, param_used)
 
     def _capture_backward_weight(self, sig: _Signature, half: _InputHalf) -> _Position:
         """Capture the weight half: every parameter's gradient into the layer's weight-gradient
@@ -837,10 +864,13 @@ class GraphedCallable:
         static_outputs = tuple(rt.detach(o) for o in live.outputs)
         graph = rt.create_graph()
         start = _memory.now()
+        used = [False] * len(sig.params)
         with self._capturing(graph, live.generation, "backward (weight half)"):
             if half.weight_state is not None:
                 for index, grads in rt.backward_weight(half.weight_state, live.params):
                     rt.copy_many([buffers[i] for i in index], grads)
+                    for i in index:
+                        used[i] = True
             half.weight_state = None
             live.outputs = list(static_outputs)  # drops the last references to the autograd graph
         plan.note_capture(live.generation, id(graph), _memory.now() - start)
@@ -848,9 +878,9 @@ class GraphedCallable:
         return _Position(
             generation=live.generation, fwd_graph=live.graph, bwd_graph=half.graph, static_inputs=live.static_inputs,
             static_outputs=static_outputs, static_grad_outputs=half.static_grads,
-            static_grad_inputs=half.static_grad_inputs, param_grad_used=(True,) * len(sig.params),
+            static_grad_inputs=half.static_grad_inputs, param_grad_used=tuple(used),
             outputs=live.outputs_shape, accumulate=False, linked=live.linked, weight_graph=graph,
-            weight_buffers=buffers, state=live.state)
+            weight_buffers=buffers, state=live.state, input_param_used=half.param_used)
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):
@@ -1025,6 +1055,18 @@ class GraphedCallable:
             for i, c in zip(adopt, rt.clone_many([grads[i] for i in adopt])):
                 grads[i] = c
         return grads
+
+    def _sum_grads(self, first: list, second: list) -> list:
+        """Per parameter, the sum of two optional gradients (new tensors where both exist)."""
+        rt = self.runtime
+        both = [i for i, (a, b) in enumerate(zip(first, second)) if a is not None and b is not None]
+        out = [a if a is not None else b for a, b in zip(first, second)]
+        if both:
+            sums = rt.clone_many([first[i] for i in both])
+            rt.add_many(sums, [second[i] for i in both])
+            for i, total in zip(both, sums):
+                out[i] = total
+        return out
 
     def _bind_grads(self, params: list, buffers: list) -> None:
         """Make each buffer its parameter's ``.grad``, keeping the gradient's value: an unset

@@ -261,17 +261,21 @@ class GraphRuntime(abc.ABC):
 
     def backward_input(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
                        params: Sequence[Any]) -> tuple:
-        """The input-gradient half of a backward: returns ``(input_grads, state)``, the
-        gradients w.r.t. ``inputs`` (``None`` where unused) and what :meth:`backward_weight`
-        needs to produce the gradients of ``params`` later (the autograd graph is kept).
-        Runs inside a capture."""
+        """The input-gradient half of a backward: returns ``(input_grads, param_grads, state)``:
+        the gradients w.r.t. ``inputs`` (``None`` where unused); per parameter, a gradient this
+        half already produced (``None`` for most: a runtime whose weight half computes every
+        parameter gradient returns all ``None``), handed to autograd with the input gradients;
+        and what :meth:`backward_weight` needs to produce the remaining parameter gradients
+        later (the autograd graph is kept). A runtime that accumulates gradients inside graphs
+        (:attr:`accumulates_grads_in_graph`) returns no parameter gradient here. Runs inside a
+        capture."""
         raise NotImplementedError(f"{self.name} runtime: backward_input")
 
     def backward_weight(self, state: Any, params: Sequence[Any]) -> Iterator[tuple]:
         """The weight-gradient half: yields ``(indices, gradients)`` of ``params``, a few at a
-        time (the caller moves each batch into its buffers before asking for the next), until
-        every parameter had one (zeros for a parameter the outputs do not depend on); then
-        releases ``state``. Runs inside a capture."""
+        time (the caller moves each batch into its buffers before asking for the next), for
+        every parameter whose gradient it produces (a parameter never yielded gets none from
+        this half); then releases ``state``. Runs inside a capture."""
         raise NotImplementedError(f"{self.name} runtime: backward_weight")
 
     # ------------------------------------------- gradient accumulation in graphs

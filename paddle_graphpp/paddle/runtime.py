@@ -52,8 +52,8 @@ class _GraphedPyLayer(PyLayer):
 
 
 def _weight_pass(ctx) -> None:
-    """The weight half of a graphed call, run by fleet's ``WeightGradStore.pop()``: its parameter
-    gradients go into ``.grad`` (``main_grad``), as fleet's own deferred closures put theirs."""
+    """The weight half of a graphed call, run by fleet's ``WeightGradStore.pop()``: the deferred
+    parameter gradients go into ``.grad`` (``main_grad``), as fleet's own closures put theirs."""
     call = ctx.call
     got = node_backward(ctx, [])
     _split.accumulate(call.params, got[len(call.tensors):])
@@ -176,15 +176,14 @@ class PaddleRuntime(GraphRuntime):
         with _split.own_weight_closures() as closures:
             got = list(paddle.grad(outputs, inputs, grad_outputs, retain_graph=retain_graph, allow_unused=True))
         if closures:
-            _split.add_foreign(closures, inputs, got, self.is_capturing(), "CUDAGraphedLayer")
+            _split.add_foreign(closures, inputs, got, self.is_capturing())
         return got
 
     # fleet's DualPipeV: the store's signal, SplitBWLinear's deferred products (split_backward.py)
     splits_backward = True
 
     def backward_input(self, outputs, grad_outputs, inputs, params):
-        return _split.input_half(outputs, grad_outputs, inputs, params, capturing=self.is_capturing(),
-                                 owner="CUDAGraphedLayer")
+        return _split.input_half(outputs, grad_outputs, inputs, params, capturing=self.is_capturing())
 
     def backward_weight(self, state, params):
         return _split.weight_half(state, params)
@@ -198,6 +197,16 @@ class PaddleRuntime(GraphRuntime):
     def apply_graphed_function(self, call, tensors, params) -> tuple:
         out = _GraphedPyLayer.apply(call, *tensors, *params)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    def add_many(self, dsts, srcs) -> None:
+        with paddle.no_grad():
+            for d, s in zip(dsts, srcs):
+                d.add_(s)
+
+    def zero_many(self, tensors) -> None:
+        with paddle.no_grad():
+            for t in tensors:
+                t.zero_()
 
     # graph operations
     def create_graph(self):

@@ -10,8 +10,9 @@ the store off the closure runs at once, inside the backward.
 
 A graphed layer follows the same signal (:func:`split_requested`): its autograd node runs the
 input half of its backward (input gradients, and the gradients of parameters no ``SplitBWLinear``
-defers) and puts one closure of its own into the store, which runs the weight half (the deferred
-``input^T @ grad`` products) and adds every parameter gradient of the layer into ``.grad``.
+defers, which go to autograd at once, as eagerly) and puts one closure of its own into the store,
+which runs the weight half (the deferred ``input^T @ grad`` products) and adds them into
+``.grad``.
 Graphed, the halves are two graphs; the store's FIFO runs the weight graphs in the schedule's
 order. Inside a graphed layer's own backward, eager or captured, the ``SplitBWLinear`` closures
 never reach fleet's store or ``.grad`` (:func:`own_weight_closures`): the layer computes those
@@ -28,7 +29,7 @@ from typing import Any, Sequence
 import paddle
 
 __all__ = ["split_requested", "own_weight_closures", "SplitState", "input_half", "weight_half",
-           "add_foreign", "queue_weight_pass", "accumulate"]
+           "add_foreign", "queue_weight_pass", "accumulate", "ForeignWeightError"]
 
 _STORE_MODULE = "paddle.distributed.fleet.meta_parallel.zero_bubble_utils"
 _owned = 0  # depth of own_weight_closures blocks: the store is enabled by us, not by a schedule
@@ -85,19 +86,25 @@ def _matched(closures: Sequence[Any], params: Sequence[Any]) -> tuple[dict, list
 
 
 def _product(param, pairs) -> Any:
-    """The weight gradient ``sum(input^T @ out_grad)`` of ``pairs``, in ``param``'s dtype."""
+    """The weight gradient ``sum(input^T @ out_grad)`` of ``pairs``, each product in ``param``'s
+    dtype (fleet adds each into ``.grad`` in turn; a weight a run uses twice may round differently)."""
     zb = _store_module()
     total = None
     with paddle.no_grad():
         for x, out_grad in pairs:
             g = paddle.matmul(zb.fold_init_dims(x), zb.fold_init_dims(out_grad), transpose_x=True)
+            if g.dtype != param.dtype:
+                g = g.astype(param.dtype)
             total = g if total is None else total + g
-        if total.dtype != param.dtype:
-            total = total.astype(param.dtype)
     return total
 
 
-def add_foreign(closures: Sequence[Any], wrt: Sequence[Any], got: list, capturing: bool, owner: str) -> None:
+class ForeignWeightError(ValueError):
+    """A ``SplitBWLinear`` inside a graphed run computes the gradient of a weight the run does
+    not own: inside a capture its closure would rebind that weight's ``.grad``."""
+
+
+def add_foreign(closures: Sequence[Any], wrt: Sequence[Any], got: list, capturing: bool) -> None:
     """After a full backward run under :func:`own_weight_closures`: add the deferred products of
     the parameters in ``wrt`` to their entries of ``got``; run the other closures now (as they
     would have run with the store off). During a capture those cannot run (they rebind ``.grad``)."""
@@ -107,31 +114,31 @@ def add_foreign(closures: Sequence[Any], wrt: Sequence[Any], got: list, capturin
         got[i] = g if got[i] is None else got[i] + g
     if foreign:
         if capturing:
-            raise RuntimeError(_foreign_message(owner, len(foreign)))
+            raise ForeignWeightError(_foreign_message(len(foreign)))
         for closure in foreign:
             closure()
 
 
-def _foreign_message(owner: str, count: int) -> str:
-    return (f"{owner}: {count} weight-gradient closure(s) of fleet's WeightGradStore were queued during a "
-            f"capture for weights that are not parameters of this graphed layer (they would rebind .grad "
-            f"inside the graph). Keep the layers whose SplitBWLinear weights live elsewhere out of the "
-            f"graphed run (paddle_graphpp.mark_not_capturable), or use plain paddle.nn.Linear there.")
+def _foreign_message(count: int) -> str:
+    return (f"{count} weight-gradient closure(s) of fleet's WeightGradStore were queued during a capture "
+            f"for weights that are not parameters of this graphed run (they would rebind .grad inside the "
+            f"graph). Keep the layers whose SplitBWLinear weights live elsewhere out of the graphed run "
+            f"(paddle_graphpp.mark_not_capturable), or use plain paddle.nn.Linear there")
 
 
 class SplitState:
-    """What the weight half needs: the gradients the input half already produced (parameters
-    no ``SplitBWLinear`` defers) and the deferred ``(input, out_grad)`` pairs per parameter."""
+    """What the weight half needs: the deferred ``(input, out_grad)`` pairs per parameter."""
 
-    __slots__ = ("early", "deferred")
+    __slots__ = ("deferred",)
 
-    def __init__(self, early: list, deferred: dict):
-        self.early = early
+    def __init__(self, deferred: dict):
         self.deferred = deferred
 
 
-def input_half(outputs, grad_outputs, inputs, params, *, capturing: bool, owner: str) -> tuple:
-    """The input half: ``(input gradients, SplitState)``."""
+def input_half(outputs, grad_outputs, inputs, params, *, capturing: bool) -> tuple:
+    """The input half: ``(input gradients, parameter gradients, SplitState)``. The parameter
+    gradients are those nothing defers (norms, biases, plain ``Linear`` weights): they go to
+    autograd now, as eagerly, so hooks on those parameters see them during this backward."""
     wrt = list(inputs) + list(params)
     with own_weight_closures() as closures:
         got = list(paddle.grad(outputs, wrt, grad_outputs, allow_unused=True)) if wrt else []
@@ -139,27 +146,19 @@ def input_half(outputs, grad_outputs, inputs, params, *, capturing: bool, owner:
     deferred, foreign = _matched(closures, params)
     if foreign:
         if capturing:
-            raise RuntimeError(_foreign_message(owner, len(foreign)))
+            raise ForeignWeightError(_foreign_message(len(foreign)))
         zb = _store_module()
         for closure in foreign:  # the schedule's own weight pass runs them, as eagerly
             zb.WeightGradStore.put(closure)
-    return got[:n], SplitState(got[n:], deferred)
+    return got[:n], got[n:], SplitState(deferred)
 
 
 def weight_half(state: SplitState, params: Sequence[Any]):
-    """Yield ``(indices, gradients)`` for every parameter: first those the input half computed
-    (zeros for a parameter nothing depends on), then each deferred product, one at a time."""
-    ready = [i for i in range(len(params)) if i not in state.deferred]
-    if ready:
-        with paddle.no_grad():
-            yield ready, [state.early[i] if state.early[i] is not None else paddle.zeros_like(params[i])
-                          for i in ready]
+    """Yield ``([index], [gradient])`` for each parameter with deferred products, one at a
+    time; parameters without any get no gradient from this half."""
     for i, pairs in state.deferred.items():
-        g = _product(params[i], pairs)
-        if state.early[i] is not None:
-            g = g + state.early[i]
-        yield [i], [g]
-    state.early, state.deferred = [], {}
+        yield [i], [_product(params[i], pairs)]
+    state.deferred = {}
 
 
 def queue_weight_pass(closure) -> None:

@@ -231,7 +231,8 @@ class TorchRuntime(GraphRuntime):
     splits_backward = True
 
     def backward_input(self, outputs, grad_outputs, inputs, params):
-        return _split.backward_input(outputs, grad_outputs, inputs, params)
+        input_grads, state = _split.backward_input(outputs, grad_outputs, inputs, params)
+        return input_grads, [None] * len(params), state  # the weight half yields every parameter
 
     def backward_weight(self, state, params):
         return _split.backward_weight(state, params)
