@@ -110,3 +110,49 @@ def write_result(name: str, payload: dict) -> Path:
     if out:
         Path(out, path.name).write_text(text)
     return path
+
+
+class DeviceMemory:
+    """This process's reserved device memory on ``device``: the caching allocator's and, under
+    the stream-ordered allocator (``backend:cudaMallocAsync``), the driver's graph memory too,
+    which torch's counters leave out (there graphs allocate from the driver, not from torch).
+
+    Under that allocator :meth:`peak_mib` adds two peaks that need not fall at the same moment:
+    an upper bound of the true peak."""
+
+    def __init__(self, device=None):
+        import torch
+
+        from paddle_graphpp.torch.allocator import async_allocator_active
+
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.graphs = None
+        if async_allocator_active():
+            from paddle_graphpp.core.driver_memory import GraphMemory
+
+            self.graphs = GraphMemory(self.device.index if self.device.index is not None else 0)
+
+    def _graph(self, attr: int) -> float:
+        value = self.graphs.get(attr) if self.graphs is not None else None
+        return (value or 0) / 2**20
+
+    def reset_peak(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self.device)
+        if self.graphs is not None:
+            self.graphs.reset_high()
+
+    def peak_mib(self) -> float:
+        import torch
+
+        return torch.cuda.max_memory_reserved(self.device) / 2**20 + self._graph(3)  # RESERVED_HIGH
+
+    def current_mib(self) -> float:
+        import torch
+
+        return torch.cuda.memory_reserved(self.device) / 2**20 + self._graph(2)  # RESERVED_CURRENT
+
+    def graph_mib(self) -> float:
+        """The driver's graph memory now (0 outside the stream-ordered allocator)."""
+        return self._graph(2)

@@ -27,7 +27,7 @@ REPO = str(Path(__file__).resolve().parents[1])
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from tools import launch  # noqa: E402
-from tools.benchlib import last_json_line  # noqa: E402
+from tools.benchlib import DeviceMemory, last_json_line  # noqa: E402
 
 VARIANTS = {  # graph_stage_module options per variant (None: eager)
     "eager": None,
@@ -99,6 +99,7 @@ def worker(args) -> dict:
     gen = torch.Generator(device=dev).manual_seed(args.stage)
     mb, seq, hid = 1, args.seq_len, args.hidden
     order = one_f_one_b(args.stage, args.pp, args.micro_batches)
+    memory = DeviceMemory()  # under cudaMallocAsync: torch's reserved memory plus the driver's graph memory
     per_step = []  # (peak reserved in the step, reserved at its end, graph pools' reserved at its end), MiB
     losses = []
     seconds = []
@@ -106,7 +107,7 @@ def worker(args) -> dict:
     for step in range(args.steps):
         if step == args.steady_from:
             steady_since_us = time.time() * 1e6
-        torch.cuda.reset_peak_memory_stats()
+        memory.reset_peak()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         outs = {}
@@ -130,8 +131,7 @@ def worker(args) -> dict:
         optimizer.step()
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
-        per_step.append((torch.cuda.max_memory_reserved() / 2**20, torch.cuda.memory_reserved() / 2**20,
-                         _pools_reserved_mib()))
+        per_step.append((memory.peak_mib(), memory.current_mib(), _pools_reserved_mib(memory)))
     out = {"stage": args.stage, "variant": args.variant, "seq_len": seq,
            "peak_mib": max(p for p, _, _ in per_step), "steady_mib": max(p for p, _, _ in per_step[args.steady_from:]),
            "per_step_mib": per_step,
@@ -155,10 +155,13 @@ def worker(args) -> dict:
     return out
 
 
-def _pools_reserved_mib() -> float:
-    """Reserved by the graph pools (every pool but the default one)."""
+def _pools_reserved_mib(memory) -> float:
+    """Reserved by the graph pools (every pool but the default one); under the stream-ordered
+    allocator, the driver's graph memory."""
     import torch
 
+    if memory.graphs is not None:
+        return memory.graph_mib()
     return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)) / 2**20
 

@@ -578,8 +578,12 @@ def run_torch(cfg: Config) -> None:
     reporter = Reporter(cfg, enabled=last_rank and tp_rank == 0)
     sync = (lambda: torch.cuda.synchronize(device)) if use_cuda else (lambda: None)
     timer = StepTimer(cfg, sync)
+    memory = None
     if use_cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+        from tools.benchlib import DeviceMemory
+
+        memory = DeviceMemory(device)  # under cudaMallocAsync it counts the driver's graph memory too
+        memory.reset_peak()
     peak_before_steady = 0.0
     steady_since_us = None
     profiler = None
@@ -589,8 +593,8 @@ def run_torch(cfg: Config) -> None:
 
             profiler = busy.start()
         if use_cuda and step == timer.skip:  # warmup and capture are over: the steady state begins
-            peak_before_steady = torch.cuda.max_memory_reserved(device) / 2**20
-            torch.cuda.reset_peak_memory_stats(device)
+            peak_before_steady = memory.peak_mib()
+            memory.reset_peak()
             steady_since_us = time.time() * 1e6
         timer.before(step)
         t0 = time.perf_counter()
@@ -612,7 +616,7 @@ def run_torch(cfg: Config) -> None:
 
         compute_busy = busy.stop(profiler)
     if use_cuda:
-        steady = torch.cuda.max_memory_reserved(device) / 2**20
+        steady = memory.peak_mib()
         mine = {"peak_mem_mib": round(max(peak_before_steady, steady), 1), "steady_peak_mem_mib": round(steady, 1)}
         device_name = torch.cuda.get_device_name(device)
     else:
