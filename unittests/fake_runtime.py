@@ -5,60 +5,27 @@ It proves nothing about CUDA capture (that is what unittests/gpu/ is for); it le
 which calls warm up, capture or replay, pool generations, order checks and error paths.
 """
 import contextlib
-import itertools
 
 import torch
 
 from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
 from paddle_graphpp.torch.runtime import TorchRuntime
+from fake_graphs import FakeGraphs
 
 
-class FakeGraph:
-    def __init__(self):
-        self.captured = False
-        self.replays = 0
-
-
-class FakeGraphRuntime(TorchRuntime):
+class FakeGraphRuntime(FakeGraphs, TorchRuntime):
     name = "fake"
 
     def __init__(self):
         super().__init__()
-        self.capturing = False
-        self.pools = itertools.count()
-        self.released = 0
         self.generators_registered = []  # per capture: the generators it was asked to register
-        self.aborted = 0  # captures whose body raised (capture_to_graph ended them)
         self.modes = []  # the mode keys mode_context re-entered, in order
-
-    def graphs_unavailable_reason(self, tensors):
-        return None
-
-    def create_graph(self):
-        return FakeGraph()
-
-    def new_pool(self):
-        return ("fake-pool", next(self.pools))
 
     @contextlib.contextmanager
     def capture_to_graph(self, graph, pool=None, stream=None, generators=()):
         self.generators_registered.append(tuple(generators))
-        self.capturing = True
-        try:
+        with super().capture_to_graph(graph, pool, stream, generators):
             yield graph
-        except BaseException:
-            self.aborted += 1
-            raise
-        finally:
-            self.capturing = False
-        graph.captured = True
-
-    def replay_graph(self, graph):
-        assert graph.captured, "replay of a graph that was never captured"
-        graph.replays += 1
-
-    def is_capturing(self):
-        return self.capturing
 
     @contextlib.contextmanager
     def mode_context(self, key):
@@ -68,12 +35,6 @@ class FakeGraphRuntime(TorchRuntime):
 
     def async_allocator_active(self):
         return False
-
-    def memory_stats(self, pools=None):
-        return {"reserved_bytes": 0, "allocated_bytes": 0}
-
-    def release_cached_memory(self):
-        self.released += 1
 
 
 class Graphed(torch.nn.Module):

@@ -57,11 +57,12 @@ def count_calls(layers) -> dict:
     return calls
 
 
-def train_on_random_tokens(model, args, vocab: int, seq: int, *, die_rank: int = -1):
+def train_on_random_tokens(model, args, vocab: int, seq: int, *, die_rank: int = -1, before_step=None):
     """Train ``fleet.distributed_model(model)`` with AdamW(1e-2) for ``args.steps`` steps of
     ``args.micro_batches * args.micro_batch_size`` random token sequences of length ``seq``
     (seeded by ``args.seed``); returns the distributed model and the per-step losses. Rank
-    ``die_rank`` exits abruptly (code 3) in the first step instead."""
+    ``die_rank`` exits abruptly (code 3) in the first step instead. ``before_step()`` is called
+    before each optimizer step (the gradients of the step are in place then)."""
     import numpy as np
     import paddle
     from paddle.distributed import fleet
@@ -69,6 +70,14 @@ def train_on_random_tokens(model, args, vocab: int, seq: int, *, die_rank: int =
     opt = paddle.optimizer.AdamW(1e-2, parameters=model.parameters())
     model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(opt)
+    if before_step is not None:
+        step = opt.step
+
+        def step_after_the_hook(*a, **k):
+            before_step()
+            return step(*a, **k)
+
+        opt.step = step_after_the_hook
     data = np.random.RandomState(args.seed)
     batch = args.micro_batches * args.micro_batch_size
     losses = []

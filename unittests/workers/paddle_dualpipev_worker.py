@@ -4,7 +4,7 @@ Run with ``python -m paddle.distributed.launch --nproc_per_node 2`` (gloo on CPU
 token embedding tied to the output head (``LocalSharedLayerDesc``: DualPipeV puts both on the
 first rank) around blocks built from fleet's ``SplitBWLinear`` (weight gradients deferred by the
 zero-bubble backwards) and a plain linear, with dropout, as ``paddle_graphpp.PipelineLayer(...,
-use_dualpipev=True)``, once with ``use_cudagraph=False`` and once with ``use_cudagraph=True``
+use_dualpipev=True)`` (AdamW, random tokens: ``fleet_ranks.train_on_random_tokens``), once with ``use_cudagraph=False`` and once with ``use_cudagraph=True``
 (same seeds, same data), through ``fleet.distributed_model(...).train_batch(...)``. Per rank
 it writes to ``--out``: each mode's per-step losses, a digest of every parameter gradient
 before each optimizer step and of the weights after training, how many weight halves of
@@ -24,12 +24,11 @@ import numpy as np
 import paddle
 import paddle.nn as nn
 import paddle.nn.functional as F
-from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import LayerDesc, LocalSharedLayerDesc
 from paddle.distributed.fleet.meta_parallel.zero_bubble_utils import SplitBWLinear
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # unittests/
-from fleet_ranks import finish, init_fleet
+from fleet_ranks import finish, init_fleet, train_on_random_tokens
 from paddle_graphpp.paddle import runtime as paddle_runtime
 from paddle_graphpp.paddle.pipeline import PipelineLayer
 
@@ -86,28 +85,17 @@ def train(args, use_cudagraph):
                           seg_method="layer:Block", use_dualpipev=True, use_cudagraph=use_cudagraph,
                           num_warmup_steps=1)
     named = dict(model.named_parameters())
-    opt = fleet.distributed_optimizer(paddle.optimizer.AdamW(1e-2, parameters=model.parameters()))
-    dmodel = fleet.distributed_model(model)
     grads = []
-    step = opt.step
 
-    def step_and_note_grads(*a, **k):
+    def note_grads():
         grads.append({n: None if p.grad is None else digest(p.grad.numpy()) for n, p in named.items()})
-        return step(*a, **k)
 
-    opt.step = step_and_note_grads
-    data = np.random.RandomState(args.seed)
-    batch = args.micro_batches * args.micro_batch_size
-    losses = []
-    for _ in range(args.steps):
-        tokens = data.randint(0, VOCAB, (batch, SEQ + 1)).astype("int64")
-        x, y = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
-        loss = dmodel.train_batch([x, y], opt)
-        losses.append(float(np.asarray(loss.numpy()).reshape(-1)[0]))
+    dmodel, losses = train_on_random_tokens(model, args, VOCAB, SEQ, before_step=note_grads)
     layers = model.graphed_layers()
     return {"class": type(dmodel).__name__, "losses": losses, "grads": grads,
             "weights": {n: digest(p.numpy()) for n, p in named.items()},
-            "graphed_layers": len(layers), "report": model.segmentation_report(), "in_flight": sum(layer.engine.in_flight for layer in layers),
+            "graphed_layers": len(layers), "report": model.segmentation_report(),
+            "in_flight": sum(layer.engine.in_flight for layer in layers),
             "graphed_runs": [{"captures": layer.engine.captures, "replays": layer.engine.replays,
                               "positions": layer.engine.position_kinds(), "graphs": layer.engine.graph_count(),
                               "in_flight": layer.engine.in_flight} for layer in layers]}
