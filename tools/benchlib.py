@@ -125,12 +125,18 @@ class DeviceMemory:
 
         from paddle_graphpp.torch.allocator import async_allocator_active
 
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        device = torch.device("cuda") if device is None else torch.device(device)
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         self.graphs = None
         if async_allocator_active():
             from paddle_graphpp.core.driver_memory import GraphMemory
 
-            self.graphs = GraphMemory(self.device.index if self.device.index is not None else 0)
+            self.graphs = GraphMemory(self.device.index)
+            if self.graphs.get(GraphMemory.RESERVED_CURRENT) is None:
+                raise RuntimeError(
+                    "DeviceMemory: the stream-ordered allocator is active but the CUDA driver's graph-memory "
+                    "counters cannot be read (libcuda's cuDeviceGetGraphMemAttribute); without them graph "
+                    "memory would be left out of every figure")
 
     def _graph(self, attr: int) -> float:
         value = self.graphs.get(attr) if self.graphs is not None else None

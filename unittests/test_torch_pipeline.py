@@ -155,24 +155,47 @@ def test_schedules_pair_forwards_and_backwards_in_every_graphed_run(vpp, memory,
 
 def test_graph_loss_computes_the_loss_and_its_gradient_and_rejects_bad_input():
     from paddle_graphpp.torch import graph_loss
+    from paddle_graphpp.torch.pipelining import GraphedLoss
 
-    def mse(out, target):
-        return (out - target).square().mean()
+    def mse(out, target, weight=1.0):
+        return (out - target).square().mean() * weight
 
     loss_fn = graph_loss(mse, 1)
-    assert isinstance(loss_fn, CUDAGraphedModule) and loss_fn.engine.name == "loss"
+    assert isinstance(loss_fn, GraphedLoss) and isinstance(loss_fn.graphed, CUDAGraphedModule)
+    assert loss_fn.engine.name == "loss"
     for _ in range(3):  # eager on CPU: warmup, recorded, eager
         out = torch.randn(4, 8, requires_grad=True)
         target = torch.randn(4, 8)
-        got = loss_fn(out, target)
+        got = loss_fn(out, target, weight=0.5)  # keyword arguments reach the loss
         got.backward()
         ref_out = out.detach().clone().requires_grad_()
-        mse(ref_out, target).backward()
-        assert torch.equal(got.detach(), mse(out.detach(), target)) and torch.equal(out.grad, ref_out.grad)
+        mse(ref_out, target, weight=0.5).backward()
+        assert torch.equal(got.detach(), mse(out.detach(), target, 0.5)) and torch.equal(out.grad, ref_out.grad)
     assert loss_fn.engine.in_flight == 0
     module_loss = graph_loss(nn.MSELoss(), name="mse")
-    assert isinstance(module_loss.module, nn.MSELoss) and module_loss.engine.name == "mse"
+    assert isinstance(module_loss.graphed.module, nn.MSELoss) and module_loss.engine.name == "mse"
     with pytest.raises(TypeError, match="needs the loss function"):
         graph_loss(3)
     with pytest.raises(TypeError, match="graphed already"):
         graph_loss(loss_fn)
+    with pytest.raises(TypeError, match=r"Linear has trainable parameters \['weight', 'bias'\].*Keep this loss eager"):
+        graph_loss(nn.Linear(2, 1))
+
+
+def test_each_micro_batch_gets_its_own_graphed_loss_tensor(monkeypatch):
+    # On the last stage every micro-batch is an episode of its own and replays the same loss
+    # graph: the losses a schedule collects must not all be that graph's one output buffer.
+    from fake_runtime import FakeGraphRuntime
+    import paddle_graphpp.torch.graphed as graphed_mod
+    from paddle_graphpp.torch import graph_loss
+
+    monkeypatch.setattr(graphed_mod, "RUNTIME", FakeGraphRuntime())
+    loss_fn = graph_loss(lambda out, target: (out - target).square().mean(), 1)
+    for step in range(4):
+        losses = []
+        for _ in range(3):  # forward and backward of each micro-batch before the next (last stage, 1F1B)
+            loss = loss_fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))
+            losses.append(loss)
+            loss.backward()
+        assert len({t.data_ptr() for t in losses}) == 3, f"step {step}: the losses share storage"
+    assert loss_fn.engine.replays > 0

@@ -44,7 +44,7 @@ from torch import nn
 
 from paddle_graphpp.core import segment
 
-__all__ = ["graph_stage_module", "graph_loss", "GraphedStage"]
+__all__ = ["graph_stage_module", "graph_loss", "GraphedLoss", "GraphedStage"]
 
 
 class _Call(nn.Module):
@@ -260,45 +260,83 @@ def graph_stage_module(
 
 
 class _Loss(nn.Module):
-    """A loss function as a module: ``loss_fn(output, target)``."""
+    """A loss function as a module: ``loss_fn(output, target, **kwargs)``."""
 
     def __init__(self, loss_fn: Callable):
         super().__init__()
         self.loss_fn = loss_fn
 
-    def forward(self, *args):
-        return self.loss_fn(*args)
+    def forward(self, *args, **kwargs):
+        return self.loss_fn(*args, **kwargs)
 
     def extra_repr(self) -> str:
         return getattr(self.loss_fn, "__name__", type(self.loss_fn).__name__)
 
 
+class GraphedLoss(nn.Module):
+    """What :func:`graph_loss` returns: the graphed loss, each call's value copied out of the
+    graph's output buffer (a scalar copy), so that the losses a schedule collects over a step are
+    each micro-batch's own. (On the last stage every micro-batch is its own episode and replays
+    the same graph: without the copy all of a step's losses would be the last one.)
+
+    Attributes:
+        graphed: the ``CUDAGraphedModule`` of the loss; ``engine`` is its engine.
+    """
+
+    def __init__(self, graphed: nn.Module):
+        super().__init__()
+        self.graphed = graphed
+
+    @property
+    def engine(self):
+        return self.graphed.engine
+
+    def forward(self, *args, **kwargs):
+        import torch
+        from torch.utils._pytree import tree_map
+
+        out = self.graphed(*args, **kwargs)
+        return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
+
+
 def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = "error", memory: str = "shared",
-               name: Optional[str] = None) -> nn.Module:
+               name: Optional[str] = None) -> GraphedLoss:
     """The last stage's loss function, captured as CUDA graphs with the stage's graphs.
 
     Pass the result as the schedule's ``loss_fn``. Each micro-batch position's loss (forward
     and backward) is recorded and captured in the step's order into the shared pool, so its
     temporaries reuse memory the stage's graphs hold anyway, and its launches are replayed.
+    Each call returns its own loss tensor (copied out of the graph's output).
 
     Args:
-        loss_fn: ``loss_fn(output, target) -> loss`` (a function or an ``nn.Module``). It must
-            return a tensor and keep shapes fixed (a graph replays the shapes it captured); a
-            loss that reads a Python value per call (a changing scale) must take it as a tensor.
+        loss_fn: ``loss_fn(output, target, **kwargs) -> loss`` (a function or an ``nn.Module``
+            without trainable parameters). It must keep shapes fixed (a graph replays the shapes
+            it captured); a loss that reads a Python value per call (a changing scale) must take
+            it as a tensor.
         num_warmup_steps, fallback, memory: as for :func:`graph_stage_module`.
         name: its name in logs and errors (``"loss"`` by default).
 
     Returns:
-        A ``CUDAGraphedModule`` calling ``loss_fn``. On CPU tensors it computes eagerly.
+        A :class:`GraphedLoss`. On CPU tensors it computes eagerly.
 
     Raises:
-        TypeError: ``loss_fn`` is not callable, or is graphed already.
+        TypeError: ``loss_fn`` is not callable, is graphed already, or has trainable parameters
+            (the schedules give those no gradient in a zero-bubble input pass, and their weight
+            pass covers the stage's parameters only: keep such a loss eager, or move its
+            parameters into the stage).
     """
     from paddle_graphpp.torch.graphed import CUDAGraphedModule
 
     if not callable(loss_fn):
         raise TypeError(f"graph_loss() needs the loss function, got {loss_fn!r}")
-    if isinstance(loss_fn, CUDAGraphedModule):
-        raise TypeError("graph_loss() got a CUDAGraphedModule: the loss is graphed already")
+    if isinstance(loss_fn, (CUDAGraphedModule, GraphedLoss)):
+        raise TypeError("graph_loss() got a graphed module: the loss is graphed already")
+    trainable = [n for n, p in loss_fn.named_parameters() if p.requires_grad] if isinstance(loss_fn, nn.Module) else []
+    if trainable:
+        raise TypeError(
+            f"graph_loss(): the loss {type(loss_fn).__name__} has trainable parameters {trainable[:4]}; a pipeline "
+            f"schedule's zero-bubble passes do not give them gradients. Keep this loss eager, or move its "
+            f"parameters into the last stage's module")
     module = loss_fn if isinstance(loss_fn, nn.Module) else _Loss(loss_fn)
-    return CUDAGraphedModule(module, num_warmup_steps, fallback=fallback, memory=memory, name=name or "loss")
+    return GraphedLoss(CUDAGraphedModule(module, num_warmup_steps, fallback=fallback, memory=memory,
+                                         name=name or "loss"))

@@ -397,3 +397,53 @@ def test_a_graphed_loss_trains_like_eager_and_replays_with_the_stage():
         assert rel(losses["graphed"], losses["eager"]) <= 1e-6, f"step {step}"
     assert loss_fn.engine.captures == 2 * 4 and loss_fn.engine.replays >= 2 * 4 * 3
     assert rel(head.proj.weight, ref.proj.weight) <= 1e-6
+
+
+def test_schedule1f1b_with_graphed_stage_and_loss_returns_each_micro_batchs_loss():
+    """Through torch.distributed.pipelining itself (one rank holding the only stage): the
+    losses Schedule1F1B hands back are each micro-batch's own, step after step, and the
+    gradients are eager's (learning rate 0: the weights stay, so every step compares)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from paddle_graphpp.torch import graph_loss, graph_stage_module
+
+    def cross_entropy(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        body = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                                   torch.nn.Linear(32, 64)).to(DEV)
+        ref = copy.deepcopy(body)
+        n, mb, seq = 4, 2, 8
+        loss_fn = graph_loss(cross_entropy, 1)
+        stage = PipelineStage(graph_stage_module(body, 1), 0, 1, torch.device(DEV),
+                              input_args=(torch.zeros(mb, seq, dtype=torch.long, device=DEV),),
+                              output_args=(torch.empty(mb, seq, 64, device=DEV, requires_grad=True),))
+        schedule = Schedule1F1B(stage, n_microbatches=n, loss_fn=loss_fn)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(6):
+            x = torch.randint(0, 64, (n * mb, seq), generator=gen).to(DEV)
+            y = torch.randint(0, 64, (n * mb, seq), generator=gen).to(DEV)
+            losses = []
+            body.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+            schedule.step(x, target=y, losses=losses)
+            want = []
+            for i in range(n):
+                loss = cross_entropy(ref(x[i * mb:(i + 1) * mb]), y[i * mb:(i + 1) * mb])
+                loss.backward()
+                want.append(loss.detach())
+            got = torch.stack([t.detach() for t in losses])
+            assert len({t.data_ptr() for t in losses}) == n, f"step {step}: losses share storage"
+            assert rel(got, torch.stack(want)) <= 1e-6, (step, got, want)
+            for p, q in zip(body.parameters(), ref.parameters()):  # the schedule divides by n (scale_grads)
+                assert rel(p.grad, q.grad / n) <= 1e-5, f"step {step}"
+        assert loss_fn.engine.replays >= n * 3
+    finally:
+        if created:
+            dist.destroy_process_group()
