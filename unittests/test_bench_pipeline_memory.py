@@ -30,3 +30,19 @@ def test_summary_ratios_are_per_rank_maxima_and_losses_are_set_against_eager_spr
     assert abs(default["max_abs_loss_diff_vs_eager"] - 0.003) < 1e-9
     assert abs(default["eager_loss_spread"] - 0.001) < 1e-9
     assert rows["per_graph"] == {"error": "timed out"}
+
+
+def test_upstream_sets_per_graph_under_the_stream_ordered_allocator_against_per_graph():
+    runs = {
+        "eager@seq2048_1f1b#0": _run([1000, 2000], [1000, 2000], 100.0, [5.0]),
+        "per_graph@seq2048_1f1b#0": _run([1400, 2600], [1400, 2600], 100.0, [5.0]),
+        "per_graph_async@seq2048_1f1b#0": _run([1300, 2080], [1300, 2080], 100.0, [5.0]),
+    }
+    up = bpm.upstream(bpm.summarize(runs)["seq2048_1f1b"])
+    assert up["per_graph_peak_vs_eager"] == 1.4 and up["per_graph_async_peak_vs_eager"] == 1.3
+    assert up["per_graph_async_vs_per_graph"] == round(2080 / 2600, 4) and "95% -> 25%" in up["seed"]
+    assert bpm.upstream({})["per_graph_peak_vs_eager"] is None  # variants missing: no ratio invented
+    labels = [label for label, _, env in bpm.plan("gpt1.3b", ["eager", "default", "per_graph_async"], 1)]
+    assert labels[-1] == "per_graph_async@seq2048_1f1b#0"
+    env = dict(bpm.plan("gpt1.3b", ["per_graph_async"], 1)[-1][2])
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
