@@ -127,8 +127,8 @@ class Config:
     ``accumulate_grads`` of ``graph_stage_module``); ``None``: the library's default
     (``"auto"``)."""
     graph_loss: bool = True
-    """With ``--cudagraph``, graph the last stage's loss too (PyTorch;
-    ``paddle_graphpp.torch.graph_loss``): its temporaries share the graphs' pool."""
+    """With ``--cudagraph``, graph the last stage's loss too (``paddle_graphpp.torch.graph_loss``;
+    Paddle: ``PipelineLayer(..., graph_loss=True)``): its temporaries share the graphs' pool."""
     graph_optimizer: bool = False
     """Capture the optimizer step and gradient zeroing as one CUDA graph (PyTorch only;
     ``paddle_graphpp.GraphedOptimizer``); eager and bit-identical on CPU."""
@@ -166,8 +166,7 @@ def parse_args(argv=None) -> Config:
                         help="accumulate parameter gradients inside the backward graphs, or not "
                              "(--framework torch; default: the library's, 'auto')")
     parser.add_argument("--graph-loss", action=argparse.BooleanOptionalAction, default=defaults.graph_loss,
-                        help="with --cudagraph, graph the last stage's cross-entropy too (--framework torch; "
-                             "default: on)")
+                        help="with --cudagraph, graph the last stage's cross-entropy too (default: on)")
     parser.add_argument("--graph-optimizer", action="store_true",
                         help="capture AdamW step + zero-grad as one CUDA graph (--framework torch)")
     parser.add_argument("--attention", choices=["explicit", "sdpa"], default=defaults.attention)
@@ -696,7 +695,7 @@ def run_paddle(cfg: Config) -> None:
     model = paddle_graphpp.PipelineLayer(
         descs, num_stages=cfg.pp, loss_fn=LossPipe(cfg.vocab), seg_method="layer:Block",
         num_virtual_pipeline_stages=cfg.vpp if cfg.vpp > 1 else None, use_cudagraph=cfg.cudagraph,
-        num_warmup_steps=NUM_WARMUP_STEPS)
+        num_warmup_steps=NUM_WARMUP_STEPS, graph_loss=cfg.graph_loss)
     optimizer = paddle.optimizer.AdamW(learning_rate=cfg.lr, parameters=model.parameters())
     if cfg.pp > 1:
         model = fleet.distributed_model(model)

@@ -303,3 +303,57 @@ def test_uninstall_refuses_to_drop_a_later_patch(monkeypatch):
     with pytest.raises(RuntimeError, match="replaced after paddle_graphpp.install"):
         paddle_graphpp.uninstall()
     monkeypatch.undo()
+
+
+# ---------------------------------------------------------------- graph_loss
+def cross_entropy(logits, labels):
+    return paddle.nn.functional.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1]))
+
+
+def test_graph_loss_replaces_the_loss_keeps_names_and_computes_eagers_loss():
+    eager, graphed = build(loss_fn=cross_entropy), build(loss_fn=cross_entropy)
+    graphs = graph_pipeline(graphed, graph_loss=True)
+    assert graphed._loss_fn[0] is graphs.graphed_loss and graphs.graphed_loss.__name__ == "cross_entropy"
+    assert graphs.segmentation_report().splitlines()[-1] == "loss: graphed (stage0.loss)"
+    assert [n for n, _ in graphed.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    tokens = paddle.to_tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    labels = paddle.to_tensor([[2, 3, 4, 5], [6, 7, 8, 9]])
+    results = []
+    for model in (eager, graphed):
+        paddle.seed(11)
+        loss = model._loss_fn[0](run(model, tokens), labels)
+        loss.backward()
+        results.append((float(loss), [p.grad.numpy() for p in model.parameters()]))
+    assert results[0][0] == results[1][0]
+    assert all((a == b).all() for a, b in zip(results[0][1], results[1][1]))
+
+
+def test_graph_loss_refuses_several_losses_and_trainable_ones_and_changes_nothing():
+    several = build(loss_fn=[cross_entropy, cross_entropy])
+    with pytest.raises(ValueError, match=r"graph_loss=True\) graphs one loss function, the model has 2.*"
+                                         r"Pass graph_loss=False"):
+        graph_pipeline(several, graph_loss=True)
+    trainable = build(loss_fn=nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"the loss Linear has trainable parameters \['weight', 'bias'\]"):
+        graph_pipeline(trainable, graph_loss=True)
+    for model in (several, trainable):
+        assert GraphedPipeline.of(model) is None
+        assert not any(type(f).__name__ == "_GraphedRunCall" for f in entries(model))
+
+
+def test_each_micro_batch_gets_its_own_graphed_loss_tensor():
+    from fake_paddle_runtime import FakeGraphedLayer, FakePaddleRuntime
+    from paddle_graphpp.paddle.pipeline import _GraphedLoss, _LossLayer
+
+    loss_fn = _GraphedLoss(FakeGraphedLayer(_LossLayer(cross_entropy), FakePaddleRuntime(), num_warmup_steps=1),
+                           cross_entropy)
+    for step in range(4):
+        losses = []
+        for _ in range(3):  # the last stage: each micro-batch's forward and backward before the next
+            logits = paddle.randn([2, 4, VOCAB])
+            logits.stop_gradient = False
+            loss = loss_fn(logits, paddle.randint(0, VOCAB, [2, 4]))
+            losses.append(loss)
+            loss.backward()
+        assert len({t.data_ptr() for t in losses}) == 3, f"step {step}: the losses share storage"
+    assert loss_fn.graphed.engine.replays > 0

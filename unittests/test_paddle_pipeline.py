@@ -49,7 +49,8 @@ def test_pp2_1f1b_tied_embedding_identical_losses(tmp_path):
     # Tied embedding on both ends of the pipe, eager; the callable and the opted-out layer eager.
     assert first["report"].splitlines()[1].strip().startswith("eager   [0] shared:embed")
     assert "plain callable" in first["report"] and "mark_not_capturable" in last["report"]
-    assert last["report"].splitlines()[-1].strip().startswith("eager   [9] shared:embed")
+    assert last["report"].splitlines()[-2].strip().startswith("eager   [9] shared:embed")
+    assert last["report"].splitlines()[-1] == "loss: graphed (stage1.loss)"  # graph_loss=True
     assert "graphed [3:5) Block#3, Block#4" in first["report"]  # a run of several layers
     for data in (first, last):
         assert "_GraphedRunCall" in data["run_function_types"]

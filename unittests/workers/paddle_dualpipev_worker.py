@@ -83,7 +83,7 @@ def train(args, use_cudagraph):
              + [LocalSharedLayerDesc("embed", Embedding, forward_func=tied_head, shared_weight_attr="weight")])
     model = PipelineLayer(descs, num_stages=args.pp, loss_fn=loss_fn,
                           seg_method="layer:Block", use_dualpipev=True, use_cudagraph=use_cudagraph,
-                          num_warmup_steps=1)
+                          num_warmup_steps=1, graph_loss=use_cudagraph)
     named = dict(model.named_parameters())
     grads = []
 

@@ -85,7 +85,7 @@ def train(args, use_cudagraph):
         layer_descs(args.blocks), num_stages=args.pp, loss_fn=loss_fn,
         seg_method="layer:Block" if args.vpp > 1 else "uniform",
         num_virtual_pipeline_stages=args.vpp if args.vpp > 1 else None,
-        use_cudagraph=use_cudagraph,
+        use_cudagraph=use_cudagraph, graph_loss=use_cudagraph,
     )
     calls = count_calls(model.graphed_layers())
     model, losses = train_on_random_tokens(model, args, VOCAB, SEQ, die_rank=args.die_rank)
