@@ -59,9 +59,27 @@ def one_f_one_b(stage: int, stages: int, micro_batches: int) -> list[str]:
     return order
 
 
+def zero_bubble(stage: int, stages: int, micro_batches: int) -> list[str]:
+    """The 1F1B order with each backward split as a zero-bubble schedule runs it: the input
+    pass ``i<n>`` where 1F1B runs ``b<n>``, and that micro-batch's weight pass ``w<n>`` one
+    slot later (after the next input pass; the last ones at the end), so one weight pass is
+    pending at a time, as ZB-H1 defers them into the bubble."""
+    order, pending = [], []
+    for op in one_f_one_b(stage, stages, micro_batches):
+        if op[0] == "b":
+            order.append("i" + op[1:])
+            if pending:
+                order.append("w" + pending.pop(0))
+            pending.append(op[1:])
+        else:
+            order.append(op)
+    return order + ["w" + n for n in pending]
+
+
 def worker(args) -> dict:
     import torch
     import torch.nn.functional as F
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
     from tools.gpt_shape import GPTShape
     from tools.gpt_torch import build_chunk
@@ -98,7 +116,8 @@ def worker(args) -> dict:
     optimizer = torch.optim.AdamW(params, lr=3e-4)
     gen = torch.Generator(device=dev).manual_seed(args.stage)
     mb, seq, hid = 1, args.seq_len, args.hidden
-    order = one_f_one_b(args.stage, args.pp, args.micro_batches)
+    order = (zero_bubble if args.order == "zb" else one_f_one_b)(args.stage, args.pp, args.micro_batches)
+    passes = {}  # zero-bubble order: what each input pass left for its weight pass
     memory = DeviceMemory()  # under cudaMallocAsync: torch's reserved memory plus the driver's graph memory
     per_step = []  # (peak reserved in the step, reserved at its end, graph pools' reserved at its end), MiB
     losses = []
@@ -110,7 +129,7 @@ def worker(args) -> dict:
         memory.reset_peak()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        outs = {}
+        outs, inputs = {}, {}
         for op in order:
             i = int(op[1:])
             if op[0] == "f":
@@ -118,16 +137,27 @@ def worker(args) -> dict:
                     x = torch.randint(0, args.vocab, (mb, seq), device=dev, generator=gen)
                 else:
                     x = torch.randn(mb, seq, hid, device=dev, dtype=dtype, generator=gen).requires_grad_()
-                outs[i] = model(x)
+                outs[i], inputs[i] = model(x), x
+            elif op[0] == "w":
+                groups, _keep = passes.pop(i)
+                stage_backward_weight(model.parameters(), groups)
             else:
-                y = outs.pop(i)
+                y, x = outs.pop(i), inputs.pop(i)
                 if last:
                     labels = torch.randint(0, args.vocab, (mb, seq), device=dev, generator=gen)
                     loss = loss_fn(y, labels)
                     losses.append(loss.detach().clone())  # a graphed loss is overwritten by its next replay
-                    loss.backward()
+                    root, grad = loss, None
                 else:
-                    y.backward(torch.randn(y.shape, device=dev, dtype=dtype, generator=gen))
+                    root, grad = y, torch.randn(y.shape, device=dev, dtype=dtype, generator=gen)
+                if op[0] == "b":
+                    root.backward(grad)
+                else:  # the input pass of a zero-bubble schedule
+                    _, groups = stage_backward_input([root], None if grad is None else [grad], [x],
+                                                     model.parameters())
+                    # the weight pass restarts autograd inside this micro-batch's graph: keep it
+                    # alive until then, as the pipelining stage keeps its outputs
+                    passes[i] = (groups, root)
         optimizer.step()
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
@@ -179,6 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--steady-from", type=int, default=6, help="first step of the steady state")
+    ap.add_argument("--order", choices=["1f1b", "zb"], default="1f1b",
+                    help="1F1B, or its backwards split into input and weight passes (zero-bubble, ZB-H1-like; "
+                         "stages after the first)")
     ap.add_argument("--trace", action="store_true", help="break the peak down by allocation site")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
     ap.add_argument("--out", help="write all runs as JSON here")
@@ -190,6 +223,9 @@ def main(argv=None) -> int:
         print(json.dumps(worker(args)))
         return 0
     variants = [v for v in args.variants.split(",") if v]
+    if args.order == "zb" and 0 in [int(x) for x in args.stages.split(",") if x]:
+        ap.error("--order zb: the first stage has no input gradient to split off (its input is tokens); "
+                 "use --stages 1 (or later)")
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")

@@ -271,7 +271,7 @@ class _Call:
     """One forward call and, later, its backward. Lives in the layer's FIFO in between."""
 
     __slots__ = ("engine", "key", "shape", "tensors", "params", "force_eager", "position", "run", "outputs",
-                 "done", "eager", "live", "weight_state")
+                 "done", "eager", "live", "weight_state", "anchor")
 
     def __init__(self, engine: "GraphedCallable", key: Any, shape: _CallShape, tensors: list, params: tuple,
                  force_eager: bool):
@@ -288,6 +288,7 @@ class _Call:
         self.eager: Optional[tuple] = None  # (inputs, outputs, params) of the eager autograd graph
         self.live: Optional[_Live] = None  # stream-ordered allocator: forward captured this step
         self.weight_state: Any = None  # eager split backward: the runtime's state between B and W
+        self.anchor: Any = None  # set by a runtime: keeps the call's autograd node alive until its backward is over
 
     @property
     def differentiable(self) -> tuple:
@@ -567,6 +568,7 @@ class GraphedCallable:
 
     def _leave_flight(self, call: _Call, sig: Optional[_Signature]) -> None:
         """The call's backward is complete (a full backward, or the weight half of a split one)."""
+        call.anchor = None
         self.process.clock.forward_done()
         if sig is not None:
             sig.busy.discard(call.position)

@@ -278,6 +278,16 @@ class TorchRuntime(GraphRuntime):
         outputs = _GraphedFunction.apply(call, *tensors, *params)
         if isinstance(outputs, tuple) and len(outputs) > 1 and _weight_pass_sums_output_grads():
             _hide_extra_output_grads(outputs)
+        if params:
+            # A zero-bubble input pass (torch.distributed.pipelining's stage_backward_input)
+            # detaches the stage's outputs and keeps only Python handles of the nodes its weight
+            # pass restarts at; a custom function's handle does not keep its node alive, so the
+            # weight pass would find it freed (torch 2.11: "_input_metadata is invalid"). A view
+            # of an output holds the node until the engine ends the call's backward.
+            first = next((o for o in (outputs if isinstance(outputs, tuple) else (outputs,))
+                          if isinstance(o, torch.Tensor) and o.requires_grad), None)
+            if first is not None:
+                call.anchor = first.view_as(first)
         return outputs
 
     # graph operations

@@ -11,6 +11,7 @@ schedule this torch has (NCCL), and compares per-step losses and every parameter
 Run on the GPU machine: ``python -m pytest unittests/gpu/test_zero_bubble_gpu.py -q``.
 Skipped without CUDA; the two-GPU tests skip unless two GPUs are visible.
 """
+import copy
 import json
 import os
 import sys
@@ -150,3 +151,32 @@ def test_zero_bubble_schedules_on_two_gpus_match_eager_with_dropout(schedule, mi
             assert run["captures"] > 0 and run["replays"] > 0 and run["in_flight"] == 0, (rank, run)
             split += run["positions"]["split"]
     assert split > 0
+
+
+def test_weight_pass_after_the_input_pass_dropped_the_outputs():
+    """As torch.distributed.pipelining's stage does it: the input pass detaches the stage's
+    outputs and nothing else keeps them, so only the nodes its weight pass restarts at hold the
+    graph (a one-output block here: the graphed node is that restart point). Gradients as eager's."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from tools.gpt_torch import Block, GPTShape
+
+    torch.manual_seed(0)
+    block = Block(GPTShape(hidden=64, heads=4, vocab=8, seq_len=SEQ, layers=1, dropout=0.0)).to(DEV)
+    graphed = CUDAGraphedModule(copy.deepcopy(block), num_warmup_steps=1)
+    for step in range(5):  # warmup, recorded, captured and replayed, replayed
+        xs = [torch.randn(2, SEQ, 64, device=DEV) for _ in range(3)]
+        for model in (block, graphed):
+            model.zero_grad(set_to_none=True)
+            pending = []
+            for x in xs:
+                x = x.clone().requires_grad_(True)
+                loss = model(x).square().mean()
+                _, groups = stage_backward_input([loss], None, [x], model.parameters())
+                del loss  # detached by the input pass; the node survives through the engine only
+                pending.append(groups)
+            for groups in pending:
+                stage_backward_weight(model.parameters(), groups)
+        for p, q in zip(block.parameters(), graphed.module.parameters()):
+            assert rel(q.grad, p.grad) <= TOLERANCE, f"step {step}"
+    assert graphed.engine.position_kinds()["split"] >= 1 and graphed.engine.in_flight == 0
