@@ -41,7 +41,6 @@ VARIANTS = {  # graph_stage_module options per variant (None: eager)
     "async": {},  # default options under the stream-ordered allocator
     "per_graph_async": {"memory": "per_graph"},  # upstream Paddle's design under the stream-ordered allocator
 }
-GRAPHED_LOSS = {"graphed_loss"}
 _ASYNC = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
 VARIANT_ENV = {"no_reserve": {"FLAGS_graphpp_reserve_pool": "0"}, "eager_async": _ASYNC, "async": _ASYNC,
                "per_graph_async": _ASYNC}
@@ -109,7 +108,7 @@ def worker(args) -> dict:
     def loss_fn(y, labels):
         return F.cross_entropy(y.flatten(0, 1).float(), labels.flatten()) / args.micro_batches
 
-    if last and args.variant in GRAPHED_LOSS:
+    if last and args.variant == "graphed_loss":
         from paddle_graphpp.torch.pipelining import graph_loss
 
         loss_fn = graph_loss(loss_fn, WARMUP)

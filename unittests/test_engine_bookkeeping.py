@@ -660,8 +660,8 @@ def test_accumulate_grads_auto_steps_aside_for_megatron_style_accumulator_hooks(
 def test_a_deferred_capture_records_the_next_episode_instead(rt, monkeypatch):
     from paddle_graphpp.core import capture as capture_mod
 
-    waits = iter([True, True])  # the runtime asks to wait twice, then lets the capture go
-    monkeypatch.setattr(rt, "defer_capture", lambda: next(waits, False))
+    waits = iter(["a test's reason", "a test's reason"])  # the runtime asks to wait twice, then lets it go
+    monkeypatch.setattr(rt, "defer_capture", lambda: next(waits, None))
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 3)
     layer = Graphed(lin, rt, num_warmup_steps=1)
@@ -680,7 +680,7 @@ def test_deferring_stops_after_the_limit(rt, monkeypatch):
     from paddle_graphpp.core import capture as capture_mod
 
     monkeypatch.setattr(capture_mod, "MAX_DEFERRED_EPISODES", 2)
-    monkeypatch.setattr(rt, "defer_capture", lambda: True)
+    monkeypatch.setattr(rt, "defer_capture", lambda: "a test's reason")
     layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
     for _ in range(3):  # recorded, then two recordings dropped
         step(layer, "f1 b1")

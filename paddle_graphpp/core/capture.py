@@ -19,10 +19,9 @@ Every graphed layer of a process reports to one :class:`Process` per runtime. It
 
 At the start of the next episode (the first graphed forward that finds nothing in flight),
 :meth:`Process.capture_recorded` captures the recording, unless the runtime asks to wait
-(:meth:`~paddle_graphpp.core.runtime.GraphRuntime.defer_capture`; PyTorch waits while an
-optimizer exists that has not stepped yet: its first step creates the optimizer state, which
-must not live in the graphs' pool, so a pool captured before it would sit beside that step's
-memory). Then the recording is dropped and the episode starting now is recorded in its place,
+(:meth:`~paddle_graphpp.core.runtime.GraphRuntime.defer_capture`, with its reason; for
+example, a runtime may wait for an optimizer's first step, which creates the optimizer state
+beside a pool captured before it). Then the recording is dropped and the episode starting now is recorded in its place,
 at most :data:`MAX_DEFERRED_EPISODES` times in a row. A capture gives the eager episode's cached
 memory back to the driver, allocates the static buffers in one block, lets the runtime size a new shared pool
 for the eager work that will borrow it
@@ -192,10 +191,11 @@ class Process:
         self._free_slots.clear()
         self._produced_recorded.clear()
         layers = list({id(layer): layer for layer, *_ in events}.values())
-        if self.deferred < MAX_DEFERRED_EPISODES and self.runtime.defer_capture():
+        wait = self.runtime.defer_capture() if self.deferred < MAX_DEFERRED_EPISODES else None
+        if wait:
             if not self.deferred:
-                logger.info("paddle_graphpp: the %s runtime asks captures to wait (PyTorch: an optimizer has not "
-                            "stepped yet); the next episode is recorded instead", self.runtime.name)
+                logger.info("paddle_graphpp: captures wait (%s runtime: %s); the next episode is recorded instead",
+                            self.runtime.name, wait)
             self.deferred += 1
             for layer in layers:
                 layer._recording_dropped()

@@ -300,6 +300,11 @@ class _Call:
     def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
         return self.engine._backward(self, grads, weights_wanted)
 
+    @property
+    def weight_pending(self) -> bool:
+        """The input half of this call's backward ran and its weight half has not."""
+        return self.engine.queue.awaits_weight(self)
+
 
 class _UserError(Exception):
     """Wraps an exception raised by the layer's own code during a capture."""
@@ -527,7 +532,7 @@ class GraphedCallable:
 
     # -------------------------------------------------------------- backward
     def _backward(self, call: _Call, grads: Sequence[Any], weights_wanted: bool = True) -> list:
-        if self.queue.awaits_weight(call):
+        if call.weight_pending:
             return self._backward_weight(call)  # the schedule's weight pass, after the input pass
         split = not weights_wanted and bool(call.params) and self.runtime.splits_backward
         if split and call.run is _Run.LAUNCHED_CAPTURE:

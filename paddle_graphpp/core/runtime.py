@@ -361,12 +361,13 @@ class GraphRuntime(abc.ABC):
         """Return cached, unused device memory to the driver (before a batch of captures, and
         after a failed one)."""
 
-    def defer_capture(self) -> bool:
-        """Asked before a recorded episode is captured: ``True`` drops the recording and
-        records the next episode instead (asked again then; the core stops asking after
-        ``capture.MAX_DEFERRED_EPISODES`` in a row). For runtimes whose pools are better sized
-        or placed after some eager event, such as an optimizer's first step. Default: never."""
-        return False
+    def defer_capture(self) -> Optional[str]:
+        """Asked before a recorded episode is captured: a reason to wait (logged once) drops the
+        recording and records the next episode instead (asked again then; the core stops asking
+        after ``capture.MAX_DEFERRED_EPISODES`` in a row); ``None`` lets the capture go. For
+        runtimes whose pools are better sized or placed after some eager event, such as an
+        optimizer's first step. Default: never wait."""
+        return None
 
     def prepare_pool(self, pool: Any) -> int:
         """Before the first capture into the shared ``pool``: give it, as one free block, the

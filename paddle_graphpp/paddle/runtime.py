@@ -45,8 +45,7 @@ class _GraphedPyLayer(PyLayer):
         if not _split.split_requested():
             return tuple(node_backward(ctx, grads))
         got = node_backward(ctx, grads, weights_wanted=False)
-        call = ctx.call
-        if call.engine.queue.awaits_weight(call):
+        if ctx.call.weight_pending:  # the engine split it (a layer without parameters does not)
             _split.queue_weight_pass(functools.partial(_weight_pass, ctx))
         return tuple(got)
 
@@ -202,11 +201,6 @@ class PaddleRuntime(GraphRuntime):
         with paddle.no_grad():
             for d, s in zip(dsts, srcs):
                 d.add_(s)
-
-    def zero_many(self, tensors) -> None:
-        with paddle.no_grad():
-            for t in tensors:
-                t.zero_()
 
     # graph operations
     def create_graph(self):

@@ -409,15 +409,15 @@ class TorchRuntime(GraphRuntime):
             self._lender = PoolLender(self.capture_stream)
         return self._lender
 
-    def defer_capture(self) -> bool:
+    def defer_capture(self) -> Optional[str]:
         # An optimizer that has not stepped creates its state in its first step, beside a pool
         # captured before it (the last stage of a 1F1B pipeline, whose episodes are single
         # micro-batches, would otherwise capture within the first training step).
         if not (_reserve_pool() and torch.cuda.is_available()):
-            return False
+            return None
         from .pool_lending import optimizer_pending
 
-        return optimizer_pending()
+        return "an optimizer has not stepped yet" if optimizer_pending() else None
 
     def prepare_pool(self, pool) -> int:
         return self._pool_lender().reserve(pool) if _reserve_pool() else 0
