@@ -128,6 +128,7 @@ def worker(args) -> dict:
         memory.reset_peak()
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
+        kept = []  # --keep-outputs: the last stage's outputs, to the end of the step
         outs, inputs = {}, {}
         for op in order:
             i = int(op[1:])
@@ -157,9 +158,13 @@ def worker(args) -> dict:
                     # the weight pass restarts autograd inside this micro-batch's graph: keep it
                     # alive until then, as the pipelining stage keeps its outputs
                     passes[i] = (groups, root)
+                if last and args.keep_outputs:
+                    # as PipelineStage keeps output_chunks to merge them, detached after the backward
+                    kept.append(y if y._is_view() else y.detach_())
         optimizer.step()
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
+        del kept  # PipelineStage clears them when the next step starts
         per_step.append((memory.peak_mib(), memory.current_mib(), _pools_reserved_mib(memory)))
     out = {"stage": args.stage, "variant": args.variant, "seq_len": seq,
            "peak_mib": max(p for p, _, _ in per_step), "steady_mib": max(p for p, _, _ in per_step[args.steady_from:]),
@@ -211,6 +216,10 @@ def main(argv=None) -> int:
     ap.add_argument("--order", choices=["1f1b", "zb"], default="1f1b",
                     help="1F1B, or its backwards split into input and weight passes (zero-bubble, ZB-H1-like; "
                          "stages after the first)")
+    ap.add_argument("--keep-outputs", action="store_true",
+                    help="the last stage keeps each micro-batch's output (detached after its backward) to the end of "
+                         "the step, as torch.distributed.pipelining's PipelineStage does to return them merged "
+                         "(default: dropped after the backward, as the records before 2026-11-25 evening ran)")
     ap.add_argument("--trace", action="store_true", help="break the peak down by allocation site")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
     ap.add_argument("--out", help="write all runs as JSON here")

@@ -687,3 +687,44 @@ def test_deferring_stops_after_the_limit(rt, monkeypatch):
     assert layer.engine.captures == 0
     step(layer, "f1 b1")  # the limit is reached: captured although the runtime still asks to wait
     assert layer.engine.captures == 2
+
+
+def test_an_output_held_when_its_position_replays_again_moves_to_memory_of_its_own(rt):
+    # Forward then backward per call: every call is an episode of its own and replays position
+    # 0, as the last stage of a 1F1B pipeline does; the schedule keeps each output to the end
+    # of the step (to return them merged). The held ones are moved before the buffer is reused.
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    (static,) = layer.engine._signatures[next(iter(layer.engine._signatures))].positions[0].static_outputs
+    kept = [step(layer, "f1 b1")[1] for _ in range(4)]
+    assert kept[-1].data_ptr() == static.data_ptr()  # the newest one still aliases the graph's buffer
+    assert len({t.data_ptr() for t in kept}) == 4  # each earlier one was moved to memory of its own
+    # nothing held: nothing moved
+    moved = []
+    original = rt.move_to_copies
+    rt.move_to_copies = lambda tensors: moved.append(len(tensors)) or original(tensors)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    kept.clear()
+    step(layer, "f1 b1")
+    assert moved == [1]  # only the last of the kept ones was still held at the first replay
+
+
+def test_holding_the_last_layers_output_does_not_hold_the_earlier_layers_outputs(rt):
+    # A chained layer's call keeps its input (the previous layer's output) only until its
+    # backward is over: an output kept with its autograd graph moves alone.
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    moved = []
+    original = rt.move_to_copies
+    rt.move_to_copies = lambda tensors: moved.append(tensors) or original(tensors)
+    kept = []
+    for _ in range(5):
+        x = torch.randn(2, 4, requires_grad=True)
+        out = b(a(x))
+        out.sum().backward()
+        kept.append(out)  # with its grad_fn: the node and its call stay alive
+    assert a.engine.replays and b.engine.replays
+    assert moved and all(any(t is k for k in kept) for ts in moved for t in ts)
+    assert sum(len(ts) for ts in moved) == len(moved)  # one tensor each time: b's output, never a's

@@ -251,6 +251,75 @@ def test_pending_weight_passes_count_against_max_in_flight(rt):
         layer(xs[2])
 
 
+def test_weight_graphs_accumulate_into_grad_without_a_second_set_of_buffers(rt):
+    # accumulate_grads="auto": the weight graph adds into the layer's gradient buffers, which
+    # the weight pass leaves as .grad; no weight-gradient buffers of its own exist
+    layer = Graphed(Block(), rt, num_warmup_steps=1)
+    for _ in range(4):
+        layer.zero_grad(set_to_none=True)
+        fake_step(layer, ZB_ORDER)
+    engine = layer.engine
+    assert engine.position_kinds() == {"full": 0, "split": 3} and engine.replays > 0
+    assert engine._weight_grad_buffers is None
+    params = list(layer.module.parameters())
+    assert all(p.grad is b for p, b in zip(params, engine._param_grad_buffers))
+    # accumulate_grads=False: the weight half writes buffers of its own, .grad is autograd's
+    plain = Graphed(Block(), rt, num_warmup_steps=1, accumulate_grads=False)
+    for _ in range(4):
+        plain.zero_grad(set_to_none=True)
+        fake_step(plain, ZB_ORDER)
+    own = plain.engine._weight_grad_buffers
+    assert own is not None and plain.engine._param_grad_buffers is None
+    assert not any(p.grad is b for p, b in zip(plain.module.parameters(), own))
+
+
+def test_the_recorded_step_accumulates_the_weight_pass_into_grad_as_eager(rt):
+    # The step recorded before capture runs eagerly; with accumulation its weight passes add
+    # each group of gradients into .grad as they come (as the graphs will) and hand the sums
+    # over: the gradients are the plain module's, accumulated over micro-batches and steps.
+    torch.manual_seed(0)
+    plain = Block()
+    layer = Graphed(copy.deepcopy(plain), rt, num_warmup_steps=1)
+    for step in range(2):  # warmup, then the recorded step (nothing zeroed: two steps' sums)
+        writes = rt.graph_grad_writes
+        inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(3)]
+        for module in (plain, layer):
+            zero_bubble_step(module, [x.clone().requires_grad_(True) for x in inputs], ZB_ORDER)
+    assert rt.graph_grad_writes == writes + 3  # the recorded step's three weight passes went into .grad
+    assert layer.engine.captures == 0 and layer.engine.position_kinds() == {"full": 0, "split": 0}
+    assert layer.engine._signatures[next(iter(layer.engine._signatures))].accumulate
+    for (name, p), q in zip(plain.named_parameters(), layer.module.parameters()):
+        if name == "unused":
+            assert p.grad is None and torch.count_nonzero(q.grad) == 0
+        else:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_pass_for_some_parameters_keeps_the_others_in_grad(rt):
+    from torch.autograd.graph import GradientEdge
+
+    layer = Graphed(Block(), rt, num_warmup_steps=1)
+    for _ in range(3):
+        fake_step(layer, "f0 i0 w0")
+    params, buffers = list(layer.module.parameters()), layer.engine._param_grad_buffers
+    x = torch.randn(4, 8, requires_grad=True)
+    h, extra = layer(x)
+    _, groups = stage_backward_input([h.square().sum() + extra], None, [x], layer.parameters())
+    edges, grads = [], []
+    for group in groups:
+        for got, node in zip(group["grads"], group["intermediates"]):
+            edges += [GradientEdge(node, k) for k, g in enumerate(got) if g is not None]
+            grads += [g for g in got if g is not None]
+    first = params[0]
+    accumulator = first.view_as(first).grad_fn.next_functions[0][0]
+    (handed,) = torch.autograd.grad(edges, [GradientEdge(accumulator, 0)], grads)
+    # the one asked for: its whole gradient handed over (.grad unset for the pass to assign)
+    assert handed is buffers[0] and first.grad is None
+    # the others stay in .grad, where the graph added them
+    assert all(p.grad is b for p, b in zip(params[1:], buffers[1:]))
+    assert layer.engine.in_flight == 0
+
+
 # ------------------------------------------------------------------- two gloo ranks
 run_ranks = run_pipeline_ranks
 
@@ -355,3 +424,27 @@ def test_input_then_weight_half_give_autograd_gradients():
         else:
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     assert state.groups == [] and state.saved == {}  # released
+
+
+def test_a_weight_pass_that_drops_the_handed_gradients_is_named(rt):
+    from torch.autograd.graph import GradientEdge
+
+    # A weight pass that uses the gradients it gets instead of putting them into .grad loses
+    # the sums of a layer that accumulates in its graphs: the layer's next call says so.
+    layer = Graphed(Block(), rt, num_warmup_steps=1)
+    for _ in range(3):
+        fake_step(layer, "f0 f1 i0 i1 w0 w1")
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+    outs = [layer(x) for x in xs]
+    passes = [stage_backward_input([h.sum() + extra], None, [x], layer.parameters())[1]
+              for (h, extra), x in zip(outs, xs)]
+    params = list(layer.module.parameters())
+    edges, grads = [], []
+    for group in passes[0]:
+        for got, node in zip(group["grads"], group["intermediates"]):
+            edges += [GradientEdge(node, k) for k, g in enumerate(got) if g is not None]
+            grads += [g for g in got if g is not None]
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+    torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accumulators], grads)  # used, never put into .grad
+    with pytest.raises(GraphScheduleError, match=r"test:Block: .*weight pass.*left \.grad unset for 8 parameter"):
+        stage_backward_weight(layer.parameters(), passes[1])

@@ -49,8 +49,9 @@ import enum
 import gc
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from . import collectives as _collectives
 from . import guards as _guards
@@ -297,7 +298,7 @@ class _Call:
     def forward(self) -> list:
         return self.engine._forward(self)
 
-    def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+    def backward(self, grads: Sequence[Any], weights_wanted: Union[bool, Sequence[bool]] = True) -> list:
         return self.engine._backward(self, grads, weights_wanted)
 
     @property
@@ -357,6 +358,10 @@ class GraphedCallable:
         self._warned: set = set()
         self._watch: Optional[StateWatch] = None  # parameters and buffers as the newest capture read them
         self._state_checked: Optional[tuple] = None  # (episode, watch) last found unchanged
+        # (signature key, position) -> weak references to the outputs its last launch handed out
+        self._handed_out: dict[tuple, list] = {}
+        # (episode, parameters) whose .grad a weight pass was handed with .grad unset (see _hand_over)
+        self._handed_grads: Optional[tuple] = None
         self.replays = 0  # forward + backward graph replays, for tests and telemetry
         self.captures = 0
 
@@ -403,6 +408,7 @@ class GraphedCallable:
 
     # --------------------------------------------------------------- forward
     def _forward(self, call: _Call) -> list:
+        self._check_handed()
         clock = self.process.clock
         sig = None if call.force_eager else self._signature_for(call)
         episode = clock.forward_started()
@@ -523,18 +529,47 @@ class GraphedCallable:
             self._check_state(done.state)
         self.plan.note_replay(done.generation, id(done.fwd_graph), True, self.name)
         _collectives.check_replay(done.fwd_graph)
+        self._keep_held_outputs(call)
         if copy_inputs:
             rt.copy_many(done.static_inputs, call.tensors)
         rt.replay_graph(done.fwd_graph)
         self.replays += 1
         call.run, call.done, call.outputs = _Run.REPLAY, done, done.outputs
-        return [rt.detach(o) for o in done.static_outputs]
+        return self._hand_out(call, done.static_outputs)
+
+    def _hand_out(self, call: _Call, static_outputs: Sequence[Any]) -> list:
+        """Aliases of a launched forward's output buffers for the caller, remembered weakly:
+        the position's next launch overwrites them (see :meth:`_keep_held_outputs`)."""
+        outs = [self.runtime.detach(o) for o in static_outputs]
+        try:
+            self._handed_out[(call.key, call.position)] = [weakref.ref(o) for o in outs]
+        except TypeError:  # a tensor type without weak references: nothing is tracked
+            pass
+        return outs
+
+    def _keep_held_outputs(self, call: _Call) -> None:
+        """Before a launch overwrites the position's output buffers: outputs of its last launch
+        that someone still holds get their values moved to memory of their own. A pipeline
+        schedule keeps the last stage's outputs until the step ends, to return them merged,
+        and on the last stage of a 1F1B pipeline every micro-batch replays the same position;
+        eagerly each output is its own tensor, and so it stays here (copied only when held)."""
+        refs = self._handed_out.pop((call.key, call.position), None)
+        held = [t for t in (r() for r in refs or ()) if t is not None]
+        if held and not self.runtime.move_to_copies(held):
+            self._warn_once("held", (
+                f"{self.name}: outputs of an earlier micro-batch are still referenced when the same micro-batch "
+                f"position replays and overwrites them, and the {self.runtime.name} runtime cannot move them to "
+                f"memory of their own: they now hold the new values. Clone an output you keep."))
 
     # -------------------------------------------------------------- backward
-    def _backward(self, call: _Call, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+    def _backward(self, call: _Call, grads: Sequence[Any], weights_wanted: Union[bool, Sequence[bool]] = True) -> list:
+        """``weights_wanted``: does autograd ask for the parameters' gradients (one bool, or
+        one per parameter)? Asking for none runs the input half of a split backward."""
+        self._check_handed()
         if call.weight_pending:
-            return self._backward_weight(call)  # the schedule's weight pass, after the input pass
-        split = not weights_wanted and bool(call.params) and self.runtime.splits_backward
+            return self._backward_weight(call, weights_wanted)  # the schedule's weight pass, after the input pass
+        wanted = weights_wanted if isinstance(weights_wanted, bool) else any(weights_wanted)
+        split = not wanted and bool(call.params) and self.runtime.splits_backward
         if split and call.run is _Run.LAUNCHED_CAPTURE:
             raise GraphScheduleError(
                 f"{self.name}: a backward asked for input gradients only (a zero-bubble schedule's input pass), "
@@ -557,19 +592,29 @@ class GraphedCallable:
                 # The micro-batch's backward is over (failed): it must not wait for a weight half.
                 self.queue.pop_weight(call)
                 self._leave_flight(call, sig)
-                call.eager = call.weight_state = None
+                self._end_call(call)
                 raise
         self._leave_flight(call, sig)
-        if call.run is _Run.REPLAY:
-            return self._replay_backward(call, call.done, diff_grads)
-        if call.run is _Run.LAUNCHED_CAPTURE:
-            return self._capture_and_launch_backward(call, sig, diff_grads)
-        result = self._eager_backward(call, diff_grads, into_grads=call.run is _Run.RECORDED and sig is not None
-                                      and sig.accumulate)
-        if call.run is _Run.RECORDED and sig is not None:
-            self._record_backward(call, sig, diff_grads, result[:len(call.shape.specs)])
-        call.eager = None
-        return result
+        try:
+            if call.run is _Run.REPLAY:
+                return self._replay_backward(call, call.done, diff_grads)
+            if call.run is _Run.LAUNCHED_CAPTURE:
+                return self._capture_and_launch_backward(call, sig, diff_grads)
+            result = self._eager_backward(call, diff_grads, into_grads=call.run is _Run.RECORDED
+                                          and sig is not None and sig.accumulate)
+            if call.run is _Run.RECORDED and sig is not None:
+                self._record_backward(call, sig, diff_grads, result[:len(call.shape.specs)])
+            return result
+        finally:
+            self._end_call(call)
+
+    @staticmethod
+    def _end_call(call: _Call) -> None:
+        """The call's backward is over: it keeps no tensor. (Its autograd node keeps the call,
+        and the node lives as long as anyone holds the call's outputs: the inputs, often
+        another graphed layer's outputs, would be held with them.)"""
+        call.tensors = ()
+        call.eager = call.weight_state = None
 
     def _leave_flight(self, call: _Call, sig: Optional[_Signature]) -> None:
         """The call's backward is complete (a full backward, or the weight half of a split one)."""
@@ -597,25 +642,84 @@ class GraphedCallable:
             self._record_backward(call, sig, diff_grads, input_grads, half="input")
         return input_grads + list(param_grads)
 
-    def _backward_weight(self, call: _Call) -> list:
+    def _backward_weight(self, call: _Call, wanted: Union[bool, Sequence[bool]] = True) -> list:
         """The weight half of a split backward: the parameter gradients it produces, handed to
-        autograd (the schedule's weight pass adds them into ``.grad``)."""
+        autograd (the schedule's weight pass adds them into ``.grad``). ``wanted``: whether
+        autograd asks for each parameter's gradient (one bool for all)."""
         self.queue.pop_weight(call)
         sig = self._signatures.get(call.key)
         self._leave_flight(call, sig)
         n_inputs = len(call.shape.specs)
+        if isinstance(wanted, bool):
+            wanted = (wanted,) * len(call.params)
         if call.run is _Run.REPLAY:
-            return [None] * n_inputs + self._replay_weight_graph(call, call.done)
+            self._end_call(call)
+            return [None] * n_inputs + self._replay_weight_graph(call, call.done, hand_over=tuple(wanted))
+        rt = self.runtime
+        # A recorded call of a layer whose graphs will accumulate: each group of gradients goes
+        # into .grad as it comes, as the graphs will do (not the whole stage's at once)
+        into = call.run is _Run.RECORDED and sig is not None and sig.accumulate
         grads = [None] * len(call.params)
         if call.weight_state is not None:
             _, _, inner_params = call.eager
-            for index, got in self.runtime.backward_weight(call.weight_state, inner_params):
+            for index, got in rt.backward_weight(call.weight_state, inner_params):
+                if into:
+                    self._add_into_grads([call.params[i] for i in index], got)
+                    got = [rt.grad_of(call.params[i]) for i in index]
                 for i, g in zip(index, got):
                     grads[i] = g
+        if into:
+            rt.graph_grad_writes += 1  # .grad changed outside autograd (see GraphRuntime)
+            grads = self._hand_over(call.params, grads, wanted)
         if call.run is _Run.RECORDED and sig is not None:
             self._record_backward(call, sig, [], [], half="weight")
-        call.eager = call.weight_state = None
+        self._end_call(call)
         return [None] * n_inputs + grads
+
+    def _add_into_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
+        """``.grad += grad`` for each parameter; an unset ``.grad`` adopts the gradient."""
+        rt = self.runtime
+        dst, src = [], []
+        for p, g in zip(params, grads):
+            have = rt.grad_of(p)
+            if have is None:
+                rt.set_grad(p, g)
+            else:
+                dst.append(have)
+                src.append(g)
+        if dst:
+            rt.add_many(dst, src)
+
+    def _hand_over(self, params: Sequence[Any], totals: Sequence[Any], wanted: Sequence[bool]) -> list:
+        """For a schedule's weight pass, which adds the gradients it gets into ``.grad`` (and
+        assigns them where ``.grad`` is unset): each wanted parameter's ``.grad``, already
+        holding the sum, is unset and handed over whole; the others get nothing (their sum
+        stays in ``.grad``)."""
+        out = [None] * len(params)
+        for i, (p, total, w) in enumerate(zip(params, totals, wanted)):
+            if total is not None and w:
+                self.runtime.set_grad(p, None)
+                out[i] = total
+        self._handed_grads = (self.process.clock.episode, [p for p, g in zip(params, out) if g is not None])
+        return out
+
+    def _check_handed(self) -> None:
+        """The weight pass handed gradients by :meth:`_hand_over` must have put them back into
+        ``.grad``; checked at this layer's next call in the same episode (a new episode may
+        follow ``zero_grad``, which unsets ``.grad`` itself)."""
+        handed, self._handed_grads = self._handed_grads, None
+        clock = self.process.clock
+        if handed is None or handed[0] != clock.episode or clock.between_episodes:
+            return
+        lost = [p for p in handed[1] if self.runtime.grad_of(p) is None]
+        if lost:
+            raise GraphScheduleError(
+                f"{self.name}: this layer adds its parameter gradients into .grad inside its graphs "
+                f"(accumulate_grads='auto'), so a weight pass (a backward asking for the parameters after an "
+                f"input-only one) is handed each parameter's whole sum with .grad unset, for it to put into "
+                f".grad as torch.distributed.pipelining's weight pass does. The last one left .grad unset for "
+                f"{len(lost)} parameter(s): their gradients are lost. For a weight pass that uses the gradients "
+                f"otherwise, pass accumulate_grads=False to this layer.")
 
     def _eager_backward(self, call: _Call, diff_grads: list, into_grads: bool = False) -> list:
         """The eager backward. With ``into_grads`` (a recorded call of a layer whose graphs will
@@ -697,15 +801,34 @@ class GraphedCallable:
         return self._hand_off(list(call.tensors) + list(call.params),
                               list(done.static_grad_inputs) + [b if u else None for b, u in zip(buffers, used)])
 
-    def _replay_weight_graph(self, call: _Call, done: _Position) -> list:
-        """Replay the weight half; the parameter gradients, in buffers the layer keeps (copies
-        where a parameter has no ``.grad`` yet: the caller may make the gradient it gets its
-        ``.grad``, as the zero-bubble weight pass does, and the next replay would overwrite it)."""
+    def _replay_weight_graph(self, call: _Call, done: _Position, hand_over: Optional[tuple] = None) -> list:
+        """Replay the weight half. Without accumulation: the parameter gradients, in buffers
+        the layer keeps (copies where a parameter has no ``.grad`` yet: the caller may make the
+        gradient it gets its ``.grad``, as the zero-bubble weight pass does, and the next replay
+        would overwrite it).
+
+        With accumulation the graph adds them into the layer's gradient buffers, bound as
+        ``.grad`` first, as a full backward does. Inside a full backward (``hand_over`` is
+        ``None``) autograd gets nothing for them. A schedule's weight pass (``hand_over``: per
+        parameter, does autograd ask for its gradient) adds what it gets into ``.grad``, and
+        assigns it where ``.grad`` is unset (torch.distributed.pipelining's
+        ``stage_backward_weight``): each wanted parameter's ``.grad`` is unset and its buffer,
+        which holds the whole sum, handed over, so the sum ends in ``.grad`` without a second
+        set of buffers and without a copy."""
         rt = self.runtime
+        if done.accumulate:
+            used = [(p, b) for p, b, u in zip(call.params, done.weight_buffers, done.param_grad_used) if u]
+            self._bind_grads([p for p, _ in used], [b for _, b in used])
         self.plan.note_replay(done.generation, id(done.weight_graph), False, self.name)
         _collectives.check_replay(done.weight_graph)
         rt.replay_graph(done.weight_graph)
         self.replays += 1
+        if done.accumulate:
+            rt.graph_grad_writes += 1  # .grad changed without a version bump (see GraphRuntime)
+            if hand_over is None:
+                return [None] * len(call.params)
+            return self._hand_over(call.params, [b if u else None for b, u in zip(done.weight_buffers,
+                                                                                  done.param_grad_used)], hand_over)
         grads = [b if u else None for b, u in zip(done.weight_buffers, done.param_grad_used)]
         fresh = [i for i in rt.leaves_without_grad(call.params) if grads[i] is not None]
         if fresh:
@@ -861,13 +984,19 @@ class GraphedCallable:
                           tuple(next(it) if s.requires_grad else None for s in sig.shape.specs), state, param_used)
 
     def _capture_backward_weight(self, sig: _Signature, half: _InputHalf) -> _Position:
-        """Capture the weight half: every parameter's gradient into the layer's weight-gradient
-        buffers (the schedule's weight pass adds them into ``.grad``). The autograd graph kept
-        since the forward is released inside this capture, as a full backward releases it."""
+        """Capture the weight half: every parameter's gradient added into the layer's gradient
+        buffers (with accumulation: the buffers a full backward adds into, ``.grad`` at replay),
+        or copied into weight-gradient buffers of its own (the schedule's weight pass adds them
+        into ``.grad``). The autograd graph kept since the forward is released inside this
+        capture, as a full backward releases it."""
         rt, plan, live = self.runtime, self.plan, half.live
-        if self._weight_grad_buffers is None or len(self._weight_grad_buffers) != len(sig.params):
-            self._weight_grad_buffers = [rt.static_like(p) for p in sig.params]
-        buffers = tuple(self._weight_grad_buffers)
+        if sig.accumulate:
+            buffers = tuple(self._param_buffers(sig.params))
+        else:
+            if self._weight_grad_buffers is None or len(self._weight_grad_buffers) != len(sig.params):
+                self._weight_grad_buffers = [rt.static_like(p) for p in sig.params]
+            buffers = tuple(self._weight_grad_buffers)
+        move = rt.add_many if sig.accumulate else rt.copy_many
         static_outputs = tuple(rt.detach(o) for o in live.outputs)
         graph = rt.create_graph()
         start = _memory.now()
@@ -875,7 +1004,7 @@ class GraphedCallable:
         with self._capturing(graph, live.generation, "backward (weight half)"):
             if half.weight_state is not None:
                 for index, grads in rt.backward_weight(half.weight_state, live.params):
-                    rt.copy_many([buffers[i] for i in index], grads)
+                    move([buffers[i] for i in index], grads)
                     for i in index:
                         used[i] = True
             half.weight_state = None
@@ -886,7 +1015,7 @@ class GraphedCallable:
             generation=live.generation, fwd_graph=live.graph, bwd_graph=half.graph, static_inputs=live.static_inputs,
             static_outputs=static_outputs, static_grad_outputs=half.static_grads,
             static_grad_inputs=half.static_grad_inputs, param_grad_used=tuple(used),
-            outputs=live.outputs_shape, accumulate=False, linked=live.linked, weight_graph=graph,
+            outputs=live.outputs_shape, accumulate=sig.accumulate, linked=live.linked, weight_graph=graph,
             weight_buffers=buffers, state=live.state, input_param_used=half.param_used)
 
     @contextlib.contextmanager
@@ -958,10 +1087,11 @@ class GraphedCallable:
             return self._run_eager(call)  # fallback="eager"
         call.live, call.outputs = live, live.outputs_shape
         self.plan.note_replay(live.generation, id(live.graph), True, self.name)
+        self._keep_held_outputs(call)
         rt.replay_graph(live.graph)
         self.replays += 1
         call.run = _Run.LAUNCHED_CAPTURE
-        return [rt.detach(o) for o in live.outputs]
+        return self._hand_out(call, live.outputs)
 
     def _capture_and_launch_backward(self, call: _Call, sig: _Signature, diff_grads: list) -> list:
         rt, live = self.runtime, call.live
@@ -1034,6 +1164,8 @@ class GraphedCallable:
         self._disabled_reason = None
         self._warned.clear()
         self._watch = self._state_checked = None
+        self._handed_out.clear()
+        self._handed_grads = None
 
     # ----------------------------------------------------------------- helpers
     def _outputs_of(self, result: Any) -> tuple:
@@ -1253,8 +1385,10 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
     Without CUDA (or with CPU inputs) it runs eagerly and warns once. Under ``{no_grad}`` it
     always runs eagerly.
 
-    .. warning:: Outputs alias graph memory: they are valid until the same micro-batch position
-       is replayed again (the next step). Clone an output you keep across steps (a logged loss).
+    .. warning:: Outputs alias graph memory until the same micro-batch position is replayed
+       again. (PyTorch) An output still referenced then is first moved to memory of its own, so
+       outputs you keep (a schedule's merged outputs, a logged loss) keep their values, at the
+       cost of a copy; (Paddle) it is overwritten: clone what you keep.
     .. warning:: Do not modify outputs in place, and do not replace parameters or buffers
        (assigning new tensors or storage to them, ``module.to(dtype)``) after capture: graphs
        read fixed addresses, and the next replay raises
@@ -1271,6 +1405,11 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
        w.r.t. the inputs, as zero-bubble schedules' input pass does) runs the input half; the
        micro-batch stays in flight until a backward asks for the parameters' gradients (the
        weight pass), which receives them as autograd would (the schedule adds them into ``.grad``).
+       With ``accumulate_grads`` (default ``"auto"``) the weight graph adds them into ``.grad``
+       itself and the weight pass is handed each parameter's whole sum with ``.grad`` unset, to
+       put back into ``.grad`` as ``torch.distributed.pipelining``'s does; a pass that leaves
+       ``.grad`` unset is named at the layer's next call. Pass ``accumulate_grads=False`` for a
+       weight pass that uses the per-micro-batch gradients otherwise.
     """
 
 

@@ -124,6 +124,12 @@ class GraphRuntime(abc.ABC):
     def detach(self, tensor: Any, requires_grad: bool = False) -> Any:
         """An alias of ``tensor`` cut from autograd, tracked again (as a new leaf) if ``requires_grad``."""
 
+    def move_to_copies(self, tensors: Sequence[Any]) -> bool:
+        """Give each tensor (an output handed out earlier, whose graph buffer the next replay
+        overwrites) its current values in new memory of its own, the tensor objects staying
+        the same. False where the framework cannot (the engine then warns)."""
+        return False
+
     # --------------------------------------------------------- framework state
     @abc.abstractmethod
     def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
@@ -256,7 +262,7 @@ class GraphRuntime(abc.ABC):
     # ------------------------------------------------ split backward (zero bubble)
     #: True when the runtime implements :meth:`backward_input` and :meth:`backward_weight`, and
     #: its custom function tells the engine whether a backward asks for parameter gradients
-    #: (``call.backward(grads, weights_wanted=...)``).
+    #: (``call.backward(grads, weights_wanted=...)``: one bool, or one per parameter).
     splits_backward: bool = False
 
     def backward_input(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],

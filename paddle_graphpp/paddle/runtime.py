@@ -55,7 +55,7 @@ def _weight_pass(ctx) -> None:
     parameter gradients go into ``.grad`` (``main_grad``), as fleet's own closures put theirs."""
     call = ctx.call
     got = node_backward(ctx, [])
-    _split.accumulate(call.params, got[len(call.tensors):])
+    _split.accumulate(call.params, got[len(call.shape.specs):])
 
 
 class PaddleRuntime(GraphRuntime):

@@ -303,8 +303,9 @@ def graph_layers(
         anew, up to ``max_signatures`` per block.
 
     Warning:
-        Outputs alias graph memory until the same micro-batch position replays again (the next
-        step); ``output_hidden_states=True`` hands out those outputs, so clone what you keep.
+        Outputs alias graph memory until the same micro-batch position replays again; an
+        output still referenced then (``output_hidden_states=True`` hands them out) is first
+        moved to memory of its own (a copy), so what you keep keeps its values.
 
     Warning:
         Move the model to its GPU and dtype before the first step, and do not rebind

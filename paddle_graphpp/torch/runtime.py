@@ -41,7 +41,7 @@ class _GraphedFunction(torch.autograd.Function):
         stashed = getattr(ctx, "stashed_grads", None)
         if stashed is not None:  # see _hide_extra_output_grads
             grads, ctx.stashed_grads = stashed, None
-        wanted = _split.weights_wanted(ctx, len(ctx.call.tensors))
+        wanted = _split.weights_wanted(ctx, len(ctx.call.shape.specs))
         return (None, *node_backward(ctx, grads, weights_wanted=wanted))
 
 
@@ -142,6 +142,13 @@ class TorchRuntime(GraphRuntime):
         outs = [torch.empty_like(t) for t in tensors]
         self.copy_many(outs, tensors)
         return outs
+
+    def move_to_copies(self, tensors) -> bool:
+        # ``.data`` swaps the tensor's storage for the copy's, keeping the object (and the
+        # references others hold to it); autograd is unaffected: the call's backward is over.
+        for t, copy in zip(tensors, self.clone_many([t.detach() for t in tensors])):
+            t.data = copy
+        return True
 
     # framework state
     def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:

@@ -401,8 +401,10 @@ def test_a_graphed_loss_trains_like_eager_and_replays_with_the_stage():
 
 def test_schedule1f1b_with_graphed_stage_and_loss_returns_each_micro_batchs_loss():
     """Through torch.distributed.pipelining itself (one rank holding the only stage): the
-    losses Schedule1F1B hands back are each micro-batch's own, step after step, and the
-    gradients are eager's (learning rate 0: the weights stay, so every step compares)."""
+    losses Schedule1F1B hands back are each micro-batch's own, step after step, so is the
+    merged output step() returns (the stage keeps every micro-batch's output while each
+    replays the same position), and the gradients are eager's (learning rate 0: the weights
+    stay, so every step compares)."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -432,12 +434,15 @@ def test_schedule1f1b_with_graphed_stage_and_loss_returns_each_micro_batchs_loss
             losses = []
             body.zero_grad(set_to_none=True)
             ref.zero_grad(set_to_none=True)
-            schedule.step(x, target=y, losses=losses)
-            want = []
+            merged = schedule.step(x, target=y, losses=losses)
+            want, outputs = [], []
             for i in range(n):
-                loss = cross_entropy(ref(x[i * mb:(i + 1) * mb]), y[i * mb:(i + 1) * mb])
+                out = ref(x[i * mb:(i + 1) * mb])
+                loss = cross_entropy(out, y[i * mb:(i + 1) * mb])
                 loss.backward()
                 want.append(loss.detach())
+                outputs.append(out.detach())
+            assert rel(merged, torch.cat(outputs)) <= 1e-6, f"step {step}: merged outputs differ from eager's"
             got = torch.stack([t.detach() for t in losses])
             assert len({t.data_ptr() for t in losses}) == n, f"step {step}: losses share storage"
             assert rel(got, torch.stack(want)) <= 1e-6, (step, got, want)

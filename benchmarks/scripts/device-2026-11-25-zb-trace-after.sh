@@ -1,0 +1,13 @@
+# one device call: allocation traces of the last pp=2 GPT-3 1.3B stage at seq 2048 with --keep-outputs
+# (as PipelineStage keeps outputs), zero-bubble and 1F1B, after the weight graphs accumulate into .grad
+# and held outputs move to copies; memory only (the two commands side by side)
+export NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+R=/tmp/r; mkdir -p $R
+{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python -c "import torch,sys;print('torch',torch.__version__,'cuda',torch.version.cuda,'python',sys.version.split()[0])"; } > $R/env.txt
+timeout 300 python tools/stage_memory.py --stages 1 --order zb --keep-outputs --variants eager,default --seq-len 2048 --steps 6 --steady-from 3 --trace --timeout 280 --out $R/zb-keep-trace-s1-seq2048.json > $R/zb.txt 2>&1 &
+timeout 300 python tools/stage_memory.py --stages 1 --keep-outputs --variants eager,default --seq-len 2048 --steps 6 --steady-from 3 --trace --timeout 280 --out $R/1f1b-keep-trace-s1-seq2048.json > $R/1f1b.txt 2>&1 &
+wait
+cat $R/zb.txt $R/1f1b.txt | cut -c1-300
+cat $R/env.txt
+tar czf $OUT/run.tgz -C $R .
