@@ -295,29 +295,61 @@ def test_the_recorded_step_accumulates_the_weight_pass_into_grad_as_eager(rt):
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-6)
 
 
-def test_a_weight_pass_for_some_parameters_keeps_the_others_in_grad(rt):
+def weight_pass_by_hand(layer, groups, params):
+    """A weight pass of one's own: autograd asked for ``params``' gradients at the junctions
+    the pipelining input pass saved, the results returned (not put into ``.grad``)."""
     from torch.autograd.graph import GradientEdge
 
-    layer = Graphed(Block(), rt, num_warmup_steps=1)
-    for _ in range(3):
-        fake_step(layer, "f0 i0 w0")
-    params, buffers = list(layer.module.parameters()), layer.engine._param_grad_buffers
-    x = torch.randn(4, 8, requires_grad=True)
-    h, extra = layer(x)
-    _, groups = stage_backward_input([h.square().sum() + extra], None, [x], layer.parameters())
     edges, grads = [], []
     for group in groups:
         for got, node in zip(group["grads"], group["intermediates"]):
             edges += [GradientEdge(node, k) for k, g in enumerate(got) if g is not None]
             grads += [g for g in got if g is not None]
-    first = params[0]
-    accumulator = first.view_as(first).grad_fn.next_functions[0][0]
-    (handed,) = torch.autograd.grad(edges, [GradientEdge(accumulator, 0)], grads)
-    # the one asked for: its whole gradient handed over (.grad unset for the pass to assign)
-    assert handed is buffers[0] and first.grad is None
-    # the others stay in .grad, where the graph added them
-    assert all(p.grad is b for p, b in zip(params[1:], buffers[1:]))
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+    return torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accumulators], grads)
+
+
+def test_the_pipelining_weight_pass_gets_the_sums_and_puts_them_back_into_grad(rt):
+    layer = Graphed(Block(), rt, num_warmup_steps=1)
+    for _ in range(3):
+        fake_step(layer, "f0 i0 w0")
+    params, buffers = list(layer.module.parameters()), layer.engine._param_grad_buffers
+    handed = []
+    original = rt.weight_pass_refills_grad
+    rt.weight_pass_refills_grad = lambda: handed.append([p.grad for p in params]) or original()
+    fake_step(layer, "f0 i0 w0")
+    assert handed  # asked inside stage_backward_weight, where the answer is yes
+    assert all(p.grad is b for p, b in zip(params, buffers))  # assigned back: the layer's own buffers
+
+
+def test_a_weight_pass_of_ones_own_is_refused_before_anything_changes(rt):
+    # Per-micro-batch parameter gradients do not exist when the graphs accumulate into .grad:
+    # a weight pass other than torch.distributed.pipelining's is refused, naming the layer and
+    # the option; the micro-batch still awaits its weight pass, which pipelining's then runs.
+    layer = Graphed(Block(), rt, num_warmup_steps=1)
+    for _ in range(3):
+        fake_step(layer, "f0 i0 w0")
+    params = list(layer.module.parameters())
+    before = [p.grad.clone() for p in params]
+    x = torch.randn(4, 8, requires_grad=True)
+    h, extra = layer(x)
+    _, groups = stage_backward_input([h.sum() + extra], None, [x], layer.parameters())
+    with pytest.raises(GraphScheduleError, match=r"test:Block: adds its parameter gradients into \.grad.*"
+                                                 r"accumulate_grads=False"):
+        weight_pass_by_hand(layer, groups, params)
+    assert layer.engine.in_flight == 1
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+    stage_backward_weight(layer.parameters(), groups)
     assert layer.engine.in_flight == 0
+    # accumulate_grads=False: per-micro-batch gradients exist, any weight pass gets them
+    plain = Graphed(Block(), rt, num_warmup_steps=1, accumulate_grads=False)
+    for _ in range(3):
+        fake_step(plain, "f0 i0 w0")
+    x = torch.randn(4, 8, requires_grad=True)
+    h, extra = plain(x)
+    _, groups = stage_backward_input([h.sum() + extra], None, [x], plain.parameters())
+    got = weight_pass_by_hand(plain, groups, list(plain.module.parameters()))
+    assert all(g is not None for g in got) and plain.engine.in_flight == 0
 
 
 # ------------------------------------------------------------------- two gloo ranks
@@ -424,27 +456,3 @@ def test_input_then_weight_half_give_autograd_gradients():
         else:
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     assert state.groups == [] and state.saved == {}  # released
-
-
-def test_a_weight_pass_that_drops_the_handed_gradients_is_named(rt):
-    from torch.autograd.graph import GradientEdge
-
-    # A weight pass that uses the gradients it gets instead of putting them into .grad loses
-    # the sums of a layer that accumulates in its graphs: the layer's next call says so.
-    layer = Graphed(Block(), rt, num_warmup_steps=1)
-    for _ in range(3):
-        fake_step(layer, "f0 f1 i0 i1 w0 w1")
-    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
-    outs = [layer(x) for x in xs]
-    passes = [stage_backward_input([h.sum() + extra], None, [x], layer.parameters())[1]
-              for (h, extra), x in zip(outs, xs)]
-    params = list(layer.module.parameters())
-    edges, grads = [], []
-    for group in passes[0]:
-        for got, node in zip(group["grads"], group["intermediates"]):
-            edges += [GradientEdge(node, k) for k, g in enumerate(got) if g is not None]
-            grads += [g for g in got if g is not None]
-    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
-    torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accumulators], grads)  # used, never put into .grad
-    with pytest.raises(GraphScheduleError, match=r"test:Block: .*weight pass.*left \.grad unset for 8 parameter"):
-        stage_backward_weight(layer.parameters(), passes[1])

@@ -360,8 +360,6 @@ class GraphedCallable:
         self._state_checked: Optional[tuple] = None  # (episode, watch) last found unchanged
         # (signature key, position) -> weak references to the outputs its last launch handed out
         self._handed_out: dict[tuple, list] = {}
-        # (episode, parameters) whose .grad a weight pass was handed with .grad unset (see _hand_over)
-        self._handed_grads: Optional[tuple] = None
         self.replays = 0  # forward + backward graph replays, for tests and telemetry
         self.captures = 0
 
@@ -408,7 +406,6 @@ class GraphedCallable:
 
     # --------------------------------------------------------------- forward
     def _forward(self, call: _Call) -> list:
-        self._check_handed()
         clock = self.process.clock
         sig = None if call.force_eager else self._signature_for(call)
         episode = clock.forward_started()
@@ -565,7 +562,6 @@ class GraphedCallable:
     def _backward(self, call: _Call, grads: Sequence[Any], weights_wanted: Union[bool, Sequence[bool]] = True) -> list:
         """``weights_wanted``: does autograd ask for the parameters' gradients (one bool, or
         one per parameter)? Asking for none runs the input half of a split backward."""
-        self._check_handed()
         if call.weight_pending:
             return self._backward_weight(call, weights_wanted)  # the schedule's weight pass, after the input pass
         wanted = weights_wanted if isinstance(weights_wanted, bool) else any(weights_wanted)
@@ -643,38 +639,51 @@ class GraphedCallable:
         return input_grads + list(param_grads)
 
     def _backward_weight(self, call: _Call, wanted: Union[bool, Sequence[bool]] = True) -> list:
-        """The weight half of a split backward: the parameter gradients it produces, handed to
-        autograd (the schedule's weight pass adds them into ``.grad``). ``wanted``: whether
-        autograd asks for each parameter's gradient (one bool for all)."""
-        self.queue.pop_weight(call)
+        """The weight half of a split backward. Without accumulation: the parameter gradients
+        it produces, handed to autograd (the schedule's weight pass adds them into ``.grad``).
+        With it (``accumulate_grads``): the gradients go into ``.grad`` and the weight pass gets
+        the sums (see :meth:`_hand_over`). ``wanted``: whether autograd asks for each
+        parameter's gradient (one bool for all)."""
         sig = self._signatures.get(call.key)
+        rt = self.runtime
+        accumulates = call.done.accumulate if call.run is _Run.REPLAY else (
+            call.run is _Run.RECORDED and sig is not None and sig.accumulate)
+        if accumulates and not rt.weight_pass_refills_grad():
+            # Refused before anything changed: the micro-batch still awaits its weight pass.
+            raise GraphScheduleError(
+                f"{self.name}: adds its parameter gradients into .grad inside its graphs (accumulate_grads), "
+                f"so its weight half (a backward asking for the parameters after an input-only one) hands "
+                f"the weight pass each parameter's whole sum, for it to put back into .grad, as "
+                f"torch.distributed.pipelining's stage_backward_weight does; this backward is not that "
+                f"weight pass, and per-micro-batch parameter gradients do not exist here. Run the weight "
+                f"pass through torch.distributed.pipelining, or pass accumulate_grads=False to this layer.")
+        self.queue.pop_weight(call)
         self._leave_flight(call, sig)
         n_inputs = len(call.shape.specs)
         if isinstance(wanted, bool):
             wanted = (wanted,) * len(call.params)
-        if call.run is _Run.REPLAY:
+        try:
+            if call.run is _Run.REPLAY:
+                return [None] * n_inputs + self._replay_weight_graph(call, call.done, hand_over=tuple(wanted))
+            # A recorded call of a layer whose graphs will accumulate: each group of gradients
+            # goes into .grad as it comes, as the graphs will do (not the whole stage's at once)
+            grads = [None] * len(call.params)
+            if call.weight_state is not None:
+                _, _, inner_params = call.eager
+                for index, got in rt.backward_weight(call.weight_state, inner_params):
+                    if accumulates:
+                        self._add_into_grads([call.params[i] for i in index], got)
+                        got = [rt.grad_of(call.params[i]) for i in index]
+                    for i, g in zip(index, got):
+                        grads[i] = g
+            if accumulates:
+                rt.graph_grad_writes += 1  # .grad changed outside autograd (see GraphRuntime)
+                grads = self._hand_over(call.params, grads, wanted)
+            if call.run is _Run.RECORDED and sig is not None:
+                self._record_backward(call, sig, [], [], half="weight")
+            return [None] * n_inputs + grads
+        finally:
             self._end_call(call)
-            return [None] * n_inputs + self._replay_weight_graph(call, call.done, hand_over=tuple(wanted))
-        rt = self.runtime
-        # A recorded call of a layer whose graphs will accumulate: each group of gradients goes
-        # into .grad as it comes, as the graphs will do (not the whole stage's at once)
-        into = call.run is _Run.RECORDED and sig is not None and sig.accumulate
-        grads = [None] * len(call.params)
-        if call.weight_state is not None:
-            _, _, inner_params = call.eager
-            for index, got in rt.backward_weight(call.weight_state, inner_params):
-                if into:
-                    self._add_into_grads([call.params[i] for i in index], got)
-                    got = [rt.grad_of(call.params[i]) for i in index]
-                for i, g in zip(index, got):
-                    grads[i] = g
-        if into:
-            rt.graph_grad_writes += 1  # .grad changed outside autograd (see GraphRuntime)
-            grads = self._hand_over(call.params, grads, wanted)
-        if call.run is _Run.RECORDED and sig is not None:
-            self._record_backward(call, sig, [], [], half="weight")
-        self._end_call(call)
-        return [None] * n_inputs + grads
 
     def _add_into_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
         """``.grad += grad`` for each parameter; an unset ``.grad`` adopts the gradient."""
@@ -691,35 +700,17 @@ class GraphedCallable:
             rt.add_many(dst, src)
 
     def _hand_over(self, params: Sequence[Any], totals: Sequence[Any], wanted: Sequence[bool]) -> list:
-        """For a schedule's weight pass, which adds the gradients it gets into ``.grad`` (and
-        assigns them where ``.grad`` is unset): each wanted parameter's ``.grad``, already
-        holding the sum, is unset and handed over whole; the others get nothing (their sum
-        stays in ``.grad``)."""
+        """For the schedule's weight pass, which puts the gradients it gets into ``.grad``
+        (assigned where ``.grad`` is unset, added otherwise; only then is this called, see
+        :meth:`GraphRuntime.weight_pass_refills_grad`): each wanted parameter's ``.grad``,
+        already holding the sum, is unset and handed over whole, so the sum returns to
+        ``.grad`` without a copy; the others get nothing (their sum stays in ``.grad``)."""
         out = [None] * len(params)
         for i, (p, total, w) in enumerate(zip(params, totals, wanted)):
             if total is not None and w:
                 self.runtime.set_grad(p, None)
                 out[i] = total
-        self._handed_grads = (self.process.clock.episode, [p for p, g in zip(params, out) if g is not None])
         return out
-
-    def _check_handed(self) -> None:
-        """The weight pass handed gradients by :meth:`_hand_over` must have put them back into
-        ``.grad``; checked at this layer's next call in the same episode (a new episode may
-        follow ``zero_grad``, which unsets ``.grad`` itself)."""
-        handed, self._handed_grads = self._handed_grads, None
-        clock = self.process.clock
-        if handed is None or handed[0] != clock.episode or clock.between_episodes:
-            return
-        lost = [p for p in handed[1] if self.runtime.grad_of(p) is None]
-        if lost:
-            raise GraphScheduleError(
-                f"{self.name}: this layer adds its parameter gradients into .grad inside its graphs "
-                f"(accumulate_grads='auto'), so a weight pass (a backward asking for the parameters after an "
-                f"input-only one) is handed each parameter's whole sum with .grad unset, for it to put into "
-                f".grad as torch.distributed.pipelining's weight pass does. The last one left .grad unset for "
-                f"{len(lost)} parameter(s): their gradients are lost. For a weight pass that uses the gradients "
-                f"otherwise, pass accumulate_grads=False to this layer.")
 
     def _eager_backward(self, call: _Call, diff_grads: list, into_grads: bool = False) -> list:
         """The eager backward. With ``into_grads`` (a recorded call of a layer whose graphs will
@@ -1165,7 +1156,6 @@ class GraphedCallable:
         self._warned.clear()
         self._watch = self._state_checked = None
         self._handed_out.clear()
-        self._handed_grads = None
 
     # ----------------------------------------------------------------- helpers
     def _outputs_of(self, result: Any) -> tuple:
@@ -1339,10 +1329,11 @@ def node_forward(ctx: Any, call: _Call) -> tuple:
     return tuple(outputs)
 
 
-def node_backward(ctx: Any, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+def node_backward(ctx: Any, grads: Sequence[Any], weights_wanted: Union[bool, Sequence[bool]] = True) -> list:
     """Body of the matching backward: one gradient (or ``None``) per tensor input and parameter.
-    ``weights_wanted=False`` (the runtime saw that autograd asks for no parameter gradient)
-    runs the input half of a split backward; the next backward through ``ctx`` the weight half."""
+    ``weights_wanted`` (one bool, or one per parameter) all false (the runtime saw that autograd
+    asks for no parameter gradient) runs the input half of a split backward; the next backward
+    through ``ctx`` the weight half."""
     return ctx.call.backward(list(grads), weights_wanted)
 
 
@@ -1386,9 +1377,11 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
     always runs eagerly.
 
     .. warning:: Outputs alias graph memory until the same micro-batch position is replayed
-       again. (PyTorch) An output still referenced then is first moved to memory of its own, so
-       outputs you keep (a schedule's merged outputs, a logged loss) keep their values, at the
-       cost of a copy; (Paddle) it is overwritten: clone what you keep.
+       again. (PyTorch) An output object still referenced then is first moved to memory of its
+       own, so the outputs themselves keep their values when kept (a schedule keeping them to
+       return them merged), at the cost of a copy; tensors made from them without a copy
+       (``out.detach()``, a slice, a view) are not moved and are overwritten: clone those.
+       (Paddle) outputs are overwritten: clone what you keep.
     .. warning:: Do not modify outputs in place, and do not replace parameters or buffers
        (assigning new tensors or storage to them, ``module.to(dtype)``) after capture: graphs
        read fixed addresses, and the next replay raises
@@ -1406,10 +1399,10 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
        micro-batch stays in flight until a backward asks for the parameters' gradients (the
        weight pass), which receives them as autograd would (the schedule adds them into ``.grad``).
        With ``accumulate_grads`` (default ``"auto"``) the weight graph adds them into ``.grad``
-       itself and the weight pass is handed each parameter's whole sum with ``.grad`` unset, to
-       put back into ``.grad`` as ``torch.distributed.pipelining``'s does; a pass that leaves
-       ``.grad`` unset is named at the layer's next call. Pass ``accumulate_grads=False`` for a
-       weight pass that uses the per-micro-batch gradients otherwise.
+       itself and ``torch.distributed.pipelining``'s weight pass is handed each parameter's
+       whole sum with ``.grad`` unset, which it puts back into ``.grad``; per-micro-batch
+       parameter gradients do not exist then, and any other weight pass raises
+       :class:`paddle_graphpp.GraphScheduleError` (pass ``accumulate_grads=False`` for it).
     """
 
 

@@ -277,6 +277,12 @@ class GraphRuntime(abc.ABC):
         capture."""
         raise NotImplementedError(f"{self.name} runtime: backward_input")
 
+    def weight_pass_refills_grad(self) -> bool:
+        """Does the weight pass running now put each parameter gradient it gets into
+        ``.grad`` (assigning it where ``.grad`` is unset)? Only then may a layer that
+        accumulates inside its graphs hand it the whole sum with ``.grad`` unset."""
+        return False
+
     def backward_weight(self, state: Any, params: Sequence[Any]) -> Iterator[tuple]:
         """The weight-gradient half: yields ``(indices, gradients)`` of ``params``, a few at a
         time (the caller moves each batch into its buffers before asking for the next), for

@@ -304,8 +304,9 @@ def graph_layers(
 
     Warning:
         Outputs alias graph memory until the same micro-batch position replays again; an
-        output still referenced then (``output_hidden_states=True`` hands them out) is first
-        moved to memory of its own (a copy), so what you keep keeps its values.
+        output object still referenced then (``output_hidden_states=True`` hands them out) is
+        first moved to memory of its own (a copy); tensors made from it without a copy
+        (``.detach()``, slices, views) are not: clone those if you keep them.
 
     Warning:
         Move the model to its GPU and dtype before the first step, and do not rebind

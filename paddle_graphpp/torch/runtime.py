@@ -244,6 +244,9 @@ class TorchRuntime(GraphRuntime):
     def backward_weight(self, state, params):
         return _split.backward_weight(state, params)
 
+    def weight_pass_refills_grad(self) -> bool:
+        return _split.in_pipelining_weight_pass()
+
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.
     adopts_held_gradients = False

@@ -20,6 +20,7 @@ drops the outputs and the state, after the weight half.
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence, Union
@@ -27,7 +28,7 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["backward_input", "backward_weight", "weights_wanted"]
+__all__ = ["backward_input", "backward_weight", "weights_wanted", "in_pipelining_weight_pass"]
 
 
 @dataclass(slots=True)
@@ -216,3 +217,27 @@ def _wanted(node: Any, will_execute: Any) -> bool:
     except RuntimeError:
         # Raised for a leaf whose gradient torch.autograd.grad captures: it is wanted.
         return True
+
+
+def in_pipelining_weight_pass() -> bool:
+    """Is a thread inside ``torch.distributed.pipelining``'s ``stage_backward_weight``?
+
+    That weight pass puts each gradient it gets into ``.grad`` (assigned where ``.grad`` is
+    unset, added otherwise), which lets a layer accumulating inside its graphs hand it the
+    whole sum (see the engine's ``_hand_over``). Another weight pass may use the gradients
+    otherwise. The backward of a CUDA graph task runs on autograd's device thread while the
+    caller waits, so every thread's stack is searched (for the function's code object: no
+    import order or rebinding of the name can hide it)."""
+    try:
+        from torch.distributed.pipelining import _backward
+    except ImportError:
+        return False
+    target = getattr(getattr(_backward, "stage_backward_weight", None), "__code__", None)
+    if target is None:
+        return False
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code is target:
+                return True
+            frame = frame.f_back
+    return False
