@@ -456,3 +456,31 @@ def test_input_then_weight_half_give_autograd_gradients():
         else:
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
     assert state.groups == [] and state.saved == {}  # released
+
+
+def test_a_gradient_one_graph_hands_another_goes_back_to_the_pool_once_its_reader_is_captured(rt):
+    # Layer b's input gradient is layer a's incoming gradient (a link: nothing is copied). Once
+    # a's whole backward is captured (its weight half too: it may read that gradient, saved at a
+    # junction), no later graph reads it, and its memory is given back to the pool.
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    params = [*a.parameters(), *b.parameters()]
+    released = []
+
+    def captured_positions(layer):
+        return {pos for sig in layer.engine._signatures.values() for pos in sig.positions}
+
+    rt.release_to_pool = lambda t: released.append((t, captured_positions(a), captured_positions(b)))
+    for _ in range(3):  # recorded, then captured at the start of the next step
+        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
+        ys = [b(a(x)) for x in xs]
+        passes = [stage_backward_input([y.sum()], None, [x], params)[1] for x, y in zip(xs, ys)]
+        for groups in passes:
+            stage_backward_weight(params, groups)
+    assert a.engine.position_kinds() == {"full": 0, "split": 2} == b.engine.position_kinds()
+    assert len(released) == 2  # one per position: b's gradient for a
+    (key,) = b.engine._signatures
+    given = [b.engine._signatures[key].positions[pos].static_grad_inputs[0] for pos in (0, 1)]
+    for (tensor, a_done, _), pos, mine in zip(released, (0, 1), given):
+        assert tensor is mine  # the very tensor both positions keep
+        assert pos in a_done  # released only after a's weight half of that position was captured

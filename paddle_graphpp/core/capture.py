@@ -172,6 +172,20 @@ class Process:
             return tensor if tensor is not None else self.runtime.static_buffers([spec])[0]
         return self._buffers[slot]
 
+    def consumed(self, slots: Sequence[Any]) -> None:
+        """During capture: a position whose incoming gradients were ``slots`` has its whole
+        backward captured. A gradient another captured graph produced for it (a ``"grad"``
+        :class:`Link`: the loss's gradient of the logits, layer ``i + 1``'s of its input) is
+        read by no graph captured later, so its memory goes back to the pool for them: at
+        replay the producer's graph writes it and this position's graphs read it before any
+        later graph runs. The tensors both positions keep of it stay, as aliases that do not
+        own the memory (:meth:`GraphRuntime.release_to_pool`)."""
+        for slot in slots:
+            if isinstance(slot, Link) and slot.kind == "grad":
+                tensor = self._produced.pop(slot, None)
+                if tensor is not None:
+                    self.runtime.release_to_pool(tensor)
+
     def captured(self, layer: Any, key: Hashable, position: int, kind: str, tensors: Sequence[Any]) -> None:
         """During capture: ``tensors`` are the static outputs (or input gradients) of a
         position just captured, for the links recorded to them."""

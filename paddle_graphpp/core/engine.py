@@ -853,6 +853,7 @@ class GraphedCallable:
         static_grads = tuple(proc.static_for(slot, spec) for slot, spec in zip(rec.grad_slots, rec.grad_specs))
         done = sig.positions[position] = self._capture_backward(sig, live, static_grads)
         proc.captured(self, key, position, "grad", done.static_grad_inputs)
+        proc.consumed(rec.grad_slots)
 
     def _capture_recorded_backward_input(self, key: Any, position: int, live: _Live) -> _InputHalf:
         proc = self.process
@@ -865,8 +866,9 @@ class GraphedCallable:
 
     def _capture_recorded_backward_weight(self, key: Any, position: int, half: _InputHalf) -> None:
         sig = self._signatures[key]
-        sig.recordings.pop(position)
+        rec = sig.recordings.pop(position)
         sig.positions[position] = self._capture_backward_weight(sig, half)
+        self.process.consumed(rec.grad_slots)  # the weight half may read them too (saved at a junction)
 
     def _drop_generation(self, gen: Any) -> None:
         """Forget the positions captured into ``gen`` (they are recorded again when they run)."""

@@ -124,6 +124,12 @@ class GraphRuntime(abc.ABC):
     def detach(self, tensor: Any, requires_grad: bool = False) -> Any:
         """An alias of ``tensor`` cut from autograd, tracked again (as a new leaf) if ``requires_grad``."""
 
+    def release_to_pool(self, tensor: Any) -> None:
+        """During capture: ``tensor`` (a graph's output in the pool) keeps its address, shape
+        and dtype but no longer owns its memory, which the allocator may give to graphs captured
+        after this point (everyone who holds the tensor object keeps a valid alias of that
+        address). A runtime that cannot keeps it owned (the default): correct, without the saving."""
+
     def move_to_copies(self, tensors: Sequence[Any]) -> bool:
         """Give each tensor (an output handed out earlier, whose graph buffer the next replay
         overwrites) its current values in new memory of its own, the tensor objects staying

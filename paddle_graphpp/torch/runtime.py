@@ -143,6 +143,18 @@ class TorchRuntime(GraphRuntime):
         self.copy_many(outs, tensors)
         return outs
 
+    def release_to_pool(self, tensor) -> None:
+        # The tensor object is re-pointed at a storage over the same address that owns nothing
+        # (as PyTorch's CUDA graph trees alias graph outputs); when the last owning storage goes,
+        # the block returns to the graphs' pool. Only graph memory: a CPU tensor (a test's fake
+        # capture) would be freed to the host allocator under the alias.
+        if not tensor.is_cuda:
+            return
+        storage = tensor.untyped_storage()
+        alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
+        with torch.no_grad():
+            tensor.set_(alias, tensor.storage_offset(), tensor.shape, tensor.stride())
+
     def move_to_copies(self, tensors) -> bool:
         # ``.data`` swaps the tensor's storage for the copy's, keeping the object (and the
         # references others hold to it); autograd is unaffected: the call's backward is over.

@@ -77,6 +77,37 @@ def test_split_backward_graphs_match_eager_with_dropout(accumulate_grads):
     assert graphed.engine.replays == per_step * (steps - 2)  # step 0 warms up, step 1 records
 
 
+def test_split_graphs_with_a_graphed_loss_match_eager_with_dropout():
+    """The loss graphed too: its input gradients are the stack's incoming gradients (linked,
+    not copied), given back to the pool once the stack's weight half of that micro-batch is
+    captured (the weight half reads them, saved at its junctions). Values as eager's."""
+    from paddle_graphpp.torch import graph_loss
+
+    def plain(h, extra):
+        return h.square().mean() + extra.sin().mean()
+
+    eager, graphed, opt_e, opt_g = twins(device=DEV)
+    loss_g = graph_loss(plain, 2)
+    steps = 10
+    for step in range(steps):
+        base = [torch.randn(2, SEQ, 64, device=DEV) for _ in range(4)]
+        got = {}
+        runs = (("eager", eager, lambda out: plain(*out)), ("graphed", graphed, lambda out: loss_g(*out)))
+        for name, model, loss in runs:
+            xs = [b.clone().requires_grad_(True) for b in base]
+            torch.manual_seed(1000 + step)
+            losses = run_order(model, xs, ZB_ORDER, loss)
+            got[name] = (torch.stack([losses[n] for n in range(len(xs))]), [x.grad.clone() for x in xs])
+        (le, ge), (lg, gg) = got["eager"], got["graphed"]
+        errs = [rel(lg, le)] + [rel(g, e) for g, e in zip(gg, ge)]
+        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+        assert max(errs) <= TOLERANCE, f"step {step}: max relative error {max(errs):.3e}"
+        opt_e.step(); opt_g.step()
+        opt_e.zero_grad(); opt_g.zero_grad()
+    assert graphed.engine.position_kinds() == {"full": 1, "split": 3}
+    assert loss_g.engine.captures == 2 * 4 and loss_g.engine.replays == 2 * 4 * (steps - 2)
+
+
 def test_dropout_masks_differ_between_replays_of_a_split_position():
     torch.manual_seed(0)
     graphed = CUDAGraphedModule(Stack().to(DEV), num_warmup_steps=1)
