@@ -484,3 +484,52 @@ def test_a_gradient_one_graph_hands_another_goes_back_to_the_pool_once_its_reade
     for (tensor, a_done, _), pos, mine in zip(released, (0, 1), given):
         assert tensor is mine  # the very tensor both positions keep
         assert pos in a_done  # released only after a's weight half of that position was captured
+
+
+class AddThenLinear(torch.nn.Module):
+    """``x + p`` (a learned offset, like a position embedding), then a linear map: the gradient
+    of its input is the very tensor the add's junction saves for its weight half."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.randn(4))
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x + self.p)
+
+
+def test_a_handed_gradient_its_producers_weight_half_reads_is_given_back_only_after_it(rt):
+    # b's input gradient goes to a (a link); b's own weight half reads the same tensor (the
+    # add's junction saved it), and the pipelining weight pass captures a's weight half before
+    # b's. The gradient waits for every position in flight when it was made.
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    b = Graphed(AddThenLinear(), rt, num_warmup_steps=0)
+    c = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    params = [*a.parameters(), *b.parameters(), *c.parameters()]
+    events = []
+    rt.release_to_pool = lambda t: events.append(("release", t))
+    weight_half = rt.backward_weight
+
+    def reading(state, ps):
+        read = [g for got in state.saved.values() for g in (got or ()) if g is not None]
+        events.append(("weight", read + [g for group in state.groups for _, g in group.output_edges]))
+        return weight_half(state, ps)
+
+    rt.backward_weight = reading
+    for step in range(3):  # recorded, then captured at the start of the next step
+        events.clear()
+        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
+        ys = [c(b(a(x))) for x in xs]
+        passes = [stage_backward_input([y.sum()], None, [x], params)[1] for x, y in zip(xs, ys)]
+        for groups in passes:
+            stage_backward_weight(params, groups)
+        if step == 1:
+            at_capture = list(events)
+    released = []
+    for kind, obj in at_capture:
+        if kind == "release":
+            released.append(obj)
+        else:  # a weight half being captured reads nothing given back before it
+            assert not any(g is r for g in obj for r in released)
+    assert len(released) == 4  # per position: c's gradient for b, b's for a

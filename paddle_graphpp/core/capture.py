@@ -89,6 +89,11 @@ class Process:
         self._produced_recorded: dict[tuple, tuple] = {}
         self._buffers: Sequence[Any] = ()  # during capture_recorded: the slots' buffers
         self._produced: dict[Link, Any] = {}  # during capture_recorded: captured static tensors
+        # During capture_recorded: the positions whose forward is captured and whose backward is
+        # not complete yet, and per produced input gradient (by identity) [tensor, positions
+        # that may still read it, read by a link] (see consumed)
+        self._live: Any = {}
+        self._grad_readers: dict[int, list] = {}
         self.deferred = 0  # recordings dropped in a row because the runtime asked to wait
 
     # ------------------------------------------------------ shared parameters
@@ -175,16 +180,36 @@ class Process:
     def consumed(self, slots: Sequence[Any]) -> None:
         """During capture: a position whose incoming gradients were ``slots`` has its whole
         backward captured. A gradient another captured graph produced for it (a ``"grad"``
-        :class:`Link`: the loss's gradient of the logits, layer ``i + 1``'s of its input) is
-        read by no graph captured later, so its memory goes back to the pool for them: at
-        replay the producer's graph writes it and this position's graphs read it before any
-        later graph runs. The tensors both positions keep of it stay, as aliases that do not
-        own the memory (:meth:`GraphRuntime.release_to_pool`)."""
+        :class:`Link`: the loss's gradient of the logits, layer ``i + 1``'s of its input) flows
+        from graph to graph only; once no graph captured later can read it, its memory goes
+        back to the pool for those graphs (:meth:`_release_unread`)."""
         for slot in slots:
             if isinstance(slot, Link) and slot.kind == "grad":
-                tensor = self._produced.pop(slot, None)
-                if tensor is not None:
-                    self.runtime.release_to_pool(tensor)
+                tensor = self._produced.get(slot)
+                entry = None if tensor is None else self._grad_readers.get(id(tensor))
+                if entry is not None:
+                    entry[2] = True
+        self._release_unread()
+
+    def _complete(self, slot: tuple) -> None:
+        """During capture: the position ``slot`` reads nothing more (its whole backward is
+        captured, or its capture failed)."""
+        for entry in self._grad_readers.values():
+            entry[1].discard(slot)
+        self._release_unread()
+
+    def _release_unread(self) -> None:
+        """Give back the gradients read by a link that no position can read any more. Only the
+        positions in flight when a gradient was produced can read it (it is the gradient of an
+        input, made by a forward before it; the producer's own weight half and, where the
+        gradient passes through layers unchanged, theirs included): it waits for all of them.
+        At replay the producer writes it and its readers read it before any graph captured
+        later runs. The tensors the positions keep of it stay, as aliases that do not own the
+        memory (:meth:`GraphRuntime.release_to_pool`)."""
+        done = [key for key, (_, waiting, linked) in self._grad_readers.items() if linked and not waiting]
+        for key in done:
+            tensor = self._grad_readers.pop(key)[0]
+            self.runtime.release_to_pool(tensor)
 
     def captured(self, layer: Any, key: Hashable, position: int, kind: str, tensors: Sequence[Any]) -> None:
         """During capture: ``tensors`` are the static outputs (or input gradients) of a
@@ -192,6 +217,9 @@ class Process:
         for index, t in enumerate(tensors):
             if t is not None:
                 self._produced[Link(id(layer), key, position, index, kind)] = t
+                if kind == "grad":  # who may read it: the positions in flight now
+                    entry = self._grad_readers.setdefault(id(t), [t, set(), False])
+                    entry[1].update(self._live)
     def capture_recorded(self) -> None:
         """Capture every position recorded in the last episode, in recorded order.
 
@@ -229,6 +257,7 @@ class Process:
             if gen is not None and not gen.order:
                 self.runtime.prepare_pool(gen.pool)
         live: dict[tuple, Any] = {}
+        self._live, self._grad_readers = live, {}
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         failed: set = set()
         errors: list[BaseException] = []
@@ -246,19 +275,25 @@ class Process:
                 elif slot in live and half == "weight":
                     layer._capture_recorded_backward_weight(key, pos, live.pop(slot))
                     captured.add(slot)
+                    self._complete(slot)
                 elif slot in live:
                     layer._capture_recorded_backward(key, pos, live.pop(slot))
                     captured.add(slot)
+                    self._complete(slot)
             except BaseException as exc:  # noqa: BLE001 - the layer decides what a failure means
                 failed.add((id(layer), key))
+                live.pop(slot, None)
+                self._complete(slot)
                 for other in [s for s in live if s[:2] == (id(layer), key)]:
                     del live[other]
+                    self._complete(other)
                 error = layer._capture_failed(key, exc)
                 exc = None  # the traceback's frames hold the failed capture's tensors
                 if error is not None:
                     errors.append(error)
         live.clear()
-        self._buffers, self._produced = (), {}  # the captured positions hold the tensors they use
+        # the captured positions hold the tensors they use (gradients not given back stay owned)
+        self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
         for layer in layers:
             layer._recording_captured()
         self._layers.update({id(layer): layer for layer in layers})
