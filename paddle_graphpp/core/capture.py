@@ -28,7 +28,8 @@ for the eager work that will borrow it
 (:meth:`~paddle_graphpp.core.runtime.GraphRuntime.prepare_pool`), then captures every
 recorded position in recorded order into one pool generation:
 forward graphs and backward graphs interleaved exactly as the step ran them, so memory a
-graph frees is only reused by graphs that run after it. No eager pass runs beside a
+graph frees is only reused by graphs that run after it (so is a gradient one graph hands another,
+once no position that may read it is left: see :meth:`Process.consumed`). No eager pass runs beside a
 capture, so the capture costs what one eager step's activations cost, once. Capture does
 not execute anything; the episode that follows replays the new graphs.
 
@@ -220,6 +221,7 @@ class Process:
                 if kind == "grad":  # who may read it: the positions in flight now
                     entry = self._grad_readers.setdefault(id(t), [t, set(), False])
                     entry[1].update(self._live)
+
     def capture_recorded(self) -> None:
         """Capture every position recorded in the last episode, in recorded order.
 
