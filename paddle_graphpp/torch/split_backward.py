@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence, Union
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
@@ -197,26 +197,31 @@ def backward_weight(state: WeightState, params: Sequence[Any]) -> Iterator[tuple
         state.groups, state.saved, state.params = [], {}, []
 
 
-def weights_wanted(ctx: Any, n_tensors: int) -> Union[bool, tuple]:
-    """Inside a custom function's backward: does autograd want the gradients of the function's
-    inputs after the first ``n_tensors`` (the parameters)? One bool per parameter (all
-    ``False`` under ``torch.autograd.grad`` w.r.t. the inputs only, the input pass of a
-    zero-bubble schedule), or ``True`` for all where this torch cannot tell."""
+def weights_wanted(ctx: Any, n_tensors: int) -> bool:
+    """Inside a custom function's backward: does autograd want any gradient of the function's
+    inputs after the first ``n_tensors`` (the parameters)? ``False`` under
+    ``torch.autograd.grad`` w.r.t. the inputs only, the input pass of a zero-bubble schedule.
+
+    One answer for all parameters, stopping at the first wanted one: a parameter whose
+    gradient ``torch.autograd.grad`` captures (a weight pass's target) makes the check raise,
+    at about 20 us a parameter, so asking every parameter would cost a stage's weight pass a
+    millisecond or more. The pipelining weight pass asks for all of a node's parameters (they
+    share the node, so they form one group), and any other weight pass of a layer accumulating
+    in its graphs is refused (see the engine's ``_backward_weight``)."""
     edges = ctx.next_functions[n_tensors:]
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
     if not edges or will_execute is None:  # a torch that cannot tell: always the whole backward
         return True
-    return tuple(_wanted(node, will_execute) for node, _ in edges)
-
-
-def _wanted(node: Any, will_execute: Any) -> bool:
-    if node is None:
-        return False
-    try:
-        return bool(will_execute(node))
-    except RuntimeError:
-        # Raised for a leaf whose gradient torch.autograd.grad captures: it is wanted.
-        return True
+    for node, _ in edges:
+        if node is None:
+            continue
+        try:
+            if will_execute(node):
+                return True
+        except RuntimeError:
+            # Raised for a leaf whose gradient torch.autograd.grad captures: it is wanted.
+            return True
+    return False
 
 
 def in_pipelining_weight_pass() -> bool:
