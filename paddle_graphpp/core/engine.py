@@ -51,7 +51,7 @@ import logging
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 from . import collectives as _collectives
 from . import guards as _guards
@@ -298,7 +298,7 @@ class _Call:
     def forward(self) -> list:
         return self.engine._forward(self)
 
-    def backward(self, grads: Sequence[Any], weights_wanted: Union[bool, Sequence[bool]] = True) -> list:
+    def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
         return self.engine._backward(self, grads, weights_wanted)
 
     @property
@@ -559,13 +559,12 @@ class GraphedCallable:
                 f"memory of their own: they now hold the new values. Clone an output you keep."))
 
     # -------------------------------------------------------------- backward
-    def _backward(self, call: _Call, grads: Sequence[Any], weights_wanted: Union[bool, Sequence[bool]] = True) -> list:
-        """``weights_wanted``: does autograd ask for the parameters' gradients (one bool, or
-        one per parameter)? Asking for none runs the input half of a split backward."""
+    def _backward(self, call: _Call, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+        """``weights_wanted``: does autograd ask for the parameters' gradients? Asking for none
+        runs the input half of a split backward."""
         if call.weight_pending:
-            return self._backward_weight(call, weights_wanted)  # the schedule's weight pass, after the input pass
-        wanted = weights_wanted if isinstance(weights_wanted, bool) else any(weights_wanted)
-        split = not wanted and bool(call.params) and self.runtime.splits_backward
+            return self._backward_weight(call)  # the schedule's weight pass, after the input pass
+        split = not weights_wanted and bool(call.params) and self.runtime.splits_backward
         if split and call.run is _Run.LAUNCHED_CAPTURE:
             raise GraphScheduleError(
                 f"{self.name}: a backward asked for input gradients only (a zero-bubble schedule's input pass), "
@@ -638,12 +637,11 @@ class GraphedCallable:
             self._record_backward(call, sig, diff_grads, input_grads, half="input")
         return input_grads + list(param_grads)
 
-    def _backward_weight(self, call: _Call, wanted: Union[bool, Sequence[bool]] = True) -> list:
+    def _backward_weight(self, call: _Call) -> list:
         """The weight half of a split backward. Without accumulation: the parameter gradients
         it produces, handed to autograd (the schedule's weight pass adds them into ``.grad``).
         With it (``accumulate_grads``): the gradients go into ``.grad`` and the weight pass gets
-        the sums (see :meth:`_hand_over`). ``wanted``: whether autograd asks for each
-        parameter's gradient (one bool for all)."""
+        the sums (see :meth:`_hand_over`)."""
         sig = self._signatures.get(call.key)
         rt = self.runtime
         accumulates = call.done.accumulate if call.run is _Run.REPLAY else (
@@ -654,17 +652,15 @@ class GraphedCallable:
                 f"{self.name}: adds its parameter gradients into .grad inside its graphs (accumulate_grads), "
                 f"so its weight half (a backward asking for the parameters after an input-only one) hands "
                 f"the weight pass each parameter's whole sum, for it to put back into .grad, as "
-                f"torch.distributed.pipelining's stage_backward_weight does; this backward is not that "
-                f"weight pass, and per-micro-batch parameter gradients do not exist here. Run the weight "
-                f"pass through torch.distributed.pipelining, or pass accumulate_grads=False to this layer.")
+                f"{rt.refilling_weight_pass} does; this backward is not that weight pass, and "
+                f"per-micro-batch parameter gradients do not exist here. Run the weight pass through "
+                f"{rt.refilling_weight_pass}, or pass accumulate_grads=False to this layer.")
         self.queue.pop_weight(call)
         self._leave_flight(call, sig)
         n_inputs = len(call.shape.specs)
-        if isinstance(wanted, bool):
-            wanted = (wanted,) * len(call.params)
         try:
             if call.run is _Run.REPLAY:
-                return [None] * n_inputs + self._replay_weight_graph(call, call.done, hand_over=tuple(wanted))
+                return [None] * n_inputs + self._replay_weight_graph(call, call.done, hand_over=True)
             # A recorded call of a layer whose graphs will accumulate: each group of gradients
             # goes into .grad as it comes, as the graphs will do (not the whole stage's at once)
             grads = [None] * len(call.params)
@@ -678,7 +674,7 @@ class GraphedCallable:
                         grads[i] = g
             if accumulates:
                 rt.graph_grad_writes += 1  # .grad changed outside autograd (see GraphRuntime)
-                grads = self._hand_over(call.params, grads, wanted)
+                grads = self._hand_over(call.params, grads)
             if call.run is _Run.RECORDED and sig is not None:
                 self._record_backward(call, sig, [], [], half="weight")
             return [None] * n_inputs + grads
@@ -699,18 +695,16 @@ class GraphedCallable:
         if dst:
             rt.add_many(dst, src)
 
-    def _hand_over(self, params: Sequence[Any], totals: Sequence[Any], wanted: Sequence[bool]) -> list:
+    def _hand_over(self, params: Sequence[Any], totals: Sequence[Any]) -> list:
         """For the schedule's weight pass, which puts the gradients it gets into ``.grad``
         (assigned where ``.grad`` is unset, added otherwise; only then is this called, see
-        :meth:`GraphRuntime.weight_pass_refills_grad`): each wanted parameter's ``.grad``,
-        already holding the sum, is unset and handed over whole, so the sum returns to
-        ``.grad`` without a copy; the others get nothing (their sum stays in ``.grad``)."""
-        out = [None] * len(params)
-        for i, (p, total, w) in enumerate(zip(params, totals, wanted)):
-            if total is not None and w:
+        :meth:`GraphRuntime.weight_pass_refills_grad`): each parameter's ``.grad``, already
+        holding the sum (``totals``), is unset and handed over whole, so the sum returns to
+        ``.grad`` without a copy."""
+        for p, total in zip(params, totals):
+            if total is not None:
                 self.runtime.set_grad(p, None)
-                out[i] = total
-        return out
+        return list(totals)
 
     def _eager_backward(self, call: _Call, diff_grads: list, into_grads: bool = False) -> list:
         """The eager backward. With ``into_grads`` (a recorded call of a layer whose graphs will
@@ -792,18 +786,17 @@ class GraphedCallable:
         return self._hand_off(list(call.tensors) + list(call.params),
                               list(done.static_grad_inputs) + [b if u else None for b, u in zip(buffers, used)])
 
-    def _replay_weight_graph(self, call: _Call, done: _Position, hand_over: Optional[tuple] = None) -> list:
+    def _replay_weight_graph(self, call: _Call, done: _Position, hand_over: bool = False) -> list:
         """Replay the weight half. Without accumulation: the parameter gradients, in buffers
         the layer keeps (copies where a parameter has no ``.grad`` yet: the caller may make the
         gradient it gets its ``.grad``, as the zero-bubble weight pass does, and the next replay
         would overwrite it).
 
         With accumulation the graph adds them into the layer's gradient buffers, bound as
-        ``.grad`` first, as a full backward does. Inside a full backward (``hand_over`` is
-        ``None``) autograd gets nothing for them. A schedule's weight pass (``hand_over``: per
-        parameter, does autograd ask for its gradient) adds what it gets into ``.grad``, and
+        ``.grad`` first, as a full backward does. Inside a full backward autograd gets nothing
+        for them. A schedule's weight pass (``hand_over``) adds what it gets into ``.grad``, and
         assigns it where ``.grad`` is unset (torch.distributed.pipelining's
-        ``stage_backward_weight``): each wanted parameter's ``.grad`` is unset and its buffer,
+        ``stage_backward_weight``): each parameter's ``.grad`` is unset and its buffer,
         which holds the whole sum, handed over, so the sum ends in ``.grad`` without a second
         set of buffers and without a copy."""
         rt = self.runtime
@@ -816,10 +809,10 @@ class GraphedCallable:
         self.replays += 1
         if done.accumulate:
             rt.graph_grad_writes += 1  # .grad changed without a version bump (see GraphRuntime)
-            if hand_over is None:
+            if not hand_over:
                 return [None] * len(call.params)
             return self._hand_over(call.params, [b if u else None for b, u in zip(done.weight_buffers,
-                                                                                  done.param_grad_used)], hand_over)
+                                                                                  done.param_grad_used)])
         grads = [b if u else None for b, u in zip(done.weight_buffers, done.param_grad_used)]
         fresh = [i for i in rt.leaves_without_grad(call.params) if grads[i] is not None]
         if fresh:
@@ -1331,11 +1324,10 @@ def node_forward(ctx: Any, call: _Call) -> tuple:
     return tuple(outputs)
 
 
-def node_backward(ctx: Any, grads: Sequence[Any], weights_wanted: Union[bool, Sequence[bool]] = True) -> list:
+def node_backward(ctx: Any, grads: Sequence[Any], weights_wanted: bool = True) -> list:
     """Body of the matching backward: one gradient (or ``None``) per tensor input and parameter.
-    ``weights_wanted`` (one bool, or one per parameter) all false (the runtime saw that autograd
-    asks for no parameter gradient) runs the input half of a split backward; the next backward
-    through ``ctx`` the weight half."""
+    ``weights_wanted=False`` (the runtime saw that autograd asks for no parameter gradient)
+    runs the input half of a split backward; the next backward through ``ctx`` the weight half."""
     return ctx.call.backward(list(grads), weights_wanted)
 
 

@@ -268,7 +268,7 @@ class GraphRuntime(abc.ABC):
     # ------------------------------------------------ split backward (zero bubble)
     #: True when the runtime implements :meth:`backward_input` and :meth:`backward_weight`, and
     #: its custom function tells the engine whether a backward asks for parameter gradients
-    #: (``call.backward(grads, weights_wanted=...)``: one bool, or one per parameter).
+    #: (``call.backward(grads, weights_wanted=...)``).
     splits_backward: bool = False
 
     def backward_input(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
@@ -288,6 +288,9 @@ class GraphRuntime(abc.ABC):
         ``.grad`` (assigning it where ``.grad`` is unset)? Only then may a layer that
         accumulates inside its graphs hand it the whole sum with ``.grad`` unset."""
         return False
+
+    #: The weight pass :meth:`weight_pass_refills_grad` recognises, named in errors.
+    refilling_weight_pass: str = "the framework's pipeline weight pass"
 
     def backward_weight(self, state: Any, params: Sequence[Any]) -> Iterator[tuple]:
         """The weight-gradient half: yields ``(indices, gradients)`` of ``params``, a few at a

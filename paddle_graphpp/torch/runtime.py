@@ -259,6 +259,8 @@ class TorchRuntime(GraphRuntime):
     def weight_pass_refills_grad(self) -> bool:
         return _split.in_pipelining_weight_pass()
 
+    refilling_weight_pass = "torch.distributed.pipelining's stage_backward_weight"
+
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.
     adopts_held_gradients = False
