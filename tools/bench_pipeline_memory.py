@@ -2,6 +2,7 @@
 """Graph memory in a real pipeline (2 GPUs): eager against every graphed setting.
 
     python tools/bench_pipeline_memory.py --preset gpt1.3b      # GPT-3 1.3B shape, bf16
+    python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 --variants eager,default  # 4 GPUs
     python tools/bench_pipeline_memory.py --preset small        # the earlier small interleaved run
 
 Each variant is one ``tools/train_gpt.py --framework torch --pp 2`` run in its own processes
@@ -20,7 +21,9 @@ design under that allocator, the seed's 95% -> 25%; ``summary.upstream`` sets it
 counters leave it out; ``tools/benchlib.DeviceMemory``). The gpt1.3b preset runs them
 with 1F1B at seq 2048, eager and default interleaved (vpp 2), and eager and default at
 seq 512 (launch-bound). Writes ``benchmarks/results/memory-pipeline-<preset>-<device>.json``
-with ``summary.default`` (1F1B, the longest sequence) and a PNG chart next to it.
+with ``summary.default`` (1F1B, the longest sequence) and a PNG chart next to it. The
+gpt1.3b-pp4 preset is the same model over 4 GPUs (pp=4, 6 blocks a stage), 1F1B and
+interleaved at seq 2048.
 """
 
 from __future__ import annotations
@@ -37,15 +40,18 @@ if REPO not in sys.path:  # run from a checkout without installing
 from tools import benchlib  # noqa: E402
 from tools.bench_pipeline import run_one  # noqa: E402
 
+GPT_1_3B = ["--hidden", "2048", "--layers", "24", "--heads", "16", "--vocab", "50304", "--micro-batch-size", "1",
+            "--micro-batches", "8", "--dtype", "bfloat16", "--attention", "sdpa", "--dropout", "0.1", "--steps", "10",
+            "--seed", "1234", "--timeout", "120"]
 PRESETS = {
-    "gpt1.3b": ["--framework", "torch", "--pp", "2", "--hidden", "2048", "--layers", "24", "--heads", "16",
-                "--vocab", "50304", "--micro-batch-size", "1", "--micro-batches", "8", "--dtype", "bfloat16",
-                "--attention", "sdpa", "--dropout", "0.1", "--steps", "10", "--seed", "1234", "--timeout", "120"],
+    "gpt1.3b": ["--framework", "torch", "--pp", "2", *GPT_1_3B],
+    "gpt1.3b-pp4": ["--framework", "torch", "--pp", "4", *GPT_1_3B],
     "small": ["--framework", "torch", "--pp", "2", "--vpp", "2", "--hidden", "2048", "--layers", "4",
               "--micro-batch-size", "4", "--micro-batches", "8", "--steps", "12", "--seed", "1234",
               "--timeout", "120"],
 }
-SEQ = {"gpt1.3b": (2048, 512), "small": (512,)}
+SEQ = {"gpt1.3b": (2048, 512), "gpt1.3b-pp4": (2048,), "small": (512,)}
+GPUS = {"gpt1.3b": 2, "gpt1.3b-pp4": 4, "small": 2}
 GRAPHED = {
     "default": ([], None),
     "eager_loss": (["--no-graph-loss"], None),
@@ -69,7 +75,7 @@ def plan(preset: str, variants: list[str], rounds: int) -> list[tuple[str, list,
     long_seq = seqs[0]
     for r in range(rounds):
         for seq in seqs:
-            for vpp in ((1, 2) if preset == "gpt1.3b" and seq == long_seq else (None,)):
+            for vpp in ((1, 2) if preset.startswith("gpt1.3b") and seq == long_seq else (None,)):
                 sched = [] if vpp is None else ["--vpp", str(vpp)]
                 tag = f"seq{seq}" + ("" if vpp is None else ("_1f1b" if vpp == 1 else "_vpp2"))
                 for name in ("eager", "default"):
@@ -77,8 +83,8 @@ def plan(preset: str, variants: list[str], rounds: int) -> list[tuple[str, list,
                         continue  # interleaved: memory only, one round
                     extra = [] if name == "eager" else ["--cudagraph"]
                     runs.append((f"{name}@{tag}#{r}", base + ["--seq-len", str(seq)] + sched + extra, None))
-    tag = f"seq{long_seq}" + ("_1f1b" if preset == "gpt1.3b" else "")
-    sched = ["--vpp", "1"] if preset == "gpt1.3b" else []
+    tag = f"seq{long_seq}" + ("_1f1b" if preset.startswith("gpt1.3b") else "")
+    sched = ["--vpp", "1"] if preset.startswith("gpt1.3b") else []
     for name in variants:
         if name in ("eager", "default"):
             continue
@@ -198,8 +204,10 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    if torch.cuda.device_count() < 2:
-        print("bench_pipeline_memory: needs 2 GPUs", file=sys.stderr)
+    gpus = GPUS[args.preset]
+    if torch.cuda.device_count() < gpus:
+        print(f"bench_pipeline_memory: --preset {args.preset} needs {gpus} GPUs, found {torch.cuda.device_count()}",
+              file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget
     runs = {}
@@ -213,7 +221,7 @@ def main(argv=None) -> int:
         runs[label] = {f: r[f] for f in KEEP if f in r}
     summary = summarize(runs)
     long_tag = next(iter(summary)) if summary else None
-    default_tag = "seq2048_1f1b" if args.preset == "gpt1.3b" else long_tag
+    default_tag = "seq2048_1f1b" if args.preset.startswith("gpt1.3b") else long_tag
     print(f"{'config':<14}{'variant':<15}{'peak x':>8}{'steady x':>10}{'speed x':>9}{'loss diff':>11}"
           f"{'eager spr':>11}  MiB peak/steady per rank")
     for tag, rows in summary.items():

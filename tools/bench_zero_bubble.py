@@ -23,6 +23,15 @@ order) and with input and weight passes (a zero-bubble order, through torch.dist
 pipelining's ``stage_backward_input`` / ``stage_backward_weight``), eagerly and graphed;
 milliseconds per step go to ``benchmarks/results/zero-bubble-split-<device>.json``.
 
+The settings can run as separate commands on separate GPU pairs and be joined afterwards::
+
+    python tools/bench_zero_bubble.py --seq 2048 --name zero-bubble-seq2048   # GPUs 0,1
+    python tools/bench_zero_bubble.py --seq 512 --name zero-bubble-seq512     # GPUs 2,3
+    python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq*-<device>.json
+
+``--merge`` recomputes the summary over the joined settings (no GPU) and writes
+``<name>-<device>.json`` with every part's command.
+
 ``--smoke`` runs tiny configurations for a few steps (CPU allowed) and writes nothing.
 Exit status: 0 when every run finished and every check passed, 1 otherwise, 2 when the machine
 cannot run the benchmark.
@@ -154,6 +163,36 @@ def summarize(settings: list, schedules: list) -> dict:
             "meets_target": meets}
 
 
+def merge(opts) -> int:
+    """Join result files of separate two-GPU runs (same shape and steps) into one record."""
+    parts = []
+    for path in opts.merge:
+        try:
+            with open(path) as f:
+                parts.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            print(f"bench_zero_bubble --merge: cannot read {path}: {exc}", file=sys.stderr)
+            return 2
+    first = parts[0]
+    for path, part in zip(opts.merge, parts):
+        for key in ("device", "shape", "steps", "torch"):
+            if part.get(key) != first.get(key):
+                print(f"bench_zero_bubble --merge: {path} has {key}={part.get(key)!r}, {opts.merge[0]} has "
+                      f"{first.get(key)!r}; merge only runs of one benchmark configuration", file=sys.stderr)
+                return 2
+    settings = [s for part in parts for s in part["settings"]]
+    schedules = [name for name in ZERO_BUBBLE if name in settings[0]["schedules"]]
+    summary = summarize(settings, schedules)
+    print(json.dumps(summary, indent=1))
+    env = {k: first.get(k) for k in ("date", "python", "torch", "cuda", "device", "device_count", "nccl")}
+    payload = {"command": benchlib.command(), "parts": [p["command"] for p in parts], **env, "steps": first["steps"],
+               "shape": first["shape"], "summary": summary, "settings": settings,
+               "runs": [r for p in parts for r in p["runs"]]}
+    path = benchlib.write_result(opts.name, payload, slug=benchlib.slug_of(first["device"]))
+    print(f"wrote {path}")
+    return 0 if summary["all_ok"] else 1
+
+
 # ------------------------------------------------------------------------------- one GPU
 FULL_ORDER = "f1 f2 b1 f3 b2 f4 b3 b4"
 SPLIT_ORDER = "f1 f2 i1 f3 i2 w1 f4 i3 w2 i4 w3 w4"
@@ -242,7 +281,10 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=5, help="--single-gpu: steps per timing round")
     parser.add_argument("--rounds", type=int, default=3, help="--single-gpu: timing rounds")
     parser.add_argument("--smoke", action="store_true", help="tiny configurations, CPU allowed, no result file")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the result files of separate runs")
     opts = parser.parse_args()
+    if opts.merge:
+        return merge(opts)
     if opts.single_gpu:
         return single_gpu(opts)
     if opts.steps < 8:

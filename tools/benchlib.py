@@ -26,7 +26,13 @@ def device_slug() -> str:
 
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name()
+    return slug_of(torch.cuda.get_device_name())
+
+
+def slug_of(name: str) -> str:
+    """The file-name form of a device name ("NVIDIA H200" -> "h200")."""
+    if name == "cpu":
+        return name
     for chip in ("H200", "H100", "A100", "L40S", "L4", "A10"):
         if chip in name:
             return chip.lower()
@@ -100,10 +106,11 @@ def last_json_line(text: str):
         return None
 
 
-def write_result(name: str, payload: dict) -> Path:
-    """Write ``benchmarks/results/<name>-<device>.json`` (and a copy under $OUT if set)."""
+def write_result(name: str, payload: dict, *, slug: str | None = None) -> Path:
+    """Write ``benchmarks/results/<name>-<device>.json`` (and a copy under $OUT if set); ``slug``
+    names the device where the figures were measured elsewhere (default: this machine's)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}-{device_slug()}.json"
+    path = RESULTS / f"{name}-{slug or device_slug()}.json"
     text = json.dumps(payload, indent=2, sort_keys=False) + "\n"
     path.write_text(text)
     out = os.environ.get("OUT")

@@ -46,3 +46,12 @@ def test_upstream_sets_per_graph_under_the_stream_ordered_allocator_against_per_
     assert labels[-1] == "per_graph_async@seq2048_1f1b#0"
     env = dict(bpm.plan("gpt1.3b", ["per_graph_async"], 1)[-1][2])
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
+
+
+def test_the_pp4_preset_runs_the_same_model_over_four_stages_at_seq_2048():
+    runs = bpm.plan("gpt1.3b-pp4", ["eager", "default"], 1)
+    assert [label for label, _, _ in runs] == ["eager@seq2048_1f1b#0", "default@seq2048_1f1b#0",
+                                               "eager@seq2048_vpp2#0", "default@seq2048_vpp2#0"]
+    args = runs[0][1]
+    assert args[args.index("--pp") + 1] == "4" and args[args.index("--layers") + 1] == "24"
+    assert bpm.GPUS["gpt1.3b-pp4"] == 4

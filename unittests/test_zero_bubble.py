@@ -415,6 +415,44 @@ def test_benchmark_smoke_runs_every_schedule_eager_and_graphed():
     assert set(summary["graphed_zb_vs_eager_zb"]["seq64_mb4"]) == set(ZB_SCHEDULES)
 
 
+def _setting(seq, graphed_1f1b, graphed_zb, eager_zb, agree=True):
+    pair = lambda e, g: {"eager": {"tokens_per_s": e}, "graphed": {"tokens_per_s": g},  # noqa: E731
+                         "losses_agree": agree, "graphed_vs_eager": g / e}
+    return {"seq_len": seq, "micro_batches": 4,
+            "schedules": {"1f1b": pair(graphed_1f1b, graphed_1f1b), "zbv": pair(eager_zb, graphed_zb)}}
+
+
+def test_benchmark_parts_merge_into_one_summary(tmp_path, monkeypatch):
+    """Settings run as separate commands (one per GPU pair) join into one record whose summary
+    is computed over all of them; parts of a different configuration are refused."""
+    from tools import bench_zero_bubble, benchlib
+
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path / "results")
+    monkeypatch.delenv("OUT", raising=False)
+    common = {"device": "NVIDIA H100 80GB HBM3", "shape": ["--hidden", "2048"], "steps": 12, "torch": "2.11.0"}
+    paths = []
+    for seq, setting in ((2048, _setting(2048, 100.0, 115.0, 110.0)), (512, _setting(512, 50.0, 70.0, 50.0))):
+        path = tmp_path / f"part{seq}.json"
+        path.write_text(json.dumps({**common, "command": f"python bench --seq {seq}", "settings": [setting],
+                                    "runs": [{"command": f"run {seq}"}]}))
+        paths.append(str(path))
+    monkeypatch.setattr(sys, "argv", ["bench_zero_bubble.py", "--merge", *paths, "--name", "zb"])
+    assert bench_zero_bubble.main() == 0
+    merged = json.loads((tmp_path / "results" / "zb-h100.json").read_text())
+    assert merged["parts"] == ["python bench --seq 2048", "python bench --seq 512"]
+    assert merged["summary"]["best_graphed_zb_vs_graphed_1f1b"] == 1.15
+    assert merged["summary"]["graphed_zb_vs_eager_zb"] == {"seq2048_mb4": {"zbv": 115.0 / 110.0},
+                                                           "seq512_mb4": {"zbv": 1.4}}
+    assert merged["summary"]["meets_target"] == {"best_graphed_zb_vs_graphed_1f1b": True,
+                                                 "graphed_zb_vs_eager_zb": True}
+    assert len(merged["runs"]) == 2
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**common, "steps": 8, "command": "x", "settings": [], "runs": []}))
+    monkeypatch.setattr(sys, "argv", ["bench_zero_bubble.py", "--merge", paths[0], str(other)])
+    assert bench_zero_bubble.main() == 2
+
+
 # ------------------------------------------------------------------ the split on its own
 class Reused(torch.nn.Module):
     """One weight used twice on the activations' path (its junctions lie one after the other),

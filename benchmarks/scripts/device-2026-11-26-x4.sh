@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Device calls of the 2026-11-26 session, on one host of 4 GPUs (nvidia-h200-x4 / h100-x4):
+#   bash benchmarks/scripts/device-2026-11-26-x4.sh 1   # GPUs 0,1: 1.3B memory benchmark, then the
+#                                                       #   small pipeline benchmark; GPUs 2,3: the 2-GPU tests
+#   bash benchmarks/scripts/device-2026-11-26-x4.sh 2   # the zero-bubble benchmark, seq 2048 on GPUs 0,1
+#                                                       #   and seq 512 on GPUs 2,3, then merged
+#   bash benchmarks/scripts/device-2026-11-26-x4.sh 3   # all 4 GPUs: all-reduce at 4 ranks, TP=2 x PP=2
+#                                                       #   (one round), the 1.3B memory benchmark at pp=4
+# Two GPU pairs run two queues side by side (every benchmark run in its own processes); with only
+# 2 GPUs the queues run one after the other. LIMIT (seconds, default 560) bounds the whole call:
+# a job gets what is left, and one that cannot start in time is recorded as skipped.
+# Everything comes back as $OUT/run.tgz (logs, new result files, environment) plus status.txt.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+PHASE=${1:?phase 1, 2 or 3}
+LIMIT=${LIMIT:-560}
+DEST=${OUT:-/tmp/out}; unset OUT  # the tools copy results to $OUT themselves: keep them to one archive
+R=/tmp/r$PHASE; mkdir -p "$R/logs" "$DEST"
+START=$SECONDS
+touch "$R/.start"
+GPUS=$(nvidia-smi -L | wc -l)
+{ date -u; nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m 2>/dev/null | head -8
+  python -c "import torch,sys;print('torch',torch.__version__,'cuda',torch.version.cuda,'nccl',torch.cuda.nccl.version(),'python',sys.version.split()[0])"
+  echo "phase $PHASE limit ${LIMIT}s gpus $GPUS git $(git rev-parse --short HEAD 2>/dev/null)"; } > "$R/env.txt" 2>&1
+
+left() { echo $(( LIMIT - (SECONDS - START) )); }
+
+# job NAME WANT_SECONDS CMD...: runs CMD under a timeout of min(WANT, what is left - 20).
+job() {
+  local name=$1 want=$2; shift 2
+  local l=$(( $(left) - 20 )) t0=$SECONDS rc
+  local t=$(( want < l ? want : l ))
+  if [ "$t" -lt 40 ]; then echo "$name: skipped (${l}s left)" >> "$R/status.txt"; return; fi
+  echo "[$(( SECONDS - START ))s] $name (up to ${t}s) on GPUs ${CUDA_VISIBLE_DEVICES:-all}" >> "$R/progress.txt"
+  timeout -k 10 "$t" "$@" > "$R/logs/$name.log" 2>&1; rc=$?
+  echo "$name: rc=$rc in $(( SECONDS - t0 ))s (limit ${t}s)" >> "$R/status.txt"
+}
+
+pytest_job() {  # pytest_job NAME WANT TESTS...
+  local name=$1 want=$2; shift 2
+  job "$name" "$want" python -m pytest -q -p no:cacheprovider -rfE "$@"
+}
+
+budget() { echo $(( $(left) - ${1:-40} )); }  # a benchmark's own --budget: ends before its job's timeout
+
+queue_a() { :; }
+queue_b() { :; }
+queue_all() { :; }
+case "$PHASE" in
+  1)
+    queue_a() {
+      job memory-gpt1.3b 480 python tools/bench_pipeline_memory.py --preset gpt1.3b --rounds 2 --budget 440
+      job pipeline 600 python tools/bench_pipeline.py --rounds 1 --budget "$(budget)"
+    }
+    queue_b() {
+      pytest_job tests-pipeline 260 unittests/gpu/test_pipeline_gpu.py
+      pytest_job tests-zero-bubble-2gpu 220 unittests/gpu/test_zero_bubble_gpu.py -k two_gpus
+      pytest_job tests-hf-2gpu 150 unittests/gpu/test_hf_gpu.py -k two_gpus
+      pytest_job tests-faults-2gpu 120 unittests/gpu/test_faults_gpu.py -k two_ranks
+      pytest_job tests-allreduce 150 unittests/gpu/test_allreduce_gpu.py
+    } ;;
+  2)
+    queue_a() {
+      job zb-seq2048 600 python tools/bench_zero_bubble.py --seq 2048 --name zero-bubble-seq2048 --budget "$(budget 75)"
+    }
+    queue_b() {
+      job zb-seq512 600 python tools/bench_zero_bubble.py --seq 512 --name zero-bubble-seq512 --budget "$(budget 75)"
+    } ;;
+  3)
+    queue_all() {
+      job allreduce-4r 170 python tools/bench_allreduce.py --ranks 4 --rounds 20 --timeout 150
+      job hybrid-tp2pp2 240 python tools/bench_hybrid.py --rounds 1 --budget 220
+      job memory-gpt1.3b-pp4 600 python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 --variants eager,default \
+        --rounds 1 --budget "$(budget)"
+    } ;;
+  *) echo "unknown phase $PHASE"; exit 2 ;;
+esac
+
+if [ "$PHASE" = 3 ]; then
+  queue_all
+elif [ "$GPUS" -ge 4 ]; then
+  ( export CUDA_VISIBLE_DEVICES=0,1; queue_a ) &
+  ( export CUDA_VISIBLE_DEVICES=2,3; queue_b ) &
+  wait
+else
+  queue_a; queue_b
+fi
+if [ "$PHASE" = 2 ] && ls benchmarks/results/zero-bubble-seq*-*.json >/dev/null 2>&1; then
+  job zb-merge 60 python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq2048-*.json \
+    benchmarks/results/zero-bubble-seq512-*.json
+fi
+
+mkdir -p "$R/results"
+find benchmarks/results -newer "$R/.start" -type f -exec cp {} "$R/results/" \;
+tar czf "$DEST/run.tgz" -C "$R" .
+cp "$R/status.txt" "$DEST/status.txt" 2>/dev/null
+echo "== env"; cat "$R/env.txt"
+echo "== progress"; cat "$R/progress.txt" 2>/dev/null
+echo "== status"; cat "$R/status.txt" 2>/dev/null
+for f in "$R"/logs/*.log; do
+  echo "== $(basename "$f") (tail)"; grep -v "^\s*$" "$f" | tail -n 14 | cut -c1-260
+done
+echo "== results"; ls "$R/results"
