@@ -6,6 +6,10 @@
 #                                                       #   and seq 512 on GPUs 2,3, then merged
 #   bash benchmarks/scripts/device-2026-11-26-x4.sh 3   # all 4 GPUs: all-reduce at 4 ranks, TP=2 x PP=2
 #                                                       #   (one round), the 1.3B memory benchmark at pp=4
+#   LIMIT=250 bash benchmarks/scripts/device-2026-11-26-x4.sh 4   # re-checks and rounds (see phase 4)
+# Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
+# race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
+# on GPUs 2,3.
 # Two GPU pairs run two queues side by side (every benchmark run in its own processes); with only
 # 2 GPUs the queues run one after the other. LIMIT (seconds, default 560) bounds the whole call:
 # a job gets what is left, and one that cannot start in time is recorded as skipped.
@@ -74,6 +78,23 @@ case "$PHASE" in
       job hybrid-tp2pp2 240 python tools/bench_hybrid.py --rounds 1 --budget 220
       job memory-gpt1.3b-pp4 600 python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 --variants eager,default \
         --rounds 1 --budget "$(budget)"
+    } ;;
+  4)  # after the first three: the 2-GPU Hugging Face cases after the contiguous-input fix, the README's
+      # examples on GPUs; the eager run-to-run loss spread of the interleaved 1.3B pipeline at seq 2048
+      # beside its graphed run; graphed 1F1B against graphed ZBV at seq 2048, 4 micro-batches, in rounds
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048"
+    queue_a() {
+      pytest_job tests-hf-2gpu 150 unittests/gpu/test_hf_gpu.py -k two_gpus
+      pytest_job readme-hf-examples 150 unittests/test_readme_examples.py -k "hf_pipe or hf_llama"
+    }
+    queue_b() {
+      job loss-spread-vpp2 130 python tools/bench_rounds.py --name rounds-vpp2-seq2048 --rounds 2 --budget 120 \
+        --base "$G13B --micro-batches 8 --steps 10 --timeout 120" --variant eager="--vpp 2" \
+        --variant graphed="--vpp 2 --cudagraph"
+      job zb-rounds 130 python tools/bench_rounds.py --name rounds-zb-seq2048-mb4 --rounds 2 --budget "$(budget 30)" \
+        --base "$G13B --micro-batches 4 --steps 12 --timeout 120" --variant graphed_1f1b="--cudagraph" \
+        --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

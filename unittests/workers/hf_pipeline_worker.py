@@ -68,8 +68,10 @@ def train(args, rank, world, graph):
         tokens = torch.randint(0, VOCAB, (args.micro_batches * MBS, SEQ + 1), generator=data).to(device)
         step_losses = [] if rank == world - 1 else None
         opt.zero_grad()
-        schedule.step(*((tokens[:, :-1],) if rank == 0 else ()),
-                      target=tokens[:, 1:] if rank == world - 1 else None, losses=step_losses)
+        # contiguous slices: torch 2.11's PipelineStage refuses inputs whose strides differ from the
+        # example's ("stride mismatch: expected (8, 1) actual (9, 1)")
+        schedule.step(*((tokens[:, :-1].contiguous(),) if rank == 0 else ()),
+                      target=tokens[:, 1:].contiguous() if rank == world - 1 else None, losses=step_losses)
         grads.append({n: p.grad.clone() for n, p in params.items() if p.grad is not None})
         opt.step()
         if step_losses is not None:
