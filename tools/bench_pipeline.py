@@ -53,15 +53,29 @@ EXTRA_VARIANTS = ("graphed_optimizer", "graphed_accumulate")
 SCHEDULES = {"1F1B": ["--pp", "2"], "interleaved": ["--pp", "2", "--vpp", "2"]}
 
 
+PORT_TAKEN = "EADDRINUSE"  # how a rank reports that its rendezvous port was taken meanwhile
+
+
 def run_one(args: list, timeout: float, extra_env: Optional[dict] = None) -> dict:
     """One train_gpt.py run in its own session; its last stdout line parsed, or the failure.
-    ``extra_env``: variables added to the run's environment (recorded with the command)."""
+    ``extra_env``: variables added to the run's environment (recorded with the command).
+
+    A run whose rendezvous port was taken between the trainer's pick and the ranks' bind (another
+    job on the host, see :func:`tools.launch.free_port`) starts once more, on a new port, within
+    what is left of ``timeout``; ``port_retries`` in the record counts it."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **(extra_env or {}))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         env.pop(key, None)
+    deadline = time.monotonic() + max(1.0, timeout)
     end = launch.run([sys.executable, TRAIN, *args], env=env, timeout=max(1.0, timeout))
+    retries = 0
+    if end.returncode != 0 and not end.timed_out and PORT_TAKEN in end.stderr and deadline - time.monotonic() > 1:
+        retries = 1
+        end = launch.run([sys.executable, TRAIN, *args], env=env, timeout=deadline - time.monotonic())
     prefix = [f"{k}={v}" for k, v in (extra_env or {}).items()]
     record = {"command": " ".join([*prefix, "python", "tools/train_gpt.py", *args]), "seconds": round(end.seconds, 1)}
+    if retries:
+        record["port_retries"] = retries
     result = benchlib.last_json_line(end.stdout)
     if end.timed_out or end.returncode != 0 or result is None:
         record["error"] = ("timed out after %.0fs" % timeout) if end.timed_out else f"exit code {end.returncode}"

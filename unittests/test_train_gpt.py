@@ -210,3 +210,32 @@ def test_validation_rules_as_a_library():
     assert (x[:, 1:] == y[:, :-1]).all()
     x2, _ = batch_for_step(corpus, cfg, 7)
     assert (x == x2).all()  # every rank draws the same batch
+
+
+@pytest.mark.slow
+def test_benchmark_run_starts_again_once_when_its_rendezvous_port_was_taken(monkeypatch):
+    """tools.bench_pipeline.run_one (every benchmark's and the 2-GPU tests' runner): a run whose
+    port was taken by another job on the host (a rank's EADDRINUSE) is started once more; any
+    other failure is reported as it is."""
+    from tools import bench_pipeline
+
+    real_run, calls = launch.run, []
+
+    def port_taken_once(argv, **kw):
+        calls.append(argv)
+        if len(calls) == 1:
+            return launch.Finished(1, "", "DistNetworkError: ... errno: 98 - EADDRINUSE, message: address "
+                                   "already in use\ntrain_gpt: a rank exited with code 1", 0.1, False, False)
+        return real_run(argv, **kw)
+
+    monkeypatch.setattr(bench_pipeline.launch, "run", port_taken_once)
+    args = ["--framework", "torch", "--pp", "2", "--hidden", "32", "--layers", "2", "--heads", "2",
+            "--seq-len", "16", "--micro-batches", "2", "--steps", "2"]
+    record = bench_pipeline.run_one(args, timeout=120)
+    assert "error" not in record, record
+    assert record["port_retries"] == 1 and len(record["losses"]) == 2 and len(calls) == 2
+
+    calls.clear()
+    monkeypatch.setattr(bench_pipeline.launch, "run", lambda argv, **kw: calls.append(argv) or real_run(argv, **kw))
+    record = bench_pipeline.run_one(args + ["--micro-batches", "1"], timeout=120)  # fewer than --pp: refused
+    assert record["error"].startswith("exit code") and "port_retries" not in record and len(calls) == 1

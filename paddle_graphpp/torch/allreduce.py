@@ -63,9 +63,9 @@ MEASURED = {
                "42.2 us there)"),
     4: MeasuredChoice(
         custom_max_bytes=1 << 20, two_shot_min_bytes=2 << 20,
-        source="issue 17's 4-rank run of tools/bench_allreduce.py on 4 x H200 (its record is not in "
-               "benchmarks/results yet): push 7.2-10.7 us vs NCCL 14.0-15.8 us up to 256 KiB, 0.96x NCCL at "
-               "1 MiB, 1.11x at 2 MiB; NCCL from 2 MiB"),
+        source="benchmarks/results/allreduce-4r-h200.json (4 x H200, NV18, 2026-11-26): the push kernel "
+               "0.50-0.57x NCCL up to 128 KiB (7.5-8.8 vs 14.6-15.8 us), 0.71x at 256 KiB, 0.95x at 1 MiB; "
+               "from 2 MiB no kernel beats NCCL (two-shot 1.00x, 0.99x at 8 MiB): NCCL from 2 MiB"),
 }
 """Group size -> where the custom kernels beat NCCL. Re-measure with
 ``python tools/bench_allreduce.py --ranks N`` (its ``suggested_choice``) on new hardware."""
