@@ -2,8 +2,9 @@
 resume, loss-scaler overflow steps, out of memory during capture.
 
 Run on the GPU machine: ``python -m pytest unittests/gpu/test_faults_gpu.py -q``. Skipped
-without CUDA. Written without a GPU at hand (their CPU counterparts pass); not yet run on one
-when this was written. The CPU counterparts are unittests/test_state_replaced.py,
+without CUDA; the two-rank case needs two GPUs. Run on one H100 (10 passed, the
+out-of-memory-after-partial-capture case an expected failure) and its two-rank case on 2 x H200
+(benchmarks/results/gpu-tests-*.json). The CPU counterparts are unittests/test_state_replaced.py,
 unittests/test_faults_cpu.py and unittests/test_faults_paddle_cpu.py.
 """
 import copy
