@@ -93,12 +93,6 @@ def plan(preset: str, variants: list[str], rounds: int) -> list[tuple[str, list,
     return runs
 
 
-def _max_loss_diff(a: dict, b: dict):
-    if not a.get("losses") or not b.get("losses"):
-        return None
-    return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
-
-
 def summarize(runs: dict) -> dict:
     """Per configuration and variant: memory per rank against eager's, speed as the median
     over rounds against eager's median, and the per-step losses against eager's, next to the
@@ -114,7 +108,7 @@ def summarize(runs: dict) -> dict:
         if not eager:
             continue
         e0 = eager[0]
-        spread = _max_loss_diff(eager[0], eager[1]) if len(eager) > 1 else None
+        spread = benchlib.max_loss_diff(eager[0], eager[1]) if len(eager) > 1 else None
         eager_tps = statistics.median(r["tokens_per_s"] for r in eager)
         rows = {}
         for name, rs in variants.items():
@@ -133,7 +127,7 @@ def summarize(runs: dict) -> dict:
                 "peak_vs_eager": round(max(peak), 4), "steady_vs_eager": round(max(steady), 4),
                 "tokens_per_s_median": statistics.median(tps), "tokens_per_s_all": tps,
                 "speed_vs_eager": round(statistics.median(tps) / eager_tps, 4),
-                "max_abs_loss_diff_vs_eager": _max_loss_diff(r0, e0),
+                "max_abs_loss_diff_vs_eager": benchlib.max_loss_diff(r0, e0),
                 "eager_loss_spread": spread,
             }
         out[tag] = rows

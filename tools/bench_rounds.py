@@ -27,12 +27,6 @@ from tools import benchlib  # noqa: E402
 from tools.bench_pipeline import run_one  # noqa: E402
 
 
-def max_diff(a: list, b: list):
-    if not a or not b or len(a) != len(b):
-        return None
-    return max(abs(x - y) for x, y in zip(a, b))
-
-
 def summarize(records: dict) -> dict:
     """Per variant: tokens/s median and spread over its rounds, losses spread between its own
     rounds and against the first variant's first round, speed against the first variant."""
@@ -48,11 +42,11 @@ def summarize(records: dict) -> dict:
         tps = [r["tokens_per_s"] for r in ok]
         med = statistics.median(tps)
         base_tps = med if name == first else base_tps
-        spreads = [max_diff(ok[0].get("losses"), r.get("losses")) for r in ok[1:]]
+        spreads = [benchlib.max_loss_diff(ok[0], r) for r in ok[1:]]
         out[name] = {"tokens_per_s_median": med, "tokens_per_s_rounds": tps, "spread": max(tps) / min(tps),
                      "speed_vs_first": med / base_tps if base_tps else None,
                      "loss_spread_own_rounds": max((s for s in spreads if s is not None), default=None),
-                     "loss_diff_vs_first": max_diff(reference.get("losses"), ok[0].get("losses")),
+                     "loss_diff_vs_first": benchlib.max_loss_diff(reference, ok[0]),
                      "peak_mem_mib_per_rank": [p.get("peak_mem_mib") for p in ok[0].get("per_rank", [])]}
     return out
 

@@ -96,6 +96,14 @@ def time_rounds(variants: dict[str, Callable[[], None]], *, iters: int, rounds: 
     return out
 
 
+def max_loss_diff(a: dict, b: dict):
+    """The largest per-step difference between two runs' ``losses`` (``None`` when either run has
+    none); a run that stopped early is compared over the steps both have."""
+    if not a.get("losses") or not b.get("losses"):
+        return None
+    return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
+
+
 def last_json_line(text: str):
     """The last non-blank line of ``text`` parsed as JSON (a tool's result line), or ``None``
     when ``text`` is blank or that line is not JSON."""

@@ -17,7 +17,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-PHASE=${1:?phase 1, 2 or 3}
+PHASE=${1:?phase 1, 2, 3 or 4}
 LIMIT=${LIMIT:-560}
 DEST=${OUT:-/tmp/out}; unset OUT  # the tools copy results to $OUT themselves: keep them to one archive
 R=/tmp/r$PHASE; mkdir -p "$R/logs" "$DEST"
