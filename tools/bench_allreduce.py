@@ -83,11 +83,14 @@ def suggested_choice(rows) -> dict:
     """Where the custom kernels beat NCCL in the latency rows, as ``MeasuredChoice`` fields:
     ``custom_max_bytes`` = the largest size up to which every size's best custom kernel was
     faster than NCCL, ``two_shot_min_bytes`` = the smallest size from which two-shot beat the
-    one-shot kernels at every size up to ``custom_max_bytes``."""
+    one-shot kernels at every size up to ``custom_max_bytes``. A kernel whose results failed the
+    row's correctness check does not count, however fast."""
     rows = sorted(rows, key=lambda r: r["bytes"])
 
     def us(row, variant):
-        return row[variant]["median_us"] if variant in row else None
+        if variant not in row or row.get("correct", {}).get(variant) is False:
+            return None
+        return row[variant]["median_us"]
 
     def one_shot(row):
         # "custom" ran the dispatcher's pick; below the current two-shot switch that is push

@@ -251,20 +251,35 @@ def test_kernel_choice_per_group_size_follows_its_record():
     assert four.reject_reason(facts(1 << 20), 4) is None
     assert "max_bytes" in four.reject_reason(facts(2 << 20), 4)    # NCCL from 2 MiB on 4 ranks
     assert "world size" in eight.reject_reason(facts(4096), 8)     # not measured: NCCL
-    # the 2-rank choice agrees with the record it names: at every size it admits, the kernel
-    # it picks (push below two_shot_min_bytes) was faster than NCCL
-    choice = MEASURED[2]
-    record = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), choice.source.split()[0])
-    rows = json.load(open(record))["sections"]["latency"]
-    for row in rows:
-        if row["bytes"] > choice.custom_max_bytes:
-            continue
-        picked = "push" if row["bytes"] < choice.two_shot_min_bytes else "two_shot"
-        us = row[picked]["median_us"] if picked in row else row["custom"]["median_us"]
-        assert picked == "two_shot" or "push" in row or row["custom_kernel"] == "push", row["bytes"]
-        assert us < row["nccl"]["median_us"], (row["bytes"], us, row["nccl"]["median_us"])
-    # and the benchmark reads the same choice off its own record
+    # each choice agrees with the record it names: at every size it admits, the kernel it picks
+    # (push below two_shot_min_bytes, two-shot from there) gave correct sums and was faster than NCCL
     from tools.bench_allreduce import suggested_choice
 
-    assert suggested_choice(rows) == {"custom_max_bytes": choice.custom_max_bytes,
-                                      "two_shot_min_bytes": choice.two_shot_min_bytes}
+    for world, choice in MEASURED.items():
+        record = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), choice.source.split()[0])
+        rows = json.load(open(record))["sections"]["latency"]
+        for row in rows:
+            if row["bytes"] > choice.custom_max_bytes:
+                continue
+            picked = "push" if row["bytes"] < choice.two_shot_min_bytes else "two_shot"
+            if picked not in row:  # the dispatcher's own pick ran as "custom"
+                assert row["custom_kernel"] == picked, (world, row["bytes"])
+                picked = "custom"
+            assert row["correct"].get(picked, True), (world, row["bytes"], picked)
+            us = row[picked]["median_us"]
+            assert us < row["nccl"]["median_us"], (world, row["bytes"], us, row["nccl"]["median_us"])
+        # and the benchmark reads the same choice off its own record
+        assert suggested_choice(rows) == {"custom_max_bytes": choice.custom_max_bytes,
+                                          "two_shot_min_bytes": choice.two_shot_min_bytes}, world
+
+
+def test_the_suggested_choice_never_takes_a_kernel_whose_results_were_wrong():
+    from tools.bench_allreduce import suggested_choice
+
+    def row(n, push, two_shot, nccl, wrong=()):
+        return {"bytes": n, "custom_kernel": "push", "push": {"median_us": push}, "two_shot": {"median_us": two_shot},
+                "nccl": {"median_us": nccl}, "correct": {v: v not in wrong for v in ("push", "two_shot")}}
+
+    rows = [row(1 << 10, 5.0, 9.0, 10.0), row(1 << 20, 15.0, 12.0, 20.0, wrong=("two_shot",)),
+            row(2 << 20, 15.0, 12.0, 20.0, wrong=("two_shot", "push"))]
+    assert suggested_choice(rows) == {"custom_max_bytes": 1 << 20, "two_shot_min_bytes": 2 << 20}

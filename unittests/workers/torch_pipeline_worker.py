@@ -15,6 +15,12 @@ and replayed for real: unittests/gpu/test_zero_bubble_gpu.py.
 ``--runtime fake`` plugs the fake graph runtime (unittests/fake_runtime.py) into
 ``CUDAGraphedModule``: capture and replay then only do bookkeeping (replayed values are stale),
 which checks that the schedule's forward/backward order pairs up in every graphed run's FIFO.
+
+Two faults a real run meets, in both runs alike: ``--shorten-at S`` trains from step ``S`` on
+with sequences half as long (new stages and schedule around the same modules: every graphed run
+sees a new signature); ``--fail-capture-rank R`` puts a layer that fails while being captured
+(as a host sync would) into rank ``R``'s chunks, and builds the graphed stages with
+``fallback="eager"``: that run turns eager and training goes on.
 """
 import argparse
 import os
@@ -49,12 +55,26 @@ def scale(x):  # a plain callable entry
     return x * 0.5
 
 
-def build_chunk(chunk, num_chunks, seed):
+class FailsInCapture(nn.Module):
+    """The identity, except while the graphed runtime captures it: then it fails as a host sync
+    inside a capture does."""
+
+    def forward(self, x):
+        from paddle_graphpp.torch import graphed  # its RUNTIME: the real one, or the fake one set below
+
+        if graphed.RUNTIME.is_capturing():
+            raise RuntimeError("FailsInCapture: a host sync inside the capture (injected by the test)")
+        return x
+
+
+def build_chunk(chunk, num_chunks, seed, fail_capture=False):
     torch.manual_seed(seed + chunk)
     entries = []
     if chunk == 0:
         entries.append(nn.Linear(WIDTH, WIDTH))
     entries += [Block(SHAPE), Block(SHAPE), scale, paddle_graphpp.mark_not_capturable(Probe()), Block(SHAPE)]
+    if fail_capture:
+        entries.insert(-1, FailsInCapture())  # in the last run of capturable layers
     if chunk == num_chunks - 1:
         entries.append(nn.Linear(WIDTH, 1))
     return entries
@@ -74,30 +94,43 @@ def train(args, rank, world, graphed):
     cls_name, per_rank, v_shape = SCHEDULES[args.schedule]
     num_chunks = world * per_rank
     stage_ids = [rank, num_chunks - 1 - rank] if v_shape else [rank + k * world for k in range(per_rank)]
-    stages, modules, entry_params = [], {}, []
+    modules, entry_params = {}, []
+    fallback = "eager" if args.fail_capture_rank >= 0 else "error"
     for s in stage_ids:
-        entries = build_chunk(s, num_chunks, args.seed)
+        entries = build_chunk(s, num_chunks, args.seed, fail_capture=rank == args.fail_capture_rank)
         for e in entries:
             if isinstance(e, nn.Module):
                 e.to(device)
-        mod = graph_stage_module(entries, 2, memory=args.memory, name=f"chunk{s}") if graphed else _Plain(entries)
-        modules[s] = mod
+        modules[s] = (graph_stage_module(entries, 2, memory=args.memory, name=f"chunk{s}", fallback=fallback)
+                      if graphed else _Plain(entries))
         entry_params += [(f"chunk{s}.{i}.{n}", p) for i, e in enumerate(entries) if isinstance(e, nn.Module)
                          for n, p in e.named_parameters()]
-        x = torch.empty(MBS, SEQ, WIDTH, device=device, requires_grad=s > 0)
-        y = torch.empty(MBS, SEQ, 1 if s == num_chunks - 1 else WIDTH, device=device, requires_grad=True)
-        stages.append(PipelineStage(mod, s, num_chunks, device, input_args=(x,), output_args=(y,)))
     loss_fn = nn.MSELoss()
     cls = getattr(pipelining, cls_name)
-    schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+
+    def make_schedule(seq):  # stages and schedule for one sequence length, around the same modules
+        stages = []
+        for s in stage_ids:
+            x = torch.empty(MBS, seq, WIDTH, device=device, requires_grad=s > 0)
+            y = torch.empty(MBS, seq, 1 if s == num_chunks - 1 else WIDTH, device=device, requires_grad=True)
+            stages.append(PipelineStage(modules[s], s, num_chunks, device, input_args=(x,), output_args=(y,)))
+        return cls(stages[0] if per_rank == 1 else stages, n_microbatches=args.micro_batches, loss_fn=loss_fn)
+
+    schedule, seq = make_schedule(SEQ), SEQ
     has_first, has_last = 0 in stage_ids, num_chunks - 1 in stage_ids
     params = [p for m in modules.values() for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=0.05)
     data = torch.Generator().manual_seed(args.seed)
     losses, grads = [], []
+    graphs_before_shorten = {}  # id(graphed run) -> its graph count when the sequences shorten
     for step in range(args.steps):
+        if step == args.shorten_at:
+            if graphed:
+                graphs_before_shorten = {id(g): g.engine.graph_count() for m in modules.values()
+                                         for g in m.graphed_modules}
+            schedule, seq = make_schedule(SEQ // 2), SEQ // 2
         torch.manual_seed(args.seed * 7 + rank + 1000 * step)  # the dropout stream, the same in both runs
-        x = torch.randn(args.micro_batches * MBS, SEQ, WIDTH, generator=data).to(device)
+        x = torch.randn(args.micro_batches * MBS, seq, WIDTH, generator=data).to(device)
         y = x.sum(-1, keepdim=True).tanh()
         step_losses = [] if has_last else None
         opt.zero_grad()
@@ -112,7 +145,8 @@ def train(args, rank, world, graphed):
             for g in modules[s].graphed_modules:
                 stats.append({"chunk": s, "captures": g.engine.captures, "replays": g.engine.replays,
                               "in_flight": g.engine.in_flight, "graphs": g.engine.graph_count(),
-                              "positions": g.engine.position_kinds()})
+                              "positions": g.engine.position_kinds(),
+                              "graphs_before_shorten": graphs_before_shorten.get(id(g))})
     runs = {s: modules[s].describe() for s in stage_ids} if graphed else {}
     return {"losses": losses, "grads": grads, "graphed_runs": stats, "segmentation": runs}
 
@@ -139,6 +173,9 @@ def main():
     parser.add_argument("--runtime", choices=["real", "fake"], default="real")
     parser.add_argument("--memory", default="shared")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shorten-at", type=int, default=-1, help="from this step on, half-length sequences")
+    parser.add_argument("--fail-capture-rank", type=int, default=-1,
+                        help="this rank's chunks hold a layer whose capture fails (fallback='eager')")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.schedule is None:
