@@ -34,6 +34,7 @@ explicitly, before CUDA or NCCL start, overriding the launcher's environment.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -84,11 +85,13 @@ def suggested_choice(rows) -> dict:
     ``custom_max_bytes`` = the largest size up to which every size's best custom kernel was
     faster than NCCL, ``two_shot_min_bytes`` = the smallest size from which two-shot beat the
     one-shot kernels at every size up to ``custom_max_bytes``. A kernel whose results failed the
-    row's correctness check does not count, however fast."""
+    row's correctness check, or a variant whose calls went to the framework's all-reduce
+    (``fallback_calls``), does not count, however fast."""
     rows = sorted(rows, key=lambda r: r["bytes"])
 
     def us(row, variant):
-        if variant not in row or row.get("correct", {}).get(variant) is False:
+        if (variant not in row or row.get("correct", {}).get(variant) is False
+                or row.get("fallback_calls", {}).get(variant)):
             return None
         return row[variant]["median_us"]
 
@@ -129,7 +132,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     torch.backends.cudnn.allow_tf32 = False
 
     from paddle_graphpp.core import collectives as C
-    from paddle_graphpp.torch.allreduce import create_allreduce, peer_access_report, replay
+    from paddle_graphpp.torch.allreduce import create_allreduce, peer_access_report, policy_for_world, replay
 
     result: dict = {"rank": rank, "sections": {}}
 
@@ -145,7 +148,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     # up to four custom variants of one size are alive at once; each call reserves its own
     # region (2 x world x its size: the push kernel's double-buffered receive slots)
     arena = 4 * calls * 2 * world * max(args.sizes) + (64 << 20)
-    ar = create_allreduce(arena_bytes=arena)
+    # Every kernel is timed at every size: the policy admits them all. The world's own policy
+    # would send sizes above its max_bytes to NCCL (in place), and the custom columns would time
+    # NCCL (the 2026-11-26 4-rank record did so from 2 MiB; its sums then failed the check).
+    policy = dataclasses.replace(policy_for_world(world), max_bytes=max(args.sizes))
+    ar = create_allreduce(policy=policy, arena_bytes=arena)
     result["custom_unavailable_reason"] = ar.backend.custom_unavailable_reason()
     result["push_unavailable_reason"] = ar.backend.push_unavailable_reason
     save()
@@ -164,13 +171,14 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
         for nbytes in args.sizes:
             numel = nbytes // 2
             x = torch.full((numel,), float(rank + 1), dtype=torch.bfloat16, device=device)
-            graphs, outs, errors = {}, {}, {}
+            graphs, outs, errors, fallbacks = {}, {}, {}, {}
             variants = [("custom", None), ("stock_one_shot", "one_shot"), ("two_shot", "two_shot")]
             if backend.push_unavailable_reason is None and backend.kernel_for(nbytes) != "push":
                 variants.append(("push", "push"))       # what the push kernel would do at this size
             for variant, kernel in variants:
                 backend.force_kernel = kernel
                 err = None
+                before = ar.counts[C.AllReducePath.FALLBACK]
                 try:
                     with C.capture_custom_allreduce():
                         ar.all_reduce(x)                   # warmup: allocation mimic
@@ -184,6 +192,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
                     err = err or exc
                 finally:
                     backend.force_kernel = None
+                if ar.counts[C.AllReducePath.FALLBACK] > before:  # not a custom kernel: NCCL, in place
+                    fallbacks[variant] = ar.counts[C.AllReducePath.FALLBACK] - before
                 # only variants every rank captured are replayed (a lone replay would hang)
                 if not all(backend.exchange(err is None)):
                     errors[variant] = f"{type(err).__name__}: {err}"[:300] if err else "failed on the other rank"
@@ -195,7 +205,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             graphs["nccl"], _ = capture(lambda: [dist.all_reduce(xn) for _ in range(calls)])
             torch.cuda.synchronize()
             row = {"bytes": nbytes, "calls_per_graph": calls, "custom_kernel": backend.kernel_for(nbytes),
-                   "correct": {}, "errors": errors}
+                   "correct": {}, "errors": errors, "fallback_calls": fallbacks}
             for variant in outs:
                 replay(graphs[variant])
                 torch.cuda.synchronize()

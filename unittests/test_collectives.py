@@ -283,3 +283,8 @@ def test_the_suggested_choice_never_takes_a_kernel_whose_results_were_wrong():
     rows = [row(1 << 10, 5.0, 9.0, 10.0), row(1 << 20, 15.0, 12.0, 20.0, wrong=("two_shot",)),
             row(2 << 20, 15.0, 12.0, 20.0, wrong=("two_shot", "push"))]
     assert suggested_choice(rows) == {"custom_max_bytes": 1 << 20, "two_shot_min_bytes": 2 << 20}
+    # a variant whose calls went to the framework's all-reduce timed NCCL, not a custom kernel
+    rows[1]["correct"]["two_shot"] = True
+    assert suggested_choice(rows)["two_shot_min_bytes"] == 1 << 20
+    rows[1]["fallback_calls"] = {"two_shot": 32}
+    assert suggested_choice(rows)["two_shot_min_bytes"] == 2 << 20

@@ -65,8 +65,8 @@ MEASURED = {
         custom_max_bytes=1 << 20, two_shot_min_bytes=1 << 20,
         source="benchmarks/results/allreduce-4r-h200.json (4 x H200, NV18, 2026-11-26): the push kernel "
                "0.50-0.57x NCCL up to 128 KiB (7.5-8.8 vs 14.6-15.8 us), 0.71x at 256 KiB, 0.75x at 512 KiB; "
-               "at 1 MiB the stock two-shot kernel 18.0 us against push 21.2 and NCCL 22.4; from 2 MiB every "
-               "custom kernel failed the record's correctness check inside graphs (cause not found): NCCL"),
+               "at 1 MiB the stock two-shot kernel 18.0 us against push 21.2 and NCCL 22.4; above 1 MiB that "
+               "run's custom columns timed NCCL (its policy sent them there), so: NCCL, until measured"),
 }
 """Group size -> where the custom kernels beat NCCL. Re-measure with
 ``python tools/bench_allreduce.py --ranks N`` (its ``suggested_choice``) on new hardware."""
