@@ -153,6 +153,35 @@ def test_schedules_pair_forwards_and_backwards_in_every_graphed_run(vpp, memory,
             assert run["in_flight"] == 0, (rank, run)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("vpp", [1, 2], ids=["Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_shorter_sequences_are_captured_anew_beside_the_first_graphs(vpp, tmp_path):
+    # Fake runtime: bookkeeping only. New stages and schedule around the same graphed modules
+    # from step 3 on: every graphed run captures a second signature and keeps the first.
+    results = run_ranks(["--vpp", str(vpp), "--steps", "6", "--runtime", "fake", "--shorten-at", "3"], tmp_path)
+    for rank, data in results.items():
+        for run in data["graphed"]["graphed_runs"]:
+            assert 0 < run["graphs_before_shorten"] < run["graphs"] == run["captures"], (rank, run)
+            assert run["in_flight"] == 0, (rank, run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_capture_that_fails_on_one_rank_leaves_that_run_eager_and_training_goes_on(tmp_path):
+    # Fake runtime: rank 1's last run holds a layer that fails while captured; with
+    # fallback="eager" that run stays eager (no graphs, no replays), every other run on both ranks
+    # replays, and all steps complete.
+    results = run_ranks(["--steps", "6", "--runtime", "fake", "--fail-capture-rank", "1"], tmp_path)
+    failed = [run for run in results[1]["graphed"]["graphed_runs"] if run["captures"] == 0]
+    assert len(failed) == 1 and failed[0]["replays"] == 0 and failed[0]["graphs"] == 0
+    others = results[0]["graphed"]["graphed_runs"] + [r for r in results[1]["graphed"]["graphed_runs"]
+                                                      if r["captures"] > 0]
+    assert len(others) == 3 and all(r["replays"] > 0 and r["in_flight"] == 0 for r in others)
+    assert len(results[1]["graphed"]["losses"]) == 6
+    assert "FailsInCapture" in results[1]["graphed"]["segmentation"]["1"]
+
+
 def test_graph_loss_computes_the_loss_and_its_gradient_and_rejects_bad_input():
     from paddle_graphpp.torch import graph_loss
     from paddle_graphpp.torch.pipelining import GraphedLoss
