@@ -1,4 +1,5 @@
-"""Starts ``unittests/workers/torch_pipeline_worker.py`` on gloo ranks for the pipeline tests."""
+"""Starts ``unittests/workers/torch_pipeline_worker.py`` on gloo ranks (or, with ``--device cuda``,
+one GPU per rank over NCCL) for the pipeline tests, and compares its graphed run with its eager one."""
 import json
 import os
 import sys
@@ -20,3 +21,25 @@ def run_pipeline_ranks(args, tmp_path, world=2, timeout=150):
     text = "".join(e.stdout for e in ends)
     assert codes == [0] * world, f"ranks failed or hung (codes {codes}):\n{text[-6000:]}"
     return {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)}
+
+
+def graphed_against_eager(results):
+    """From the worker's results: the per-step losses of the rank holding the last stage, eager
+    and graphed (float64 tensors), and the worst relative error of any parameter gradient of any
+    step, graphed against eager, as ``(error, rank, step, name)``."""
+    import torch
+
+    from tools.engine_parity import rel
+
+    last = [data for data in results.values() if data["eager"]["losses"]]
+    assert len(last) == 1, "exactly one rank holds the last stage"
+    eager, graphed = (torch.tensor(last[0][run]["losses"], dtype=torch.float64) for run in ("eager", "graphed"))
+    worst = (0.0, None, None, None)
+    for rank, data in results.items():
+        for step, (want, got) in enumerate(zip(data["eager"]["grads"], data["graphed"]["grads"])):
+            for name, w in want.items():
+                if w is None and got[name] is None:
+                    continue  # a parameter neither run gave a gradient
+                err = rel(torch.tensor(got[name], dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
+                worst = max(worst, (err, rank, step, name), key=lambda t: t[0])
+    return eager, graphed, worst
