@@ -7,6 +7,9 @@
 #   bash benchmarks/scripts/device-2026-11-26-x4.sh 3   # all 4 GPUs: all-reduce at 4 ranks, TP=2 x PP=2
 #                                                       #   (one round), the 1.3B memory benchmark at pp=4
 #   LIMIT=250 bash benchmarks/scripts/device-2026-11-26-x4.sh 4   # re-checks and rounds (see phase 4)
+#   bash benchmarks/scripts/device-2026-11-26-x4.sh 5   # second session: GPUs 0,1 the 2-GPU pipeline and
+#                                                       #   zero-bubble tests; GPUs 2,3 allocator traces of
+#                                                       #   the runs whose graphed memory exceeds eager's
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -95,6 +98,25 @@ case "$PHASE" in
       job zb-rounds 130 python tools/bench_rounds.py --name rounds-zb-seq2048-mb4 --rounds 2 --budget "$(budget 30)" \
         --base "$G13B --micro-batches 4 --steps 12 --timeout 120" --variant graphed_1f1b="--cudagraph" \
         --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
+    } ;;
+  5)  # the new-signature / failed-capture 2-GPU test (issue 13) and the refactored zero-bubble one;
+      # memory traces (tools/memtrace.py) of eager and graphed runs at seq 2048 where graphed held more
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 150"
+    queue_a() {
+      pytest_job tests-pipeline 330 unittests/gpu/test_pipeline_gpu.py
+      pytest_job tests-zero-bubble-2gpu 200 unittests/gpu/test_zero_bubble_gpu.py -k two_gpus
+    }
+    queue_b() {
+      local mode
+      for cfg in "1f1b-mb4:--micro-batches 4" "izb-mb8:--micro-batches 8 --vpp 2 --schedule interleaved_zb" \
+                 "zbv-mb8:--micro-batches 8 --vpp 2 --schedule zbv" "zbv-mb4:--micro-batches 4 --vpp 2 --schedule zbv"; do
+        for mode in eager graphed; do
+          local g=""; [ $mode = graphed ] && g="--cudagraph"
+          # shellcheck disable=SC2086
+          job "trace-${cfg%%:*}-$mode" 120 python tools/train_gpt.py $G13B ${cfg#*:} --memory-trace $g
+        done
+      done
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
