@@ -53,9 +53,6 @@ EXTRA_VARIANTS = ("graphed_optimizer", "graphed_accumulate")
 SCHEDULES = {"1F1B": ["--pp", "2"], "interleaved": ["--pp", "2", "--vpp", "2"]}
 
 
-PORT_TAKEN = "EADDRINUSE"  # how a rank reports that its rendezvous port was taken meanwhile
-
-
 def run_one(args: list, timeout: float, extra_env: Optional[dict] = None) -> dict:
     """One train_gpt.py run in its own session; its last stdout line parsed, or the failure.
     ``extra_env``: variables added to the run's environment (recorded with the command).
@@ -69,7 +66,7 @@ def run_one(args: list, timeout: float, extra_env: Optional[dict] = None) -> dic
     deadline = time.monotonic() + max(1.0, timeout)
     end = launch.run([sys.executable, TRAIN, *args], env=env, timeout=max(1.0, timeout))
     retries = 0
-    if end.returncode != 0 and not end.timed_out and PORT_TAKEN in end.stderr and deadline - time.monotonic() > 1:
+    if end.returncode != 0 and not end.timed_out and launch.PORT_TAKEN in end.stderr and deadline - time.monotonic() > 1:
         retries = 1
         end = launch.run([sys.executable, TRAIN, *args], env=env, timeout=deadline - time.monotonic())
     prefix = [f"{k}={v}" for k, v in (extra_env or {}).items()]

@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 __all__ = ["Finished", "free_port", "rank_envs", "start", "stop", "run", "run_ranks"]
 
 POLL_S = 0.2
+PORT_TAKEN = "EADDRINUSE"  # how a rank reports that its rendezvous port was taken between the pick and the bind
 GRACE_S = 5.0
 
 

@@ -136,6 +136,10 @@ class Config:
     """Profile the last N steps with ``torch.profiler`` (PyTorch on GPUs) and add, per rank,
     ``compute_busy`` to the JSON line: the share of the time from the first to the last kernel
     of those steps during which a compute (non-NCCL) kernel runs (``tools/busy.py``)."""
+    return_outputs: bool = True
+    """PyTorch: ``return_outputs`` of the schedule's ``step`` (torch's default: on): the last
+    stage keeps every micro-batch's output and concatenates them at the end of the step. The
+    trainer never reads them; off, neither the kept outputs nor the concatenation take memory."""
     memory_trace: bool = False
     """Record every CUDA allocation (PyTorch) and add, per rank, where memory went at the peak
     to the JSON line (``tools/memtrace.py``); slows the run down."""
@@ -174,6 +178,8 @@ def parse_args(argv=None) -> Config:
                         help="torch model dtype")
     parser.add_argument("--profile-steps", type=int, default=defaults.profile_steps,
                         help="profile the last N steps and report each rank's compute-busy share (torch, GPUs)")
+    parser.add_argument("--return-outputs", action=argparse.BooleanOptionalAction, default=defaults.return_outputs,
+                        help="torch schedules: keep and return the last stage's outputs from step() (default: on)")
     parser.add_argument("--memory-trace", action="store_true",
                         help="per rank, where memory went at the peak (torch on GPUs; slow)")
     parser.add_argument("--data", default=defaults.data, metavar="PATH", help="text file (default: synthetic)")
@@ -571,6 +577,8 @@ def run_torch(cfg: Config) -> None:
     # The tie between the first and the last stage: each holds a copy, gradients are summed
     # over tie_group (from torch_mesh).
 
+    # torch before 2.10 has no return_outputs (and always keeps the outputs)
+    step_kwargs = {} if cfg.return_outputs else {"return_outputs": False}
     corpus = load_corpus(cfg)
     # dropout stream, the same with and without graphs, and on every rank of a tensor-parallel group
     torch.manual_seed(cfg.seed * 7 + pp_rank)
@@ -602,7 +610,7 @@ def run_torch(cfg: Config) -> None:
         target = torch.from_numpy(y).to(device) if last_rank else None
         losses = [] if last_rank else None
         optimizer.zero_grad(**({} if cfg.graph_optimizer else {"set_to_none": True}))
-        schedule.step(*args, target=target, losses=losses)
+        schedule.step(*args, target=target, losses=losses, **step_kwargs)
         _sum_tied_grads(tied, tie_group)
         optimizer.step()
         loss = torch.stack(losses).float().mean().item() if last_rank else 0.0

@@ -10,6 +10,9 @@
 #   bash benchmarks/scripts/device-2026-11-26-x4.sh 5   # second session: GPUs 0,1 the 2-GPU pipeline and
 #                                                       #   zero-bubble tests; GPUs 2,3 allocator traces of
 #                                                       #   the runs whose graphed memory exceeds eager's
+#   bash benchmarks/scripts/device-2026-11-26-x4.sh 6   # traces again: the graphs' pool in expandable
+#                                                       #   segments; the trainer without return_outputs;
+#                                                       #   the 2-GPU tests after the capture-loop change
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -117,6 +120,34 @@ case "$PHASE" in
           job "trace-${cfg%%:*}-$mode" 120 python tools/train_gpt.py $G13B ${cfg#*:} --memory-trace $g
         done
       done
+    } ;;
+  6)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 150"
+    trace() {  # trace NAME ENV... -- TRAINER ARGS...
+      local name=$1; shift; local envs=()
+      while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+      # shellcheck disable=SC2086
+      job "trace-$name" 100 env "${envs[@]}" python tools/train_gpt.py $G13B "$@" --memory-trace
+    }
+    X=FLAGS_graphpp_expandable_pool=1
+    queue_a() {
+      trace 1f1b-mb4-graphed-x $X -- --micro-batches 4 --cudagraph
+      trace izb-mb8-graphed-x $X -- --micro-batches 8 --vpp 2 --schedule interleaved_zb --cudagraph
+      trace zbv-mb8-graphed-x $X -- --micro-batches 8 --vpp 2 --schedule zbv --cudagraph
+      trace zbv-mb4-graphed-x $X -- --micro-batches 4 --vpp 2 --schedule zbv --cudagraph
+      trace izb-mb8-eager-n -- --micro-batches 8 --vpp 2 --schedule interleaved_zb --no-return-outputs
+      trace izb-mb8-graphed-xn $X -- --micro-batches 8 --vpp 2 --schedule interleaved_zb --no-return-outputs --cudagraph
+      trace zbv-mb8-eager-n -- --micro-batches 8 --vpp 2 --schedule zbv --no-return-outputs
+      trace zbv-mb8-graphed-xn $X -- --micro-batches 8 --vpp 2 --schedule zbv --no-return-outputs --cudagraph
+      trace dpv-mb8-graphed-x $X -- --micro-batches 8 --vpp 2 --schedule dualpipev --cudagraph
+    }
+    queue_b() {
+      pytest_job tests-pipeline-new-signature 150 unittests/gpu/test_pipeline_gpu.py -k new_signature
+      pytest_job tests-zero-bubble-2gpu 150 unittests/gpu/test_zero_bubble_gpu.py -k two_gpus
+      trace 1f1b-mb4-eager-n -- --micro-batches 4 --no-return-outputs
+      trace 1f1b-mb4-graphed-xn $X -- --micro-batches 4 --no-return-outputs --cudagraph
+      trace 1f1b-mb4-graphed-n -- --micro-batches 4 --no-return-outputs --cudagraph
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

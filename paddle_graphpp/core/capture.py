@@ -245,8 +245,6 @@ class Process:
                 layer._recording_dropped()
             return
         self.deferred = 0
-        complete = {(id(layer), key, pos) for layer, key, pos, forward, half in events
-                    if not forward and half != "input"}
         # The recorded episode's activations are free but cached by the allocator: return them
         # so the graphs' pool can take that memory instead of adding to it.
         gc.collect()
@@ -254,15 +252,41 @@ class Process:
         # The static buffers, in one block allocated on the emptied cache (allocated while the
         # recorded episode ran, they would pin pieces of its activations' cached blocks).
         self._buffers = self.runtime.static_buffers(specs) if specs else []
-        if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
-            gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
-            if gen is not None and not gen.order:
-                self.runtime.prepare_pool(gen.pool)
         live: dict[tuple, Any] = {}
         self._live, self._grad_readers = live, {}
-        captured: set = set()  # per_graph slots come back within an episode: capture each once
         failed: set = set()
         errors: list[BaseException] = []
+        with self.runtime.capture_allocations():
+            if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
+                gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
+                if gen is not None and not gen.order:
+                    self.runtime.prepare_pool(gen.pool)
+            self._capture_events(events, live, failed, errors)
+        live.clear()
+        # the captured positions hold the tensors they use (gradients not given back stay owned)
+        self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
+        for layer in layers:
+            layer._recording_captured()
+        self._layers.update({id(layer): layer for layer in layers})
+        gen = self.plan.newest_generation()
+        if gen is not None and gen.order:
+            self.runtime.lend_pool(gen.pool, lambda: self.clock.between_episodes,
+                                   lambda: self._drop_generation(gen))
+        if failed:
+            gc.collect()
+            self.runtime.release_cached_memory()
+        self.plan.log_summary()
+        errors = self._agree(errors)
+        for extra in errors[1:]:
+            warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=3)
+        if errors:
+            raise errors[0]
+
+    def _capture_events(self, events: list, live: dict, failed: set, errors: list) -> None:
+        """Capture the recorded ``events`` in order (the loop of :meth:`capture_recorded`)."""
+        complete = {(id(layer), key, pos) for layer, key, pos, forward, half in events
+                    if not forward and half != "input"}
+        captured: set = set()  # per_graph slots come back within an episode: capture each once
         for layer, key, pos, forward, half in events:
             slot = (id(layer), key, pos)
             if slot not in complete or slot in captured or (id(layer), key) in failed:
@@ -293,25 +317,6 @@ class Process:
                 exc = None  # the traceback's frames hold the failed capture's tensors
                 if error is not None:
                     errors.append(error)
-        live.clear()
-        # the captured positions hold the tensors they use (gradients not given back stay owned)
-        self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
-        for layer in layers:
-            layer._recording_captured()
-        self._layers.update({id(layer): layer for layer in layers})
-        gen = self.plan.newest_generation()
-        if gen is not None and gen.order:
-            self.runtime.lend_pool(gen.pool, lambda: self.clock.between_episodes,
-                                   lambda: self._drop_generation(gen))
-        if failed:
-            gc.collect()
-            self.runtime.release_cached_memory()
-        self.plan.log_summary()
-        errors = self._agree(errors)
-        for extra in errors[1:]:
-            warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=3)
-        if errors:
-            raise errors[0]
 
     def _agree(self, errors: list) -> list:
         """With a capture agreement set (see ``GraphRuntime.capture_agreement``), every rank of
