@@ -30,7 +30,12 @@ The settings can run as separate commands on separate GPU pairs and be joined af
     python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq*-<device>.json
 
 ``--merge`` recomputes the summary over the joined settings (no GPU) and writes
-``<name>-<device>.json`` with every part's command.
+``<name>-<device>.json`` with every part's command. With ``--speed-rounds ROUNDS.json`` (a
+``tools/bench_rounds.py`` record at seq 2048 with 4 micro-batches whose first variant is
+``graphed_1f1b`` and whose others are ``graphed_<schedule>``, run without the profiler) the
+summary's ``best_graphed_zb_vs_graphed_1f1b`` is the best ratio of the rounds' medians, with their
+spread; the ratio of this benchmark's single profiled runs stays beside it
+(``best_graphed_zb_vs_graphed_1f1b_single_run``).
 
 ``--smoke`` runs tiny configurations for a few steps (CPU allowed) and writes nothing.
 Exit status: 0 when every run finished and every check passed, 1 otherwise, 2 when the machine
@@ -163,6 +168,31 @@ def summarize(settings: list, schedules: list) -> dict:
             "meets_target": meets}
 
 
+def speed_from_rounds(record: dict) -> dict:
+    """``best_graphed_zb_vs_graphed_1f1b`` from a bench_rounds record (see the module docstring).
+
+    Raises ValueError when the record is not of that setting or names no zero-bubble variant."""
+    base = record.get("base") or []
+    for flag, want in (("--seq-len", "2048"), ("--micro-batches", "4")):
+        if flag not in base or base[base.index(flag) + 1] != want:
+            raise ValueError(f"the rounds record's base has no {flag} {want}: {' '.join(base)}")
+    if "--profile-steps" in base:
+        raise ValueError("the rounds record was profiled; time rounds without --profile-steps")
+    summary = record.get("summary") or {}
+    names = list(summary)
+    if not names or names[0] != "graphed_1f1b":
+        raise ValueError(f"the rounds record's first variant must be graphed_1f1b, not {names[:1]}")
+    ratios = {name.removeprefix("graphed_"): row for name, row in summary.items()
+              if name.removeprefix("graphed_") in ZERO_BUBBLE and row.get("speed_vs_first")}
+    if not ratios:
+        raise ValueError(f"the rounds record has no graphed_<schedule> variant of {list(ZERO_BUBBLE)}: {names}")
+    detail = {name: {"speed_vs_graphed_1f1b": row["speed_vs_first"], "tokens_per_s_rounds": row["tokens_per_s_rounds"],
+                     "spread": row["spread"]} for name, row in ratios.items()}
+    detail["1f1b"] = {k: summary["graphed_1f1b"][k] for k in ("tokens_per_s_rounds", "spread")}
+    return {"best": max(row["speed_vs_first"] for row in ratios.values()), "rounds": len(
+        summary["graphed_1f1b"]["tokens_per_s_rounds"]), "command": record.get("command"), "per_schedule": detail}
+
+
 def merge(opts) -> int:
     """Join result files of separate two-GPU runs (same shape and steps) into one record."""
     parts = []
@@ -183,6 +213,18 @@ def merge(opts) -> int:
     settings = [s for part in parts for s in part["settings"]]
     schedules = [name for name in ZERO_BUBBLE if name in settings[0]["schedules"]]
     summary = summarize(settings, schedules)
+    if opts.speed_rounds:
+        try:
+            with open(opts.speed_rounds) as f:
+                rounds = speed_from_rounds(json.load(f))
+        except (OSError, ValueError) as exc:
+            print(f"bench_zero_bubble --speed-rounds {opts.speed_rounds}: {exc}", file=sys.stderr)
+            return 2
+        single = summary["best_graphed_zb_vs_graphed_1f1b"]
+        best = rounds.pop("best")
+        summary = {**summary, "best_graphed_zb_vs_graphed_1f1b": best,
+                   "best_graphed_zb_vs_graphed_1f1b_single_run": single, "speed_rounds": rounds}
+        summary["meets_target"]["best_graphed_zb_vs_graphed_1f1b"] = best >= TARGET_ZB_OVER_1F1B
     print(json.dumps(summary, indent=1))
     env = {k: first.get(k) for k in ("date", "python", "torch", "cuda", "device", "device_count", "nccl")}
     payload = {"command": benchlib.command(), "parts": [p["command"] for p in parts], **env, "steps": first["steps"],
@@ -282,7 +324,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="--single-gpu: timing rounds")
     parser.add_argument("--smoke", action="store_true", help="tiny configurations, CPU allowed, no result file")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the result files of separate runs")
+    parser.add_argument("--speed-rounds", metavar="JSON",
+                        help="with --merge: take the seq-2048, 4-micro-batch ratio from this bench_rounds record")
     opts = parser.parse_args()
+    if opts.speed_rounds and not opts.merge:
+        parser.error("--speed-rounds goes with --merge")
     if opts.merge:
         return merge(opts)
     if opts.single_gpu:

@@ -129,6 +129,9 @@ class Config:
     graph_loss: bool = True
     """With ``--cudagraph``, graph the last stage's loss too (``paddle_graphpp.torch.graph_loss``;
     Paddle: ``PipelineLayer(..., graph_loss=True)``): its temporaries share the graphs' pool."""
+    graph_eager_tied: bool = False
+    """With ``--cudagraph``, keep the tied embedding and output head eager (``shared=`` of
+    ``graph_stage_module``; PyTorch) instead of graphing them with the blocks."""
     graph_optimizer: bool = False
     """Capture the optimizer step and gradient zeroing as one CUDA graph (PyTorch only;
     ``paddle_graphpp.GraphedOptimizer``); eager and bit-identical on CPU."""
@@ -171,6 +174,8 @@ def parse_args(argv=None) -> Config:
                              "(--framework torch; default: the library's, 'auto')")
     parser.add_argument("--graph-loss", action=argparse.BooleanOptionalAction, default=defaults.graph_loss,
                         help="with --cudagraph, graph the last stage's cross-entropy too (default: on)")
+    parser.add_argument("--graph-eager-tied", action="store_true",
+                        help="with --cudagraph, keep the tied embedding and head eager (--framework torch)")
     parser.add_argument("--graph-optimizer", action="store_true",
                         help="capture AdamW step + zero-grad as one CUDA graph (--framework torch)")
     parser.add_argument("--attention", choices=["explicit", "sdpa"], default=defaults.attention)
@@ -235,6 +240,8 @@ def validate(cfg: Config) -> None:
                           "the shared pool")
     if cfg.graph_accumulate_grads is not None and cfg.framework != "torch":
         raise ConfigError("--graph-accumulate-grads works with --framework torch")
+    if cfg.graph_eager_tied and cfg.framework != "torch":
+        raise ConfigError("--graph-eager-tied works with --framework torch; Paddle keeps the tied layers eager")
     if cfg.graph_optimizer and cfg.framework != "torch":
         raise ConfigError("--graph-optimizer works with --framework torch; Paddle's fleet wraps the "
                           "optimizer itself (use paddle_graphpp.GraphedOptimizer in a custom loop)")
@@ -536,9 +543,12 @@ def run_torch(cfg: Config) -> None:
             from paddle_graphpp.torch.pipelining import graph_stage_module
 
             accumulate = "auto" if cfg.graph_accumulate_grads is None else cfg.graph_accumulate_grads
-            # the tied embedding and head are graphed too; _sum_tied_grads reads their .grad after the step
+            # the tied embedding and head are graphed too (unless --graph-eager-tied); _sum_tied_grads
+            # reads their .grad after the step
+            keep = tied_by_chunk[s] if cfg.graph_eager_tied else None
             mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, memory=cfg.graph_memory,
-                                     accumulate_grads=accumulate, name=f"stage{s}")
+                                     accumulate_grads=accumulate, name=f"stage{s}",
+                                     shared=() if keep is None else keep if isinstance(keep, tuple) else (keep,))
             graphed.extend(mod.graphed_modules)
         else:
             mod = chunks[s]

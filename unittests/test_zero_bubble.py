@@ -453,6 +453,40 @@ def test_benchmark_parts_merge_into_one_summary(tmp_path, monkeypatch):
     assert bench_zero_bubble.main() == 2
 
 
+def test_merge_takes_the_seq2048_ratio_from_speed_rounds(tmp_path, monkeypatch):
+    """--speed-rounds replaces the single-run ratio by the best ratio of the rounds' medians
+    (kept beside it), and refuses a rounds record of another setting or a profiled one."""
+    from tools import bench_rounds, bench_zero_bubble, benchlib
+
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path / "results")
+    monkeypatch.delenv("OUT", raising=False)
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({"device": "NVIDIA H100 80GB HBM3", "shape": [], "steps": 12, "torch": "2.11.0",
+                                "command": "python bench", "settings": [_setting(2048, 100.0, 109.0, 100.0)],
+                                "runs": []}))
+    run = lambda tps: {"tokens_per_s": tps, "losses": [1.0], "per_rank": []}  # noqa: E731
+    base = ["--seq-len", "2048", "--micro-batches", "4"]
+    records = {"graphed_1f1b": [run(100.0), run(102.0), run(101.0)],
+               "graphed_zbv": [run(112.0), run(111.0), run(113.0)],
+               "graphed_interleaved_zb": [run(108.0), run(109.0), run(107.0)]}
+    rounds = tmp_path / "rounds.json"
+    rounds.write_text(json.dumps({"command": "python tools/bench_rounds.py", "base": base,
+                                  "summary": bench_rounds.summarize(records)}))
+    monkeypatch.setattr(sys, "argv", ["bench_zero_bubble.py", "--merge", str(part), "--speed-rounds", str(rounds),
+                                      "--name", "zb"])
+    assert bench_zero_bubble.main() == 0
+    summary = json.loads((tmp_path / "results" / "zb-h100.json").read_text())["summary"]
+    assert summary["best_graphed_zb_vs_graphed_1f1b"] == pytest.approx(112.0 / 101.0)
+    assert summary["best_graphed_zb_vs_graphed_1f1b_single_run"] == pytest.approx(1.09)
+    assert summary["meets_target"]["best_graphed_zb_vs_graphed_1f1b"] is True
+    assert summary["speed_rounds"]["rounds"] == 3
+    assert summary["speed_rounds"]["per_schedule"]["interleaved_zb"]["spread"] == pytest.approx(109.0 / 107.0)
+
+    for wrong in (["--seq-len", "512", "--micro-batches", "4"], [*base, "--profile-steps", "3"]):
+        rounds.write_text(json.dumps({"base": wrong, "summary": bench_rounds.summarize(records)}))
+        assert bench_zero_bubble.main() == 2
+
+
 # ------------------------------------------------------------------ the split on its own
 class Reused(torch.nn.Module):
     """One weight used twice on the activations' path (its junctions lie one after the other),

@@ -13,6 +13,10 @@
 #   bash benchmarks/scripts/device-2026-11-26-x4.sh 6   # traces again: the graphs' pool in expandable
 #                                                       #   segments; the trainer without return_outputs;
 #                                                       #   the 2-GPU tests after the capture-loop change
+#   LIMIT=330 bash benchmarks/scripts/device-2026-11-26-x4.sh 7   # GPUs 0,1: graphed 1F1B / zbv /
+#                                                       #   interleaved_zb in 3 alternating rounds at seq 2048,
+#                                                       #   4 micro-batches; GPUs 2,3: memory traces (tied
+#                                                       #   modules eager; without return_outputs)
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -124,7 +128,7 @@ case "$PHASE" in
   6)
     G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
     G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 150"
-    trace() {  # trace NAME ENV... -- TRAINER ARGS...
+    trace() {  # trace NAME ENV... -- TRAINER ARGS... (phases 6 and 7)
       local name=$1; shift; local envs=()
       while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
       # shellcheck disable=SC2086
@@ -148,6 +152,28 @@ case "$PHASE" in
       trace 1f1b-mb4-eager-n -- --micro-batches 4 --no-return-outputs
       trace 1f1b-mb4-graphed-xn $X -- --micro-batches 4 --no-return-outputs --cudagraph
       trace 1f1b-mb4-graphed-n -- --micro-batches 4 --no-return-outputs --cudagraph
+    } ;;
+  7)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048"
+    queue_a() {
+      job zb-rounds3 300 python tools/bench_rounds.py --name rounds3-zb-seq2048-mb4 --rounds 3 --budget 285 \
+        --base "$G13B --micro-batches 4 --steps 12 --timeout 120" --variant graphed_1f1b="--cudagraph" \
+        --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph" \
+        --variant graphed_interleaved_zb="--vpp 2 --schedule interleaved_zb --cudagraph"
+    }
+    queue_b() {
+      local t="--steps 6 --timeout 150 --memory-trace"
+      # shellcheck disable=SC2086
+      {
+      job trace-zbv-mb8-graphed-tied 100 python tools/train_gpt.py $G13B $t --micro-batches 8 --vpp 2 --schedule zbv --cudagraph --graph-eager-tied
+      job trace-izb-mb8-graphed-tied 100 python tools/train_gpt.py $G13B $t --micro-batches 8 --vpp 2 --schedule interleaved_zb --cudagraph --graph-eager-tied
+      job trace-zbv-mb4-graphed-tied 100 python tools/train_gpt.py $G13B $t --micro-batches 4 --vpp 2 --schedule zbv --cudagraph --graph-eager-tied
+      job trace-izb-mb8-graphed-n 100 python tools/train_gpt.py $G13B $t --micro-batches 8 --vpp 2 --schedule interleaved_zb --cudagraph --no-return-outputs
+      job trace-zbv-mb8-graphed-n 100 python tools/train_gpt.py $G13B $t --micro-batches 8 --vpp 2 --schedule zbv --cudagraph --no-return-outputs
+      job trace-1f1b-mb8-eager-n 100 python tools/train_gpt.py $G13B $t --micro-batches 8 --no-return-outputs
+      job trace-1f1b-mb8-graphed-n 100 python tools/train_gpt.py $G13B $t --micro-batches 8 --no-return-outputs --cudagraph
+      }
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

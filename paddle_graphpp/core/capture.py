@@ -256,12 +256,11 @@ class Process:
         self._live, self._grad_readers = live, {}
         failed: set = set()
         errors: list[BaseException] = []
-        with self.runtime.capture_allocations():
-            if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
-                gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
-                if gen is not None and not gen.order:
-                    self.runtime.prepare_pool(gen.pool)
-            self._capture_events(events, live, failed, errors)
+        if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
+            gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
+            if gen is not None and not gen.order:
+                self.runtime.prepare_pool(gen.pool)
+        self._capture_events(events, live, failed, errors)
         live.clear()
         # the captured positions hold the tensors they use (gradients not given back stay owned)
         self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}

@@ -15,7 +15,6 @@ of a framework's package. Nothing here imports a framework until one of these is
 from __future__ import annotations
 
 import abc
-import contextlib
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -397,11 +396,6 @@ class GraphRuntime(abc.ABC):
         scratch and that work share one block instead of the pool being cut to the activations'
         sizes. Returns the bytes reserved. Default: nothing (0)."""
         return 0
-
-    def capture_allocations(self) -> ContextManager:
-        """Entered around a batch of captures (the pool's reservation, :meth:`prepare_pool`,
-        included): how the allocator lays out the memory the captures take. Default: as always."""
-        return contextlib.nullcontext()
 
     def lend_pool(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
         """Let eager work that runs while ``is_idle()`` (no micro-batch in flight, so every

@@ -449,11 +449,6 @@ class TorchRuntime(GraphRuntime):
     def lend_pool(self, pool, is_idle, on_leak) -> None:
         self._pool_lender().lend(pool, is_idle, on_leak)
 
-    def capture_allocations(self):
-        if not (torch.cuda.is_available() and _expandable_pool()):
-            return contextlib.nullcontext()
-        return _expandable_segments()
-
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -493,38 +488,6 @@ def _reserve_pool() -> bool:
     temporaries between episodes, and capture after the first optimizer step (see pool_lending)."""
     raw = os.environ.get(_RESERVE_FLAG)
     return raw is None or env_flag_value(raw, _RESERVE_FLAG)
-
-
-_EXPANDABLE_FLAG = "FLAGS_graphpp_expandable_pool"
-
-
-def _expandable_pool() -> bool:
-    """``FLAGS_graphpp_expandable_pool`` (default off): the memory captures take comes from
-    expandable segments (one growing virtual range per pool and stream) instead of segments cut
-    to the sizes asked for, whatever ``PYTORCH_CUDA_ALLOC_CONF`` says for eager memory."""
-    raw = os.environ.get(_EXPANDABLE_FLAG)
-    return raw is not None and env_flag_value(raw, _EXPANDABLE_FLAG)
-
-
-def _alloc_conf() -> str:
-    return ",".join(os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
-
-
-@contextlib.contextmanager
-def _expandable_segments():
-    """Segments the allocator creates inside are expandable; afterwards, as configured."""
-    conf = _alloc_conf().replace(" ", "")
-    if "expandable_segments:True" in conf:
-        yield  # already on for everything
-        return
-    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setting is None:
-        setting = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
-    setting("expandable_segments:True")
-    try:
-        yield
-    finally:
-        setting("expandable_segments:False")
 
 
 def _inside_ddp_forward() -> bool:
