@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
-from paddle_graphpp.torch.runtime import TorchRuntime
+from paddle_graphpp.torch.runtime import TorchRuntime, storage_watches
 from fake_graphs import FakeGraphs
 
 
@@ -35,6 +35,14 @@ class FakeGraphRuntime(FakeGraphs, TorchRuntime):
 
     def async_allocator_active(self):
         return False
+
+    # CPU tensors: the outputs' lifetimes are watched as on a GPU; "giving memory back" is
+    # bookkeeping only (the alias owns its memory here, as nothing is overwritten by a replay).
+    def memory_watches(self, tensors, others):
+        return storage_watches(tensors, others) if tensors else None
+
+    def weak_alias(self, tensor):
+        return tensor.detach()
 
 
 class Graphed(torch.nn.Module):

@@ -728,3 +728,88 @@ def test_holding_the_last_layers_output_does_not_hold_the_earlier_layers_outputs
     assert a.engine.replays and b.engine.replays
     assert moved and all(any(t is k for k in kept) for ts in moved for t in ts)
     assert sum(len(ts) for ts in moved) == len(moved)  # one tensor each time: b's output, never a's
+
+
+# ------------------------------------- outputs whose memory the recorded step freed early
+def run_dropping(layer, order, hold=()):
+    """Like :func:`step`, but a micro-batch's output is dropped once its backward ran, as a
+    pipeline schedule does (unless its number is in ``hold``); returns the outputs still held."""
+    outs, held = {}, {}
+    for tok in order.split():
+        n = int(tok[1:])
+        if tok[0] == "f":
+            outs[n] = layer(torch.randn(2, 4, requires_grad=True))
+        elif n in hold:
+            held[n] = outs.pop(n)
+            held[n].sum().backward()
+        else:
+            outs.pop(n).sum().backward()
+    return held
+
+
+def positions_of(layer):
+    (sig,) = layer.engine._signatures.values()
+    return sig.positions
+
+
+def test_an_output_the_recorded_step_freed_gives_its_memory_back_where_it_was_freed(rt):
+    # f1 f2 b1 f3 b2 b3: micro-batch 1's output is dropped after b1 (Linear's backward does not
+    # save it), so the capture gives it back before f3's graph, which may take that memory;
+    # the outputs still alive when the episode ends stay their positions' for good.
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    order = "f1 f2 b1 f3 b2 b3"
+    for _ in range(3):
+        run_dropping(layer, order)
+    done = positions_of(layer)
+    assert set(done) == {0, 1, 2}
+    assert done[0].owned[0] is None  # given back at its release point
+    assert done[1].owned[0] is None  # dropped after b2, before b3's graph
+    assert done[2].owned == [None]  # dropped after the last graph: never watched to a release point
+    proc = layer.engine.process
+    checks = {k[2:]: [link.position for link in links] for k, links in proc._checks.items()}
+    assert checks == {(2, "forward"): [0], (2, "backward"): [1]}
+
+
+def test_an_output_held_longer_than_in_the_recorded_step_moves_before_its_memory_is_reused(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    order = "f1 f2 b1 f3 b2 b3"
+    for _ in range(3):
+        run_dropping(layer, order)
+    moved = []
+    original = rt.move_to_copies
+    rt.move_to_copies = lambda tensors: moved.append(list(tensors)) or original(tensors)
+    run_dropping(layer, order)
+    assert moved == []  # dropped as in the recorded step: nothing to move
+    static = positions_of(layer)[0].static_outputs[0]
+    held = run_dropping(layer, order, hold=(1,))
+    assert len(moved) == 1 and moved[0][0] is held[1]  # before f3's replay
+    assert held[1].data_ptr() != static.data_ptr()  # its values now live in memory of its own
+
+
+def test_outputs_alive_to_the_end_of_the_recorded_step_or_sharing_memory_stay_owned(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    for _ in range(3):
+        run_dropping(layer, "f1 f2 b1 f3 b2 b3", hold=(1, 2, 3))
+    assert all(p.owned == [None] and not p.static_outputs[0] is None for p in positions_of(layer).values())
+    assert layer.engine.process._checks == {}
+
+    class Passthrough(torch.nn.Module):  # returns a view of its input: its memory is the input's
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.w, x[0]
+
+    views = Graphed(Passthrough(), rt, num_warmup_steps=1)
+    for _ in range(3):
+        outs = {}
+        for tok in "f1 f2 b1 f3 b2 b3".split():
+            n = int(tok[1:])
+            if tok[0] == "f":
+                outs[n] = views(torch.randn(2, 4, requires_grad=True))
+            else:
+                y, _ = outs.pop(n)
+                y.sum().backward()
+    (sig,) = views.engine._signatures.values()
+    assert sig.positions and all(p.owned == [None, None] for p in sig.positions.values())

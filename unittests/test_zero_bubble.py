@@ -530,6 +530,36 @@ def test_input_then_weight_half_give_autograd_gradients():
     assert state.groups == [] and state.saved == {}  # released
 
 
+def test_an_output_dropped_after_its_input_pass_gives_its_memory_back_before_the_weight_passes(rt):
+    # The schedule drops each micro-batch's stage output after its input pass. Only the weight
+    # halves remain, and they start from saved state, not from the outputs: b's output is free
+    # from its input pass on (not held until its weight half, by the call or by the handle that
+    # keeps its autograd node for the weight pass), and goes back to the pool for the graphs
+    # captured after that point. a's output is b's saved input: it waits for b's weight half.
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    params = [*a.parameters(), *b.parameters()]
+    for _ in range(3):
+        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
+        ys = [b(a(x)) for x in xs]
+        passes = []
+        for p in range(2):
+            passes.append(stage_backward_input([ys[p].sum()], None, [xs[p]], params)[1])
+            ys[p] = None
+        for groups in passes:
+            stage_backward_weight(params, groups)
+    names = {id(a.engine): "a", id(b.engine): "b"}
+    checks = {(names[k[0]], k[2], k[3]): [(names[link.layer], link.position) for link in links]
+              for k, links in a.engine.process._checks.items()}
+    assert checks[("b", 1, "input")] == [("b", 0)]  # right after b's input pass of micro-batch 0
+    assert ("b", 0) not in [o for (layer, _, kind), outs in checks.items() if kind == "weight" for o in outs]
+    released = [o for outs in checks.values() for o in outs]
+    assert ("a", 0) in released and ("b", 1) in released
+    for layer in (a, b):
+        (sig,) = layer.engine._signatures.values()
+        assert all(p.owned == [None] for p in sig.positions.values())
+
+
 def test_a_gradient_one_graph_hands_another_goes_back_to_the_pool_once_its_reader_is_captured(rt):
     # Layer b's input gradient is layer a's incoming gradient (a link: nothing is copied). Once
     # a's whole backward is captured (its weight half too: it may read that gradient, saved at a

@@ -17,6 +17,10 @@
 #                                                       #   interleaved_zb in 3 alternating rounds at seq 2048,
 #                                                       #   4 micro-batches; GPUs 2,3: memory traces (tied
 #                                                       #   modules eager; without return_outputs)
+#   LIMIT=420 bash benchmarks/scripts/device-2026-11-26-x4.sh 8   # after outputs give their memory back
+#                                                       #   where the recorded step freed them: GPUs 0,1 the
+#                                                       #   GPU tests; GPUs 2,3 traces of the graphed runs,
+#                                                       #   then the zero-bubble GPU tests
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -174,6 +178,28 @@ case "$PHASE" in
       job trace-1f1b-mb8-eager-n 100 python tools/train_gpt.py $G13B $t --micro-batches 8 --no-return-outputs
       job trace-1f1b-mb8-graphed-n 100 python tools/train_gpt.py $G13B $t --micro-batches 8 --no-return-outputs --cudagraph
       }
+    } ;;
+  8)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 150"
+    queue_a() {
+      pytest_job tests-engine 80 unittests/gpu/test_engine_gpu.py
+      pytest_job tests-faults 100 unittests/gpu/test_faults_gpu.py
+      pytest_job tests-generators-allocator-optim 120 unittests/gpu/test_generators_gpu.py \
+        unittests/gpu/test_allocator_gpu.py unittests/gpu/test_optim_gpu.py
+      pytest_job tests-hf 110 unittests/gpu/test_hf_gpu.py
+      pytest_job tests-pipeline-default 100 unittests/gpu/test_pipeline_gpu.py -k "default"
+    }
+    queue_b() {
+      local cfg mb
+      for cfg in "zbv:--vpp 2 --schedule zbv" "izb:--vpp 2 --schedule interleaved_zb" "dpv:--vpp 2 --schedule dualpipev" "1f1b:"; do
+        for mb in 8 4; do
+          # shellcheck disable=SC2086
+          job "trace-${cfg%%:*}-mb$mb-graphed-r" 60 python tools/train_gpt.py $G13B ${cfg#*:} --micro-batches $mb \
+            --cudagraph --memory-trace
+        done
+      done
+      pytest_job tests-zero-bubble 150 unittests/gpu/test_zero_bubble_gpu.py
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

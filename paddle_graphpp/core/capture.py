@@ -96,6 +96,17 @@ class Process:
         self._live: Any = {}
         self._grad_readers: dict[int, list] = {}
         self.deferred = 0  # recordings dropped in a row because the runtime asked to wait
+        # Outputs that die within the recorded episode (see watch_outputs): while recording, the
+        # watches [(is the memory in use, Link)] and per event index the outputs found dead
+        # before it; during capture, the owner lists holding each such output's memory
+        self._watches: list = []
+        self._deaths: dict[int, list] = {}
+        self._owners: dict = {}
+        # After capture: per (layer id, key, position, kind) of a captured graph, the outputs
+        # whose memory later graphs may take once it has run (checked before it replays), and
+        # the aliases of those outputs handed out by their position's last replay
+        self._checks: dict[tuple, tuple] = {}
+        self._handed: dict = {}
 
     # ------------------------------------------------------ shared parameters
     def accumulate_in_graphs(self, layer: Any, params: Sequence[Any]) -> None:
@@ -129,7 +140,15 @@ class Process:
         """``layer`` was reset: drop its calls from the recording (the static buffer slots they
         took stay allocated; inputs recorded as links to its outputs get buffers of their own
         at capture) and from the layers whose graphs a dropped generation concerns."""
-        self._events = [e for e in self._events if e[0] is not layer]
+        kept, deaths, carried = [], {}, []
+        for index, event in enumerate(self._events):
+            carried.extend(self._deaths.get(index, ()))
+            if event[0] is not layer:
+                if carried:
+                    deaths[len(kept)], carried = carried, []
+                kept.append(event)
+        self._events, self._deaths = kept, deaths
+        self._watches = [w for w in self._watches if w[1].layer != id(layer)]
         self._layers.pop(id(layer), None)
 
     def buffer_slot(self, spec: Any, *, reuse: bool) -> int:
@@ -167,6 +186,75 @@ class Process:
         if entry is None or entry[0]() is None:
             return None
         return entry[1]
+
+    def watch_outputs(self, layer: Any, key: Hashable, position: int, outputs: Sequence[Any],
+                      others: Sequence[Any]) -> None:
+        """A recorded forward returned ``outputs`` (the eager run's; ``others``: its inputs and
+        parameters). The moment in the episode after which nothing uses an output's memory any
+        more (no reader holds it: not the schedule, not a later layer's saved input, not the
+        producer's own backward) is noted, at the start of the next graphed call, as the event recorded
+        next (never the one during which it died: that one may still read it); the captured output then
+        gives its memory back to the pool at that point of the capture order
+        (:meth:`_release_outputs`), as eager memory is freed. An output whose memory is shared
+        (a view of an input, two outputs of one storage) or still in use at the end of the
+        episode stays the position's for good."""
+        watches = self.runtime.memory_watches(outputs, others)
+        if watches is None:
+            return
+        self._watches.extend((alive, Link(id(layer), key, position, index, "out"))
+                             for index, alive in enumerate(watches) if alive is not None)
+
+    def poll_watches(self) -> None:
+        """At the start of a graphed call (before it runs anything): the watched outputs found
+        dead now died before the event recorded next, which may take their memory."""
+        if not self._watches:
+            return
+        dead = [link for alive, link in self._watches if not alive()]
+        if dead:
+            self._watches = [w for w in self._watches if w[1] not in dead]
+            self._deaths.setdefault(len(self._events), []).extend(dead)
+
+    def dies_in_episode(self, link: Link) -> bool:
+        """During capture: the recorded output ``link`` was found dead before the episode ended."""
+        return any(link in links for links in self._deaths.values())
+
+    def own_output(self, link: Link, owners: list, index: int) -> None:
+        """During capture: ``owners[index]`` holds the memory of output ``link`` (see
+        :meth:`watch_outputs`) until its release point."""
+        self._owners[link] = (owners, index)
+
+    def _release_outputs(self, links: Sequence[Link]) -> None:
+        for link in links:
+            entry = self._owners.pop(link, None)
+            if entry is not None:
+                entry[0][entry[1]] = None
+
+    def handed_out(self, layer: Any, key: Hashable, position: int, outputs: Sequence[Any]) -> None:
+        """A replay of ``layer``'s forward at ``position`` handed out ``outputs`` (aliases of its
+        static outputs): remembered weakly where a release point follows (see :meth:`before_replay`)."""
+        for index, t in enumerate(outputs):
+            link = Link(id(layer), key, position, index, "out")
+            if link in self._handed:
+                try:
+                    self._handed[link] = weakref.ref(t)
+                except TypeError:
+                    pass
+
+    def before_replay(self, layer: Any, key: Hashable, position: int, kind: str) -> None:
+        """Before a graph replays: outputs whose memory was given back to the pool at this point
+        of the capture order, if someone still holds what their last replay handed out (a
+        schedule that keeps outputs longer than in the recorded step), get their values moved to
+        memory of their own first: the graphs from here on may overwrite that memory."""
+        for link in self._checks.get((id(layer), key, position, kind), ()):
+            ref = self._handed.get(link)
+            t = ref() if ref is not None else None
+            if t is not None:
+                self._handed[link] = None
+                if not self.runtime.move_to_copies([t]):
+                    warnings.warn(f"paddle_graphpp: an output of an earlier micro-batch is still referenced where "
+                                  f"the recorded step had freed it, and the {self.runtime.name} runtime cannot move "
+                                  f"it to memory of its own: it may now hold other values. Clone an output you "
+                                  f"keep.", RuntimeWarning, stacklevel=3)
 
     # --------------------------------------------------------------- capture
     def static_for(self, slot: Any, spec: Any) -> Any:
@@ -232,6 +320,7 @@ class Process:
         """
         events, self._events = self._events, []
         specs, self._slot_specs = self._slot_specs, []
+        self._watches = []  # outputs alive at the end of the episode stay their positions'
         self._free_slots.clear()
         self._produced_recorded.clear()
         layers = list({id(layer): layer for layer, *_ in events}.values())
@@ -243,6 +332,7 @@ class Process:
             self.deferred += 1
             for layer in layers:
                 layer._recording_dropped()
+            self._deaths = {}
             return
         self.deferred = 0
         # The recorded episode's activations are free but cached by the allocator: return them
@@ -261,6 +351,7 @@ class Process:
             if gen is not None and not gen.order:
                 self.runtime.prepare_pool(gen.pool)
         self._capture_events(events, live, failed, errors)
+        self._deaths, self._owners = {}, {}
         live.clear()
         # the captured positions hold the tensors they use (gradients not given back stay owned)
         self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
@@ -286,25 +377,36 @@ class Process:
         complete = {(id(layer), key, pos) for layer, key, pos, forward, half in events
                     if not forward and half != "input"}
         captured: set = set()  # per_graph slots come back within an episode: capture each once
-        for layer, key, pos, forward, half in events:
+        released: list = []  # outputs whose memory went back to the pool since the last captured graph
+        first: Optional[tuple] = None  # the first graph captured: the next episode's first replay
+        checks: dict = {}  # see self._checks
+        for index, (layer, key, pos, forward, half) in enumerate(events):
+            dead = self._deaths.get(index, ())
+            self._release_outputs(dead)
+            released.extend(dead)
             slot = (id(layer), key, pos)
             if slot not in complete or slot in captured or (id(layer), key) in failed:
                 continue
+            made = False  # a graph was captured
             try:
                 if forward:
                     state = layer._capture_recorded_forward(key, pos)
                     if state is not None:
                         live[slot] = state
+                        made = True
                 elif slot in live and half == "input":
                     live[slot] = layer._capture_recorded_backward_input(key, pos, live[slot])
+                    made = True
                 elif slot in live and half == "weight":
                     layer._capture_recorded_backward_weight(key, pos, live.pop(slot))
                     captured.add(slot)
                     self._complete(slot)
+                    made = True
                 elif slot in live:
                     layer._capture_recorded_backward(key, pos, live.pop(slot))
                     captured.add(slot)
                     self._complete(slot)
+                    made = True
             except BaseException as exc:  # noqa: BLE001 - the layer decides what a failure means
                 failed.add((id(layer), key))
                 live.pop(slot, None)
@@ -316,6 +418,16 @@ class Process:
                 exc = None  # the traceback's frames hold the failed capture's tensors
                 if error is not None:
                     errors.append(error)
+            if made:
+                check = (id(layer), key, pos, "forward" if forward else (half or "backward"))
+                first = first or check
+                if released:  # this graph is the first that may overwrite them
+                    checks[check] = (*checks.get(check, ()), *released)
+                    released = []
+        if released and first is not None:  # released after the last graph: the next episode's first overwrites
+            checks[first] = (*checks.get(first, ()), *released)
+        self._checks.update(checks)
+        self._handed.update((link, None) for links in checks.values() for link in links)
 
     def _agree(self, errors: list) -> list:
         """With a capture agreement set (see ``GraphRuntime.capture_agreement``), every rank of

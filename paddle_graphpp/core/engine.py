@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import collectives as _collectives
 from . import guards as _guards
 from . import memory as _memory
-from .capture import Process, process_for
+from .capture import Link, Process, process_for
 from .errors import CaptureError, GraphedLayerError, GraphScheduleError, SignatureError, StateReplacedError, release_frames
 from .runtime import GraphRuntime, TensorSpec, runtime_for
 from .schedule import InFlightQueue
@@ -207,6 +207,10 @@ class _Position:
     weight_graph: Any = None
     weight_buffers: tuple = ()
     input_param_used: tuple = ()
+    # Per output: the tensor owning its memory where static_outputs holds an alias that does not
+    # (an output the recorded step freed within the episode), until its release point in the
+    # capture order sets it to None (Process.watch_outputs); None where static_outputs owns it
+    owned: Any = ()
 
 
 @dataclass(slots=True)
@@ -222,6 +226,8 @@ class _Live:
     outputs_shape: _Outputs
     linked: tuple = ()  # see _Position.linked
     state: Optional[StateWatch] = None  # see _Position.state
+    static_outputs: tuple = ()  # see _Position.static_outputs
+    owned: Any = ()  # see _Position.owned
 
 
 @dataclass(slots=True)
@@ -406,6 +412,7 @@ class GraphedCallable:
 
     # --------------------------------------------------------------- forward
     def _forward(self, call: _Call) -> list:
+        self.process.poll_watches()
         clock = self.process.clock
         sig = None if call.force_eager else self._signature_for(call)
         episode = clock.forward_started()
@@ -504,6 +511,8 @@ class GraphedCallable:
         proc.record(self, call.key, call.position, forward=True)
         if reuse:
             proc.note_produced(self, call.key, call.position, "out", call.eager[1])
+            inner, outs, inner_params = call.eager
+            proc.watch_outputs(self, call.key, call.position, outs, [*inner, *inner_params])
         call.run = _Run.RECORDED
 
     def _inputs_in_place(self, call: _Call, done: _Position) -> bool:
@@ -522,6 +531,7 @@ class GraphedCallable:
 
     def _replay_forward(self, call: _Call, done: _Position, copy_inputs: bool = True) -> list:
         rt = self.runtime
+        self.process.before_replay(self, call.key, call.position, "forward")
         if done.state is not None:
             self._check_state(done.state)
         self.plan.note_replay(done.generation, id(done.fwd_graph), True, self.name)
@@ -542,6 +552,7 @@ class GraphedCallable:
             self._handed_out[(call.key, call.position)] = [weakref.ref(o) for o in outs]
         except TypeError:  # a tensor type without weak references: nothing is tracked
             pass
+        self.process.handed_out(self, call.key, call.position, outs)
         return outs
 
     def _keep_held_outputs(self, call: _Call) -> None:
@@ -562,6 +573,7 @@ class GraphedCallable:
     def _backward(self, call: _Call, grads: Sequence[Any], weights_wanted: bool = True) -> list:
         """``weights_wanted``: does autograd ask for the parameters' gradients? Asking for none
         runs the input half of a split backward."""
+        self.process.poll_watches()
         if call.weight_pending:
             return self._backward_weight(call)  # the schedule's weight pass, after the input pass
         split = not weights_wanted and bool(call.params) and self.runtime.splits_backward
@@ -631,6 +643,10 @@ class GraphedCallable:
             got, param_grads, call.weight_state = rt.backward_input(outs, diff_grads, wrt, inner_params)
         else:
             got, param_grads = [None] * len(wrt), [None] * len(call.params)
+        # The weight half starts from the state, not the outputs: they are free to go now, as a
+        # full backward's are after it (the recording then sees when their memory is unused).
+        call.eager = (inner, None, inner_params)
+        outs = None
         it = iter(got)
         input_grads = [next(it) if s.requires_grad else None for s in call.shape.specs]
         if call.run is _Run.RECORDED and sig is not None:
@@ -756,6 +772,7 @@ class GraphedCallable:
             n = len(call.shape.specs)
             first = self._replay_backward_input(call, done, diff_grads)
             return first[:n] + self._sum_grads(first[n:], self._replay_weight_graph(call, done))
+        self.process.before_replay(self, call.key, call.position, "backward")
         self.plan.note_replay(done.generation, id(done.bwd_graph), False, self.name)
         _collectives.check_replay(done.bwd_graph)
         if done.static_grad_outputs:
@@ -775,6 +792,7 @@ class GraphedCallable:
 
     def _replay_backward_input(self, call: _Call, done: _Position, diff_grads: list) -> list:
         rt = self.runtime
+        self.process.before_replay(self, call.key, call.position, "input")
         self.plan.note_replay(done.generation, id(done.bwd_graph), False, self.name, finishes=False)
         _collectives.check_replay(done.bwd_graph)
         if done.static_grad_outputs:
@@ -803,6 +821,7 @@ class GraphedCallable:
         if done.accumulate:
             used = [(p, b) for p, b, u in zip(call.params, done.weight_buffers, done.param_grad_used) if u]
             self._bind_grads([p for p, _ in used], [b for _, b in used])
+        self.process.before_replay(self, call.key, call.position, "weight")
         self.plan.note_replay(done.generation, id(done.weight_graph), False, self.name)
         _collectives.check_replay(done.weight_graph)
         rt.replay_graph(done.weight_graph)
@@ -836,7 +855,15 @@ class GraphedCallable:
             live = self._capture_forward(sig, static_inputs, rec.outputs)
         live.linked = tuple((i, rt.alias_key(t)) for i, (slot, t) in enumerate(zip(rec.input_slots, static_inputs))
                             if not isinstance(slot, int))
-        proc.captured(self, key, position, "out", [rt.detach(o) for o in live.outputs])
+        statics, owned = list(live.static_outputs), [None] * len(live.static_outputs)
+        for index, t in enumerate(statics):
+            link = Link(id(self), key, position, index, "out")
+            alias = rt.weak_alias(t) if proc.dies_in_episode(link) else None
+            if alias is not None:  # its memory goes back to the pool where the recorded step freed it
+                statics[index], owned[index] = alias, t
+                proc.own_output(link, owned, index)
+        live.static_outputs, live.owned = tuple(statics), owned
+        proc.captured(self, key, position, "out", live.static_outputs)
         return live
 
     def _capture_recorded_backward(self, key: Any, position: int, live: _Live) -> None:
@@ -903,7 +930,7 @@ class GraphedCallable:
         plan.note_capture(gen, id(graph), _memory.now() - start)
         self.captures += 1
         return _Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured,
-                     state=self._state_watch())
+                     state=self._state_watch(), static_outputs=tuple(rt.detach(o) for o in outs))
 
     def _capture_backward(self, sig: _Signature, live: _Live, static_grads: Sequence[Any]) -> _Position:
         """Capture the backward of ``live``'s forward; returns the position's record."""
@@ -933,10 +960,10 @@ class GraphedCallable:
         it = iter(input_grads)
         return _Position(
             generation=live.generation, fwd_graph=live.graph, bwd_graph=graph, static_inputs=live.static_inputs,
-            static_outputs=tuple(rt.detach(o) for o in live.outputs), static_grad_outputs=tuple(static_grads),
+            static_outputs=live.static_outputs, static_grad_outputs=tuple(static_grads),
             static_grad_inputs=tuple(next(it) if s.requires_grad else None for s in sig.shape.specs),
             param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate, linked=live.linked,
-            state=live.state)
+            state=live.state, owned=live.owned)
 
     def _capture_backward_input(self, sig: _Signature, live: _Live, static_grads: Sequence[Any]) -> _InputHalf:
         """Capture the input half of ``live``'s backward; its autograd graph stays live for
@@ -965,6 +992,7 @@ class GraphedCallable:
                 input_grads, state = [None] * len(wrt), None
         plan.note_capture(live.generation, id(graph), _memory.now() - start)
         self.captures += 1
+        live.outputs = []  # the weight half starts from the state: the outputs' memory may go (see _Live.owned)
         it = iter(input_grads)
         return _InputHalf(live, graph, tuple(static_grads),
                           tuple(next(it) if s.requires_grad else None for s in sig.shape.specs), state, param_used)
@@ -983,7 +1011,6 @@ class GraphedCallable:
                 self._weight_grad_buffers = [rt.static_like(p) for p in sig.params]
             buffers = tuple(self._weight_grad_buffers)
         move = rt.add_many if sig.accumulate else rt.copy_many
-        static_outputs = tuple(rt.detach(o) for o in live.outputs)
         graph = rt.create_graph()
         start = _memory.now()
         used = [False] * len(sig.params)
@@ -993,16 +1020,15 @@ class GraphedCallable:
                     move([buffers[i] for i in index], grads)
                     for i in index:
                         used[i] = True
-            half.weight_state = None
-            live.outputs = list(static_outputs)  # drops the last references to the autograd graph
+            half.weight_state = None  # drops the last references to the autograd graph
         plan.note_capture(live.generation, id(graph), _memory.now() - start)
         self.captures += 1
         return _Position(
             generation=live.generation, fwd_graph=live.graph, bwd_graph=half.graph, static_inputs=live.static_inputs,
-            static_outputs=static_outputs, static_grad_outputs=half.static_grads,
+            static_outputs=live.static_outputs, static_grad_outputs=half.static_grads,
             static_grad_inputs=half.static_grad_inputs, param_grad_used=tuple(used),
             outputs=live.outputs_shape, accumulate=sig.accumulate, linked=live.linked, weight_graph=graph,
-            weight_buffers=buffers, state=live.state, input_param_used=half.param_used)
+            weight_buffers=buffers, state=live.state, input_param_used=half.param_used, owned=live.owned)
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):

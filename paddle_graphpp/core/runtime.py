@@ -130,6 +130,19 @@ class GraphRuntime(abc.ABC):
         after this point (everyone who holds the tensor object keeps a valid alias of that
         address). A runtime that cannot keeps it owned (the default): correct, without the saving."""
 
+    def memory_watches(self, tensors: Sequence[Any], others: Sequence[Any]) -> Optional[list]:
+        """Recording: per tensor (an eager call's outputs), a function that tells whether anyone
+        still uses its memory (any tensor over it, autograd's saved ones included), or ``None``
+        when the tensors share memory with each other or with ``others`` (the call's inputs and
+        parameters) or the runtime cannot tell. Default: ``None`` (outputs stay their
+        positions' for good)."""
+        return None
+
+    def weak_alias(self, tensor: Any) -> Optional[Any]:
+        """A new tensor object over ``tensor``'s memory (shape, strides, dtype) that does not own
+        it, or ``None`` where the runtime cannot make one (default)."""
+        return None
+
     def move_to_copies(self, tensors: Sequence[Any]) -> bool:
         """Give each tensor (an output handed out earlier, whose graph buffer the next replay
         overwrites) its current values in new memory of its own, the tensor objects staying

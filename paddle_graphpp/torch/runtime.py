@@ -155,6 +155,21 @@ class TorchRuntime(GraphRuntime):
         with torch.no_grad():
             tensor.set_(alias, tensor.storage_offset(), tensor.shape, tensor.stride())
 
+    def memory_watches(self, tensors, others):
+        if not tensors or not all(t.is_cuda for t in tensors):
+            return None  # graph memory only (see release_to_pool)
+        return storage_watches(tensors, others)
+
+    def weak_alias(self, tensor):
+        if not tensor.is_cuda:
+            return None
+        storage = tensor.untyped_storage()
+        alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
+        out = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        with torch.no_grad():
+            out.set_(alias, tensor.storage_offset(), tensor.shape, tensor.stride())
+        return out
+
     def move_to_copies(self, tensors) -> bool:
         # ``.data`` swaps the tensor's storage for the copy's, keeping the object (and the
         # references others hold to it); autograd is unaffected: the call's backward is over.
@@ -306,12 +321,14 @@ class TorchRuntime(GraphRuntime):
             # A zero-bubble input pass (torch.distributed.pipelining's stage_backward_input)
             # detaches the stage's outputs and keeps only Python handles of the nodes its weight
             # pass restarts at; a custom function's handle does not keep its node alive, so the
-            # weight pass would find it freed (torch 2.11: "_input_metadata is invalid"). A view
-            # of an output holds the node until the engine ends the call's backward.
+            # weight pass would find it freed (torch 2.11: "_input_metadata is invalid"). The node
+            # of a view of an output (a C++ node, whose handle owns it) holds this node until the
+            # engine ends the call's backward; the view itself is dropped, so the output's memory
+            # is not held with it.
             first = next((o for o in (outputs if isinstance(outputs, tuple) else (outputs,))
                           if isinstance(o, torch.Tensor) and o.requires_grad), None)
             if first is not None:
-                call.anchor = first.view_as(first)
+                call.anchor = first.view_as(first).grad_fn
         return outputs
 
     # graph operations
@@ -452,6 +469,22 @@ class TorchRuntime(GraphRuntime):
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def storage_watches(tensors, others) -> Optional[list]:
+    """Per tensor, whether its storage is still alive (a weak reference to the storage: a tensor
+    object may die while autograd keeps its storage saved); ``None`` when two of ``tensors`` share
+    a storage, or one shares a storage with ``others``."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storages = [t.untyped_storage() for t in tensors]
+    keys = [(s.device, s.data_ptr()) for s in storages]
+    taken = {(o.untyped_storage().device, o.untyped_storage().data_ptr()) for o in others
+             if isinstance(o, torch.Tensor)}
+    if len(set(keys)) != len(keys) or taken.intersection(keys) or any(p == 0 for _, p in keys):
+        return None
+    refs = [StorageWeakRef(s) for s in storages]
+    return [lambda ref=ref: not ref.expired() for ref in refs]
 
 
 def _backward_hooked(outputs, grad_outputs, inputs, aliases, on_grad, *, preset=None, retain_graph=False) -> list:
