@@ -48,6 +48,7 @@ import argparse
 import copy
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -103,7 +104,7 @@ def two_gpu(opts, schedules: list) -> int:
                         continue
                     args = ["--framework", "torch", *schedule_args(schedule), *shape, "--seq-len", str(seq),
                             "--micro-batches", str(n_mb), "--steps", str(steps), "--seed", "1234", "--timeout", "300",
-                            *([] if opts.smoke else ["--profile-steps", "3"]), *extra]
+                            *([] if opts.smoke else ["--profile-steps", "3"]), *shlex.split(opts.trainer_args), *extra]
                     print(f"[seq {seq} / {n_mb} micro-batches / {schedule} / {variant}] ...", flush=True)
                     record = run_one(args, timeout=min(600.0, remaining - 30))
                     record.update(seq_len=seq, micro_batches=n_mb, schedule=schedule, variant=variant)
@@ -128,7 +129,7 @@ def two_gpu(opts, schedules: list) -> int:
     if opts.smoke:
         return 0 if all("error" not in r for r in runs) else 1
     payload = {"command": benchlib.command(), **benchlib.environment(), "steps": steps, "shape": shape,
-               "summary": summary, "settings": settings,
+               "trainer_args": opts.trainer_args, "summary": summary, "settings": settings,
                "runs": [{k: r[k] for k in ("command", "seconds", "error", "stderr_tail", "tokens_per_s", "losses",
                                          "per_rank", "timed_steps") if k in r} for r in runs]}
     path = benchlib.write_result(opts.name, payload)
@@ -205,7 +206,7 @@ def merge(opts) -> int:
             return 2
     first = parts[0]
     for path, part in zip(opts.merge, parts):
-        for key in ("device", "shape", "steps", "torch"):
+        for key in ("device", "shape", "steps", "torch", "trainer_args"):
             if part.get(key) != first.get(key):
                 print(f"bench_zero_bubble --merge: {path} has {key}={part.get(key)!r}, {opts.merge[0]} has "
                       f"{first.get(key)!r}; merge only runs of one benchmark configuration", file=sys.stderr)
@@ -228,7 +229,7 @@ def merge(opts) -> int:
     print(json.dumps(summary, indent=1))
     env = {k: first.get(k) for k in ("date", "python", "torch", "cuda", "device", "device_count", "nccl")}
     payload = {"command": benchlib.command(), "parts": [p["command"] for p in parts], **env, "steps": first["steps"],
-               "shape": first["shape"], "summary": summary, "settings": settings,
+               "shape": first["shape"], "trainer_args": first.get("trainer_args"), "summary": summary, "settings": settings,
                "runs": [r for p in parts for r in p["runs"]]}
     path = benchlib.write_result(opts.name, payload, slug=benchlib.slug_of(first["device"]))
     print(f"wrote {path}")
@@ -316,6 +317,8 @@ def main() -> int:
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--schedules", nargs="+", default=list(ZERO_BUBBLE), choices=list(ZERO_BUBBLE))
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--trainer-args", default="", metavar="ARGS",
+                        help="more tools/train_gpt.py arguments for every run (write --trainer-args=--no-return-outputs)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole two-GPU benchmark")
     parser.add_argument("--name", default="zero-bubble", help="result file name: <name>-<device>.json")
     parser.add_argument("--single-gpu", action="store_true", help="the one-GPU cost of splitting the backward")

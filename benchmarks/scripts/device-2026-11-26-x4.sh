@@ -21,6 +21,9 @@
 #                                                       #   where the recorded step freed them: GPUs 0,1 the
 #                                                       #   GPU tests; GPUs 2,3 traces of the graphed runs,
 #                                                       #   then the zero-bubble GPU tests
+#   LIMIT=300 bash benchmarks/scripts/device-2026-11-26-x4.sh 9   # the zero-bubble benchmark at seq 2048
+#                                                       #   without return_outputs: 4 micro-batches on GPUs
+#                                                       #   0,1, 8 on GPUs 2,3, then merged
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -201,6 +204,15 @@ case "$PHASE" in
       done
       pytest_job tests-zero-bubble 150 unittests/gpu/test_zero_bubble_gpu.py
     } ;;
+  9)
+    queue_a() {
+      job zb-seq2048-mb4-n 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-noret --budget "$(budget 30)"
+    }
+    queue_b() {
+      job zb-seq2048-mb8-n 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret --budget "$(budget 30)"
+    } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 
@@ -212,6 +224,10 @@ elif [ "$GPUS" -ge 4 ]; then
   wait
 else
   queue_a; queue_b
+fi
+if [ "$PHASE" = 9 ] && ls benchmarks/results/zero-bubble-seq2048-mb*-noret-*.json >/dev/null 2>&1; then
+  job zb-merge 30 python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq2048-mb4-noret-*.json \
+    benchmarks/results/zero-bubble-seq2048-mb8-noret-*.json --name zero-bubble-seq2048-no-return-outputs
 fi
 if [ "$PHASE" = 2 ] && ls benchmarks/results/zero-bubble-seq*-*.json >/dev/null 2>&1; then
   job zb-merge 60 python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq2048-*.json \
