@@ -23,7 +23,10 @@
 #                                                       #   then the zero-bubble GPU tests
 #   LIMIT=300 bash benchmarks/scripts/device-2026-11-26-x4.sh 9   # the zero-bubble benchmark at seq 2048
 #                                                       #   without return_outputs: 4 micro-batches on GPUs
-#                                                       #   0,1, 8 on GPUs 2,3, then merged
+#                                                       #   0,1, 8 on GPUs 2,3, then merged (the merge ran
+#                                                       #   here afterwards: the call's time was spent)
+#   LIMIT=120 bash benchmarks/scripts/device-2026-11-26-x4.sh 10  # traces of graphed zbv and interleaved_zb,
+#                                                       #   8 micro-batches, without return_outputs
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -212,6 +215,19 @@ case "$PHASE" in
     queue_b() {
       job zb-seq2048-mb8-n 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
         --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret --budget "$(budget 30)"
+    } ;;
+  10)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 90"
+    # shellcheck disable=SC2086
+    queue_a() {
+      job trace-zbv-mb8-graphed-n2 80 python tools/train_gpt.py $G13B --micro-batches 8 --vpp 2 --schedule zbv \
+        --no-return-outputs --cudagraph --memory-trace
+    }
+    # shellcheck disable=SC2086
+    queue_b() {
+      job trace-izb-mb8-graphed-n2 80 python tools/train_gpt.py $G13B --micro-batches 8 --vpp 2 \
+        --schedule interleaved_zb --no-return-outputs --cudagraph --memory-trace
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
