@@ -66,7 +66,8 @@ def run_one(args: list, timeout: float, extra_env: Optional[dict] = None) -> dic
     deadline = time.monotonic() + max(1.0, timeout)
     end = launch.run([sys.executable, TRAIN, *args], env=env, timeout=max(1.0, timeout))
     retries = 0
-    if end.returncode != 0 and not end.timed_out and launch.PORT_TAKEN in end.stderr and deadline - time.monotonic() > 1:
+    port_taken = end.returncode != 0 and not end.timed_out and launch.PORT_TAKEN in end.stderr
+    if port_taken and deadline - time.monotonic() > 1:
         retries = 1
         end = launch.run([sys.executable, TRAIN, *args], env=env, timeout=deadline - time.monotonic())
     prefix = [f"{k}={v}" for k, v in (extra_env or {}).items()]

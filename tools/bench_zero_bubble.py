@@ -229,7 +229,8 @@ def merge(opts) -> int:
     print(json.dumps(summary, indent=1))
     env = {k: first.get(k) for k in ("date", "python", "torch", "cuda", "device", "device_count", "nccl")}
     payload = {"command": benchlib.command(), "parts": [p["command"] for p in parts], **env, "steps": first["steps"],
-               "shape": first["shape"], "trainer_args": first.get("trainer_args"), "summary": summary, "settings": settings,
+               "shape": first["shape"], "trainer_args": first.get("trainer_args"), "summary": summary,
+               "settings": settings,
                "runs": [r for p in parts for r in p["runs"]]}
     path = benchlib.write_result(opts.name, payload, slug=benchlib.slug_of(first["device"]))
     print(f"wrote {path}")
@@ -318,7 +319,8 @@ def main() -> int:
     parser.add_argument("--schedules", nargs="+", default=list(ZERO_BUBBLE), choices=list(ZERO_BUBBLE))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--trainer-args", default="", metavar="ARGS",
-                        help="more tools/train_gpt.py arguments for every run (write --trainer-args=--no-return-outputs)")
+                        help="more tools/train_gpt.py arguments for every run "
+                             "(written as --trainer-args=--no-return-outputs)")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole two-GPU benchmark")
     parser.add_argument("--name", default="zero-bubble", help="result file name: <name>-<device>.json")
     parser.add_argument("--single-gpu", action="store_true", help="the one-GPU cost of splitting the backward")
