@@ -813,3 +813,25 @@ def test_outputs_alive_to_the_end_of_the_recorded_step_or_sharing_memory_stay_ow
                 y.sum().backward()
     (sig,) = views.engine._signatures.values()
     assert sig.positions and all(p.owned == [None, None] for p in sig.positions.values())
+
+
+def test_a_capture_batch_that_raises_early_leaves_no_output_marked_to_go_back(rt):
+    # The static buffers cannot be allocated (out of memory, say): the recorded deaths of that
+    # episode must not carry over into the next recording's capture, where they would name
+    # outputs that do not die there.
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    order = "f1 f2 b1 f3 b2 b3"
+    run_dropping(layer, order)
+    run_dropping(layer, order)  # recorded: outputs 1 and 2 die within the episode
+    proc = layer.engine.process
+    assert proc._deaths
+    original = rt.static_buffers
+
+    def no_memory(specs):
+        raise RuntimeError("out of memory (simulated)")
+
+    rt.static_buffers = no_memory
+    with pytest.raises(RuntimeError, match="simulated"):
+        run_dropping(layer, order)
+    rt.static_buffers = original
+    assert proc._deaths == {} and proc._dying == set() and proc._owners == {}

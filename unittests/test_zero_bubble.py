@@ -635,3 +635,41 @@ def test_a_handed_gradient_its_producers_weight_half_reads_is_given_back_only_af
         else:  # a weight half being captured reads nothing given back before it
             assert not any(g is r for g in obj for r in released)
     assert len(released) == 4  # per position: c's gradient for b, b's for a
+
+
+def test_the_weight_state_holds_the_outputs_nodes_not_their_memory():
+    # The input half's caller drops the outputs; the junctions are kept as Python handles, which
+    # for a custom function do not own the node on torch <= 2.11. The state keeps a handle that
+    # owns each output's node (a view's node) without keeping the output's memory.
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from paddle_graphpp.torch import split_backward
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, (g * x).sum(0)
+
+    lin = torch.nn.Linear(4, 4)
+    w = torch.nn.Parameter(torch.rand(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = Scale.apply(torch.tanh(lin(x)), w)
+    memory = StorageWeakRef(out.untyped_storage())
+    params = [lin.weight, lin.bias, w]
+    (gx,), state = split_backward.backward_input([out], [torch.ones_like(out)], [x], params)
+    assert [a.next_functions[0][0] for a in state.anchors] == [out.grad_fn]
+    del out
+    assert memory.expired()  # nothing in the state holds the output's memory
+    got = {i: g for index, grads in split_backward.backward_weight(state, params) for i, g in zip(index, grads)}
+    lin2, w2, x2 = copy.deepcopy(lin), w.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    (torch.tanh(lin2(x2)) * w2).sum().backward()
+    for i, want in enumerate([lin2.weight.grad, lin2.bias.grad, w2.grad]):
+        assert torch.allclose(got[i], want)
+    assert torch.allclose(gx, x2.grad)
+    assert state.anchors == []

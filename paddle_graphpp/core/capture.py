@@ -101,6 +101,7 @@ class Process:
         # before it; during capture, the owner lists holding each such output's memory
         self._watches: list = []
         self._deaths: dict[int, list] = {}
+        self._dying: set = set()  # during capture: the outputs that give their memory back
         self._owners: dict = {}
         # After capture: per (layer id, key, position, kind) of a captured graph, the outputs
         # whose memory later graphs may take once it has run (checked before it replays), and
@@ -147,8 +148,13 @@ class Process:
                 if carried:
                     deaths[len(kept)], carried = carried, []
                 kept.append(event)
-        self._events, self._deaths = kept, deaths
-        self._watches = [w for w in self._watches if w[1].layer != id(layer)]
+        mine = id(layer)
+        self._events = kept
+        self._deaths = {i: kept_links for i, links in deaths.items()
+                        if (kept_links := [link for link in links if link.layer != mine])}
+        self._watches = [w for w in self._watches if w[1].layer != mine]
+        self._checks = {k: links for k, links in self._checks.items() if k[0] != mine}
+        self._handed = {link: ref for link, ref in self._handed.items() if link.layer != mine}
         self._layers.pop(id(layer), None)
 
     def buffer_slot(self, spec: Any, *, reuse: bool) -> int:
@@ -215,8 +221,9 @@ class Process:
             self._deaths.setdefault(len(self._events), []).extend(dead)
 
     def dies_in_episode(self, link: Link) -> bool:
-        """During capture: the recorded output ``link`` was found dead before the episode ended."""
-        return any(link in links for links in self._deaths.values())
+        """During capture: the recorded output ``link`` gives its memory back (it was found dead
+        before a graph captured after it)."""
+        return link in self._dying
 
     def own_output(self, link: Link, owners: list, index: int) -> None:
         """During capture: ``owners[index]`` holds the memory of output ``link`` (see
@@ -320,6 +327,7 @@ class Process:
         """
         events, self._events = self._events, []
         specs, self._slot_specs = self._slot_specs, []
+        deaths, self._deaths = self._deaths, {}
         self._watches = []  # outputs alive at the end of the episode stay their positions'
         self._free_slots.clear()
         self._produced_recorded.clear()
@@ -332,7 +340,6 @@ class Process:
             self.deferred += 1
             for layer in layers:
                 layer._recording_dropped()
-            self._deaths = {}
             return
         self.deferred = 0
         # The recorded episode's activations are free but cached by the allocator: return them
@@ -350,8 +357,10 @@ class Process:
             gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
             if gen is not None and not gen.order:
                 self.runtime.prepare_pool(gen.pool)
-        self._capture_events(events, live, failed, errors)
-        self._deaths, self._owners = {}, {}
+        try:
+            self._capture_events(events, deaths, live, failed, errors)
+        finally:
+            self._dying, self._owners = set(), {}
         live.clear()
         # the captured positions hold the tensors they use (gradients not given back stay owned)
         self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
@@ -372,16 +381,24 @@ class Process:
         if errors:
             raise errors[0]
 
-    def _capture_events(self, events: list, live: dict, failed: set, errors: list) -> None:
-        """Capture the recorded ``events`` in order (the loop of :meth:`capture_recorded`)."""
+    def _capture_events(self, events: list, deaths: dict, live: dict, failed: set, errors: list) -> None:
+        """Capture the recorded ``events`` in order (the loop of :meth:`capture_recorded`);
+        ``deaths``: per event index, the outputs found dead before it (see :meth:`watch_outputs`)."""
         complete = {(id(layer), key, pos) for layer, key, pos, forward, half in events
                     if not forward and half != "input"}
+        # An output freed after the last event that may be captured stays owned: no graph of
+        # this batch would take its memory, and eager work between episodes (an optimizer step
+        # borrowing the pool) could, while a schedule still holds it.
+        last = max((i for i, (layer, key, pos, *_) in enumerate(events) if (id(layer), key, pos) in complete),
+                   default=-1)
+        deaths = {i: links for i, links in deaths.items() if i <= last}
+        self._dying = {link for links in deaths.values() for link in links}
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         released: list = []  # outputs whose memory went back to the pool since the last captured graph
         first: Optional[tuple] = None  # the first graph captured: the next episode's first replay
         checks: dict = {}  # see self._checks
         for index, (layer, key, pos, forward, half) in enumerate(events):
-            dead = self._deaths.get(index, ())
+            dead = deaths.get(index, ())
             self._release_outputs(dead)
             released.extend(dead)
             slot = (id(layer), key, pos)

@@ -433,6 +433,7 @@ class GraphedCallable:
             done = sig.positions.get(call.position)
             if done is not None:
                 if done.linked and not self._inputs_in_place(call, done):
+                    self._unreplayed(call, sig, "forward")
                     return self._run_eager(call)
                 return self._replay_forward(call, done)
             if self.plan.async_allocator:
@@ -544,6 +545,16 @@ class GraphedCallable:
         call.run, call.done, call.outputs = _Run.REPLAY, done, done.outputs
         return self._hand_out(call, done.static_outputs)
 
+    def _unreplayed(self, call: _Call, sig: Optional[_Signature], kind: str) -> None:
+        """A captured position's graph runs eagerly this time (its inputs are not where the graph
+        reads them): the graphs after it still overwrite what was released before it, so the
+        outputs held past their release point move as before a replay (:meth:`Process.before_replay`)."""
+        if sig is None or call.position not in sig.positions:
+            return
+        kinds = ("backward", "input", "weight") if kind == "backward" else (kind,)  # a full backward of split graphs
+        for k in kinds:
+            self.process.before_replay(self, call.key, call.position, k)
+
     def _hand_out(self, call: _Call, static_outputs: Sequence[Any]) -> list:
         """Aliases of a launched forward's output buffers for the caller, remembered weakly:
         the position's next launch overwrites them (see :meth:`_keep_held_outputs`)."""
@@ -592,6 +603,8 @@ class GraphedCallable:
         self.queue.pop(call, weight_later=split)
         sig = self._signatures.get(call.key)
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
+        if call.run is _Run.EAGER:
+            self._unreplayed(call, sig, "input" if split else "backward")
         if split:
             try:
                 return self._backward_input(call, sig, diff_grads)
@@ -673,6 +686,8 @@ class GraphedCallable:
                 f"{rt.refilling_weight_pass}, or pass accumulate_grads=False to this layer.")
         self.queue.pop_weight(call)
         self._leave_flight(call, sig)
+        if call.run is _Run.EAGER:
+            self._unreplayed(call, sig, "weight")
         n_inputs = len(call.shape.specs)
         try:
             if call.run is _Run.REPLAY:
@@ -1397,10 +1412,12 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
     always runs eagerly.
 
     .. warning:: Outputs alias graph memory until the same micro-batch position is replayed
-       again. (PyTorch) An output object still referenced then is first moved to memory of its
-       own, so the outputs themselves keep their values when kept (a schedule keeping them to
-       return them merged), at the cost of a copy; tensors made from them without a copy
-       (``out.detach()``, a slice, a view) are not moved and are overwritten: clone those.
+       again, or, for an output the recorded step had freed within the step, until the graphs
+       captured after that point run. (PyTorch) An output object still referenced then is first
+       moved to memory of its own, so the outputs themselves keep their values when kept (a
+       schedule keeping them to return them merged), at the cost of a copy; tensors made from
+       them without a copy (``out.detach()``, a slice, a view) are not moved and are
+       overwritten: clone those (or keep them in the recorded step too, which keeps the memory).
        (Paddle) outputs are overwritten: clone what you keep.
     .. warning:: Do not modify outputs in place, and do not replace parameters or buffers
        (assigning new tensors or storage to them, ``module.to(dtype)``) after capture: graphs

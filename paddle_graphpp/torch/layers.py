@@ -303,10 +303,11 @@ def graph_layers(
         anew, up to ``max_signatures`` per block.
 
     Warning:
-        Outputs alias graph memory until the same micro-batch position replays again; an
-        output object still referenced then (``output_hidden_states=True`` hands them out) is
-        first moved to memory of its own (a copy); tensors made from it without a copy
-        (``.detach()``, slices, views) are not: clone those if you keep them.
+        Outputs alias graph memory until the same micro-batch position replays again (or,
+        for an output the recorded step freed within the step, until the graphs captured after
+        that point run); an output object still referenced then (``output_hidden_states=True``
+        hands them out) is first moved to memory of its own (a copy); tensors made from it
+        without a copy (``.detach()``, slices, views) are not: clone those if you keep them.
 
     Warning:
         Move the model to its GPU and dtype before the first step, and do not rebind

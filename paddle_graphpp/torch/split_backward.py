@@ -47,6 +47,9 @@ class WeightState:
     n_params: int
     zeros_for: list  # parameters with no path to the outputs (their gradient is zero)
     params: list = field(default_factory=list)
+    # Handles that own the outputs' autograd nodes (a view's node, see backward_input), so
+    # the outputs themselves may go after the input half
+    anchors: list = field(default_factory=list)
 
 
 def _consumers(roots: Sequence[Any]) -> dict:
@@ -154,7 +157,13 @@ def backward_input(outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: 
     finally:
         for h in handles:
             h.remove()
-    return grads, WeightState(groups, saved, len(params), unused, list(params))
+    # The junctions are kept as Python handles, and a custom function's handle does not keep
+    # its node alive (torch <= 2.11): the graph above them must outlive the outputs, which the
+    # caller drops after this half. A view's node (a C++ node: its handle owns it) holds an
+    # output's node through its edge without holding the output's memory.
+    with torch.enable_grad():
+        anchors = [o.view_as(o).grad_fn for o in outputs if o.grad_fn is not None]
+    return grads, WeightState(groups, saved, len(params), unused, list(params), anchors)
 
 
 def backward_weight(state: WeightState, params: Sequence[Any]) -> Iterator[tuple]:
@@ -194,7 +203,7 @@ def backward_weight(state: WeightState, params: Sequence[Any]) -> Iterator[tuple
         if state.zeros_for:
             yield list(state.zeros_for), [torch.zeros_like(params[i]) for i in state.zeros_for]
     finally:
-        state.groups, state.saved, state.params = [], {}, []
+        state.groups, state.saved, state.params, state.anchors = [], {}, [], []
 
 
 def weights_wanted(ctx: Any, n_tensors: int) -> bool:
