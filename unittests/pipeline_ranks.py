@@ -16,7 +16,7 @@ def run_pipeline_ranks(args, tmp_path, world=2, timeout=150):
     fails the test unless all exit 0. A run whose rendezvous port was taken between the pick and
     the bind (another job on the machine) runs once more on a new port.
     Returns {rank: the rank's JSON result}."""
-    for attempt in range(2):
+    for _ in range(2):
         envs = launch.rank_envs(world, PYTHONPATH=os.pathsep.join([REPO, HERE, os.environ.get("PYTHONPATH", "")]))
         ends = launch.run_ranks([[sys.executable, WORKER, "--out", str(tmp_path), *args]] * world, envs=envs,
                                 timeout=timeout, merge_stderr=True)

@@ -150,10 +150,8 @@ class TorchRuntime(GraphRuntime):
         # capture) would be freed to the host allocator under the alias.
         if not tensor.is_cuda:
             return
-        storage = tensor.untyped_storage()
-        alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
         with torch.no_grad():
-            tensor.set_(alias, tensor.storage_offset(), tensor.shape, tensor.stride())
+            tensor.set_(_unowned_storage(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
 
     def memory_watches(self, tensors, others):
         if not tensors or not all(t.is_cuda for t in tensors):
@@ -163,11 +161,9 @@ class TorchRuntime(GraphRuntime):
     def weak_alias(self, tensor):
         if not tensor.is_cuda:
             return None
-        storage = tensor.untyped_storage()
-        alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
         out = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         with torch.no_grad():
-            out.set_(alias, tensor.storage_offset(), tensor.shape, tensor.stride())
+            out.set_(_unowned_storage(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
         return out
 
     def move_to_copies(self, tensors) -> bool:
@@ -469,6 +465,12 @@ class TorchRuntime(GraphRuntime):
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _unowned_storage(tensor):
+    """A storage over ``tensor``'s whole storage that does not own the memory."""
+    storage = tensor.untyped_storage()
+    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
 
 
 def storage_watches(tensors, others) -> Optional[list]:
