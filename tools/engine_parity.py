@@ -18,7 +18,7 @@ import torch
 
 from tools.gpt_torch import Block, GPTShape
 
-__all__ = ["ORDER", "Stack", "rel", "run_step", "twins", "check_parity"]
+__all__ = ["ORDER", "Stack", "Scale", "rel", "run_step", "twins", "check_parity"]
 
 ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"
 """The micro-batch order of one step: forwards ``fN`` and backwards ``bN`` of 4 micro-batches."""
@@ -39,6 +39,22 @@ class Stack(torch.nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return x, self.aux(x)
+
+
+class Scale(torch.autograd.Function):
+    """``x * w`` (``w`` over the last dimension) as a custom autograd function: a junction where
+    an activation and a parameter meet whose node a Python handle does not keep alive on
+    torch <= 2.11 (the zero-bubble weight pass restarts there)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).flatten(0, -2).sum(0)
 
 
 def rel(a, b) -> float:

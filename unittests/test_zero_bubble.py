@@ -25,7 +25,7 @@ from paddle_graphpp.core.errors import GraphScheduleError
 from paddle_graphpp.torch import CUDAGraphedModule
 from pipeline_ranks import run_pipeline_ranks
 from tools import launch
-from tools.engine_parity import run_order
+from tools.engine_parity import Scale, run_order
 from fake_runtime import Graphed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -644,17 +644,6 @@ def test_the_weight_state_holds_the_outputs_nodes_not_their_memory():
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from paddle_graphpp.torch import split_backward
-
-    class Scale(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
-            return x * w
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g * w, (g * x).sum(0)
 
     lin = torch.nn.Linear(4, 4)
     w = torch.nn.Parameter(torch.rand(4))

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires 
 import torch.distributed.pipelining as pipelining  # noqa: E402
 
 from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
-from tools.engine_parity import SEQ, TOLERANCE, Stack, rel, run_order, twins  # noqa: E402
+from tools.engine_parity import SEQ, TOLERANCE, Scale, Stack, rel, run_order, twins  # noqa: E402
 from unittests.pipeline_ranks import graphed_against_eager, run_pipeline_ranks  # noqa: E402
 
 DEV = "cuda"
@@ -191,21 +191,6 @@ def test_weight_pass_after_the_input_pass_dropped_the_outputs():
 
 
 # ---------------------------------------- outputs that give their memory back, on a GPU
-class _Scale(torch.autograd.Function):
-    """``x * w`` as a custom function: a junction (an activation and a parameter meet) whose
-    node a Python handle does not keep alive on torch <= 2.11."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, (g * x).flatten(0, -2).sum(0)
-
-
 class ScaledLinear(torch.nn.Module):
     def __init__(self, width=64):
         super().__init__()
@@ -213,7 +198,7 @@ class ScaledLinear(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.rand(width) + 0.5)
 
     def forward(self, x):
-        return _Scale.apply(torch.tanh(self.lin(x)), self.w)
+        return Scale.apply(torch.tanh(self.lin(x)), self.w)  # a custom-function junction
 
 
 def _zb_dropping(a, b, xs, hold=None):
