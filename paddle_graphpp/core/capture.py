@@ -104,10 +104,10 @@ class Process:
         self._dying: set = set()  # during capture: the outputs that give their memory back
         self._owners: dict = {}
         # After capture: per (layer id, key, position, kind) of a captured graph, the outputs
-        # whose memory later graphs may take once it has run (checked before it replays), and
-        # the aliases of those outputs handed out by their position's last replay
+        # whose memory later graphs may take once it has run (checked before it replays); per
+        # (layer id, key, position), weak references to what its last forward replay handed out
         self._checks: dict[tuple, tuple] = {}
-        self._handed: dict = {}
+        self._handed: dict[tuple, list] = {}
 
     # ------------------------------------------------------ shared parameters
     def accumulate_in_graphs(self, layer: Any, params: Sequence[Any]) -> None:
@@ -154,7 +154,7 @@ class Process:
                         if (kept_links := [link for link in links if link.layer != mine])}
         self._watches = [w for w in self._watches if w[1].layer != mine]
         self._checks = {k: links for k, links in self._checks.items() if k[0] != mine}
-        self._handed = {link: ref for link, ref in self._handed.items() if link.layer != mine}
+        self._handed = {k: refs for k, refs in self._handed.items() if k[0] != mine}
         self._layers.pop(id(layer), None)
 
     def buffer_slot(self, spec: Any, *, reuse: bool) -> int:
@@ -237,31 +237,48 @@ class Process:
                 entry[0][entry[1]] = None
 
     def handed_out(self, layer: Any, key: Hashable, position: int, outputs: Sequence[Any]) -> None:
-        """A replay of ``layer``'s forward at ``position`` handed out ``outputs`` (aliases of its
-        static outputs): remembered weakly where a release point follows (see :meth:`before_replay`)."""
-        for index, t in enumerate(outputs):
-            link = Link(id(layer), key, position, index, "out")
-            if link in self._handed:
-                try:
-                    self._handed[link] = weakref.ref(t)
-                except TypeError:
-                    pass
+        """A launch of ``layer``'s forward at ``position`` handed out ``outputs`` (aliases of its
+        static outputs), remembered weakly: memory they alias is overwritten by the position's
+        next launch, and, for an output given back to the pool, by the graphs after its release
+        point (see :meth:`move_held`, :meth:`before_replay`)."""
+        try:
+            self._handed[(id(layer), key, position)] = [weakref.ref(t) for t in outputs]
+        except TypeError:  # a tensor type without weak references: nothing is tracked
+            self._handed.pop((id(layer), key, position), None)
+
+    def move_held(self, layer: Any, key: Hashable, position: int) -> bool:
+        """Before a launch of ``layer``'s forward at ``position`` overwrites its output buffers:
+        the outputs of its last launch that someone still holds get their values moved to
+        memory of their own. False when some were held and the runtime cannot move them."""
+        refs = self._handed.pop((id(layer), key, position), None)
+        return self._move_refs(refs or [], None)
+
+    def _move_refs(self, refs: list, indices: Optional[Sequence[int]]) -> bool:
+        """Move what ``refs[i]`` (``i`` in ``indices``, default all) still reference to memory of
+        its own, forgetting those references; False if some were held and could not be moved."""
+        held = []
+        for i in (range(len(refs)) if indices is None else indices):
+            t = refs[i]() if refs[i] is not None else None
+            refs[i] = None
+            if t is not None:
+                held.append(t)
+        return not held or self.runtime.move_to_copies(held)
 
     def before_replay(self, layer: Any, key: Hashable, position: int, kind: str) -> None:
         """Before a graph replays: outputs whose memory was given back to the pool at this point
         of the capture order, if someone still holds what their last replay handed out (a
         schedule that keeps outputs longer than in the recorded step), get their values moved to
         memory of their own first: the graphs from here on may overwrite that memory."""
+        by_position: dict = {}
         for link in self._checks.get((id(layer), key, position, kind), ()):
-            ref = self._handed.get(link)
-            t = ref() if ref is not None else None
-            if t is not None:
-                self._handed[link] = None
-                if not self.runtime.move_to_copies([t]):
-                    warnings.warn(f"paddle_graphpp: an output of an earlier micro-batch is still referenced where "
-                                  f"the recorded step had freed it, and the {self.runtime.name} runtime cannot move "
-                                  f"it to memory of its own: it may now hold other values. Clone an output you "
-                                  f"keep.", RuntimeWarning, stacklevel=3)
+            by_position.setdefault(link[:3], []).append(link.index)
+        for (layer_id, k, pos), indices in by_position.items():
+            refs = self._handed.get((layer_id, k, pos))
+            if refs is not None and not self._move_refs(refs, indices):
+                warnings.warn(f"paddle_graphpp: an output of an earlier micro-batch is still referenced where "
+                              f"the recorded step had freed it, and the {self.runtime.name} runtime cannot move "
+                              f"it to memory of its own: it may now hold other values. Clone an output you "
+                              f"keep.", RuntimeWarning, stacklevel=3)
 
     # --------------------------------------------------------------- capture
     def static_for(self, slot: Any, spec: Any) -> Any:
@@ -444,7 +461,6 @@ class Process:
         if released and first is not None:  # released after the last graph: the next episode's first overwrites
             checks[first] = (*checks.get(first, ()), *released)
         self._checks.update(checks)
-        self._handed.update((link, None) for links in checks.values() for link in links)
 
     def _agree(self, errors: list) -> list:
         """With a capture agreement set (see ``GraphRuntime.capture_agreement``), every rank of

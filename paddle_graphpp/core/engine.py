@@ -49,7 +49,6 @@ import enum
 import gc
 import logging
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -364,8 +363,6 @@ class GraphedCallable:
         self._warned: set = set()
         self._watch: Optional[StateWatch] = None  # parameters and buffers as the newest capture read them
         self._state_checked: Optional[tuple] = None  # (episode, watch) last found unchanged
-        # (signature key, position) -> weak references to the outputs its last launch handed out
-        self._handed_out: dict[tuple, list] = {}
         self.replays = 0  # forward + backward graph replays, for tests and telemetry
         self.captures = 0
 
@@ -559,10 +556,6 @@ class GraphedCallable:
         """Aliases of a launched forward's output buffers for the caller, remembered weakly:
         the position's next launch overwrites them (see :meth:`_keep_held_outputs`)."""
         outs = [self.runtime.detach(o) for o in static_outputs]
-        try:
-            self._handed_out[(call.key, call.position)] = [weakref.ref(o) for o in outs]
-        except TypeError:  # a tensor type without weak references: nothing is tracked
-            pass
         self.process.handed_out(self, call.key, call.position, outs)
         return outs
 
@@ -572,9 +565,7 @@ class GraphedCallable:
         schedule keeps the last stage's outputs until the step ends, to return them merged,
         and on the last stage of a 1F1B pipeline every micro-batch replays the same position;
         eagerly each output is its own tensor, and so it stays here (copied only when held)."""
-        refs = self._handed_out.pop((call.key, call.position), None)
-        held = [t for t in (r() for r in refs or ()) if t is not None]
-        if held and not self.runtime.move_to_copies(held):
+        if not self.process.move_held(self, call.key, call.position):
             self._warn_once("held", (
                 f"{self.name}: outputs of an earlier micro-batch are still referenced when the same micro-batch "
                 f"position replays and overwrites them, and the {self.runtime.name} runtime cannot move them to "
@@ -1191,7 +1182,6 @@ class GraphedCallable:
         self._disabled_reason = None
         self._warned.clear()
         self._watch = self._state_checked = None
-        self._handed_out.clear()
 
     # ----------------------------------------------------------------- helpers
     def _outputs_of(self, result: Any) -> tuple:
