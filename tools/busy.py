@@ -18,7 +18,7 @@ not kernels and do not count.
 
 from __future__ import annotations
 
-__all__ = ["start", "stop", "busy_share"]
+__all__ = ["start", "stop", "busy_share", "idle_gaps"]
 
 
 def start():
@@ -30,20 +30,59 @@ def start():
     return prof
 
 
-def stop(prof) -> float | None:
-    """End ``prof``; the compute-busy share of what it recorded (``None``: no kernel ran)."""
+def stop(prof, gaps: bool = False):
+    """End ``prof``; the compute-busy share of what it recorded (``None``: no kernel ran).
+    With ``gaps``: ``(share, idle_gaps(...))``, where the idle time went."""
     import torch
 
     torch.cuda.synchronize()
     prof.__exit__(None, None, None)
-    intervals = []
+    kernels, comm = [], []
     for evt in prof.events():
-        if evt.device_type.name != "CUDA" or "nccl" in evt.name.lower():
+        if evt.device_type.name != "CUDA":
             continue
-        if "memcpy" in evt.name.lower() or "memset" in evt.name.lower():
+        name = evt.name.lower()
+        if "nccl" in name:
+            comm.append((evt.time_range.start, evt.time_range.end))
             continue
-        intervals.append((evt.time_range.start, evt.time_range.end))
-    return busy_share(intervals)
+        if "memcpy" in name or "memset" in name:
+            continue
+        kernels.append((evt.time_range.start, evt.time_range.end, evt.name))
+    share = busy_share([(a, b) for a, b, _ in kernels])
+    return (share, idle_gaps(kernels, comm)) if gaps else share
+
+
+def idle_gaps(kernels, comm=(), min_us: float = 20.0, top: int = 10) -> dict:
+    """Where a GPU idled between compute kernels: ``kernels`` are ``(start, end, name)``,
+    ``comm`` the ``(start, end)`` of communication kernels (times in us). Gaps of at least
+    ``min_us`` are grouped by the kernel before and the kernel after (names cut to 50
+    characters); each group gives its count, total and the share of it during which a
+    communication kernel ran (waiting for a peer rather than for the CPU). Returns
+    ``{"idle_us", "gaps_us" (gaps of at least min_us), "span_us", "groups": [...]}``."""
+    ks = sorted((a, b, n) for a, b, n in kernels if b > a)
+    if not ks:
+        return {"idle_us": 0.0, "gaps_us": 0.0, "span_us": 0.0, "groups": []}
+    cs = sorted(comm)
+    groups: dict = {}
+    idle = counted = 0.0
+    end, last = ks[0][1], ks[0][2]
+    for a, b, n in ks[1:]:
+        if a > end:
+            gap = a - end
+            idle += gap
+            if gap >= min_us:
+                counted += gap
+                overlap = sum(max(0.0, min(ce, a) - max(cs_, end)) for cs_, ce in cs if cs_ < a and ce > end)
+                g = groups.setdefault((last[:50], n[:50]), [0, 0.0, 0.0])
+                g[0] += 1
+                g[1] += gap
+                g[2] += min(overlap, gap)
+        if b >= end:
+            end, last = b, n
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"idle_us": round(idle, 1), "gaps_us": round(counted, 1), "span_us": round(end - ks[0][0], 1),
+            "groups": [{"after": k[0], "before": k[1], "count": c, "total_us": round(t, 1),
+                        "comm_share": round(o / t, 3) if t else 0.0} for k, (c, t, o) in rows]}
 
 
 def busy_share(intervals) -> float | None:

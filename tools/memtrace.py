@@ -55,7 +55,8 @@ def _pool(entry: dict) -> str:
     return "default" if pool == (0, 0) else f"graph{pool}"
 
 
-def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_since_us: float | None = None) -> dict:
+def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_since_us: float | None = None,
+            step_starts_us: list | None = None) -> dict:
     """Peak reserved and peak allocated moments of the recorded history, broken down.
 
     Returns ``{"complete": bool, "events": int, "peak_reserved": {...}, "peak_allocated": {...},
@@ -82,11 +83,22 @@ def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_sin
         marks.setdefault(peaks["steady_index"], "steady_peak_reserved")
     for pool, index in sorted(peaks.get("steady_pool_index", {}).items()):
         marks.setdefault(index, f"steady_peak_allocated {pool}")
-    return {"complete": complete, "events": len(events), **_replay(events, marks, top)}
+    return {"complete": complete, "events": len(events), **_replay(events, marks, top, steps=step_starts_us)}
 
 
-def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -> dict:
-    live: dict[int, tuple] = {}  # addr -> (size, pool, label)
+def _where(time_us: float, steps: list) -> tuple:
+    """(step index, fraction of that step) of a moment; the last step ends at its start plus
+    the previous step's length."""
+    i = bisect.bisect_right(steps, time_us) - 1
+    if i < 0:
+        return -1, 0.0
+    end = steps[i + 1] if i + 1 < len(steps) else steps[i] + (steps[i] - steps[i - 1] if i else 0)
+    frac = (time_us - steps[i]) / (end - steps[i]) if end > steps[i] else 0.0
+    return i, round(frac, 3)
+
+
+def _replay(events: list, marks, top: int = 14, since_us: float | None = None, steps: list | None = None) -> dict:
+    live: dict[int, tuple] = {}  # addr -> (size, pool, label, time_us)
     seg_pool: dict[int, tuple] = {}  # segment addr -> (size, pool)
     reserved = allocated = 0
     best_res = best_alloc = best_steady = (-1, -1)
@@ -94,19 +106,21 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -
     best_pool: dict = {}  # pool -> (allocated, index), after since_us
     out: dict = {}
 
-    def moment() -> dict:
+    def moment(time_us: float | None = None) -> dict:
         alloc_pool: dict = defaultdict(int)
         sites: dict = defaultdict(int)
-        for size, pool, label in live.values():
+        sizes: dict = defaultdict(lambda: defaultdict(int))
+        for size, pool, label, _t in live.values():
             alloc_pool[pool] += size
             sites[f"{pool} {label}"] += size
+            sizes[f"{pool} {label}"][round(size / MIB, 1)] += 1
         res_pool: dict = defaultdict(int)
         for size, pool in seg_pool.values():
             res_pool[pool] += size
         # which segment each live block sits in: free space in used vs empty segments
         starts = sorted(seg_pool)
         used_in_seg: dict = defaultdict(int)
-        for addr, (size, _pool_name, _label) in live.items():
+        for addr, (size, _pool_name, _label, _t) in live.items():
             i = bisect.bisect_right(starts, addr) - 1
             if i >= 0:
                 used_in_seg[starts[i]] += size
@@ -115,23 +129,34 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -
         for seg, (size, pool) in seg_pool.items():
             used = used_in_seg.get(seg, 0)
             (free_used if used else free_empty)[pool] += size - used
-        return {
+        top_sites = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+        out_m = {
             "reserved_mib": round(reserved / MIB, 1),
             "allocated_mib": round(allocated / MIB, 1),
             "reserved_by_pool_mib": {k: round(v / MIB, 1) for k, v in sorted(res_pool.items())},
             "allocated_by_pool_mib": {k: round(v / MIB, 1) for k, v in sorted(alloc_pool.items())},
             "free_in_empty_segments_mib": {k: round(v / MIB, 1) for k, v in sorted(free_empty.items())},
             "free_in_used_segments_mib": {k: round(v / MIB, 1) for k, v in sorted(free_used.items())},
-            "top_sites_mib": {k: round(v / MIB, 1)
-                              for k, v in sorted(sites.items(), key=lambda kv: -kv[1])[:top]},
+            "top_sites_mib": {k: round(v / MIB, 1) for k, v in top_sites},
+            "top_site_sizes": {k: dict(sorted(sizes[k].items(), key=lambda kv: -kv[1])[:6]) for k, _ in top_sites},
         }
+        if steps and time_us is not None:
+            step, frac = _where(time_us, steps)
+            before: dict = defaultdict(int)
+            start = steps[step] if step >= 0 else float("-inf")
+            for size, pool, _label, t in live.values():
+                if t < start:
+                    before[pool] += size
+            out_m.update(step=step, step_fraction=frac,
+                         allocated_before_step_by_pool_mib={k: round(v / MIB, 1) for k, v in sorted(before.items())})
+        return out_m
 
     for index, ev in enumerate(events):
         action = ev.get("action")
         if action == "alloc":
             size = ev["size"]
             label = _label(ev.get("frames") or []) if marks is not None else ""
-            live[ev["addr"]] = (size, _pool(ev), label)
+            live[ev["addr"]] = (size, _pool(ev), label, ev.get("time_us", 0))
             allocated += size
             pool_alloc[_pool(ev)] += size
         elif action == "free_completed":
@@ -158,11 +183,11 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None) -
                     if pool_alloc[pool] > best_pool.get(pool, (-1, -1))[0]:
                         best_pool[pool] = (pool_alloc[pool], index)
         elif index in marks:
-            out[marks[index]] = moment()
+            out[marks[index]] = moment(ev.get("time_us"))
     if marks is None:
         return {"reserved_index": best_res[1], "allocated_index": best_alloc[1], "steady_index": best_steady[1],
                 "steady_pool_index": {pool: index for pool, (_, index) in best_pool.items()}}
-    out["end"] = moment()
+    out["end"] = moment(events[-1].get("time_us") if events else None)
     return out
 
 
@@ -175,11 +200,14 @@ def describe(trace: dict, sites: int = 8) -> str:
         m = trace.get(key)
         if not m:
             continue
+        where = (f" at step {m['step']} +{m['step_fraction']}, allocated before that step "
+                 f"{m.get('allocated_before_step_by_pool_mib')}" if "step" in m else "")
         lines.append(f"  {key}: reserved {m['reserved_mib']} MiB {m['reserved_by_pool_mib']}, "
                      f"allocated {m['allocated_mib']} MiB {m['allocated_by_pool_mib']}, free in empty "
-                     f"segments {m.get('free_in_empty_segments_mib')}, in used {m.get('free_in_used_segments_mib')}")
+                     f"segments {m.get('free_in_empty_segments_mib')}, in used {m.get('free_in_used_segments_mib')}"
+                     f"{where}")
         for site, mib in list(m["top_sites_mib"].items())[:sites]:
-            lines.append(f"      {mib:>9.1f}  {site}")
+            lines.append(f"      {mib:>9.1f}  {site}  {m.get('top_site_sizes', {}).get(site, '')}")
     return "\n".join(lines)
 
 

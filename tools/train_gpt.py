@@ -143,6 +143,10 @@ class Config:
     """PyTorch: ``return_outputs`` of the schedule's ``step`` (torch's default: on): the last
     stage keeps every micro-batch's output and concatenates them at the end of the step. The
     trainer never reads them; off, neither the kept outputs nor the concatenation take memory."""
+    keep_grads: bool = False
+    """PyTorch: ``zero_grad(set_to_none=False)`` between steps: the gradients stay allocated
+    (zeroed) for the whole run, as a graph's gradient buffers do (a memory reference point;
+    the default frees them and autograd allocates them again during the step)."""
     memory_trace: bool = False
     """Record every CUDA allocation (PyTorch) and add, per rank, where memory went at the peak
     to the JSON line (``tools/memtrace.py``); slows the run down."""
@@ -185,6 +189,8 @@ def parse_args(argv=None) -> Config:
                         help="profile the last N steps and report each rank's compute-busy share (torch, GPUs)")
     parser.add_argument("--return-outputs", action=argparse.BooleanOptionalAction, default=defaults.return_outputs,
                         help="torch schedules: keep and return the last stage's outputs from step() (default: on)")
+    parser.add_argument("--keep-grads", action="store_true",
+                        help="torch: zero_grad(set_to_none=False), the gradients stay allocated between steps")
     parser.add_argument("--memory-trace", action="store_true",
                         help="per rank, where memory went at the peak (torch on GPUs; slow)")
     parser.add_argument("--data", default=defaults.data, metavar="PATH", help="text file (default: synthetic)")
@@ -240,6 +246,8 @@ def validate(cfg: Config) -> None:
                           "the shared pool")
     if cfg.graph_accumulate_grads is not None and cfg.framework != "torch":
         raise ConfigError("--graph-accumulate-grads works with --framework torch")
+    if cfg.keep_grads and cfg.framework != "torch":
+        raise ConfigError("--keep-grads works with --framework torch")
     if cfg.graph_eager_tied and cfg.framework != "torch":
         raise ConfigError("--graph-eager-tied works with --framework torch; Paddle keeps the tied layers eager")
     if cfg.graph_optimizer and cfg.framework != "torch":
@@ -603,6 +611,7 @@ def run_torch(cfg: Config) -> None:
         memory.reset_peak()
     peak_before_steady = 0.0
     steady_since_us = None
+    step_starts_us = []
     profiler = None
     for step in range(cfg.steps):
         if use_cuda and cfg.profile_steps and step == cfg.steps - cfg.profile_steps:
@@ -614,12 +623,13 @@ def run_torch(cfg: Config) -> None:
             memory.reset_peak()
             steady_since_us = time.time() * 1e6
         timer.before(step)
+        step_starts_us.append(time.time() * 1e6)
         t0 = time.perf_counter()
         x, y = batch_for_step(corpus, cfg, step)
         args = (torch.from_numpy(x).to(device),) if first_rank else ()
         target = torch.from_numpy(y).to(device) if last_rank else None
         losses = [] if last_rank else None
-        optimizer.zero_grad(**({} if cfg.graph_optimizer else {"set_to_none": True}))
+        optimizer.zero_grad(**({} if cfg.graph_optimizer else {"set_to_none": not cfg.keep_grads}))
         schedule.step(*args, target=target, losses=losses, **step_kwargs)
         _sum_tied_grads(tied, tie_group)
         optimizer.step()
@@ -627,11 +637,11 @@ def run_torch(cfg: Config) -> None:
         timer.after(step, cfg)
         reporter.step(step, loss, time.perf_counter() - t0)
 
-    compute_busy = None
+    compute_busy = idle = None
     if profiler is not None:
         from tools import busy
 
-        compute_busy = busy.stop(profiler)
+        compute_busy, idle = busy.stop(profiler, gaps=True)
     if use_cuda:
         steady = memory.peak_mib()
         mine = {"peak_mem_mib": round(max(peak_before_steady, steady), 1), "steady_peak_mem_mib": round(steady, 1)}
@@ -641,6 +651,7 @@ def run_torch(cfg: Config) -> None:
         device_name = "cpu"
     if compute_busy is not None:
         mine["compute_busy"] = compute_busy
+        mine["idle_gaps"] = idle
     if cfg.cudagraph:
         from paddle_graphpp.core.memory import memory_report
 
@@ -648,7 +659,8 @@ def run_torch(cfg: Config) -> None:
     if cfg.memory_trace and use_cuda:
         from tools import memtrace
 
-        mine["memory_trace"] = memtrace.analyze(torch.cuda.memory._snapshot(), steady_since_us=steady_since_us)
+        mine["memory_trace"] = memtrace.analyze(torch.cuda.memory._snapshot(), steady_since_us=steady_since_us,
+                                                 step_starts_us=step_starts_us)
     per_rank = [None] * world
     if world > 1:
         dist.all_gather_object(per_rank, mine)

@@ -141,6 +141,7 @@ def test_text_file_data(tmp_path):
     (["--hidden", "100"], "--hidden"),
     (["--graph-optimizer"], "--framework torch"),
     (["--graph-accumulate-grads"], "--framework torch"),
+    (["--keep-grads"], "--framework torch"),
     (["--tp", "2"], "--framework torch"),
     (["--framework", "torch", "--tp", "2", "--heads", "3", "--hidden", "96"], "--heads a multiple of 2"),
     (["--schedule", "zbv"], "--framework torch"),

@@ -404,6 +404,20 @@ def test_busy_share_merges_overlapping_kernels():
     assert busy_share([]) is None
 
 
+def test_idle_gaps_group_by_neighbours_and_say_when_a_peer_was_awaited():
+    from tools.busy import idle_gaps
+
+    kernels = [(0, 10, "gemm"), (5, 12, "softmax"), (112, 120, "gemm"), (150, 160, "gemm"), (165, 170, "add")]
+    out = idle_gaps(kernels, comm=[(100, 130)], min_us=20)
+    assert out["idle_us"] == 100 + 30 + 5 and out["gaps_us"] == 130 and out["span_us"] == 170
+    first, second = out["groups"]
+    # 12..112 after softmax (it ended last), 12 us of it with a communication kernel running
+    assert (first["after"], first["before"], first["count"], first["total_us"]) == ("softmax", "gemm", 1, 100)
+    assert first["comm_share"] == 0.12
+    assert (second["after"], second["before"], second["total_us"], second["comm_share"]) == ("gemm", "gemm", 30, 0.333)
+    assert idle_gaps([])["groups"] == []
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_benchmark_smoke_runs_every_schedule_eager_and_graphed():

@@ -27,6 +27,10 @@
 #                                                       #   here afterwards: the call's time was spent)
 #   LIMIT=120 bash benchmarks/scripts/device-2026-11-26-x4.sh 10  # traces of graphed zbv and interleaved_zb,
 #                                                       #   8 micro-batches, without return_outputs
+#   LIMIT=540 bash benchmarks/scripts/device-2026-11-26-x4.sh 11  # third session: GPUs 0,1 the zero-bubble
+#                                                       #   and pipeline GPU tests on the final engine;
+#                                                       #   GPUs 2,3 traces of zbv (eager, eager keeping its
+#                                                       #   gradients, graphed) and where graphed steps idle
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -228,6 +232,24 @@ case "$PHASE" in
     queue_b() {
       job trace-izb-mb8-graphed-n2 80 python tools/train_gpt.py $G13B --micro-batches 8 --vpp 2 \
         --schedule interleaved_zb --no-return-outputs --cudagraph --memory-trace
+    } ;;
+  11)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --timeout 90"
+    queue_a() {
+      pytest_job tests-zero-bubble 220 unittests/gpu/test_zero_bubble_gpu.py
+      pytest_job tests-pipeline 300 unittests/gpu/test_pipeline_gpu.py
+    }
+    # shellcheck disable=SC2086
+    queue_b() {
+      local zbv="--vpp 2 --schedule zbv --no-return-outputs" t="--steps 6 --memory-trace"
+      job trace-zbv-mb8-eager-n3 90 python tools/train_gpt.py $G13B $t --micro-batches 8 $zbv
+      job trace-zbv-mb8-eager-keep 90 python tools/train_gpt.py $G13B $t --micro-batches 8 $zbv --keep-grads
+      job trace-zbv-mb8-graphed-n3 90 python tools/train_gpt.py $G13B $t --micro-batches 8 $zbv --cudagraph
+      job gaps-zbv-mb4-graphed 70 python tools/train_gpt.py $G13B --steps 8 --profile-steps 3 --micro-batches 4 \
+        $zbv --cudagraph
+      job gaps-1f1b-mb4-graphed 70 python tools/train_gpt.py $G13B --steps 8 --profile-steps 3 --micro-batches 4 \
+        --no-return-outputs --cudagraph
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

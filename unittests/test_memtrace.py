@@ -1,0 +1,48 @@
+"""tools.memtrace on a hand-made allocator history: the peaks, where in the steps they fall,
+what the step inherited, block sizes per site."""
+
+from tools import memtrace
+
+MIB = 2**20
+
+
+def _alloc(addr, mib, t, line, pool=(0, 0)):
+    return {"action": "alloc", "addr": addr, "size": mib * MIB, "time_us": t, "pool_id": pool,
+            "frames": [{"filename": "/x/tools/train_gpt.py", "line": line, "name": "run_torch"}]}
+
+
+def _free(addr, mib, t):
+    return {"action": "free_completed", "addr": addr, "size": mib * MIB, "time_us": t}
+
+
+def test_peak_moments_say_their_step_and_what_the_step_inherited():
+    events = [
+        {"action": "segment_alloc", "addr": 0, "size": 1024 * MIB, "time_us": 0, "pool_id": (0, 0)},
+        _alloc(0, 100, 5, 10),  # a buffer kept for the whole run
+        _alloc(100 * MIB, 8, 110, 20),  # step 1: two 8 MiB activations and a 24 MiB one
+        _alloc(108 * MIB, 8, 120, 20),
+        _alloc(116 * MIB, 24, 130, 21),
+        _free(116 * MIB, 24, 150),
+        _free(108 * MIB, 8, 160),
+        _free(100 * MIB, 8, 170),
+        _alloc(100 * MIB, 8, 215, 20),  # step 2: less
+        _free(100 * MIB, 8, 230),
+    ]
+    out = memtrace.analyze({"device_traces": [events]}, device=0, step_starts_us=[100, 200])
+    peak = out["peak_allocated"]
+    assert peak["allocated_mib"] == 140
+    assert peak["step"] == 0 and peak["step_fraction"] == 0.3
+    assert peak["allocated_before_step_by_pool_mib"] == {"default": 100}
+    site = "default tools/train_gpt.py:20:run_torch"
+    assert peak["top_sites_mib"][site] == 16
+    assert peak["top_site_sizes"][site] == {8.0: 2}
+    assert out["end"]["step"] == 1 and out["end"]["allocated_mib"] == 100
+    text = memtrace.describe(out)
+    assert "at step 0 +0.3" in text and "{8.0: 2}" in text
+
+
+def test_without_step_marks_moments_carry_no_step():
+    events = [{"action": "segment_alloc", "addr": 0, "size": 64 * MIB, "time_us": 0, "pool_id": (0, 0)},
+              _alloc(0, 10, 1, 5)]
+    out = memtrace.analyze({"device_traces": [events]}, device=0)
+    assert "step" not in out["peak_allocated"] and out["peak_allocated"]["allocated_mib"] == 10
