@@ -577,7 +577,9 @@ def test_an_output_dropped_after_its_input_pass_gives_its_memory_back_before_the
 def test_a_gradient_one_graph_hands_another_goes_back_to_the_pool_once_its_reader_is_captured(rt):
     # Layer b's input gradient is layer a's incoming gradient (a link: nothing is copied). Once
     # a's whole backward is captured (its weight half too: it may read that gradient, saved at a
-    # junction), no later graph reads it, and its memory is given back to the pool.
+    # junction), no later graph reads it, and its memory is given back to the pool: micro-batch
+    # 0's before micro-batch 1's weight halves, though those were in flight when it was made
+    # (eager autograd frees it there too).
     a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     params = [*a.parameters(), *b.parameters()]
@@ -600,6 +602,7 @@ def test_a_gradient_one_graph_hands_another_goes_back_to_the_pool_once_its_reade
     for (tensor, a_done, _), pos, mine in zip(released, (0, 1), given):
         assert tensor is mine  # the very tensor both positions keep
         assert pos in a_done  # released only after a's weight half of that position was captured
+    assert 1 not in released[0][1] and 1 not in released[0][2]  # not held for the other micro-batch
 
 
 class AddThenLinear(torch.nn.Module):

@@ -90,11 +90,14 @@ class Process:
         self._produced_recorded: dict[tuple, tuple] = {}
         self._buffers: Sequence[Any] = ()  # during capture_recorded: the slots' buffers
         self._produced: dict[Link, Any] = {}  # during capture_recorded: captured static tensors
-        # During capture_recorded: the positions whose forward is captured and whose backward is
-        # not complete yet, and per produced input gradient (by identity) [tensor, positions
-        # that may still read it, read by a link] (see consumed)
-        self._live: Any = {}
+        # During capture_recorded: the positions whose backward may still be captured; per
+        # recorded gradient link, the positions recorded reading it; per produced input gradient
+        # (by identity) [tensor, positions that may still read it, read by a link] (see
+        # consumed); per position, the produced gradients it reads (see captured)
+        self._pending: set = set()
+        self._readers: dict[Link, set] = {}
         self._grad_readers: dict[int, list] = {}
+        self._reads: dict[tuple, list] = {}
         self.deferred = 0  # recordings dropped in a row because the runtime asked to wait
         # Outputs that die within the recorded episode (see watch_outputs): while recording, the
         # watches [(is the memory in use, Link)] and per event index the outputs found dead
@@ -307,18 +310,20 @@ class Process:
     def _complete(self, slot: tuple) -> None:
         """During capture: the position ``slot`` reads nothing more (its whole backward is
         captured, or its capture failed)."""
+        self._pending.discard(slot)
         for entry in self._grad_readers.values():
             entry[1].discard(slot)
         self._release_unread()
 
     def _release_unread(self) -> None:
-        """Give back the gradients read by a link that no position can read any more. Only the
-        positions in flight when a gradient was produced can read it (it is the gradient of an
-        input, made by a forward before it; the producer's own weight half and, where the
-        gradient passes through layers unchanged, theirs included): it waits for all of them.
-        At replay the producer writes it and its readers read it before any graph captured
-        later runs. The tensors the positions keep of it stay, as aliases that do not own the
-        memory (:meth:`GraphRuntime.release_to_pool`)."""
+        """Give back the gradients read by a link that no position can read any more: it waits
+        for the positions recorded reading it and for its producer (a weight half may restart
+        from a gradient that passed a junction unchanged, and the producer's input gradient
+        can be that very tensor), and, where a reader's own input gradient may be it passed on
+        unchanged, for that gradient's readers too (see :meth:`captured`). At replay the
+        producer writes it and its readers read it before any graph captured later runs. The
+        tensors the positions keep of it stay, as aliases that do not own the memory
+        (:meth:`GraphRuntime.release_to_pool`)."""
         done = [key for key, (_, waiting, linked) in self._grad_readers.items() if linked and not waiting]
         for key in done:
             tensor = self._grad_readers.pop(key)[0]
@@ -326,13 +331,43 @@ class Process:
 
     def captured(self, layer: Any, key: Hashable, position: int, kind: str, tensors: Sequence[Any]) -> None:
         """During capture: ``tensors`` are the static outputs (or input gradients) of a
-        position just captured, for the links recorded to them."""
+        position just captured, for the links recorded to them. An input gradient waits for
+        its readers (see :meth:`_release_unread`): the positions recorded reading it, which
+        are known before the first capture (:meth:`_note_readers`), not every position in
+        flight, so that a zero-bubble order, with many positions in flight, gives each
+        gradient back as eager autograd frees it."""
+        slot = (id(layer), key, position)
         for index, t in enumerate(tensors):
-            if t is not None:
-                self._produced[Link(id(layer), key, position, index, kind)] = t
-                if kind == "grad":  # who may read it: the positions in flight now
-                    entry = self._grad_readers.setdefault(id(t), [t, set(), False])
-                    entry[1].update(self._live)
+            if t is None:
+                continue
+            link = Link(id(layer), key, position, index, kind)
+            self._produced[link] = t
+            if kind != "grad":
+                continue
+            readers = {r for r in self._readers.get(link, ()) if r in self._pending}
+            if slot in self._pending:
+                readers.add(slot)
+            entry = self._grad_readers.setdefault(id(t), [t, set(), False])
+            entry[1].update(readers)
+            for r in readers:
+                self._reads.setdefault(r, []).append(id(t))
+            # This position read gradients that its own may be, passed on unchanged (an identity
+            # or an addition on the way): those wait for this one's readers as well.
+            for read in self._reads.get(slot, ()):
+                upstream = self._grad_readers.get(read)
+                if upstream is not None and upstream is not entry:
+                    upstream[1].update(readers)
+
+    def _note_readers(self, events: list, complete: set) -> None:
+        """Before the captures: which positions read each recorded gradient link (their
+        recorded incoming gradients), among the positions whose backward will be captured."""
+        self._pending, self._readers, self._reads = set(complete), {}, {}
+        for layer, key, pos, forward, half in events:
+            if forward or half == "weight":
+                continue
+            for slot in layer._recorded_grad_slots(key, pos):
+                if isinstance(slot, Link) and slot.kind == "grad" and (id(layer), key, pos) in complete:
+                    self._readers.setdefault(slot, set()).add((id(layer), key, pos))
 
     def capture_recorded(self) -> None:
         """Capture every position recorded in the last episode, in recorded order.
@@ -367,7 +402,7 @@ class Process:
         # recorded episode ran, they would pin pieces of its activations' cached blocks).
         self._buffers = self.runtime.static_buffers(specs) if specs else []
         live: dict[tuple, Any] = {}
-        self._live, self._grad_readers = live, {}
+        self._grad_readers = {}
         failed: set = set()
         errors: list[BaseException] = []
         if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
@@ -380,7 +415,8 @@ class Process:
             self._dying, self._owners = set(), {}
         live.clear()
         # the captured positions hold the tensors they use (gradients not given back stay owned)
-        self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
+        self._buffers, self._produced, self._grad_readers = (), {}, {}
+        self._pending, self._readers, self._reads = set(), {}, {}
         for layer in layers:
             layer._recording_captured()
         self._layers.update({id(layer): layer for layer in layers})
@@ -410,6 +446,7 @@ class Process:
                    default=-1)
         deaths = {i: links for i, links in deaths.items() if i <= last}
         self._dying = {link for links in deaths.values() for link in links}
+        self._note_readers(events, complete)
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         released: list = []  # outputs whose memory went back to the pool since the last captured graph
         first: Optional[tuple] = None  # the first graph captured: the next episode's first replay

@@ -896,6 +896,12 @@ class GraphedCallable:
         sig.positions[position] = self._capture_backward_weight(sig, half)
         self.process.consumed(rec.grad_slots)  # the weight half may read them too (saved at a junction)
 
+    def _recorded_grad_slots(self, key: Any, position: int) -> tuple:
+        """The slots of the incoming gradients recorded for ``position`` (empty: none recorded)."""
+        sig = self._signatures.get(key)
+        rec = None if sig is None else sig.recordings.get(position)
+        return (rec.grad_slots or ()) if rec is not None else ()
+
     def _drop_generation(self, gen: Any) -> None:
         """Forget the positions captured into ``gen`` (they are recorded again when they run)."""
         for sig in self._signatures.values():
