@@ -31,6 +31,11 @@
 #                                                       #   and pipeline GPU tests on the final engine;
 #                                                       #   GPUs 2,3 traces of zbv (eager, eager keeping its
 #                                                       #   gradients, graphed) and where graphed steps idle
+#   LIMIT=420 bash benchmarks/scripts/device-2026-11-26-x4.sh 12  # after gradients handed between graphs wait
+#                                                       #   for their recorded readers only: GPUs 0,1 traces of
+#                                                       #   graphed runs with the pool reserve as it is and
+#                                                       #   sized to the eager peak (experiment); GPUs 2,3 the
+#                                                       #   zero-bubble and pipeline GPU tests
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -250,6 +255,25 @@ case "$PHASE" in
         $zbv --cudagraph
       job gaps-1f1b-mb4-graphed 70 python tools/train_gpt.py $G13B --steps 8 --profile-steps 3 --micro-batches 4 \
         --no-return-outputs --cudagraph
+    } ;;
+  12)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --timeout 90"
+    # shellcheck disable=SC2086
+    queue_a() {
+      local cfg
+      for cfg in "zbv-mb8:--micro-batches 8 --vpp 2 --schedule zbv" "izb-mb8:--micro-batches 8 --vpp 2 --schedule interleaved_zb" \
+                 "zbv-mb4:--micro-batches 4 --vpp 2 --schedule zbv" "dpv-mb8:--micro-batches 8 --vpp 2 --schedule dualpipev" \
+                 "1f1b-mb8:--micro-batches 8"; do
+        job "trace-${cfg%%:*}-graphed-r12" 60 python tools/train_gpt.py $G13B --steps 6 ${cfg#*:} --no-return-outputs \
+          --cudagraph --memory-trace
+        job "trace-${cfg%%:*}-graphed-peak" 60 env FLAGS_graphpp_reserve_to_peak=1 python tools/train_gpt.py $G13B \
+          --steps 6 ${cfg#*:} --no-return-outputs --cudagraph --memory-trace
+      done
+    }
+    queue_b() {
+      pytest_job tests-zero-bubble 200 unittests/gpu/test_zero_bubble_gpu.py
+      pytest_job tests-pipeline 260 unittests/gpu/test_pipeline_gpu.py
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
