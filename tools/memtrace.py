@@ -97,7 +97,8 @@ def _where(time_us: float, steps: list) -> tuple:
     return i, round(frac, 3)
 
 
-def _replay(events: list, marks, top: int = 14, since_us: float | None = None, steps: list | None = None) -> dict:
+def _replay(events: list, marks, top: int = 14, since_us: float | None = None, steps: list | None = None,
+            segments_listed: int = 10) -> dict:
     live: dict[int, tuple] = {}  # addr -> (size, pool, label, time_us)
     seg_pool: dict[int, tuple] = {}  # segment addr -> (size, pool)
     reserved = allocated = 0
@@ -126,9 +127,11 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
                 used_in_seg[starts[i]] += size
         free_empty: dict = defaultdict(int)
         free_used: dict = defaultdict(int)
+        segments: dict = defaultdict(list)
         for seg, (size, pool) in seg_pool.items():
             used = used_in_seg.get(seg, 0)
             (free_used if used else free_empty)[pool] += size - used
+            segments[pool].append((round(size / MIB, 1), round(used / MIB, 1)))
         top_sites = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
         out_m = {
             "reserved_mib": round(reserved / MIB, 1),
@@ -139,6 +142,10 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
             "free_in_used_segments_mib": {k: round(v / MIB, 1) for k, v in sorted(free_used.items())},
             "top_sites_mib": {k: round(v / MIB, 1) for k, v in top_sites},
             "top_site_sizes": {k: dict(sorted(sizes[k].items(), key=lambda kv: -kv[1])[:6]) for k, _ in top_sites},
+            # per pool, the segments with the most free space: [segment MiB, allocated in it MiB]
+            "segments_most_free_mib": {k: sorted(v, key=lambda su: su[1] - su[0])[:segments_listed]
+                                       for k, v in sorted(segments.items())},
+            "segments": {k: len(v) for k, v in sorted(segments.items())},
         }
         if steps and time_us is not None:
             step, frac = _where(time_us, steps)
@@ -208,6 +215,8 @@ def describe(trace: dict, sites: int = 8) -> str:
                      f"{where}")
         for site, mib in list(m["top_sites_mib"].items())[:sites]:
             lines.append(f"      {mib:>9.1f}  {site}  {m.get('top_site_sizes', {}).get(site, '')}")
+        for pool, segs in m.get("segments_most_free_mib", {}).items():
+            lines.append(f"      {pool}: {m['segments'][pool]} segments; most free [MiB, allocated]: {segs}")
     return "\n".join(lines)
 
 

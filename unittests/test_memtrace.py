@@ -37,6 +37,8 @@ def test_peak_moments_say_their_step_and_what_the_step_inherited():
     assert peak["top_sites_mib"][site] == 16
     assert peak["top_site_sizes"][site] == {8.0: 2}
     assert out["end"]["step"] == 1 and out["end"]["allocated_mib"] == 100
+    assert peak["segments"] == {"default": 1}
+    assert peak["segments_most_free_mib"] == {"default": [(1024.0, 140.0)]}
     text = memtrace.describe(out)
     assert "at step 0 +0.3" in text and "{8.0: 2}" in text
 

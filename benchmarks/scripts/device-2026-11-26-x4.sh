@@ -36,6 +36,10 @@
 #                                                       #   graphed runs with the pool reserve as it is and
 #                                                       #   sized to the eager peak (experiment); GPUs 2,3 the
 #                                                       #   zero-bubble and pipeline GPU tests
+#   LIMIT=300 bash benchmarks/scripts/device-2026-11-26-x4.sh 13  # GPUs 0,1: traces with the pools' segments
+#                                                       #   (graphed zbv, interleaved_zb, dualpipev); GPUs 2,3:
+#                                                       #   graphed 1F1B / zbv in 3 alternating rounds at seq
+#                                                       #   2048, 4 micro-batches, without return_outputs
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -274,6 +278,24 @@ case "$PHASE" in
     queue_b() {
       pytest_job tests-zero-bubble 200 unittests/gpu/test_zero_bubble_gpu.py
       pytest_job tests-pipeline 260 unittests/gpu/test_pipeline_gpu.py
+    } ;;
+  13)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048"
+    # shellcheck disable=SC2086
+    queue_a() {
+      local cfg
+      for cfg in "zbv-mb8:--micro-batches 8 --vpp 2 --schedule zbv" "izb-mb8:--micro-batches 8 --vpp 2 --schedule interleaved_zb" \
+                 "dpv-mb4:--micro-batches 4 --vpp 2 --schedule dualpipev" "zbv-mb8-eager:--micro-batches 8 --vpp 2 --schedule zbv"; do
+        local g="--cudagraph"; case $cfg in *-eager:*) g="";; esac
+        job "trace-${cfg%%:*}-r13" 60 python tools/train_gpt.py $G13B --timeout 90 --steps 6 ${cfg#*:} --no-return-outputs \
+          $g --memory-trace
+      done
+    }
+    queue_b() {
+      job zb-rounds3-n 280 python tools/bench_rounds.py --name rounds3-zb-seq2048-mb4-noret --rounds 3 --budget 265 \
+        --base "$G13B --micro-batches 4 --steps 12 --timeout 120 --no-return-outputs" --variant graphed_1f1b="--cudagraph" \
+        --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -37,7 +37,6 @@ import atexit
 import bisect
 import contextlib
 import logging
-import os
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional
@@ -95,14 +94,6 @@ def stepped_param_bytes() -> int:
                 for opt in list(_STEPPED)), default=0)
 
 
-def eager_transient_peak() -> int:
-    """Bytes the eager steps so far needed above what is allocated now (between episodes,
-    the cache emptied): the peak of allocated memory since the last reset of the peak
-    statistics, less the memory allocated now."""
-    device = torch.cuda.current_device()
-    return max(0, torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
-
-
 class PoolLender:
     """Lends one graph pool at a time to optimizer steps (installed once per process)."""
 
@@ -132,8 +123,6 @@ class PoolLender:
         nbytes = stepped_param_bytes()
         if nbytes < 2 * _SMALL:
             return 0
-        if os.environ.get("FLAGS_graphpp_reserve_to_peak") == "1":  # experiment (device call 12)
-            nbytes = max(nbytes, eager_transient_peak())
         try:
             with torch.cuda.stream(self._capture_stream()), torch.cuda.use_mem_pool(pool):
                 block = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
