@@ -40,6 +40,10 @@
 #                                                       #   (graphed zbv, interleaved_zb, dualpipev); GPUs 2,3:
 #                                                       #   graphed 1F1B / zbv in 3 alternating rounds at seq
 #                                                       #   2048, 4 micro-batches, without return_outputs
+#   LIMIT=540 bash benchmarks/scripts/device-2026-11-26-x4.sh 14  # the zero-bubble benchmark at seq 2048
+#                                                       #   without return_outputs (4 micro-batches on GPUs
+#                                                       #   0,1, 8 on GPUs 2,3, merged with phase 13's rounds),
+#                                                       #   then the zero-bubble / pipeline GPU tests
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -297,6 +301,17 @@ case "$PHASE" in
         --base "$G13B --micro-batches 4 --steps 12 --timeout 120 --no-return-outputs" --variant graphed_1f1b="--cudagraph" \
         --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
     } ;;
+  14)
+    queue_a() {
+      job zb-seq2048-mb4-n 300 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-noret3 --budget 280
+      pytest_job tests-zero-bubble 150 unittests/gpu/test_zero_bubble_gpu.py
+    }
+    queue_b() {
+      job zb-seq2048-mb8-n 300 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret3 --budget 280
+      pytest_job tests-pipeline 230 unittests/gpu/test_pipeline_gpu.py
+    } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 
@@ -308,6 +323,11 @@ elif [ "$GPUS" -ge 4 ]; then
   wait
 else
   queue_a; queue_b
+fi
+if [ "$PHASE" = 14 ] && ls benchmarks/results/zero-bubble-seq2048-mb*-noret3-*.json >/dev/null 2>&1; then
+  job zb-merge 30 python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq2048-mb4-noret3-*.json \
+    benchmarks/results/zero-bubble-seq2048-mb8-noret3-*.json --speed-rounds benchmarks/results/rounds3-zb-seq2048-mb4-noret-h200.json \
+    --name zero-bubble-seq2048-no-return-outputs-third
 fi
 if [ "$PHASE" = 9 ] && ls benchmarks/results/zero-bubble-seq2048-mb*-noret-*.json >/dev/null 2>&1; then
   job zb-merge 30 python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq2048-mb4-noret-*.json \
