@@ -44,6 +44,11 @@
 #                                                       #   without return_outputs (4 micro-batches on GPUs
 #                                                       #   0,1, 8 on GPUs 2,3, merged with phase 13's rounds),
 #                                                       #   then the zero-bubble / pipeline GPU tests
+#   LIMIT=300 bash benchmarks/scripts/device-2026-11-26-x4.sh 15  # phase 14's benchmark again after the
+#                                                       #   zero-sum gradient wrapper was reverted (phase 14's
+#                                                       #   graphed peaks were 0.2-1.0 GB higher than phase
+#                                                       #   12-13's traces); then a trace under the benchmark's
+#                                                       #   settings (12 steps, the last 3 profiled)
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -312,6 +317,20 @@ case "$PHASE" in
         --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret3 --budget 280
       pytest_job tests-pipeline 230 unittests/gpu/test_pipeline_gpu.py
     } ;;
+  15)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048"
+    # shellcheck disable=SC2086
+    queue_a() {
+      job zb-seq2048-mb4-n 240 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-noret4 --budget 220
+      job trace-zbv-mb8-profiled-r15 50 python tools/train_gpt.py $G13B --timeout 90 --steps 12 --profile-steps 3 \
+        --micro-batches 8 --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
+    }
+    queue_b() {
+      job zb-seq2048-mb8-n 240 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret4 --budget 220
+    } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 
@@ -323,6 +342,11 @@ elif [ "$GPUS" -ge 4 ]; then
   wait
 else
   queue_a; queue_b
+fi
+if [ "$PHASE" = 15 ] && ls benchmarks/results/zero-bubble-seq2048-mb*-noret4-*.json >/dev/null 2>&1; then
+  job zb-merge 30 python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq2048-mb4-noret4-*.json \
+    benchmarks/results/zero-bubble-seq2048-mb8-noret4-*.json --speed-rounds benchmarks/results/rounds3-zb-seq2048-mb4-noret-h200.json \
+    --name zero-bubble-seq2048-no-return-outputs-third
 fi
 if [ "$PHASE" = 14 ] && ls benchmarks/results/zero-bubble-seq2048-mb*-noret3-*.json >/dev/null 2>&1; then
   job zb-merge 30 python tools/bench_zero_bubble.py --merge benchmarks/results/zero-bubble-seq2048-mb4-noret3-*.json \
