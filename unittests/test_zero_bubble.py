@@ -679,3 +679,39 @@ def test_the_weight_state_holds_the_outputs_nodes_not_their_memory():
         assert torch.allclose(got[i], want)
     assert torch.allclose(gx, x2.grad)
     assert state.anchors == []
+
+
+class Squares(torch.nn.Module):
+    """A loss-like layer without parameters: its input gradient is the next layer's incoming one."""
+
+    def forward(self, x):
+        return x.square().sum()
+
+
+@pytest.mark.parametrize("sums", [False, True])
+def test_the_gradient_a_loss_layer_hands_the_head_stays_a_link_whatever_the_weight_pass(rt, monkeypatch, sums):
+    # The loss layer's input gradient (an output head's logits gradient) is read by the head's
+    # graphs directly: a link, no buffer of the head's own, given back to the pool once the
+    # head's backward is captured. On a torch whose weight pass sums saved gradients (2.11)
+    # the head's node has a pre-hook; a hook that hands on the incoming gradient in another
+    # tensor object loses the link unless it keeps the loss layer's tensor alive (measured on
+    # 2 x H200 with such a hook, since removed: every micro-batch's logits gradient stayed a
+    # buffer of its own, +0.2-1.0 GB).
+    import paddle_graphpp.torch.runtime as torch_runtime
+
+    monkeypatch.setattr(torch_runtime, "_SUMS_OUTPUT_GRADS", sums)
+    head = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    loss = Graphed(Squares(), rt, num_warmup_steps=0)
+    released = []
+    rt.release_to_pool = lambda t: released.append(t)
+    for _ in range(3):  # recorded, then captured at the start of the next step
+        losses = [loss(head(torch.randn(2, 4, requires_grad=True))) for _ in range(2)]
+        for value in losses:
+            value.backward()
+    (key,) = head.engine._signatures
+    positions = head.engine._signatures[key].positions
+    (lkey,) = loss.engine._signatures
+    handed = [loss.engine._signatures[lkey].positions[p].static_grad_inputs[0] for p in (0, 1)]
+    for p in (0, 1):
+        assert positions[p].static_grad_outputs[0] is handed[p]  # read where the loss layer wrote it
+    assert [t for t in released if any(t is h for h in handed)] == handed  # given back, both
