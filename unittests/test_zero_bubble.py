@@ -621,7 +621,7 @@ class AddThenLinear(torch.nn.Module):
 def test_a_handed_gradient_its_producers_weight_half_reads_is_given_back_only_after_it(rt):
     # b's input gradient goes to a (a link); b's own weight half reads the same tensor (the
     # add's junction saved it), and the pipelining weight pass captures a's weight half before
-    # b's. The gradient waits for every position in flight when it was made.
+    # b's. The gradient waits for its producer's weight half as well as for its reader.
     a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     b = Graphed(AddThenLinear(), rt, num_warmup_steps=0)
     c = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
@@ -715,3 +715,91 @@ def test_the_gradient_a_loss_layer_hands_the_head_stays_a_link_whatever_the_weig
     for p in (0, 1):
         assert positions[p].static_grad_outputs[0] is handed[p]  # read where the loss layer wrote it
     assert [t for t in released if any(t is h for h in handed)] == handed  # given back, both
+
+
+# ---------------------- gradients handed between graphs that eager code reads as well
+class AddP(torch.nn.Module):
+    """Eager, between two graphed layers: a learned offset, passing its input gradient on
+    unchanged (its junction saves that gradient for its weight pass)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, h):
+        return h + self.p
+
+
+def _counting(rt, proc):
+    """Record the events in order, count the graphs made and note each release to the pool
+    with the number of graphs made before it."""
+    order, graphs, released = [], [0], []
+    record, create = proc.record, rt.create_graph
+
+    def rec(layer, key, pos, forward, half=None):
+        order.append((layer, pos, forward, half))
+        record(layer, key, pos, forward, half=half)
+
+    def made():
+        graphs[0] += 1
+        return create()
+
+    proc.record, rt.create_graph = rec, made
+    rt.release_to_pool = lambda t: released.append((t, graphs[0]))
+    return order, graphs, released
+
+
+def test_a_gradient_an_eager_junction_saved_is_not_given_back_before_its_weight_pass(rt):
+    # x -> a (graphed) -> h + p (eager) -> c (graphed) -> d (graphed). c's input gradient g
+    # reaches a unchanged (a link) and the add's junction saves it for p's eager weight pass,
+    # which the pipelining weight pass runs last here (groups in parameter order: c, a, d, p).
+    # Graphs captured after g goes back may take its memory and, at replay, run before that
+    # eager read if they were recorded before it: g waits for its recorded death.
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    mid = AddP()
+    c = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    d = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    params = [*c.parameters(), *a.parameters(), *d.parameters(), *mid.parameters()]
+    order, graphs, released = _counting(rt, a.engine.process)
+    reads = []
+    mid.p.register_hook(lambda g: reads.append(len(order)))
+    for step in range(2):  # recorded, then captured at the start of the next step
+        if step == 1:
+            recorded, read_at = list(order), list(reads)
+        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
+        ys = [d(c(mid(a(x)))) for x in xs]
+        passes = []
+        for p in range(2):
+            passes.append(stage_backward_input([ys[p].sum()], None, [xs[p]], params)[1])
+            ys[p] = None
+        for groups in passes:
+            stage_backward_weight(params, groups)
+    assert len(recorded) == graphs[0]  # every recorded event captured, in order
+    (key,) = c.engine._signatures
+    for pos in (0, 1):
+        g = c.engine._signatures[key].positions[pos].static_grad_inputs[0]
+        after = [n for t, n in released if t is g]
+        assert len(after) == 1 and after[0] >= read_at[pos], (pos, after, read_at[pos])  # given back, after
+
+
+def test_a_gradient_another_reader_copies_is_not_given_back_before_that_copy(rt):
+    # s = A(tanh(A0(x))) + B(y).view(2, 4); loss = P(s). P's input gradient g reaches A
+    # unchanged (a link) and B as a view of another shape (no link: B copies it into a
+    # buffer of its own when its backward replays). g waits for that copy.
+    b_layer = Graphed(torch.nn.Linear(2, 2), rt, num_warmup_steps=0)
+    a0 = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    p_layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    order, graphs, released = _counting(rt, a.engine.process)
+    for step in range(2):  # recorded, then captured at the start of the next step
+        if step == 1:
+            recorded = list(order)
+        x, y = torch.randn(2, 4, requires_grad=True), torch.randn(2, 2, 2, requires_grad=True)
+        bo = b_layer(y.view(4, 2)).view(2, 4)
+        s = a(torch.tanh(a0(x))) + bo
+        p_layer(s).sum().backward()
+    (key,) = p_layer.engine._signatures
+    g = p_layer.engine._signatures[key].positions[0].static_grad_inputs[0]
+    reads_at = [i for i, (layer, _, forward, _) in enumerate(recorded) if layer is b_layer.engine and not forward]
+    after = [n for t, n in released if t is g]
+    assert len(after) == 1 and after[0] >= reads_at[0] + 1, (after, reads_at)  # given back, after the copy

@@ -90,14 +90,20 @@ class Process:
         self._produced_recorded: dict[tuple, tuple] = {}
         self._buffers: Sequence[Any] = ()  # during capture_recorded: the slots' buffers
         self._produced: dict[Link, Any] = {}  # during capture_recorded: captured static tensors
-        # During capture_recorded: the positions whose backward may still be captured; per
-        # recorded gradient link, the positions recorded reading it; per produced input gradient
-        # (by identity) [tensor, positions that may still read it, read by a link] (see
-        # consumed); per position, the produced gradients it reads (see captured)
+        # During capture_recorded: the positions whose forward is captured and whose backward is
+        # not complete yet; the positions whose backward may still be captured; per recorded
+        # gradient link, the positions recorded reading it; per produced input gradient (by
+        # identity) [tensor, positions that may still read it, read by a link, links whose
+        # recorded death it waits for, never given back] (see consumed, captured); per position,
+        # the produced gradients it reads; the gradient links found dead so far
+        self._live: Any = {}
         self._pending: set = set()
         self._readers: dict[Link, set] = {}
         self._grad_readers: dict[int, list] = {}
         self._reads: dict[tuple, list] = {}
+        self._grad_dead: set = set()
+        # While recording: the input gradients whose memory is watched (see watch_grads)
+        self._grad_watched: set = set()
         self.deferred = 0  # recordings dropped in a row because the runtime asked to wait
         # Outputs that die within the recorded episode (see watch_outputs): while recording, the
         # watches [(is the memory in use, Link)] and per event index the outputs found dead
@@ -156,6 +162,7 @@ class Process:
         self._deaths = {i: kept_links for i, links in deaths.items()
                         if (kept_links := [link for link in links if link.layer != mine])}
         self._watches = [w for w in self._watches if w[1].layer != mine]
+        self._grad_watched = {link for link in self._grad_watched if link.layer != mine}
         self._checks = {k: links for k, links in self._checks.items() if k[0] != mine}
         self._handed = {k: refs for k, refs in self._handed.items() if k[0] != mine}
         self._layers.pop(id(layer), None)
@@ -316,26 +323,32 @@ class Process:
         self._release_unread()
 
     def _release_unread(self) -> None:
-        """Give back the gradients read by a link that no position can read any more: it waits
-        for the positions recorded reading it and for its producer (a weight half may restart
-        from a gradient that passed a junction unchanged, and the producer's input gradient
-        can be that very tensor), and, where a reader's own input gradient may be it passed on
-        unchanged, for that gradient's readers too (see :meth:`captured`). At replay the
-        producer writes it and its readers read it before any graph captured later runs. The
-        tensors the positions keep of it stay, as aliases that do not own the memory
-        (:meth:`GraphRuntime.release_to_pool`)."""
-        done = [key for key, (_, waiting, linked) in self._grad_readers.items() if linked and not waiting]
+        """Give back the gradients read by a link that nothing reads any more (see
+        :meth:`captured` for what each waits for). At replay the producer writes it and its
+        readers read it before any graph captured later runs. The tensors the positions keep of
+        it stay, as aliases that do not own the memory (:meth:`GraphRuntime.release_to_pool`)."""
+        done = [key for key, (_, waiting, linked, gates, never) in self._grad_readers.items()
+                if linked and not waiting and not never and gates <= self._grad_dead]
         for key in done:
             tensor = self._grad_readers.pop(key)[0]
             self.runtime.release_to_pool(tensor)
 
     def captured(self, layer: Any, key: Hashable, position: int, kind: str, tensors: Sequence[Any]) -> None:
         """During capture: ``tensors`` are the static outputs (or input gradients) of a
-        position just captured, for the links recorded to them. An input gradient waits for
-        its readers (see :meth:`_release_unread`): the positions recorded reading it, which
-        are known before the first capture (:meth:`_note_readers`), not every position in
-        flight, so that a zero-bubble order, with many positions in flight, gives each
-        gradient back as eager autograd frees it."""
+        position just captured, for the links recorded to them.
+
+        An input gradient read by a link is given back to the pool (:meth:`_release_unread`)
+        once nothing reads it. Where the recording watched its eager twin's memory
+        (:meth:`watch_grads`) and saw it freed within the episode, that is at that point of
+        the capture order (eager readers included: a copy, another branch, a junction saved
+        for an eager weight pass) and not before its readers' whole backwards: the positions
+        recorded reading it (known before the first capture, :meth:`_note_readers`), its
+        producer (a weight half may restart from a gradient that passed a junction
+        unchanged: the producer's input gradient can be that very tensor) and, where a reader
+        passes it on unchanged, that gradient's readers. Under a zero-bubble order, with many
+        positions in flight, each gradient so goes back as eager autograd frees it. A twin
+        still in use at the end of the episode keeps its memory for good; one that could not
+        be watched waits for every position in flight when it was made."""
         slot = (id(layer), key, position)
         for index, t in enumerate(tensors):
             if t is None:
@@ -347,7 +360,13 @@ class Process:
             readers = {r for r in self._readers.get(link, ()) if r in self._pending}
             if slot in self._pending:
                 readers.add(slot)
-            entry = self._grad_readers.setdefault(id(t), [t, set(), False])
+            entry = self._grad_readers.setdefault(id(t), [t, set(), False, set(), False])
+            if link in self._dying:
+                entry[3].add(link)
+            elif link in self._grad_watched:
+                entry[4] = True  # in use to the end of the recorded episode
+            else:
+                readers.update(self._live)
             entry[1].update(readers)
             for r in readers:
                 self._reads.setdefault(r, []).append(id(t))
@@ -357,6 +376,25 @@ class Process:
                 upstream = self._grad_readers.get(read)
                 if upstream is not None and upstream is not entry:
                     upstream[1].update(readers)
+
+    def watch_grads(self, layer: Any, key: Hashable, position: int, grads: Sequence[Any],
+                    others: Sequence[Any]) -> None:
+        """A recorded backward produced the input gradients ``grads`` (the eager run's, ``None``
+        where an input has none; ``others``: the gradients it received). The moment in the
+        episode after which nothing uses a gradient's memory is noted as for outputs (see
+        :meth:`watch_outputs`); at capture, a gradient handed to another graph is not given
+        back before that point (:meth:`captured`). A gradient that shares its memory (passed
+        on unchanged, or two of one storage) is not watched."""
+        index = [i for i, g in enumerate(grads) if g is not None]
+        watches = self.runtime.memory_watches([grads[i] for i in index], [o for o in others if o is not None]) \
+            if index else None
+        if watches is None:
+            return
+        for i, alive in zip(index, watches):
+            if alive is not None:
+                link = Link(id(layer), key, position, i, "grad")
+                self._watches.append((alive, link))
+                self._grad_watched.add(link)
 
     def _note_readers(self, events: list, complete: set) -> None:
         """Before the captures: which positions read each recorded gradient link (their
@@ -377,10 +415,12 @@ class Process:
         that must reach the user is raised after the other layers' graphs are captured, and
         after the failed captures' memory is released.
         """
+        self.poll_watches()  # what died after the episode's last call
         events, self._events = self._events, []
         specs, self._slot_specs = self._slot_specs, []
         deaths, self._deaths = self._deaths, {}
         self._watches = []  # outputs alive at the end of the episode stay their positions'
+        grad_watched, self._grad_watched = self._grad_watched, set()
         self._free_slots.clear()
         self._produced_recorded.clear()
         layers = list({id(layer): layer for layer, *_ in events}.values())
@@ -402,7 +442,7 @@ class Process:
         # recorded episode ran, they would pin pieces of its activations' cached blocks).
         self._buffers = self.runtime.static_buffers(specs) if specs else []
         live: dict[tuple, Any] = {}
-        self._grad_readers = {}
+        self._live, self._grad_readers, self._grad_watched = live, {}, grad_watched
         failed: set = set()
         errors: list[BaseException] = []
         if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
@@ -415,8 +455,9 @@ class Process:
             self._dying, self._owners = set(), {}
         live.clear()
         # the captured positions hold the tensors they use (gradients not given back stay owned)
-        self._buffers, self._produced, self._grad_readers = (), {}, {}
-        self._pending, self._readers, self._reads = set(), {}, {}
+        self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
+        self._pending, self._readers, self._reads, self._grad_dead = set(), {}, {}, set()
+        self._grad_watched = set()
         for layer in layers:
             layer._recording_captured()
         self._layers.update({id(layer): layer for layer in layers})
@@ -444,17 +485,24 @@ class Process:
         # borrowing the pool) could, while a schedule still holds it.
         last = max((i for i, (layer, key, pos, *_) in enumerate(events) if (id(layer), key, pos) in complete),
                    default=-1)
+        # A gradient freed after that event was read by no graph after it: it goes back after the
+        # batch's last graph (its eager readers run before the step ends).
+        late = [link for i, links in deaths.items() if i > last for link in links if link.kind == "grad"]
         deaths = {i: links for i, links in deaths.items() if i <= last}
-        self._dying = {link for links in deaths.values() for link in links}
+        self._dying = {link for links in deaths.values() for link in links} | set(late)
         self._note_readers(events, complete)
         captured: set = set()  # per_graph slots come back within an episode: capture each once
         released: list = []  # outputs whose memory went back to the pool since the last captured graph
         first: Optional[tuple] = None  # the first graph captured: the next episode's first replay
         checks: dict = {}  # see self._checks
         for index, (layer, key, pos, forward, half) in enumerate(events):
-            dead = deaths.get(index, ())
+            dead = [link for link in deaths.get(index, ()) if link.kind == "out"]
             self._release_outputs(dead)
             released.extend(dead)
+            dead_grads = [link for link in deaths.get(index, ()) if link.kind == "grad"]
+            if dead_grads:
+                self._grad_dead.update(dead_grads)
+                self._release_unread()
             slot = (id(layer), key, pos)
             if slot not in complete or slot in captured or (id(layer), key) in failed:
                 continue
@@ -465,6 +513,8 @@ class Process:
                     if state is not None:
                         live[slot] = state
                         made = True
+                    else:  # recorded again when it next runs: reads nothing in this batch
+                        self._complete(slot)
                 elif slot in live and half == "input":
                     live[slot] = layer._capture_recorded_backward_input(key, pos, live[slot])
                     made = True
@@ -485,6 +535,8 @@ class Process:
                 for other in [s for s in live if s[:2] == (id(layer), key)]:
                     del live[other]
                     self._complete(other)
+                for other in [s for s in self._pending if s[:2] == (id(layer), key)]:
+                    self._complete(other)  # its positions not captured yet will not be
                 error = layer._capture_failed(key, exc)
                 exc = None  # the traceback's frames hold the failed capture's tensors
                 if error is not None:
@@ -497,6 +549,8 @@ class Process:
                     released = []
         if released and first is not None:  # released after the last graph: the next episode's first overwrites
             checks[first] = (*checks.get(first, ()), *released)
+        self._grad_dead.update(late)
+        self._release_unread()
         self._checks.update(checks)
 
     def _agree(self, errors: list) -> list:

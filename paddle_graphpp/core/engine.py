@@ -764,6 +764,7 @@ class GraphedCallable:
                 rec, grad_slots=grad_slots, grad_specs=specs, split=half == "input")
             if reuse:
                 proc.note_produced(self, call.key, call.position, "grad", input_grads)
+                proc.watch_grads(self, call.key, call.position, input_grads, diff_grads)
         if reuse and half != "input":
             # Positions recorded after this backward may take these buffers over: the inputs
             # are read by nothing after this backward, the gradients by nothing outside it.
