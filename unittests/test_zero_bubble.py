@@ -803,3 +803,53 @@ def test_a_gradient_another_reader_copies_is_not_given_back_before_that_copy(rt)
     reads_at = [i for i, (layer, _, forward, _) in enumerate(recorded) if layer is b_layer.engine and not forward]
     after = [n for t, n in released if t is g]
     assert len(after) == 1 and after[0] >= reads_at[0] + 1, (after, reads_at)  # given back, after the copy
+
+
+def test_nothing_of_a_capture_batch_that_escapes_reaches_the_next(rt):
+    # a -> h + p (eager) -> c -> d; c's input gradient (a link to a) dies in micro-batch 0's
+    # weight pass. d's weight-half capture of micro-batch 1 fails under fallback='eager' with
+    # warnings raised as errors, so the failure's warning escapes the batch: the gradients
+    # found dead in it must not count as dead in the next one.
+    from paddle_graphpp.core import engine as engine_mod
+
+    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    mid = AddP()
+    c = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    d = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, fallback="eager")
+    params = [*c.parameters(), *a.parameters(), *d.parameters(), *mid.parameters()]
+    real = d.engine._capture_recorded_backward_weight
+
+    def failing(key, pos, half):
+        if pos == 1:
+            raise engine_mod._CaptureFailed("weight half", RuntimeError("injected"), None)
+        return real(key, pos, half)
+
+    d.engine._capture_recorded_backward_weight = failing
+    proc = a.engine.process
+
+    def step():
+        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
+        ys = [d(c(mid(a(x)))) for x in xs]
+        passes = []
+        for p in range(2):
+            passes.append(stage_backward_input([ys[p].sum()], None, [xs[p]], params)[1])
+            ys[p] = None
+        for groups in passes:
+            stage_backward_weight(params, groups)
+
+    step()  # recorded
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with pytest.raises(RuntimeWarning, match="injected"):
+            step()  # captured at its first forward: d's failure warning escapes
+    assert not proc._grad_dead and not proc._grad_readers and not proc._pending and not proc._live
+
+
+def test_memory_of_tensors_without_a_plain_storage_is_not_watched():
+    from paddle_graphpp.torch.runtime import storage_watches
+
+    sparse = torch.sparse_coo_tensor([[0, 1], [1, 0]], [1.0, 2.0], (2, 2))
+    assert storage_watches([sparse], []) is None
+    dense = torch.ones(2)
+    watch = storage_watches([dense], [sparse])
+    assert watch is not None and watch[0]()

@@ -443,6 +443,7 @@ class Process:
         self._buffers = self.runtime.static_buffers(specs) if specs else []
         live: dict[tuple, Any] = {}
         self._live, self._grad_readers, self._grad_watched = live, {}, grad_watched
+        self._grad_dead = set()
         failed: set = set()
         errors: list[BaseException] = []
         if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
@@ -452,12 +453,14 @@ class Process:
         try:
             self._capture_events(events, deaths, live, failed, errors)
         finally:
+            # also when the batch escapes (an interrupt, a warning raised as an error): nothing
+            # of it may reach the next batch. The captured positions hold the tensors they use
+            # (gradients not given back stay owned).
             self._dying, self._owners = set(), {}
-        live.clear()
-        # the captured positions hold the tensors they use (gradients not given back stay owned)
-        self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
-        self._pending, self._readers, self._reads, self._grad_dead = set(), {}, {}, set()
-        self._grad_watched = set()
+            live.clear()
+            self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
+            self._pending, self._readers, self._reads, self._grad_dead = set(), {}, {}, set()
+            self._grad_watched = set()
         for layer in layers:
             layer._recording_captured()
         self._layers.update({id(layer): layer for layer in layers})
