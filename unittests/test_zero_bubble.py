@@ -544,6 +544,19 @@ def test_input_then_weight_half_give_autograd_gradients():
     assert state.groups == [] and state.saved == {}  # released
 
 
+def _dropping_step(model, params):
+    """One zero-bubble step of two micro-batches through ``model``: both forwards, the input
+    passes (each output dropped after its own), then the weight passes."""
+    xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
+    ys = [model(x) for x in xs]
+    passes = []
+    for p in range(2):
+        passes.append(stage_backward_input([ys[p].sum()], None, [xs[p]], params)[1])
+        ys[p] = None
+    for groups in passes:
+        stage_backward_weight(params, groups)
+
+
 def test_an_output_dropped_after_its_input_pass_gives_its_memory_back_before_the_weight_passes(rt):
     # The schedule drops each micro-batch's stage output after its input pass. Only the weight
     # halves remain, and they start from saved state, not from the outputs: b's output is free
@@ -554,14 +567,7 @@ def test_an_output_dropped_after_its_input_pass_gives_its_memory_back_before_the
     b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     params = [*a.parameters(), *b.parameters()]
     for _ in range(3):
-        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
-        ys = [b(a(x)) for x in xs]
-        passes = []
-        for p in range(2):
-            passes.append(stage_backward_input([ys[p].sum()], None, [xs[p]], params)[1])
-            ys[p] = None
-        for groups in passes:
-            stage_backward_weight(params, groups)
+        _dropping_step(lambda x: b(a(x)), params)
     names = {id(a.engine): "a", id(b.engine): "b"}
     checks = {(names[k[0]], k[2], k[3]): [(names[link.layer], link.position) for link in links]
               for k, links in a.engine.process._checks.items()}
@@ -766,14 +772,7 @@ def test_a_gradient_an_eager_junction_saved_is_not_given_back_before_its_weight_
     for step in range(2):  # recorded, then captured at the start of the next step
         if step == 1:
             recorded, read_at = list(order), list(reads)
-        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
-        ys = [d(c(mid(a(x)))) for x in xs]
-        passes = []
-        for p in range(2):
-            passes.append(stage_backward_input([ys[p].sum()], None, [xs[p]], params)[1])
-            ys[p] = None
-        for groups in passes:
-            stage_backward_weight(params, groups)
+        _dropping_step(lambda x: d(c(mid(a(x)))), params)
     assert len(recorded) == graphs[0]  # every recorded event captured, in order
     (key,) = c.engine._signatures
     for pos in (0, 1):
@@ -828,14 +827,7 @@ def test_nothing_of_a_capture_batch_that_escapes_reaches_the_next(rt):
     proc = a.engine.process
 
     def step():
-        xs = [torch.randn(2, 4, requires_grad=True) for _ in range(2)]
-        ys = [d(c(mid(a(x)))) for x in xs]
-        passes = []
-        for p in range(2):
-            passes.append(stage_backward_input([ys[p].sum()], None, [xs[p]], params)[1])
-            ys[p] = None
-        for groups in passes:
-            stage_backward_weight(params, groups)
+        _dropping_step(lambda x: d(c(mid(a(x)))), params)
 
     step()  # recorded
     with warnings.catch_warnings():
