@@ -45,6 +45,7 @@ import logging
 import warnings
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 from . import memory as _memory
@@ -70,6 +71,17 @@ class Link(NamedTuple):
     kind: str
 
 
+@dataclass(slots=True, eq=False)
+class _Handed:
+    """During capture: an input gradient one graph produced, as other graphs may read it."""
+
+    tensor: Any
+    waiting: set = field(default_factory=set)  # positions that may still read it
+    linked: bool = False  # a captured graph reads it through a link (see Process.consumed)
+    deaths: set = field(default_factory=set)  # its links whose recorded death it waits for
+    kept: bool = False  # its eager twin was in use to the end of the episode: never given back
+
+
 class Process:
     """Process-wide state of one runtime: episode clock, memory plan, recorded calls."""
 
@@ -92,15 +104,12 @@ class Process:
         self._produced: dict[Link, Any] = {}  # during capture_recorded: captured static tensors
         # During capture_recorded: the positions whose forward is captured and whose backward is
         # not complete yet; the positions whose backward may still be captured; per recorded
-        # gradient link, the positions recorded reading it; per produced input gradient (by
-        # identity) [tensor, positions that may still read it, read by a link, links whose
-        # recorded death it waits for, never given back] (see consumed, captured); per position,
-        # the produced gradients it reads; the gradient links found dead so far
+        # gradient link, the positions recorded reading it; the produced input gradients, by
+        # identity (see captured); the gradient links found dead so far
         self._live: Any = {}
         self._pending: set = set()
         self._readers: dict[Link, set] = {}
-        self._grad_readers: dict[int, list] = {}
-        self._reads: dict[tuple, list] = {}
+        self._grad_readers: dict[int, _Handed] = {}
         self._grad_dead: set = set()
         # While recording: the input gradients whose memory is watched (see watch_grads)
         self._grad_watched: set = set()
@@ -311,7 +320,7 @@ class Process:
                 tensor = self._produced.get(slot)
                 entry = None if tensor is None else self._grad_readers.get(id(tensor))
                 if entry is not None:
-                    entry[2] = True
+                    entry.linked = True
         self._release_unread()
 
     def _complete(self, slot: tuple) -> None:
@@ -319,7 +328,7 @@ class Process:
         captured, or its capture failed)."""
         self._pending.discard(slot)
         for entry in self._grad_readers.values():
-            entry[1].discard(slot)
+            entry.waiting.discard(slot)
         self._release_unread()
 
     def _release_unread(self) -> None:
@@ -327,11 +336,10 @@ class Process:
         :meth:`captured` for what each waits for). At replay the producer writes it and its
         readers read it before any graph captured later runs. The tensors the positions keep of
         it stay, as aliases that do not own the memory (:meth:`GraphRuntime.release_to_pool`)."""
-        done = [key for key, (_, waiting, linked, gates, never) in self._grad_readers.items()
-                if linked and not waiting and not never and gates <= self._grad_dead]
+        done = [key for key, e in self._grad_readers.items()
+                if e.linked and not e.waiting and not e.kept and e.deaths <= self._grad_dead]
         for key in done:
-            tensor = self._grad_readers.pop(key)[0]
-            self.runtime.release_to_pool(tensor)
+            self.runtime.release_to_pool(self._grad_readers.pop(key).tensor)
 
     def captured(self, layer: Any, key: Hashable, position: int, kind: str, tensors: Sequence[Any]) -> None:
         """During capture: ``tensors`` are the static outputs (or input gradients) of a
@@ -342,13 +350,15 @@ class Process:
         (:meth:`watch_grads`) and saw it freed within the episode, that is at that point of
         the capture order (eager readers included: a copy, another branch, a junction saved
         for an eager weight pass) and not before its readers' whole backwards: the positions
-        recorded reading it (known before the first capture, :meth:`_note_readers`), its
+        recorded reading it (known before the first capture, :meth:`_note_readers`) and its
         producer (a weight half may restart from a gradient that passed a junction
-        unchanged: the producer's input gradient can be that very tensor) and, where a reader
-        passes it on unchanged, that gradient's readers. Under a zero-bubble order, with many
-        positions in flight, each gradient so goes back as eager autograd frees it. A twin
-        still in use at the end of the episode keeps its memory for good; one that could not
-        be watched waits for every position in flight when it was made."""
+        unchanged: the producer's input gradient can be that very tensor). A reader that
+        passes it on unchanged holds its twin's memory in the recording, so the twin's death
+        waits for that gradient's readers too. Under a zero-bubble order, with many positions
+        in flight, each gradient so goes back as eager autograd frees it. A twin still in use
+        at the end of the episode keeps its memory for good; one that could not be watched
+        (shared memory, such as a gradient passed on unchanged, or a runtime without watches)
+        waits for every position in flight when it was made."""
         slot = (id(layer), key, position)
         for index, t in enumerate(tensors):
             if t is None:
@@ -360,22 +370,14 @@ class Process:
             readers = {r for r in self._readers.get(link, ()) if r in self._pending}
             if slot in self._pending:
                 readers.add(slot)
-            entry = self._grad_readers.setdefault(id(t), [t, set(), False, set(), False])
+            entry = self._grad_readers.setdefault(id(t), _Handed(t))
             if link in self._dying:
-                entry[3].add(link)
+                entry.deaths.add(link)
             elif link in self._grad_watched:
-                entry[4] = True  # in use to the end of the recorded episode
+                entry.kept = True
             else:
                 readers.update(self._live)
-            entry[1].update(readers)
-            for r in readers:
-                self._reads.setdefault(r, []).append(id(t))
-            # This position read gradients that its own may be, passed on unchanged (an identity
-            # or an addition on the way): those wait for this one's readers as well.
-            for read in self._reads.get(slot, ()):
-                upstream = self._grad_readers.get(read)
-                if upstream is not None and upstream is not entry:
-                    upstream[1].update(readers)
+            entry.waiting.update(readers)
 
     def watch_grads(self, layer: Any, key: Hashable, position: int, grads: Sequence[Any],
                     others: Sequence[Any]) -> None:
@@ -399,7 +401,7 @@ class Process:
     def _note_readers(self, events: list, complete: set) -> None:
         """Before the captures: which positions read each recorded gradient link (their
         recorded incoming gradients), among the positions whose backward will be captured."""
-        self._pending, self._readers, self._reads = set(complete), {}, {}
+        self._pending, self._readers = set(complete), {}
         for layer, key, pos, forward, half in events:
             if forward or half == "weight":
                 continue
@@ -459,7 +461,7 @@ class Process:
             self._dying, self._owners = set(), {}
             live.clear()
             self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
-            self._pending, self._readers, self._reads, self._grad_dead = set(), {}, {}, set()
+            self._pending, self._readers, self._grad_dead = set(), {}, set()
             self._grad_watched = set()
         for layer in layers:
             layer._recording_captured()

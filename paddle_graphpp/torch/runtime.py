@@ -479,14 +479,12 @@ def storage_watches(tensors, others) -> Optional[list]:
     a storage, or one shares a storage with ``others``."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    if not all(isinstance(t, torch.Tensor) and t.layout is torch.strided for t in tensors):
-        return None  # sparse, nested or other layouts: no plain storage to watch
     try:
         storages = [t.untyped_storage() for t in tensors]
         keys = [(s.device, s.data_ptr()) for s in storages]
         taken = {(o.untyped_storage().device, o.untyped_storage().data_ptr()) for o in others
                  if isinstance(o, torch.Tensor) and o.layout is torch.strided}
-    except (NotImplementedError, RuntimeError):  # a tensor subclass without a storage (DTensor, ...)
+    except (NotImplementedError, RuntimeError):  # no plain storage to watch (sparse, DTensor, nested)
         return None
     if len(set(keys)) != len(keys) or taken.intersection(keys) or any(p == 0 for _, p in keys):
         return None
