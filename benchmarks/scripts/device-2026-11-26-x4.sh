@@ -49,6 +49,11 @@
 #                                                       #   graphed peaks were 0.2-1.0 GB higher than phase
 #                                                       #   12-13's traces); then a trace under the benchmark's
 #                                                       #   settings (12 steps, the last 3 profiled)
+#   LIMIT=560 bash benchmarks/scripts/device-2026-11-26-x4.sh 16  # fourth session, the final engine with the
+#                                                       #   weight pass's gradient alias that keeps the real
+#                                                       #   gradient for the node: the seq-2048 zero-bubble
+#                                                       #   benchmark (4 micro-batches on GPUs 0,1, 8 on 2,3),
+#                                                       #   then the pipeline and zero-bubble GPU tests
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -330,6 +335,17 @@ case "$PHASE" in
     queue_b() {
       job zb-seq2048-mb8-n 240 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
         --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret4 --budget 220
+    } ;;
+  16)
+    queue_a() {
+      job zb-seq2048-mb4-n 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-noret5 --budget 260
+      pytest_job tests-pipeline 230 unittests/gpu/test_pipeline_gpu.py
+    }
+    queue_b() {
+      job zb-seq2048-mb8-n 360 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret5 --budget 340
+      pytest_job tests-zero-bubble 150 unittests/gpu/test_zero_bubble_gpu.py
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
