@@ -11,7 +11,9 @@ reserved memory peaked and the moment allocated memory peaked, and at each lists
 alive, grouped by memory pool (the default pool or a graph pool) and by the allocating code:
 the innermost frame in this project, the trainer, ``torch.optim`` or ``torch.distributed``.
 Free space held in segments (reserved but unallocated) is shown per pool too: that is the
-memory one pool caches and another cannot use.
+memory one pool caches and another cannot use. ``growth`` lists every segment a graph pool
+grew by, with the request that needed it and the pool's largest free block at that moment: a
+request larger than that block grew the pool although the pool had room in holes.
 """
 
 from __future__ import annotations
@@ -86,6 +88,24 @@ def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_sin
     return {"complete": complete, "events": len(events), **_replay(events, marks, top, steps=step_starts_us)}
 
 
+def _largest_hole(pool: str, live: dict, seg_pool: dict) -> tuple:
+    """(largest free block, free bytes) among ``pool``'s segments, from the live blocks."""
+    segs = sorted((addr, size) for addr, (size, p) in seg_pool.items() if p == pool)
+    blocks = sorted((addr, size) for addr, (size, p, _l, _t) in live.items() if p == pool)
+    largest = free = 0
+    j = 0
+    for start, size in segs:
+        cursor, end = start, start + size
+        while j < len(blocks) and blocks[j][0] < end:
+            addr, bsize = blocks[j]
+            if addr >= start:
+                largest, free = max(largest, addr - cursor), free + max(0, addr - cursor)
+                cursor = max(cursor, addr + bsize)
+            j += 1
+        largest, free = max(largest, end - cursor), free + max(0, end - cursor)
+    return largest, free
+
+
 def _where(time_us: float, steps: list) -> tuple:
     """(step index, fraction of that step) of a moment; the last step ends at its start plus
     the previous step's length."""
@@ -106,6 +126,8 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
     pool_alloc: dict = defaultdict(int)  # pool -> allocated now
     best_pool: dict = {}  # pool -> (allocated, index), after since_us
     out: dict = {}
+    growth: list = []  # graph-pool segments: [segment MiB, request MiB, largest hole MiB, free MiB, site]
+    growing: dict = {}  # pool -> index into growth of a segment whose request is next
 
     def moment(time_us: float | None = None) -> dict:
         alloc_pool: dict = defaultdict(int)
@@ -164,6 +186,9 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
             size = ev["size"]
             label = _label(ev.get("frames") or []) if marks is not None else ""
             live[ev["addr"]] = (size, _pool(ev), label, ev.get("time_us", 0))
+            if _pool(ev) in growing:
+                grown = growth[growing.pop(_pool(ev))]
+                grown[1], grown[4] = round(size / MIB, 1), label
             allocated += size
             pool_alloc[_pool(ev)] += size
         elif action == "free_completed":
@@ -172,6 +197,10 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
                 allocated -= entry[0]
                 pool_alloc[entry[1]] -= entry[0]
         elif action in ("segment_alloc", "segment_map"):
+            if marks is not None and _pool(ev) != "default" and not _pool(ev).startswith("stream0"):
+                hole, free = _largest_hole(_pool(ev), live, seg_pool)
+                growing[_pool(ev)] = len(growth)
+                growth.append([round(ev["size"] / MIB, 1), None, round(hole / MIB, 1), round(free / MIB, 1), ""])
             seg_pool[ev["addr"]] = (ev["size"], _pool(ev))
             reserved += ev["size"]
         elif action in ("segment_free", "segment_unmap"):
@@ -195,6 +224,7 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
         return {"reserved_index": best_res[1], "allocated_index": best_alloc[1], "steady_index": best_steady[1],
                 "steady_pool_index": {pool: index for pool, (_, index) in best_pool.items()}}
     out["end"] = moment(events[-1].get("time_us") if events else None)
+    out["growth"] = growth
     return out
 
 
@@ -217,6 +247,10 @@ def describe(trace: dict, sites: int = 8) -> str:
             lines.append(f"      {mib:>9.1f}  {site}  {m.get('top_site_sizes', {}).get(site, '')}")
         for pool, segs in m.get("segments_most_free_mib", {}).items():
             lines.append(f"      {pool}: {m['segments'][pool]} segments; most free [MiB, allocated]: {segs}")
+    grew = [g for g in trace.get("growth", []) if g[1] is not None and g[1] > g[2]]
+    if trace.get("growth"):
+        lines.append(f"  graph pools grew by {len(trace['growth'])} segments; {len(grew)} of them for a request larger "
+                     f"than the largest hole [segment, request, largest hole, free MiB, site]: {grew[:12]}")
     return "\n".join(lines)
 
 

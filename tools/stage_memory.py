@@ -179,9 +179,8 @@ def worker(args) -> dict:
 
         out["memory_report"] = memory_report()
         lender = RUNTIME._lender
-        out["optimizer_steps_in_pool"] = None if lender is None else lender.steps
-        out["optimizer_steps_declined"] = None if lender is None else lender.declined
-        out["pool_reserved_before_capture_mib"] = None if lender is None else lender.reserved / 2**20
+        out.update(dict.fromkeys(("optimizer_steps_in_pool", "optimizer_steps_declined",
+                                  "pool_reserved_before_capture_mib")) if lender is None else lender.report())
     if args.trace:
         from tools import memtrace
 

@@ -656,6 +656,11 @@ def run_torch(cfg: Config) -> None:
         from paddle_graphpp.core.memory import memory_report
 
         mine["memory_report"] = memory_report()
+        if use_cuda:
+            from paddle_graphpp.torch.runtime import RUNTIME
+
+            if RUNTIME._lender is not None:
+                mine["pool_lending"] = RUNTIME._lender.report()
     if cfg.memory_trace and use_cuda:
         from tools import memtrace
 

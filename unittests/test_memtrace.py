@@ -48,3 +48,20 @@ def test_without_step_marks_moments_carry_no_step():
               _alloc(0, 10, 1, 5)]
     out = memtrace.analyze({"device_traces": [events]}, device=0)
     assert "step" not in out["peak_allocated"] and out["peak_allocated"]["allocated_mib"] == 10
+
+
+def test_a_graph_pool_growing_beside_a_hole_too_small_is_listed():
+    pool = (1, 2)
+    events = [
+        {"action": "segment_alloc", "addr": 0, "size": 100 * MIB, "time_us": 0, "pool_id": pool},
+        _alloc(0, 30, 1, 5, pool),
+        _alloc(30 * MIB, 20, 2, 5, pool),
+        _alloc(50 * MIB, 30, 3, 5, pool),
+        _free(30 * MIB, 20, 4),  # holes of 20 MiB and 20 MiB (at the end): 40 free, none of 40
+        {"action": "segment_alloc", "addr": 200 * MIB, "size": 40 * MIB, "time_us": 5, "pool_id": pool},
+        _alloc(200 * MIB, 40, 6, 7, pool),
+    ]
+    out = memtrace.analyze({"device_traces": [events]}, device=0)
+    assert out["growth"] == [[100.0, 30.0, 0.0, 0.0, "tools/train_gpt.py:5:run_torch"],
+                             [40.0, 40.0, 20.0, 40.0, "tools/train_gpt.py:7:run_torch"]]
+    assert "2 segments; 2 of them for a request larger than the largest hole" in memtrace.describe(out)

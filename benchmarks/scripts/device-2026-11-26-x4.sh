@@ -54,6 +54,11 @@
 #                                                       #   gradient for the node: the seq-2048 zero-bubble
 #                                                       #   benchmark (4 micro-batches on GPUs 0,1, 8 on 2,3),
 #                                                       #   then the pipeline and zero-bubble GPU tests
+#   LIMIT=560 bash benchmarks/scripts/device-2026-11-26-x4.sh 17  # GPUs 0,1: where the graph pool grows (traces
+#                                                       #   of graphed zbv, 8 micro-batches, with and without
+#                                                       #   the reserve before capture), then the benchmark's
+#                                                       #   graphed runs without the reserve; GPUs 2,3: the
+#                                                       #   zero-bubble benchmark at seq 512
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -346,6 +351,34 @@ case "$PHASE" in
       job zb-seq2048-mb8-n 360 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
         --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret5 --budget 340
       pytest_job tests-zero-bubble 150 unittests/gpu/test_zero_bubble_gpu.py
+    } ;;
+  17)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    # shellcheck disable=SC2086
+    queue_a() {
+      job trace-zbv-mb8-r17 70 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 --micro-batches 8 \
+        --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
+      FLAGS_graphpp_reserve_pool=0 job trace-zbv-mb8-noreserve-r17 70 python tools/train_gpt.py $G13B --seq-len 2048 \
+        --timeout 90 --steps 6 --micro-batches 8 --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
+      local cfg
+      for cfg in "zbv-mb4:--seq-len 2048 --micro-batches 4 --vpp 2 --schedule zbv" \
+                 "1f1b-mb8:--seq-len 2048 --micro-batches 8" "1f1b-mb4:--seq-len 2048 --micro-batches 4" \
+                 "izb-mb8:--seq-len 2048 --micro-batches 8 --vpp 2 --schedule interleaved_zb" \
+                 "izb-mb4:--seq-len 2048 --micro-batches 4 --vpp 2 --schedule interleaved_zb" \
+                 "dpv-mb8:--seq-len 2048 --micro-batches 8 --vpp 2 --schedule dualpipev" \
+                 "dpv-mb4:--seq-len 2048 --micro-batches 4 --vpp 2 --schedule dualpipev" \
+                 "zbv-s512-mb8:--seq-len 512 --micro-batches 8 --vpp 2 --schedule zbv" \
+                 "1f1b-s512-mb8:--seq-len 512 --micro-batches 8"; do
+        FLAGS_graphpp_reserve_pool=0 job "noreserve-${cfg%%:*}" 50 python tools/train_gpt.py $G13B ${cfg#*:} --steps 12 \
+          --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
+      done
+    }
+    queue_b() {
+      job zb-seq512-mb4-n 260 python tools/bench_zero_bubble.py --seq 512 --micro-batches 4 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb4-noret5 --budget 240
+      job zb-seq512-mb8-n 260 python tools/bench_zero_bubble.py --seq 512 --micro-batches 8 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-noret5 --budget 240
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -133,6 +133,12 @@ class PoolLender:
         self.reserved += nbytes
         return nbytes
 
+    def report(self) -> dict:
+        """What lending did in this process: optimizer steps run in a graph pool, steps that
+        did not borrow for lack of room, MiB reserved in pools before their captures."""
+        return {"optimizer_steps_in_pool": self.steps, "optimizer_steps_declined": self.declined,
+                "pool_reserved_before_capture_mib": self.reserved / 2**20}
+
     def lend(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
         """From now on, optimizer steps run while ``is_idle()`` borrow ``pool``."""
         if self.disabled or not isinstance(pool, torch.cuda.MemPool):
