@@ -59,6 +59,12 @@
 #                                                       #   the reserve before capture), then the benchmark's
 #                                                       #   graphed runs without the reserve; GPUs 2,3: the
 #                                                       #   zero-bubble benchmark at seq 512
+#   LIMIT=330 bash benchmarks/scripts/device-2026-11-26-x4.sh 18  # GPUs 0,1: traces of the two runs that peaked
+#                                                       #   higher without the reserve (1F1B 8 and dualpipev 4
+#                                                       #   micro-batches), then dualpipev at seq 512, 4 micro-
+#                                                       #   batches (phase 17's part ran out of budget before
+#                                                       #   it); GPUs 2,3: graphed zbv / 1F1B in 3 alternating
+#                                                       #   rounds at seq 2048, 4 micro-batches
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -379,6 +385,25 @@ case "$PHASE" in
         --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb4-noret5 --budget 240
       job zb-seq512-mb8-n 260 python tools/bench_zero_bubble.py --seq 512 --micro-batches 8 \
         --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-noret5 --budget 240
+    } ;;
+  18)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    # shellcheck disable=SC2086
+    queue_a() {
+      FLAGS_graphpp_reserve_pool=0 job trace-1f1b-mb8-noreserve-r18 45 python tools/train_gpt.py $G13B --seq-len 2048 \
+        --timeout 90 --steps 6 --micro-batches 8 --no-return-outputs --cudagraph --memory-trace
+      FLAGS_graphpp_reserve_pool=0 job trace-dpv-mb4-noreserve-r18 45 python tools/train_gpt.py $G13B --seq-len 2048 \
+        --timeout 90 --steps 6 --micro-batches 4 --vpp 2 --schedule dualpipev --no-return-outputs --cudagraph --memory-trace
+      job trace-dpv-mb4-r18 45 python tools/train_gpt.py $G13B --seq-len 2048 \
+        --timeout 90 --steps 6 --micro-batches 4 --vpp 2 --schedule dualpipev --no-return-outputs --cudagraph --memory-trace
+      job zb-seq512-mb4-dpv 150 python tools/bench_zero_bubble.py --seq 512 --micro-batches 4 --schedules dualpipev \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb4-dualpipev-noret5 --budget 135
+    }
+    queue_b() {
+      job zb-rounds3-r18 290 python tools/bench_rounds.py --name rounds3-zb-seq2048-mb4-noret5 --rounds 3 --budget 270 \
+        --base "$G13B --seq-len 2048 --micro-batches 4 --steps 12 --timeout 120 --no-return-outputs" \
+        --variant graphed_1f1b="--cudagraph" --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
