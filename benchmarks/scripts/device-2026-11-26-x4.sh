@@ -65,6 +65,11 @@
 #                                                       #   batches (phase 17's part ran out of budget before
 #                                                       #   it); GPUs 2,3: graphed zbv / 1F1B in 3 alternating
 #                                                       #   rounds at seq 2048, 4 micro-batches
+#   LIMIT=520 bash benchmarks/scripts/device-2026-11-26-x4.sh 19  # the benchmark's graphed runs without the
+#                                                       #   reserved block again, now that captures wait for the
+#                                                       #   first optimizer step either way (seq 2048 and 512);
+#                                                       #   dualpipev at seq 512, 8 micro-batches; graphed zbv /
+#                                                       #   1F1B in 5 alternating rounds at seq 2048
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -403,6 +408,35 @@ case "$PHASE" in
     queue_b() {
       job zb-rounds3-r18 290 python tools/bench_rounds.py --name rounds3-zb-seq2048-mb4-noret5 --rounds 3 --budget 270 \
         --base "$G13B --seq-len 2048 --micro-batches 4 --steps 12 --timeout 120 --no-return-outputs" \
+        --variant graphed_1f1b="--cudagraph" --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
+    } ;;
+  19)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    noreserve() {  # noreserve CFG...: the benchmark's graphed run of each "name:trainer args", no reserved block
+      local cfg
+      for cfg in "$@"; do
+        # shellcheck disable=SC2086
+        FLAGS_graphpp_reserve_pool=0 job "noreserve-${cfg%%:*}-r19" 50 python tools/train_gpt.py $G13B ${cfg#*:} \
+          --steps 12 --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
+      done
+    }
+    queue_a() {
+      job zb-seq512-mb8-dpv 160 python tools/bench_zero_bubble.py --seq 512 --micro-batches 8 --schedules dualpipev \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-dualpipev-noret5 --budget 140
+      noreserve "1f1b-mb8:--seq-len 2048 --micro-batches 8" "1f1b-mb4:--seq-len 2048 --micro-batches 4" \
+        "dpv-mb4:--seq-len 2048 --micro-batches 4 --vpp 2 --schedule dualpipev" \
+        "zbv-mb4:--seq-len 2048 --micro-batches 4 --vpp 2 --schedule zbv" "1f1b-s512-mb8:--seq-len 512 --micro-batches 8"
+    }
+    queue_b() {
+      noreserve "zbv-mb8:--seq-len 2048 --micro-batches 8 --vpp 2 --schedule zbv" \
+        "izb-mb8:--seq-len 2048 --micro-batches 8 --vpp 2 --schedule interleaved_zb" \
+        "izb-mb4:--seq-len 2048 --micro-batches 4 --vpp 2 --schedule interleaved_zb" \
+        "dpv-mb8:--seq-len 2048 --micro-batches 8 --vpp 2 --schedule dualpipev" \
+        "zbv-s512-mb8:--seq-len 512 --micro-batches 8 --vpp 2 --schedule zbv"
+      # shellcheck disable=SC2086
+      job zb-rounds5-r19 "$(budget 5)" python tools/bench_rounds.py --name rounds5-zb-seq2048-mb4-noret5 --rounds 5 \
+        --budget "$(budget 30)" --base "$G13B --seq-len 2048 --micro-batches 4 --steps 12 --timeout 120 --no-return-outputs" \
         --variant graphed_1f1b="--cudagraph" --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
