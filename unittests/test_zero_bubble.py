@@ -468,13 +468,46 @@ def test_benchmark_parts_merge_into_one_summary(tmp_path, monkeypatch):
     assert merged["summary"]["graphed_zb_vs_eager_zb"] == {"seq2048_mb4": {"zbv": 115.0 / 110.0},
                                                            "seq512_mb4": {"zbv": 1.4}}
     assert merged["summary"]["meets_target"] == {"best_graphed_zb_vs_graphed_1f1b": True,
-                                                 "graphed_zb_vs_eager_zb": True}
+                                                 "graphed_zb_vs_eager_zb": True, "memory_graphed_vs_eager": None}
     assert len(merged["runs"]) == 2
 
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**common, "steps": 8, "command": "x", "settings": [], "runs": []}))
     monkeypatch.setattr(sys, "argv", ["bench_zero_bubble.py", "--merge", paths[0], str(other)])
     assert bench_zero_bubble.main() == 2
+
+
+def test_merge_fills_a_schedule_a_part_ran_out_of_budget_for(tmp_path, monkeypatch):
+    """A part that ran out of budget before a schedule's graphed run leaves it half done; a second
+    part that ran that schedule alone (with its own 1F1B) fills it in, both runs from that part.
+    Memory: graphed over eager peak per schedule, against the 1.05 bound."""
+    from tools import bench_zero_bubble, benchlib
+
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path / "results")
+    monkeypatch.delenv("OUT", raising=False)
+    run = lambda tps, mib: {"tokens_per_s": tps, "peak_mem_mib": mib}  # noqa: E731
+    pair = lambda e, g: {"eager": e, "graphed": g, "losses_agree": bool(g["tokens_per_s"]),  # noqa: E731
+                         "graphed_vs_eager": g["tokens_per_s"] / e["tokens_per_s"] if g["tokens_per_s"] else None}
+    first = {"seq_len": 512, "micro_batches": 8, "schedules": {
+        "1f1b": pair(run(20.0, 100.0), run(40.0, 100.0)), "zbv": pair(run(10.0, 100.0), run(40.0, 104.0)),
+        "dualpipev": pair(run(25.0, 100.0), run(None, None))}}
+    again = {"seq_len": 512, "micro_batches": 8, "schedules": {
+        "1f1b": pair(run(21.0, 100.0), run(41.0, 100.0)), "dualpipev": pair(run(26.0, 100.0), run(48.0, 106.0))}}
+    common = {"device": "NVIDIA H100 80GB HBM3", "shape": [], "steps": 12, "torch": "2.11.0", "runs": []}
+    paths = []
+    for i, setting in enumerate((first, again)):
+        path = tmp_path / f"part{i}.json"
+        path.write_text(json.dumps({**common, "command": f"part {i}", "settings": [setting]}))
+        paths.append(str(path))
+    monkeypatch.setattr(sys, "argv", ["bench_zero_bubble.py", "--merge", *paths, "--name", "zb"])
+    assert bench_zero_bubble.main() == 0  # every pair complete after the join
+    merged = json.loads((tmp_path / "results" / "zb-h100.json").read_text())
+    assert len(merged["settings"]) == 1
+    assert merged["settings"][0]["schedules"]["1f1b"]["graphed"]["tokens_per_s"] == 40.0  # the first part's
+    summary = merged["summary"]
+    assert summary["graphed_zb_vs_eager_zb"]["seq512_mb8"] == {"zbv": 4.0, "dualpipev": 48.0 / 26.0}
+    assert summary["memory_graphed_vs_eager"]["seq512_mb8"] == {"1f1b": 1.0, "zbv": 1.04, "dualpipev": 1.06}
+    assert summary["meets_target"]["memory_graphed_vs_eager"] is False  # dualpipev: 1.06 > 1.05
 
 
 def test_merge_takes_the_seq2048_ratio_from_speed_rounds(tmp_path, monkeypatch):
