@@ -88,7 +88,8 @@ def _weight_pass_hooks(outputs) -> None:
     kept from its input half, so what the weight pass sends it is never used: the sum must
     neither fail (outputs of different shapes, pytorch/pytorch#170277) nor copy.
 
-    The node gets the very tensors autograd gave it, not the alias: the engine knows a
+    Only in an input pass (no parameter gradient wanted); a whole backward runs as it is. The
+    node gets the very tensors autograd gave it, not the alias: the engine knows a
     gradient one graph hands another by the tensor object (a link, read in place); handing
     the node a new object would make every such gradient a buffer of its own."""
     tensors = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -100,6 +101,8 @@ def _weight_pass_hooks(outputs) -> None:
         present = [i for i, g in enumerate(grad_outputs) if g is not None]
         if not present or (len(present) == 1 and isinstance(grad_outputs[present[0]], _SumsToItself)):
             return None  # nothing, or the weight pass handing back what this hook gave
+        if _split.weights_wanted(node, len(node.call.shape.specs)):
+            return None  # a whole backward: no input pass saves these for a weight pass
         node.stashed_grads = tuple(grad_outputs)  # the node is the custom function's ctx
         alias = torch.Tensor._make_subclass(_SumsToItself, grad_outputs[present[0]], False)
         return tuple(alias if i == present[0] else None for i in range(len(grad_outputs)))
