@@ -192,7 +192,8 @@ def _complete(pair: dict) -> bool:
 def join_settings(settings: list) -> list:
     """One setting per (sequence, micro-batches): a schedule missing from the first part of a
     setting, or whose eager or graphed run is missing there (its part ran out of budget), is
-    taken from a later part that ran both, so each ratio compares runs of one part."""
+    taken from a later part that ran both, so each graphed / eager ratio compares runs of one
+    part (a ratio over graphed 1F1B takes the first part's 1F1B)."""
     joined: dict = {}
     for s in settings:
         key = (s["seq_len"], s["micro_batches"])

@@ -63,3 +63,12 @@ def test_the_wait_for_a_first_step_does_not_depend_on_the_reserved_block(fresh_w
     w.grad = torch.ones(4)
     opt.step()
     assert rt.defer_capture() is None
+
+
+def test_the_lender_reports_what_it_did():
+    lender = pool_lending.PoolLender(lambda: None)
+    assert lender.report() == {"optimizer_steps_in_pool": 0, "optimizer_steps_declined": 0,
+                               "pool_reserved_before_capture_mib": 0.0}
+    lender.steps, lender.declined, lender.reserved = 3, 1, 5 * MIB
+    assert lender.report() == {"optimizer_steps_in_pool": 3, "optimizer_steps_declined": 1,
+                               "pool_reserved_before_capture_mib": 5.0}

@@ -138,6 +138,51 @@ def test_a_torch_that_sums_output_gradients_in_the_weight_pass_gets_one(monkeypa
     assert saved and max(saved) == 1 and sums == len(saved)
 
 
+class HalfUsed(torch.nn.Module):
+    """Two outputs; the stage's loss below reads the first only."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return h, h.square().sum()
+
+
+@pytest.mark.parametrize("module_cls", [HalfUsed, torch.nn.Linear])
+def test_the_weight_pass_alias_takes_effect_in_input_passes_only(monkeypatch, module_cls):
+    # On a torch whose weight pass sums saved gradients (2.11), the input pass saves an alias
+    # whose sum with zero is itself, for a single-output layer too (the head, the point of it);
+    # the node itself gets what autograd gave it, zeros where an output got no gradient (the
+    # hook sees the gradients before autograd fills those in). A whole backward is left alone.
+    import paddle_graphpp.torch.runtime as torch_runtime
+
+    monkeypatch.setattr(torch_runtime, "_SUMS_OUTPUT_GRADS", True)
+    torch.manual_seed(0)
+    plain = HalfUsed() if module_cls is HalfUsed else torch.nn.Linear(8, 8)
+    graphed = CUDAGraphedModule(copy.deepcopy(plain), num_warmup_steps=1)
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    for step in range(3):  # warmup, recorded, captured (eager on the CPU)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        got = {}
+        for name, module in (("plain", plain), ("graphed", graphed)):
+            xi = x.clone().requires_grad_(True)
+            _, groups = stage_backward_input([first(module(xi)).square().sum()], None, [xi], module.parameters())
+            if name == "graphed":
+                saved = [g for group in groups for grads in group["grads"] for g in grads if g is not None]
+                assert saved and all(isinstance(g, torch_runtime._SumsToItself) for g in saved)
+            stage_backward_weight(module.parameters(), groups)
+            got[name] = xi.grad
+        torch.testing.assert_close(got["graphed"], got["plain"], rtol=0, atol=0)
+    seen = []
+    out = first(graphed(torch.randn(4, 8, requires_grad=True)))
+    out.grad_fn.register_prehook(lambda grads: seen.extend(grads))
+    out.square().sum().backward()
+    assert seen and not any(isinstance(g, torch_runtime._SumsToItself) for g in seen if g is not None)
+    assert graphed.engine.in_flight == 0
+
+
 def test_a_full_backward_still_runs_in_one_piece():
     # Schedules that merge an input pass with the weight pass right after it, and plain
     # loss.backward(), ask for every gradient at once: no weight pass follows.

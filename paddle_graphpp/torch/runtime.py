@@ -40,7 +40,8 @@ class _GraphedFunction(torch.autograd.Function):
         # when autograd wants no parameter gradient from this node.
         stashed = getattr(ctx, "stashed_grads", None)
         if stashed is not None:  # see _weight_pass_hooks
-            grads, ctx.stashed_grads = stashed, None
+            # the hook saw the gradients before autograd filled the missing ones with zeros
+            grads, ctx.stashed_grads = tuple(s if s is not None else g for s, g in zip(stashed, grads)), None
         wanted = _split.weights_wanted(ctx, len(ctx.call.shape.specs))
         return (None, *node_backward(ctx, grads, weights_wanted=wanted))
 
