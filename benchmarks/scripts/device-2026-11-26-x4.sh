@@ -70,6 +70,10 @@
 #                                                       #   first optimizer step either way (seq 2048 and 512);
 #                                                       #   dualpipev at seq 512, 8 micro-batches; graphed zbv /
 #                                                       #   1F1B in 5 alternating rounds at seq 2048
+#   LIMIT=250 bash benchmarks/scripts/device-2026-11-26-x4.sh 20  # the final code (the review's mend of the
+#                                                       #   weight pass's alias): the pipeline GPU tests on GPUs
+#                                                       #   0,1; the zero-bubble GPU tests and the benchmark's
+#                                                       #   graphed zbv run (8 micro-batches) on GPUs 2,3
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -438,6 +442,16 @@ case "$PHASE" in
       job zb-rounds5-r19 "$(budget 5)" python tools/bench_rounds.py --name rounds5-zb-seq2048-mb4-noret5 --rounds 5 \
         --budget "$(budget 30)" --base "$G13B --seq-len 2048 --micro-batches 4 --steps 12 --timeout 120 --no-return-outputs" \
         --variant graphed_1f1b="--cudagraph" --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
+    } ;;
+  20)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    queue_a() { pytest_job tests-pipeline 220 unittests/gpu/test_pipeline_gpu.py; }
+    queue_b() {
+      pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py
+      # shellcheck disable=SC2086
+      job zbv-mb8-graphed-r20 50 python tools/train_gpt.py $G13B --seq-len 2048 --micro-batches 8 --vpp 2 \
+        --schedule zbv --steps 12 --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
