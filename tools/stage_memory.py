@@ -178,9 +178,8 @@ def worker(args) -> dict:
         from paddle_graphpp.torch.runtime import RUNTIME
 
         out["memory_report"] = memory_report()
-        lender = RUNTIME._lender
-        out.update(dict.fromkeys(("optimizer_steps_in_pool", "optimizer_steps_declined",
-                                  "pool_reserved_before_capture_mib")) if lender is None else lender.report())
+        out.update(RUNTIME.lending_report() or dict.fromkeys(
+            ("optimizer_steps_in_pool", "optimizer_steps_declined", "pool_reserved_before_capture_mib")))
     if args.trace:
         from tools import memtrace
 

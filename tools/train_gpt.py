@@ -659,8 +659,8 @@ def run_torch(cfg: Config) -> None:
         if use_cuda:
             from paddle_graphpp.torch.runtime import RUNTIME
 
-            if RUNTIME._lender is not None:
-                mine["pool_lending"] = RUNTIME._lender.report()
+            if (lending := RUNTIME.lending_report()) is not None:
+                mine["pool_lending"] = lending
     if cfg.memory_trace and use_cuda:
         from tools import memtrace
 

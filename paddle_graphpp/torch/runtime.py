@@ -39,10 +39,12 @@ class _GraphedFunction(torch.autograd.Function):
         # w.r.t. the stage inputs) and for the parameters' later: the engine splits the backward
         # when autograd wants no parameter gradient from this node.
         stashed = getattr(ctx, "stashed_grads", None)
-        if stashed is not None:  # see _weight_pass_hooks
+        if stashed is not None:  # see _weight_pass_hooks: it stashes in input passes only
             # the hook saw the gradients before autograd filled the missing ones with zeros
             grads, ctx.stashed_grads = tuple(s if s is not None else g for s, g in zip(stashed, grads)), None
-        wanted = _split.weights_wanted(ctx, len(ctx.call.shape.specs))
+            wanted = False
+        else:
+            wanted = _split.weights_wanted(ctx, len(ctx.call.shape.specs))
         return (None, *node_backward(ctx, grads, weights_wanted=wanted))
 
 
@@ -82,7 +84,8 @@ class _SumsToItself(torch.Tensor):
 
 
 def _weight_pass_hooks(outputs) -> None:
-    """On a torch whose weight pass sums a node's output gradients: hand autograd's pre-hooks
+    """For a graphed call with parameters (a node without any is never a weight pass's
+    junction), on a torch whose weight pass sums a node's output gradients: hand autograd's pre-hooks
     (the pipelining input pass saves what they see) only the first output's gradient, as an
     alias whose sum with zero is itself (:class:`_SumsToItself`), and the node the gradients it
     really received (stashed on its context). The node's weight half reads the gradients it
@@ -338,9 +341,9 @@ class TorchRuntime(GraphRuntime):
         if self._lender is not None:
             self._lender.abandon_step()  # an optimizer step that raised left the borrowed pool active
         outputs = _GraphedFunction.apply(call, *tensors, *params)
-        if (params or isinstance(outputs, tuple) and len(outputs) > 1) and _weight_pass_sums_output_grads():
-            _weight_pass_hooks(outputs)
         if params:
+            if _weight_pass_sums_output_grads():
+                _weight_pass_hooks(outputs)
             # A zero-bubble input pass (torch.distributed.pipelining's stage_backward_input)
             # detaches the stage's outputs and keeps only Python handles of the nodes its weight
             # pass restarts at; a custom function's handle does not keep its node alive, so the
@@ -465,6 +468,11 @@ class TorchRuntime(GraphRuntime):
 
     def async_allocator_active(self) -> bool:
         return _async_allocator_active()
+
+    def lending_report(self) -> Optional[dict]:
+        """What optimizer steps borrowing graph pools did in this process
+        (:meth:`PoolLender.report`); ``None`` before any pool was lent or reserved."""
+        return None if self._lender is None else self._lender.report()
 
     def _pool_lender(self):
         if self._lender is None:
