@@ -47,6 +47,46 @@ def test_captures_wait_while_an_optimizer_exists_that_has_not_stepped(fresh_watc
     assert pool_lending.stepped_param_bytes() == 512
 
 
+def test_the_reserve_is_sized_by_the_largest_optimizer_in_its_parameter_order(fresh_watch):
+    small = torch.optim.SGD([torch.nn.Parameter(torch.ones(1000))], lr=0.1)
+    a, b = torch.nn.Parameter(torch.ones(3000)), torch.nn.Parameter(torch.ones(200))
+    frozen = torch.nn.Parameter(torch.ones(5000), requires_grad=False)
+    large = torch.optim.SGD([{"params": [a, frozen]}, {"params": [b]}], lr=0.1)
+    for opt in (small, large):
+        for p in (q for g in opt.param_groups for q in g["params"] if q.requires_grad):
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert pool_lending.stepped_param_sizes() == [12288, 1024]  # 3000 and 200 floats, rounded to 512 B
+    assert pool_lending.stepped_param_bytes() == 12288 + 1024
+
+
+@pytest.mark.parametrize("raw, layout", [(None, "segments"), ("1", "segments"), ("true", "segments"),
+                                         ("block", "block"), (" Block ", "block"), ("0", None), ("false", None)])
+def test_the_reserve_flag_picks_a_layout(monkeypatch, raw, layout):
+    from paddle_graphpp.torch.runtime import _reserve_pool
+
+    if raw is None:
+        monkeypatch.delenv("FLAGS_graphpp_reserve_pool", raising=False)
+    else:
+        monkeypatch.setenv("FLAGS_graphpp_reserve_pool", raw)
+    assert _reserve_pool() == layout
+
+
+def test_a_bad_reserve_flag_says_what_it_takes(monkeypatch):
+    from paddle_graphpp.torch.runtime import _reserve_pool
+
+    monkeypatch.setenv("FLAGS_graphpp_reserve_pool", "segment")
+    with pytest.raises(ValueError, match="FLAGS_graphpp_reserve_pool='segment'.*'block'.*0"):
+        _reserve_pool()
+
+
+def test_reserve_refuses_an_unknown_layout_and_skips_what_is_not_a_pool():
+    lender = pool_lending.PoolLender(lambda: None)
+    assert lender.reserve(object(), "segments") == 0  # not a torch.cuda.MemPool: nothing to reserve in
+    with pytest.raises(ValueError, match="layout must be 'segments' or 'block'"):
+        lender.reserve(object(), "blocks")
+
+
 @pytest.mark.parametrize("reserve", ["1", "0"])
 def test_the_wait_for_a_first_step_does_not_depend_on_the_reserved_block(fresh_watch, monkeypatch, reserve):
     # The optimizer state its first step creates sits beside a pool captured before it, block or

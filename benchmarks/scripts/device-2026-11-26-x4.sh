@@ -74,6 +74,12 @@
 #                                                       #   weight pass's alias): the pipeline GPU tests on GPUs
 #                                                       #   0,1; the zero-bubble GPU tests and the benchmark's
 #                                                       #   graphed zbv run (8 micro-batches) on GPUs 2,3
+#   LIMIT=330 bash benchmarks/scripts/device-2026-11-26-x4.sh 21  # fifth session, the pool reserved as the
+#                                                       #   optimizer temporaries' segments: the seq-2048 zero-
+#                                                       #   bubble benchmark (4 micro-batches on GPUs 0,1, 8 on
+#                                                       #   2,3), a trace of graphed zbv (8), the reserve's GPU test
+#   LIMIT=480 bash benchmarks/scripts/device-2026-11-26-x4.sh 22  # the seq-512 benchmark (4 on GPUs 0,1, 8 on
+#                                                       #   2,3), then the pipeline / zero-bubble / engine GPU tests
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -452,6 +458,33 @@ case "$PHASE" in
       # shellcheck disable=SC2086
       job zbv-mb8-graphed-r20 50 python tools/train_gpt.py $G13B --seq-len 2048 --micro-batches 8 --vpp 2 \
         --schedule zbv --steps 12 --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
+    } ;;
+  21)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    queue_a() {
+      job zb-seq2048-mb4-r21 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-segments --budget 260
+      pytest_job tests-reserve 60 unittests/gpu/test_engine_gpu.py -k reserved_before_capture
+    }
+    queue_b() {
+      job zb-seq2048-mb8-r21 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-segments --budget 260
+      # shellcheck disable=SC2086
+      job trace-zbv-mb8-r21 45 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 --micro-batches 8 \
+        --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
+    } ;;
+  22)
+    queue_a() {
+      job zb-seq512-mb4-r22 240 python tools/bench_zero_bubble.py --seq 512 --micro-batches 4 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb4-segments --budget 220
+      pytest_job tests-pipeline 230 unittests/gpu/test_pipeline_gpu.py
+    }
+    queue_b() {
+      job zb-seq512-mb8-r22 240 python tools/bench_zero_bubble.py --seq 512 --micro-batches 8 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-segments --budget 220
+      pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py
+      pytest_job tests-engine 100 unittests/gpu/test_engine_gpu.py
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -17,9 +17,14 @@ graphs. And a pool captured from nothing is made of the segments the activations
 parameter-sized temporaries (24-32 MiB per tensor there) do not fit: measured on the last
 stage of a GPT-3 1.3B pipeline at sequence 512, the pool held one micro-batch's activations
 (~0.5 GB) and grew to 1.75 GB for AdamW's 1.15 GB of temporaries. So before the first capture
-into a pool, :meth:`PoolLender.reserve` gives the pool one free block as large as the
-parameters of the optimizers seen stepping (:func:`watch_optimizers`): the captures carve the
-activations out of it, and between episodes the temporaries fit into it again. Each optimizer
+into a pool, :meth:`PoolLender.reserve` gives the pool the segments one list of those
+temporaries would make, as large as the parameters of the optimizers seen stepping
+(:func:`watch_optimizers`): the captures place the activations in them, and between episodes
+the temporaries fit into them again. Segments rather than one block the same size: the first
+captures carve a block from its start, and later requests larger than the holes they leave
+(the fp32 logits of a GPT head at sequence 2048, 393 MiB) add segments of their own while the
+block is half free, measured on a GPT-3 1.3B ``zbv`` stage; segments shaped like the
+parameters are what eager training's cache holds after its first optimizer step. Each optimizer
 then borrows a pool when its temporaries (one per parameter, the parameter's size) fit the
 pool's free blocks, simulated best-fit the way the caching allocator places them, with at
 most a quarter left over; decided once per pool and optimizer.
@@ -43,13 +48,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["PoolLender", "watch_optimizers"]
+__all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers"]
 
 logger = logging.getLogger("paddle_graphpp")
 
 _SMALL = 1 << 20  # the caching allocator serves requests up to 1 MiB from its small blocks
 _ROUND = 512  # ... and rounds every request up to a multiple of this
 _LEFT_OVER = 0.25  # borrow when at most this share of the temporaries' bytes does not fit
+SEGMENTS, BLOCK = "segments", "block"  # layouts of the memory reserved before a pool's captures
 
 _STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _WATCHING = False  # the step hook below is installed
@@ -88,10 +94,17 @@ def optimizer_pending() -> bool:
     return bool(len(_FOUND))
 
 
+def stepped_param_sizes() -> list:
+    """Rounded byte sizes of the trainable parameters of the largest optimizer seen stepping,
+    in its parameter order (``[]``: none stepped)."""
+    lists = [[_rounded(p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
+             for opt in list(_STEPPED)]
+    return max(lists, key=sum, default=[])
+
+
 def stepped_param_bytes() -> int:
     """Bytes of the trainable parameters of the largest optimizer seen stepping (0: none)."""
-    return max((sum(_rounded(p) for g in opt.param_groups for p in g["params"] if p.requires_grad)
-                for opt in list(_STEPPED)), default=0)
+    return sum(stepped_param_sizes())
 
 
 class PoolLender:
@@ -111,27 +124,39 @@ class PoolLender:
         self.reserved = 0  # bytes reserved in pools before their captures
         self._fits: dict = {}  # (id(pool), id(optimizer)) -> does the pool have room for its temporaries
 
-    def reserve(self, pool: Any) -> int:
-        """Before the first capture into ``pool``: give it one free block (on the capture
-        stream, where captures and borrowed steps allocate) the size of the parameters of the
-        largest optimizer seen stepping, so that activations and, between episodes, that
-        optimizer's temporaries share it. Once per process (the first pool); nothing when no
-        optimizer has stepped (nothing will borrow) or the block does not fit the device.
-        Returns the bytes reserved."""
+    def reserve(self, pool: Any, layout: str = SEGMENTS) -> int:
+        """Before the first capture into ``pool``: give it free memory (on the capture stream,
+        where captures and borrowed steps allocate) for the temporaries of the largest
+        optimizer seen stepping, so that activations and, between episodes, those temporaries
+        share it. ``layout``: :data:`SEGMENTS` allocates one tensor per parameter, the
+        parameter's size, all alive together, and frees them, so the pool holds the segments
+        the caching allocator makes for one list of temporaries (one per parameter over 10 MiB,
+        20 MiB segments shared by the smaller ones); :data:`BLOCK` one free block of all the
+        parameters' bytes. Once per process (the first pool); nothing when no optimizer has
+        stepped (nothing will borrow) or the memory is not there. Returns the bytes reserved."""
+        if layout not in (SEGMENTS, BLOCK):
+            raise ValueError(f"reserve: layout must be {SEGMENTS!r} or {BLOCK!r}, got {layout!r}")
         if self.disabled or self.reserved or not isinstance(pool, torch.cuda.MemPool):
             return 0  # once per process: a later generation's pool is lent, but holds only its own graphs
-        nbytes = stepped_param_bytes()
-        if nbytes < 2 * _SMALL:
+        sizes = [n for n in stepped_param_sizes() if n > _SMALL]  # small requests use small blocks
+        if layout == BLOCK:
+            sizes = [sum(sizes)] if sum(sizes) > _SMALL else []
+        if not sizes:
             return 0
+        blocks: list = []
         try:
             with torch.cuda.stream(self._capture_stream()), torch.cuda.use_mem_pool(pool):
-                block = torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
-                del block  # freed into the pool's cache: the block stays the pool's
+                device = torch.cuda.current_device()
+                for n in sizes:
+                    blocks.append(torch.empty(n, dtype=torch.uint8, device=device))
         except torch.OutOfMemoryError:
-            logger.info("paddle_graphpp: no room to reserve %d MiB in the graph pool; captured without", nbytes >> 20)
-            return 0
-        self.reserved += nbytes
-        return nbytes
+            logger.info("paddle_graphpp: no room to reserve %d MiB in the graph pool; captured without",
+                        sum(sizes) >> 20)
+            return 0  # what was allocated stays in the pool's cache, free for the captures
+        finally:
+            blocks.clear()  # freed into the pool's cache: the segments stay the pool's
+        self.reserved += sum(sizes)
+        return sum(sizes)
 
     def report(self) -> dict:
         """What lending did in this process: optimizer steps run in a graph pool, steps that

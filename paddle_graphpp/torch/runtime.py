@@ -495,7 +495,8 @@ class TorchRuntime(GraphRuntime):
         return "an optimizer has not stepped yet" if optimizer_pending() else None
 
     def prepare_pool(self, pool) -> int:
-        return self._pool_lender().reserve(pool) if _reserve_pool() else 0
+        layout = _reserve_pool()
+        return self._pool_lender().reserve(pool, layout) if layout else 0
 
     def lend_pool(self, pool, is_idle, on_leak) -> None:
         self._pool_lender().lend(pool, is_idle, on_leak)
@@ -558,13 +559,24 @@ def _backward_hooked(outputs, grad_outputs, inputs, aliases, on_grad, *, preset=
 _RESERVE_FLAG = "FLAGS_graphpp_reserve_pool"
 
 
-def _reserve_pool() -> bool:
-    """``FLAGS_graphpp_reserve_pool`` (default on): before the first capture into a shared pool,
-    give the pool one free block the size of the stepping optimizers' parameters, for their
-    temporaries between episodes (see pool_lending). Captures wait for an optimizer's first
-    step either way (``defer_capture``)."""
+def _reserve_pool() -> Optional[str]:
+    """``FLAGS_graphpp_reserve_pool``: the memory a shared pool gets before its first capture,
+    for the stepping optimizers' temporaries between episodes (see pool_lending): unset or
+    true, the segments one list of temporaries makes (``"segments"``); ``block``, one block of
+    the same bytes; false, none. Captures wait for an optimizer's first step either way
+    (``defer_capture``)."""
+    from .pool_lending import BLOCK, SEGMENTS
+
     raw = os.environ.get(_RESERVE_FLAG)
-    return raw is None or env_flag_value(raw, _RESERVE_FLAG)
+    if raw is None:
+        return SEGMENTS
+    if raw.strip().lower() == BLOCK:
+        return BLOCK
+    try:
+        return SEGMENTS if env_flag_value(raw, _RESERVE_FLAG) else None
+    except ValueError:
+        raise ValueError(f"{_RESERVE_FLAG}={raw!r}: use 1 (segments shaped like the optimizer's temporaries, "
+                         f"the default), 'block' (one block of the same bytes) or 0 (none)") from None
 
 
 def _inside_ddp_forward() -> bool:

@@ -268,6 +268,39 @@ def test_a_new_signature_adds_only_its_own_pool_and_memory_stays_flat_over_1000_
     assert torch.cuda.memory_reserved() == reserved and torch.cuda.memory_allocated() == allocated
 
 
+@pytest.mark.parametrize("layout, segments_mib", [("segments", [20, 24, 32]), ("block", [72])])
+def test_the_memory_reserved_before_capture_has_the_temporaries_layout(monkeypatch, layout, segments_mib):
+    """A pool gets, before its first capture, the segments one list of the stepping optimizer's
+    temporaries makes (two 8 MiB parameters share a 20 MiB segment; 24 and 32 MiB ones get their
+    own; a 0.5 MiB one is left to the small blocks), or with ``block`` one block of their bytes;
+    all free, and the temporaries fit them."""
+    import weakref
+
+    from paddle_graphpp.torch import pool_lending
+
+    monkeypatch.setattr(pool_lending, "_STEPPED", weakref.WeakSet())
+    mib = 1 << 20
+    params = [torch.nn.Parameter(torch.zeros(n * mib // 4, device=DEV)) for n in (24, 8, 8, 32)]
+    params.append(torch.nn.Parameter(torch.zeros(mib // 8, device=DEV)))
+    opt = torch.optim.SGD(params, lr=0.1)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    side = torch.cuda.Stream()
+    lender = pool_lending.PoolLender(lambda: side)
+    pool = torch.cuda.MemPool()
+    assert lender.reserve(pool, layout) == 72 * mib
+    segments = pool.snapshot()
+    assert sorted(seg["total_size"] // mib for seg in segments) == segments_mib
+    assert all(b["state"] == "inactive" for seg in segments for b in seg["blocks"])
+    sizes = [pool_lending._rounded(p) for p in params]
+    assert pool_lending._left_over(pool_lending._free_blocks(pool), sizes) == 0
+    assert lender.reserve(pool, layout) == 0  # once per process
+    del pool, segments
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monkeypatch):
     """The last stage of a 1F1B pipeline has one micro-batch in flight: each micro-batch is an
     episode, so the recording is ready within the first training step. The capture waits for
