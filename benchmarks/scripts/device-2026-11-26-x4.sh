@@ -80,6 +80,9 @@
 #                                                       #   2,3), a trace of graphed zbv (8), the reserve's GPU test
 #   LIMIT=480 bash benchmarks/scripts/device-2026-11-26-x4.sh 22  # the seq-512 benchmark (4 on GPUs 0,1, 8 on
 #                                                       #   2,3), then the pipeline / zero-bubble / engine GPU tests
+#   LIMIT=380 bash benchmarks/scripts/device-2026-11-26-x4.sh 23  # phase 21 again with captures keeping the
+#                                                       #   segments larger than every parameter whole; a trace
+#                                                       #   of graphed dualpipev (4); the placement GPU tests
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -485,6 +488,21 @@ case "$PHASE" in
         --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-segments --budget 220
       pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py
       pytest_job tests-engine 100 unittests/gpu/test_engine_gpu.py
+    } ;;
+  23)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    queue_a() {
+      job zb-seq2048-mb4-r23 300 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-whole --budget 285
+      pytest_job tests-placement 60 unittests/gpu/test_engine_gpu.py -k "reserved_before_capture or whole"
+    }
+    queue_b() {
+      job zb-seq2048-mb8-r23 300 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-whole --budget 285
+      # shellcheck disable=SC2086
+      job trace-dpv-mb4-r23 45 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 --micro-batches 4 \
+        --vpp 2 --schedule dualpipev --no-return-outputs --cudagraph --memory-trace
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

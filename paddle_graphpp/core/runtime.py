@@ -15,6 +15,7 @@ of a framework's package. Nothing here imports a framework until one of these is
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -404,11 +405,16 @@ class GraphRuntime(abc.ABC):
         return None
 
     def prepare_pool(self, pool: Any) -> int:
-        """Before the first capture into the shared ``pool``: give it, as one free block, the
-        memory the eager work that borrows it (:meth:`lend_pool`) will need, so that the graphs'
-        scratch and that work share one block instead of the pool being cut to the activations'
-        sizes. Returns the bytes reserved. Default: nothing (0)."""
+        """Before the first capture into the shared ``pool``: give it, as free memory, what the
+        eager work that borrows it (:meth:`lend_pool`) will need, so that the graphs' scratch
+        and that work share it instead of the pool being cut to the activations' sizes alone.
+        Returns the bytes reserved. Default: nothing (0)."""
         return 0
+
+    def capture_allocations(self) -> ContextManager:
+        """Entered around one episode's captures (after :meth:`prepare_pool`): how the allocator
+        places the memory the captures take. Default: as always."""
+        return contextlib.nullcontext()
 
     def lend_pool(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
         """Let eager work that runs while ``is_idle()`` (no micro-batch in flight, so every
