@@ -108,7 +108,7 @@ def test_the_wait_for_a_first_step_does_not_depend_on_the_reserved_block(fresh_w
 def test_the_lender_reports_what_it_did():
     lender = pool_lending.PoolLender(lambda: None)
     assert lender.report() == {"optimizer_steps_in_pool": 0, "optimizer_steps_declined": 0,
-                               "pool_reserved_before_capture_mib": 0.0, "captures_keep_whole_from_mib": 0.0}
-    lender.steps, lender.declined, lender.reserved, lender.whole_above = 3, 1, 5 * MIB, 199 * MIB
+                               "pool_reserved_before_capture_mib": 0.0}
+    lender.steps, lender.declined, lender.reserved = 3, 1, 5 * MIB
     assert lender.report() == {"optimizer_steps_in_pool": 3, "optimizer_steps_declined": 1,
-                               "pool_reserved_before_capture_mib": 5.0, "captures_keep_whole_from_mib": 199.0}
+                               "pool_reserved_before_capture_mib": 5.0}

@@ -26,8 +26,7 @@ at most :data:`MAX_DEFERRED_EPISODES` times in a row. A capture gives the eager 
 memory back to the driver, allocates the static buffers in one block, lets the runtime size a new shared pool
 for the eager work that will borrow it
 (:meth:`~paddle_graphpp.core.runtime.GraphRuntime.prepare_pool`), then captures every
-recorded position in recorded order into one pool generation, placed as the runtime says
-(:meth:`~paddle_graphpp.core.runtime.GraphRuntime.capture_allocations`):
+recorded position in recorded order into one pool generation:
 forward graphs and backward graphs interleaved exactly as the step ran them, so memory a
 graph frees is only reused by graphs that run after it (so is a gradient one graph hands another,
 once no position that may read it is left: see :meth:`Process.consumed`). No eager pass runs beside a
@@ -454,8 +453,7 @@ class Process:
             if gen is not None and not gen.order:
                 self.runtime.prepare_pool(gen.pool)
         try:
-            with self.runtime.capture_allocations():
-                self._capture_events(events, deaths, live, failed, errors)
+            self._capture_events(events, deaths, live, failed, errors)
         finally:
             # also when the batch escapes (an interrupt, a warning raised as an error): nothing
             # of it may reach the next batch. The captured positions hold the tensors they use

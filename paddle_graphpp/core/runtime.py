@@ -15,7 +15,6 @@ of a framework's package. Nothing here imports a framework until one of these is
 from __future__ import annotations
 
 import abc
-import contextlib
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -410,11 +409,6 @@ class GraphRuntime(abc.ABC):
         and that work share it instead of the pool being cut to the activations' sizes alone.
         Returns the bytes reserved. Default: nothing (0)."""
         return 0
-
-    def capture_allocations(self) -> ContextManager:
-        """Entered around one episode's captures (after :meth:`prepare_pool`): how the allocator
-        places the memory the captures take. Default: as always."""
-        return contextlib.nullcontext()
 
     def lend_pool(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
         """Let eager work that runs while ``is_idle()`` (no micro-batch in flight, so every

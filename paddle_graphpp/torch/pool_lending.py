@@ -56,9 +56,6 @@ _SMALL = 1 << 20  # the caching allocator serves requests up to 1 MiB from its s
 _ROUND = 512  # ... and rounds every request up to a multiple of this
 _LEFT_OVER = 0.25  # borrow when at most this share of the temporaries' bytes does not fit
 SEGMENTS, BLOCK = "segments", "block"  # layouts of the memory reserved before a pool's captures
-_MIB = 1 << 20
-_ROUND_LARGE = 2 * _MIB  # segments for requests over 10 MiB are rounded up to this
-_MIN_WHOLE_MIB = 21  # the allocator's max_split_size_mb must exceed its 20 MiB segments
 
 _STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _WATCHING = False  # the step hook below is installed
@@ -125,7 +122,6 @@ class PoolLender:
         self.steps = 0
         self.declined = 0  # steps that did not borrow because the pool had too little free
         self.reserved = 0  # bytes reserved in pools before their captures
-        self.whole_above = 0  # captures keep segments of at least these bytes whole (0: no limit)
         self._fits: dict = {}  # (id(pool), id(optimizer)) -> does the pool have room for its temporaries
 
     def reserve(self, pool: Any, layout: str = SEGMENTS) -> int:
@@ -160,19 +156,13 @@ class PoolLender:
         finally:
             blocks.clear()  # freed into the pool's cache: the segments stay the pool's
         self.reserved += sum(sizes)
-        if layout == SEGMENTS:
-            # the largest segment made, as the allocator rounds requests over 10 MiB (2 MiB steps)
-            largest = -(-max(sizes) // _ROUND_LARGE) * _ROUND_LARGE
-            self.whole_above = max(_MIN_WHOLE_MIB, -(-largest // _MIB) + 1) * _MIB
         return sum(sizes)
 
     def report(self) -> dict:
         """What lending did in this process: optimizer steps run in a graph pool, steps that
-        did not borrow for lack of room, MiB reserved in pools before their captures, and the
-        size from which captures keep segments whole (MiB; 0: no limit)."""
+        did not borrow for lack of room, MiB reserved in pools before their captures."""
         return {"optimizer_steps_in_pool": self.steps, "optimizer_steps_declined": self.declined,
-                "pool_reserved_before_capture_mib": self.reserved / 2**20,
-                "captures_keep_whole_from_mib": self.whole_above / 2**20}
+                "pool_reserved_before_capture_mib": self.reserved / 2**20}
 
     def lend(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
         """From now on, optimizer steps run while ``is_idle()`` borrow ``pool``."""

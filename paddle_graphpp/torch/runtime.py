@@ -501,17 +501,6 @@ class TorchRuntime(GraphRuntime):
     def lend_pool(self, pool, is_idle, on_leak) -> None:
         self._pool_lender().lend(pool, is_idle, on_leak)
 
-    def capture_allocations(self):
-        # Segments larger than every parameter-sized segment reserved for the optimizer's
-        # temporaries are made for the activations larger than any parameter (a GPT head's fp32
-        # logits): kept whole, each is reused by a request of its own size instead of being cut
-        # by smaller ones and leaving holes the next such request does not fit (measured on a
-        # GPT-3 1.3B dualpipev stage: a 394 MiB segment added while 1237 MiB were free).
-        whole = self._lender.whole_above if self._lender is not None else 0
-        if not whole or not torch.cuda.is_available():
-            return contextlib.nullcontext()
-        return _whole_segments_from(whole)
-
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -588,35 +577,6 @@ def _reserve_pool() -> Optional[str]:
     except ValueError:
         raise ValueError(f"{_RESERVE_FLAG}={raw!r}: use 1 (segments shaped like the optimizer's temporaries, "
                          f"the default), 'block' (one block of the same bytes) or 0 (none)") from None
-
-
-_UNLIMITED_SPLIT_MB = 2**31 - 1  # the largest max_split_size_mb the allocator parses: no block is that large
-
-
-def _alloc_conf() -> str:
-    return ",".join(v for v in (os.environ.get(k, "").strip() for k in ("PYTORCH_CUDA_ALLOC_CONF",
-                                                                          "PYTORCH_ALLOC_CONF")) if v)
-
-
-@contextlib.contextmanager
-def _whole_segments_from(nbytes: int):
-    """Inside, the caching allocator splits no free block of ``nbytes`` or more, and a request
-    of ``nbytes`` or more takes a block at most 20 MiB larger than itself whole
-    (``max_split_size_mb``); afterwards, unlimited again. Nothing changes where the allocator's
-    configuration sets ``max_split_size_mb`` itself or uses the stream-ordered backend."""
-    conf = _alloc_conf()
-    if "max_split_size_mb" in conf or "cudaMallocAsync" in conf:
-        yield
-        return
-    setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setting is None:
-        setting = torch._C._cuda_cudaCachingAllocator_set_allocator_settings
-    prefix = conf + "," if conf else ""  # a parse may reset what it does not name: name the user's settings
-    setting(f"{prefix}max_split_size_mb:{nbytes >> 20}")
-    try:
-        yield
-    finally:
-        setting(f"{prefix}max_split_size_mb:{_UNLIMITED_SPLIT_MB}")
 
 
 def _inside_ddp_forward() -> bool:

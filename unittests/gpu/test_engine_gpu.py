@@ -296,36 +296,7 @@ def test_the_memory_reserved_before_capture_has_the_temporaries_layout(monkeypat
     sizes = [pool_lending._rounded(p) for p in params]
     assert pool_lending._left_over(pool_lending._free_blocks(pool), sizes) == 0
     assert lender.reserve(pool, layout) == 0  # once per process
-    assert lender.whole_above == (33 * mib if layout == "segments" else 0)  # above the largest, 32 MiB
     del pool, segments
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def test_captures_keep_segments_larger_than_every_parameter_whole(monkeypatch):
-    """Inside the runtime's capture placement a free block above the threshold is not cut by a
-    smaller request, and a request above it takes such a block whole; outside, blocks are cut."""
-    from paddle_graphpp.torch.runtime import _whole_segments_from
-
-    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(key, raising=False)
-    mib = 1 << 20
-    pool = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool):
-        with _whole_segments_from(40 * mib):
-            big = torch.empty(64 * mib, dtype=torch.uint8, device=DEV)
-            start = big.data_ptr()
-            del big
-            small = torch.empty(24 * mib, dtype=torch.uint8, device=DEV)
-            assert not start <= small.data_ptr() < start + 64 * mib  # a segment of its own
-            again = torch.empty(60 * mib, dtype=torch.uint8, device=DEV)
-            assert again.data_ptr() == start
-            del small, again
-        cut = torch.empty(30 * mib, dtype=torch.uint8, device=DEV)  # only the 64 MiB block fits
-        assert cut.data_ptr() == start
-        del cut
-    assert sorted(seg["total_size"] // mib for seg in pool.snapshot()) == [24, 64]
-    del pool
     gc.collect()
     torch.cuda.empty_cache()
 
