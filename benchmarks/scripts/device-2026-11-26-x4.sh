@@ -78,8 +78,10 @@
 #                                                       #   optimizer temporaries' segments: the seq-2048 zero-
 #                                                       #   bubble benchmark (4 micro-batches on GPUs 0,1, 8 on
 #                                                       #   2,3), a trace of graphed zbv (8), the reserve's GPU test
-#   LIMIT=480 bash benchmarks/scripts/device-2026-11-26-x4.sh 22  # the seq-512 benchmark (4 on GPUs 0,1, 8 on
-#                                                       #   2,3), then the pipeline / zero-bubble / engine GPU tests
+#   LIMIT=540 bash benchmarks/scripts/device-2026-11-26-x4.sh 22  # the seq-512 benchmark (4 on GPUs 0,1, 8 on
+#                                                       #   2,3), dualpipev at seq 2048 with 8 (phase 21 ran out of
+#                                                       #   budget before it), then the pipeline / zero-bubble /
+#                                                       #   engine GPU tests (run after phase 23)
 #   LIMIT=380 bash benchmarks/scripts/device-2026-11-26-x4.sh 23  # phase 21 again with captures keeping the
 #                                                       #   segments larger than every parameter whole; a trace
 #                                                       #   of graphed dualpipev (4); the placement GPU tests
@@ -486,6 +488,8 @@ case "$PHASE" in
     queue_b() {
       job zb-seq512-mb8-r22 240 python tools/bench_zero_bubble.py --seq 512 --micro-batches 8 \
         --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-segments --budget 220
+      job zb-seq2048-mb8-dpv-r22 110 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 --schedules dualpipev \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-dualpipev-segments --budget 100
       pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py
       pytest_job tests-engine 100 unittests/gpu/test_engine_gpu.py
     } ;;
