@@ -85,6 +85,9 @@
 #   LIMIT=380 bash benchmarks/scripts/device-2026-11-26-x4.sh 23  # phase 21 again with captures keeping the
 #                                                       #   segments larger than every parameter whole; a trace
 #                                                       #   of graphed dualpipev (4); the placement GPU tests
+#   LIMIT=230 bash benchmarks/scripts/device-2026-11-26-x4.sh 24  # dualpipev at seq 2048 with 8 (phase 22's part
+#                                                       #   had too small a budget for it); traces of eager and
+#                                                       #   graphed dualpipev with 4 (the setting over the bound)
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -507,6 +510,22 @@ case "$PHASE" in
       # shellcheck disable=SC2086
       job trace-dpv-mb4-r23 45 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 --micro-batches 4 \
         --vpp 2 --schedule dualpipev --no-return-outputs --cudagraph --memory-trace
+    } ;;
+  24)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    queue_a() {
+      job zb-seq2048-mb8-dpv-r24 200 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 --schedules dualpipev \
+        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-dualpipev-segments --budget 190
+    }
+    queue_b() {
+      local mode
+      for mode in eager graphed; do
+        local g=""; [ $mode = graphed ] && g="--cudagraph"
+        # shellcheck disable=SC2086
+        job "trace-dpv-mb4-$mode-r24" 50 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 \
+          --micro-batches 4 --vpp 2 --schedule dualpipev --no-return-outputs --memory-trace $g
+      done
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
