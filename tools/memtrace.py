@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-__all__ = ["start", "analyze"]
+__all__ = ["start", "analyze", "raw_events"]
 
 MIB = 2**20
 _OURS = ("paddle_graphpp/", "train_gpt.py", "gpt_torch.py")
@@ -86,6 +86,26 @@ def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_sin
     for pool, index in sorted(peaks.get("steady_pool_index", {}).items()):
         marks.setdefault(index, f"steady_peak_allocated {pool}")
     return {"complete": complete, "events": len(events), **_replay(events, marks, top, steps=step_starts_us)}
+
+
+def raw_events(snapshot: dict, device: int | None = None) -> list:
+    """The recorded history as compact rows, for offline study of the allocator (such as
+    replaying a capture's requests under another layout): ``[action, addr, size, stream,
+    pool, time_us, engine frame, site]``; ``pool`` is "default" or "graph(a, b)"; ``engine
+    frame`` the innermost frame in ``paddle_graphpp/`` ("" when none), ``site`` as in
+    :func:`analyze`."""
+    import torch
+
+    dev = torch.cuda.current_device() if device is None else device
+    traces = snapshot.get("device_traces", [])
+    rows = []
+    for e in traces[dev] if dev < len(traces) else []:
+        frames = e.get("frames") or []
+        ours = next((f"{f.get('filename', '').rsplit('paddle_graphpp/', 1)[-1]}:{f.get('name')}" for f in frames
+                     if "paddle_graphpp/" in f.get("filename", "")), "")
+        rows.append([e.get("action"), e.get("addr"), e.get("size"), e.get("stream"), _pool(e),
+                     e.get("time_us"), ours, _label(frames)])
+    return rows
 
 
 def _largest_hole(pool: str, live: dict, seg_pool: dict) -> tuple:

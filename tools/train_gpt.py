@@ -664,8 +664,16 @@ def run_torch(cfg: Config) -> None:
     if cfg.memory_trace and use_cuda:
         from tools import memtrace
 
-        mine["memory_trace"] = memtrace.analyze(torch.cuda.memory._snapshot(), steady_since_us=steady_since_us,
+        snapshot = torch.cuda.memory._snapshot()
+        mine["memory_trace"] = memtrace.analyze(snapshot, steady_since_us=steady_since_us,
                                                  step_starts_us=step_starts_us)
+        if os.environ.get("GRAPHPP_MEMTRACE_RAW"):  # a folder: the raw history per rank, for offline study
+            import gzip
+
+            os.makedirs(os.environ["GRAPHPP_MEMTRACE_RAW"], exist_ok=True)
+            with gzip.open(os.path.join(os.environ["GRAPHPP_MEMTRACE_RAW"], f"rank{rank}.json.gz"), "wt") as f:
+                json.dump({"step_starts_us": step_starts_us, "events": memtrace.raw_events(snapshot)}, f)
+        del snapshot
     per_rank = [None] * world
     if world > 1:
         dist.all_gather_object(per_rank, mine)

@@ -88,6 +88,9 @@
 #   LIMIT=230 bash benchmarks/scripts/device-2026-11-26-x4.sh 24  # dualpipev at seq 2048 with 8 (phase 22's part
 #                                                       #   had too small a budget for it); traces of eager and
 #                                                       #   graphed dualpipev with 4 (the setting over the bound)
+#   LIMIT=150 bash benchmarks/scripts/device-2026-11-26-x4.sh 25  # raw allocator histories (GRAPHPP_MEMTRACE_RAW)
+#                                                       #   of graphed dualpipev and zbv with 4 micro-batches, the
+#                                                       #   pool reserved as segments and as one block
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -526,6 +529,23 @@ case "$PHASE" in
         job "trace-dpv-mb4-$mode-r24" 50 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 \
           --micro-batches 4 --vpp 2 --schedule dualpipev --no-return-outputs --memory-trace $g
       done
+    } ;;
+  25)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --timeout 90 --steps 6"
+    raw() {  # raw NAME LAYOUT TRAINER ARGS...
+      local name=$1 layout=$2; shift 2
+      # shellcheck disable=SC2086
+      FLAGS_graphpp_reserve_pool=$layout GRAPHPP_MEMTRACE_RAW="$R/raw/$name" job "raw-$name" 60 \
+        python tools/train_gpt.py $G13B "$@" --no-return-outputs --cudagraph --memory-trace
+    }
+    queue_a() {
+      raw dpv-mb4-segments 1 --micro-batches 4 --vpp 2 --schedule dualpipev
+      raw dpv-mb4-block block --micro-batches 4 --vpp 2 --schedule dualpipev
+    }
+    queue_b() {
+      raw zbv-mb4-segments 1 --micro-batches 4 --vpp 2 --schedule zbv
+      raw zbv-mb4-block block --micro-batches 4 --vpp 2 --schedule zbv
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
