@@ -1,0 +1,95 @@
+"""The caching-allocator model (tools/pool_model.py) on cases worked out by hand from the
+allocator's rules; the GPU runs it was checked against are in its docstring."""
+import gzip
+import json
+
+import pytest
+
+from tools import pool_model
+from tools.pool_model import PoolModel, layouts, pool_requests, replay, round_size, segment_size
+
+MIB = 1 << 20
+
+
+def test_request_and_segment_sizes_follow_the_allocator():
+    assert round_size(1) == 512 and round_size(513) == 1024
+    assert segment_size(round_size(1000)) == 2 * MIB  # small blocks
+    assert segment_size(8 * MIB) == 20 * MIB  # under 10 MiB: a 20 MiB segment to share
+    assert segment_size(393 * MIB + 1) == 394 * MIB  # else rounded up to 2 MiB
+
+
+def test_best_fit_with_the_front_taken_and_the_rest_left_free():
+    pool = PoolModel([32 * MIB, 24 * MIB])
+    pool.alloc("a", 20 * MIB)  # the smaller block that fits: 24 MiB, 4 MiB left after it
+    pool.alloc("b", 4 * MIB)  # fits the rest exactly
+    assert pool.segments == [32 * MIB, 24 * MIB] and pool.reserved == 56 * MIB
+    pool.alloc("c", 30 * MIB)  # the 32 MiB block; 2 MiB stays free
+    pool.alloc("d", 3 * MIB)  # no block left fits: a 20 MiB segment
+    assert pool.segments[-1] == 20 * MIB
+    assert pool.peak_allocated == 57 * MIB
+
+
+def test_a_rest_of_one_mib_or_less_is_not_split_off():
+    pool = PoolModel([20 * MIB])
+    pool.alloc("a", 19 * MIB + 512)  # 0.5 MiB would be left: the whole block is taken
+    pool.alloc("b", 2 * MIB)
+    assert pool.segments == [20 * MIB, 20 * MIB]
+    assert pool.allocated == 22 * MIB  # the first block whole, 2 MiB cut from the second
+
+
+def test_freed_neighbours_merge_so_a_larger_request_fits():
+    pool = PoolModel([60 * MIB])
+    for key in "abc":
+        pool.alloc(key, 20 * MIB)
+    pool.free("a")
+    pool.free("c")
+    pool.alloc("x", 30 * MIB)  # 20 + 20 apart: no fit, a new segment
+    assert pool.segments == [60 * MIB, 30 * MIB]
+    pool.free("b")  # a, b, c merge into one 60 MiB block
+    pool.alloc("y", 55 * MIB)
+    assert pool.segments == [60 * MIB, 30 * MIB]
+    assert not pool.free("a") and pool.live("y")
+
+
+def test_a_block_carved_by_small_requests_leaves_no_hole_for_a_large_one():
+    """The reserve's two layouts on the pattern seen on a GPT head's stage: small activations
+    kept alive across a large request that needs nearly the whole reserve."""
+    sizes = [24 * MIB, 32 * MIB, 32 * MIB, 8 * MIB, 8 * MIB]
+    seg = layouts(sizes)
+    assert seg["segments"] == [24 * MIB, 32 * MIB, 32 * MIB, 20 * MIB] and seg["block"] == [104 * MIB]
+    requests = [("alloc", 1, 30 * MIB), ("alloc", 2, 60 * MIB), ("free", 1, 0), ("alloc", 3, 70 * MIB)]
+    assert replay(requests, seg["block"]).reserved == 104 * MIB + 70 * MIB  # 44 MiB free, in two holes
+    assert replay(requests, seg["segments"]).reserved == 108 * MIB + 60 * MIB + 70 * MIB
+
+
+def _history(rows, tmp_path):
+    path = tmp_path / "rank0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"step_starts_us": [0.0], "events": rows}, f)
+    return str(path)
+
+
+def test_a_recorded_history_is_replayed_from_each_layout(tmp_path, capsys):
+    g = "graph(1, 2)"
+    rows = [
+        ["alloc", 9, 4 * MIB, 0, "default", 0, "", "train"],  # another pool: ignored
+        ["segment_alloc", 100, 24 * MIB, 7, g, 1, "torch/pool_lending.py:reserve", "x"],
+        ["alloc", 100, 24 * MIB, 7, g, 1, "torch/pool_lending.py:reserve", "x"],
+        ["free_completed", 100, 24 * MIB, 7, g, 2, "torch/pool_lending.py:reserve", "x"],
+        ["alloc", 100, 24 * MIB, 7, g, 3, "core/engine.py:_capture", "y"],
+        ["segment_alloc", 200, 40 * MIB, 7, g, 4, "core/engine.py:_capture", "y"],
+        ["alloc", 200, 40 * MIB, 7, g, 4, "core/engine.py:_capture", "y"],
+        ["free_completed", 100, 24 * MIB, 7, g, 5, "core/engine.py:_capture", "y"],
+    ]
+    pool, reserve, requests = pool_requests(rows)
+    assert pool == g and reserve == [24 * MIB]
+    assert requests == [("alloc", 100, 24 * MIB), ("alloc", 200, 40 * MIB), ("free", 100, 0)]
+    path = _history(rows, tmp_path)
+    assert pool_model.compare(path) == {"run_mib": 64.0, "block_mib": 64.0, "none_mib": 64.0}
+    assert pool_model.main([path, "--reserve-from", path]) == 0
+    assert "run 64 MiB" in capsys.readouterr().out
+
+
+def test_a_history_without_a_graph_pool_is_refused():
+    with pytest.raises(ValueError, match="no graph pool"):
+        pool_requests([["alloc", 9, 512, 0, "default", 0, "", "train"]])
