@@ -91,6 +91,9 @@
 #   LIMIT=150 bash benchmarks/scripts/device-2026-11-26-x4.sh 25  # raw allocator histories (GRAPHPP_MEMTRACE_RAW)
 #                                                       #   of graphed dualpipev and zbv with 4 micro-batches, the
 #                                                       #   pool reserved as segments and as one block
+#   LIMIT=90 bash benchmarks/scripts/device-2026-11-26-x4.sh 26   # the model's prediction checked: graphed
+#                                                       #   dualpipev and zbv (4) with no reserve, as the benchmark
+#                                                       #   runs them, with raw histories
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -546,6 +549,19 @@ case "$PHASE" in
     queue_b() {
       raw zbv-mb4-segments 1 --micro-batches 4 --vpp 2 --schedule zbv
       raw zbv-mb4-block block --micro-batches 4 --vpp 2 --schedule zbv
+    } ;;
+  26)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --timeout 90 --steps 6"
+    queue_a() {
+      # shellcheck disable=SC2086
+      FLAGS_graphpp_reserve_pool=0 GRAPHPP_MEMTRACE_RAW="$R/raw/dpv-mb4-none" job raw-dpv-mb4-none 60 \
+        python tools/train_gpt.py $G13B --micro-batches 4 --vpp 2 --schedule dualpipev --no-return-outputs --cudagraph --memory-trace
+    }
+    queue_b() {
+      # shellcheck disable=SC2086
+      FLAGS_graphpp_reserve_pool=0 GRAPHPP_MEMTRACE_RAW="$R/raw/zbv-mb4-none" job raw-zbv-mb4-none 60 \
+        python tools/train_gpt.py $G13B --micro-batches 4 --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
