@@ -23,10 +23,10 @@ allocator's rules (PyTorch 2.x, ``expandable_segments`` off, ``max_split_size_mb
   (a graph pool with live graphs is not trimmed).
 
 Requests are matched to frees by a key of the caller's choice (an address in a recorded
-history, a counter in a plan). Measured against 8 recorded runs (GPT-3 1.3B ``zbv`` and
-``dualpipev`` stages, both layouts, ``benchmarks/results/pool-model-fifth-h200.json``): the
-pool's size from the same requests within 2-6 MiB, the small blocks' 2 MiB segments being
-where it differs.
+history, a counter in a plan). Measured against 12 recorded runs (GPT-3 1.3B ``zbv`` and
+``dualpipev`` stages, three layouts, ``benchmarks/results/pool-model-fifth-h200.json``): with
+its segments at the run's addresses the model gives each run's pool within 2 MiB (a small
+block's segment); from other layouts it gives the runs of those layouts within 2-6 MiB.
 """
 
 from __future__ import annotations
@@ -74,9 +74,14 @@ class PoolModel:
     ``reserved`` (bytes in segments), ``peak_allocated`` and ``segments`` (the sizes added, in
     order) describe what happened; :meth:`alloc` and :meth:`free` replay requests."""
 
-    def __init__(self, segments: Iterable[int] = ()):
+    def __init__(self, segments: Iterable[int] = (), addresses: Optional[Iterable[int]] = None):
+        """``segments``: free segments the pool starts with. ``addresses``: where the segments
+        go, in the order they are made (a recorded history's, or random ones); by default each
+        above the last. Between free blocks of one size the allocator takes the lowest address,
+        so the order of the addresses the driver hands out can decide where a request goes."""
         self._free = {False: [], True: []}  # small? -> sorted [(size, addr, block)]
         self._live: dict = {}  # key -> block
+        self._addresses = iter(addresses) if addresses is not None else None
         self._next_addr = 1 << 40
         self.reserved = self.allocated = self.peak_allocated = 0
         self.segments: list = []
@@ -84,8 +89,9 @@ class PoolModel:
             self._add_segment(size, small=False)
 
     def _add_segment(self, size: int, small: bool) -> _Block:
-        block = _Block(self._next_addr, size, small)
-        self._next_addr += size + (1 << 30)  # segments are never adjacent
+        given = next(self._addresses, None) if self._addresses is not None else None
+        block = _Block(self._next_addr if given is None else given, size, small)
+        self._next_addr = block.addr + size + (1 << 30)  # segments are never adjacent
         self.reserved += size
         self.segments.append(size)
         self._insert(block)
@@ -188,10 +194,10 @@ def layouts(reserve: list) -> dict:
     return {"segments": list(shaped.segments), "block": [segment_size(total)] if total else [], "none": []}
 
 
-def replay(requests: list, initial: Iterable[int] = ()) -> PoolModel:
+def replay(requests: list, initial: Iterable[int] = (), addresses: Optional[Iterable[int]] = None) -> PoolModel:
     """``requests`` (as :func:`pool_requests` gives them) on a pool that starts with the free
-    segments ``initial``."""
-    model = PoolModel(initial)
+    segments ``initial`` (``addresses``: see :class:`PoolModel`)."""
+    model = PoolModel(initial, addresses)
     for action, addr, size in requests:
         if action == "alloc":
             model.alloc(addr, size)
@@ -208,20 +214,35 @@ def _rows(path: str) -> list:
         return json.load(f)["events"]
 
 
-def compare(path: str, reserve_from: Optional[str] = None) -> dict:
-    """The pool of the run recorded in ``path``: MiB it grew to, and MiB the model gives its
-    requests from each layout. A run that reserved one block holds no parameter sizes: the
-    segments layout then needs ``reserve_from``, a history of a run that reserved segments."""
+def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0) -> dict:
+    """The pool of the run recorded in ``path``: MiB it grew to (``run_mib``); MiB the model
+    gives the run's own requests, the reserve's included, with its segments at the run's
+    addresses (``model_at_run_addresses_mib``); and MiB the model gives the requests from each
+    layout (``<layout>_mib``; with ``orders``, ``<layout>_range_mib``: least and most over that
+    many random address orders). A run that reserved one block holds no parameter sizes: the
+    segments layout then needs ``reserve_from``, a history of a run that reserved segments.
+    The ``none`` layout keeps the recorded optimizer steps in the pool, as where they borrow it."""
+    import random
+
     rows = _rows(path)
     pool, reserve, requests = pool_requests(rows)
+    grown = [r for r in rows if r[4] == pool and r[0] == "segment_alloc"]
+    own = [(("alloc" if r[0] == "alloc" else "free"), r[1], r[2]) for r in rows
+           if r[4] == pool and r[0] in ("alloc", "free_completed")]
+    out = {"run_mib": sum(r[2] for r in grown) / 2**20,
+           "model_at_run_addresses_mib": replay(own, (), [r[1] for r in grown]).reserved / 2**20}
     if reserve_from is not None:
         reserve = pool_requests(_rows(reserve_from))[1]
-    grown = sum(r[2] for r in rows if r[4] == pool and r[0] == "segment_alloc")
-    out = {"run_mib": grown / 2**20}
     for name, initial in layouts(reserve).items():
         if name == "segments" and len(reserve) == 1:
             continue  # one block reserved: not the parameters' sizes
         out[f"{name}_mib"] = replay(requests, initial).reserved / 2**20
+        if orders:
+            sizes = []
+            for seed in range(orders):
+                rng = random.Random(seed)
+                sizes.append(replay(requests, initial, iter(lambda: rng.randrange(1, 1 << 20) << 30, None)).reserved)
+            out[f"{name}_range_mib"] = [min(sizes) / 2**20, max(sizes) / 2**20]
     return out
 
 
@@ -231,10 +252,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("histories", nargs="+", help="rank<N>.json.gz files (GRAPHPP_MEMTRACE_RAW)")
     parser.add_argument("--reserve-from", help="take the reserve's allocations from this history")
+    parser.add_argument("--orders", type=int, default=0, help="also replay over this many random address orders")
     opts = parser.parse_args(argv)
     for path in opts.histories:
-        sizes = compare(path, opts.reserve_from)
-        print(f"{path}: " + ", ".join(f"{k[:-4]} {v:.0f} MiB" for k, v in sizes.items()))
+        sizes = compare(path, opts.reserve_from, opts.orders)
+        print(f"{path}: " + ", ".join(f"{k[:-4]} {v if isinstance(v, list) else round(v)} MiB" for k, v in sizes.items()))
     return 0
 
 

@@ -62,6 +62,16 @@ def test_a_block_carved_by_small_requests_leaves_no_hole_for_a_large_one():
     assert replay(requests, seg["segments"]).reserved == 108 * MIB + 60 * MIB + 70 * MIB
 
 
+def test_where_segments_lie_decides_between_free_blocks_of_one_size():
+    # two free 30 MiB segments; the lower one is taken; a 20 MiB request then cuts it, and a
+    # 30 MiB request still fits the other: the order of the addresses matters only for ties
+    low_first = PoolModel([30 * MIB, 30 * MIB], addresses=[100 << 30, 200 << 30])
+    high_first = PoolModel([30 * MIB, 30 * MIB], addresses=[200 << 30, 100 << 30])
+    for pool in (low_first, high_first):
+        pool.alloc("a", 20 * MIB)
+    assert low_first._live["a"].addr == 100 << 30 and high_first._live["a"].addr == 100 << 30
+
+
 def _history(rows, tmp_path):
     path = tmp_path / "rank0.json.gz"
     with gzip.open(path, "wt") as f:
@@ -85,7 +95,9 @@ def test_a_recorded_history_is_replayed_from_each_layout(tmp_path, capsys):
     assert pool == g and reserve == [24 * MIB]
     assert requests == [("alloc", 100, 24 * MIB), ("alloc", 200, 40 * MIB), ("free", 100, 0)]
     path = _history(rows, tmp_path)
-    assert pool_model.compare(path) == {"run_mib": 64.0, "block_mib": 64.0, "none_mib": 64.0}
+    assert pool_model.compare(path) == {"run_mib": 64.0, "model_at_run_addresses_mib": 64.0, "block_mib": 64.0,
+                                        "none_mib": 64.0}
+    assert pool_model.compare(path, orders=3)["none_range_mib"] == [64.0, 64.0]
     assert pool_model.main([path, "--reserve-from", path]) == 0
     assert "run 64 MiB" in capsys.readouterr().out
 
