@@ -60,8 +60,9 @@ def test_the_reserve_is_sized_by_the_largest_optimizer_in_its_parameter_order(fr
     assert pool_lending.stepped_param_bytes() == 12288 + 1024
 
 
-@pytest.mark.parametrize("raw, layout", [(None, "segments"), ("1", "segments"), ("true", "segments"),
-                                         ("block", "block"), (" Block ", "block"), ("0", None), ("false", None)])
+@pytest.mark.parametrize("raw, layout", [(None, "block"), ("1", "block"), ("true", "block"), ("block", "block"),
+                                         ("segments", "segments"), (" Segments ", "segments"), ("0", None),
+                                         ("false", None)])
 def test_the_reserve_flag_picks_a_layout(monkeypatch, raw, layout):
     from paddle_graphpp.torch.runtime import _reserve_pool
 
@@ -76,7 +77,7 @@ def test_a_bad_reserve_flag_says_what_it_takes(monkeypatch):
     from paddle_graphpp.torch.runtime import _reserve_pool
 
     monkeypatch.setenv("FLAGS_graphpp_reserve_pool", "segment")
-    with pytest.raises(ValueError, match="FLAGS_graphpp_reserve_pool='segment'.*'block'.*0"):
+    with pytest.raises(ValueError, match="FLAGS_graphpp_reserve_pool='segment'.*'block'.*'segments'.*0"):
         _reserve_pool()
 
 

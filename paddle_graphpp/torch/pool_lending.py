@@ -17,14 +17,19 @@ graphs. And a pool captured from nothing is made of the segments the activations
 parameter-sized temporaries (24-32 MiB per tensor there) do not fit: measured on the last
 stage of a GPT-3 1.3B pipeline at sequence 512, the pool held one micro-batch's activations
 (~0.5 GB) and grew to 1.75 GB for AdamW's 1.15 GB of temporaries. So before the first capture
-into a pool, :meth:`PoolLender.reserve` gives the pool the segments one list of those
-temporaries would make, as large as the parameters of the optimizers seen stepping
-(:func:`watch_optimizers`): the captures place the activations in them, and between episodes
-the temporaries fit into them again. Segments rather than one block the same size: the first
-captures carve a block from its start, and later requests larger than the holes they leave
-(the fp32 logits of a GPT head at sequence 2048, 393 MiB) add segments of their own while the
-block is half free, measured on a GPT-3 1.3B ``zbv`` stage; segments shaped like the
-parameters are what eager training's cache holds after its first optimizer step. Each optimizer
+into a pool, :meth:`PoolLender.reserve` gives the pool free memory as large as the parameters
+of the optimizers seen stepping (:func:`watch_optimizers`): the captures place the activations
+in it, and between episodes the temporaries fit into it again. Its layout decides how the
+pool fragments. One block (the default): the first captures carve it from its start, and a
+later request larger than the holes they leave adds a segment of its own while the block is
+half free (a GPT-3 1.3B ``zbv`` stage at sequence 2048: a 394 MiB segment for the fp32
+logits, 785 MiB free). The segments one list of temporaries makes (``"segments"``): measured
+on the same benchmark, better for ``zbv`` and ``interleaved_zb`` at sequence 2048, worse for
+``dualpipev`` with 4 micro-batches (its 196.5 MiB requests cut the logits' free segments) and
+for the second stage of the V schedules at sequence 512 (there every optimizer step declined
+to borrow: the temporaries did not fit the pool's free blocks between episodes).
+Which layout fragments less depends on the capture's requests: ``tools/pool_model.py``
+replays a recorded pool's requests from each layout. Each optimizer
 then borrows a pool when its temporaries (one per parameter, the parameter's size) fit the
 pool's free blocks, simulated best-fit the way the caching allocator places them, with at
 most a quarter left over; decided once per pool and optimizer.
@@ -124,7 +129,7 @@ class PoolLender:
         self.reserved = 0  # bytes reserved in pools before their captures
         self._fits: dict = {}  # (id(pool), id(optimizer)) -> does the pool have room for its temporaries
 
-    def reserve(self, pool: Any, layout: str = SEGMENTS) -> int:
+    def reserve(self, pool: Any, layout: str = BLOCK) -> int:
         """Before the first capture into ``pool``: give it free memory (on the capture stream,
         where captures and borrowed steps allocate) for the temporaries of the largest
         optimizer seen stepping, so that activations and, between episodes, those temporaries

@@ -562,21 +562,21 @@ _RESERVE_FLAG = "FLAGS_graphpp_reserve_pool"
 def _reserve_pool() -> Optional[str]:
     """``FLAGS_graphpp_reserve_pool``: the memory a shared pool gets before its first capture,
     for the stepping optimizers' temporaries between episodes (see pool_lending): unset or
-    true, the segments one list of temporaries makes (``"segments"``); ``block``, one block of
-    the same bytes; false, none. Captures wait for an optimizer's first step either way
+    true, one block of the parameters' bytes (``"block"``); ``segments``, the segments one list
+    of temporaries makes; false, none. Captures wait for an optimizer's first step either way
     (``defer_capture``)."""
     from .pool_lending import BLOCK, SEGMENTS
 
     raw = os.environ.get(_RESERVE_FLAG)
     if raw is None:
-        return SEGMENTS
-    if raw.strip().lower() == BLOCK:
         return BLOCK
+    if raw.strip().lower() in (BLOCK, SEGMENTS):
+        return raw.strip().lower()
     try:
-        return SEGMENTS if env_flag_value(raw, _RESERVE_FLAG) else None
+        return BLOCK if env_flag_value(raw, _RESERVE_FLAG) else None
     except ValueError:
-        raise ValueError(f"{_RESERVE_FLAG}={raw!r}: use 1 (segments shaped like the optimizer's temporaries, "
-                         f"the default), 'block' (one block of the same bytes) or 0 (none)") from None
+        raise ValueError(f"{_RESERVE_FLAG}={raw!r}: use 1 or 'block' (one block of the optimizer's parameter "
+                         f"bytes, the default), 'segments' (the segments its temporaries make) or 0 (none)") from None
 
 
 def _inside_ddp_forward() -> bool:
