@@ -94,6 +94,9 @@
 #   LIMIT=90 bash benchmarks/scripts/device-2026-11-26-x4.sh 26   # the model's prediction checked: graphed
 #                                                       #   dualpipev and zbv (4) with no reserve, as the benchmark
 #                                                       #   runs them, with raw histories
+#   LIMIT=280 bash benchmarks/scripts/device-2026-11-26-x4.sh 27  # the final code (one block by default again):
+#                                                       #   pipeline GPU tests on GPUs 0,1; zero-bubble and engine
+#                                                       #   GPU tests and the benchmark's graphed zbv run (4) on 2,3
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -562,6 +565,17 @@ case "$PHASE" in
       # shellcheck disable=SC2086
       FLAGS_graphpp_reserve_pool=0 GRAPHPP_MEMTRACE_RAW="$R/raw/zbv-mb4-none" job raw-zbv-mb4-none 60 \
         python tools/train_gpt.py $G13B --micro-batches 4 --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
+    } ;;
+  27)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    queue_a() { pytest_job tests-pipeline 240 unittests/gpu/test_pipeline_gpu.py; }
+    queue_b() {
+      pytest_job tests-zero-bubble 110 unittests/gpu/test_zero_bubble_gpu.py
+      pytest_job tests-engine 60 unittests/gpu/test_engine_gpu.py
+      # shellcheck disable=SC2086
+      job zbv-mb4-graphed-r27 50 python tools/train_gpt.py $G13B --seq-len 2048 --micro-batches 4 --vpp 2 \
+        --schedule zbv --steps 12 --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

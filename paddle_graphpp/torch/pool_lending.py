@@ -24,7 +24,8 @@ pool fragments. One block (the default): the first captures carve it from its st
 later request larger than the holes they leave adds a segment of its own while the block is
 half free (a GPT-3 1.3B ``zbv`` stage at sequence 2048: a 394 MiB segment for the fp32
 logits, 785 MiB free). The segments one list of temporaries makes (``"segments"``): measured
-on the same benchmark, better for ``zbv`` and ``interleaved_zb`` at sequence 2048, worse for
+on the same benchmark, better for ``zbv`` at sequence 2048 and ``interleaved_zb`` with 8
+micro-batches there, worse for
 ``dualpipev`` with 4 micro-batches (its 196.5 MiB requests cut the logits' free segments) and
 for the second stage of the V schedules at sequence 512 (there every optimizer step declined
 to borrow: the temporaries did not fit the pool's free blocks between episodes).
