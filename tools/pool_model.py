@@ -214,14 +214,16 @@ def _rows(path: str) -> list:
         return json.load(f)["events"]
 
 
-def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0) -> dict:
+def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0, extra: Iterable[int] = ()) -> dict:
     """The pool of the run recorded in ``path``: MiB it grew to (``run_mib``); MiB the model
     gives the run's own requests, the reserve's included, with its segments at the run's
     addresses (``model_at_run_addresses_mib``); and MiB the model gives the requests from each
     layout (``<layout>_mib``; with ``orders``, ``<layout>_range_mib``: least and most over that
     many random address orders). A run that reserved one block holds no parameter sizes: the
     segments layout then needs ``reserve_from``, a history of a run that reserved segments.
-    The ``none`` layout keeps the recorded optimizer steps in the pool, as where they borrow it."""
+    The ``none`` layout keeps the recorded optimizer steps in the pool, as where they borrow it.
+    ``extra``: free segments (bytes) added to every layout, to see how much the outcome depends
+    on the layout's details."""
     import random
 
     rows = _rows(path)
@@ -236,6 +238,7 @@ def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0) -> d
     for name, initial in layouts(reserve).items():
         if name == "segments" and len(reserve) == 1:
             continue  # one block reserved: not the parameters' sizes
+        initial = [*initial, *extra]
         out[f"{name}_mib"] = replay(requests, initial).reserved / 2**20
         if orders:
             sizes = []
@@ -253,9 +256,12 @@ def main(argv=None) -> int:
     parser.add_argument("histories", nargs="+", help="rank<N>.json.gz files (GRAPHPP_MEMTRACE_RAW)")
     parser.add_argument("--reserve-from", help="take the reserve's allocations from this history")
     parser.add_argument("--orders", type=int, default=0, help="also replay over this many random address orders")
+    parser.add_argument("--add-segment", type=float, action="append", default=[], metavar="MIB",
+                        help="a free segment of this many MiB added to every layout (repeatable)")
     opts = parser.parse_args(argv)
+    extra = [int(m * 2**20) for m in opts.add_segment]
     for path in opts.histories:
-        sizes = compare(path, opts.reserve_from, opts.orders)
+        sizes = compare(path, opts.reserve_from, opts.orders, extra)
         print(f"{path}: " + ", ".join(f"{k[:-4]} {v if isinstance(v, list) else round(v)} MiB" for k, v in sizes.items()))
     return 0
 

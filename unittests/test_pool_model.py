@@ -98,6 +98,10 @@ def test_a_recorded_history_is_replayed_from_each_layout(tmp_path, capsys):
     assert pool_model.compare(path) == {"run_mib": 64.0, "model_at_run_addresses_mib": 64.0, "block_mib": 64.0,
                                         "none_mib": 64.0}
     assert pool_model.compare(path, orders=3)["none_range_mib"] == [64.0, 64.0]
+    # a free 40 MiB segment added to every layout: beside the 24 MiB block it takes the 40 MiB
+    # request (nothing grows); alone, the 24 MiB request cuts it first and the 40 MiB one grows
+    assert pool_model.compare(path, extra=[40 * MIB])["block_mib"] == 64.0
+    assert pool_model.compare(path, extra=[40 * MIB])["none_mib"] == 80.0
     assert pool_model.main([path, "--reserve-from", path]) == 0
     assert "run 64 MiB" in capsys.readouterr().out
 
