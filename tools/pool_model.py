@@ -217,7 +217,9 @@ def _rows(path: str) -> list:
 def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0, extra: Iterable[int] = ()) -> dict:
     """The pool of the run recorded in ``path``: MiB it grew to (``run_mib``); MiB the model
     gives the run's own requests, the reserve's included, with its segments at the run's
-    addresses (``model_at_run_addresses_mib``); and MiB the model gives the requests from each
+    addresses (``model_at_run_addresses_mib``); the most the requests (the reserve's left out)
+    hold at once, rounded as the allocator rounds them, which no placement can go below
+    (``allocated_peak_mib``); and MiB the model gives the requests from each
     layout (``<layout>_mib``; with ``orders``, ``<layout>_range_mib``: least and most over that
     many random address orders). A run that reserved one block holds no parameter sizes: the
     segments layout then needs ``reserve_from``, a history of a run that reserved segments.
@@ -231,8 +233,9 @@ def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0, extr
     grown = [r for r in rows if r[4] == pool and r[0] == "segment_alloc"]
     own = [(("alloc" if r[0] == "alloc" else "free"), r[1], r[2]) for r in rows
            if r[4] == pool and r[0] in ("alloc", "free_completed")]
-    out = {"run_mib": sum(r[2] for r in grown) / 2**20,
-           "model_at_run_addresses_mib": replay(own, (), [r[1] for r in grown]).reserved / 2**20}
+    at_run = replay(own, (), [r[1] for r in grown])
+    out = {"run_mib": sum(r[2] for r in grown) / 2**20, "model_at_run_addresses_mib": at_run.reserved / 2**20,
+           "allocated_peak_mib": replay(requests).peak_allocated / 2**20}
     if reserve_from is not None:
         reserve = pool_requests(_rows(reserve_from))[1]
     for name, initial in layouts(reserve).items():

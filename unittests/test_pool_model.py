@@ -95,8 +95,8 @@ def test_a_recorded_history_is_replayed_from_each_layout(tmp_path, capsys):
     assert pool == g and reserve == [24 * MIB]
     assert requests == [("alloc", 100, 24 * MIB), ("alloc", 200, 40 * MIB), ("free", 100, 0)]
     path = _history(rows, tmp_path)
-    assert pool_model.compare(path) == {"run_mib": 64.0, "model_at_run_addresses_mib": 64.0, "block_mib": 64.0,
-                                        "none_mib": 64.0}
+    assert pool_model.compare(path) == {"run_mib": 64.0, "model_at_run_addresses_mib": 64.0,
+                                        "allocated_peak_mib": 64.0, "block_mib": 64.0, "none_mib": 64.0}
     assert pool_model.compare(path, orders=3)["none_range_mib"] == [64.0, 64.0]
     # a free 40 MiB segment added to every layout: beside the 24 MiB block it takes the 40 MiB
     # request (nothing grows); alone, the 24 MiB request cuts it first and the 40 MiB one grows
