@@ -25,8 +25,10 @@ allocator's rules (PyTorch 2.x, ``expandable_segments`` off, ``max_split_size_mb
 Requests are matched to frees by a key of the caller's choice (an address in a recorded
 history, a counter in a plan). Measured against 12 recorded runs (GPT-3 1.3B ``zbv`` and
 ``dualpipev`` stages, three layouts, ``benchmarks/results/pool-model-fifth-h200.json``): with
-its segments at the run's addresses the model gives each run's pool within 2 MiB (a small
-block's segment); from other layouts it gives the runs of those layouts within 2-6 MiB.
+its segments at the run's addresses the model gives each run's pool exactly; from another
+layout's run it gives the runs with a reserve (block or segments) within 4 MiB, while without
+a reserve the outcome depends on the order of the addresses the driver hands out (between free
+blocks of one size the lowest address wins), which the model cannot know beforehand.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import bisect
 import sys
 from typing import Hashable, Iterable, Optional
 
-__all__ = ["PoolModel", "compare", "layouts", "main", "pool_requests", "replay", "round_size", "segment_size"]
+__all__ = ["PoolModel", "compare", "layouts", "main", "pool_requests", "pool_rows", "replay", "round_size",
+           "segment_size"]
 
 _MIN_BLOCK = 512
 _SMALL = 1 << 20
@@ -71,8 +74,10 @@ class _Block:
 class PoolModel:
     """The blocks of one pool on one stream, as the caching allocator would hold them.
 
-    ``reserved`` (bytes in segments), ``peak_allocated`` and ``segments`` (the sizes added, in
-    order) describe what happened; :meth:`alloc` and :meth:`free` replay requests."""
+    ``reserved`` (bytes in segments), ``peak_allocated`` (blocks handed out, a rest too small to
+    split off included), ``peak_requested`` (the requests' rounded bytes alone) and ``segments``
+    (the sizes added, in order) describe what happened; :meth:`alloc` and :meth:`free` replay
+    requests. Segments a pool starts with are large-block segments."""
 
     def __init__(self, segments: Iterable[int] = (), addresses: Optional[Iterable[int]] = None):
         """``segments``: free segments the pool starts with. ``addresses``: where the segments
@@ -84,6 +89,8 @@ class PoolModel:
         self._addresses = iter(addresses) if addresses is not None else None
         self._next_addr = 1 << 40
         self.reserved = self.allocated = self.peak_allocated = 0
+        self.requested = self.peak_requested = 0  # the requests' own bytes (rounded), without unsplit rests
+        self._sizes: dict = {}  # key -> rounded request
         self.segments: list = []
         for size in segments:  # free segments the pool starts with (a reserve)
             self._add_segment(size, small=False)
@@ -129,8 +136,11 @@ class PoolModel:
             self._insert(tail)
         block.free = False
         self._live[key] = block
+        self._sizes[key] = size
         self.allocated += block.size
+        self.requested += size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_requested = max(self.peak_requested, self.requested)
 
     def free(self, key: Hashable) -> bool:
         """Free ``key``'s block; False when ``key`` is not live here (nothing happens)."""
@@ -138,6 +148,7 @@ class PoolModel:
         if block is None:
             return False
         self.allocated -= block.size
+        self.requested -= self._sizes.pop(key)
         block.free = True
         for other in (block.prev, block.next):
             if other is not None and other.free:
@@ -160,20 +171,35 @@ class PoolModel:
         return key in self._live
 
 
-def pool_requests(rows: list) -> tuple:
-    """From a raw history (``tools/memtrace.py`` ``raw_events`` rows): the graph pool with the
-    most events (its name), the sizes the pool's reserve allocated before its first capture,
-    and every other request of that pool in order, ``("alloc" | "free", addr, size)``."""
+def _capture_state(where: str, ours: str) -> bool:
+    """A row of what a capture allocates for itself before it begins (its random-number state,
+    in the default pool on the capture stream) in a history whose events name no pool: the
+    stream then stands for the pool, and these rows are not the pool's."""
+    return where.startswith("stream") and ours.endswith("runtime.py:capture_to_graph")
+
+
+def pool_rows(rows: list) -> tuple:
+    """The graph pool of a raw history (``tools/memtrace.py`` ``raw_events`` rows) and its rows:
+    the pool the reserve was made in, else the one with the most events (histories of torch
+    2.11 name pools by their stream: one pool per capture stream)."""
     from collections import Counter
 
+    reserved = [r[4] for r in rows if "pool_lending.py" in r[6] and "reserve" in r[6] and r[0] == "alloc"]
     counts = Counter(r[4] for r in rows if r[4] not in ("default", "stream0"))
     if not counts:
         raise ValueError("no graph pool in this history: was it recorded from a run with --cudagraph?")
-    pool = counts.most_common(1)[0][0]
+    pool = reserved[0] if reserved else counts.most_common(1)[0][0]
+    return pool, [r for r in rows if r[4] == pool and not _capture_state(r[4], r[6])]
+
+
+def pool_requests(rows: list) -> tuple:
+    """From a raw history: the graph pool (:func:`pool_rows`), the sizes the pool's reserve
+    allocated before its first capture, and every other request of that pool in order,
+    ``("alloc" | "free", addr, size)``; a block's free is when it is back in the pool
+    (``free_completed``), not when it was asked for."""
+    pool, mine = pool_rows(rows)
     reserve, requests = [], []
-    for action, addr, size, _stream, where, _t, ours, _site in rows:
-        if where != pool:
-            continue
+    for action, addr, size, _stream, _where, _t, ours, _site in mine:
         if "pool_lending.py" in ours and "reserve" in ours:
             if action == "alloc":
                 reserve.append(size)
@@ -218,8 +244,8 @@ def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0, extr
     """The pool of the run recorded in ``path``: MiB it grew to (``run_mib``); MiB the model
     gives the run's own requests, the reserve's included, with its segments at the run's
     addresses (``model_at_run_addresses_mib``); the most the requests (the reserve's left out)
-    hold at once, rounded as the allocator rounds them, which no placement can go below
-    (``allocated_peak_mib``); and MiB the model gives the requests from each
+    hold at once, each rounded as the allocator rounds it, which no placement can go below
+    (``requested_peak_mib``); and MiB the model gives the requests from each
     layout (``<layout>_mib``; with ``orders``, ``<layout>_range_mib``: least and most over that
     many random address orders). A run that reserved one block holds no parameter sizes: the
     segments layout then needs ``reserve_from``, a history of a run that reserved segments.
@@ -230,12 +256,12 @@ def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0, extr
 
     rows = _rows(path)
     pool, reserve, requests = pool_requests(rows)
-    grown = [r for r in rows if r[4] == pool and r[0] == "segment_alloc"]
-    own = [(("alloc" if r[0] == "alloc" else "free"), r[1], r[2]) for r in rows
-           if r[4] == pool and r[0] in ("alloc", "free_completed")]
+    mine = pool_rows(rows)[1]
+    grown = [r for r in mine if r[0] == "segment_alloc"]
+    own = [(("alloc" if r[0] == "alloc" else "free"), r[1], r[2]) for r in mine if r[0] in ("alloc", "free_completed")]
     at_run = replay(own, (), [r[1] for r in grown])
     out = {"run_mib": sum(r[2] for r in grown) / 2**20, "model_at_run_addresses_mib": at_run.reserved / 2**20,
-           "allocated_peak_mib": replay(requests).peak_allocated / 2**20}
+           "requested_peak_mib": replay(requests).peak_requested / 2**20}
     if reserve_from is not None:
         reserve = pool_requests(_rows(reserve_from))[1]
     for name, initial in layouts(reserve).items():

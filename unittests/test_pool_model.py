@@ -63,13 +63,39 @@ def test_a_block_carved_by_small_requests_leaves_no_hole_for_a_large_one():
 
 
 def test_where_segments_lie_decides_between_free_blocks_of_one_size():
-    # two free 30 MiB segments; the lower one is taken; a 20 MiB request then cuts it, and a
-    # 30 MiB request still fits the other: the order of the addresses matters only for ties
+    # two free 30 MiB segments, made in either order: the request goes to the lower address
     low_first = PoolModel([30 * MIB, 30 * MIB], addresses=[100 << 30, 200 << 30])
     high_first = PoolModel([30 * MIB, 30 * MIB], addresses=[200 << 30, 100 << 30])
     for pool in (low_first, high_first):
         pool.alloc("a", 20 * MIB)
     assert low_first._live["a"].addr == 100 << 30 and high_first._live["a"].addr == 100 << 30
+
+
+def test_small_requests_come_from_small_blocks_only():
+    pool = PoolModel([40 * MIB])
+    pool.alloc("s", 4096)  # a free large block does not serve it: a 2 MiB segment
+    assert pool.segments == [40 * MIB, 2 * MIB]
+    pool.alloc("t", 2 * MIB - 4096 - 512)  # rounded to 2 MiB - 4.5 KiB: 512 B left, split off
+    pool.alloc("u", 512)  # fits that rest: no new segment
+    assert pool.segments == [40 * MIB, 2 * MIB]
+    pool.free("s")
+    pool.alloc("big", 30 * MIB)  # large requests never come from small blocks
+    assert pool.segments == [40 * MIB, 2 * MIB] and pool._live["big"].size == 30 * MIB
+
+
+def test_a_rest_of_exactly_one_mib_is_not_split_off_but_a_larger_one_is():
+    exact = PoolModel([21 * MIB])
+    exact.alloc("a", 20 * MIB)
+    assert exact._live["a"].size == 21 * MIB
+    more = PoolModel([21 * MIB + 512])
+    more.alloc("a", 20 * MIB)
+    assert more._live["a"].size == 20 * MIB and more.allocated == 20 * MIB
+
+
+def test_the_peak_of_requests_leaves_out_rests_not_split_off():
+    pool = PoolModel([20 * MIB])
+    pool.alloc("a", 19 * MIB + 512)  # takes the whole 20 MiB block
+    assert pool.peak_allocated == 20 * MIB and pool.peak_requested == 19 * MIB + 512
 
 
 def _history(rows, tmp_path):
@@ -96,7 +122,7 @@ def test_a_recorded_history_is_replayed_from_each_layout(tmp_path, capsys):
     assert requests == [("alloc", 100, 24 * MIB), ("alloc", 200, 40 * MIB), ("free", 100, 0)]
     path = _history(rows, tmp_path)
     assert pool_model.compare(path) == {"run_mib": 64.0, "model_at_run_addresses_mib": 64.0,
-                                        "allocated_peak_mib": 64.0, "block_mib": 64.0, "none_mib": 64.0}
+                                        "requested_peak_mib": 64.0, "block_mib": 64.0, "none_mib": 64.0}
     assert pool_model.compare(path, orders=3)["none_range_mib"] == [64.0, 64.0]
     # a free 40 MiB segment added to every layout: beside the 24 MiB block it takes the 40 MiB
     # request (nothing grows); alone, the 24 MiB request cuts it first and the 40 MiB one grows
@@ -104,6 +130,25 @@ def test_a_recorded_history_is_replayed_from_each_layout(tmp_path, capsys):
     assert pool_model.compare(path, extra=[40 * MIB])["none_mib"] == 80.0
     assert pool_model.main([path, "--reserve-from", path]) == 0
     assert "run 64 MiB" in capsys.readouterr().out
+
+
+def test_a_block_is_free_when_the_pool_has_it_back_and_the_captures_own_state_is_not_the_pools(tmp_path):
+    s7 = "stream7"  # torch 2.11's events name no pool: the capture stream stands for it
+    rows = [
+        ["segment_alloc", 50, 2 * MIB, 7, s7, 0, "torch/runtime.py:capture_to_graph", "x"],  # default pool
+        ["alloc", 50, 8, 7, s7, 0, "torch/runtime.py:capture_to_graph", "x"],
+        ["segment_alloc", 100, 30 * MIB, 7, s7, 1, "core/engine.py:_capture", "y"],
+        ["alloc", 100, 30 * MIB, 7, s7, 1, "core/engine.py:_capture", "y"],
+        ["free_requested", 100, 30 * MIB, 7, s7, 2, "core/engine.py:_capture", "y"],  # still in use elsewhere
+        ["segment_alloc", 200, 30 * MIB, 7, s7, 3, "core/engine.py:_capture", "y"],
+        ["alloc", 200, 30 * MIB, 7, s7, 3, "core/engine.py:_capture", "y"],
+        ["free_completed", 100, 30 * MIB, 7, s7, 4, "core/engine.py:_capture", "y"],
+    ]
+    pool, reserve, requests = pool_requests(rows)
+    assert pool == s7 and reserve == []
+    assert requests == [("alloc", 100, 30 * MIB), ("alloc", 200, 30 * MIB), ("free", 100, 0)]
+    got = pool_model.compare(_history(rows, tmp_path))
+    assert got["run_mib"] == got["model_at_run_addresses_mib"] == got["none_mib"] == 60.0
 
 
 def test_a_history_without_a_graph_pool_is_refused():

@@ -97,6 +97,10 @@
 #   LIMIT=280 bash benchmarks/scripts/device-2026-11-26-x4.sh 27  # the final code (one block by default again):
 #                                                       #   pipeline GPU tests on GPUs 0,1; zero-bubble and engine
 #                                                       #   GPU tests and the benchmark's graphed zbv run (4) on 2,3
+#   LIMIT=120 bash benchmarks/scripts/device-2026-11-26-x4.sh 28  # after the review's mends of reserve() (what
+#                                                       #   was allocated before an OOM counts, once per process):
+#                                                       #   the engine GPU tests on GPUs 0,1; the graphed zbv run (4)
+#                                                       #   with a raw history on GPUs 2,3
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -576,6 +580,16 @@ case "$PHASE" in
       # shellcheck disable=SC2086
       job zbv-mb4-graphed-r27 50 python tools/train_gpt.py $G13B --seq-len 2048 --micro-batches 4 --vpp 2 \
         --schedule zbv --steps 12 --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
+    } ;;
+  28)
+    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    queue_a() { pytest_job tests-engine 70 unittests/gpu/test_engine_gpu.py; }
+    queue_b() {
+      # shellcheck disable=SC2086
+      GRAPHPP_MEMTRACE_RAW="$R/raw/zbv-mb4-block-r28" job zbv-mb4-graphed-r28 60 python tools/train_gpt.py $G13B \
+        --seq-len 2048 --micro-batches 4 --vpp 2 --schedule zbv --steps 6 --timeout 90 --no-return-outputs --cudagraph \
+        --memory-trace
     } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

@@ -27,8 +27,9 @@ logits, 785 MiB free). The segments one list of temporaries makes (``"segments"`
 on the same benchmark, better for ``zbv`` at sequence 2048 and ``interleaved_zb`` with 8
 micro-batches there, worse for
 ``dualpipev`` with 4 micro-batches (its 196.5 MiB requests cut the logits' free segments) and
-for the second stage of the V schedules at sequence 512 (there every optimizer step declined
-to borrow: the temporaries did not fit the pool's free blocks between episodes).
+for the second stage of the V schedules at sequence 512 with 8 micro-batches (there every
+optimizer step declined to borrow: the temporaries did not fit the pool's free blocks between
+episodes).
 Which layout fragments less depends on the capture's requests: ``tools/pool_model.py``
 replays a recorded pool's requests from each layout. Each optimizer
 then borrows a pool when its temporaries (one per parameter, the parameter's size) fit the
@@ -128,6 +129,7 @@ class PoolLender:
         self.steps = 0
         self.declined = 0  # steps that did not borrow because the pool had too little free
         self.reserved = 0  # bytes reserved in pools before their captures
+        self._reserved_once = False  # reserve() ran for a pool (the first one)
         self._fits: dict = {}  # (id(pool), id(optimizer)) -> does the pool have room for its temporaries
 
     def reserve(self, pool: Any, layout: str = BLOCK) -> int:
@@ -138,15 +140,18 @@ class PoolLender:
         parameter's size, all alive together, and frees them, so the pool holds the segments
         the caching allocator makes for one list of temporaries (one per parameter over 10 MiB,
         20 MiB segments shared by the smaller ones); :data:`BLOCK` one free block of all the
-        parameters' bytes. Once per process (the first pool); nothing when no optimizer has
-        stepped (nothing will borrow) or the memory is not there. Returns the bytes reserved."""
+        parameters' bytes. Parameters of 1 MiB or less are left out: their temporaries come from
+        the allocator's small blocks, which no large block serves. Once per process (the first
+        pool, also when the device had room for part of it only); nothing when no optimizer has
+        stepped (nothing will borrow). Returns the bytes allocated for it (the segments made
+        round them up)."""
         if layout not in (SEGMENTS, BLOCK):
             raise ValueError(f"reserve: layout must be {SEGMENTS!r} or {BLOCK!r}, got {layout!r}")
-        if self.disabled or self.reserved or not isinstance(pool, torch.cuda.MemPool):
+        if self.disabled or self._reserved_once or not isinstance(pool, torch.cuda.MemPool):
             return 0  # once per process: a later generation's pool is lent, but holds only its own graphs
         sizes = [n for n in stepped_param_sizes() if n > _SMALL]  # small requests use small blocks
-        if layout == BLOCK:
-            sizes = [sum(sizes)] if sum(sizes) > _SMALL else []
+        if layout == BLOCK and sizes:
+            sizes = [sum(sizes)]
         if not sizes:
             return 0
         blocks: list = []
@@ -156,13 +161,14 @@ class PoolLender:
                 for n in sizes:
                     blocks.append(torch.empty(n, dtype=torch.uint8, device=device))
         except torch.OutOfMemoryError:
-            logger.info("paddle_graphpp: no room to reserve %d MiB in the graph pool; captured without",
-                        sum(sizes) >> 20)
-            return 0  # what was allocated stays in the pool's cache, free for the captures
+            logger.info("paddle_graphpp: room for %d of the %d MiB to reserve in the graph pool; captured with that",
+                        sum(b.numel() for b in blocks) >> 20, sum(sizes) >> 20)
         finally:
-            blocks.clear()  # freed into the pool's cache: the segments stay the pool's
-        self.reserved += sum(sizes)
-        return sum(sizes)
+            got = sum(b.numel() for b in blocks)
+            blocks.clear()  # freed into the pool's cache: the segments stay the pool's, free for the captures
+        self.reserved += got
+        self._reserved_once = True
+        return got
 
     def report(self) -> dict:
         """What lending did in this process: optimizer steps run in a graph pool, steps that
