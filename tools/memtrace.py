@@ -92,32 +92,22 @@ def raw_events(snapshot: dict, device: int | None = None) -> list:
     """The recorded history as compact rows, for offline study of the allocator (such as
     replaying a capture's requests under another layout): ``[action, addr, size, stream,
     pool, time_us, engine frame, site]``. ``pool`` is "default" or "graph(a, b)" where the
-    event names its pool or its address lies in a segment the snapshot still holds (segments
-    of graph pools are never released), else "stream<N>" (torch 2.11's events name no pool);
-    ``engine frame`` is the innermost frame in ``paddle_graphpp/`` ("" when none), ``site`` as in
+    event names its pool, else "stream<N>": torch 2.11's events name none, and a graph pool is
+    then its capture stream, with what else is allocated on that stream (a capture's own
+    random-number state, in the default pool; ``tools/pool_model.py`` leaves it out). The
+    snapshot's segments cannot stand in: an address range changes pools over a run. ``engine
+    frame`` is the innermost frame in ``paddle_graphpp/`` ("" when none), ``site`` as in
     :func:`analyze`."""
     import torch
 
     dev = torch.cuda.current_device() if device is None else device
     traces = snapshot.get("device_traces", [])
-    held = sorted((s["address"], s["total_size"], tuple(s.get("segment_pool_id") or (0, 0)))
-                  for s in snapshot.get("segments", []) if s.get("device", dev) == dev and "address" in s)
-    starts = [h[0] for h in held]
-
-    def pool_of(e: dict) -> str:
-        if "pool_id" in e:
-            return _pool(e)
-        i = bisect.bisect_right(starts, e.get("addr") or 0) - 1
-        if i >= 0 and e["addr"] < held[i][0] + held[i][1]:
-            return "default" if held[i][2] == (0, 0) else f"graph{held[i][2]}"
-        return _pool(e)
-
     rows = []
     for e in traces[dev] if dev < len(traces) else []:
         frames = e.get("frames") or []
         ours = next((f"{f.get('filename', '').rsplit('paddle_graphpp/', 1)[-1]}:{f.get('name')}" for f in frames
                      if "paddle_graphpp/" in f.get("filename", "")), "")
-        rows.append([e.get("action"), e.get("addr"), e.get("size"), e.get("stream"), pool_of(e),
+        rows.append([e.get("action"), e.get("addr"), e.get("size"), e.get("stream"), _pool(e),
                      e.get("time_us"), ours, _label(frames)])
     return rows
 
