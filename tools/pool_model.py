@@ -198,6 +198,11 @@ def pool_requests(rows: list) -> tuple:
     ``("alloc" | "free", addr, size)``; a block's free is when it is back in the pool
     (``free_completed``), not when it was asked for."""
     pool, mine = pool_rows(rows)
+    return (pool, *_split_reserve(mine))
+
+
+def _split_reserve(mine: list) -> tuple:
+    """A pool's rows as (the reserve's allocation sizes, the other requests in order)."""
     reserve, requests = [], []
     for action, addr, size, _stream, _where, _t, ours, _site in mine:
         if "pool_lending.py" in ours and "reserve" in ours:
@@ -207,7 +212,7 @@ def pool_requests(rows: list) -> tuple:
             requests.append(("alloc", addr, size))
         elif action == "free_completed":
             requests.append(("free", addr, 0))
-    return pool, reserve, requests
+    return reserve, requests
 
 
 def layouts(reserve: list) -> dict:
@@ -254,9 +259,8 @@ def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0, extr
     on the layout's details."""
     import random
 
-    rows = _rows(path)
-    pool, reserve, requests = pool_requests(rows)
-    mine = pool_rows(rows)[1]
+    mine = pool_rows(_rows(path))[1]
+    reserve, requests = _split_reserve(mine)
     grown = [r for r in mine if r[0] == "segment_alloc"]
     own = [(("alloc" if r[0] == "alloc" else "free"), r[1], r[2]) for r in mine if r[0] in ("alloc", "free_completed")]
     at_run = replay(own, (), [r[1] for r in grown])

@@ -143,6 +143,18 @@ pytest_job() {  # pytest_job NAME WANT TESTS...
 
 budget() { echo $(( $(left) - ${1:-40} )); }  # a benchmark's own --budget: ends before its job's timeout
 
+# zb_part NAME WANT SEQ MICRO_BATCHES RESULT_NAME BUDGET [BENCH ARGS...]: one part of the zero-bubble
+# benchmark without return_outputs (tools/bench_zero_bubble.py), its result <RESULT_NAME>-<device>.json
+zb_part() {
+  local name=$1 want=$2 seq=$3 mbs=$4 result=$5 bench_budget=$6; shift 6
+  job "$name" "$want" python tools/bench_zero_bubble.py --seq "$seq" --micro-batches "$mbs" "$@" \
+    --trainer-args=--no-return-outputs --name "$result" --budget "$bench_budget"
+}
+
+# the GPT-3 1.3B shape of the trainer's runs (each phase adds its sequence, steps, timeout)
+G13B_BASE="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
+G13B_BASE="$G13B_BASE --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+
 queue_a() { :; }
 queue_b() { :; }
 queue_all() { :; }
@@ -176,8 +188,7 @@ case "$PHASE" in
   4)  # after the first three: the 2-GPU Hugging Face cases after the contiguous-input fix, the README's
       # examples on GPUs; the eager run-to-run loss spread of the interleaved 1.3B pipeline at seq 2048
       # beside its graphed run; graphed 1F1B against graphed ZBV at seq 2048, 4 micro-batches, in rounds
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048"
+    G13B="$G13B_BASE --seq-len 2048"
     queue_a() {
       pytest_job tests-hf-2gpu 150 unittests/gpu/test_hf_gpu.py -k two_gpus
       pytest_job readme-hf-examples 150 unittests/test_readme_examples.py -k "hf_pipe or hf_llama"
@@ -192,8 +203,7 @@ case "$PHASE" in
     } ;;
   5)  # the new-signature / failed-capture 2-GPU test (issue 13) and the refactored zero-bubble one;
       # memory traces (tools/memtrace.py) of eager and graphed runs at seq 2048 where graphed held more
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 150"
+    G13B="$G13B_BASE --seq-len 2048 --steps 6 --timeout 150"
     queue_a() {
       pytest_job tests-pipeline 330 unittests/gpu/test_pipeline_gpu.py
       pytest_job tests-zero-bubble-2gpu 200 unittests/gpu/test_zero_bubble_gpu.py -k two_gpus
@@ -210,8 +220,7 @@ case "$PHASE" in
       done
     } ;;
   6)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 150"
+    G13B="$G13B_BASE --seq-len 2048 --steps 6 --timeout 150"
     trace() {  # trace NAME ENV... -- TRAINER ARGS... (phases 6 and 7)
       local name=$1; shift; local envs=()
       while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
@@ -238,8 +247,7 @@ case "$PHASE" in
       trace 1f1b-mb4-graphed-n -- --micro-batches 4 --no-return-outputs --cudagraph
     } ;;
   7)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048"
+    G13B="$G13B_BASE --seq-len 2048"
     queue_a() {
       job zb-rounds3 300 python tools/bench_rounds.py --name rounds3-zb-seq2048-mb4 --rounds 3 --budget 285 \
         --base "$G13B --micro-batches 4 --steps 12 --timeout 120" --variant graphed_1f1b="--cudagraph" \
@@ -260,8 +268,7 @@ case "$PHASE" in
       }
     } ;;
   8)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 150"
+    G13B="$G13B_BASE --seq-len 2048 --steps 6 --timeout 150"
     queue_a() {
       pytest_job tests-engine 80 unittests/gpu/test_engine_gpu.py
       pytest_job tests-faults 100 unittests/gpu/test_faults_gpu.py
@@ -283,16 +290,13 @@ case "$PHASE" in
     } ;;
   9)
     queue_a() {
-      job zb-seq2048-mb4-n 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-noret --budget "$(budget 30)"
+      zb_part zb-seq2048-mb4-n 280 2048 4 zero-bubble-seq2048-mb4-noret "$(budget 30)"
     }
     queue_b() {
-      job zb-seq2048-mb8-n 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret --budget "$(budget 30)"
+      zb_part zb-seq2048-mb8-n 280 2048 8 zero-bubble-seq2048-mb8-noret "$(budget 30)"
     } ;;
   10)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --steps 6 --timeout 90"
+    G13B="$G13B_BASE --seq-len 2048 --steps 6 --timeout 90"
     # shellcheck disable=SC2086
     queue_a() {
       job trace-zbv-mb8-graphed-n2 80 python tools/train_gpt.py $G13B --micro-batches 8 --vpp 2 --schedule zbv \
@@ -304,8 +308,7 @@ case "$PHASE" in
         --schedule interleaved_zb --no-return-outputs --cudagraph --memory-trace
     } ;;
   11)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --timeout 90"
+    G13B="$G13B_BASE --seq-len 2048 --timeout 90"
     queue_a() {
       pytest_job tests-zero-bubble 220 unittests/gpu/test_zero_bubble_gpu.py
       pytest_job tests-pipeline 300 unittests/gpu/test_pipeline_gpu.py
@@ -322,8 +325,7 @@ case "$PHASE" in
         --no-return-outputs --cudagraph
     } ;;
   12)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --timeout 90"
+    G13B="$G13B_BASE --seq-len 2048 --timeout 90"
     # shellcheck disable=SC2086
     queue_a() {
       local cfg
@@ -341,8 +343,7 @@ case "$PHASE" in
       pytest_job tests-pipeline 260 unittests/gpu/test_pipeline_gpu.py
     } ;;
   13)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048"
+    G13B="$G13B_BASE --seq-len 2048"
     # shellcheck disable=SC2086
     queue_a() {
       local cfg
@@ -360,43 +361,35 @@ case "$PHASE" in
     } ;;
   14)
     queue_a() {
-      job zb-seq2048-mb4-n 300 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-noret3 --budget 280
+      zb_part zb-seq2048-mb4-n 300 2048 4 zero-bubble-seq2048-mb4-noret3 280
       pytest_job tests-zero-bubble 150 unittests/gpu/test_zero_bubble_gpu.py
     }
     queue_b() {
-      job zb-seq2048-mb8-n 300 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret3 --budget 280
+      zb_part zb-seq2048-mb8-n 300 2048 8 zero-bubble-seq2048-mb8-noret3 280
       pytest_job tests-pipeline 230 unittests/gpu/test_pipeline_gpu.py
     } ;;
   15)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048"
+    G13B="$G13B_BASE --seq-len 2048"
     # shellcheck disable=SC2086
     queue_a() {
-      job zb-seq2048-mb4-n 240 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-noret4 --budget 220
+      zb_part zb-seq2048-mb4-n 240 2048 4 zero-bubble-seq2048-mb4-noret4 220
       job trace-zbv-mb8-profiled-r15 50 python tools/train_gpt.py $G13B --timeout 90 --steps 12 --profile-steps 3 \
         --micro-batches 8 --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
     }
     queue_b() {
-      job zb-seq2048-mb8-n 240 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret4 --budget 220
+      zb_part zb-seq2048-mb8-n 240 2048 8 zero-bubble-seq2048-mb8-noret4 220
     } ;;
   16)
     queue_a() {
-      job zb-seq2048-mb4-n 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-noret5 --budget 260
+      zb_part zb-seq2048-mb4-n 280 2048 4 zero-bubble-seq2048-mb4-noret5 260
       pytest_job tests-pipeline 230 unittests/gpu/test_pipeline_gpu.py
     }
     queue_b() {
-      job zb-seq2048-mb8-n 360 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-noret5 --budget 340
+      zb_part zb-seq2048-mb8-n 360 2048 8 zero-bubble-seq2048-mb8-noret5 340
       pytest_job tests-zero-bubble 150 unittests/gpu/test_zero_bubble_gpu.py
     } ;;
   17)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     # shellcheck disable=SC2086
     queue_a() {
       job trace-zbv-mb8-r17 70 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 --micro-batches 8 \
@@ -417,14 +410,11 @@ case "$PHASE" in
       done
     }
     queue_b() {
-      job zb-seq512-mb4-n 260 python tools/bench_zero_bubble.py --seq 512 --micro-batches 4 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb4-noret5 --budget 240
-      job zb-seq512-mb8-n 260 python tools/bench_zero_bubble.py --seq 512 --micro-batches 8 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-noret5 --budget 240
+      zb_part zb-seq512-mb4-n 260 512 4 zero-bubble-seq512-mb4-noret5 240
+      zb_part zb-seq512-mb8-n 260 512 8 zero-bubble-seq512-mb8-noret5 240
     } ;;
   18)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     # shellcheck disable=SC2086
     queue_a() {
       FLAGS_graphpp_reserve_pool=0 job trace-1f1b-mb8-noreserve-r18 45 python tools/train_gpt.py $G13B --seq-len 2048 \
@@ -433,8 +423,7 @@ case "$PHASE" in
         --timeout 90 --steps 6 --micro-batches 4 --vpp 2 --schedule dualpipev --no-return-outputs --cudagraph --memory-trace
       job trace-dpv-mb4-r18 45 python tools/train_gpt.py $G13B --seq-len 2048 \
         --timeout 90 --steps 6 --micro-batches 4 --vpp 2 --schedule dualpipev --no-return-outputs --cudagraph --memory-trace
-      job zb-seq512-mb4-dpv 150 python tools/bench_zero_bubble.py --seq 512 --micro-batches 4 --schedules dualpipev \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb4-dualpipev-noret5 --budget 135
+      zb_part zb-seq512-mb4-dpv 150 512 4 zero-bubble-seq512-mb4-dualpipev-noret5 135 --schedules dualpipev
     }
     queue_b() {
       job zb-rounds3-r18 290 python tools/bench_rounds.py --name rounds3-zb-seq2048-mb4-noret5 --rounds 3 --budget 270 \
@@ -442,8 +431,7 @@ case "$PHASE" in
         --variant graphed_1f1b="--cudagraph" --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
     } ;;
   19)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     noreserve() {  # noreserve CFG...: the benchmark's graphed run of each "name:trainer args", no reserved block
       local cfg
       for cfg in "$@"; do
@@ -453,8 +441,7 @@ case "$PHASE" in
       done
     }
     queue_a() {
-      job zb-seq512-mb8-dpv 160 python tools/bench_zero_bubble.py --seq 512 --micro-batches 8 --schedules dualpipev \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-dualpipev-noret5 --budget 140
+      zb_part zb-seq512-mb8-dpv 160 512 8 zero-bubble-seq512-mb8-dualpipev-noret5 140 --schedules dualpipev
       noreserve "1f1b-mb8:--seq-len 2048 --micro-batches 8" "1f1b-mb4:--seq-len 2048 --micro-batches 4" \
         "dpv-mb4:--seq-len 2048 --micro-batches 4 --vpp 2 --schedule dualpipev" \
         "zbv-mb4:--seq-len 2048 --micro-batches 4 --vpp 2 --schedule zbv" "1f1b-s512-mb8:--seq-len 512 --micro-batches 8"
@@ -471,8 +458,7 @@ case "$PHASE" in
         --variant graphed_1f1b="--cudagraph" --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
     } ;;
   20)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     queue_a() { pytest_job tests-pipeline 220 unittests/gpu/test_pipeline_gpu.py; }
     queue_b() {
       pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py
@@ -481,55 +467,44 @@ case "$PHASE" in
         --schedule zbv --steps 12 --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
     } ;;
   21)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     queue_a() {
-      job zb-seq2048-mb4-r21 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-segments --budget 260
+      zb_part zb-seq2048-mb4-r21 280 2048 4 zero-bubble-seq2048-mb4-segments 260
       pytest_job tests-reserve 60 unittests/gpu/test_engine_gpu.py -k reserved_before_capture
     }
     queue_b() {
-      job zb-seq2048-mb8-r21 280 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-segments --budget 260
+      zb_part zb-seq2048-mb8-r21 280 2048 8 zero-bubble-seq2048-mb8-segments 260
       # shellcheck disable=SC2086
       job trace-zbv-mb8-r21 45 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 --micro-batches 8 \
         --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
     } ;;
   22)
     queue_a() {
-      job zb-seq512-mb4-r22 240 python tools/bench_zero_bubble.py --seq 512 --micro-batches 4 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb4-segments --budget 220
+      zb_part zb-seq512-mb4-r22 240 512 4 zero-bubble-seq512-mb4-segments 220
       pytest_job tests-pipeline 230 unittests/gpu/test_pipeline_gpu.py
     }
     queue_b() {
-      job zb-seq512-mb8-r22 240 python tools/bench_zero_bubble.py --seq 512 --micro-batches 8 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq512-mb8-segments --budget 220
-      job zb-seq2048-mb8-dpv-r22 110 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 --schedules dualpipev \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-dualpipev-segments --budget 100
+      zb_part zb-seq512-mb8-r22 240 512 8 zero-bubble-seq512-mb8-segments 220
+      zb_part zb-seq2048-mb8-dpv-r22 110 2048 8 zero-bubble-seq2048-mb8-dualpipev-segments 100 --schedules dualpipev
       pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py
       pytest_job tests-engine 100 unittests/gpu/test_engine_gpu.py
     } ;;
   23)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     queue_a() {
-      job zb-seq2048-mb4-r23 300 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 4 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb4-whole --budget 285
+      zb_part zb-seq2048-mb4-r23 300 2048 4 zero-bubble-seq2048-mb4-whole 285
       pytest_job tests-placement 60 unittests/gpu/test_engine_gpu.py -k "reserved_before_capture or whole"
     }
     queue_b() {
-      job zb-seq2048-mb8-r23 300 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-whole --budget 285
+      zb_part zb-seq2048-mb8-r23 300 2048 8 zero-bubble-seq2048-mb8-whole 285
       # shellcheck disable=SC2086
       job trace-dpv-mb4-r23 45 python tools/train_gpt.py $G13B --seq-len 2048 --timeout 90 --steps 6 --micro-batches 4 \
         --vpp 2 --schedule dualpipev --no-return-outputs --cudagraph --memory-trace
     } ;;
   24)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     queue_a() {
-      job zb-seq2048-mb8-dpv-r24 200 python tools/bench_zero_bubble.py --seq 2048 --micro-batches 8 --schedules dualpipev \
-        --trainer-args=--no-return-outputs --name zero-bubble-seq2048-mb8-dualpipev-segments --budget 190
+      zb_part zb-seq2048-mb8-dpv-r24 200 2048 8 zero-bubble-seq2048-mb8-dualpipev-segments 190 --schedules dualpipev
     }
     queue_b() {
       local mode
@@ -541,8 +516,7 @@ case "$PHASE" in
       done
     } ;;
   25)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --timeout 90 --steps 6"
+    G13B="$G13B_BASE --seq-len 2048 --timeout 90 --steps 6"
     raw() {  # raw NAME LAYOUT TRAINER ARGS...
       local name=$1 layout=$2; shift 2
       # shellcheck disable=SC2086
@@ -558,8 +532,7 @@ case "$PHASE" in
       raw zbv-mb4-block block --micro-batches 4 --vpp 2 --schedule zbv
     } ;;
   26)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234 --seq-len 2048 --timeout 90 --steps 6"
+    G13B="$G13B_BASE --seq-len 2048 --timeout 90 --steps 6"
     queue_a() {
       # shellcheck disable=SC2086
       FLAGS_graphpp_reserve_pool=0 GRAPHPP_MEMTRACE_RAW="$R/raw/dpv-mb4-none" job raw-dpv-mb4-none 60 \
@@ -571,8 +544,7 @@ case "$PHASE" in
         python tools/train_gpt.py $G13B --micro-batches 4 --vpp 2 --schedule zbv --no-return-outputs --cudagraph --memory-trace
     } ;;
   27)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     queue_a() { pytest_job tests-pipeline 240 unittests/gpu/test_pipeline_gpu.py; }
     queue_b() {
       pytest_job tests-zero-bubble 110 unittests/gpu/test_zero_bubble_gpu.py
@@ -582,8 +554,7 @@ case "$PHASE" in
         --schedule zbv --steps 12 --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
     } ;;
   28)
-    G13B="--framework torch --pp 2 --hidden 2048 --layers 24 --heads 16 --vocab 50304 --micro-batch-size 1"
-    G13B="$G13B --dtype bfloat16 --attention sdpa --dropout 0.1 --seed 1234"
+    G13B=$G13B_BASE
     queue_a() { pytest_job tests-engine 70 unittests/gpu/test_engine_gpu.py; }
     queue_b() {
       # shellcheck disable=SC2086

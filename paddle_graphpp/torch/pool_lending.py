@@ -109,10 +109,6 @@ def stepped_param_sizes() -> list:
     return max(lists, key=sum, default=[])
 
 
-def stepped_param_bytes() -> int:
-    """Bytes of the trainable parameters of the largest optimizer seen stepping (0: none)."""
-    return sum(stepped_param_sizes())
-
 
 class PoolLender:
     """Lends one graph pool at a time to optimizer steps (installed once per process)."""

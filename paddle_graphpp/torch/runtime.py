@@ -570,8 +570,8 @@ def _reserve_pool() -> Optional[str]:
     raw = os.environ.get(_RESERVE_FLAG)
     if raw is None:
         return BLOCK
-    if raw.strip().lower() in (BLOCK, SEGMENTS):
-        return raw.strip().lower()
+    if (layout := raw.strip().lower()) in (BLOCK, SEGMENTS):
+        return layout
     try:
         return BLOCK if env_flag_value(raw, _RESERVE_FLAG) else None
     except ValueError:
