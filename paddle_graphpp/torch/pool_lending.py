@@ -55,6 +55,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from . import pool_segments
+
 __all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers"]
 
 logger = logging.getLogger("paddle_graphpp")
@@ -152,7 +154,8 @@ class PoolLender:
             return 0
         blocks: list = []
         try:
-            with torch.cuda.stream(self._capture_stream()), torch.cuda.use_mem_pool(pool):
+            with (torch.cuda.stream(self._capture_stream()), torch.cuda.use_mem_pool(pool),
+                  pool_segments.pool_allocations()):
                 device = torch.cuda.current_device()
                 for n in sizes:
                     blocks.append(torch.empty(n, dtype=torch.uint8, device=device))
@@ -214,6 +217,7 @@ class PoolLender:
         stream.wait_stream(caller)
         stack.enter_context(torch.cuda.stream(stream))
         stack.enter_context(torch.cuda.use_mem_pool(pool))
+        stack.enter_context(pool_segments.pool_allocations())
         self._active = (stack, stream, caller, before)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

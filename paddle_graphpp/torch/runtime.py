@@ -17,6 +17,7 @@ from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
 from ..allocator import env_flag_value
 from ..core.state import module_state_slots
+from . import pool_segments as _pool_segments
 from . import split_backward as _split
 from .allocator import async_allocator_active as _async_allocator_active
 
@@ -384,7 +385,7 @@ class TorchRuntime(GraphRuntime):
         stream.wait_stream(current)
         for gen in _registered_generators(generators):
             graph.register_generator_state(gen)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), _pool_segments.pool_allocations():
             graph.capture_begin(pool=_pool_id(pool), capture_error_mode="thread_local")
             try:
                 yield graph

@@ -276,8 +276,9 @@ def test_the_memory_reserved_before_capture_has_the_temporaries_layout(monkeypat
     all free, and the temporaries fit them."""
     import weakref
 
-    from paddle_graphpp.torch import pool_lending
+    from paddle_graphpp.torch import pool_lending, pool_segments
 
+    monkeypatch.setenv(pool_segments.FLAG, "0")  # the layouts of ordinary segments
     monkeypatch.setattr(pool_lending, "_STEPPED", weakref.WeakSet())
     mib = 1 << 20
     params = [torch.nn.Parameter(torch.zeros(n * mib // 4, device=DEV)) for n in (24, 8, 8, 32)]
