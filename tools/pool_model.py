@@ -37,8 +37,8 @@ import bisect
 import sys
 from typing import Hashable, Iterable, Optional
 
-__all__ = ["PoolModel", "compare", "layouts", "main", "pool_requests", "pool_rows", "replay", "round_size",
-           "segment_size"]
+__all__ = ["ExpandablePoolModel", "PoolModel", "compare", "layouts", "main", "pool_requests", "pool_rows", "replay",
+           "replay_expandable", "round_size", "segment_size"]
 
 _MIN_BLOCK = 512
 _SMALL = 1 << 20
@@ -171,6 +171,132 @@ class PoolModel:
         return key in self._live
 
 
+class ExpandablePoolModel:
+    """The blocks of one pool whose memory is the caching allocator's expandable segments
+    (``expandable_segments:True``, as ``paddle_graphpp`` maps graph pools by default): large and
+    small requests each get one range of addresses, mapped in pages (20 MiB, 2 MiB) from its
+    start. The free block chosen is the smallest at least as large, the lowest address among
+    equals; the free block at the end of a range is taken last (the allocator counts it as large
+    as the unmapped space after it). With no other block large enough, that end block, extended
+    by the pages still missing, serves the request. A block is split whenever 512 bytes or more
+    are left; freed blocks merge with free neighbours; nothing is unmapped. Same interface and
+    figures as :class:`PoolModel`, ``maps`` instead of ``segments``. ``reserve``: sizes
+    allocated together and freed before the requests (the pool's reserve)."""
+
+    _PAGE = {False: _LARGE_BUFFER, True: _SMALL_BUFFER}
+
+    def __init__(self, reserve: Iterable[int] = ()):
+        self._free = {False: [], True: []}  # small? -> sorted [(size, addr, id, block)], end blocks left out
+        self._end: dict = {False: None, True: None}  # the last block of each range
+        self._mapped = {False: 0, True: 0}
+        self._live: dict = {}
+        self._sizes: dict = {}
+        self.reserved = self.allocated = self.peak_allocated = 0
+        self.requested = self.peak_requested = 0
+        self.maps: list = []  # bytes mapped, in order
+        reserve = list(reserve)
+        for i, n in enumerate(reserve):
+            self.alloc(("reserve", i), n)
+        for i in range(len(reserve)):
+            self.free(("reserve", i))
+        self.peak_allocated, self.peak_requested = self.allocated, self.requested
+
+    def _index(self, block: _Block) -> int:
+        lst = self._free[block.small]
+        i = bisect.bisect_left(lst, (block.size, block.addr, id(block)))
+        assert lst[i][3] is block
+        return i
+
+    def _park(self, block: _Block) -> None:
+        """A free block into the free list (the end block of a range stays out of it)."""
+        if block is not self._end[block.small]:
+            bisect.insort(self._free[block.small], (block.size, block.addr, id(block), block))
+
+    def _unpark(self, block: _Block) -> None:
+        if block is not self._end[block.small]:
+            del self._free[block.small][self._index(block)]
+
+    def alloc(self, key: Hashable, nbytes: int) -> None:
+        """Allocate ``nbytes`` for ``key`` (which must not be live)."""
+        size = round_size(nbytes)
+        small = size <= _SMALL
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (size,))
+        end = self._end[small]
+        if i < len(lst):
+            block = lst.pop(i)[3]
+        elif end is not None and end.free and end.size >= size:
+            block = end
+        else:
+            have = end.size if end is not None and end.free else 0
+            page = self._PAGE[small]
+            grow = -(-(size - have) // page) * page
+            self.reserved += grow
+            self.maps.append(grow)
+            base = (1 << 50) if small else (1 << 40)
+            if have:
+                end.size += grow
+                block = end
+            else:
+                block = _Block(base + self._mapped[small], grow, small)
+                block.prev = end
+                if end is not None:
+                    end.next = block
+                self._end[small] = block
+            self._mapped[small] += grow
+        rest = block.size - size
+        if rest >= _MIN_BLOCK:
+            tail = _Block(block.addr + size, rest, small)
+            tail.prev, tail.next = block, block.next
+            if block.next is not None:
+                block.next.prev = tail
+            block.next = tail
+            block.size = size
+            if self._end[small] is block:
+                self._end[small] = tail
+            self._park(tail)
+        block.free = False
+        self._live[key] = block
+        self._sizes[key] = size
+        self.allocated += block.size
+        self.requested += size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_requested = max(self.peak_requested, self.requested)
+
+    def free(self, key: Hashable) -> bool:
+        """Free ``key``'s block; False when ``key`` is not live here (nothing happens)."""
+        block = self._live.pop(key, None)
+        if block is None:
+            return False
+        self.allocated -= block.size
+        self.requested -= self._sizes.pop(key)
+        block.free = True
+        small = block.small
+        prev, nxt = block.prev, block.next
+        if nxt is not None and nxt.free:
+            self._unpark(nxt)
+            block.size += nxt.size
+            block.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = block
+            if self._end[small] is nxt:
+                self._end[small] = block
+        if prev is not None and prev.free:
+            self._unpark(prev)
+            prev.size += block.size
+            prev.next = block.next
+            if block.next is not None:
+                block.next.prev = prev
+            if self._end[small] is block:
+                self._end[small] = prev
+            block = prev
+        self._park(block)
+        return True
+
+    def live(self, key: Hashable) -> bool:
+        return key in self._live
+
+
 def _capture_state(where: str, ours: str) -> bool:
     """A row of what a capture allocates for itself before it begins (its random-number state,
     in the default pool on the capture stream) in a history whose events name no pool: the
@@ -237,6 +363,18 @@ def replay(requests: list, initial: Iterable[int] = (), addresses: Optional[Iter
     return model
 
 
+def replay_expandable(requests: list, reserve: Iterable[int] = ()) -> ExpandablePoolModel:
+    """``requests`` (as :func:`pool_requests` gives them) on a pool in expandable segments that
+    first allocated and freed ``reserve``."""
+    model = ExpandablePoolModel(reserve)
+    for action, addr, size in requests:
+        if action == "alloc":
+            model.alloc(addr, size)
+        else:
+            model.free(addr)
+    return model
+
+
 def _rows(path: str) -> list:
     import gzip
     import json
@@ -262,12 +400,19 @@ def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0, extr
     mine = pool_rows(_rows(path))[1]
     reserve, requests = _split_reserve(mine)
     grown = [r for r in mine if r[0] == "segment_alloc"]
+    mapped = [r for r in mine if r[0] == "segment_map"]  # a pool in expandable segments
     own = [(("alloc" if r[0] == "alloc" else "free"), r[1], r[2]) for r in mine if r[0] in ("alloc", "free_completed")]
-    at_run = replay(own, (), [r[1] for r in grown])
-    out = {"run_mib": sum(r[2] for r in grown) / 2**20, "model_at_run_addresses_mib": at_run.reserved / 2**20,
+    if mapped:  # one range: no addresses to follow
+        at_run = ExpandablePoolModel()
+        for action, key, size in own:
+            at_run.alloc(key, size) if action == "alloc" else at_run.free(key)
+    else:
+        at_run = replay(own, (), [r[1] for r in grown])
+    out = {"run_mib": sum(r[2] for r in grown + mapped) / 2**20, "model_at_run_addresses_mib": at_run.reserved / 2**20,
            "requested_peak_mib": replay(requests).peak_requested / 2**20}
     if reserve_from is not None:
         reserve = pool_requests(_rows(reserve_from))[1]
+    out["expandable_mib"] = replay_expandable(requests, reserve).reserved / 2**20
     for name, initial in layouts(reserve).items():
         if name == "segments" and len(reserve) == 1:
             continue  # one block reserved: not the parameters' sizes

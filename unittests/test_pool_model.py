@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tools import pool_model
-from tools.pool_model import PoolModel, layouts, pool_requests, replay, round_size, segment_size
+from tools.pool_model import ExpandablePoolModel, PoolModel, layouts, pool_requests, replay, round_size, segment_size
 
 MIB = 1 << 20
 
@@ -121,8 +121,11 @@ def test_a_recorded_history_is_replayed_from_each_layout(tmp_path, capsys):
     assert pool == g and reserve == [24 * MIB]
     assert requests == [("alloc", 100, 24 * MIB), ("alloc", 200, 40 * MIB), ("free", 100, 0)]
     path = _history(rows, tmp_path)
+    # expandable: the reserve maps 2 pages (40 MiB); the 24 MiB request takes the front, the 40 MiB
+    # one finds 16 MiB free at the end and maps 2 pages more
     assert pool_model.compare(path) == {"run_mib": 64.0, "model_at_run_addresses_mib": 64.0,
-                                        "requested_peak_mib": 64.0, "block_mib": 64.0, "none_mib": 64.0}
+                                        "requested_peak_mib": 64.0, "expandable_mib": 80.0, "block_mib": 64.0,
+                                        "none_mib": 64.0}
     assert pool_model.compare(path, orders=3)["none_range_mib"] == [64.0, 64.0]
     # a free 40 MiB segment added to every layout: beside the 24 MiB block it takes the 40 MiB
     # request (nothing grows); alone, the 24 MiB request cuts it first and the 40 MiB one grows
@@ -154,3 +157,67 @@ def test_a_block_is_free_when_the_pool_has_it_back_and_the_captures_own_state_is
 def test_a_history_without_a_graph_pool_is_refused():
     with pytest.raises(ValueError, match="no graph pool"):
         pool_requests([["alloc", 9, 512, 0, "default", 0, "", "train"]])
+
+
+def test_expandable_a_request_no_free_block_fits_extends_the_free_end_by_the_pages_missing():
+    """The case of the GPU test (unittests/gpu/test_pool_segments_gpu.py), where the allocator did
+    this: 100 then 60 MiB, the 60 freed, 100 again: 40 MiB more mapped, the request where the 60
+    began. Ordinary segments would add a 100 MiB segment."""
+    pool = ExpandablePoolModel()
+    pool.alloc("a", 100 * MIB)
+    pool.alloc("b", 60 * MIB)
+    pool.free("b")
+    assert pool.reserved == 160 * MIB
+    pool.alloc("c", 100 * MIB)
+    assert pool.reserved == 200 * MIB and pool.maps == [100 * MIB, 60 * MIB, 40 * MIB]
+    assert pool._live["c"].addr == pool._live["a"].addr + 100 * MIB
+    ordinary = PoolModel()
+    for key, n in (("a", 100), ("b", 60)):
+        ordinary.alloc(key, n * MIB)
+    ordinary.free("b")
+    ordinary.alloc("c", 100 * MIB)
+    assert ordinary.reserved == 260 * MIB
+
+
+def test_expandable_the_free_end_is_taken_last_and_pages_round_up():
+    pool = ExpandablePoolModel()
+    pool.alloc("a", 30 * MIB)  # maps 2 pages (40 MiB): 10 MiB free at the end
+    pool.alloc("b", 8 * MIB)  # into the free end (no other block): 2 MiB left there
+    pool.alloc("c", 30 * MIB)  # 2 MiB free at the end: 28 more, rounded up to 40
+    pool.free("a")  # a 30 MiB hole at the front, 12 MiB free at the end
+    pool.alloc("d", 10 * MIB)  # the end (12) would fit it, but the hole is taken first
+    assert pool._live["d"].addr == pool._live["b"].addr - 30 * MIB
+    assert pool.reserved == 80 * MIB
+    pool.alloc("e", 12 * MIB)  # the hole's rest (20 MiB) before the free end (12), which fits exactly
+    assert pool.reserved == 80 * MIB and pool._live["e"].addr == pool._live["d"].addr + 10 * MIB
+    pool.alloc("tiny", 1000)  # small requests: a range of their own, 2 MiB pages
+    assert pool.reserved == 82 * MIB and pool.maps[-1] == 2 * MIB
+
+
+def test_expandable_freed_blocks_merge_with_the_end_and_across():
+    pool = ExpandablePoolModel(reserve=[24 * MIB, 8 * MIB])  # allocated together and freed: one free range
+    assert pool.reserved == 40 * MIB and pool.allocated == 0
+    for key in "abc":
+        pool.alloc(key, 10 * MIB)
+    pool.free("a")
+    pool.free("c")  # merges with the free end (10 + 10 MiB)
+    pool.alloc("x", 15 * MIB)  # the end (20 MiB) fits: the hole of 10 does not
+    assert pool.reserved == 40 * MIB
+    pool.free("b")
+    pool.free("x")  # everything merges into one free block of 40 MiB at the end
+    pool.alloc("y", 40 * MIB)
+    assert pool.reserved == 40 * MIB and pool.peak_requested == 40 * MIB
+
+
+def test_expandable_model_gives_the_recorded_pool_of_a_run():
+    """A graphed 1.3B zbv run (4 micro-batches, seq 2048) with its pool in expandable segments
+    (phase 31): the model gives both ranks' pools exactly; it was predicted from the fifth
+    session's histories of the same run with ordinary segments, where the pool was 5552 MiB."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    for rank, mib in ((0, 4986.0), (1, 4366.0)):
+        got = pool_model.compare(str(root / "allocator-histories-sixth" / f"zbv-mb4-expandable-rank{rank}.json.gz"))
+        assert got["run_mib"] == got["model_at_run_addresses_mib"] == got["expandable_mib"] == mib
+    before = pool_model.compare(str(root / "allocator-histories-fifth" / "zbv-mb4-block-final-rank0.json.gz"))
+    assert before["run_mib"] == 5552.0 and before["expandable_mib"] == 4986.0
