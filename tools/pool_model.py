@@ -29,6 +29,13 @@ its segments at the run's addresses the model gives each run's pool exactly; fro
 layout's run it gives the runs with a reserve (block or segments) within 4 MiB, while without
 a reserve the outcome depends on the order of the addresses the driver hands out (between free
 blocks of one size the lowest address wins), which the model cannot know beforehand.
+
+:class:`ExpandablePoolModel` models the same requests on a pool in expandable segments (how
+``paddle_graphpp`` maps graph pools by default, ``FLAGS_graphpp_pool_expandable``); the command
+prints it as ``expandable``. Its figures from the fifth session's histories were the
+prediction for that change: ``zbv`` rank 0 4986 MiB (5552 with the block), rank 1 4366; the
+pools of the run with it (phase 31, ``benchmarks/results/allocator-histories-sixth/``) were
+4986 and 4366 MiB.
 """
 
 from __future__ import annotations

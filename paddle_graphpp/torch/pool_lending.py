@@ -31,7 +31,10 @@ for the second stage of the V schedules at sequence 512 with 8 micro-batches (th
 optimizer step declined to borrow: the temporaries did not fit the pool's free blocks between
 episodes).
 Which layout fragments less depends on the capture's requests: ``tools/pool_model.py``
-replays a recorded pool's requests from each layout. Each optimizer
+replays a recorded pool's requests from each layout. Those layouts are of ordinary segments
+(``FLAGS_graphpp_pool_expandable=0``); by default a pool is one expandable range
+(:mod:`.pool_segments`), where the reserve, whatever its layout, is one free block at the
+range's start that the end grows from. Each optimizer
 then borrows a pool when its temporaries (one per parameter, the parameter's size) fit the
 pool's free blocks, simulated best-fit the way the caching allocator places them, with at
 most a quarter left over; decided once per pool and optimizer.

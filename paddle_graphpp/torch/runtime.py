@@ -565,7 +565,8 @@ def _reserve_pool() -> Optional[str]:
     for the stepping optimizers' temporaries between episodes (see pool_lending): unset or
     true, one block of the parameters' bytes (``"block"``); ``segments``, the segments one list
     of temporaries makes; false, none. Captures wait for an optimizer's first step either way
-    (``defer_capture``)."""
+    (``defer_capture``). In a pool of expandable segments (the default, see pool_segments) the
+    two layouts come to the same free range."""
     from .pool_lending import BLOCK, SEGMENTS
 
     raw = os.environ.get(_RESERVE_FLAG)
