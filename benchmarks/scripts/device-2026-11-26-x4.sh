@@ -101,6 +101,21 @@
 #                                                       #   was allocated before an OOM counts, once per process):
 #                                                       #   the engine GPU tests on GPUs 0,1; the graphed zbv run (4)
 #                                                       #   with a raw history on GPUs 2,3
+#   LIMIT=560 bash benchmarks/scripts/device-2026-11-26-x4.sh 29  # sixth session, graph pools as expandable
+#                                                       #   segments (the default now): their GPU tests first (the
+#                                                       #   rest is skipped if they fail), then the zero-bubble
+#                                                       #   benchmark, seq 2048 with 4 and seq 512 with 8 micro-
+#                                                       #   batches on GPUs 0,1, seq 2048 with 8 and seq 512 with 4
+#                                                       #   on GPUs 2,3
+#   LIMIT=560 bash benchmarks/scripts/device-2026-11-26-x4.sh 30  # the GPU test suites with graph pools as
+#                                                       #   expandable segments: pipeline, Hugging Face, all-reduce
+#                                                       #   on GPUs 0,1; zero-bubble, engine, pool segments, optim,
+#                                                       #   generators, faults, allocator on GPUs 2,3
+#   LIMIT=420 bash benchmarks/scripts/device-2026-11-26-x4.sh 31  # expandable graph pools elsewhere: GPUs 0,1 the
+#                                                       #   1.3B memory benchmark at pp=2 (eager, default) and a raw
+#                                                       #   allocator history of graphed zbv (4); GPUs 2,3 graphed
+#                                                       #   1F1B / zbv in 3 alternating rounds at seq 2048 (4); then
+#                                                       #   all 4 GPUs: the memory benchmark at pp=4 (eager, default)
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -562,6 +577,51 @@ case "$PHASE" in
         --seq-len 2048 --micro-batches 4 --vpp 2 --schedule zbv --steps 6 --timeout 90 --no-return-outputs --cudagraph \
         --memory-trace
     } ;;
+  29)
+    pytest_job tests-pool-segments 90 unittests/gpu/test_pool_segments_gpu.py
+    if grep -q "rc=0 " "$R/status.txt"; then
+      queue_a() {
+        zb_part zb-seq2048-mb4 300 2048 4 zero-bubble-seq2048-mb4-expandable 270
+        zb_part zb-seq512-mb8 260 512 8 zero-bubble-seq512-mb8-expandable "$(budget)"
+      }
+      queue_b() {
+        zb_part zb-seq2048-mb8 300 2048 8 zero-bubble-seq2048-mb8-expandable 270
+        zb_part zb-seq512-mb4 260 512 4 zero-bubble-seq512-mb4-expandable "$(budget)"
+      }
+    fi ;;
+  30)
+    queue_a() {
+      pytest_job tests-pipeline 250 unittests/gpu/test_pipeline_gpu.py
+      pytest_job tests-hf 150 unittests/gpu/test_hf_gpu.py
+      pytest_job tests-allreduce 100 unittests/gpu/test_allreduce_gpu.py
+    }
+    queue_b() {
+      pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py
+      pytest_job tests-engine-segments 90 unittests/gpu/test_engine_gpu.py unittests/gpu/test_pool_segments_gpu.py
+      pytest_job tests-optim-generators 120 unittests/gpu/test_optim_gpu.py unittests/gpu/test_generators_gpu.py
+      pytest_job tests-faults 150 unittests/gpu/test_faults_gpu.py
+      pytest_job tests-allocator 90 unittests/gpu/test_allocator_gpu.py
+    } ;;
+  31)
+    G13B=$G13B_BASE
+    queue_a() {
+      job memory-gpt1.3b-r31 200 python tools/bench_pipeline_memory.py --preset gpt1.3b --variants eager,default \
+        --rounds 1 --budget 180
+      # shellcheck disable=SC2086
+      GRAPHPP_MEMTRACE_RAW="$R/raw/zbv-mb4-expandable-r31" job zbv-mb4-raw-r31 60 python tools/train_gpt.py $G13B \
+        --seq-len 2048 --micro-batches 4 --vpp 2 --schedule zbv --steps 6 --timeout 90 --no-return-outputs --cudagraph \
+        --memory-trace
+    }
+    queue_b() {
+      # shellcheck disable=SC2086
+      job zb-rounds3-r31 230 python tools/bench_rounds.py --name rounds3-zb-seq2048-mb4-expandable --rounds 3 \
+        --budget 215 --base "$G13B --seq-len 2048 --micro-batches 4 --steps 12 --timeout 120 --no-return-outputs" \
+        --variant graphed_1f1b="--cudagraph" --variant graphed_zbv="--vpp 2 --schedule zbv --cudagraph"
+    }
+    queue_all() {
+      job memory-gpt1.3b-pp4-r31 "$(budget 5)" python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 \
+        --variants eager,default --rounds 1 --budget "$(budget 30)"
+    } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 
@@ -571,6 +631,7 @@ elif [ "$GPUS" -ge 4 ]; then
   ( export CUDA_VISIBLE_DEVICES=0,1; queue_a ) &
   ( export CUDA_VISIBLE_DEVICES=2,3; queue_b ) &
   wait
+  [ "$PHASE" = 31 ] && queue_all  # after the pairs: all four GPUs
 else
   queue_a; queue_b
 fi
