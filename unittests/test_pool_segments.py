@@ -1,10 +1,12 @@
-"""FLAGS_graphpp_pool_expandable: the flag, the user's own allocator settings, and the window's
-bookkeeping (nested windows switch the setting once). Whether the pool's memory really is
-expandable, and what that does to a request, is the GPU test's
-(unittests/gpu/test_pool_segments_gpu.py)."""
+"""FLAGS_graphpp_pool_expandable: the flag, the allocator settings in force, the settings string
+the window passes to PyTorch, and the window's bookkeeping (nested windows switch once). Whether
+the pool's memory really is expandable, what that does to a request, and that the allocator's
+other settings survive a window are the GPU tests' (unittests/gpu/test_pool_segments_gpu.py)."""
 import pytest
+import torch
 
 from paddle_graphpp.torch import pool_segments
+from paddle_graphpp.torch.pool_segments import with_expandable
 
 
 def test_a_bad_flag_value_names_the_flag_and_the_values(monkeypatch):
@@ -13,40 +15,54 @@ def test_a_bad_flag_value_names_the_flag_and_the_values(monkeypatch):
         pool_segments.enabled()
 
 
-def test_the_users_setting_is_read_as_pytorch_reads_it(monkeypatch):
+def test_the_settings_string_keeps_every_other_option_as_written():
+    assert with_expandable("", True) == "expandable_segments:True"
+    assert with_expandable("max_split_size_mb:128", True) == "max_split_size_mb:128,expandable_segments:True"
+    # brackets with commas inside, the backend (fixed at load) dropped, an earlier value replaced
+    conf = "backend:native,roundup_power2_divisions:[256:1,512:2],expandable_segments:False,garbage_collection_threshold:0.6"
+    assert with_expandable(conf, True) == ("roundup_power2_divisions:[256:1,512:2],garbage_collection_threshold:0.6,"
+                                           "expandable_segments:True")
+    assert with_expandable(with_expandable(conf, True), False).endswith(",expandable_segments:False")
+
+
+def test_the_users_setting_is_read_from_the_settings_in_force(monkeypatch):
+    assert pool_segments._user_setting_on("max_split_size_mb:128,expandable_segments:True")
+    assert not pool_segments._user_setting_on("expandable_segments:False")
+    assert not pool_segments._user_setting_on("max_split_size_mb:128")
+    # a torch that cannot tell: the environment it loaded, PYTORCH_ALLOC_CONF first
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
     assert pool_segments._user_setting_on()
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")  # read first by PyTorch >= 2.9
-    assert not pool_segments._user_setting_on()
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:false")
-    assert not pool_segments._user_setting_on()
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
+    assert pool_segments._settings() == "max_split_size_mb:128" and not pool_segments._user_setting_on()
 
 
-def test_nested_windows_switch_the_setting_on_once_and_off_at_the_outer_end(monkeypatch):
+def test_nested_windows_switch_on_once_and_back_at_the_outer_end_keeping_other_settings(monkeypatch):
     calls = []
     monkeypatch.setattr(pool_segments, "enabled", lambda: True)
-    monkeypatch.setattr(pool_segments, "_user_setting_on", lambda: False)
+    monkeypatch.setattr(pool_segments, "_settings", lambda: "max_split_size_mb:128")
     monkeypatch.setattr(pool_segments, "_set", calls.append)
+    on, off = "max_split_size_mb:128,expandable_segments:True", "max_split_size_mb:128,expandable_segments:False"
     with pool_segments.pool_allocations():
         with pool_segments.pool_allocations():  # a capture inside a borrowed step's window
-            assert calls == [True]
-        assert calls == [True]
-    assert calls == [True, False]
+            assert calls == [on]
+        assert calls == [on]
+    assert calls == [on, off]
     with pytest.raises(RuntimeError):
         with pool_segments.pool_allocations():
             raise RuntimeError("a failed capture")
-    assert calls == [True, False, True, False] and pool_segments._DEPTH == 0
+    assert calls == [on, off, on, off] and pool_segments._DEPTH == 0
 
 
-def test_nothing_is_switched_when_off_or_set_by_the_user(monkeypatch):
+def test_nothing_is_switched_when_off_or_already_on_everywhere(monkeypatch):
     calls = []
     monkeypatch.setattr(pool_segments, "_set", calls.append)
     monkeypatch.setenv(pool_segments.FLAG, "0")
     with pool_segments.pool_allocations():
         pass
     monkeypatch.setattr(pool_segments, "enabled", lambda: True)
-    monkeypatch.setattr(pool_segments, "_user_setting_on", lambda: True)
+    monkeypatch.setattr(pool_segments, "_settings", lambda: "expandable_segments:True")
     with pool_segments.pool_allocations():
         pass
     assert calls == []

@@ -116,6 +116,13 @@
 #                                                       #   allocator history of graphed zbv (4); GPUs 2,3 graphed
 #                                                       #   1F1B / zbv in 3 alternating rounds at seq 2048 (4); then
 #                                                       #   all 4 GPUs: the memory benchmark at pp=4 (eager, default)
+#   LIMIT=230 bash benchmarks/scripts/device-2026-11-26-x4.sh 32  # after the window passes the allocator's other
+#                                                       #   settings along: pool segments and engine GPU tests, then
+#                                                       #   the graphed zbv run (4) on GPUs 0,1; the zero-bubble GPU
+#                                                       #   tests on GPUs 2,3
+#   LIMIT=100 bash benchmarks/scripts/device-2026-11-26-x4.sh 33  # the pool segments GPU tests again (phase 32's
+#                                                       #   settings test read a statistic that did not show the
+#                                                       #   setting; it now watches what the setting does)
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -622,6 +629,16 @@ case "$PHASE" in
       job memory-gpt1.3b-pp4-r31 "$(budget 5)" python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 \
         --variants eager,default --rounds 1 --budget "$(budget 30)"
     } ;;
+  32)
+    G13B=$G13B_BASE
+    queue_a() {
+      pytest_job tests-engine-segments 80 unittests/gpu/test_pool_segments_gpu.py unittests/gpu/test_engine_gpu.py
+      # shellcheck disable=SC2086
+      job zbv-mb4-graphed-r32 60 python tools/train_gpt.py $G13B --seq-len 2048 --micro-batches 4 --vpp 2 \
+        --schedule zbv --steps 12 --timeout 120 --profile-steps 3 --no-return-outputs --cudagraph
+    }
+    queue_b() { pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py; } ;;
+  33) queue_a() { pytest_job tests-pool-segments 60 unittests/gpu/test_pool_segments_gpu.py; } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 

@@ -90,3 +90,40 @@ def test_a_request_larger_than_every_free_block_maps_only_what_is_missing(monkey
         assert reserved() == 200 * MIB, pool.snapshot()
     del a, c
     side.synchronize()
+
+
+def _splits_an_oversize_block() -> bool:
+    """Whether a 280 MiB request takes the front of a free 300 MiB block. With
+    ``max_split_size_mb:256`` it does not (an oversize block serves only requests within 20 MiB
+    of its size); without that setting it does."""
+    torch.cuda.empty_cache()
+    big = torch.empty(300 * MIB, dtype=torch.uint8, device="cuda")
+    ptr = big.data_ptr()
+    del big
+    other = torch.empty(280 * MIB, dtype=torch.uint8, device="cuda")
+    split = other.data_ptr() == ptr
+    del other
+    torch.cuda.empty_cache()
+    return split
+
+
+def test_the_allocators_other_settings_survive_a_window(monkeypatch):
+    """PyTorch resets max_split_size_mb (and two others) to its default whenever new settings leave
+    it out: the window passes them along, so a capture leaves the program's settings in force."""
+    monkeypatch.delenv(pool_segments.FLAG, raising=False)
+    before = pool_segments._settings()
+    # as if the process had started with it (PyTorch read it then: set it as it would have)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:256")
+    pool_segments._set(pool_segments.with_expandable("max_split_size_mb:256", False))
+    try:
+        assert not _splits_an_oversize_block()  # the setting is in force
+        pool = RUNTIME.new_pool()
+        graph, x, w, y = _capture(pool)
+        assert pool_segments.pool_is_expandable(pool)
+        assert not _splits_an_oversize_block()  # and still after the window
+        after = torch.empty(30 * MIB, dtype=torch.uint8, device="cuda")
+        assert not _segment_of(after.data_ptr()).get("is_expandable", False)
+        del graph, y, after
+    finally:
+        pool_segments._set(pool_segments.with_expandable(before, False))
+    assert _splits_an_oversize_block()  # without the setting the same requests split the block
