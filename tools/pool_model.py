@@ -78,38 +78,17 @@ class _Block:
         self.next: Optional[_Block] = None
 
 
-class PoolModel:
-    """The blocks of one pool on one stream, as the caching allocator would hold them.
+class _Blocks:
+    """Blocks linked by address within their segment (or range), a free list per kind sorted by
+    size then address, and the counters; subclasses say where a request's block comes from and
+    when a rest is split off."""
 
-    ``reserved`` (bytes in segments), ``peak_allocated`` (blocks handed out, a rest too small to
-    split off included), ``peak_requested`` (the requests' rounded bytes alone) and ``segments``
-    (the sizes added, in order) describe what happened; :meth:`alloc` and :meth:`free` replay
-    requests. Segments a pool starts with are large-block segments."""
-
-    def __init__(self, segments: Iterable[int] = (), addresses: Optional[Iterable[int]] = None):
-        """``segments``: free segments the pool starts with. ``addresses``: where the segments
-        go, in the order they are made (a recorded history's, or random ones); by default each
-        above the last. Between free blocks of one size the allocator takes the lowest address,
-        so the order of the addresses the driver hands out can decide where a request goes."""
-        self._free = {False: [], True: []}  # small? -> sorted [(size, addr, block)]
+    def __init__(self):
+        self._free = {False: [], True: []}  # small? -> sorted [(size, addr, id, block)]
         self._live: dict = {}  # key -> block
-        self._addresses = iter(addresses) if addresses is not None else None
-        self._next_addr = 1 << 40
+        self._sizes: dict = {}  # key -> rounded request
         self.reserved = self.allocated = self.peak_allocated = 0
         self.requested = self.peak_requested = 0  # the requests' own bytes (rounded), without unsplit rests
-        self._sizes: dict = {}  # key -> rounded request
-        self.segments: list = []
-        for size in segments:  # free segments the pool starts with (a reserve)
-            self._add_segment(size, small=False)
-
-    def _add_segment(self, size: int, small: bool) -> _Block:
-        given = next(self._addresses, None) if self._addresses is not None else None
-        block = _Block(self._next_addr if given is None else given, size, small)
-        self._next_addr = block.addr + size + (1 << 30)  # segments are never adjacent
-        self.reserved += size
-        self.segments.append(size)
-        self._insert(block)
-        return block
 
     def _insert(self, block: _Block) -> None:
         bisect.insort(self._free[block.small], (block.size, block.addr, id(block), block))
@@ -120,27 +99,33 @@ class PoolModel:
         assert lst[i][3] is block
         del lst[i]
 
+    def _block_for(self, size: int, small: bool) -> _Block:
+        """A free block of at least ``size`` bytes, out of the free list."""
+        raise NotImplementedError
+
+    def _splits(self, rest: int, small: bool) -> bool:
+        raise NotImplementedError
+
+    def _split(self, block: _Block, size: int) -> _Block:
+        """Cut ``block`` to ``size``; the rest becomes a free block linked after it."""
+        tail = _Block(block.addr + size, block.size - size, block.small)
+        tail.prev, tail.next = block, block.next
+        if block.next is not None:
+            block.next.prev = tail
+        block.next = tail
+        block.size = size
+        return tail
+
+    def _merged(self, lower: _Block, upper: _Block) -> None:
+        """``upper`` was merged into ``lower``."""
+
     def alloc(self, key: Hashable, nbytes: int) -> None:
         """Allocate ``nbytes`` for ``key`` (which must not be live)."""
         size = round_size(nbytes)
         small = size <= _SMALL
-        lst = self._free[small]
-        i = bisect.bisect_left(lst, (size,))
-        if i < len(lst):
-            block = lst[i][3]
-            del lst[i]
-        else:
-            block = self._add_segment(segment_size(size), small)
-            self._remove(block)
-        rest = block.size - size
-        if rest >= _MIN_BLOCK if small else rest > _SMALL:
-            tail = _Block(block.addr + size, rest, small)
-            tail.prev, tail.next = block, block.next
-            if block.next is not None:
-                block.next.prev = tail
-            block.next = tail
-            block.size = size
-            self._insert(tail)
+        block = self._block_for(size, small)
+        if self._splits(block.size - size, small):
+            self._insert(self._split(block, size))
         block.free = False
         self._live[key] = block
         self._sizes[key] = size
@@ -160,25 +145,73 @@ class PoolModel:
         for other in (block.prev, block.next):
             if other is not None and other.free:
                 self._remove(other)
-                if other is block.prev:
-                    other.size += block.size
-                    other.next = block.next
-                    if block.next is not None:
-                        block.next.prev = other
-                    block = other
-                else:
-                    block.size += other.size
-                    block.next = other.next
-                    if other.next is not None:
-                        other.next.prev = block
+                lower, upper = (other, block) if other is block.prev else (block, other)
+                lower.size += upper.size
+                lower.next = upper.next
+                if upper.next is not None:
+                    upper.next.prev = lower
+                self._merged(lower, upper)
+                block = lower
         self._insert(block)
         return True
 
     def live(self, key: Hashable) -> bool:
         return key in self._live
 
+    def replay(self, requests: Iterable[tuple]) -> "_Blocks":
+        """Apply ``requests`` (``("alloc", key, nbytes)`` or ``("free", key, _)``) in order; returns
+        this model."""
+        for action, key, size in requests:
+            if action == "alloc":
+                self.alloc(key, size)
+            else:
+                self.free(key)
+        return self
 
-class ExpandablePoolModel:
+
+class PoolModel(_Blocks):
+    """The blocks of one pool on one stream, as the caching allocator would hold them.
+
+    ``reserved`` (bytes in segments), ``peak_allocated`` (blocks handed out, a rest too small to
+    split off included), ``peak_requested`` (the requests' rounded bytes alone) and ``segments``
+    (the sizes added, in order) describe what happened; :meth:`alloc` and :meth:`free` replay
+    requests. Segments a pool starts with are large-block segments."""
+
+    def __init__(self, segments: Iterable[int] = (), addresses: Optional[Iterable[int]] = None):
+        """``segments``: free segments the pool starts with. ``addresses``: where the segments
+        go, in the order they are made (a recorded history's, or random ones); by default each
+        above the last. Between free blocks of one size the allocator takes the lowest address,
+        so the order of the addresses the driver hands out can decide where a request goes."""
+        super().__init__()
+        self._addresses = iter(addresses) if addresses is not None else None
+        self._next_addr = 1 << 40
+        self.segments: list = []
+        for size in segments:  # free segments the pool starts with (a reserve)
+            self._add_segment(size, small=False)
+
+    def _add_segment(self, size: int, small: bool) -> _Block:
+        given = next(self._addresses, None) if self._addresses is not None else None
+        block = _Block(self._next_addr if given is None else given, size, small)
+        self._next_addr = block.addr + size + (1 << 30)  # segments are never adjacent
+        self.reserved += size
+        self.segments.append(size)
+        self._insert(block)
+        return block
+
+    def _block_for(self, size: int, small: bool) -> _Block:
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (size,))
+        if i < len(lst):
+            return lst.pop(i)[3]
+        block = self._add_segment(segment_size(size), small)
+        self._remove(block)
+        return block
+
+    def _splits(self, rest: int, small: bool) -> bool:
+        return rest >= _MIN_BLOCK if small else rest > _SMALL
+
+
+class ExpandablePoolModel(_Blocks):
     """The blocks of one pool whose memory is the caching allocator's expandable segments
     (``expandable_segments:True``, as ``paddle_graphpp`` maps graph pools by default): large and
     small requests each get one range of addresses, mapped in pages (20 MiB, 2 MiB) from its
@@ -193,13 +226,9 @@ class ExpandablePoolModel:
     _PAGE = {False: _LARGE_BUFFER, True: _SMALL_BUFFER}
 
     def __init__(self, reserve: Iterable[int] = ()):
-        self._free = {False: [], True: []}  # small? -> sorted [(size, addr, id, block)], end blocks left out
-        self._end: dict = {False: None, True: None}  # the last block of each range
+        super().__init__()
+        self._end: dict = {False: None, True: None}  # the last block of each range (out of the free list)
         self._mapped = {False: 0, True: 0}
-        self._live: dict = {}
-        self._sizes: dict = {}
-        self.reserved = self.allocated = self.peak_allocated = 0
-        self.requested = self.peak_requested = 0
         self.maps: list = []  # bytes mapped, in order
         reserve = list(reserve)
         for i, n in enumerate(reserve):
@@ -208,100 +237,50 @@ class ExpandablePoolModel:
             self.free(("reserve", i))
         self.peak_allocated, self.peak_requested = self.allocated, self.requested
 
-    def _index(self, block: _Block) -> int:
-        lst = self._free[block.small]
-        i = bisect.bisect_left(lst, (block.size, block.addr, id(block)))
-        assert lst[i][3] is block
-        return i
-
-    def _park(self, block: _Block) -> None:
-        """A free block into the free list (the end block of a range stays out of it)."""
+    def _insert(self, block: _Block) -> None:
         if block is not self._end[block.small]:
-            bisect.insort(self._free[block.small], (block.size, block.addr, id(block), block))
+            super()._insert(block)
 
-    def _unpark(self, block: _Block) -> None:
+    def _remove(self, block: _Block) -> None:
         if block is not self._end[block.small]:
-            del self._free[block.small][self._index(block)]
+            super()._remove(block)
 
-    def alloc(self, key: Hashable, nbytes: int) -> None:
-        """Allocate ``nbytes`` for ``key`` (which must not be live)."""
-        size = round_size(nbytes)
-        small = size <= _SMALL
+    def _block_for(self, size: int, small: bool) -> _Block:
         lst = self._free[small]
         i = bisect.bisect_left(lst, (size,))
-        end = self._end[small]
         if i < len(lst):
-            block = lst.pop(i)[3]
-        elif end is not None and end.free and end.size >= size:
-            block = end
+            return lst.pop(i)[3]
+        end = self._end[small]
+        free_end = end.size if end is not None and end.free else 0
+        if free_end >= size:
+            return end
+        page = self._PAGE[small]
+        grow = -(-(size - free_end) // page) * page
+        self.reserved += grow
+        self.maps.append(grow)
+        if free_end:
+            end.size += grow
         else:
-            have = end.size if end is not None and end.free else 0
-            page = self._PAGE[small]
-            grow = -(-(size - have) // page) * page
-            self.reserved += grow
-            self.maps.append(grow)
-            base = (1 << 50) if small else (1 << 40)
-            if have:
-                end.size += grow
-                block = end
-            else:
-                block = _Block(base + self._mapped[small], grow, small)
-                block.prev = end
-                if end is not None:
-                    end.next = block
-                self._end[small] = block
-            self._mapped[small] += grow
-        rest = block.size - size
-        if rest >= _MIN_BLOCK:
-            tail = _Block(block.addr + size, rest, small)
-            tail.prev, tail.next = block, block.next
-            if block.next is not None:
-                block.next.prev = tail
-            block.next = tail
-            block.size = size
-            if self._end[small] is block:
-                self._end[small] = tail
-            self._park(tail)
-        block.free = False
-        self._live[key] = block
-        self._sizes[key] = size
-        self.allocated += block.size
-        self.requested += size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
-        self.peak_requested = max(self.peak_requested, self.requested)
+            block = _Block(((1 << 50) if small else (1 << 40)) + self._mapped[small], grow, small)
+            block.prev = end
+            if end is not None:
+                end.next = block
+            self._end[small] = end = block
+        self._mapped[small] += grow
+        return end
 
-    def free(self, key: Hashable) -> bool:
-        """Free ``key``'s block; False when ``key`` is not live here (nothing happens)."""
-        block = self._live.pop(key, None)
-        if block is None:
-            return False
-        self.allocated -= block.size
-        self.requested -= self._sizes.pop(key)
-        block.free = True
-        small = block.small
-        prev, nxt = block.prev, block.next
-        if nxt is not None and nxt.free:
-            self._unpark(nxt)
-            block.size += nxt.size
-            block.next = nxt.next
-            if nxt.next is not None:
-                nxt.next.prev = block
-            if self._end[small] is nxt:
-                self._end[small] = block
-        if prev is not None and prev.free:
-            self._unpark(prev)
-            prev.size += block.size
-            prev.next = block.next
-            if block.next is not None:
-                block.next.prev = prev
-            if self._end[small] is block:
-                self._end[small] = prev
-            block = prev
-        self._park(block)
-        return True
+    def _splits(self, rest: int, small: bool) -> bool:
+        return rest >= _MIN_BLOCK
 
-    def live(self, key: Hashable) -> bool:
-        return key in self._live
+    def _split(self, block: _Block, size: int) -> _Block:
+        tail = super()._split(block, size)
+        if self._end[block.small] is block:
+            self._end[block.small] = tail
+        return tail
+
+    def _merged(self, lower: _Block, upper: _Block) -> None:
+        if self._end[upper.small] is upper:
+            self._end[upper.small] = lower
 
 
 def _capture_state(where: str, ours: str) -> bool:
@@ -361,25 +340,13 @@ def layouts(reserve: list) -> dict:
 def replay(requests: list, initial: Iterable[int] = (), addresses: Optional[Iterable[int]] = None) -> PoolModel:
     """``requests`` (as :func:`pool_requests` gives them) on a pool that starts with the free
     segments ``initial`` (``addresses``: see :class:`PoolModel`)."""
-    model = PoolModel(initial, addresses)
-    for action, addr, size in requests:
-        if action == "alloc":
-            model.alloc(addr, size)
-        else:
-            model.free(addr)
-    return model
+    return PoolModel(initial, addresses).replay(requests)
 
 
 def replay_expandable(requests: list, reserve: Iterable[int] = ()) -> ExpandablePoolModel:
     """``requests`` (as :func:`pool_requests` gives them) on a pool in expandable segments that
     first allocated and freed ``reserve``."""
-    model = ExpandablePoolModel(reserve)
-    for action, addr, size in requests:
-        if action == "alloc":
-            model.alloc(addr, size)
-        else:
-            model.free(addr)
-    return model
+    return ExpandablePoolModel(reserve).replay(requests)
 
 
 def _rows(path: str) -> list:
@@ -409,12 +376,8 @@ def compare(path: str, reserve_from: Optional[str] = None, orders: int = 0, extr
     grown = [r for r in mine if r[0] == "segment_alloc"]
     mapped = [r for r in mine if r[0] == "segment_map"]  # a pool in expandable segments
     own = [(("alloc" if r[0] == "alloc" else "free"), r[1], r[2]) for r in mine if r[0] in ("alloc", "free_completed")]
-    if mapped:  # one range: no addresses to follow
-        at_run = ExpandablePoolModel()
-        for action, key, size in own:
-            at_run.alloc(key, size) if action == "alloc" else at_run.free(key)
-    else:
-        at_run = replay(own, (), [r[1] for r in grown])
+    # one range for a pool in expandable segments: no addresses to follow
+    at_run = replay_expandable(own) if mapped else replay(own, (), [r[1] for r in grown])
     out = {"run_mib": sum(r[2] for r in grown + mapped) / 2**20, "model_at_run_addresses_mib": at_run.reserved / 2**20,
            "requested_peak_mib": replay(requests).peak_requested / 2**20}
     if reserve_from is not None:
