@@ -29,13 +29,23 @@ def test_the_users_setting_is_read_from_the_settings_in_force(monkeypatch):
     assert pool_segments._user_setting_on("max_split_size_mb:128,expandable_segments:True")
     assert not pool_segments._user_setting_on("expandable_segments:False")
     assert not pool_segments._user_setting_on("max_split_size_mb:128")
-    # a torch that cannot tell: the environment it loaded, PYTORCH_ALLOC_CONF first
+    assert not pool_segments._user_setting_on("expandable_segments:True,expandable_segments:False")  # the last wins
+    # a torch that cannot tell (2.11): the environment it loaded; with both variables set,
+    # PyTorch parses PYTORCH_CUDA_ALLOC_CONF only
     monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert pool_segments._user_setting_on()
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:128")
+    assert pool_segments._settings() == "expandable_segments:True" and pool_segments._user_setting_on()
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     assert pool_segments._settings() == "max_split_size_mb:128" and not pool_segments._user_setting_on()
+
+
+def test_a_torch_that_tells_its_settings_is_asked(monkeypatch):
+    told = []
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: told[-1], raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    told.append("max_split_size_mb:64")  # set at run time: PyTorch's answer wins over the environment
+    assert pool_segments._settings() == "max_split_size_mb:64" and not pool_segments._user_setting_on()
 
 
 def test_nested_windows_switch_on_once_and_back_at_the_outer_end_keeping_other_settings(monkeypatch):
@@ -66,3 +76,44 @@ def test_nothing_is_switched_when_off_or_already_on_everywhere(monkeypatch):
     with pool_segments.pool_allocations():
         pass
     assert calls == []
+
+
+def test_a_failed_switch_leaves_no_window_open(monkeypatch):
+    monkeypatch.setattr(pool_segments, "enabled", lambda: True)
+    monkeypatch.setattr(pool_segments, "_settings", lambda: "")
+
+    def refuse(settings):
+        raise RuntimeError("the allocator refused " + settings)
+
+    monkeypatch.setattr(pool_segments, "_set", refuse)
+    with pytest.raises(RuntimeError, match="refused expandable_segments:True"):
+        with pool_segments.pool_allocations():
+            pass  # not reached
+    assert pool_segments._DEPTH == 0 and pool_segments._SAVED is None
+    calls = []
+    monkeypatch.setattr(pool_segments, "_set", calls.append)
+    with pool_segments.pool_allocations():
+        pass
+    assert calls == ["expandable_segments:True", "expandable_segments:False"]
+
+
+def test_a_failed_switch_back_keeps_the_bodys_error_and_closes_the_window(monkeypatch):
+    monkeypatch.setattr(pool_segments, "enabled", lambda: True)
+    monkeypatch.setattr(pool_segments, "_settings", lambda: "")
+    calls = []
+
+    def off_fails(settings):
+        calls.append(settings)
+        if settings.endswith("False"):
+            raise RuntimeError("cannot switch back")
+
+    monkeypatch.setattr(pool_segments, "_set", off_fails)
+    with pytest.warns(RuntimeWarning, match="could not switch expandable segments back off"):
+        with pytest.raises(ValueError, match="the capture's own error"):
+            with pool_segments.pool_allocations():
+                raise ValueError("the capture's own error")
+    assert pool_segments._DEPTH == 0 and pool_segments._SAVED is None
+    with pytest.raises(RuntimeError, match="cannot switch back"):  # no error of its own: this one is raised
+        with pool_segments.pool_allocations():
+            pass
+    assert pool_segments._DEPTH == 0 and pool_segments._SAVED is None and len(calls) == 4

@@ -123,6 +123,9 @@
 #   LIMIT=100 bash benchmarks/scripts/device-2026-11-26-x4.sh 33  # the pool segments GPU tests again (phase 32's
 #                                                       #   settings test read a statistic that did not show the
 #                                                       #   setting; it now watches what the setting does)
+#   LIMIT=120 bash benchmarks/scripts/device-2026-11-26-x4.sh 34  # after a review's mends of the window (the
+#                                                       #   environment's order, a failed switch, a borrowed step whose
+#                                                       #   window cannot open): pool segments and engine GPU tests
 # Between phases 3 and 4 one call ran by hand: the failed pipeline test case again (it had lost a port
 # race with the concurrent benchmark: EADDRINUSE) on GPUs 0,1 and `bench_hybrid.py --pp 1 --rounds 1`
 # on GPUs 2,3.
@@ -639,6 +642,7 @@ case "$PHASE" in
     }
     queue_b() { pytest_job tests-zero-bubble 120 unittests/gpu/test_zero_bubble_gpu.py; } ;;
   33) queue_a() { pytest_job tests-pool-segments 60 unittests/gpu/test_pool_segments_gpu.py; } ;;
+  34) queue_a() { pytest_job tests-engine-segments 80 unittests/gpu/test_pool_segments_gpu.py unittests/gpu/test_engine_gpu.py; } ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 

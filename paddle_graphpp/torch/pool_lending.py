@@ -216,12 +216,12 @@ class PoolLender:
             torch.cuda.empty_cache()
         stream, caller = self._capture_stream(), torch.cuda.current_stream()
         before = _allocated(pool)
-        stack = contextlib.ExitStack()
         stream.wait_stream(caller)
-        stack.enter_context(torch.cuda.stream(stream))
-        stack.enter_context(torch.cuda.use_mem_pool(pool))
-        stack.enter_context(pool_segments.pool_allocations())
-        self._active = (stack, stream, caller, before)
+        with contextlib.ExitStack() as stack:  # what was entered is left again if an entry raises
+            stack.enter_context(pool_segments.pool_allocations())
+            stack.enter_context(torch.cuda.stream(stream))
+            stack.enter_context(torch.cuda.use_mem_pool(pool))
+            self._active = (stack.pop_all(), stream, caller, before)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():

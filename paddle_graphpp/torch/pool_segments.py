@@ -10,15 +10,20 @@ layout avoids it depended on the order of the addresses the driver hands out.
 The caching allocator's expandable segments (``expandable_segments:True``) give a pool one
 range of virtual addresses that grows by mapping pages at its end: a request that fits no free
 block extends the free block at the end by what is missing, instead of adding a whole segment,
-and all blocks of the pool can merge with their neighbours. PyTorch takes the setting when it
-maps new memory, so :func:`pool_allocations` turns it on only while memory is allocated into a
-graph pool (its reserve, its captures, the optimizer steps that borrow it) and back off after,
-so that the default cache keeps the user's setting; the allocator's other settings are passed
-along unchanged (PyTorch resets some of them to their defaults when new settings leave them
-out; settings a program changes at run time through PyTorch's API are not seen where PyTorch
-does not tell them, as torch 2.11 does not: set them in the environment). Blocks of the pool are
-found only while the setting is on, which is when they are asked for. The setting is process-wide: what another thread allocates outside the pool while it is
-on goes to expandable segments of the default cache.
+and all blocks of the pool can merge with their neighbours. PyTorch reads the setting at every
+allocation, for every pool: while it is on, new memory is mapped as expandable segments; while
+it is off, free blocks of expandable segments are passed over. So :func:`pool_allocations`
+turns it on while memory is allocated into a graph pool (its reserve, its captures, the
+optimizer steps that borrow it: every allocation into the pool) and back off after, so that the
+default cache keeps the program's setting. The allocator's other settings are passed along
+(PyTorch resets ``max_split_size_mb``, ``roundup_power2_divisions`` and
+``garbage_collection_threshold`` to their defaults when new settings leave them out): the
+settings in force as PyTorch tells them (``torch._C._accelerator_getAllocatorSettings``), or,
+on a torch without that (2.11), as the environment gave them. There, settings a program changes
+at run time through PyTorch's API are replaced by the environment's after each window: set them
+in the environment. The setting is process-wide: memory another thread allocates outside the
+pool while it is on lands in expandable segments of the default cache, which that cache reuses
+only while the setting is on again (or after ``torch.cuda.empty_cache()``).
 
 PyTorch builds that keep graph pools out of expandable segments map nothing differently:
 :func:`pool_is_expandable` reports whether a pool's memory is expandable, for the logs and
@@ -31,6 +36,7 @@ import contextlib
 import os
 import re
 import threading
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -58,26 +64,28 @@ def enabled() -> bool:
 
 
 _KEY = re.compile(r"(expandable_segments|backend)\s*:\s*[^,\s]*", re.IGNORECASE)
-_ON = re.compile(r"expandable_segments\s*:\s*true\b", re.IGNORECASE)
+_VALUE = re.compile(r"expandable_segments\s*:\s*(\w+)", re.IGNORECASE)
 
 
 def _settings() -> str:
-    """The allocator settings in force, as far as they can be known: what PyTorch says it parsed
-    last where it says (torch 2.11 answers ``""`` even after settings were set at run time),
-    else the environment it loaded (``PYTORCH_ALLOC_CONF`` first, as PyTorch >= 2.9 reads it)."""
+    """The allocator settings in force: what PyTorch says it parsed last, where it says (torch
+    2.13 does, settings made at run time included; 2.11 has no way to ask), else the environment
+    PyTorch loaded: ``PYTORCH_CUDA_ALLOC_CONF``, or ``PYTORCH_ALLOC_CONF`` without it (with both
+    set, torch 2.11 and 2.13 parse only the first)."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    told = getter() if getter is not None else ""
-    if told:
-        return told
-    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+    if getter is not None:
+        return getter() or ""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         if os.environ.get(var) is not None:
             return os.environ[var]
     return ""
 
 
 def _user_setting_on(settings: Optional[str] = None) -> bool:
-    """Whether the allocator settings in force turn expandable segments on everywhere."""
-    return bool(_ON.search(_settings() if settings is None else settings))
+    """Whether the allocator settings in force turn expandable segments on everywhere (the last
+    ``expandable_segments`` option wins, as in PyTorch's parser)."""
+    values = _VALUE.findall(_settings() if settings is None else settings)
+    return bool(values) and values[-1].lower() == "true"
 
 
 def with_expandable(settings: str, on: bool) -> str:
@@ -110,18 +118,34 @@ def pool_allocations() -> Iterator[None]:
     with _LOCK:
         if _DEPTH == 0:
             settings = _settings()
-            _SAVED = None if _user_setting_on(settings) else settings
-            if _SAVED is not None:
-                _set(with_expandable(_SAVED, True))
+            if not _user_setting_on(settings):
+                _set(with_expandable(settings, True))  # raises before anything is counted
+                _SAVED = settings
         _DEPTH += 1
     try:
         yield
-    finally:
-        with _LOCK:
-            _DEPTH -= 1
-            if _DEPTH == 0 and _SAVED is not None:
-                _set(with_expandable(_SAVED, False))
-                _SAVED = None
+    except BaseException:
+        _leave(quiet=True)  # the body's error is the one to see
+        raise
+    _leave(quiet=False)
+
+
+def _leave(quiet: bool) -> None:
+    """Close one window; the outermost switches the setting back off."""
+    global _DEPTH, _SAVED
+    with _LOCK:
+        _DEPTH -= 1
+        if _DEPTH or _SAVED is None:
+            return
+        saved, _SAVED = _SAVED, None
+        try:
+            _set(with_expandable(saved, False))
+        except Exception as exc:  # noqa: BLE001
+            if not quiet:
+                raise
+            warnings.warn(f"paddle_graphpp: could not switch expandable segments back off after a graph pool's "
+                          f"allocations ({type(exc).__name__}: {exc}); the allocator keeps them on", RuntimeWarning,
+                          stacklevel=3)
 
 
 def pool_is_expandable(pool: "torch.cuda.MemPool") -> bool:

@@ -127,3 +127,40 @@ def test_the_allocators_other_settings_survive_a_window(monkeypatch):
     finally:
         pool_segments._set(pool_segments.with_expandable(before, False))
     assert _splits_an_oversize_block()  # without the setting the same requests split the block
+
+
+def test_a_borrowed_step_whose_window_cannot_open_leaves_the_pool_and_the_stream(monkeypatch):
+    """An optimizer step that would borrow the pool, with the flag set to a bad value: the step
+    raises the flag's error, and neither the capture stream nor the routing into the pool is
+    left behind; with the flag mended the next step borrows."""
+    from paddle_graphpp.torch import pool_lending
+
+    monkeypatch.delenv(pool_segments.FLAG, raising=False)
+    side = torch.cuda.Stream()
+    pool = torch.cuda.MemPool()
+    with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool), pool_segments.pool_allocations():
+        room = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+        del room  # free in the pool: the step's temporaries fit
+    side.synchronize()
+    p = torch.nn.Parameter(torch.zeros(MIB, device="cuda"))
+    opt = torch.optim.Adam([p])
+    p.grad = torch.ones_like(p)
+    opt.step()  # the state exists before lending begins
+    lender = pool_lending.PoolLender(lambda: side)
+    lender.lend(pool, lambda: True, lambda: None)
+    try:
+        in_pool = pool_lending._allocated(pool)
+        monkeypatch.setenv(pool_segments.FLAG, "bogus")
+        with pytest.raises(ValueError, match=pool_segments.FLAG):
+            opt.step()
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        outside = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+        assert pool_lending._allocated(pool) == in_pool  # not routed into the pool
+        del outside
+        monkeypatch.delenv(pool_segments.FLAG)
+        opt.step()
+        assert lender.steps == 1 and torch.cuda.current_stream() == torch.cuda.default_stream()
+    finally:
+        lender.abandon_step()
+        for handle in lender._handles:
+            handle.remove()
