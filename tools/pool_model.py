@@ -219,7 +219,8 @@ class ExpandablePoolModel(_Blocks):
     equals; the free block at the end of a range is taken last (the allocator counts it as large
     as the unmapped space after it). With no other block large enough, that end block, extended
     by the pages still missing, serves the request. A block is split whenever 512 bytes or more
-    are left; freed blocks merge with free neighbours; nothing is unmapped. Same interface and
+    are left; freed blocks merge with free neighbours; nothing is unmapped (``max_split_size_mb``
+    unset: with it, free blocks at least that large serve only requests as large). Same interface and
     figures as :class:`PoolModel`, ``maps`` instead of ``segments``. ``reserve``: sizes
     allocated together and freed before the requests (the pool's reserve)."""
 
