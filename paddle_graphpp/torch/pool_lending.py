@@ -157,8 +157,8 @@ class PoolLender:
             return 0
         blocks: list = []
         try:
-            with (torch.cuda.stream(self._capture_stream()), torch.cuda.use_mem_pool(pool),
-                  pool_segments.pool_allocations()):
+            with (pool_segments.pool_allocations(), torch.cuda.stream(self._capture_stream()),
+                  torch.cuda.use_mem_pool(pool)):
                 device = torch.cuda.current_device()
                 for n in sizes:
                     blocks.append(torch.empty(n, dtype=torch.uint8, device=device))

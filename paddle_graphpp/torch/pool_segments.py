@@ -25,9 +25,8 @@ in the environment. The setting is process-wide: memory another thread allocates
 pool while it is on lands in expandable segments of the default cache, which that cache reuses
 only while the setting is on again (or after ``torch.cuda.empty_cache()``).
 
-PyTorch builds that keep graph pools out of expandable segments map nothing differently:
-:func:`pool_is_expandable` reports whether a pool's memory is expandable, for the logs and
-tests.
+PyTorch builds that keep graph pools out of expandable segments map nothing differently (a
+pool's ``snapshot()`` segments say ``is_expandable``).
 """
 
 from __future__ import annotations
@@ -42,8 +41,9 @@ from typing import Iterator, Optional
 import torch
 
 from ..allocator import env_flag_value
+from .allocator import async_allocator_active
 
-__all__ = ["FLAG", "enabled", "pool_allocations", "pool_is_expandable", "with_expandable"]
+__all__ = ["FLAG", "enabled", "pool_allocations", "with_expandable"]
 
 FLAG = "FLAGS_graphpp_pool_expandable"
 _LOCK = threading.Lock()
@@ -60,7 +60,7 @@ def enabled() -> bool:
     except ValueError:
         raise ValueError(f"{FLAG}={raw!r}: use 1 (graph pools as expandable segments, the default) or 0 "
                          f"(as ordinary segments)") from None
-    return on and torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "native"
+    return on and torch.cuda.is_available() and not async_allocator_active()
 
 
 _KEY = re.compile(r"(expandable_segments|backend)\s*:\s*[^,\s]*", re.IGNORECASE)
@@ -146,9 +146,3 @@ def _leave(quiet: bool) -> None:
             warnings.warn(f"paddle_graphpp: could not switch expandable segments back off after a graph pool's "
                           f"allocations ({type(exc).__name__}: {exc}); the allocator keeps them on", RuntimeWarning,
                           stacklevel=3)
-
-
-def pool_is_expandable(pool: "torch.cuda.MemPool") -> bool:
-    """Whether ``pool`` holds memory and all of it is in expandable segments."""
-    segments = pool.snapshot()
-    return bool(segments) and all(seg.get("is_expandable", False) for seg in segments)

@@ -26,6 +26,12 @@ def _own_settings():
     torch.cuda.empty_cache()
 
 
+def _is_expandable(pool) -> bool:
+    """Whether ``pool`` holds memory and all of it is in expandable segments."""
+    segments = pool.snapshot()
+    return bool(segments) and all(seg.get("is_expandable", False) for seg in segments)
+
+
 def _segment_of(ptr: int) -> dict:
     for seg in torch.cuda.memory_snapshot():
         if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
@@ -51,7 +57,7 @@ def test_captures_map_the_pool_as_one_range_and_the_default_cache_keeps_its_sett
     monkeypatch.delenv(pool_segments.FLAG, raising=False)  # the default
     pool = RUNTIME.new_pool()
     graph, x, w, y = _capture(pool)
-    assert pool_segments.pool_is_expandable(pool), pool.snapshot()
+    assert _is_expandable(pool), pool.snapshot()
     after = torch.empty(30 * MIB, dtype=torch.uint8, device="cuda")  # outside any window
     assert not _segment_of(after.data_ptr()).get("is_expandable", False)
     x.copy_(torch.randn_like(x))
@@ -119,7 +125,7 @@ def test_the_allocators_other_settings_survive_a_window(monkeypatch):
         assert not _splits_an_oversize_block()  # the setting is in force
         pool = RUNTIME.new_pool()
         graph, x, w, y = _capture(pool)
-        assert pool_segments.pool_is_expandable(pool)
+        assert _is_expandable(pool)
         assert not _splits_an_oversize_block()  # and still after the window
         after = torch.empty(30 * MIB, dtype=torch.uint8, device="cuda")
         assert not _segment_of(after.data_ptr()).get("is_expandable", False)
