@@ -120,6 +120,8 @@ def build(opts, rank: int):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
+    from paddle_graphpp.support import require
+    require("megatron-core")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=opts.pp)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     # As megatron.training seeds: per pipeline stage; the graph-safe tracker in every variant,

@@ -384,6 +384,37 @@ def test_stage_errors_say_what_to_do():
         causal_lm_stage(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0, 1)
 
 
+
+def test_a_mask_helper_of_unknown_shape_or_an_old_transformers_is_refused_at_build(monkeypatch):
+    import transformers.masking_utils as masking
+
+    def create_causal_mask(config, inputs_embeds, attention_mask, cache, sequence_offsets, position_ids=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(masking, "create_causal_mask", create_causal_mask)
+    with pytest.raises(TypeError, match=r"transformers .* has a create_causal_mask\(config, inputs_embeds, "
+                                        r"attention_mask, cache, sequence_offsets\).*known: transformers 5\.0 to "
+                                        r"5\.24.*pip install"):
+        causal_lm_stage(build("llama"), 0, 2)
+    monkeypatch.undo()
+    model = build("gpt2")  # first: transformers' lazy imports may set __version__ again
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.6")  # the module imported now
+    with pytest.raises(ImportError, match=r"transformers >= 5\.0 .* 4\.57\.6 is installed"):
+        causal_lm_stage(model, 0, 1)
+
+
+def test_the_installed_transformers_builds_its_mask_through_a_known_form():
+    from paddle_graphpp.torch import hf
+
+    model = build("llama")
+    stage = causal_lm_stage(model, 0, 1, graph=False)
+    hidden = torch.zeros(2, SEQ, 32)
+    positions = torch.arange(SEQ).unsqueeze(0)
+    mask = stage._causal_mask(model.config, hidden, positions, torch.arange(SEQ))
+    # sdpa masks causally itself when nothing is padded; an eager attention gets a 4-D mask
+    assert mask is None or mask.shape[-2:] == (SEQ, SEQ)
+    assert len(hf._MASK_FORMS) == 4
+
 # ------------------------------------------------------------------------- distributed
 @pytest.mark.slow
 @pytest.mark.timeout(240)

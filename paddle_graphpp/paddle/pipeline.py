@@ -45,6 +45,7 @@ from paddle import nn
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipelineLayer
 
+from paddle_graphpp.support import require
 from paddle_graphpp.core.segment import classify, describe_runs, split_into_runs
 from paddle_graphpp.paddle import fleet_cpu
 
@@ -205,6 +206,8 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
     """
     model = _unwrap(model)
     name = type(model).__name__
+    if type(model).__module__.startswith("paddleformers."):
+        require("paddleformers")
     if not isinstance(model, _FleetPipelineLayer):
         raise TypeError(
             f"graph_pipeline() needs a fleet pipeline model (an instance of "

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 import paddle
 from paddle.autograd import PyLayer
 
+from .. import support as _support
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
 from ..core.state import module_state_slots
@@ -267,4 +268,5 @@ def _has_gpu() -> bool:
     return paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
 
 
+_support.require("paddle", paddle.__version__)
 RUNTIME = PaddleRuntime()

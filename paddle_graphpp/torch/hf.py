@@ -20,7 +20,9 @@ calls them (``use_cache=False``), and graphs them in place with
 
 Two layouts are known: Llama's (``model.model.embed_tokens / layers / norm / rotary_emb``,
 ``model.lm_head``; Mistral-style models share it) and GPT-2's (``model.transformer.wte / wpe
-/ drop / h / ln_f``, ``model.lm_head``). Both are tested with ``transformers`` 5.x.
+/ drop / h / ln_f``, ``model.lm_head``). Supported: ``transformers`` 5.0 to 5.24 (see
+:data:`paddle_graphpp.support.SUPPORTED`); the causal mask is built through the installed
+version's ``create_causal_mask``, whose known signatures are listed in ``_MASK_FORMS``.
 
 The stage holds the model's own modules under the model's own attribute names (the blocks in an
 ``nn.ModuleDict`` keyed by their index in the model), so ``stage.state_dict()`` keys are the
@@ -95,6 +97,56 @@ def _parameter_names(fn) -> frozenset:
         return frozenset()
 
 
+# transformers.masking_utils.create_causal_mask has changed its required arguments twice within
+# the supported range. Each known form, by its required parameters after ``config``; the stage
+# passes exactly those (and ``position_ids`` where taken), so a form not listed here is refused
+# when the stage is built instead of losing an argument at the first forward.
+_MASK_FORMS = {
+    ("input_embeds", "attention_mask", "cache_position", "past_key_values"): "transformers 5.0-5.1",
+    ("inputs_embeds", "attention_mask", "cache_position", "past_key_values"): "transformers 5.2-5.3",
+    ("inputs_embeds", "attention_mask", "past_key_values"): "transformers 5.4-5.23",
+    ("inputs_embeds", "attention_mask", "cache"): "transformers 5.24",
+}
+
+
+def _mask_builder():
+    """``build(config, hidden, position_ids, cache_position)``: the causal mask (or ``None`` where the
+    attention kernel masks causally itself) for an unpadded batch without a cache, through the
+    installed transformers' ``create_causal_mask``."""
+    import transformers
+
+    from ..support import SUPPORTED, require
+
+    version = require("transformers", transformers.__version__)
+    try:
+        from transformers.masking_utils import create_causal_mask
+    except ImportError as exc:
+        raise ImportError(f"causal_lm_stage() needs transformers.masking_utils, which transformers {version} "
+                          f"lacks: {exc}") from exc
+    params = list(inspect.signature(create_causal_mask).parameters.values())
+    required = tuple(p.name for p in params[1:] if p.default is inspect.Parameter.empty
+                     and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if required not in _MASK_FORMS:
+        support = SUPPORTED["transformers"]
+        raise TypeError(
+            f"causal_lm_stage(): transformers {version} has a create_causal_mask(config, {', '.join(required)}) "
+            f"this version of paddle_graphpp does not know (known: transformers {support.oldest} to "
+            f"{support.newest_tested}). Install a transformers in that range, e.g. "
+            f"`pip install 'transformers<={support.newest_tested}'`, or build the stage yourself and call "
+            f"graph_layers() on its blocks.")
+    takes_positions = "position_ids" in {p.name for p in params}
+
+    def build(config, hidden, position_ids, cache_position):
+        known = {"input_embeds": hidden, "inputs_embeds": hidden, "attention_mask": None,
+                 "cache_position": cache_position, "past_key_values": None, "cache": None}
+        kwargs = {name: known[name] for name in required}
+        if takes_positions:
+            kwargs["position_ids"] = position_ids
+        return create_causal_mask(config, **kwargs)
+
+    return build
+
+
 class _Part(nn.Module):
     """Holds a stage's share of the base model under the base model's attribute names."""
 
@@ -138,14 +190,7 @@ class CausalLMStage(nn.Module):
         block_cls = type(blocks[0]) if len(blocks) else None
         original = getattr(block_cls, "_graphpp_original", block_cls)
         self.__dict__["_block_params"] = _parameter_names(original.forward) if original is not None else frozenset()
-        try:
-            from transformers.masking_utils import create_causal_mask
-        except ImportError as exc:
-            raise ImportError(f"causal_lm_stage() needs transformers.masking_utils (transformers >= 4.53); "
-                              f"this transformers has none: {exc}") from exc
-
-        self.__dict__["_create_causal_mask"] = create_causal_mask
-        self.__dict__["_mask_params"] = _parameter_names(create_causal_mask)
+        self.__dict__["_causal_mask"] = _mask_builder()
 
     @property
     def blocks(self) -> list:
@@ -179,9 +224,7 @@ class CausalLMStage(nn.Module):
         """What the model's own forward passes its blocks, for an unpadded causal batch."""
         cache_position = torch.arange(hidden.shape[1], device=hidden.device)
         position_ids = cache_position.unsqueeze(0)
-        offered = dict(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                       position_ids=position_ids, cache_position=cache_position)
-        mask = self._create_causal_mask(**{k: v for k, v in offered.items() if k in self._mask_params})
+        mask = self._causal_mask(self.config, hidden, position_ids, cache_position)
         kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=position_ids, use_cache=False)
         if "cache_position" in self._block_params:  # transformers < 5.17 blocks take it
             kwargs["cache_position"] = cache_position
@@ -246,7 +289,9 @@ def causal_lm_stage(
         tensors ``PipelineStage`` wants.
 
     Raises:
-        TypeError: the model has neither known layout.
+        TypeError: the model has neither known layout, or the installed transformers has a
+            ``create_causal_mask`` signature this version does not know.
+        UnsupportedVersionError: transformers is older than the supported range (5.0).
         ValueError: a bad ``stage_index`` or split; embeddings tied to the head across stages
             (the message says to build the model with ``tie_word_embeddings=False``); a block
             already graphed or with gradient checkpointing on.

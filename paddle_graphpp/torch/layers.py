@@ -44,8 +44,8 @@ from .graphed import CUDAGraphedModule
 __all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
-# the names transformers' decoder blocks use for them.
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+# the names transformers' decoder blocks use for them (``cache`` from transformers 5.24 on).
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _FLAG_ARGS = ("use_cache", "output_attentions")
 
 _GRAPHED_CLASSES: dict = {}
@@ -137,7 +137,7 @@ class GraphedLayer(nn.Module):
                 raise ValueError(
                     f"{name}: a cache object ({type(cache).__name__}, argument {arg}) reached a graphed layer, "
                     f"which cannot update it (the update would happen at capture only). For training set "
-                    f"`model.config.use_cache = False` or pass use_cache=False (and no past_key_values) to the "
+                    f"`model.config.use_cache = False` or pass use_cache=False (and no cache object) to the "
                     f"model's forward; under torch.no_grad() the layer runs eagerly and caches work.")
         if given("output_attentions") or "attentions" in _recorded_outputs():
             raise ValueError(

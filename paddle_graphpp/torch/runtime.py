@@ -15,6 +15,7 @@ from torch.autograd.function import once_differentiable
 
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import GraphRuntime, TensorSpec
+from .. import support as _support
 from ..allocator import env_flag_value
 from ..core.state import module_state_slots
 from . import pool_segments as _pool_segments
@@ -619,4 +620,5 @@ def _pool_id(pool):
     return pool.id if isinstance(pool, torch.cuda.MemPool) else pool
 
 
+_support.require("torch", torch.__version__)
 RUNTIME = TorchRuntime()
