@@ -1403,7 +1403,7 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
             ``"per_graph"`` (a pool per graph, upstream Paddle's design).
         max_in_flight: forwards that may await their backward before that is an error.
         max_signatures: input signatures captured; later new ones run eagerly with a warning.
-{accumulate}{generators}        name: the name used in messages (default: the class name of ``{arg}``).
+{accumulate}{generators}{extra}        name: the name used in messages (default: the class name of ``{arg}``).
 
     Without CUDA (or with CPU inputs) it runs eagerly and warns once. Under ``{no_grad}`` it
     always runs eagerly.
@@ -1440,12 +1440,14 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
     """
 
 
-def graphed_layer_doc(*, arg: str, base: str, no_grad: str, accumulate_grads: bool, generators: bool) -> str:
+def graphed_layer_doc(*, arg: str, base: str, no_grad: str, accumulate_grads: bool, generators: bool,
+                      extra_args: str = "") -> str:
     """:data:`GRAPHED_LAYER_DOC` for one framework's class (``accumulate_grads``,
-    ``generators``: whether its constructor takes that argument)."""
+    ``generators``: whether its constructor takes that argument; ``extra_args``: the entries of
+    the framework's own arguments, indented as the others)."""
     return GRAPHED_LAYER_DOC.format(arg=arg, base=base, no_grad=no_grad,
                                     accumulate=_ACCUMULATE_DOC if accumulate_grads else "",
-                                    generators=_GENERATORS_DOC if generators else "")
+                                    generators=_GENERATORS_DOC if generators else "", extra=extra_args)
 
 
 def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, kind: str,

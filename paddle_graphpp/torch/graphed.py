@@ -5,33 +5,51 @@ from __future__ import annotations
 import torch
 
 from ..core.engine import GraphedCallable, graphed_engine, graphed_layer_doc
+from .compile import CompiledModule, compile_options, opaque, refuse_inner_graphs
 from .runtime import RUNTIME, _registered_generators
 
 __all__ = ["CUDAGraphedModule"]
 
+_COMPILE_DOC = """        compile: ``True`` or a dict of ``torch.compile`` keyword arguments: the module runs
+            compiled (Inductor) inside the graphs. It compiles in the warmup calls and the
+            capture records the compiled kernels; a recompile the capture would need raises
+            :class:`paddle_graphpp.CaptureError` with dynamo's reason. Modes that record
+            Inductor's own CUDA graphs (``"reduce-overhead"``) are refused. A module the user
+            compiled already (``torch.compile(module)``, default mode) is graphed as it is.
+            Without CUDA the module runs compiled and eagerly.
+"""
+
 
 class CUDAGraphedModule(torch.nn.Module):
     __doc__ = graphed_layer_doc(arg="module", base="torch.nn.Module", no_grad="torch.no_grad()",
-                                accumulate_grads=True, generators=True)
+                                accumulate_grads=True, generators=True, extra_args=_COMPILE_DOC)
 
     def __init__(self, module: torch.nn.Module, num_warmup_steps: int = 3, *, fallback: str = "error",
                  memory: str = "shared", max_in_flight: int = 64, max_signatures: int = 4,
-                 accumulate_grads: bool | str = "auto", generators=None, name: str | None = None):
+                 accumulate_grads: bool | str = "auto", generators=None, compile=None, name: str | None = None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"CUDAGraphedModule wraps a torch.nn.Module, got {type(module).__name__}")
+        label = name or f"CUDAGraphedModule({type(module).__name__})"
         self.module = module
         if isinstance(generators, (list, tuple)):
             try:
                 _registered_generators(generators)  # check now, not at the first capture
             except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{name or f'CUDAGraphedModule({type(module).__name__})'}: {exc}") from None
+                raise type(exc)(f"{label}: {exc}") from None
+        options = compile_options(compile, label)
+        if refuse_inner_graphs(module, label) is not None and options is not None:
+            raise ValueError(f"{label}: the module is compiled already (torch.compile or module.compile()) and "
+                             f"compile= asks to compile it again; pass the plain module with compile=..., or "
+                             f"the compiled one without it")
+        run = module if options is None else CompiledModule(module, options)
         self._engine = graphed_engine(
-            module, RUNTIME, lambda: [p for p in module.parameters() if p.requires_grad],
-            kind="CUDAGraphedModule", name=name, num_warmup_steps=num_warmup_steps, fallback=fallback,
+            run, RUNTIME, lambda: [p for p in module.parameters() if p.requires_grad],
+            kind="CUDAGraphedModule", name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
             memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures,
             accumulate_grads=accumulate_grads, generators=generators)
 
+    @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)
 

@@ -264,6 +264,7 @@ def causal_lm_stage(
     memory: str = "shared",
     accumulate_grads: Union[bool, str] = "auto",
     generators: Any = None,
+    compile: Any = None,
 ) -> CausalLMStage:
     """Cut a Hugging Face causal LM into pipeline stage ``stage_index`` of ``num_stages``.
 
@@ -281,8 +282,8 @@ def causal_lm_stage(
         num_warmup_steps: eager calls before each block captures (see ``CUDAGraphedModule``).
         layers_per_stage: blocks per stage, ``num_stages`` counts adding up to the model's.
         graph: ``False`` builds the same stage with eager blocks (a reference run).
-        fallback, memory, accumulate_grads, generators: passed to each block's
-            ``CUDAGraphedModule``.
+        fallback, memory, accumulate_grads, generators, compile: passed to each block's
+            ``CUDAGraphedModule`` (``compile``: see :func:`~paddle_graphpp.torch.layers.graph_layers`).
 
     Returns:
         A :class:`CausalLMStage`; ``example_io(micro_batch_size, seq_len)`` gives the example
@@ -320,5 +321,5 @@ def causal_lm_stage(
         prefix = f"{layout.base}.{layout.layers}"
         graph_in_place([(str(i), blocks[i]) for i in indices], [f"{prefix}.{i}" for i in indices],
                        check_config=False, num_warmup_steps=num_warmup_steps, fallback=fallback, memory=memory,
-                       accumulate_grads=accumulate_grads, generators=generators)
+                       accumulate_grads=accumulate_grads, generators=generators, compile=compile)
     return stage

@@ -39,6 +39,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from .compile import compile_options, opaque, refuse_inner_graphs
 from .graphed import CUDAGraphedModule
 
 __all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
@@ -51,6 +52,7 @@ _FLAG_ARGS = ("use_cache", "output_attentions")
 _GRAPHED_CLASSES: dict = {}
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
 _NAME = "_graphpp_name"
+_USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
 
 
 class _OriginalForward(nn.Module):
@@ -85,6 +87,7 @@ class GraphedLayer(nn.Module):
     _graphpp_positions: dict = {}
     _graphpp_original: type = nn.Module
 
+    @opaque  # torch.compile around the model calls the graphed block as it is (see .compile)
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             self._graphpp_check_call(args, kwargs)
@@ -252,6 +255,7 @@ def graph_layers(
     max_signatures: int = 4,
     accumulate_grads: Union[bool, str] = "auto",
     generators: Any = None,
+    compile: Any = None,
 ) -> list:
     """Graph each block of a model's list of repeated blocks in place, keeping every name.
 
@@ -283,6 +287,12 @@ def graph_layers(
         accumulate_grads: ``"auto"`` (default), ``True`` or ``False``; see ``CUDAGraphedModule``.
         generators: extra random generators the blocks draw from (the default CUDA generator
             is always registered, so dropout works without this).
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments: each block's forward
+            runs compiled (Inductor) inside its graphs, compiled in the warmup and captured
+            (blocks of one class share the compiled code). A block compiled with
+            ``block.compile()`` before this call is compiled this way too (with these options,
+            or torch.compile's defaults: its own options are not recoverable), and
+            ``mode="reduce-overhead"`` is refused. See ``CUDAGraphedModule``.
 
     Returns:
         The graphed blocks, in order (the same objects as in ``layers``).
@@ -291,7 +301,8 @@ def graph_layers(
         TypeError: ``layers`` is not a container of modules, or a block is already graphed.
         ValueError: the model's config has ``use_cache`` or ``output_attentions`` on, or a
             block has gradient checkpointing on (the message names the block and the fix);
-            an invalid option.
+            an invalid option; a block compiled with Inductor's own CUDA graphs
+            (``mode="reduce-overhead"``).
 
     Warning:
         Set ``model.config.use_cache = False`` for training. A graphed block called with grad
@@ -318,10 +329,11 @@ def graph_layers(
     names = [f"{name}.{key}" if name else f"{type(m).__name__}[{key}]" for key, m in pairs]
     return graph_in_place(pairs, names, check_config=True, num_warmup_steps=num_warmup_steps,
                           fallback=fallback, memory=memory, max_in_flight=max_in_flight,
-                          max_signatures=max_signatures, accumulate_grads=accumulate_grads, generators=generators)
+                          max_signatures=max_signatures, accumulate_grads=accumulate_grads, generators=generators,
+                          compile=compile)
 
 
-def graph_in_place(pairs: list, names: list, *, check_config: bool, **options: Any) -> list:
+def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any = None, **options: Any) -> list:
     """The work of :func:`graph_layers` on ``(key, block)`` pairs named ``names``.
 
     ``check_config=False`` skips the model-config checks (``use_cache``, ``output_attentions``):
@@ -335,15 +347,29 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, **options: A
         if id(module) in seen:
             raise ValueError(f"graph_layers(): {label} appears twice in the list; each block is graphed once")
         seen.add(id(module))
-    runners = [CUDAGraphedModule(_OriginalForward(layer, type(layer).forward), name=label, **options)
+    compiled = compile_options(compile, "graph_layers()")
+    user_compiled = [refuse_inner_graphs(layer, label) is not None for label, (_, layer) in zip(names, pairs)]
+    if compiled is None and any(user_compiled):
+        compiled = {}  # block.compile(): compiled inside the graphs, with torch.compile's defaults
+    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled)), name=label, **options)
                for label, (_, layer) in zip(names, pairs)]  # every option checked before any block changes
     graphed = []
-    for label, (_, layer), runner in zip(names, pairs, runners):
+    for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
         layer.__dict__[_NAME] = label
+        if own:  # its call would trace the graphed block: the compiled code runs inside the graphs instead
+            layer.__dict__[_USER_COMPILED] = layer._compiled_call_impl
+            layer._compiled_call_impl = None
         layer.__class__ = _graphed_class(type(layer))
         graphed.append(layer)
     return graphed
+
+
+def _forward_of(cls: type, compiled: Optional[dict]):
+    """The class's forward function, compiled with ``compiled`` (``torch.compile`` options) if
+    given: one function per class, so that its blocks share dynamo's compiled entry."""
+    forward = cls.forward
+    return forward if compiled is None else torch.compile(forward, **compiled)
 
 
 def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, Iterable[nn.Module]]) -> list:
@@ -356,5 +382,7 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
             layer.__class__ = type(layer)._graphpp_original
             layer.__dict__.pop(_SLOT, None)
             layer.__dict__.pop(_NAME, None)
+            if _USER_COMPILED in layer.__dict__:
+                layer._compiled_call_impl = layer.__dict__.pop(_USER_COMPILED)
         out.append(layer)
     return out

@@ -6,7 +6,6 @@ No function here reads a device value on the host, so each can run inside a CUDA
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Iterable, Optional, Sequence
 
@@ -315,8 +314,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
                     "gradients (e.g. nn.Embedding(sparse=False)) or step this optimizer eagerly.")
         if self._compiled_core is None:
             return self._step_core(grads)
-        with _no_compile_in_capture():
-            return self._compiled_core(self, grads)
+        return self._compiled_core(self, grads)  # a capture refuses recompiles (TorchRuntime.capture_to_graph)
 
     def _step_core(self, grads) -> Optional[torch.Tensor]:
         # master-weight copy, clip, step, zero: what compile=True hands to torch.compile.
@@ -413,16 +411,6 @@ def optimizer_state_slots(optimizer: torch.optim.Optimizer, params: Sequence[tor
             slots += [(entry, key, f"optimizer state '{key}' of parameter {i}")
                       for key, value in entry.items() if isinstance(value, torch.Tensor)]
     return slots
-
-
-def _no_compile_in_capture():
-    # torch.compile compiles in graph_process's warmup run; inside the capture it may only run
-    # what it compiled then. A guard miss there would trace, compile and autotune inside the
-    # capture: fail with torch's reason instead (graph_process reports it as a CaptureError).
-    set_stance = getattr(torch.compiler, "set_stance", None)
-    if set_stance is None or not get_runtime("torch").is_capturing():
-        return contextlib.nullcontext()
-    return set_stance("fail_on_recompile")
 
 
 def _frozen(value):

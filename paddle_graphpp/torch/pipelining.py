@@ -44,6 +44,8 @@ from torch import nn
 
 from paddle_graphpp.core import segment
 
+from .compile import compile_options, compiled_module
+
 __all__ = ["graph_stage_module", "graph_loss", "GraphedLoss", "GraphedStage"]
 
 
@@ -71,14 +73,17 @@ def _chain(steps: Sequence[Callable], args: tuple):
 
 
 class _Run(nn.Module):
-    """Contiguous modules called in order, a tuple output unpacked into the next call."""
+    """Contiguous modules called in order, a tuple output unpacked into the next call; each
+    through ``torch.compile`` when ``compiled`` gives its options (modules of one class share the
+    compiled code)."""
 
-    def __init__(self, modules: Sequence[nn.Module]):
+    def __init__(self, modules: Sequence[nn.Module], compiled: Optional[dict] = None):
         super().__init__()
         self.layers = nn.ModuleList(modules)
+        self.__dict__["_calls"] = None if compiled is None else [compiled_module(m, compiled) for m in modules]
 
     def forward(self, *args):
-        return _chain(self.layers, args)
+        return _chain(self._calls or self.layers, args)
 
 
 class GraphedStage(nn.Module):
@@ -181,6 +186,7 @@ def graph_stage_module(
     memory: str = "shared",
     accumulate_grads: Union[bool, str] = "auto",
     name: Optional[str] = None,
+    compile: Any = None,
 ) -> GraphedStage:
     """Split a pipeline stage into runs of capturable modules, each captured as CUDA graphs.
 
@@ -207,6 +213,10 @@ def graph_stage_module(
             accumulation runs hooks (DDP); ``True`` forces it, ``False`` turns it off (passed
             to ``CUDAGraphedModule``).
         name: prefix of the graphed runs' names in logs and errors (``"stage"`` by default).
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments: each module of a
+            graphed run runs compiled (Inductor) inside the run's graphs, compiled in the warmup
+            and captured; modules of one class share the compiled code. Eager entries stay
+            uncompiled. See ``CUDAGraphedModule``.
 
     Returns:
         A :class:`GraphedStage` sharing the stage's parameters. On CPU tensors the graphed
@@ -233,6 +243,7 @@ def graph_stage_module(
     """
     from paddle_graphpp.torch.graphed import CUDAGraphedModule
 
+    compiled = compile_options(compile, f"graph_stage_module({name or 'stage'})")
     items = _stage_items(stage)
     tied = _tied_entries(items, shared)
     entries = [
@@ -251,7 +262,7 @@ def graph_stage_module(
     for run in runs:
         if run.graphed:
             run_name = f"{prefix}[{run.start}:{run.stop}]"
-            steps.append(CUDAGraphedModule(_Run(run.objects()), num_warmup_steps, fallback=fallback,
+            steps.append(CUDAGraphedModule(_Run(run.objects(), compiled), num_warmup_steps, fallback=fallback,
                                            memory=memory, accumulate_grads=accumulate_grads, name=run_name))
         else:
             entry = run.entries[0]

@@ -1,0 +1,148 @@
+"""``torch.compile`` inside CUDA graphs: compile in the warmup, capture what was compiled.
+
+Inductor fuses a block's small kernels (less memory traffic); the graphs remove the launches
+that remain and keep every micro-batch's memory in one pool. The graphed layers compose
+them in one order only: the eager warmup calls run the compiled code (dynamo traces, Inductor
+compiles the forward and, at the first backward, AOTAutograd's backward), and the capture
+then records the kernels compiled then. Three rules follow:
+
+* No compilation inside a capture: while a graph captures, torch's ``fail_on_recompile``
+  stance is in force (:func:`no_compile_in_capture`), so a guard that fails there (an input of
+  another shape, dtype or stride, a changed attribute the code reads) raises with dynamo's
+  reason, reported as a :class:`~paddle_graphpp.CaptureError` naming the layer, instead of
+  tracing and autotuning inside the capture.
+* No CUDA graphs inside CUDA graphs: ``mode="reduce-overhead"`` (and ``"max-autotune"``,
+  ``options={"triton.cudagraphs": True}``, ``backend="cudagraphs"``) record Inductor's own
+  graphs, which cannot run inside a capture; they are refused with the fix
+  (:func:`compile_options`, :func:`refuse_inner_graphs`).
+* The graphed call is a boundary for dynamo (:func:`opaque`): ``torch.compile`` of a model
+  holding graphed layers compiles the code around them and calls the graphed layers as they
+  are (a graph break each), whichever of the two was applied first.
+
+Each graphed block compiles its class's ``forward`` code (or its module, through
+``torch.compile(module)``), so blocks of one class share one compiled entry as long as dynamo's
+guards hold for all of them (parameters are inputs of the compiled code, not constants).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["compile_options", "refuse_inner_graphs", "compiled_module", "CompiledModule", "opaque",
+           "no_compile_in_capture"]
+
+# torch.compile's keyword arguments that a graphed layer passes through.
+_KEYS = ("fullgraph", "dynamic", "backend", "mode", "options", "disable")
+_GRAPHING_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _inner_graphs_error(owner: str, what: str) -> ValueError:
+    return ValueError(
+        f"{owner}: {what} records Inductor's own CUDA graphs, which cannot run inside this layer's "
+        f"graphs. Use compile=True (the default mode) or mode='max-autotune-no-cudagraphs': the graphed "
+        f"layer already removes the launch overhead that reduce-overhead targets.")
+
+
+def compile_options(compile: Any, owner: str) -> Optional[dict]:
+    """The ``torch.compile`` keyword arguments a graphed layer's ``compile=`` option stands for:
+    ``None`` for ``False``/``None``, ``{}`` for ``True``, a copy of a dict.
+
+    Raises:
+        TypeError: ``compile`` is neither a bool nor a dict.
+        ValueError: an unknown key, or a setting that records Inductor's own CUDA graphs.
+    """
+    if compile is None or compile is False:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, dict):
+        raise TypeError(f"{owner}: compile must be True, False or a dict of torch.compile keyword arguments, "
+                        f"got {type(compile).__name__}")
+    unknown = sorted(set(compile) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"{owner}: compile={{...}} has {unknown}, which torch.compile does not take here; "
+                         f"use some of {list(_KEYS)}")
+    mode, options, backend = compile.get("mode"), compile.get("options") or {}, compile.get("backend")
+    if mode in _GRAPHING_MODES:
+        raise _inner_graphs_error(owner, f"compile={{'mode': {mode!r}}}")
+    if not isinstance(options, dict):
+        raise TypeError(f"{owner}: compile['options'] must be a dict of Inductor options, got "
+                        f"{type(options).__name__}")
+    if options.get("triton.cudagraphs"):
+        raise _inner_graphs_error(owner, "compile={'options': {'triton.cudagraphs': True}}")
+    if backend == "cudagraphs":
+        raise _inner_graphs_error(owner, "compile={'backend': 'cudagraphs'}")
+    return dict(compile)
+
+
+def _compiled_by_user(obj: Any) -> Any:
+    """The ``torch.compile`` wrapper of ``obj`` when the user compiled it: an ``OptimizedModule``,
+    a module after ``module.compile()``, or a compiled function; else ``None``."""
+    if isinstance(obj, torch._dynamo.eval_frame.OptimizedModule):
+        return obj
+    compiled = getattr(obj, "_compiled_call_impl", None) if isinstance(obj, nn.Module) else None
+    if compiled is not None:
+        return compiled
+    return obj if callable(getattr(obj, "get_compiler_config", None)) else None
+
+
+def refuse_inner_graphs(obj: Any, owner: str) -> Any:
+    """Refuse a module or function the user compiled with Inductor's CUDA graphs on
+    (``mode="reduce-overhead"``); returns its ``torch.compile`` wrapper, or ``None`` when the
+    user did not compile it."""
+    compiled = _compiled_by_user(obj)
+    if compiled is None:
+        return None
+    getter = getattr(compiled, "get_compiler_config", None)
+    config = getter() if callable(getter) else None  # Inductor's settings; None for other backends
+    if isinstance(config, dict) and config.get("triton.cudagraphs"):
+        raise _inner_graphs_error(owner, "the module was compiled with mode='reduce-overhead' (or "
+                                         "triton.cudagraphs), which")
+    return compiled
+
+
+def compiled_module(module: nn.Module, options: dict) -> Callable:
+    """``torch.compile(module, **options)``: the module's forward code is compiled, shared by
+    every module of its class while dynamo's guards hold."""
+    return torch.compile(module, **options)
+
+
+class CompiledModule(nn.Module):
+    """The module a graphed layer's engine runs when ``compile=`` is given: ``module`` called
+    through ``torch.compile``. Its parameters are ``module``'s (under ``module.``), its
+    train/eval mode is ``module``'s; it is never a submodule of the model."""
+
+    def __init__(self, module: nn.Module, options: dict):
+        super().__init__()
+        self.module = module
+        self.__dict__["_compiled"] = compiled_module(module, options)
+
+    @property
+    def training(self) -> bool:  # the engine keys signatures by the wrapped module's mode
+        return self.module.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:  # nn.Module.__init__ and train() set it; the module's own wins
+        pass
+
+    def forward(self, *args, **kwargs):
+        return self._compiled(*args, **kwargs)
+
+
+def opaque(fn: Callable) -> Callable:
+    """``fn`` as a boundary for dynamo: ``torch.compile`` around a caller graph-breaks at it and
+    runs it as Python (compiled code that ``fn`` calls itself still runs compiled)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def no_compile_in_capture():
+    """Inside a capture, compiled code may only run what it compiled before: a guard miss
+    raises with dynamo's reason instead of tracing, compiling and autotuning in the capture."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return contextlib.nullcontext()
+    return set_stance("fail_on_recompile")
