@@ -76,6 +76,7 @@ class MemoryPlan:
     def __init__(self, runtime):
         self.runtime = runtime
         self._generations: list[_Generation] = []
+        self._opened = 0  # generations opened so far (numbers them in logs)
         self.graphs_captured = 0
         self.capture_seconds = 0.0
         self._pending_log = False
@@ -89,7 +90,8 @@ class MemoryPlan:
             return None  # no pool is shared: no order to keep
         gen = self._generations[-1] if self._generations else None
         if gen is None or gen.sealed:
-            gen = _Generation(len(self._generations), self.runtime.new_pool())
+            gen = _Generation(self._opened, self.runtime.new_pool())
+            self._opened += 1
             self._generations.append(gen)
             if gen.index > 0:
                 logger.info("paddle_graphpp: capture after replays began; opening memory pool generation %d "
@@ -151,9 +153,18 @@ class MemoryPlan:
         gen.in_flight += 1 if forward else (-1 if finishes else 0)
 
     def note_aborted(self, gen: Optional[_Generation]) -> None:
-        """A capture failed: graphs captured later must not share its pool."""
-        if gen is not None:
-            gen.sealed = True
+        """A capture failed: graphs captured later must not share its pool. A generation that
+        holds no graph (it failed at its first capture) is dropped, and its pool's memory given
+        back (the failed capture's allocations were freed into it)."""
+        if gen is None:
+            return
+        gen.sealed = True
+        if not gen.order and gen in self._generations:
+            self._generations.remove(gen)
+            pool, gen.pool = gen.pool, None
+            self.runtime.release_pool(pool)
+            del pool  # the last reference, unless the runtime keeps it
+            self.runtime.release_cached_memory()
 
     # -------------------------------------------------------------- telemetry
     def report(self) -> dict:

@@ -395,6 +395,11 @@ class GraphRuntime(abc.ABC):
         """Return cached, unused device memory to the driver (before a batch of captures, and
         after a failed one)."""
 
+    def release_pool(self, pool: Any) -> None:
+        """``pool`` holds no graph and never will (every capture into it failed): give its
+        memory back to the driver now. Called between captures, never inside one. Default:
+        nothing (the pool keeps what it cached)."""
+
     def defer_capture(self) -> Optional[str]:
         """Asked before a recorded episode is captured: a reason to wait (logged once) drops the
         recording and records the next episode instead (asked again then; the core stops asking

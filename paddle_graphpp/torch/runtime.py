@@ -18,6 +18,7 @@ from ..core.runtime import GraphRuntime, TensorSpec
 from .. import support as _support
 from ..allocator import env_flag_value
 from ..core.state import module_state_slots
+from . import compile as _compile
 from . import pool_segments as _pool_segments
 from . import split_backward as _split
 from .allocator import async_allocator_active as _async_allocator_active
@@ -249,7 +250,16 @@ class TorchRuntime(GraphRuntime):
     def call_with_param_aliases(self, fn, params, args, kwargs):
         if not params:
             return fn(*args, **kwargs), []
-        names = {id(p): n for n, p in fn.named_parameters()}
+        names: dict = {}
+        for n, p in fn.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), n)
+        missing = [i for i, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} of the parameters the graphed layer was warmed up with are no longer its "
+                f"module's (parameter {missing[0]}, shape {tuple(params[missing[0]].shape)}): parameters were "
+                f"replaced after warmup. Replace parameters before the first call, or call "
+                f"paddle_graphpp.reset_graphs(model) after replacing them.")
         aliases = [p.detach().requires_grad_(True) for p in params]
         mapping = {names[id(p)]: a for p, a in zip(params, aliases)}
         return torch.func.functional_call(fn, mapping, args, kwargs, strict=False), aliases
@@ -372,6 +382,17 @@ class TorchRuntime(GraphRuntime):
         self._pools.append(pool)
         return pool
 
+    def release_pool(self, pool) -> None:
+        # Dropping the runtime's reference lets the caller's be the last: the pool's destructor
+        # then gives its reference on the allocator's pool back and frees its cached segments,
+        # between captures. A pool someone else still holds is kept for the process instead:
+        # destroyed later, during a capture, it would trip the allocator's assertion.
+        if pool not in self._pools:
+            return
+        self._pools.remove(pool)
+        if sys.getrefcount(pool) > 3:  # this argument, getrefcount's, the caller's
+            self._pools.append(pool)
+
     def capture_stream(self) -> "torch.cuda.Stream":
         device = torch.cuda.current_device()
         stream = self._capture_streams.get(device)
@@ -386,23 +407,16 @@ class TorchRuntime(GraphRuntime):
         stream.wait_stream(current)
         for gen in _registered_generators(generators):
             graph.register_generator_state(gen)
-        with torch.cuda.stream(stream), _pool_segments.pool_allocations():
-            graph.capture_begin(pool=_pool_id(pool), capture_error_mode="thread_local")
+        # compiled code runs only what it compiled in the warmup (see .compile)
+        with torch.cuda.stream(stream), _pool_segments.pool_allocations(), _compile.no_compile_in_capture():
             try:
+                graph.capture_begin(pool=_pool_id(pool), capture_error_mode="thread_local")
                 yield graph
+                graph.capture_end()
             except BaseException:
-                # End the broken capture here, so the stream and the pool can be used again.
-                with contextlib.suppress(Exception):
-                    graph.capture_end()  # ends the invalidated capture
-                with contextlib.suppress(Exception):
-                    # capture_end raises before it ends the allocator's redirection into the
-                    # pool when the capture was invalidated: end it here
-                    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), tuple(_pool_id(pool) or graph.pool()))
-                with contextlib.suppress(Exception):
-                    graph.reset()
+                _end_failed_capture(graph, _pool_id(pool))
                 self._reset_capture_state(stream)
                 raise
-            graph.capture_end()
         current.wait_stream(stream)
 
     @staticmethod
@@ -416,12 +430,20 @@ class TorchRuntime(GraphRuntime):
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()
             empty = torch.cuda.CUDAGraph()
-            with contextlib.suppress(Exception), torch.cuda.stream(stream):
-                empty.capture_begin(capture_error_mode="thread_local")
-                empty.capture_end()
+            with torch.cuda.stream(stream):
+                try:
+                    empty.capture_begin(capture_error_mode="thread_local")
+                    empty.capture_end()
+                except Exception:  # noqa: BLE001 - best effort; what it began is ended below
+                    _end_failed_capture(empty, None)
             del empty
 
     def capture_failure_hint(self, error, generators):
+        if "stance is 'fail_on_recompile'" in str(error):
+            return ("Compiled code (torch.compile) would have compiled anew inside the capture, for the reason "
+                    "above; a capture runs only what the warmup compiled. Give every call the inputs' shapes, "
+                    "dtypes, strides and requires_grad, the attributes and global state the compiled code reads, "
+                    "and the autocast and train/eval mode it had in the warmup.")
         if "generator not in capture mode" not in str(error):
             return None
         tracker, unsafe = _megatron_tracker_states()
@@ -506,6 +528,38 @@ class TorchRuntime(GraphRuntime):
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _end_failed_capture(graph, pool_id) -> None:
+    """Undo what a capture that did not complete left in the caching allocator.
+
+    ``CUDAGraph.capture_begin`` routes the device's allocations into the pool and takes a
+    reference on it before the stream starts capturing; ``capture_end`` ends the routing only
+    after the stream's capture ended well, and a graph gives its reference back (on reset or
+    destruction) only if its capture ended. A capture that failed in between (a begin the stream
+    refused, a body that raised, an end the driver rejected) would leave the routing on, so that
+    the next ``empty_cache()`` (and the pool's destructor at exit) trips the allocator's "no capture
+    underway" assertion, and the reference taken, so that the pool's memory could never be freed.
+    Here the capture is ended if it still runs, then the routing and the reference are given
+    back, each only if still held."""
+    device = torch.cuda.current_device()
+    try:
+        graph.capture_end()  # a body that raised in Python leaves a capture the driver can end
+        ended = True
+    except Exception:  # noqa: BLE001 - invalidated, or never begun
+        ended = False
+    if not ended:
+        with contextlib.suppress(Exception):
+            pool_id = tuple(pool_id or graph.pool())
+        try:
+            torch._C._cuda_endAllocateToPool(device, pool_id)
+        except Exception:  # noqa: BLE001 - not routed: capture_begin failed before it routed
+            pool_id = None
+        if pool_id is not None:
+            with contextlib.suppress(Exception):
+                torch._C._cuda_releasePool(device, pool_id)
+    with contextlib.suppress(Exception):
+        graph.reset()  # an ended capture gives its reference back here
 
 
 def _unowned_storage(tensor):
