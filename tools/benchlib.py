@@ -57,6 +57,25 @@ def environment() -> dict:
     return env
 
 
+def code_version() -> str:
+    """The checkout's commit (with ``+dirty`` when files differ from it), or ``"unknown"``;
+    ``GRAPHPP_CODE_VERSION`` names it where the tree was copied without its git history (the
+    GPU machine)."""
+    import subprocess
+
+    if os.environ.get("GRAPHPP_CODE_VERSION"):
+        return os.environ["GRAPHPP_CODE_VERSION"]
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
 def command() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
 

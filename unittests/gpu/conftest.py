@@ -1,4 +1,13 @@
-"""Shared by the GPU tests (each skips itself without CUDA)."""
+"""Shared by the GPU tests (each skips itself without CUDA).
+
+``GRAPHPP_PROBE_ALLOCATOR=1`` empties the CUDA cache after every test. The caching allocator
+asserts, and aborts the process, when its cache is emptied while an allocation routing into a
+graph pool is still on (``captures_underway``), as a capture that failed without ending its
+routing leaves it; the test named on stderr just before such an abort is the one that left it.
+"""
+import os
+import sys
+
 import pytest
 
 
@@ -13,3 +22,20 @@ def fp32_exact():
     torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture(autouse=True)
+def _allocator_probe(request):
+    yield
+    if os.environ.get("GRAPHPP_PROBE_ALLOCATOR") != "1":
+        return
+    import gc
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    print(f"\n[allocator probe] emptying the cache after {request.node.nodeid}", file=sys.stderr, flush=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()

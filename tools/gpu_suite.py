@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""The GPU test suite in one process, recorded: ``python -m pytest unittests/gpu``, its exit code
+and counts.
+
+    python tools/gpu_suite.py                 # -> benchmarks/results/gpu-suite-<device>.json
+    python tools/gpu_suite.py --name gpu-suite-2gpu   # on a machine with two GPUs
+
+Runs pytest once, in a child process, over the whole ``unittests/gpu`` folder (the way a user
+runs it, so that every test file shares one interpreter and its teardown: the exit code is
+part of what is checked), with a JUnit XML report for the counts. ``--probe`` empties the CUDA
+cache after every test (``GRAPHPP_PROBE_ALLOCATOR=1``, see ``unittests/gpu/conftest.py``): a
+test that leaves an allocation routing into a graph pool then aborts the process right after it.
+
+The record holds ``command``, ``exit_code``, ``passed``, ``failed`` (failures and errors),
+``skipped``, ``gpus``, the environment (device, versions, date, code version), the failed
+tests' names and the tail of the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
+
+from tools import benchlib  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--name", default="gpu-suite", help="record name (the device is appended)")
+    p.add_argument("--probe", action="store_true", help="empty the CUDA cache after every test")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds for the whole suite")
+    p.add_argument("pytest_args", nargs="*", help="more arguments for pytest (e.g. -k ...)")
+    return p.parse_args(argv)
+
+
+def counts(junit: Path) -> dict:
+    """Passed, failed (failures and errors), skipped, and the failed tests' ids, from a JUnit report."""
+    out = {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []}
+    if not junit.exists():
+        return out
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            out["failed"] += 1
+            out["failed_tests"].append(name)
+        elif case.find("skipped") is not None:
+            out["skipped"] += 1
+        else:
+            out["passed"] += 1
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp, "suite.xml")
+        cmd = [sys.executable, "-m", "pytest", "unittests/gpu", "-q", "-p", "no:cacheprovider",
+               f"--junitxml={junit}", *args.pytest_args]
+        env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+        if args.probe:
+            env["GRAPHPP_PROBE_ALLOCATOR"] = "1"
+        try:
+            end = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+            code, output = end.returncode, end.stdout + end.stderr
+        except subprocess.TimeoutExpired as exc:
+            code, output = None, f"{exc.stdout or ''}{exc.stderr or ''}\n[timed out after {args.timeout} s]"
+        found = counts(junit)
+    record = {"command": "python -m pytest unittests/gpu" + (" (allocator probe)" if args.probe else ""),
+              "exit_code": code, "passed": found["passed"], "failed": found["failed"],
+              "skipped": found["skipped"], "gpus": torch.cuda.device_count(),
+              "failed_tests": found["failed_tests"], "environment": benchlib.environment(),
+              "code_version": benchlib.code_version(), "output_tail": output[-4000:]}
+    path = benchlib.write_result(args.name, record)
+    print(f"exit code {code}: {found['passed']} passed, {found['failed']} failed, {found['skipped']} skipped "
+          f"on {record['gpus']} GPU(s) -> {path}")
+    print(output[-3000:])
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
