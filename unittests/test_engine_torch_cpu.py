@@ -152,3 +152,35 @@ def test_backward_into_matches_autograd_grad(accumulate):
         torch.testing.assert_close(buf, s + e if accumulate else e, rtol=0, atol=0)
     assert torch.equal(buffers[2], start[2])
     assert all(a.grad is None for a in aliases) and inputs[0].grad is None
+
+
+class SharedPlaces(torch.nn.Module):
+    """A submodule held under two names, and a weight tied into two modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(8, 8)
+        self.again = self.inner  # the same module under a second name (as a torch.compile wrapper holds it)
+        self.out = torch.nn.Linear(8, 8)
+        self.back = torch.nn.Linear(8, 8)
+        self.back.weight = self.out.weight  # one parameter in two modules
+
+    def forward(self, x):
+        h = torch.tanh(self.again(x))
+        return self.back(self.out(h))
+
+
+def test_parameters_held_in_several_places_keep_their_objects_and_get_whole_gradients():
+    warnings.filterwarnings("ignore", message=".*CUDA graphs are not used.*")
+    torch.manual_seed(0)
+    eager = SharedPlaces()
+    module = copy.deepcopy(eager)
+    graphed = CUDAGraphedModule(module, num_warmup_steps=0)
+    before = [id(p) for p in module.parameters()]
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        eager(x).square().mean().backward()
+        graphed(x).square().mean().backward()
+    assert [id(p) for p in module.parameters()] == before  # the module holds the parameters it had
+    for (name, p), q in zip(eager.named_parameters(), module.parameters()):
+        assert q.grad is not None and torch.allclose(p.grad, q.grad), name  # the tied weight's two parts

@@ -250,10 +250,8 @@ class TorchRuntime(GraphRuntime):
     def call_with_param_aliases(self, fn, params, args, kwargs):
         if not params:
             return fn(*args, **kwargs), []
-        names: dict = {}
-        for n, p in fn.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), n)
-        missing = [i for i, p in enumerate(params) if id(p) not in names]
+        slots = _parameter_slots(fn)
+        missing = [i for i, p in enumerate(params) if id(p) not in slots]
         if missing:
             raise RuntimeError(
                 f"{len(missing)} of the parameters the graphed layer was warmed up with are no longer its "
@@ -261,8 +259,11 @@ class TorchRuntime(GraphRuntime):
                 f"replaced after warmup. Replace parameters before the first call, or call "
                 f"paddle_graphpp.reset_graphs(model) after replacing them.")
         aliases = [p.detach().requires_grad_(True) for p in params]
-        mapping = {names[id(p)]: a for p, a in zip(params, aliases)}
-        return torch.func.functional_call(fn, mapping, args, kwargs, strict=False), aliases
+        mapping = {name: a for p, a in zip(params, aliases) for name in slots[id(p)]}
+        # Every place a parameter is held gets its alias, each place once: functional_call's
+        # own tying would swap a module held under two names twice, and its restore then leaves
+        # new parameter objects in the module (torch 2.11, 2.13).
+        return torch.func.functional_call(fn, mapping, args, kwargs, strict=False, tie_weights=False), aliases
 
     def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:
@@ -528,6 +529,21 @@ class TorchRuntime(GraphRuntime):
     def release_cached_memory(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _parameter_slots(module) -> dict:
+    """``{id(parameter): [name, ...]}``: one name per place the parameter is held (a module and
+    attribute), so a parameter tied into two modules has two names and a module reachable
+    under two names (a submodule also held by a ``torch.compile`` wrapper) counts once."""
+    places: dict = {}
+    seen: set = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in sub._parameters.items():
+            if p is None or (id(sub), attr) in seen:
+                continue
+            seen.add((id(sub), attr))
+            places.setdefault(id(p), []).append(f"{prefix}.{attr}" if prefix else attr)
+    return places
 
 
 def _end_failed_capture(graph, pool_id) -> None:
