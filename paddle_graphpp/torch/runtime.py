@@ -124,6 +124,7 @@ class TorchRuntime(GraphRuntime):
         self._capture_streams: dict[int, torch.cuda.Stream] = {}
         self._lender = None  # pool_lending.PoolLender, once a pool is lent
         self._pools: list = []  # every MemPool handed out (see new_pool)
+        self._anchors: dict = {}  # id(pool) -> its empty anchor graph (see new_pool)
         from .pool_lending import watch_optimizers
 
         watch_optimizers()  # prepare_pool sizes a pool by the parameters of the optimizers that step
@@ -375,16 +376,21 @@ class TorchRuntime(GraphRuntime):
         return torch.cuda.CUDAGraph()
 
     def new_pool(self):
-        # A MemPool (not a bare handle): eager work can then be routed into it (lend_pool). A
-        # MemPool must outlive every graph captured into it (its destructor asserts that none
-        # is left), and a graph's attributes are released before the graph itself: the runtime
-        # keeps the pools for the life of the process.
+        # A MemPool (not a bare handle): eager work can then be routed into it (lend_pool). Its
+        # destructor empties its cache, which the allocator refuses (aborting the process) while
+        # any capture is underway: the runtime keeps each pool until it is released between
+        # captures (release_pool) or the process ends. Each pool gets an empty anchor graph
+        # captured into it: the host (pinned-memory) allocator counts a pool's users only by its
+        # graphs, and refuses a capture into a pool whose graphs are all gone (torch 2.11:
+        # "use_count > 0" asserted in capture_begin), as they are after reset_graphs() or a
+        # failed capture.
         pool = torch.cuda.MemPool()
         self._pools.append(pool)
+        self._anchors[id(pool)] = _anchor_graph(pool, self.capture_stream())
         return pool
 
     def release_pool(self, pool) -> None:
-        # Dropping the runtime's reference lets the caller's be the last: the pool's destructor
+        # Dropping the runtime's references lets the caller's be the last: the pool's destructor
         # then gives its reference on the allocator's pool back and frees its cached segments,
         # between captures. A pool someone else still holds is kept for the process instead:
         # destroyed later, during a capture, it would trip the allocator's assertion.
@@ -393,6 +399,10 @@ class TorchRuntime(GraphRuntime):
         self._pools.remove(pool)
         if sys.getrefcount(pool) > 3:  # this argument, getrefcount's, the caller's
             self._pools.append(pool)
+            return
+        anchor = self._anchors.pop(id(pool), None)
+        if anchor is not None:
+            anchor.reset()
 
     def capture_stream(self) -> "torch.cuda.Stream":
         device = torch.cuda.current_device()
@@ -544,6 +554,23 @@ def _parameter_slots(module) -> dict:
             seen.add((id(sub), attr))
             places.setdefault(id(p), []).append(f"{prefix}.{attr}" if prefix else attr)
     return places
+
+
+def _anchor_graph(pool, stream):
+    """An empty graph captured into ``pool``: a user of the pool for as long as it lives."""
+    import warnings
+
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with warnings.catch_warnings(), torch.cuda.stream(stream):
+        warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+        try:
+            graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+            graph.capture_end()
+        except BaseException:
+            _end_failed_capture(graph, pool.id)
+            raise
+    return graph
 
 
 def _end_failed_capture(graph, pool_id) -> None:

@@ -41,18 +41,21 @@ SCRIPT = textwrap.dedent('''
     failing = CUDAGraphedModule(Syncs().cuda(), num_warmup_steps=1, name="syncs")
     params = [p for m in (blocks, stage, failing) for p in m.parameters()]
     opt = GraphedOptimizer(torch.optim.AdamW(params, lr=1e-3))
+    failures = 0
     for step in range(6):
         x = torch.randn(8, 32, device="cuda", requires_grad=True)
-        for block in blocks:
-            x = block(x)
-        x = stage(x)
-        try:
-            x = failing(x)
+        try:  # the captures of a step run at its first graphed call: an error comes from there
+            for block in blocks:
+                x = block(x)
+            x = failing(stage(x))
         except CaptureError:
-            pass  # the layer warms up again; the script goes on
+            failures += 1  # the failed layer warms up again; the step is skipped
+            opt.zero_grad()
+            continue
         x.square().mean().backward()
         opt.step()
         opt.zero_grad()
+    assert failures > 0, "the failing layer's capture should have failed"
     torch.cuda.synchronize()
     print("trained", sum(b.engine.replays for b in blocks))
 ''')
