@@ -27,7 +27,9 @@ its weight half into the store, which runs it in the schedule's weight pass
 
 :class:`PipelineLayer` is fleet's class that checks its configuration before any process
 communicates, makes fleet's CPU adjustments (:mod:`paddle_graphpp.paddle.fleet_cpu`) and,
-with ``use_cudagraph=True``, calls :func:`graph_pipeline` on itself.
+with ``use_cudagraph=True``, calls :func:`graph_pipeline` on itself. With ``to_static=...`` each
+graphed run's layers run converted by ``paddle.jit.to_static`` inside its graphs
+(:mod:`paddle_graphpp.paddle.to_static`).
 :func:`paddle_graphpp.install` makes fleet's own ``use_cudagraph`` flag do the same.
 Without CUDA the graphed runs execute eagerly (one warning).
 """
@@ -48,6 +50,7 @@ from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipeli
 from paddle_graphpp.support import require
 from paddle_graphpp.core.segment import classify, describe_runs, split_into_runs
 from paddle_graphpp.paddle import fleet_cpu
+from paddle_graphpp.paddle.to_static import to_static_options
 
 __all__ = ["graph_pipeline", "GraphedPipeline", "PipelineLayer"]
 
@@ -168,7 +171,7 @@ def _unwrap(model):
     return model
 
 
-def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False) -> GraphedPipeline:
+def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False, to_static=False) -> GraphedPipeline:
     """Graph an already-built fleet pipeline model in place; returns its :class:`GraphedPipeline`.
 
     Args:
@@ -181,6 +184,14 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             temporaries share the graphs' pool (PyTorch, measured: the last rank of a GPT-3 1.3B
             pp=2 pipeline from 1.02-1.03x eager's memory to 0.97-0.98x). Each call returns its
             own loss tensor. Needs one loss function without trainable parameters.
+        to_static: ``True`` or a dict of ``paddle.jit.to_static`` keyword arguments
+            (``full_graph``, ``backend``, ``build_strategy``, ``input_spec``): each graphed run's
+            layers run converted inside its graphs, converted in the warmup calls and captured
+            (see :class:`paddle_graphpp.CUDAGraphedLayer`); eager layers and the loss function are
+            not converted. Without CUDA the runs execute converted and eagerly. Layers the user
+            converted already (``paddle.jit.to_static(layer)`` in the layer list) run converted
+            without this option; with it they need ``{"full_graph": True}`` (Paddle 3.3.1's SOT
+            fails on code that calls a converted layer, so that is refused here).
 
     Parameter names, ``state_dict()`` keys and parameters are unchanged, so an optimizer
     built before the call stays valid. ``GraphedPipeline.of(model)`` returns the result again.
@@ -195,6 +206,10 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             in Paddle's own ``CUDAGraphedLayer``), recomputes (``recompute_interval > 0``), or
             the strategy declares dynamic shapes; ``graph_loss`` with several loss functions
             or a loss with trainable parameters. Nothing is changed then.
+        TypeError, ValueError: an invalid ``to_static`` (not a bool or dict, an unknown key or
+            backend, ``input_spec`` without ``full_graph=True``, SOT without the PIR API), or
+            with SOT a graphed run holding a layer converted already; the message names the
+            model or the run, and the fix. Nothing is changed then.
 
     Warnings:
         * Every micro-batch must have the same shapes (pad sequences): a graph replays the
@@ -222,6 +237,7 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
     _check_graphable(f"graph_pipeline({name})", recompute_interval=getattr(model, "_recompute_interval", 0))
     _refuse_upstream_graphs(model, containers)
     loss_fn = _loss_to_graph(model, name) if graph_loss else None
+    to_static_options(to_static, f"graph_pipeline({name}, to_static=...)")
 
     from paddle_graphpp.paddle.graphed_layer import CUDAGraphedLayer
 
@@ -237,11 +253,12 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
                 continue
             label = (f"stage{model._stage_id}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
                      + f".layers[{run.start}:{run.stop}]")
-            layer = CUDAGraphedLayer(_RunBody(run.objects()), num_warmup_steps, name=label)
+            layer = CUDAGraphedLayer(_RunBody(run.objects()), num_warmup_steps, name=label, to_static=to_static)
             graphed_layers.append(layer)
             graphed.append(_GraphedRunCall(layer, run, label))
-        run_function[:] = graphed
         chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
+    for chunk in chunks:  # every run built (and its options checked) before fleet's lists change
+        chunk.run_function[:] = chunk.graphed
 
     graphed_loss = None if loss_fn is None else _graph_loss(model, loss_fn, num_warmup_steps)
     graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss)
@@ -374,6 +391,15 @@ def _check_graphable(subject, *, recompute_interval):
             "dynamic shapes off, or set use_cudagraph=False")
 
 
+def _check_to_static(to_static, use_cudagraph):
+    """Check ``PipelineLayer``'s ``to_static`` on every rank, before any communication."""
+    subject = "PipelineLayer(to_static=...)"
+    if to_static_options(to_static, subject) is not None and not use_cudagraph:
+        raise ValueError(
+            f"{subject} converts the graphed runs' layers, but use_cudagraph=False builds none: set "
+            "use_cudagraph=True, or apply paddle.jit.to_static to the layers yourself")
+
+
 def _pipe_degree(num_stages, topology):
     if topology is not None:
         hcg = getattr(topology, "_parent_hcg", None)
@@ -457,6 +483,9 @@ class PipelineLayer(_FleetPipelineLayer):
         num_warmup_steps: eager steps each graphed run takes before capture.
         graph_loss: with ``use_cudagraph``, graph the loss function too (see
             :func:`graph_pipeline`).
+        to_static: with ``use_cudagraph``, ``True`` or a dict of ``paddle.jit.to_static``
+            keyword arguments: each graphed run's layers run converted inside its graphs (see
+            :func:`graph_pipeline`).
 
     Build it after ``fleet.init(is_collective=True, strategy=...)`` and on every rank
     (it may create communication groups), then wrap it with ``fleet.distributed_model``.
@@ -468,16 +497,20 @@ class PipelineLayer(_FleetPipelineLayer):
             micro-batches or with a ``seg_method`` that does not split into ``pp*vpp``
             chunks; ``use_dualpipev`` without the strategy's ``pp_configs['use_dualpipev']``
             or with fewer than ``2*pp`` micro-batches; ``use_cudagraph`` with dynamic shapes
-            declared in the strategy or with recomputation.
+            declared in the strategy or with recomputation; ``to_static`` without
+            ``use_cudagraph``, or an invalid one (an unknown key or backend, ...).
+        TypeError: ``to_static`` is neither a bool nor a dict (or a value in it has the wrong type).
 
     The warnings of :func:`graph_pipeline` apply.
     """
 
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seg_method="uniform",
                  recompute_interval=0, recompute_ctx=None, num_virtual_pipeline_stages=None,
-                 use_cudagraph=False, use_dualpipev=False, *, num_warmup_steps=3, graph_loss=False):
+                 use_cudagraph=False, use_dualpipev=False, *, num_warmup_steps=3, graph_loss=False,
+                 to_static=False):
         layers = list(layers)
         vpp = num_virtual_pipeline_stages or 1
+        _check_to_static(to_static, use_cudagraph)
         _check_configuration(layers, num_stages=num_stages, topology=topology, seg_method=seg_method,
                              vpp=vpp, use_cudagraph=use_cudagraph, use_dualpipev=use_dualpipev,
                              recompute_interval=recompute_interval)
@@ -491,7 +524,7 @@ class PipelineLayer(_FleetPipelineLayer):
         self.uses_hop_groups = bool(on_cpu and fleet_cpu.use_hop_groups(fleet.get_hybrid_communicate_group()))
         self.use_cudagraph = bool(use_cudagraph)
         if self.use_cudagraph:
-            graph_pipeline(self, num_warmup_steps=num_warmup_steps, graph_loss=graph_loss)
+            graph_pipeline(self, num_warmup_steps=num_warmup_steps, graph_loss=graph_loss, to_static=to_static)
 
     def segmentation_report(self) -> str:
         """How this rank's chunks were split: one line per graphed or eager run."""

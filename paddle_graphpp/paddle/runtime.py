@@ -242,6 +242,12 @@ class PaddleRuntime(GraphRuntime):
     def replay_graph(self, graph) -> None:
         graph.replay()
 
+    def capture_failure_hint(self, error, generators):
+        if "converted the layer anew inside the capture" in str(error):  # raised by .to_static.StaticLayer
+            return ("paddle.jit.to_static converts where a call's inputs or modes differ from the warmup's: keep them "
+                    "as the warmup calls had them, or pass to_static=False for this layer.")
+        return None
+
     def is_capturing(self) -> bool:
         from paddle.base import core
 

@@ -9,9 +9,15 @@ the losses of both modes, the segmentation report, and how often each graphed ru
 
 ``--die-rank R`` makes rank R exit abruptly during the first step (to test that the other
 ranks fail instead of hanging).
+
+``--to-static user`` builds the graphed run's blocks converted by their user
+(``paddle.jit.to_static`` on each instance); ``--to-static option`` builds it with
+``PipelineLayer(to_static=True)``. The eager run stays plain, and the JSON then also holds how
+many converted programs the graphed run executed. ``--dropout`` sets the blocks' dropout.
 """
 
 import argparse
+import os
 
 import paddle
 import paddle.nn as nn
@@ -39,15 +45,23 @@ def tied_head(embedding, hidden):
 
 
 class Block(nn.Layer):
-    def __init__(self):
+    def __init__(self, dropout=0.1):
         super().__init__()
         self.norm = nn.LayerNorm(HIDDEN)
         self.fc1 = nn.Linear(HIDDEN, 2 * HIDDEN)
         self.fc2 = nn.Linear(2 * HIDDEN, HIDDEN)
-        self.drop = nn.Dropout(0.1)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
         return x + self.drop(self.fc2(F.gelu(self.fc1(self.norm(x)))))
+
+
+class UserStaticBlock(Block):
+    """A Block its user converted: ``paddle.jit.to_static`` on the instance, as built."""
+
+    def __init__(self, dropout=0.1):
+        super().__init__(dropout)
+        paddle.jit.to_static(self)
 
 
 @paddle_graphpp.mark_not_capturable
@@ -67,10 +81,10 @@ def loss_fn(logits, labels):
     return F.cross_entropy(logits.reshape([-1, VOCAB]), labels.reshape([-1]))
 
 
-def layer_descs(num_blocks):
+def layer_descs(num_blocks, block=Block, dropout=0.1):
     descs = [SharedLayerDesc("embed", TiedEmbedding, shared_weight_attr="weight")]
     for i in range(num_blocks):
-        descs.append(LayerDesc(Block))
+        descs.append(LayerDesc(block, dropout=dropout))
         if i == 0:
             descs.append(scale_residual)
         if i == num_blocks // 2:
@@ -79,19 +93,36 @@ def layer_descs(num_blocks):
     return descs
 
 
+def count_converted_runs():
+    """``{"runs": n}``, n counting the converted programs (SOT's or the AST converter's) run from now on."""
+    from paddle.jit.dy2static.pir_partial_program import PartialProgramLayer
+
+    counter = {"runs": 0}
+    for method in ("__call__", "sot_call"):
+        def counted(self, *a, _run=getattr(PartialProgramLayer, method), **k):
+            counter["runs"] += 1
+            return _run(self, *a, **k)
+
+        setattr(PartialProgramLayer, method, counted)
+    return counter
+
+
 def train(args, use_cudagraph):
+    converted = use_cudagraph and args.to_static != "none"
     paddle.seed(args.seed)
     model = PipelineLayer(
-        layer_descs(args.blocks), num_stages=args.pp, loss_fn=loss_fn,
+        layer_descs(args.blocks, UserStaticBlock if converted and args.to_static == "user" else Block, args.dropout),
+        num_stages=args.pp, loss_fn=loss_fn,
         seg_method="layer:Block" if args.vpp > 1 else "uniform",
         num_virtual_pipeline_stages=args.vpp if args.vpp > 1 else None,
-        use_cudagraph=use_cudagraph, graph_loss=use_cudagraph,
+        use_cudagraph=use_cudagraph, graph_loss=use_cudagraph, to_static=converted and args.to_static == "option",
     )
     calls = count_calls(model.graphed_layers())
+    programs = count_converted_runs() if converted else None
     model, losses = train_on_random_tokens(model, args, VOCAB, SEQ, die_rank=args.die_rank)
     inner = model._layers
     return {"losses": losses, "report": inner.segmentation_report(), "graphed_calls": calls,
-            "uses_hop_groups": inner.uses_hop_groups,
+            "uses_hop_groups": inner.uses_hop_groups, "converted_runs": programs and programs["runs"],
             "run_function_types": sorted({type(f).__name__ for f in
                                           (inner.run_function if args.vpp == 1 else
                                            [f for c in inner._model_chunks for f in c.run_function])})}
@@ -107,8 +138,12 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--die-rank", type=int, default=-1)
+    parser.add_argument("--to-static", choices=["none", "user", "option"], default="none")
+    parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.to_static != "none":
+        os.environ["MIN_GRAPH_SIZE"] = "0"  # SOT runs pieces under 10 operators (one block) unconverted
 
     rank = init_fleet(args.pp, args.micro_batches, args.micro_batch_size)
     finish(args.out, rank, {"rank": rank, "eager": train(args, False), "graphed": train(args, True)})
