@@ -18,8 +18,9 @@ trained as each of these variants:
   gradient-accumulation loop; the worker tries the usual remedies in turn and records each one's
   error (``compile_worker.APPROACHES``). Its failure is a result, not a stop.
 * ``ours``: ``graph_layers(model.model.layers)``; ``ours_compiled``: ``graph_layers(...,
-  compile=True)`` inside ``torch.compile(model)``; ``ours_compiled_blocks``: the former without
-  the outer compile.
+  compile=True)`` (compiled blocks inside the graphs; the summary's figure);
+  ``ours_compiled_model``: the same inside ``torch.compile(model)`` (the graphed blocks are
+  opaque to dynamo, so the embedding, final norm, head and loss compile around them).
 
 Method: every variant runs in its own process (``tools/compile_worker.py``; dynamo's and the
 allocator's state are per process), all of a group at once on the same GPU, from the same seed
@@ -31,7 +32,7 @@ come from the median round, spread = slowest round / fastest. Ratios are taken o
 variants of one group (side by side). The six 1b workers may not fit one 80 GB GPU together, so
 by default the 1b variants run in two groups, one after the other, each with its own ``compile``
 as the anchor: (compile, ours_compiled, ours) and (compile, eager, reduce_overhead,
-ours_compiled_blocks); ``--groups`` changes that. First-step times are measured while the group's
+ours_compiled_model); ``--groups`` changes that. First-step times are measured while the group's
 other workers compile too (``--stagger`` warms them one at a time: cleaner, slower).
 
 A worker that fails, exits or stops answering is recorded (its error, exit code and the tail of
@@ -68,7 +69,7 @@ from tools.compile_worker import RECORDED_STEPS, SHAPES, VARIANTS  # noqa: E402
 
 WORKER = str(Path(REPO, "tools", "compile_worker.py"))
 AUTO_GROUPS = {"1b": [["compile", "ours_compiled", "ours"],
-                      ["compile", "eager", "reduce_overhead", "ours_compiled_blocks"]]}
+                      ["compile", "eager", "reduce_overhead", "ours_compiled_model"]]}
 RUN_REPLY_S = 120.0  # a "run N" that takes longer is a hang
 DONE_REPLY_S = 30.0
 STDERR_TAIL = 3000

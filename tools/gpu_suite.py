@@ -49,9 +49,10 @@ def counts(junit: Path) -> dict:
         return out
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
             out["failed"] += 1
-            out["failed_tests"].append(name)
+            out["failed_tests"].append({"test": name, "message": (bad.get("message") or "")[:1500]})
         elif case.find("skipped") is not None:
             out["skipped"] += 1
         else:

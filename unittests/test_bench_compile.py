@@ -61,7 +61,7 @@ def test_dry_run_by_default_splits_1b_in_two_groups_each_with_compile(capsys):
     headers = [l for l in out.splitlines() if l.startswith("#")]
     assert headers == ["# small, group 1: " + ", ".join(VARIANTS),
                        "# 1b, group 1: compile, ours_compiled, ours",
-                       "# 1b, group 2: compile, eager, reduce_overhead, ours_compiled_blocks"]
+                       "# 1b, group 2: compile, eager, reduce_overhead, ours_compiled_model"]
     assert out.count("--variant compile --shape 1b") == 2
 
 

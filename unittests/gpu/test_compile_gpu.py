@@ -161,10 +161,11 @@ class Scaled(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(32, 32)
-        self.scale = 1.0  # read by the compiled code: a guard on its value
+        self.activation = "tanh"  # a branch of the compiled code: dynamo guards on its value
 
     def forward(self, x):
-        return x + self.scale * torch.tanh(self.fc(x))
+        h = self.fc(x)
+        return x + (torch.tanh(h) if self.activation == "tanh" else torch.relu(h))
 
 
 def test_a_recompile_the_capture_would_need_raises_naming_the_layer_and_training_goes_on():
@@ -180,8 +181,8 @@ def test_a_recompile_the_capture_would_need_raises_naming_the_layer_and_training
 
     step()  # warmup: compiles
     step()  # recorded
-    layers[0].scale = 2.0  # the guard fails at the capture, which starts the next step
-    with pytest.raises(CaptureError, match=r"scaled\.0: capturing the forward failed: .*fail_on_recompile.*scale"):
+    layers[0].activation = "relu"  # the guard fails at the capture, which starts the next step
+    with pytest.raises(CaptureError, match=r"(?s)scaled\.0: capturing the forward failed: .*fail_on_recompile.*activation"):
         step()
     for _ in range(4):  # the layer warms up again (compiling for the new value), records, captures, replays
         step()
