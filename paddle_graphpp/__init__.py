@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 # Public name -> module defining it. Resolved on first attribute access (PEP 562), so that
 # importing the package stays free of framework imports.
 _LAZY = {
-    "CUDAGraphedLayer": "paddle_graphpp.paddle.graphed_layer",
+    "CUDAGraphedLayer": "paddle_graphpp.paddle.graphed",
     "PipelineLayer": "paddle_graphpp.paddle.pipeline",
     "graph_pipeline": "paddle_graphpp.paddle.pipeline",
     "GraphedPipeline": "paddle_graphpp.paddle.pipeline",
@@ -31,10 +31,10 @@ _LAZY = {
     "capture_custom_allreduce": "paddle_graphpp.core.collectives",
     "sot_warmup_guard": "paddle_graphpp.core.guards",
     "in_sot_warmup_mode": "paddle_graphpp.core.guards",
-    "graph_process": "paddle_graphpp.core.graph_process",
-    "create_graph": "paddle_graphpp.core.graph_process",
-    "capture_to_graph": "paddle_graphpp.core.graph_process",
-    "replay_graph": "paddle_graphpp.core.graph_process",
+    "graph_process": "paddle_graphpp.graph_api",
+    "create_graph": "paddle_graphpp.graph_api",
+    "capture_to_graph": "paddle_graphpp.graph_api",
+    "replay_graph": "paddle_graphpp.graph_api",
     "GraphedOptimizer": "paddle_graphpp.optim",
     "clip_by_global_norm": "paddle_graphpp.optim",
     "global_grad_norm": "paddle_graphpp.optim",

@@ -7,9 +7,9 @@ Two ways to ask for it, both before the framework allocates:
   (PyTorch) or before its first allocation (Paddle).
 
 What it does per framework, and what it checks, is in the ``allocator`` module of each
-framework's package: :mod:`paddle_graphpp.paddle.allocator` (Paddle sets the flag
+framework's package: :mod:`paddle_graphpp.paddle.memory.allocator` (Paddle sets the flag
 ``FLAGS_use_cuda_malloc_async_allocator`` before its first allocation) and
-:mod:`paddle_graphpp.torch.allocator` (PyTorch gets ``backend:cudaMallocAsync`` in
+:mod:`paddle_graphpp.torch.memory.allocator` (PyTorch gets ``backend:cudaMallocAsync`` in
 ``PYTORCH_CUDA_ALLOC_CONF`` before ``import torch``). Neither module, nor this one, imports a
 framework when imported.
 
@@ -89,7 +89,7 @@ def use_cuda_malloc_async_allocator(frameworks: Sequence[str] = _FRAMEWORKS) -> 
     """
     global _requested
     names = _check_frameworks(frameworks)
-    plans = {name: framework_module(name, "allocator").plan() for name in names}  # every check first
+    plans = {name: framework_module(name, "memory.allocator").plan() for name in names}  # every check first
     for name in FRAMEWORKS:  # table order, Paddle first: its set_flags is the only step that can fail
         if name in plans:
             plans[name].apply()
@@ -138,7 +138,7 @@ def async_allocator_active(runtime_name: str) -> bool:
         ValueError: an unknown runtime name.
     """
     name = _check_frameworks([runtime_name])[0]
-    return framework_module(name, "allocator").async_allocator_active()
+    return framework_module(name, "memory.allocator").async_allocator_active()
 
 
 def refuse_half_switch(name: str, detail: str) -> None:
@@ -190,9 +190,3 @@ class SwitchPlan:
             self.first()
         os.environ.update(self.env)
 
-
-def __getattr__(name: str):
-    # Helpers that moved to paddle_graphpp.torch.allocator, still importable from here.
-    if name in ("merge_async_backend", "parse_alloc_conf"):
-        return getattr(framework_module("torch", "allocator"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

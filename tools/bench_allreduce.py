@@ -17,7 +17,7 @@ Sections:
     per-call latency = replay time / calls. Medians and p10/p90 over rounds, per rank.
     Results of the custom graphs are checked against the exact sum. ``suggested_choice``
     reads off where the custom kernels beat NCCL, in the form of
-    ``paddle_graphpp.torch.allreduce.MEASURED``.
+    ``paddle_graphpp.torch.collectives.allreduce.MEASURED``.
   * stress / epoch wrap: many eager custom calls, each checked against a float64 sum of all
     ranks' inputs within ``world x eps(dtype) x sum |x|`` (with 2 ranks both sides compute
     ``a + b`` and are also compared with NCCL bit for bit; with more, the sum order differs).
@@ -132,7 +132,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
     torch.backends.cudnn.allow_tf32 = False
 
     from paddle_graphpp.core import collectives as C
-    from paddle_graphpp.torch.allreduce import create_allreduce, peer_access_report, policy_for_world, replay
+    from paddle_graphpp.torch.collectives.allreduce import create_allreduce, peer_access_report, policy_for_world, replay
 
     result: dict = {"rank": rank, "sections": {}}
 
@@ -273,7 +273,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
         # point) just below the modulus and run across it, checked against NCCL again.
         push = backend._push
         if push is not None:
-            from paddle_graphpp.torch._push_allreduce import EPOCH_MASK
+            from paddle_graphpp.torch.collectives.push_allreduce import EPOCH_MASK
 
             torch.cuda.synchronize()
             dist.barrier(device_ids=[rank])
@@ -294,7 +294,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path:
             save()
 
     # -------------------------------------------------------------------- parity
-    from paddle_graphpp.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from paddle_graphpp.torch.collectives.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     parity = {}
     result["sections"]["parity"] = parity

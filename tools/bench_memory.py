@@ -260,7 +260,8 @@ def child(mode: str, cfg: Config) -> dict:
 # ----------------------------------------------------------------------------- parent side
 def child_env(mode: str) -> dict:
     """The parent's environment, with the allocator backend chosen for ``mode`` and nothing else changed."""
-    from paddle_graphpp.allocator import ENV_FLAG, merge_async_backend, parse_alloc_conf
+    from paddle_graphpp.allocator import ENV_FLAG
+    from paddle_graphpp.torch.memory.allocator import merge_async_backend, parse_alloc_conf
 
     env = dict(os.environ)
     env.pop(ENV_FLAG, None)

@@ -46,7 +46,7 @@ if REPO not in sys.path:  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from paddle_graphpp.core import graph_process as gp  # noqa: E402
+from paddle_graphpp import graph_api as gp  # noqa: E402
 from paddle_graphpp.optim import GraphedOptimizer  # noqa: E402
 from tools import benchlib  # noqa: E402
 

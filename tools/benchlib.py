@@ -157,7 +157,7 @@ class DeviceMemory:
     def __init__(self, device=None):
         import torch
 
-        from paddle_graphpp.torch.allocator import async_allocator_active
+        from paddle_graphpp.torch.memory.allocator import async_allocator_active
 
         device = torch.device("cuda") if device is None else torch.device(device)
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)

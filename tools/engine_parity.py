@@ -139,7 +139,7 @@ def check_parity(*, accumulate_grads: bool, steps: int = 12, device: str = "cuda
         worst = max(worst, max(errs))
         assert max(errs) <= TOLERANCE, f"step {step}: max relative error {max(errs):.3e}"
         if accumulate_grads and step >= 2:  # from the first replayed step on (warmup, recorded, replayed), .grad is the layer's buffer
-            bufs = graphed.engine._param_grad_buffers
+            bufs = graphed.engine.param_grad_buffers
             assert all(q.grad is b for q, b in zip(graphed.module.parameters(), bufs))
         opt_e.step(); opt_g.step()
         opt_e.zero_grad(); opt_g.zero_grad()

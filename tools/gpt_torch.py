@@ -102,7 +102,7 @@ class ParallelBlock(nn.Module):
 
     def __init__(self, dense: Block, dispatcher):
         super().__init__()
-        from paddle_graphpp.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from paddle_graphpp.torch.collectives.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         tp = dispatcher.backend.world_size
         h = dense.qkv.in_features
@@ -139,7 +139,7 @@ def build_chunk(shape: GPTShape, blocks: range, *, first: bool, last: bool, seed
     tuple when one chunk holds both ends, or ``None``.
 
     ``tp``: an all-reduce dispatcher of a tensor-parallel group
-    (:func:`paddle_graphpp.torch.allreduce.create_allreduce`); the blocks become
+    (:func:`paddle_graphpp.torch.collectives.allreduce.create_allreduce`); the blocks become
     :class:`ParallelBlock` shards of the same dense weights, embeddings and head stay replicated."""
     gen = torch.Generator().manual_seed(seed)
     tied_init = torch.randn(shape.vocab, shape.hidden, generator=gen) * 0.02

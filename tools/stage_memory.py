@@ -100,7 +100,7 @@ def worker(args) -> dict:
     options = VARIANTS[args.variant]
     model = chunk
     if options is not None:
-        from paddle_graphpp.torch.pipelining import graph_stage_module
+        from paddle_graphpp.torch.pipeline import graph_stage_module
 
         if options.get("shared") == "tied":
             options = {**options, "shared": tied if isinstance(tied, tuple) else (tied,)}
@@ -109,7 +109,7 @@ def worker(args) -> dict:
         return F.cross_entropy(y.flatten(0, 1).float(), labels.flatten()) / args.micro_batches
 
     if last and args.variant == "graphed_loss":
-        from paddle_graphpp.torch.pipelining import graph_loss
+        from paddle_graphpp.torch.pipeline import graph_loss
 
         loss_fn = graph_loss(loss_fn, WARMUP)
     optimizer = torch.optim.AdamW(params, lr=3e-4)

@@ -14,7 +14,7 @@ transformer blocks with dropout, and a cross-entropy loss. The tie crosses stage
 declares it with ``SharedLayerDesc`` (fleet syncs the gradient); PyTorch keeps one copy of
 the weight on the first and one on the last stage and sums their gradients after each step.
 With ``--cudagraph`` each stage's blocks are captured as CUDA graphs (``paddle_graphpp.
-PipelineLayer(use_cudagraph=True)`` / ``paddle_graphpp.torch.pipelining.graph_stage_module``);
+PipelineLayer(use_cudagraph=True)`` / ``paddle_graphpp.torch.pipeline.graph_stage_module``);
 Paddle keeps the tied (``SharedLayerDesc``) layers eager, PyTorch graphs them with the blocks.
 On CPU the graphed layers run eagerly. On GPUs the torch path uses
 NCCL (with ``NCCL_NVLS_ENABLE=0``) and TF32 matmuls, one GPU per rank; the paddle path needs a
@@ -524,7 +524,7 @@ def run_torch(cfg: Config) -> None:
     pp_rank, tp_rank, tp_group, pp_group, tie_group = torch_mesh(cfg, rank)
     tp = None
     if tp_group is not None:
-        from paddle_graphpp.torch.allreduce import create_allreduce
+        from paddle_graphpp.torch.collectives.allreduce import create_allreduce
 
         tp = create_allreduce(tp_group)  # the custom kernel on NVLink peers, NCCL or gloo otherwise
     num_stages = cfg.pp * cfg.vpp
@@ -548,7 +548,7 @@ def run_torch(cfg: Config) -> None:
     stage_modules = {}
     for s in stage_ids:
         if cfg.cudagraph:
-            from paddle_graphpp.torch.pipelining import graph_stage_module
+            from paddle_graphpp.torch.pipeline import graph_stage_module
 
             accumulate = "auto" if cfg.graph_accumulate_grads is None else cfg.graph_accumulate_grads
             # the tied embedding and head are graphed too (unless --graph-eager-tied); _sum_tied_grads
@@ -576,7 +576,7 @@ def run_torch(cfg: Config) -> None:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
     if cfg.cudagraph and cfg.graph_loss and last_rank:
-        from paddle_graphpp.torch.pipelining import graph_loss
+        from paddle_graphpp.torch.pipeline import graph_loss
 
         loss_fn = graph_loss(loss_fn, NUM_WARMUP_STEPS, memory=cfg.graph_memory)
         graphed.append(loss_fn)

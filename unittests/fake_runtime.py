@@ -9,7 +9,8 @@ import contextlib
 import torch
 
 from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
-from paddle_graphpp.torch.runtime import TorchRuntime, storage_watches
+from paddle_graphpp.torch.memory.capabilities import storage_watches
+from paddle_graphpp.torch.runtime import TorchRuntime
 from fake_graphs import FakeGraphs
 
 

@@ -271,7 +271,8 @@ def test_unknown_framework_lists_the_choices():
 
 
 def test_merge_async_backend_keeps_options_and_rejects_other_backends():
-    from paddle_graphpp.allocator import AllocatorSwitchError, merge_async_backend
+    from paddle_graphpp.allocator import AllocatorSwitchError
+    from paddle_graphpp.torch.memory.allocator import merge_async_backend
 
     assert merge_async_backend(None) == "backend:cudaMallocAsync"
     assert merge_async_backend("") == "backend:cudaMallocAsync"

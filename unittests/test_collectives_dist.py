@@ -73,8 +73,8 @@ def torch_worker(rank, port, out):
     import torch.distributed as dist
 
     from paddle_graphpp.core.collectives import AllReducePath, capture_custom_allreduce
-    from paddle_graphpp.torch.allreduce import create_allreduce
-    from paddle_graphpp.torch.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from paddle_graphpp.torch.collectives.allreduce import create_allreduce
+    from paddle_graphpp.torch.collectives.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -128,7 +128,7 @@ def paddle_worker(out):
     from paddle.distributed.fleet.layers.mpu.mp_layers import ColumnParallelLinear, RowParallelLinear
 
     from paddle_graphpp.core.collectives import AllReducePath, capture_custom_allreduce
-    from paddle_graphpp.paddle.allreduce import create_allreduce, route_fleet_tensor_parallel
+    from paddle_graphpp.paddle.collectives.allreduce import create_allreduce, route_fleet_tensor_parallel
 
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 2, "pp_degree": 1}

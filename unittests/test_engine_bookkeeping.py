@@ -57,8 +57,8 @@ def test_graphs_are_captured_in_the_recorded_order_of_all_layers(rt):
         x = torch.randn(2, 4, requires_grad=True)
         b(a(x)).sum().backward()  # recorded: a.f b.f b.b a.b; then captured and replayed
     (gen,) = memory_mod.plan_for(rt)._generations
-    pa = a.engine._signatures[next(iter(a.engine._signatures))].positions[0]
-    pb = b.engine._signatures[next(iter(b.engine._signatures))].positions[0]
+    pa = next(iter(a.engine.signatures().values())).positions[0]
+    pb = next(iter(b.engine.signatures().values())).positions[0]
     order = sorted(gen.order, key=gen.order.get)
     assert order == [id(pa.fwd_graph), id(pb.fwd_graph), id(pb.bwd_graph), id(pa.bwd_graph)]
 
@@ -96,7 +96,7 @@ def test_replay_hands_off_copies_to_leaves_without_grad_and_accumulates_in_place
     step(layer, "f1 b1")  # recorded
     lin.zero_grad(set_to_none=True)
     step(layer, "f1 b1")  # captured, replayed: grads are copies, not the static buffers
-    buffers = layer.engine._param_grad_buffers
+    buffers = layer.engine.param_grad_buffers
     assert all(p.grad.data_ptr() != b.data_ptr() for p, b in zip(lin.parameters(), buffers))
     before = [p.grad.data_ptr() for p in lin.parameters()]
     step(layer, "f1 b1")  # accumulation into the existing grads, in place
@@ -155,7 +155,7 @@ def test_non_tensor_argument_is_part_of_the_signature(rt):
     layer = Graphed(Scale(), rt, num_warmup_steps=0)
     for f in (2.0, 2.0, 3.0):
         layer(torch.ones(3, requires_grad=True), f).sum().backward()
-    assert len(layer.engine._signatures) == 2
+    assert len(layer.engine.signatures()) == 2
 
 
 def test_replay_order_differing_from_capture_raises(rt):
@@ -304,7 +304,7 @@ def test_bad_options_are_rejected_with_the_layer_name(rt):
 
 
 def _positions(layer):
-    return layer.engine._signatures[next(iter(layer.engine._signatures))].positions
+    return next(iter(layer.engine.signatures().values())).positions
 
 
 @pytest.mark.parametrize("memory", ["shared", "shared_reuse"])
@@ -423,20 +423,20 @@ def test_eval_mode_is_part_of_the_signature(rt):
     replays = layer.engine.replays
     layer.module.eval()
     step(layer, "f1 b1")  # a new signature: captured anew, not a replay of the training graph
-    assert layer.engine.replays == replays and len(layer.engine._signatures) == 2
+    assert layer.engine.replays == replays and len(layer.engine.signatures()) == 2
 
 
 def test_autocast_is_part_of_the_signature(rt):
     layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     step(layer, "f1 b1")
-    key_plain = next(iter(layer.engine._signatures))
+    key_plain = next(iter(layer.engine.signatures()))
     rt_key = rt.mode_key
     rt.mode_key = lambda: ("autocast", "bfloat16")  # as torch reports it inside autocast
     try:
         step(layer, "f1 b1")
     finally:
         rt.mode_key = rt_key
-    assert len(layer.engine._signatures) == 2 and key_plain in layer.engine._signatures
+    assert len(layer.engine.signatures()) == 2 and key_plain in layer.engine.signatures()
 
 
 def test_accumulate_grads_binds_the_layers_buffers_as_grad(rt):
@@ -445,7 +445,7 @@ def test_accumulate_grads_binds_the_layers_buffers_as_grad(rt):
     step(layer, "f1 b1")  # recorded: eager gradients reach .grad through autograd
     eager = [p.grad.clone() for p in lin.parameters()]
     step(layer, "f1 b1")  # replay: the buffers become .grad, keeping its value (fake replay adds nothing)
-    buffers = layer.engine._param_grad_buffers
+    buffers = layer.engine.param_grad_buffers
     assert all(p.grad is b and torch.equal(b, e) for p, b, e in zip(lin.parameters(), buffers, eager))
     step(layer, "f1 b1")  # autograd gets no parameter gradient; .grad stays the buffer
     assert all(p.grad is b for p, b in zip(lin.parameters(), buffers))
@@ -464,7 +464,7 @@ def test_accumulate_grads_auto_is_on_by_default(rt):
     layer = Graphed(lin, rt, num_warmup_steps=0)
     for _ in range(3):
         step(layer, "f1 b1")
-    assert all(p.grad is b for p, b in zip(lin.parameters(), layer.engine._param_grad_buffers))
+    assert all(p.grad is b for p, b in zip(lin.parameters(), layer.engine.param_grad_buffers))
 
 
 def test_accumulate_grads_auto_keeps_autograd_accumulation_where_hooks_run(rt):
@@ -475,7 +475,7 @@ def test_accumulate_grads_auto_keeps_autograd_accumulation_where_hooks_run(rt):
     for _ in range(3):
         step(layer, "f1 f2 b1 b2")
     assert layer.engine.replays == 8 and len(seen) == 6  # the hook saw every micro-batch's gradient
-    assert lin.weight.grad is not layer.engine._param_grad_buffers[0]
+    assert lin.weight.grad is not layer.engine.param_grad_buffers[0]
 
 
 def test_accumulate_grads_true_refuses_parameters_with_accumulation_hooks(rt):
@@ -502,9 +502,9 @@ def test_a_weight_shared_by_two_layers_is_accumulated_in_one_layers_graphs_only(
     for _ in range(3):
         x = torch.randn(2, 4, requires_grad=True)
         second(first(x)).sum().backward()
-    (sig_a,), (sig_b,) = first.engine._signatures.values(), second.engine._signatures.values()
+    (sig_a,), (sig_b,) = first.engine.signatures().values(), second.engine.signatures().values()
     assert sig_a.accumulate and not sig_b.accumulate  # the second leaves the shared weight to autograd
-    assert lin.weight.grad is first.engine._param_grad_buffers[0]
+    assert lin.weight.grad is first.engine.param_grad_buffers[0]
     third = Graphed(Tied(lin.weight), rt, num_warmup_steps=0, accumulate_grads=True)
     with pytest.raises(ValueError, match=r"test:Tied: accumulate_grads=True, but a parameter of this layer is "
                                          r"also one of test:Linear's"):
@@ -512,12 +512,17 @@ def test_a_weight_shared_by_two_layers_is_accumulated_in_one_layers_graphs_only(
     first.engine.reset()  # the owner forgets its graphs: another layer may accumulate the weight now
     fourth = Graphed(Tied(lin.weight), rt, num_warmup_steps=0, accumulate_grads=True)
     step(fourth, "f1 b1", shape=(2, 4))
-    (sig_d,) = fourth.engine._signatures.values()
+    (sig_d,) = fourth.engine.signatures().values()
     assert sig_d.accumulate
 
 
-def test_accumulate_grads_needs_a_runtime_that_supports_it(rt):
-    rt.accumulates_grads_in_graph = False
+def test_accumulate_grads_needs_a_runtime_that_supports_it(rt, monkeypatch):
+    import dataclasses
+
+    from paddle_graphpp.core import runtime as runtime_mod
+
+    without = dataclasses.replace(runtime_mod.capabilities(rt), accumulation=None)
+    monkeypatch.setitem(runtime_mod._CAPABILITIES, rt, without)
     with pytest.raises(ValueError, match="accumulate_grads=True is not supported"):
         Graphed(torch.nn.Linear(4, 3), rt, accumulate_grads=True)
     with pytest.raises(ValueError, match="accumulate_grads must be a bool"):
@@ -652,7 +657,7 @@ def test_accumulate_grads_auto_steps_aside_for_megatron_style_accumulator_hooks(
     layer = Graphed(lin, rt, num_warmup_steps=1)
     for _ in range(4):
         step(layer, "f1 f2 b1 b2")
-    sig = next(iter(layer.engine._signatures.values()))
+    sig = next(iter(layer.engine.signatures().values()))
     assert sig.accumulate is False
     assert layer.engine.replays == 8 and len(seen) == 2 * 8  # two parameters, every micro-batch
 
@@ -696,7 +701,7 @@ def test_an_output_held_when_its_position_replays_again_moves_to_memory_of_its_o
     layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
     for _ in range(3):
         step(layer, "f1 b1")
-    (static,) = layer.engine._signatures[next(iter(layer.engine._signatures))].positions[0].static_outputs
+    (static,) = next(iter(layer.engine.signatures().values())).positions[0].static_outputs
     kept = [step(layer, "f1 b1")[1] for _ in range(4)]
     assert kept[-1].data_ptr() == static.data_ptr()  # the newest one still aliases the graph's buffer
     assert len({t.data_ptr() for t in kept}) == 4  # each earlier one was moved to memory of its own
@@ -748,7 +753,7 @@ def run_dropping(layer, order, hold=()):
 
 
 def positions_of(layer):
-    (sig,) = layer.engine._signatures.values()
+    (sig,) = layer.engine.signatures().values()
     return sig.positions
 
 
@@ -811,7 +816,7 @@ def test_outputs_alive_to_the_end_of_the_recorded_step_or_sharing_memory_stay_ow
             else:
                 y, _ = outs.pop(n)
                 y.sum().backward()
-    (sig,) = views.engine._signatures.values()
+    (sig,) = views.engine.signatures().values()
     assert sig.positions and all(p.owned == [None, None] for p in sig.positions.values())
 
 
@@ -834,4 +839,7 @@ def test_a_capture_batch_that_raises_early_leaves_no_output_marked_to_go_back(rt
     with pytest.raises(RuntimeError, match="simulated"):
         run_dropping(layer, order)
     rt.static_buffers = original
-    assert proc._deaths == {} and proc._dying == set() and proc._owners == {}
+    assert proc._deaths == {}  # the recording is gone with the batch that failed; nothing carries over
+    run_dropping(layer, order)  # recorded again
+    run_dropping(layer, order)  # captured from this recording only, then replayed
+    assert layer.engine.captures == 6 and layer.engine.replays > 0

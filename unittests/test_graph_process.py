@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fake_runtime import FakeGraphRuntime
-from paddle_graphpp.core import graph_process as gp
+from paddle_graphpp import graph_api as gp
 from paddle_graphpp.core import runtime as runtime_mod
 from paddle_graphpp.core.errors import CaptureError
 

@@ -318,7 +318,7 @@ def test_blocks_record_capture_and_replay_with_hugging_face_arguments(kind, stag
         assert block.engine.captures == 8, block  # 4 positions x (forward, backward)
         assert block.engine.replays == 8 * 3, block  # step 0 warms up, step 1 records
         assert block.engine.in_flight == 0
-        (sig,) = block.engine._signatures.values()
+        (sig,) = block.engine.signatures().values()
         assert len(sig.positions) == 4
 
 

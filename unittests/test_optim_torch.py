@@ -244,7 +244,7 @@ def test_compile_happens_in_the_warmup_and_the_capture_reuses_it(monkeypatch):
     from fake_runtime import FakeGraphRuntime
     from torch._dynamo.utils import counters
 
-    from paddle_graphpp.core import graph_process as gp
+    from paddle_graphpp import graph_api as gp
     from paddle_graphpp.core import runtime as runtime_mod
 
     real_compile, compile_calls = torch.compile, []

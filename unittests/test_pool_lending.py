@@ -5,7 +5,7 @@ import weakref
 import pytest
 import torch
 
-from paddle_graphpp.torch import pool_lending
+from paddle_graphpp.torch.memory import pool_lending
 from paddle_graphpp.torch.runtime import TorchRuntime
 
 MIB = 1 << 20
@@ -64,7 +64,7 @@ def test_the_reserve_is_sized_by_the_largest_optimizer_in_its_parameter_order(fr
                                          ("segments", "segments"), (" Segments ", "segments"), ("0", None),
                                          ("false", None)])
 def test_the_reserve_flag_picks_a_layout(monkeypatch, raw, layout):
-    from paddle_graphpp.torch.runtime import _reserve_pool
+    from paddle_graphpp.torch.memory.capabilities import _reserve_pool
 
     if raw is None:
         monkeypatch.delenv("FLAGS_graphpp_reserve_pool", raising=False)
@@ -74,7 +74,7 @@ def test_the_reserve_flag_picks_a_layout(monkeypatch, raw, layout):
 
 
 def test_a_bad_reserve_flag_says_what_it_takes(monkeypatch):
-    from paddle_graphpp.torch.runtime import _reserve_pool
+    from paddle_graphpp.torch.memory.capabilities import _reserve_pool
 
     monkeypatch.setenv("FLAGS_graphpp_reserve_pool", "segment")
     with pytest.raises(ValueError, match="FLAGS_graphpp_reserve_pool='segment'.*'block'.*'segments'.*0"):

@@ -5,8 +5,8 @@ other settings survive a window are the GPU tests' (unittests/gpu/test_pool_segm
 import pytest
 import torch
 
-from paddle_graphpp.torch import pool_segments
-from paddle_graphpp.torch.pool_segments import with_expandable
+from paddle_graphpp.torch.memory import pool_segments
+from paddle_graphpp.torch.memory.pool_segments import with_expandable
 
 
 def test_a_bad_flag_value_names_the_flag_and_the_values(monkeypatch):

@@ -117,7 +117,7 @@ def test_reset_graphs_captures_anew_against_the_new_tensors(rt):
         step(model)
     assert [m.engine.captures - c for m, c in zip(model, captures)] == [4, 4]
     assert all(m.engine.phase() is Phase.READY for m in model)
-    watch = model[0].engine._signatures[next(iter(model[0].engine._signatures))].positions[0].state
+    watch = model[0].engine.signatures()[next(iter(model[0].engine.signatures()))].positions[0].state
     assert watch.changed() is None
     # Chained layers are linked again in the new capture: layer 1 replays, not eagerly.
     replays = model[1].engine.replays
@@ -186,7 +186,7 @@ def test_paddle_runtime_names_replaced_parameters():
 def graphed_torch():
     """A fake graph runtime registered as "torch": GraphedOptimizer is "graphed" on CPU (its
     capture runs the step eagerly, its replay only counts; values are not checked here)."""
-    from paddle_graphpp.core import graph_process as gp
+    from paddle_graphpp import graph_api as gp
     from paddle_graphpp.core import runtime as runtime_mod
 
     rt = FakeGraphRuntime()

@@ -1,4 +1,4 @@
-"""paddle_graphpp.torch.pipelining: stage segmentation, and torch.distributed.pipelining on gloo ranks.
+"""paddle_graphpp.torch.pipeline: stage segmentation, and torch.distributed.pipelining on gloo ranks.
 
 On CPU the graphed runs compute eagerly, so the distributed cases check the wiring (losses
 identical with and without graph_stage_module under Schedule1F1B and ScheduleInterleaved1F1B),
@@ -13,7 +13,7 @@ from torch import nn
 
 import paddle_graphpp
 from paddle_graphpp.torch.graphed import CUDAGraphedModule
-from paddle_graphpp.torch.pipelining import GraphedStage, graph_stage_module
+from paddle_graphpp.torch.pipeline import GraphedStage, graph_stage_module
 from pipeline_ranks import run_pipeline_ranks
 
 
@@ -184,7 +184,7 @@ def test_a_capture_that_fails_on_one_rank_leaves_that_run_eager_and_training_goe
 
 def test_graph_loss_computes_the_loss_and_its_gradient_and_rejects_bad_input():
     from paddle_graphpp.torch import graph_loss
-    from paddle_graphpp.torch.pipelining import GraphedLoss
+    from paddle_graphpp.torch.pipeline import GraphedLoss
 
     def mse(out, target, weight=1.0):
         return (out - target).square().mean() * weight

@@ -102,7 +102,7 @@ def test_a_torch_that_sums_output_gradients_in_the_weight_pass_gets_one(monkeypa
     # rest for itself: the input pass saves one gradient per node, results stay exact. The sum
     # of that one gradient (0 + g) would copy it, for nothing (the layer's weight half reads its
     # own saved state): the hooks see it as a tensor that adding zero leaves as it is.
-    import paddle_graphpp.torch.runtime as torch_runtime
+    import paddle_graphpp.torch.autograd as torch_runtime
 
     monkeypatch.setattr(torch_runtime, "_SUMS_OUTPUT_GRADS", True)
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def test_the_weight_pass_alias_takes_effect_in_input_passes_only(monkeypatch, mo
     # whose sum with zero is itself, for a single-output layer too (the head, the point of it);
     # the node itself gets what autograd gave it, zeros where an output got no gradient (the
     # hook sees the gradients before autograd fills those in). A whole backward is left alone.
-    import paddle_graphpp.torch.runtime as torch_runtime
+    import paddle_graphpp.torch.autograd as torch_runtime
 
     monkeypatch.setattr(torch_runtime, "_SUMS_OUTPUT_GRADS", True)
     torch.manual_seed(0)
@@ -315,16 +315,16 @@ def test_weight_graphs_accumulate_into_grad_without_a_second_set_of_buffers(rt):
         fake_step(layer, ZB_ORDER)
     engine = layer.engine
     assert engine.position_kinds() == {"full": 0, "split": 3} and engine.replays > 0
-    assert engine._weight_grad_buffers is None
+    assert engine.weight_grad_buffers is None
     params = list(layer.module.parameters())
-    assert all(p.grad is b for p, b in zip(params, engine._param_grad_buffers))
+    assert all(p.grad is b for p, b in zip(params, engine.param_grad_buffers))
     # accumulate_grads=False: the weight half writes buffers of its own, .grad is autograd's
     plain = Graphed(Block(), rt, num_warmup_steps=1, accumulate_grads=False)
     for _ in range(4):
         plain.zero_grad(set_to_none=True)
         fake_step(plain, ZB_ORDER)
-    own = plain.engine._weight_grad_buffers
-    assert own is not None and plain.engine._param_grad_buffers is None
+    own = plain.engine.weight_grad_buffers
+    assert own is not None and plain.engine.param_grad_buffers is None
     assert not any(p.grad is b for p, b in zip(plain.module.parameters(), own))
 
 
@@ -336,13 +336,13 @@ def test_the_recorded_step_accumulates_the_weight_pass_into_grad_as_eager(rt):
     plain = Block()
     layer = Graphed(copy.deepcopy(plain), rt, num_warmup_steps=1)
     for step in range(2):  # warmup, then the recorded step (nothing zeroed: two steps' sums)
-        writes = rt.graph_grad_writes
+        writes = layer.engine.process.grad_writes
         inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + i)) for i in range(3)]
         for module in (plain, layer):
             zero_bubble_step(module, [x.clone().requires_grad_(True) for x in inputs], ZB_ORDER)
-    assert rt.graph_grad_writes == writes + 3  # the recorded step's three weight passes went into .grad
+    assert layer.engine.process.grad_writes == writes + 3  # the recorded step's three weight passes went into .grad
     assert layer.engine.captures == 0 and layer.engine.position_kinds() == {"full": 0, "split": 0}
-    assert layer.engine._signatures[next(iter(layer.engine._signatures))].accumulate
+    assert next(iter(layer.engine.signatures().values())).accumulate
     for (name, p), q in zip(plain.named_parameters(), layer.module.parameters()):
         if name == "unused":
             assert p.grad is None and torch.count_nonzero(q.grad) == 0
@@ -368,7 +368,7 @@ def test_the_pipelining_weight_pass_gets_the_sums_and_puts_them_back_into_grad(r
     layer = Graphed(Block(), rt, num_warmup_steps=1)
     for _ in range(3):
         fake_step(layer, "f0 i0 w0")
-    params, buffers = list(layer.module.parameters()), layer.engine._param_grad_buffers
+    params, buffers = list(layer.module.parameters()), layer.engine.param_grad_buffers
     handed = []
     original = rt.weight_pass_refills_grad
     rt.weight_pass_refills_grad = lambda: handed.append([p.grad for p in params]) or original()
@@ -656,7 +656,7 @@ def test_an_output_dropped_after_its_input_pass_gives_its_memory_back_before_the
     params = [*a.parameters(), *b.parameters()]
     for _ in range(3):
         _dropping_step(lambda x: b(a(x)), params)
-    names = {id(a.engine): "a", id(b.engine): "b"}
+    names = {id(a.engine.capture): "a", id(b.engine.capture): "b"}
     checks = {(names[k[0]], k[2], k[3]): [(names[link.layer], link.position) for link in links]
               for k, links in a.engine.process._checks.items()}
     assert checks[("b", 1, "input")] == [("b", 0)]  # right after b's input pass of micro-batch 0
@@ -664,7 +664,7 @@ def test_an_output_dropped_after_its_input_pass_gives_its_memory_back_before_the
     released = [o for outs in checks.values() for o in outs]
     assert ("a", 0) in released and ("b", 1) in released
     for layer in (a, b):
-        (sig,) = layer.engine._signatures.values()
+        (sig,) = layer.engine.signatures().values()
         assert all(p.owned == [None] for p in sig.positions.values())
 
 
@@ -680,7 +680,7 @@ def test_a_gradient_one_graph_hands_another_goes_back_to_the_pool_once_its_reade
     released = []
 
     def captured_positions(layer):
-        return {pos for sig in layer.engine._signatures.values() for pos in sig.positions}
+        return {pos for sig in layer.engine.signatures().values() for pos in sig.positions}
 
     rt.release_to_pool = lambda t: released.append((t, captured_positions(a), captured_positions(b)))
     for _ in range(3):  # recorded, then captured at the start of the next step
@@ -691,8 +691,8 @@ def test_a_gradient_one_graph_hands_another_goes_back_to_the_pool_once_its_reade
             stage_backward_weight(params, groups)
     assert a.engine.position_kinds() == {"full": 0, "split": 2} == b.engine.position_kinds()
     assert len(released) == 2  # one per position: b's gradient for a
-    (key,) = b.engine._signatures
-    given = [b.engine._signatures[key].positions[pos].static_grad_inputs[0] for pos in (0, 1)]
+    (key,) = b.engine.signatures()
+    given = [b.engine.signatures()[key].positions[pos].static_grad_inputs[0] for pos in (0, 1)]
     for (tensor, a_done, _), pos, mine in zip(released, (0, 1), given):
         assert tensor is mine  # the very tensor both positions keep
         assert pos in a_done  # released only after a's weight half of that position was captured
@@ -791,7 +791,7 @@ def test_the_gradient_a_loss_layer_hands_the_head_stays_a_link_whatever_the_weig
     # tensor object loses the link unless it keeps the loss layer's tensor alive (measured on
     # 2 x H200 with such a hook, since removed: every micro-batch's logits gradient stayed a
     # buffer of its own, +0.2-1.0 GB).
-    import paddle_graphpp.torch.runtime as torch_runtime
+    import paddle_graphpp.torch.autograd as torch_runtime
 
     monkeypatch.setattr(torch_runtime, "_SUMS_OUTPUT_GRADS", sums)
     head = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
@@ -804,10 +804,10 @@ def test_the_gradient_a_loss_layer_hands_the_head_stays_a_link_whatever_the_weig
         for x, value in zip(xs, losses):  # the zero-bubble passes: the hook acts in the input pass
             _, groups = stage_backward_input([value], None, [x], head.parameters())
             stage_backward_weight(head.parameters(), groups)
-    (key,) = head.engine._signatures
-    positions = head.engine._signatures[key].positions
-    (lkey,) = loss.engine._signatures
-    handed = [loss.engine._signatures[lkey].positions[p].static_grad_inputs[0] for p in (0, 1)]
+    (key,) = head.engine.signatures()
+    positions = head.engine.signatures()[key].positions
+    (lkey,) = loss.engine.signatures()
+    handed = [loss.engine.signatures()[lkey].positions[p].static_grad_inputs[0] for p in (0, 1)]
     for p in (0, 1):
         assert positions[p].static_grad_outputs[0] is handed[p]  # read where the loss layer wrote it
     assert [t for t in released if any(t is h for h in handed)] == handed  # given back, both
@@ -864,9 +864,9 @@ def test_a_gradient_an_eager_junction_saved_is_not_given_back_before_its_weight_
             recorded, read_at = list(order), list(reads)
         _dropping_step(lambda x: d(c(mid(a(x)))), params)
     assert len(recorded) == graphs[0]  # every recorded event captured, in order
-    (key,) = c.engine._signatures
+    (key,) = c.engine.signatures()
     for pos in (0, 1):
-        g = c.engine._signatures[key].positions[pos].static_grad_inputs[0]
+        g = c.engine.signatures()[key].positions[pos].static_grad_inputs[0]
         after = [n for t, n in released if t is g]
         assert len(after) == 1 and after[0] >= read_at[pos], (pos, after, read_at[pos])  # given back, after
 
@@ -887,9 +887,9 @@ def test_a_gradient_another_reader_copies_is_not_given_back_before_that_copy(rt)
         bo = b_layer(y.view(4, 2)).view(2, 4)
         s = a(torch.tanh(a0(x))) + bo
         p_layer(s).sum().backward()
-    (key,) = p_layer.engine._signatures
-    g = p_layer.engine._signatures[key].positions[0].static_grad_inputs[0]
-    reads_at = [i for i, (layer, _, forward, _) in enumerate(recorded) if layer is b_layer.engine and not forward]
+    (key,) = p_layer.engine.signatures()
+    g = p_layer.engine.signatures()[key].positions[0].static_grad_inputs[0]
+    reads_at = [i for i, (layer, _, forward, _) in enumerate(recorded) if layer is b_layer.engine.capture and not forward]
     after = [n for t, n in released if t is g]
     assert len(after) == 1 and after[0] >= reads_at[0] + 1, (after, reads_at)  # given back, after the copy
 
@@ -899,21 +899,21 @@ def test_nothing_of_a_capture_batch_that_escapes_reaches_the_next(rt):
     # weight pass. d's weight-half capture of micro-batch 1 fails under fallback='eager' with
     # warnings raised as errors, so the failure's warning escapes the batch: the gradients
     # found dead in it must not count as dead in the next one.
-    from paddle_graphpp.core import engine as engine_mod
+    from paddle_graphpp.core.records import CaptureFailed
 
     a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     mid = AddP()
     c = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     d = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, fallback="eager")
     params = [*c.parameters(), *a.parameters(), *d.parameters(), *mid.parameters()]
-    real = d.engine._capture_recorded_backward_weight
+    real = d.engine.capture.backward_weight
 
-    def failing(key, pos, half):
+    def failing(key, pos, half, batch):
         if pos == 1:
-            raise engine_mod._CaptureFailed("weight half", RuntimeError("injected"), None)
-        return real(key, pos, half)
+            raise CaptureFailed("weight half", RuntimeError("injected"), None)
+        return real(key, pos, half, batch)
 
-    d.engine._capture_recorded_backward_weight = failing
+    d.engine.capture.backward_weight = failing
     proc = a.engine.process
 
     def step():
@@ -924,11 +924,16 @@ def test_nothing_of_a_capture_batch_that_escapes_reaches_the_next(rt):
         warnings.simplefilter("error", RuntimeWarning)
         with pytest.raises(RuntimeWarning, match="injected"):
             step()  # captured at its first forward: d's failure warning escapes
-    assert not proc._grad_dead and not proc._grad_readers and not proc._pending and not proc._live
+    # The batch was the capture's own object: the next steps record and capture afresh, and the
+    # layers that captured replay.
+    assert proc._deaths == {} and not proc._watches
+    for _ in range(3):
+        step()
+    assert a.engine.replays > 0 and c.engine.replays > 0
 
 
 def test_memory_of_tensors_without_a_plain_storage_is_not_watched():
-    from paddle_graphpp.torch.runtime import storage_watches
+    from paddle_graphpp.torch.memory.capabilities import storage_watches
 
     sparse = torch.sparse_coo_tensor([[0, 1], [1, 0]], [1.0, 2.0], (2, 2))
     assert storage_watches([sparse], []) is None

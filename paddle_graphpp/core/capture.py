@@ -17,19 +17,21 @@ Every graphed layer of a process reports to one :class:`Process` per runtime. It
   instead of a slot: at capture it is that graph's static output itself, so at replay the
   producer's graph writes what the consumer's graph reads and nothing is copied.
 
-At the start of the next episode (the first graphed forward that finds nothing in flight),
-:meth:`Process.capture_recorded` captures the recording, unless the runtime asks to wait
-(:meth:`~paddle_graphpp.core.runtime.GraphRuntime.defer_capture`, with its reason; for
+At the start of the next episode (the first graphed forward that finds nothing in flight
+calls :meth:`Process.capture_if_due`), :meth:`Process.capture_recorded` captures the recording, unless the runtime asks to wait
+(:meth:`~paddle_graphpp.core.runtime.PoolLending.defer_capture`, with its reason; for
 example, a runtime may wait for an optimizer's first step, which creates the optimizer state
 beside a pool captured before it). Then the recording is dropped and the episode starting now is recorded in its place,
 at most :data:`MAX_DEFERRED_EPISODES` times in a row. A capture gives the eager episode's cached
 memory back to the driver, allocates the static buffers in one block, lets the runtime size a new shared pool
 for the eager work that will borrow it
-(:meth:`~paddle_graphpp.core.runtime.GraphRuntime.prepare_pool`), then captures every
-recorded position in recorded order into one pool generation:
+(:meth:`~paddle_graphpp.core.runtime.PoolLending.prepare_pool`), then captures every
+recorded position in recorded order into one pool generation (a
+:class:`~paddle_graphpp.core.batch.CaptureBatch`, discarded afterwards):
 forward graphs and backward graphs interleaved exactly as the step ran them, so memory a
 graph frees is only reused by graphs that run after it (so is a gradient one graph hands another,
-once no position that may read it is left: see :meth:`Process.consumed`). No eager pass runs beside a
+once no position that may read it is left: see
+:meth:`~paddle_graphpp.core.batch.CaptureBatch.consumed`). No eager pass runs beside a
 capture, so the capture costs what one eager step's activations cost, once. Capture does
 not execute anything; the episode that follows replays the new graphs.
 
@@ -45,14 +47,15 @@ import logging
 import warnings
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 from . import memory as _memory
+from .batch import CaptureBatch, Link
 from .errors import CaptureError
+from .runtime import capabilities
 from .schedule import EpisodeClock
 
-__all__ = ["Process", "process_for"]
+__all__ = ["Process", "process_for", "Link"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -60,72 +63,50 @@ MAX_DEFERRED_EPISODES = 4096  # recordings dropped in a row at most while the ru
 # (episodes, not steps: on the last stage of a 1F1B pipeline every micro-batch is one)
 
 
-class Link(NamedTuple):
-    """Where a recorded input came from: output ``index`` (``kind="out"``) or input gradient
-    ``index`` (``kind="grad"``) of ``layer``'s ``position`` under signature ``key``."""
-
-    layer: int
-    key: Hashable
-    position: int
-    index: int
-    kind: str
-
-
-@dataclass(slots=True, eq=False)
-class _Handed:
-    """During capture: an input gradient one graph produced, as other graphs may read it."""
-
-    tensor: Any
-    waiting: set = field(default_factory=set)  # positions that may still read it
-    linked: bool = False  # a captured graph reads it through a link (see Process.consumed)
-    deaths: set = field(default_factory=set)  # its links whose recorded death it waits for
-    kept: bool = False  # its eager twin was in use to the end of the episode: never given back
-
-
 class Process:
-    """Process-wide state of one runtime: episode clock, memory plan, recorded calls."""
+    """Process-wide state of one runtime: episode clock, memory plan, the recording, and what
+    replays check after a capture. Layers take part as
+    :class:`~paddle_graphpp.core.batch.CaptureParticipant` objects (their ``capture``)."""
 
     def __init__(self, plan: "_memory.MemoryPlan"):
         self.runtime = plan.runtime
+        self.caps = capabilities(plan.runtime)
         self.plan = plan
         self.clock = EpisodeClock()
-        # (layer, key, position, forward, half): half is None, or "input" / "weight" for the two
-        # halves of a split backward
+        # (participant, key, position, forward, half): half is None, or "input" / "weight" for the
+        # two halves of a split backward
         self._events: list[tuple[Any, Hashable, int, bool, Optional[str]]] = []
         self._slot_specs: list = []  # spec of each static buffer slot of the recording
         self._free_slots: dict[Any, list] = defaultdict(list)
-        self._layers = weakref.WeakValueDictionary()  # id -> layer with captured graphs
-        # id(parameter) -> (weak reference to it, to the layer whose graphs accumulate its gradient)
+        self._layers = weakref.WeakValueDictionary()  # id -> participant with captured graphs
+        # id(parameter) -> (weak reference to it, to the participant whose graphs accumulate its gradient)
         self._grad_owners: dict[int, tuple] = {}
         # Tensors recorded calls produced, by (kind, alias key): (weak reference, Link). The
         # weak reference proves the memory still belongs to that tensor when it is looked up.
         self._produced_recorded: dict[tuple, tuple] = {}
-        self._buffers: Sequence[Any] = ()  # during capture_recorded: the slots' buffers
-        self._produced: dict[Link, Any] = {}  # during capture_recorded: captured static tensors
-        # During capture_recorded: the positions whose forward is captured and whose backward is
-        # not complete yet; the positions whose backward may still be captured; per recorded
-        # gradient link, the positions recorded reading it; the produced input gradients, by
-        # identity (see captured); the gradient links found dead so far
-        self._live: Any = {}
-        self._pending: set = set()
-        self._readers: dict[Link, set] = {}
-        self._grad_readers: dict[int, _Handed] = {}
-        self._grad_dead: set = set()
         # While recording: the input gradients whose memory is watched (see watch_grads)
         self._grad_watched: set = set()
         self.deferred = 0  # recordings dropped in a row because the runtime asked to wait
         # Outputs that die within the recorded episode (see watch_outputs): while recording, the
-        # watches [(is the memory in use, Link)] and per event index the outputs found dead
-        # before it; during capture, the owner lists holding each such output's memory
+        # watches [(is the memory in use, Link)] and per event index the outputs found dead before it
         self._watches: list = []
         self._deaths: dict[int, list] = {}
-        self._dying: set = set()  # during capture: the outputs that give their memory back
-        self._owners: dict = {}
-        # After capture: per (layer id, key, position, kind) of a captured graph, the outputs
+        # After capture: per (participant id, key, position, kind) of a captured graph, the outputs
         # whose memory later graphs may take once it has run (checked before it replays); per
-        # (layer id, key, position), weak references to what its last forward replay handed out
+        # (participant id, key, position), weak references to what its last forward replay handed out
         self._checks: dict[tuple, tuple] = {}
         self._handed: dict[tuple, list] = {}
+        #: Backward graph replays (and eager recorded backwards) so far that changed parameter
+        #: gradients in ``.grad`` outside autograd (gradient accumulation inside graphs). A
+        #: replay's writes do not bump tensors' version counters, so code that skips work on
+        #: gradients nobody wrote (``GraphedOptimizer.zero_grad``) compares this count as well.
+        self.grad_writes = 0
+        #: Set by a framework's capture-agreement helper (torch: ``agree_on_captures``): called at
+        #: the end of every batch of captures with whether an error of this process's captures is
+        #: about to reach the user; returns the ranks of the agreement group whose captures failed
+        #: (empty: none), or raises :class:`~paddle_graphpp.CaptureError` when the peers do not
+        #: answer in time. ``None``: each process decides alone.
+        self.agreement: Optional[Callable[[bool], list]] = None
 
     # ------------------------------------------------------ shared parameters
     def accumulate_in_graphs(self, layer: Any, params: Sequence[Any]) -> None:
@@ -220,10 +201,10 @@ class Process:
         producer's own backward) is noted, at the start of the next graphed call, as the event recorded
         next (never the one during which it died: that one may still read it); the captured output then
         gives its memory back to the pool at that point of the capture order
-        (:meth:`_release_outputs`), as eager memory is freed. An output whose memory is shared
+        (:class:`~paddle_graphpp.core.batch.CaptureBatch`), as eager memory is freed. An output whose memory is shared
         (a view of an input, two outputs of one storage) or still in use at the end of the
         episode stays the position's for good."""
-        watches = self.runtime.memory_watches(outputs, others)
+        watches = self.caps.release.memory_watches(outputs, others) if self.caps.release is not None else None
         if watches is None:
             return
         self._watches.extend((alive, Link(id(layer), key, position, index, "out"))
@@ -238,22 +219,6 @@ class Process:
         if dead:
             self._watches = [w for w in self._watches if w[1] not in dead]
             self._deaths.setdefault(len(self._events), []).extend(dead)
-
-    def dies_in_episode(self, link: Link) -> bool:
-        """During capture: the recorded output ``link`` gives its memory back (it was found dead
-        before a graph captured after it)."""
-        return link in self._dying
-
-    def own_output(self, link: Link, owners: list, index: int) -> None:
-        """During capture: ``owners[index]`` holds the memory of output ``link`` (see
-        :meth:`watch_outputs`) until its release point."""
-        self._owners[link] = (owners, index)
-
-    def _release_outputs(self, links: Sequence[Link]) -> None:
-        for link in links:
-            entry = self._owners.pop(link, None)
-            if entry is not None:
-                entry[0][entry[1]] = None
 
     def handed_out(self, layer: Any, key: Hashable, position: int, outputs: Sequence[Any]) -> None:
         """A launch of ``layer``'s forward at ``position`` handed out ``outputs`` (aliases of its
@@ -281,7 +246,12 @@ class Process:
             refs[i] = None
             if t is not None:
                 held.append(t)
-        return not held or self.runtime.move_to_copies(held)
+        if not held:
+            return True
+        if self.caps.release is None:
+            return False
+        self.caps.release.move_to_copies(held)
+        return True
 
     def before_replay(self, layer: Any, key: Hashable, position: int, kind: str) -> None:
         """Before a graph replays: outputs whose memory was given back to the pool at this point
@@ -299,86 +269,6 @@ class Process:
                               f"it to memory of its own: it may now hold other values. Clone an output you "
                               f"keep.", RuntimeWarning, stacklevel=3)
 
-    # --------------------------------------------------------------- capture
-    def static_for(self, slot: Any, spec: Any) -> Any:
-        """During capture: the static tensor of a recorded slot: a buffer, or for a
-        :class:`Link` the producer's captured tensor (a buffer of its own when the producer
-        was not captured)."""
-        if isinstance(slot, Link):
-            tensor = self._produced.get(slot)
-            return tensor if tensor is not None else self.runtime.static_buffers([spec])[0]
-        return self._buffers[slot]
-
-    def consumed(self, slots: Sequence[Any]) -> None:
-        """During capture: a position whose incoming gradients were ``slots`` has its whole
-        backward captured. A gradient another captured graph produced for it (a ``"grad"``
-        :class:`Link`: the loss's gradient of the logits, layer ``i + 1``'s of its input) flows
-        from graph to graph only; once no graph captured later can read it, its memory goes
-        back to the pool for those graphs (:meth:`_release_unread`)."""
-        for slot in slots:
-            if isinstance(slot, Link) and slot.kind == "grad":
-                tensor = self._produced.get(slot)
-                entry = None if tensor is None else self._grad_readers.get(id(tensor))
-                if entry is not None:
-                    entry.linked = True
-        self._release_unread()
-
-    def _complete(self, slot: tuple) -> None:
-        """During capture: the position ``slot`` reads nothing more (its whole backward is
-        captured, or its capture failed)."""
-        self._pending.discard(slot)
-        for entry in self._grad_readers.values():
-            entry.waiting.discard(slot)
-        self._release_unread()
-
-    def _release_unread(self) -> None:
-        """Give back the gradients read by a link that nothing reads any more (see
-        :meth:`captured` for what each waits for). At replay the producer writes it and its
-        readers read it before any graph captured later runs. The tensors the positions keep of
-        it stay, as aliases that do not own the memory (:meth:`GraphRuntime.release_to_pool`)."""
-        done = [key for key, e in self._grad_readers.items()
-                if e.linked and not e.waiting and not e.kept and e.deaths <= self._grad_dead]
-        for key in done:
-            self.runtime.release_to_pool(self._grad_readers.pop(key).tensor)
-
-    def captured(self, layer: Any, key: Hashable, position: int, kind: str, tensors: Sequence[Any]) -> None:
-        """During capture: ``tensors`` are the static outputs (or input gradients) of a
-        position just captured, for the links recorded to them.
-
-        An input gradient read by a link is given back to the pool (:meth:`_release_unread`)
-        once nothing reads it. Where the recording watched its eager twin's memory
-        (:meth:`watch_grads`) and saw it freed within the episode, that is at that point of
-        the capture order (eager readers included: a copy, another branch, a junction saved
-        for an eager weight pass) and not before its readers' whole backwards: the positions
-        recorded reading it (known before the first capture, :meth:`_note_readers`) and its
-        producer (a weight half may restart from a gradient that passed a junction
-        unchanged: the producer's input gradient can be that very tensor). A reader that
-        passes it on unchanged holds its twin's memory in the recording, so the twin's death
-        waits for that gradient's readers too. Under a zero-bubble order, with many positions
-        in flight, each gradient so goes back as eager autograd frees it. A twin still in use
-        at the end of the episode keeps its memory for good; one that could not be watched
-        (shared memory, such as a gradient passed on unchanged, or a runtime without watches)
-        waits for every position in flight when it was made."""
-        slot = (id(layer), key, position)
-        for index, t in enumerate(tensors):
-            if t is None:
-                continue
-            link = Link(id(layer), key, position, index, kind)
-            self._produced[link] = t
-            if kind != "grad":
-                continue
-            readers = {r for r in self._readers.get(link, ()) if r in self._pending}
-            if slot in self._pending:
-                readers.add(slot)
-            entry = self._grad_readers.setdefault(id(t), _Handed(t))
-            if link in self._dying:
-                entry.deaths.add(link)
-            elif link in self._grad_watched:
-                entry.kept = True
-            else:
-                readers.update(self._live)
-            entry.waiting.update(readers)
-
     def watch_grads(self, layer: Any, key: Hashable, position: int, grads: Sequence[Any],
                     others: Sequence[Any]) -> None:
         """A recorded backward produced the input gradients ``grads`` (the eager run's, ``None``
@@ -388,8 +278,9 @@ class Process:
         back before that point (:meth:`captured`). A gradient that shares its memory (passed
         on unchanged, or two of one storage) is not watched."""
         index = [i for i, g in enumerate(grads) if g is not None]
-        watches = self.runtime.memory_watches([grads[i] for i in index], [o for o in others if o is not None]) \
-            if index else None
+        release = self.caps.release
+        watches = release.memory_watches([grads[i] for i in index], [o for o in others if o is not None]) \
+            if index and release is not None else None
         if watches is None:
             return
         for i, alive in zip(index, watches):
@@ -398,16 +289,12 @@ class Process:
                 self._watches.append((alive, link))
                 self._grad_watched.add(link)
 
-    def _note_readers(self, events: list, complete: set) -> None:
-        """Before the captures: which positions read each recorded gradient link (their
-        recorded incoming gradients), among the positions whose backward will be captured."""
-        self._pending, self._readers = set(complete), {}
-        for layer, key, pos, forward, half in events:
-            if forward or half == "weight":
-                continue
-            for slot in layer._recorded_grad_slots(key, pos):
-                if isinstance(slot, Link) and slot.kind == "grad" and (id(layer), key, pos) in complete:
-                    self._readers.setdefault(slot, set()).add((id(layer), key, pos))
+    # --------------------------------------------------------------- capture
+    def capture_if_due(self) -> None:
+        """At a graphed forward that may start an episode: when the last episode was recorded and
+        nothing is in flight now, capture it before the new episode starts."""
+        if self._events and self.clock.between_episodes:
+            self.capture_recorded()
 
     def capture_recorded(self) -> None:
         """Capture every position recorded in the last episode, in recorded order.
@@ -425,144 +312,69 @@ class Process:
         grad_watched, self._grad_watched = self._grad_watched, set()
         self._free_slots.clear()
         self._produced_recorded.clear()
-        layers = list({id(layer): layer for layer, *_ in events}.values())
-        wait = self.runtime.defer_capture() if self.deferred < MAX_DEFERRED_EPISODES else None
-        if wait:
-            if not self.deferred:
-                logger.info("paddle_graphpp: captures wait (%s runtime: %s); the next episode is recorded instead",
-                            self.runtime.name, wait)
-            self.deferred += 1
-            for layer in layers:
-                layer._recording_dropped()
+        layers = list({id(p): p for p, *_ in events}.values())
+        if self._defer(layers):
             return
-        self.deferred = 0
         # The recorded episode's activations are free but cached by the allocator: return them
         # so the graphs' pool can take that memory instead of adding to it.
         gc.collect()
         self.runtime.release_cached_memory()
         # The static buffers, in one block allocated on the emptied cache (allocated while the
         # recorded episode ran, they would pin pieces of its activations' cached blocks).
-        self._buffers = self.runtime.static_buffers(specs) if specs else []
-        live: dict[tuple, Any] = {}
-        self._live, self._grad_readers, self._grad_watched = live, {}, grad_watched
-        self._grad_dead = set()
-        failed: set = set()
-        errors: list[BaseException] = []
-        if any(layer.memory_mode is _memory.MemoryMode.SHARED for layer in layers):
-            gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
-            if gen is not None and not gen.order:
-                self.runtime.prepare_pool(gen.pool)
+        batch = CaptureBatch(self.runtime, self.caps.release, events, specs, deaths, grad_watched)
+        self._prepare_pool(layers)
         try:
-            self._capture_events(events, deaths, live, failed, errors)
+            batch.run()
+            self._checks.update(batch.checks)
         finally:
-            # also when the batch escapes (an interrupt, a warning raised as an error): nothing
-            # of it may reach the next batch. The captured positions hold the tensors they use
-            # (gradients not given back stay owned).
-            self._dying, self._owners = set(), {}
-            live.clear()
-            self._buffers, self._produced, self._live, self._grad_readers = (), {}, {}, {}
-            self._pending, self._readers, self._grad_dead = set(), {}, set()
-            self._grad_watched = set()
+            batch.close()  # also when the batch escapes (an interrupt, a warning raised as an error)
+        self._finish(layers, batch)
+
+    def _defer(self, layers: list) -> bool:
+        """Whether the runtime asks to wait: the recording is dropped and the next episode recorded."""
+        lending = self.caps.lending
+        wait = lending.defer_capture() if lending is not None and self.deferred < MAX_DEFERRED_EPISODES else None
+        if not wait:
+            self.deferred = 0
+            return False
+        if not self.deferred:
+            logger.info("paddle_graphpp: captures wait (%s runtime: %s); the next episode is recorded instead",
+                        self.runtime.name, wait)
+        self.deferred += 1
         for layer in layers:
-            layer._recording_captured()
+            layer.recording_dropped()
+        return True
+
+    def _prepare_pool(self, layers: list) -> None:
+        if self.caps.lending is None or not any(p.memory_mode is _memory.MemoryMode.SHARED for p in layers):
+            return
+        gen = self.plan.generation_for_capture(_memory.MemoryMode.SHARED)
+        if gen is not None and not gen.order:
+            self.caps.lending.prepare_pool(gen.pool)
+
+    def _finish(self, layers: list, batch: CaptureBatch) -> None:
+        for layer in layers:
+            layer.recording_captured()
         self._layers.update({id(layer): layer for layer in layers})
         gen = self.plan.newest_generation()
-        if gen is not None and gen.order:
-            self.runtime.lend_pool(gen.pool, lambda: self.clock.between_episodes,
-                                   lambda: self._drop_generation(gen))
-        if failed:
+        if gen is not None and gen.order and self.caps.lending is not None:
+            self.caps.lending.lend_pool(gen.pool, lambda: self.clock.between_episodes,
+                                        lambda: self._drop_generation(gen))
+        if batch.failed:
             gc.collect()
             self.runtime.release_cached_memory()
         self.plan.log_summary()
-        errors = self._agree(errors)
+        errors = self._agree(batch.errors)
         for extra in errors[1:]:
-            warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=4)
         if errors:
             raise errors[0]
 
-    def _capture_events(self, events: list, deaths: dict, live: dict, failed: set, errors: list) -> None:
-        """Capture the recorded ``events`` in order (the loop of :meth:`capture_recorded`);
-        ``deaths``: per event index, the outputs found dead before it (see :meth:`watch_outputs`)."""
-        complete = {(id(layer), key, pos) for layer, key, pos, forward, half in events
-                    if not forward and half != "input"}
-        # An output freed after the last event that may be captured stays owned: no graph of
-        # this batch would take its memory, and eager work between episodes (an optimizer step
-        # borrowing the pool) could, while a schedule still holds it.
-        last = max((i for i, (layer, key, pos, *_) in enumerate(events) if (id(layer), key, pos) in complete),
-                   default=-1)
-        # A gradient freed after that event was read by no graph after it: it goes back after the
-        # batch's last graph (its eager readers run before the step ends).
-        late = [link for i, links in deaths.items() if i > last for link in links if link.kind == "grad"]
-        deaths = {i: links for i, links in deaths.items() if i <= last}
-        self._dying = {link for links in deaths.values() for link in links} | set(late)
-        self._note_readers(events, complete)
-        captured: set = set()  # per_graph slots come back within an episode: capture each once
-        released: list = []  # outputs whose memory went back to the pool since the last captured graph
-        first: Optional[tuple] = None  # the first graph captured: the next episode's first replay
-        checks: dict = {}  # see self._checks
-        for index, (layer, key, pos, forward, half) in enumerate(events):
-            dead = [link for link in deaths.get(index, ()) if link.kind == "out"]
-            self._release_outputs(dead)
-            released.extend(dead)
-            dead_grads = [link for link in deaths.get(index, ()) if link.kind == "grad"]
-            if dead_grads:
-                self._grad_dead.update(dead_grads)
-                self._release_unread()
-            slot = (id(layer), key, pos)
-            if slot not in complete or slot in captured or (id(layer), key) in failed:
-                continue
-            made = False  # a graph was captured
-            try:
-                if forward:
-                    state = layer._capture_recorded_forward(key, pos)
-                    if state is not None:
-                        live[slot] = state
-                        made = True
-                    else:  # recorded again when it next runs: reads nothing in this batch
-                        self._complete(slot)
-                elif slot in live and half == "input":
-                    live[slot] = layer._capture_recorded_backward_input(key, pos, live[slot])
-                    made = True
-                elif slot in live and half == "weight":
-                    layer._capture_recorded_backward_weight(key, pos, live.pop(slot))
-                    captured.add(slot)
-                    self._complete(slot)
-                    made = True
-                elif slot in live:
-                    layer._capture_recorded_backward(key, pos, live.pop(slot))
-                    captured.add(slot)
-                    self._complete(slot)
-                    made = True
-            except BaseException as exc:  # noqa: BLE001 - the layer decides what a failure means
-                failed.add((id(layer), key))
-                live.pop(slot, None)
-                self._complete(slot)
-                for other in [s for s in live if s[:2] == (id(layer), key)]:
-                    del live[other]
-                    self._complete(other)
-                for other in [s for s in self._pending if s[:2] == (id(layer), key)]:
-                    self._complete(other)  # its positions not captured yet will not be
-                error = layer._capture_failed(key, exc)
-                exc = None  # the traceback's frames hold the failed capture's tensors
-                if error is not None:
-                    errors.append(error)
-            if made:
-                check = (id(layer), key, pos, "forward" if forward else (half or "backward"))
-                first = first or check
-                if released:  # this graph is the first that may overwrite them
-                    checks[check] = (*checks.get(check, ()), *released)
-                    released = []
-        if released and first is not None:  # released after the last graph: the next episode's first overwrites
-            checks[first] = (*checks.get(first, ()), *released)
-        self._grad_dead.update(late)
-        self._release_unread()
-        self._checks.update(checks)
-
     def _agree(self, errors: list) -> list:
-        """With a capture agreement set (see ``GraphRuntime.capture_agreement``), every rank of
+        """With a capture agreement set (:attr:`agreement`), every rank of
         the group raises when any rank's captures raise, so that no rank goes on into a
         collective that waits for a peer that stopped."""
-        agreement = self.runtime.capture_agreement
+        agreement = self.agreement
         if agreement is None:
             return errors
         failed = agreement(bool(errors))
@@ -581,7 +393,7 @@ class Process:
         scratch: drop them (their positions are recorded and captured again, into a new pool)."""
         self.plan.note_aborted(gen)
         for layer in self._layers.values():
-            layer._drop_generation(gen)
+            layer.drop_generation(gen)
         logger.warning("paddle_graphpp: graphs of pool generation %d dropped; they are captured anew", gen.index)
 
 

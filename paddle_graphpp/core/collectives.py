@@ -17,8 +17,8 @@ no                     either              ``COPY_IN``: copy into the communicat
 Tensors the custom kernel cannot take (size, dtype, alignment, world size, no peer access)
 go to ``FALLBACK``, the framework's own all-reduce, which NCCL can capture.
 
-The framework parts live behind :class:`AllReduceBackend` (``paddle_graphpp.torch.allreduce``,
-``paddle_graphpp.paddle.allreduce``); this module imports neither framework.
+The framework parts live behind :class:`AllReduceBackend` (``paddle_graphpp.torch.collectives.allreduce``,
+``paddle_graphpp.paddle.collectives.allreduce``); this module imports neither framework.
 
 The engine tells the registry which graph is being captured with :func:`capturing_graph`
 and checks a graph with :func:`check_replay` before replaying it.

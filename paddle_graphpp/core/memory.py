@@ -33,6 +33,7 @@ import time
 from typing import Any, Optional
 
 from .errors import GraphScheduleError
+from .runtime import capabilities
 
 __all__ = ["MemoryMode", "MemoryPlan", "memory_report", "plan_for"]
 
@@ -105,7 +106,8 @@ class MemoryPlan:
     def async_allocator(self) -> bool:
         """Whether the stream-ordered allocator is active (asked once, at the first capture)."""
         if self._async is None:
-            self._async = bool(self.runtime.async_allocator_active())
+            ordered = capabilities(self.runtime).stream_ordered
+            self._async = bool(ordered is not None and ordered.async_allocator_active())
             if self._async:
                 logger.info("paddle_graphpp: the stream-ordered allocator is active: graph memory is the "
                             "driver's graph memory and memory modes do not select pools")
@@ -162,17 +164,21 @@ class MemoryPlan:
         if not gen.order and gen in self._generations:
             self._generations.remove(gen)
             pool, gen.pool = gen.pool, None
-            self.runtime.release_pool(pool)
+            lending = capabilities(self.runtime).lending
+            if lending is not None:
+                lending.release_pool(pool)
             del pool  # the last reference, unless the runtime keeps it
             self.runtime.release_cached_memory()
 
     # -------------------------------------------------------------- telemetry
     def report(self) -> dict:
-        stats = self.runtime.memory_stats()
+        telemetry = capabilities(self.runtime).telemetry
+        zeros = {"reserved_bytes": 0, "allocated_bytes": 0}
+        stats = telemetry.memory_stats() if telemetry is not None else zeros
         pools = [g.pool for g in self._generations] + self._per_graph_pools
         if self._async:
             pools = [None]  # graph memory is the driver's: the runtime reports it as a whole
-        pool_stats = self.runtime.memory_stats(pools) if pools else {"reserved_bytes": 0, "allocated_bytes": 0}
+        pool_stats = telemetry.memory_stats(pools) if pools and telemetry is not None else zeros
         return {
             "runtime": self.runtime.name,
             "graphs_captured": self.graphs_captured,

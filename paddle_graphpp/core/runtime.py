@@ -1,10 +1,19 @@
-"""The runtime seam: everything the engine needs from a framework, and nothing more.
+"""The runtime seam: what the engine needs from a framework, as one required protocol and a
+few optional capabilities.
 
 The core never imports a framework. Each framework has one package of adapters, named in
 :data:`FRAMEWORKS`: its ``runtime`` module implements :class:`GraphRuntime` (and imports the
 framework), its ``optim`` module holds the graph-safe optimizer steps, and its ``allocator``
 module the stream-ordered allocator switch (which must work before the framework is
 imported, so that module imports no framework at import time).
+
+:class:`GraphRuntime` is what every runtime must do (25 members, each with its contract).
+Everything else is a capability a runtime has or has not, one protocol each:
+:class:`AutocastModes`, :class:`SplitBackward`, :class:`InGraphAccumulation`,
+:class:`OutputRelease`, :class:`PoolLending`, :class:`StreamOrderedAllocator`,
+:class:`MemoryTelemetry`, :class:`CaptureHints`, :class:`ModelTree`. A runtime declares one by
+deriving from it (and implementing all of it); :func:`capabilities` finds them once per runtime,
+and the engine asks that record, never a runtime for something it did not declare.
 
 Which framework an object belongs to is decided in one place, :func:`framework_of`, from
 the module its type (or a base class) is defined in; :func:`runtime_for` turns that into the
@@ -15,7 +24,9 @@ of a framework's package. Nothing here imports a framework until one of these is
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional, Sequence
@@ -24,6 +35,19 @@ __all__ = [
     "FRAMEWORKS",
     "GraphRuntime",
     "TensorSpec",
+    "AutocastModes",
+    "SplitBackward",
+    "InGraphAccumulation",
+    "OutputRelease",
+    "PoolLending",
+    "StreamOrderedAllocator",
+    "MemoryTelemetry",
+    "CaptureHints",
+    "ModelTree",
+    "Capabilities",
+    "capabilities",
+    "clone_many",
+    "backward_into",
     "available_runtimes",
     "framework_module",
     "framework_of",
@@ -54,38 +78,34 @@ class TensorSpec:
         return f"shape {list(self.shape)}, {self.dtype} on {self.device}{grad}"
 
 
-
 class GraphRuntime(abc.ABC):
-    """Adapter from the framework-neutral engine to one framework.
+    """Adapter from the framework-neutral engine to one framework: what every runtime does.
 
-    Members, by concern (each documented with its contract below):
+    Members, by concern (25; each documented with its contract below):
 
+    * identity: :attr:`name`, :attr:`adopts_held_gradients`;
     * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`alias_key`, :meth:`static_like`,
-      :meth:`static_buffers`, :meth:`copy_many`,
-      :meth:`clone_many`, :meth:`detach`;
-    * framework state: :meth:`graphs_unavailable_reason`, :meth:`mode_key`, :meth:`mode_context`,
-      :meth:`state_slots`, :meth:`storage_addresses` (the replay-time check of
-      :mod:`paddle_graphpp.core.state`), :meth:`submodules`;
+      :meth:`static_buffers`, :meth:`copy_many`, :meth:`add_many`, :meth:`detach`;
+    * framework state: :meth:`graphs_unavailable_reason`, :meth:`state_slots`,
+      :meth:`storage_addresses`;
     * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
-      :meth:`autograd_grad`, :meth:`backward_into`, :meth:`apply_graphed_function`,
-      :meth:`leaves_without_grad`,
-      :attr:`adopts_held_gradients`;
-    * split backward for zero-bubble schedules (only where :attr:`splits_backward`):
-      :meth:`backward_input`, :meth:`backward_weight`;
-    * gradient accumulation inside graphs (only where :attr:`accumulates_grads_in_graph`):
-      :meth:`add_many`, :meth:`zero_many`, :meth:`grad_of`, :meth:`set_grad`,
-      :meth:`params_with_grad_hooks`;
+      :meth:`autograd_grad`, :meth:`apply_graphed_function`, :meth:`leaves_without_grad`;
     * graphs: :meth:`create_graph`, :meth:`new_pool`, :meth:`capture_to_graph`,
-      :meth:`capture_failure_hint`, :meth:`replay_graph`, :meth:`is_capturing`;
-    * memory: :meth:`memory_stats`, :meth:`async_allocator_active`, :meth:`release_cached_memory`,
-      :meth:`lend_pool`.
+      :meth:`replay_graph`, :meth:`is_capturing`;
+    * memory: :meth:`release_cached_memory`.
 
-    A runtime is stateless apart from per-process handles (the capture stream); one instance
-    serves every graphed layer of a process.
+    What a runtime may do besides is a capability (the module docstring). A runtime holds no
+    state the engine reads or writes (counters belong to the process, see
+    :mod:`paddle_graphpp.core.capture`), apart from per-process handles (the capture stream);
+    one instance serves every graphed layer of a process.
     """
 
     #: short framework name, used in messages and as the key of :data:`FRAMEWORKS`
     name: str = "abstract"
+
+    #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
+    #: shares it); False when it copies any gradient it does not own outright (PyTorch).
+    adopts_held_gradients: bool = True
 
     # ----------------------------------------------------------------- tensors
     @abc.abstractmethod
@@ -117,37 +137,12 @@ class GraphRuntime(abc.ABC):
         few kernel launches as the framework allows; a pair that already shares memory is skipped."""
 
     @abc.abstractmethod
-    def clone_many(self, tensors: Sequence[Any]) -> list:
-        """Fresh copies of ``tensors`` (new memory), in as few kernel launches as the framework allows."""
+    def add_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """``dst += src`` for each pair, in place, capturable."""
 
     @abc.abstractmethod
     def detach(self, tensor: Any, requires_grad: bool = False) -> Any:
         """An alias of ``tensor`` cut from autograd, tracked again (as a new leaf) if ``requires_grad``."""
-
-    def release_to_pool(self, tensor: Any) -> None:
-        """During capture: ``tensor`` (a graph's output in the pool) keeps its address, shape
-        and dtype but no longer owns its memory, which the allocator may give to graphs captured
-        after this point (everyone who holds the tensor object keeps a valid alias of that
-        address). A runtime that cannot keeps it owned (the default): correct, without the saving."""
-
-    def memory_watches(self, tensors: Sequence[Any], others: Sequence[Any]) -> Optional[list]:
-        """Recording: per tensor (an eager call's outputs), a function that tells whether anyone
-        still uses its memory (any tensor over it, autograd's saved ones included), or ``None``
-        when the tensors share memory with each other or with ``others`` (the call's inputs and
-        parameters) or the runtime cannot tell. Default: ``None`` (outputs stay their
-        positions' for good)."""
-        return None
-
-    def weak_alias(self, tensor: Any) -> Optional[Any]:
-        """A new tensor object over ``tensor``'s memory (shape, strides, dtype) that does not own
-        it, or ``None`` where the runtime cannot make one (default)."""
-        return None
-
-    def move_to_copies(self, tensors: Sequence[Any]) -> bool:
-        """Give each tensor (an output handed out earlier, whose graph buffer the next replay
-        overwrites) its current values in new memory of its own, the tensor objects staying
-        the same. False where the framework cannot (the engine then warns)."""
-        return False
 
     # --------------------------------------------------------- framework state
     @abc.abstractmethod
@@ -158,31 +153,16 @@ class GraphRuntime(abc.ABC):
         """
 
     @abc.abstractmethod
-    def mode_key(self) -> Any:
-        """A hashable summary of the framework state a capture bakes in (mixed precision);
-        ``None`` for the plain state. Called on every graphed call: keep it cheap."""
-
-    @abc.abstractmethod
-    def mode_context(self, key: Any) -> ContextManager:
-        """Context that re-enters the state ``key`` (a :meth:`mode_key` value) describes, so a
-        call recorded under it can be captured later; inside it, ``mode_key() == key``."""
-
     def state_slots(self, layer: Any) -> list:
         """Where ``layer``'s parameters and buffers live, for the replay-time check that they
         still hold the tensors a capture read (:class:`paddle_graphpp.core.state.StateWatch`):
         ``(holder, key, name)`` triples, ``holder[key]`` being the tensor and ``name`` saying
-        which it is (``"parameter 'fc.weight'"``). Default: nothing is checked."""
-        return []
+        which it is (``"parameter 'fc.weight'"``); ``[]`` checks nothing."""
 
-    def submodules(self, model: Any) -> list:
-        """Every module (layer) of ``model``, ``model`` included: where
-        :func:`paddle_graphpp.reset_graphs` looks for graphed layers. Default: ``[model]``."""
-        return [model]
-
+    @abc.abstractmethod
     def storage_addresses(self, tensors: Sequence[Any]) -> list:
         """The device address of each tensor's first element (called at every check: keep it
         to one attribute read per tensor)."""
-        return [self.alias_key(t)[0] for t in tensors]
 
     # ---------------------------------------------------------------- autograd
     @abc.abstractmethod
@@ -210,42 +190,6 @@ class GraphRuntime(abc.ABC):
         """Gradients of ``outputs`` w.r.t. ``inputs`` (``None`` where unused); frees the autograd
         graph's saved tensors unless ``retain_graph``."""
 
-    def backward_to_grads(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
-                          aliases: Sequence[Any], params: Sequence[Any]) -> list:
-        """Eager backward of ``outputs`` that adds the gradient of each parameter alias in
-        ``aliases`` into its parameter's (``params``) gradient, as autograd's accumulation
-        would without hooks (an unset gradient takes the new one); returns the gradients of
-        ``inputs``. Runtimes that can move each gradient as autograd produces it override this;
-        the default computes them all, then adds."""
-        got = self.autograd_grad(outputs, grad_outputs, list(inputs) + list(aliases))
-        for param, grad in zip(params, got[len(inputs):]):
-            if grad is None:
-                continue
-            current = self.grad_of(param)
-            if current is None:
-                self.set_grad(param, grad)
-            else:
-                self.add_many([current], [grad])
-        return got[:len(inputs)]
-
-    def backward_into(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
-                      params: Sequence[Any], buffers: Sequence[Any], *, accumulate: bool,
-                      retain_graph: bool = False) -> tuple:
-        """Backward of ``outputs``: returns ``(input_grads, used)``, the gradients w.r.t.
-        ``inputs`` (``None`` where unused) and, per parameter, whether it got a gradient; the
-        gradient of ``params[i]`` goes into ``buffers[i]``, added when ``accumulate``, else
-        copied (an unused parameter's buffer is left alone). Runs inside a capture. This
-        default holds every parameter gradient until the end; a runtime that can move each
-        into its buffer as soon as autograd produces it should, so the graph's pool never
-        holds them all at once."""
-        got = self.autograd_grad(outputs, grad_outputs, [*inputs, *params], retain_graph=retain_graph)
-        n = len(inputs)
-        used = [g is not None for g in got[n:]]
-        pairs = [(b, g) for b, g in zip(buffers, got[n:]) if g is not None]
-        if pairs:
-            (self.add_many if accumulate else self.copy_many)([b for b, _ in pairs], [g for _, g in pairs])
-        return got[:n], used
-
     @abc.abstractmethod
     def apply_graphed_function(self, call: Any, tensors: Sequence[Any], params: Sequence[Any]) -> tuple:
         """Run ``call.forward()`` inside the framework's custom autograd function.
@@ -253,91 +197,14 @@ class GraphRuntime(abc.ABC):
         ``call.forward()`` returns the flat list of output tensors and sets
         ``call.differentiable`` (one bool per output). The function's backward passes the
         incoming gradients of the differentiable outputs to ``call.backward(grads)``, which
-        returns one gradient (or ``None``) per entry of ``tensors + params``.
-        Returns the output tensors as a tuple.
+        returns one gradient (or ``None``) per entry of ``tensors + params``. A runtime with
+        :class:`SplitBackward` passes ``weights_wanted=False`` when autograd asks for no
+        parameter gradient. Returns the output tensors as a tuple.
         """
 
     @abc.abstractmethod
     def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
         """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
-
-    #: Backward graph replays so far that added parameter gradients into ``.grad`` inside the
-    #: graph (counted by the engine). A replay's writes do not bump tensors' version counters,
-    #: so code that skips work on gradients nobody wrote (``GraphedOptimizer.zero_grad``)
-    #: compares this count as well.
-    graph_grad_writes: int = 0
-
-    #: Set by a framework's capture-agreement helper (torch: ``agree_on_captures``): called at the
-    #: end of every batch of captures with whether an error of this process's captures is about
-    #: to reach the user; returns the ranks of the agreement group whose captures failed so
-    #: (empty: none), or raises :class:`~paddle_graphpp.CaptureError` when the peers do not
-    #: answer in time. ``None``: each process decides alone.
-    capture_agreement: Optional[Callable[[bool], list]] = None
-
-    #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
-    #: shares it); False when it copies any gradient it does not own outright (PyTorch).
-    adopts_held_gradients: bool = True
-
-    # ------------------------------------------------ split backward (zero bubble)
-    #: True when the runtime implements :meth:`backward_input` and :meth:`backward_weight`, and
-    #: its custom function tells the engine whether a backward asks for parameter gradients
-    #: (``call.backward(grads, weights_wanted=...)``).
-    splits_backward: bool = False
-
-    def backward_input(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
-                       params: Sequence[Any]) -> tuple:
-        """The input-gradient half of a backward: returns ``(input_grads, param_grads, state)``:
-        the gradients w.r.t. ``inputs`` (``None`` where unused); per parameter, a gradient this
-        half already produced (``None`` for most: a runtime whose weight half computes every
-        parameter gradient returns all ``None``), handed to autograd with the input gradients;
-        and what :meth:`backward_weight` needs to produce the remaining parameter gradients
-        later (the autograd graph is kept). A runtime that accumulates gradients inside graphs
-        (:attr:`accumulates_grads_in_graph`) returns no parameter gradient here. Runs inside a
-        capture."""
-        raise NotImplementedError(f"{self.name} runtime: backward_input")
-
-    def weight_pass_refills_grad(self) -> bool:
-        """Does the weight pass running now put each parameter gradient it gets into
-        ``.grad`` (assigning it where ``.grad`` is unset)? Only then may a layer that
-        accumulates inside its graphs hand it the whole sum with ``.grad`` unset."""
-        return False
-
-    #: The weight pass :meth:`weight_pass_refills_grad` recognises, named in errors.
-    refilling_weight_pass: str = "the framework's pipeline weight pass"
-
-    def backward_weight(self, state: Any, params: Sequence[Any]) -> Iterator[tuple]:
-        """The weight-gradient half: yields ``(indices, gradients)`` of ``params``, a few at a
-        time (the caller moves each batch into its buffers before asking for the next), for
-        every parameter whose gradient it produces (a parameter never yielded gets none from
-        this half); then releases ``state``. Runs inside a capture."""
-        raise NotImplementedError(f"{self.name} runtime: backward_weight")
-
-    # ------------------------------------------- gradient accumulation in graphs
-    #: True when the runtime implements :meth:`add_many`, :meth:`grad_of`, :meth:`set_grad`,
-    #: :meth:`zero_many` and :meth:`params_with_grad_hooks` (``accumulate_grads=True``).
-    accumulates_grads_in_graph: bool = False
-
-    def add_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
-        """``dst += src`` for each pair, in place, capturable."""
-        raise NotImplementedError(f"{self.name} runtime: add_many")
-
-    def zero_many(self, tensors: Sequence[Any]) -> None:
-        """Zero each tensor in place (addresses unchanged), capturable."""
-        raise NotImplementedError(f"{self.name} runtime: zero_many")
-
-    def grad_of(self, param: Any) -> Any:
-        """``param``'s accumulated gradient (its ``.grad``), or ``None``."""
-        raise NotImplementedError(f"{self.name} runtime: grad_of")
-
-    def set_grad(self, param: Any, grad: Any) -> None:
-        """Make ``grad`` (the tensor itself, not a copy) the accumulated gradient of ``param``."""
-        raise NotImplementedError(f"{self.name} runtime: set_grad")
-
-    def params_with_grad_hooks(self, params: Sequence[Any]) -> list:
-        """Indices of ``params`` whose gradient accumulation runs hooks (those must keep going
-        through the framework's accumulation). May answer for every parameter when hooks are
-        installed where they cannot be seen (a data-parallel wrapper's reducer)."""
-        raise NotImplementedError(f"{self.name} runtime: params_with_grad_hooks")
 
     # --------------------------------------------------------- graph operations
     @abc.abstractmethod
@@ -362,12 +229,6 @@ class GraphRuntime(abc.ABC):
         re-raises the body's exception.
         """
 
-    def capture_failure_hint(self, error: BaseException, generators: Sequence[Any]) -> Optional[str]:
-        """What to do about a capture that failed with ``error`` when the runtime knows the
-        cause (an unregistered RNG generator, say); ``None`` for the engine's general hint.
-        ``generators``: those the layer registered."""
-        return None
-
     @abc.abstractmethod
     def replay_graph(self, graph: Any) -> None:
         """Launch a captured graph on the current stream."""
@@ -378,49 +239,255 @@ class GraphRuntime(abc.ABC):
 
     # ------------------------------------------------------------------ memory
     @abc.abstractmethod
-    def memory_stats(self, pools: Optional[Sequence[Any]] = None) -> dict:
-        """``{"reserved_bytes": int, "allocated_bytes": int}``: with ``pools=None``, for the current
-        device; with a sequence of pool handles, held by those pools together (a runtime that
-        cannot attribute memory to pools says so in its docstring). Zeros without a device."""
-
-    @abc.abstractmethod
-    def async_allocator_active(self) -> bool:
-        """True when the framework allocates with the stream-ordered allocator (cudaMallocAsync):
-        graph pools are then ignored. Imports the framework. Raises
-        :class:`paddle_graphpp.allocator.AllocatorSwitchError` on a half-switch (the switch was
-        asked for, but this framework's allocator was set up before it)."""
-
-    @abc.abstractmethod
     def release_cached_memory(self) -> None:
         """Return cached, unused device memory to the driver (before a batch of captures, and
         after a failed one)."""
 
-    def release_pool(self, pool: Any) -> None:
-        """``pool`` holds no graph and never will (every capture into it failed): give its
-        memory back to the driver now. Called between captures, never inside one. Default:
-        nothing (the pool keeps what it cached)."""
 
+# ------------------------------------------------------------------ capabilities
+class AutocastModes(abc.ABC):
+    """Mixed-precision state that a capture bakes in (without it: one plain state)."""
+
+    @abc.abstractmethod
+    def mode_key(self) -> Any:
+        """A hashable summary of the framework state a capture bakes in (mixed precision);
+        ``None`` for the plain state. Called on every graphed call: keep it cheap."""
+
+    @abc.abstractmethod
+    def mode_context(self, key: Any) -> ContextManager:
+        """Context that re-enters the state ``key`` (a :meth:`mode_key` value) describes, so a
+        call recorded under it can be captured later; inside it, ``mode_key() == key``."""
+
+
+class SplitBackward(abc.ABC):
+    """Backwards in two halves, as zero-bubble schedules run them: the runtime's custom function
+    tells the engine whether a backward asks for parameter gradients
+    (``call.backward(grads, weights_wanted=...)``)."""
+
+    #: The weight pass :meth:`weight_pass_refills_grad` recognises, named in errors.
+    refilling_weight_pass: str = "the framework's pipeline weight pass"
+
+    @abc.abstractmethod
+    def backward_input(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
+                       params: Sequence[Any]) -> tuple:
+        """The input-gradient half of a backward: returns ``(input_grads, param_grads, state)``:
+        the gradients w.r.t. ``inputs`` (``None`` where unused); per parameter, a gradient this
+        half already produced (``None`` for most: a runtime whose weight half computes every
+        parameter gradient returns all ``None``), handed to autograd with the input gradients;
+        and what :meth:`backward_weight` needs to produce the remaining parameter gradients
+        later (the autograd graph is kept). A runtime with :class:`InGraphAccumulation`
+        returns no parameter gradient here. Runs inside a capture."""
+
+    @abc.abstractmethod
+    def backward_weight(self, state: Any, params: Sequence[Any]) -> Iterator[tuple]:
+        """The weight-gradient half: yields ``(indices, gradients)`` of ``params``, a few at a
+        time (the caller moves each batch into its buffers before asking for the next), for
+        every parameter whose gradient it produces (a parameter never yielded gets none from
+        this half); then releases ``state``. Runs inside a capture."""
+
+    @abc.abstractmethod
+    def weight_pass_refills_grad(self) -> bool:
+        """Does the weight pass running now put each parameter gradient it gets into
+        ``.grad`` (assigning it where ``.grad`` is unset)? Only then may a layer that
+        accumulates inside its graphs hand it the whole sum with ``.grad`` unset."""
+
+
+class InGraphAccumulation(abc.ABC):
+    """Parameter gradients added into ``.grad`` inside backward graphs (``accumulate_grads``)."""
+
+    @abc.abstractmethod
+    def zero_many(self, tensors: Sequence[Any]) -> None:
+        """Zero each tensor in place (addresses unchanged), capturable."""
+
+    @abc.abstractmethod
+    def grad_of(self, param: Any) -> Any:
+        """``param``'s accumulated gradient (its ``.grad``), or ``None``."""
+
+    @abc.abstractmethod
+    def set_grad(self, param: Any, grad: Any) -> None:
+        """Make ``grad`` (the tensor itself, not a copy) the accumulated gradient of ``param``."""
+
+    @abc.abstractmethod
+    def params_with_grad_hooks(self, params: Sequence[Any]) -> list:
+        """Indices of ``params`` whose gradient accumulation runs hooks (those must keep going
+        through the framework's accumulation). May answer for every parameter when hooks are
+        installed where they cannot be seen (a data-parallel wrapper's reducer)."""
+
+    @abc.abstractmethod
+    def backward_to_grads(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
+                          aliases: Sequence[Any], params: Sequence[Any]) -> list:
+        """Eager backward of ``outputs`` that adds the gradient of each parameter alias in
+        ``aliases`` into its parameter's (``params``) gradient as autograd produces it (an unset
+        gradient takes the new one); returns the gradients of ``inputs``."""
+
+    @abc.abstractmethod
+    def backward_into(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
+                      params: Sequence[Any], buffers: Sequence[Any], *, accumulate: bool,
+                      retain_graph: bool = False) -> tuple:
+        """As :func:`backward_into` (the module function), moving each parameter gradient into
+        its buffer as soon as autograd produces it, so the graph's pool never holds them all."""
+
+
+class OutputRelease(abc.ABC):
+    """Outputs that the recorded step freed within the step give their memory back to the pool
+    at the same point of the capture order, and outputs still held when their position replays
+    move to memory of their own."""
+
+    @abc.abstractmethod
+    def memory_watches(self, tensors: Sequence[Any], others: Sequence[Any]) -> Optional[list]:
+        """Recording: per tensor (an eager call's outputs), a function that tells whether anyone
+        still uses its memory (any tensor over it, autograd's saved ones included), or ``None``
+        when the tensors share memory with each other or with ``others`` (the call's inputs and
+        parameters) or the runtime cannot tell."""
+
+    @abc.abstractmethod
+    def release_to_pool(self, tensor: Any) -> None:
+        """During capture: ``tensor`` (a graph's output in the pool) keeps its address, shape
+        and dtype but no longer owns its memory, which the allocator may give to graphs captured
+        after this point (everyone who holds the tensor object keeps a valid alias)."""
+
+    @abc.abstractmethod
+    def weak_alias(self, tensor: Any) -> Optional[Any]:
+        """A new tensor object over ``tensor``'s memory (shape, strides, dtype) that does not own
+        it, or ``None`` where it cannot make one for this tensor."""
+
+    @abc.abstractmethod
+    def move_to_copies(self, tensors: Sequence[Any]) -> None:
+        """Give each tensor (an output handed out earlier, whose graph buffer the next replay
+        overwrites) its current values in new memory of its own, the tensor objects staying
+        the same."""
+
+
+class PoolLending(abc.ABC):
+    """Eager work between steps (optimizer steps) borrows the graphs' shared pool."""
+
+    @abc.abstractmethod
     def defer_capture(self) -> Optional[str]:
         """Asked before a recorded episode is captured: a reason to wait (logged once) drops the
         recording and records the next episode instead (asked again then; the core stops asking
-        after ``capture.MAX_DEFERRED_EPISODES`` in a row); ``None`` lets the capture go. For
-        runtimes whose pools are better sized or placed after some eager event, such as an
-        optimizer's first step. Default: never wait."""
-        return None
+        after ``capture.MAX_DEFERRED_EPISODES`` in a row); ``None`` lets the capture go."""
 
+    @abc.abstractmethod
     def prepare_pool(self, pool: Any) -> int:
         """Before the first capture into the shared ``pool``: give it, as free memory, what the
-        eager work that borrows it (:meth:`lend_pool`) will need, so that the graphs' scratch
-        and that work share it instead of the pool being cut to the activations' sizes alone.
-        Returns the bytes reserved. Default: nothing (0)."""
-        return 0
+        eager work that borrows it (:meth:`lend_pool`) will need. Returns the bytes reserved."""
 
+    @abc.abstractmethod
     def lend_pool(self, pool: Any, is_idle: Callable[[], bool], on_leak: Callable[[], None]) -> None:
         """Let eager work that runs while ``is_idle()`` (no micro-batch in flight, so every
-        activation in ``pool`` is dead) take its temporaries from ``pool``'s free memory,
-        instead of memory of its own; it must free them before the next replay. If such work
-        leaves memory allocated in ``pool``, call ``on_leak()`` (the core then drops the pool's
-        graphs) and stop lending. Default: lend nothing. PyTorch lends to optimizer steps."""
+        activation in ``pool`` is dead) take its temporaries from ``pool``'s free memory; it
+        must free them before the next replay. If such work leaves memory allocated in
+        ``pool``, call ``on_leak()`` (the core then drops the pool's graphs) and stop lending."""
+
+    @abc.abstractmethod
+    def release_pool(self, pool: Any) -> None:
+        """``pool`` holds no graph and never will (every capture into it failed): give its
+        memory back to the driver now. Called between captures, never inside one."""
+
+
+class StreamOrderedAllocator(abc.ABC):
+    """The framework may allocate with the stream-ordered allocator (cudaMallocAsync)."""
+
+    @abc.abstractmethod
+    def async_allocator_active(self) -> bool:
+        """True when the framework allocates with the stream-ordered allocator: graph pools are
+        then ignored. Raises :class:`paddle_graphpp.allocator.AllocatorSwitchError` on a
+        half-switch (asked for, but this framework's allocator was set up before it)."""
+
+
+class MemoryTelemetry(abc.ABC):
+    """Device and pool memory figures for :func:`paddle_graphpp.memory_report`."""
+
+    @abc.abstractmethod
+    def memory_stats(self, pools: Optional[Sequence[Any]] = None) -> dict:
+        """``{"reserved_bytes": int, "allocated_bytes": int}``: with ``pools=None``, for the current
+        device; with a sequence of pool handles, held by those pools together. Zeros without a device."""
+
+
+class CaptureHints(abc.ABC):
+    """Causes of failed captures the runtime can name (an unregistered RNG generator, say)."""
+
+    @abc.abstractmethod
+    def capture_failure_hint(self, error: BaseException, generators: Sequence[Any]) -> Optional[str]:
+        """What to do about a capture that failed with ``error`` when the runtime knows the
+        cause; ``None`` for the engine's general hint. ``generators``: those the layer registered."""
+
+
+class ModelTree(abc.ABC):
+    """Models made of modules (layers) that :func:`paddle_graphpp.reset_graphs` can walk."""
+
+    @abc.abstractmethod
+    def submodules(self, model: Any) -> list:
+        """Every module (layer) of ``model``, ``model`` included."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """The optional capabilities of one runtime: each field is the runtime itself where it
+    declares that capability, else ``None``."""
+
+    modes: Optional[AutocastModes]
+    split: Optional[SplitBackward]
+    accumulation: Optional[InGraphAccumulation]
+    release: Optional[OutputRelease]
+    lending: Optional[PoolLending]
+    stream_ordered: Optional[StreamOrderedAllocator]
+    telemetry: Optional[MemoryTelemetry]
+    hints: Optional[CaptureHints]
+    tree: Optional[ModelTree]
+
+    def mode_key(self) -> Any:
+        return self.modes.mode_key() if self.modes is not None else None
+
+    def mode_context(self, key: Any) -> ContextManager:
+        if self.modes is None:
+            return contextlib.nullcontext()
+        return self.modes.mode_context(key)
+
+
+_FIELDS = {"modes": AutocastModes, "split": SplitBackward, "accumulation": InGraphAccumulation,
+           "release": OutputRelease, "lending": PoolLending, "stream_ordered": StreamOrderedAllocator,
+           "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree}
+_CAPABILITIES: "weakref.WeakKeyDictionary[GraphRuntime, Capabilities]" = weakref.WeakKeyDictionary()
+
+
+def capabilities(runtime: GraphRuntime) -> Capabilities:
+    """The capabilities ``runtime`` declares (found once per runtime object)."""
+    found = _CAPABILITIES.get(runtime)
+    if found is None:
+        found = _CAPABILITIES[runtime] = Capabilities(
+            **{field: runtime if isinstance(runtime, proto) else None for field, proto in _FIELDS.items()})
+    return found
+
+
+# ------------------------------------------------------------------ helpers
+def clone_many(runtime: GraphRuntime, tensors: Sequence[Any]) -> list:
+    """Fresh copies of ``tensors`` (new memory), in one batched copy."""
+    outs = [runtime.static_like(t) for t in tensors]
+    runtime.copy_many(outs, tensors)
+    return outs
+
+
+def backward_into(runtime: GraphRuntime, outputs: Sequence[Any], grad_outputs: Sequence[Any],
+                  inputs: Sequence[Any], params: Sequence[Any], buffers: Sequence[Any], *, accumulate: bool,
+                  retain_graph: bool = False) -> tuple:
+    """Backward of ``outputs``: returns ``(input_grads, used)``, the gradients w.r.t. ``inputs``
+    (``None`` where unused) and, per parameter, whether it got a gradient; the gradient of
+    ``params[i]`` goes into ``buffers[i]``, added when ``accumulate``, else copied (an unused
+    parameter's buffer is left alone). Runs inside a capture. A runtime with
+    :class:`InGraphAccumulation` moves each gradient as autograd produces it; otherwise every
+    parameter gradient is held until the end."""
+    accumulation = capabilities(runtime).accumulation
+    if accumulation is not None:
+        return accumulation.backward_into(outputs, grad_outputs, inputs, params, buffers, accumulate=accumulate,
+                                          retain_graph=retain_graph)
+    got = runtime.autograd_grad(outputs, grad_outputs, [*inputs, *params], retain_graph=retain_graph)
+    n = len(inputs)
+    used = [g is not None for g in got[n:]]
+    pairs = [(b, g) for b, g in zip(buffers, got[n:]) if g is not None]
+    if pairs:
+        (runtime.add_many if accumulate else runtime.copy_many)([b for b, _ in pairs], [g for _, g in pairs])
+    return got[:n], used
 
 
 # ------------------------------------------------------------------ the table
@@ -461,7 +528,7 @@ def runtime_for(obj: Any) -> GraphRuntime:
 
 
 def framework_module(name: str, part: str) -> ModuleType:
-    """Module ``part`` (``"runtime"``, ``"optim"``, ``"allocator"``) of framework ``name``'s package.
+    """Module ``part`` (``"runtime"``, ``"optim"``, ``"memory.allocator"``) of framework ``name``'s package.
 
     Raises:
         ValueError: unknown framework name.

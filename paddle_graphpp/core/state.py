@@ -13,9 +13,9 @@ module's parameter dict, an optimizer's per-parameter state) and its storage add
 pass.
 
 The check costs one dictionary lookup, one identity test and one address read per tensor
-(0.14 µs per tensor on a CPU: ``tools/bench_state_check.py`` ->
-``benchmarks/results/state-check-cpu.json``); graphed layers run it once per layer and step
-(episode), not per micro-batch, and :class:`~paddle_graphpp.GraphedOptimizer` once per step.
+(``tools/diagnostics/bench_state_check.py`` measures it); graphed layers run it once per layer
+and step (episode), not per micro-batch (:class:`LayerStateCheck`), and
+:class:`~paddle_graphpp.GraphedOptimizer` once per step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from __future__ import annotations
 import operator
 from typing import Any, Hashable, Optional, Sequence
 
-__all__ = ["StateWatch", "module_state_slots"]
+from .errors import StateReplacedError
+
+__all__ = ["StateWatch", "LayerStateCheck", "module_state_slots"]
 
 
 class StateWatch:
@@ -91,3 +93,49 @@ def module_state_slots(named_modules) -> list:
                 if tensor is not None:
                     slots.append((holder, key, f"{kind} '{prefix}.{key}'" if prefix else f"{kind} '{key}'"))
     return slots
+
+
+class LayerStateCheck:
+    """The replay-time check of one graphed layer: its graphs refuse to replay once a parameter
+    or buffer they read was replaced.
+
+    One watch serves every position captured while nothing was replaced, so one check per
+    step (episode) covers them all; a capture after a replacement gets a new watch.
+    """
+
+    def __init__(self, runtime: Any, layer: Any, name: str):
+        self.runtime = runtime
+        self.layer = layer  # what runtime.state_slots reads (the wrapped module or layer)
+        self.name = name
+        self._watch: Optional[StateWatch] = None  # parameters and buffers as the newest capture read them
+        self._checked: Optional[tuple] = None  # (episode, watch) last found unchanged
+
+    def watch(self) -> Optional[StateWatch]:
+        """The watch a new capture records: the current one while nothing was replaced, else a new one."""
+        watch = self._watch
+        if watch is None or watch.changed() is not None:
+            slots = self.runtime.state_slots(self.layer)
+            watch = self._watch = StateWatch(self.runtime, slots) if slots else None
+        return watch
+
+    def check(self, watch: StateWatch, episode: int) -> None:
+        """Raise :class:`~paddle_graphpp.StateReplacedError` when ``watch`` saw a replacement.
+        Checked once per episode and watch: replacing a parameter between the micro-batches of
+        one step is not something a training loop does."""
+        checked = self._checked
+        if checked is not None and checked[0] == episode and checked[1] is watch:
+            return
+        what = watch.changed()
+        if what is not None:
+            raise StateReplacedError(
+                f"{self.name}: {what} since its CUDA graphs were captured; replaying them would compute with "
+                f"the old memory, so the layer refuses to. Change parameters and buffers in place "
+                f"(module.load_state_dict(...) without assign=True, param.copy_(...) under no_grad) rather than "
+                f"assigning new tensors or storage. If the replacement is meant (a dtype round trip, a checkpoint "
+                f"loader that rebinds tensors), call paddle_graphpp.reset_graphs(model) between steps: it makes "
+                f"every graphed layer of the model forget its graphs and capture them anew, against the new "
+                f"tensors, after warmup.")
+        self._checked = (episode, watch)
+
+    def reset(self) -> None:
+        self._watch = self._checked = None

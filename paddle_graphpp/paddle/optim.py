@@ -12,8 +12,8 @@ from typing import Any, Optional, Sequence
 
 import paddle
 
-from ..core.graph_process import graph_process
-from ..core.runtime import get_runtime
+from ..graph_api import graph_process
+from .runtime import active_runtime
 from ..optim import GraphedOptimizer
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "PaddleGraphedOptimizer"]
@@ -163,7 +163,7 @@ class PaddleGraphedOptimizer(GraphedOptimizer):
             self._params = [p for group in groups for p in group["params"]]
         else:
             self._params = list(optimizer._parameter_list)
-        self._runtime = get_runtime("paddle")
+        self._runtime = active_runtime()
         self.unavailable_reason = self._runtime.graphs_unavailable_reason(self._params)
         self.graphed = self.unavailable_reason is None
         self._steps = 0

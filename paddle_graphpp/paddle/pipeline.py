@@ -29,7 +29,7 @@ its weight half into the store, which runs it in the schedule's weight pass
 communicates, makes fleet's CPU adjustments (:mod:`paddle_graphpp.paddle.fleet_cpu`) and,
 with ``use_cudagraph=True``, calls :func:`graph_pipeline` on itself. With ``to_static=...`` each
 graphed run's layers run converted by ``paddle.jit.to_static`` inside its graphs
-(:mod:`paddle_graphpp.paddle.to_static`).
+(:mod:`paddle_graphpp.paddle.compile`).
 :func:`paddle_graphpp.install` makes fleet's own ``use_cudagraph`` flag do the same.
 Without CUDA the graphed runs execute eagerly (one warning).
 """
@@ -50,7 +50,7 @@ from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipeli
 from paddle_graphpp.support import require
 from paddle_graphpp.core.segment import classify, describe_runs, split_into_runs
 from paddle_graphpp.paddle import fleet_cpu
-from paddle_graphpp.paddle.to_static import to_static_options
+from paddle_graphpp.paddle.compile import to_static_options
 
 __all__ = ["graph_pipeline", "GraphedPipeline", "PipelineLayer"]
 
@@ -181,8 +181,8 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             on every rank, before the first training step.
         num_warmup_steps: eager calls each graphed run takes before capture.
         graph_loss: graph the model's loss function too (the last stage's), so that its
-            temporaries share the graphs' pool (PyTorch, measured: the last rank of a GPT-3 1.3B
-            pp=2 pipeline from 1.02-1.03x eager's memory to 0.97-0.98x). Each call returns its
+            temporaries share the graphs' pool instead of memory of their own (docs/memory.md has
+            the measured effect on a last stage). Each call returns its
             own loss tensor. Needs one loss function without trainable parameters.
         to_static: ``True`` or a dict of ``paddle.jit.to_static`` keyword arguments
             (``full_graph``, ``backend``, ``build_strategy``, ``input_spec``): each graphed run's
@@ -239,7 +239,7 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
     loss_fn = _loss_to_graph(model, name) if graph_loss else None
     to_static_options(to_static, f"graph_pipeline({name}, to_static=...)")
 
-    from paddle_graphpp.paddle.graphed_layer import CUDAGraphedLayer
+    from paddle_graphpp.paddle.graphed import CUDAGraphedLayer
 
     shared_keys = {id(layer): key for key, layer in model.shared_layers.items()}
     chunks, graphed_layers = [], []
@@ -315,7 +315,7 @@ def _loss_to_graph(model, name):
 
 
 def _graph_loss(model, loss_fn, num_warmup_steps):
-    from paddle_graphpp.paddle.graphed_layer import CUDAGraphedLayer
+    from paddle_graphpp.paddle.graphed import CUDAGraphedLayer
 
     layer = loss_fn if isinstance(loss_fn, nn.Layer) else _LossLayer(loss_fn)
     graphed = _GraphedLoss(CUDAGraphedLayer(layer, num_warmup_steps, name=f"stage{model._stage_id}.loss"), loss_fn)

@@ -22,12 +22,13 @@ from paddle.autograd import PyLayer
 
 from .. import support as _support
 from ..core.engine import node_backward, node_forward
-from ..core.runtime import GraphRuntime, TensorSpec
+from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, MemoryTelemetry, ModelTree, SplitBackward,
+                            StreamOrderedAllocator, TensorSpec, get_runtime)
 from ..core.state import module_state_slots
 from . import split_backward as _split
-from .allocator import async_allocator_active as _async_allocator_active
+from .memory.allocator import async_allocator_active as _async_allocator_active
 
-__all__ = ["PaddleRuntime", "RUNTIME"]
+__all__ = ["PaddleRuntime", "RUNTIME", "active_runtime"]
 
 
 class _GraphedPyLayer(PyLayer):
@@ -59,7 +60,8 @@ def _weight_pass(ctx) -> None:
     _split.accumulate(call.params, got[len(call.shape.specs):])
 
 
-class PaddleRuntime(GraphRuntime):
+class PaddleRuntime(GraphRuntime, AutocastModes, SplitBackward, StreamOrderedAllocator, MemoryTelemetry, CaptureHints,
+                    ModelTree):
     name = "paddle"
 
     def __init__(self):
@@ -101,11 +103,6 @@ class PaddleRuntime(GraphRuntime):
         out.stop_gradient = not requires_grad
         return out
 
-    def clone_many(self, tensors) -> list:
-        with paddle.no_grad():
-            return [t.clone() for t in tensors]
-
-    # framework state
     def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
         if not paddle.is_compiled_with_cuda():
             return "this Paddle build has no CUDA"
@@ -180,13 +177,15 @@ class PaddleRuntime(GraphRuntime):
         return got
 
     # fleet's DualPipeV: the store's signal, SplitBWLinear's deferred products (split_backward.py)
-    splits_backward = True
 
     def backward_input(self, outputs, grad_outputs, inputs, params):
         return _split.input_half(outputs, grad_outputs, inputs, params, capturing=self.is_capturing())
 
     def backward_weight(self, state, params):
         return _split.weight_half(state, params)
+
+    def weight_pass_refills_grad(self) -> bool:
+        return False  # fleet's weight pass (WeightGradStore) adds what it gets; it never refills
 
     # Paddle's gradient accumulation shares the first gradient it receives with ``.grad``.
     adopts_held_gradients = True
@@ -276,3 +275,9 @@ def _has_gpu() -> bool:
 
 _support.require("paddle", paddle.__version__)
 RUNTIME = PaddleRuntime()
+
+
+def active_runtime() -> GraphRuntime:
+    """The runtime paddle's adapters use: :data:`RUNTIME`, or one registered in its place under
+    the name ``"paddle"`` (tests plug fake graph runtimes in with ``core.runtime.register_runtime``)."""
+    return get_runtime(RUNTIME.name)

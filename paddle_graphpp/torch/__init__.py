@@ -1,6 +1,6 @@
 """PyTorch API of paddle_graphpp.
 
-Importing this package does not import torch (:mod:`paddle_graphpp.torch.allocator` must work
+Importing this package does not import torch (:mod:`paddle_graphpp.torch.memory.allocator` must work
 before ``import torch``); its public names import torch on first use.
 """
 
@@ -8,14 +8,14 @@ from .._lazy import lazy_attributes
 
 _LAZY = {
     "CUDAGraphedModule": "paddle_graphpp.torch.graphed",
-    "graph_stage_module": "paddle_graphpp.torch.pipelining",
-    "graph_loss": "paddle_graphpp.torch.pipelining",
+    "graph_stage_module": "paddle_graphpp.torch.pipeline",
+    "graph_loss": "paddle_graphpp.torch.pipeline",
     "graph_layers": "paddle_graphpp.torch.layers",
     "ungraph_layers": "paddle_graphpp.torch.layers",
     "causal_lm_stage": "paddle_graphpp.torch.hf",
-    "ColumnParallelLinear": "paddle_graphpp.torch.tensor_parallel",
-    "RowParallelLinear": "paddle_graphpp.torch.tensor_parallel",
-    "agree_on_captures": "paddle_graphpp.torch.agreement",
+    "ColumnParallelLinear": "paddle_graphpp.torch.collectives.tensor_parallel",
+    "RowParallelLinear": "paddle_graphpp.torch.collectives.tensor_parallel",
+    "agree_on_captures": "paddle_graphpp.torch.collectives.agreement",
 }
 
 __all__ = sorted(_LAZY)

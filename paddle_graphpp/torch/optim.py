@@ -12,10 +12,11 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..core.errors import StateReplacedError
-from ..core.graph_process import graph_process
-from ..core.runtime import get_runtime
+from ..graph_api import graph_process
+from ..core.capture import process_for
 from ..core.state import StateWatch
 from ..optim import GraphedOptimizer
+from .runtime import active_runtime
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
            "optimizer_state_slots"]
@@ -214,7 +215,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
                              "in order; build the optimizer over MasterWeights(params).master.")
         # whose .grad the step reads and zeroes: the model's parameters
         self._grad_owners = master_weights.params if master_weights is not None else self._params
-        runtime = self._runtime = get_runtime("torch")
+        runtime = self._runtime = active_runtime()
         self.unavailable_reason = runtime.graphs_unavailable_reason(self._params)
         self.graphed = self.unavailable_reason is None
         self._lrs: list = []
@@ -271,7 +272,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         else:
             norm = self._sequence(self._params, grads, self._generation)
         self._clean = [(g, g._version) for g in grads if g is not None]
-        self._clean_writes = self._runtime.graph_grad_writes
+        self._clean_writes = process_for(self._runtime).grad_writes
         return norm
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -390,7 +391,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
 
     def _untouched(self, grads) -> bool:
         # Backward graphs that accumulate in-graph write .grad without bumping its version.
-        if self._runtime.graph_grad_writes != self._clean_writes:
+        if process_for(self._runtime).grad_writes != self._clean_writes:
             return False
         present = [g for g in grads if g is not None]
         if len(present) != len(self._clean):

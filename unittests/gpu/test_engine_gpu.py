@@ -85,7 +85,7 @@ def test_shape_change_is_captured_anew_never_replayed_into_old_graph():
         assert y.shape == (shape[0], 64)
         torch.testing.assert_close(y, lin(x), rtol=1e-6, atol=1e-6)
         y.sum().backward()
-    assert len(graphed.engine._signatures) == 2
+    assert len(graphed.engine.signatures()) == 2
     assert graphed.engine.captures == 4
 
 
@@ -216,7 +216,7 @@ def test_chained_blocks_read_each_others_graph_outputs_and_match_eager(perturb_a
         opt_e.zero_grad(), opt_g.zero_grad()
     blocks = [b.engine for b in graphed.blocks]
     for i, eng in enumerate(blocks):
-        positions = next(iter(eng._signatures.values())).positions
+        positions = next(iter(eng.signatures().values())).positions
         assert positions, f"block{i} has no captured positions"
         # block 0 reads the caller's tensor; every later block reads its predecessor's graph output
         assert all(bool(p.linked) == (i > 0) for p in positions.values())
@@ -276,7 +276,7 @@ def test_the_memory_reserved_before_capture_has_the_temporaries_layout(monkeypat
     all free, and the temporaries fit them."""
     import weakref
 
-    from paddle_graphpp.torch import pool_lending, pool_segments
+    from paddle_graphpp.torch.memory import pool_lending, pool_segments
 
     monkeypatch.setenv(pool_segments.FLAG, "0")  # the layouts of ordinary segments
     monkeypatch.setattr(pool_lending, "_STEPPED", weakref.WeakSet())
@@ -309,7 +309,7 @@ def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monk
     optimizer steps borrow the pool, and training equals eager's."""
     import weakref
 
-    from paddle_graphpp.torch import pool_lending
+    from paddle_graphpp.torch.memory import pool_lending
     from paddle_graphpp.torch.runtime import RUNTIME
     from tools.engine_parity import SEQ
 

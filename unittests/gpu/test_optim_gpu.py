@@ -10,7 +10,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
 
 import paddle_graphpp  # noqa: E402
-from paddle_graphpp.core import graph_process as gp  # noqa: E402
+from paddle_graphpp import graph_api as gp  # noqa: E402
 from paddle_graphpp.torch import optim as topt  # noqa: E402
 
 DEV = "cuda"

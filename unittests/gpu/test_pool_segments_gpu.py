@@ -11,7 +11,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
 
-from paddle_graphpp.torch import pool_segments  # noqa: E402
+from paddle_graphpp.torch.memory import pool_segments  # noqa: E402
 from paddle_graphpp.torch.runtime import RUNTIME  # noqa: E402
 
 MIB = 1 << 20
@@ -139,7 +139,7 @@ def test_a_borrowed_step_whose_window_cannot_open_leaves_the_pool_and_the_stream
     """An optimizer step that would borrow the pool, with the flag set to a bad value: the step
     raises the flag's error, and neither the capture stream nor the routing into the pool is
     left behind; with the flag mended the next step borrows."""
-    from paddle_graphpp.torch import pool_lending
+    from paddle_graphpp.torch.memory import pool_lending
 
     monkeypatch.delenv(pool_segments.FLAG, raising=False)
     side = torch.cuda.Stream()

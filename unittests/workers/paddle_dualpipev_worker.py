@@ -125,7 +125,7 @@ def main():
     eager = train(args, False)
     if args.runtime == "fake":
         from fake_paddle_runtime import FakePaddleRuntime
-        import paddle_graphpp.paddle.graphed_layer as graphed_layer
+        import paddle_graphpp.paddle.graphed as graphed_layer
 
         graphed_layer.RUNTIME = FakePaddleRuntime()
     graphed = train(args, True)

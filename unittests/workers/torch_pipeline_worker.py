@@ -36,7 +36,7 @@ import torch.distributed.pipelining as pipelining  # noqa: E402
 from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 import paddle_graphpp  # noqa: E402
-from paddle_graphpp.torch.pipelining import graph_stage_module  # noqa: E402
+from paddle_graphpp.torch.pipeline import graph_stage_module  # noqa: E402
 from tools.gpt_torch import Block, GPTShape  # noqa: E402
 
 WIDTH, MBS, SEQ = 16, 2, 4

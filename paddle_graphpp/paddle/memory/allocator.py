@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..allocator import ENV_FLAG, WHERE, AllocatorSwitchError, SwitchPlan, env_flag_value, refuse_half_switch
+from ...allocator import ENV_FLAG, WHERE, AllocatorSwitchError, SwitchPlan, env_flag_value, refuse_half_switch
 
 __all__ = ["plan", "async_allocator_active"]
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.collectives import AllReduceDispatcher
+from ...core.collectives import AllReduceDispatcher
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 

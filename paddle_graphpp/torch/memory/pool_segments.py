@@ -2,10 +2,9 @@
 
 A graph pool made of ordinary segments cannot merge free space across them: each segment is
 one ``cudaMalloc``, and a request larger than every free block adds a segment of its own
-while the pool may have as much free in pieces. On a GPT-3 1.3B ``zbv`` stage at sequence
-2048 the fp32 logits' 393 MiB requests did so twice, each time beside 394 and 780 MiB free
-(``tools/pool_model.py``): 784 MiB above the most the requests ever hold at once. Which
-layout avoids it depended on the order of the addresses the driver hands out.
+while the pool may have as much free in pieces (docs/memory.md shows it on a zero-bubble
+stage; ``tools/diagnostics/pool_model.py`` replays such pools). Which layout avoids it depends
+on the order of the addresses the driver hands out.
 
 The caching allocator's expandable segments (``expandable_segments:True``) give a pool one
 range of virtual addresses that grows by mapping pages at its end: a request that fits no free
@@ -40,7 +39,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..allocator import env_flag_value
+from ...allocator import env_flag_value
 from .allocator import async_allocator_active
 
 __all__ = ["FLAG", "enabled", "pool_allocations", "with_expandable"]

@@ -16,7 +16,7 @@ The result is an ordinary ``torch.nn.Module``: hand it to ``PipelineStage`` and 
 (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) as usual::
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from paddle_graphpp.torch.pipelining import graph_stage_module
+    from paddle_graphpp.torch.pipeline import graph_stage_module
 
     stage_mod = graph_stage_module(nn.Sequential(embed, *blocks))
     stage = PipelineStage(stage_mod, stage_index, num_stages, device,
@@ -200,8 +200,7 @@ def graph_stage_module(
             tied embedding or output head) need not be listed: graphed, its gradient is added
             into ``.grad`` within each backward, as eagerly, and the reduction across stages
             after the backwards reads it there; graphed, its temporaries share the graphs'
-            memory (on a GPT-3 1.3B pp=2 stage at sequence 2048, one H100: 1.032x eager's
-            memory with the embedding eager, 1.000x graphed). List it to keep it eager, for
+            memory instead of adding to it (docs/memory.md). List it to keep it eager, for
             example when a hook reduces its gradient during the backward. Weights used by two
             entries of this stage are detected and kept eager without being listed.
         fallback: what a graphed run does when capture fails: ``"error"`` raises,

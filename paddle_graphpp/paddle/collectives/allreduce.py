@@ -22,9 +22,9 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from ..core.collectives import (AllReduceBackend, AllReduceDispatcher, CustomAllReducePolicy,
+from ...core.collectives import (AllReduceBackend, AllReduceDispatcher, CustomAllReducePolicy,
                                 TensorFacts, in_capture_phase)
-from ..core.runtime import get_runtime
+from ..runtime import active_runtime
 
 __all__ = ["PaddleAllReduceBackend", "create_allreduce", "route_fleet_tensor_parallel"]
 
@@ -61,7 +61,7 @@ class PaddleAllReduceBackend(AllReduceBackend):
                            contiguous=tensor.is_contiguous(), address_mod16=-1)
 
     def is_capturing(self) -> bool:
-        return get_runtime("paddle").is_capturing()
+        return active_runtime().is_capturing()
 
     def empty_like(self, tensor: Any) -> Any:
         return paddle.empty_like(tensor)

@@ -26,8 +26,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Hashable, Optional
 
-from .errors import CaptureError
-from .runtime import FRAMEWORKS, GraphRuntime, framework_of, get_runtime
+from .core.errors import CaptureError
+from .core.runtime import FRAMEWORKS, GraphRuntime, framework_of, get_runtime
 
 __all__ = ["graph_process", "create_graph", "capture_to_graph", "replay_graph", "clear_graph_cache"]
 

@@ -2,39 +2,26 @@
 
 Eagerly, a training step's activations and its optimizer's temporaries (``foreach`` AdamW
 makes several parameter-sized lists) take turns in one cache. With graphs, activations live
-in the graph pool, and the temporaries would need memory of their own: measured on a GPT-3
-1.3B pipeline stage, 1.36 GB on top of eager's peak. Between episodes (no micro-batch in
-flight in any graphed layer) every activation of the pool is dead, so an optimizer step
-run then may allocate its temporaries from the pool's free blocks, as long as it frees them
-before the next replay; it then runs on the capture stream (the pool's blocks belong to
-that stream) and the current stream waits for it.
+in the graph pool, and the temporaries would need memory of their own, on top of eager's peak.
+Between episodes (no micro-batch in flight in any graphed layer) every activation of the pool
+is dead, so an optimizer step run then may allocate its temporaries from the pool's free
+blocks, as long as it frees them before the next replay; it then runs on the capture stream
+(the pool's blocks belong to that stream) and the current stream waits for it.
 
 Borrowing pays only where the temporaries fit into what the pool already has free: a pool
 that must grow for them keeps that memory for good (a pool with live graphs is never
 trimmed), while the default cache would have shared it with the eager work outside the
-graphs. And a pool captured from nothing is made of the segments the activations asked for
-(20 MiB pieces at most for the 2-8 MiB tensors of a 1.3B layer at sequence 512), which the
-parameter-sized temporaries (24-32 MiB per tensor there) do not fit: measured on the last
-stage of a GPT-3 1.3B pipeline at sequence 512, the pool held one micro-batch's activations
-(~0.5 GB) and grew to 1.75 GB for AdamW's 1.15 GB of temporaries. So before the first capture
-into a pool, :meth:`PoolLender.reserve` gives the pool free memory as large as the parameters
-of the optimizers seen stepping (:func:`watch_optimizers`): the captures place the activations
-in it, and between episodes the temporaries fit into it again. Its layout decides how the
-pool fragments. One block (the default): the first captures carve it from its start, and a
-later request larger than the holes they leave adds a segment of its own while the block is
-half free (a GPT-3 1.3B ``zbv`` stage at sequence 2048: a 394 MiB segment for the fp32
-logits, 785 MiB free). The segments one list of temporaries makes (``"segments"``): measured
-on the same benchmark, better for ``zbv`` at sequence 2048 and ``interleaved_zb`` with 8
-micro-batches there, worse for
-``dualpipev`` with 4 micro-batches (its 196.5 MiB requests cut the logits' free segments) and
-for the second stage of the V schedules at sequence 512 with 8 micro-batches (there every
-optimizer step declined to borrow: the temporaries did not fit the pool's free blocks between
-episodes).
-Which layout fragments less depends on the capture's requests: ``tools/pool_model.py``
-replays a recorded pool's requests from each layout. Those layouts are of ordinary segments
-(``FLAGS_graphpp_pool_expandable=0``); by default a pool is one expandable range
-(:mod:`.pool_segments`), where the reserve, whatever its layout, is one free block at the
-range's start that the end grows from. Each optimizer
+graphs. And a pool captured from nothing is made of the segments the activations asked for,
+which parameter-sized temporaries may not fit. So before the first capture into a pool,
+:meth:`PoolLender.reserve` gives the pool free memory as large as the parameters of the
+optimizers seen stepping (:func:`watch_optimizers`): the captures place the activations in
+it, and between episodes the temporaries fit into it again. Its layout decides how the pool
+fragments: one block (the default; the first captures carve it from its start), or the
+segments one list of temporaries makes (``"segments"``). Neither wins everywhere (docs/memory.md
+gives the measurements; ``tools/diagnostics/pool_model.py`` replays a recorded pool's requests
+from each layout). Those layouts are of ordinary segments (``FLAGS_graphpp_pool_expandable=0``);
+by default a pool is one expandable range (:mod:`.pool_segments`), where the reserve, whatever
+its layout, is one free block at the range's start that the end grows from. Each optimizer
 then borrows a pool when its temporaries (one per parameter, the parameter's size) fit the
 pool's free blocks, simulated best-fit the way the caching allocator places them, with at
 most a quarter left over; decided once per pool and optimizer.

@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Optional
 
-from ..allocator import WHERE, AllocatorSwitchError, SwitchPlan, refuse_half_switch
+from ...allocator import WHERE, AllocatorSwitchError, SwitchPlan, refuse_half_switch
 
 __all__ = ["plan", "async_allocator_active", "merge_async_backend", "parse_alloc_conf"]
 

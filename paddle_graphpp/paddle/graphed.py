@@ -4,7 +4,7 @@ A drop-in for ``paddle.device.cuda.cuda_graphed_layer.CUDAGraphedLayer`` (same f
 arguments) that adds: several outputs (more than one differentiable), gradients for every
 input that requires one, one shared memory pool captured in execution order, no replay right
 after capture, signature checks, an eager fallback, and ``paddle.jit.to_static`` inside the
-graphs (:mod:`paddle_graphpp.paddle.to_static`). The class is a boundary for Paddle's SOT:
+graphs (:mod:`paddle_graphpp.paddle.compile`). The class is a boundary for Paddle's SOT:
 ``paddle.jit.to_static`` of a model holding graphed layers calls them as they are.
 """
 
@@ -14,7 +14,7 @@ import paddle
 
 from ..core.engine import GraphedCallable, graphed_engine, graphed_layer_doc
 from .runtime import RUNTIME
-from .to_static import StaticLayer, opaque, to_static_options
+from .compile import StaticLayer, opaque, to_static_options
 
 __all__ = ["CUDAGraphedLayer"]
 

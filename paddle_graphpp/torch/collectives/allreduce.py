@@ -11,8 +11,8 @@ Kernels, by message size:
 * above the policy's ``max_bytes``: NCCL.
 
 Where each switch sits depends on the group size; :data:`MEASURED` holds the choice per size,
-each with the benchmark record it was read from (:func:`policy_for_world`). A group size
-without a measurement uses NCCL.
+read from ``tools/bench_allreduce.py`` (docs/collectives.md names the runs;
+:func:`policy_for_world`). A group size without a measurement uses NCCL.
 
 None needs NVLink multicast, which must stay off on the lent machines
 (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
@@ -34,9 +34,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..core.collectives import (AllReduceBackend, AllReduceDispatcher, CustomAllReducePolicy,
+from ...core.collectives import (AllReduceBackend, AllReduceDispatcher, CustomAllReducePolicy,
                                 TensorFacts, check_replay)
-from ..core.runtime import get_runtime
+from ..runtime import active_runtime
 
 __all__ = ["TorchSymmMemBackend", "create_allreduce", "replay", "peer_access_report", "MEASURED",
            "MeasuredChoice", "policy_for_world"]
@@ -50,23 +50,14 @@ class MeasuredChoice:
     """Largest message a custom kernel takes; larger ones go to NCCL."""
     two_shot_min_bytes: int
     """From this size up the stock two-shot kernel (above ``custom_max_bytes``: never)."""
-    source: str
-    """The record the choice was read from, and what it showed."""
 
 
 MEASURED = {
-    2: MeasuredChoice(
-        custom_max_bytes=8 << 20, two_shot_min_bytes=16 << 20,
-        source="benchmarks/results/allreduce-h200.json (2 x H200, NV18, 2026-11-22): the push kernel is "
-               "faster than NCCL at every size from 4 KiB to 8 MiB (0.38-0.45x up to 2 MiB; 20.2 vs 36.7 us "
-               "at 4 MiB, 36.2 vs 50.1 us at 8 MiB) and faster than the stock two-shot kernel (27.3 and "
-               "42.2 us there)"),
-    4: MeasuredChoice(
-        custom_max_bytes=1 << 20, two_shot_min_bytes=1 << 20,
-        source="benchmarks/results/allreduce-4r-h200.json (4 x H200, NV18, 2026-11-26): the push kernel "
-               "0.50-0.57x NCCL up to 128 KiB (7.5-8.8 vs 14.6-15.8 us), 0.71x at 256 KiB, 0.75x at 512 KiB; "
-               "at 1 MiB the stock two-shot kernel 18.0 us against push 21.2 and NCCL 22.4; above 1 MiB that "
-               "run's custom columns timed NCCL (its policy sent them there), so: NCCL, until measured"),
+    # 2 ranks: the push kernel beats NCCL and the stock two-shot kernel at every size up to 8 MiB.
+    2: MeasuredChoice(custom_max_bytes=8 << 20, two_shot_min_bytes=16 << 20),
+    # 4 ranks: push beats NCCL up to 512 KiB, the stock two-shot kernel at 1 MiB; above that NCCL
+    # (not measured against the custom kernels).
+    4: MeasuredChoice(custom_max_bytes=1 << 20, two_shot_min_bytes=1 << 20),
 }
 """Group size -> where the custom kernels beat NCCL. Re-measure with
 ``python tools/bench_allreduce.py --ranks N`` (its ``suggested_choice``) on new hardware."""
@@ -166,7 +157,7 @@ class TorchSymmMemBackend(AllReduceBackend):
     def _push_reason(self) -> Optional[str]:
         if self._world > 8:
             return f"world size {self._world} > 8"
-        from . import _push_allreduce
+        from . import push_allreduce as _push_allreduce
 
         return None if _push_allreduce.triton is not None else "Triton is not importable"
 
@@ -179,7 +170,7 @@ class TorchSymmMemBackend(AllReduceBackend):
 
         self.group_name = self.group.group_name
         self.push_unavailable_reason = self._push_reason()
-        from ._push_allreduce import flags_bytes
+        from .push_allreduce import flags_bytes
 
         self._data_offset = flags_bytes(max(2, self._world))
         self._staging = self._staging_bytes()
@@ -187,7 +178,7 @@ class TorchSymmMemBackend(AllReduceBackend):
         self._buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(self._buf, self.group_name)
         if self.push_unavailable_reason is None:
-            from ._push_allreduce import PushAllReduce
+            from .push_allreduce import PushAllReduce
 
             self._push = PushAllReduce(handle, self._buf, dist.get_rank(self.group), self._world)
             torch.cuda.synchronize(self.device)   # flags zeroed before the exchange that follows
@@ -212,7 +203,7 @@ class TorchSymmMemBackend(AllReduceBackend):
                            contiguous=tensor.is_contiguous(), address_mod16=mod)
 
     def is_capturing(self) -> bool:
-        return get_runtime("torch").is_capturing()
+        return active_runtime().is_capturing()
 
     def empty_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(tensor)
@@ -232,7 +223,7 @@ class TorchSymmMemBackend(AllReduceBackend):
 
     def buffer_bytes(self, nbytes: int) -> int:
         if self.push_unavailable_reason is None:
-            from ._push_allreduce import region_bytes
+            from .push_allreduce import region_bytes
 
             return max(nbytes, region_bytes(nbytes, self._world))
         return nbytes

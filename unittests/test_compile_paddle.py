@@ -27,7 +27,7 @@ from workers.fleet_ranks import launch_workers  # noqa: E402
 
 import paddle_graphpp  # noqa: E402
 from paddle_graphpp import CUDAGraphedLayer, GraphedPipeline, graph_pipeline  # noqa: E402
-from paddle_graphpp.paddle import to_static as to_static_mod  # noqa: E402
+from paddle_graphpp.paddle import compile as to_static_mod  # noqa: E402
 from paddle_graphpp.paddle.runtime import RUNTIME  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

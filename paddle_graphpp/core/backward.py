@@ -1,0 +1,360 @@
+"""The backward of one graphed call: replayed, eager (and recorded), or in two halves.
+
+A call's backward pairs with its forward through the layer's FIFO (:mod:`.schedule`). What it
+does follows from how the forward ran (:mod:`.records`): a replayed forward replays its
+position's backward graph, an eager one runs autograd (and, when recorded, notes the incoming
+gradients' buffer slots for the capture), and under the stream-ordered allocator the backward
+is captured and launched in the step (:mod:`.in_step`).
+
+Zero-bubble schedules run a backward in two halves. Where the runtime can tell
+(:class:`~paddle_graphpp.core.runtime.SplitBackward`), a backward that asks for input gradients
+only runs the *input half* (B) and keeps what the *weight half* (W) needs; the next backward
+through the same call (the schedule's weight pass) runs W. With gradient accumulation in the
+graphs (:class:`~paddle_graphpp.core.runtime.InGraphAccumulation`) parameter gradients go into
+``.grad`` inside the backward; otherwise they are handed to autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+from . import collectives as _collectives
+from . import memory as _memory
+from .errors import GraphScheduleError
+from .records import Call, Launched, Position, RanEager, Replayed, Signature
+from .runtime import clone_many
+
+__all__ = ["Backward"]
+
+
+class Backward:
+    """The backward paths of one :class:`~paddle_graphpp.core.engine.GraphedCallable`."""
+
+    def __init__(self, layer: Any):
+        self.layer = layer
+        self.rt = layer.runtime
+        self.split = layer.caps.split
+        self.accumulation = layer.caps.accumulation
+
+    # ---------------------------------------------------------------- dispatch
+    def run(self, call: Call, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+        """One backward through ``call``: a full one, or a half of a split one. ``weights_wanted``:
+        does autograd ask for the parameters' gradients? Asking for none runs the input half."""
+        layer = self.layer
+        layer.process.poll_watches()
+        if call.weight_pending:
+            return self._weight_half(call)  # the schedule's weight pass, after the input pass
+        split = not weights_wanted and bool(call.params) and self.split is not None
+        if split:
+            self._check_split(call)
+        layer.queue.pop(call, weight_later=split)
+        sig = layer.signature(call.key)
+        diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
+        if isinstance(call.run, RanEager) and not call.run.recorded:
+            layer.unreplayed(call, sig, "input" if split else "backward")
+        if split:
+            try:
+                return self._input_half(call, sig, diff_grads)
+            except BaseException:
+                # The micro-batch's backward is over (failed): it must not wait for a weight half.
+                layer.queue.pop_weight(call)
+                self._leave_flight(call, sig)
+                call.end()
+                raise
+        self._leave_flight(call, sig)
+        try:
+            return self._full(call, sig, diff_grads)
+        finally:
+            call.end()
+
+    def _check_split(self, call: Call) -> None:
+        name = self.layer.name
+        if isinstance(call.run, Launched):
+            raise GraphScheduleError(
+                f"{name}: a backward asked for input gradients only (a zero-bubble schedule's input pass), "
+                f"which the stream-ordered allocator (backend:cudaMallocAsync) cannot serve: its graphs are "
+                f"captured within the step, as one backward. Use the default caching allocator with "
+                f"zero-bubble schedules, or a schedule with full backwards (1F1B, interleaved 1F1B).")
+        if isinstance(call.run, Replayed) and call.run.position.weight_graph is None:
+            raise GraphScheduleError(
+                f"{name}: micro-batch position {call.position} was captured with a full backward, but "
+                f"this step's backward asks for input gradients only (a zero-bubble schedule's input "
+                f"pass). Graphs replay the schedule they were captured under: run the same schedule every "
+                f"step (a schedule change needs new graphs: build the stage anew).")
+
+    def _full(self, call: Call, sig: Optional[Signature], diff_grads: list) -> list:
+        run = call.run
+        if isinstance(run, Replayed):
+            return self.replay(call, run.position, diff_grads)
+        if isinstance(run, Launched):
+            return self.layer.in_step.backward(call, sig, diff_grads)
+        recorded = run.recorded and sig is not None
+        result = self._eager(call, diff_grads, into_grads=recorded and sig.accumulate)
+        if recorded:
+            self.record(call, sig, diff_grads, result[:len(call.shape.specs)])
+        return result
+
+    def _leave_flight(self, call: Call, sig: Optional[Signature]) -> None:
+        """The call's backward is complete (a full backward, or the weight half of a split one)."""
+        call.anchor = None
+        self.layer.process.clock.forward_done()
+        if sig is not None:
+            sig.busy.discard(call.position)
+
+    # ------------------------------------------------------------- split halves
+    def _input_half(self, call: Call, sig: Optional[Signature], diff_grads: list) -> list:
+        """The input half of a split backward: input gradients now, parameter gradients left
+        for :meth:`_weight_half`."""
+        if isinstance(call.run, Replayed):
+            return self.replay_input(call, call.run.position, diff_grads)
+        run = call.run
+        outs = [o for o, d in zip(run.outputs, call.differentiable) if d]
+        wrt = [x for x, s in zip(run.inputs, call.shape.specs) if s.requires_grad]
+        state = None
+        if outs:
+            got, param_grads, state = self.split.backward_input(outs, diff_grads, wrt, run.params)
+        else:
+            got, param_grads = [None] * len(wrt), [None] * len(call.params)
+        # The weight half starts from the state, not the outputs: they are free to go now, as a
+        # full backward's are after it (the recording then sees when their memory is unused).
+        call.run = dataclasses.replace(run, outputs=None, weight_state=state)
+        del outs, run
+        it = iter(got)
+        input_grads = [next(it) if s.requires_grad else None for s in call.shape.specs]
+        if call.recorded and sig is not None:
+            self.record(call, sig, diff_grads, input_grads, half="input")
+        return input_grads + list(param_grads)
+
+    def _weight_half(self, call: Call) -> list:
+        """The weight half of a split backward. Without accumulation: the parameter gradients
+        it produces, handed to autograd (the schedule's weight pass adds them into ``.grad``).
+        With it (``accumulate_grads``): the gradients go into ``.grad`` and the weight pass gets
+        the sums (see :meth:`_hand_over`)."""
+        layer = self.layer
+        sig = layer.signature(call.key)
+        run = call.run
+        accumulates = run.position.accumulate if isinstance(run, Replayed) else (
+            call.recorded and sig is not None and sig.accumulate)
+        if accumulates and not self.split.weight_pass_refills_grad():
+            # Refused before anything changed: the micro-batch still awaits its weight pass.
+            wp = self.split.refilling_weight_pass
+            raise GraphScheduleError(
+                f"{layer.name}: adds its parameter gradients into .grad inside its graphs (accumulate_grads), "
+                f"so its weight half (a backward asking for the parameters after an input-only one) hands "
+                f"the weight pass each parameter's whole sum, for it to put back into .grad, as {wp} does; this "
+                f"backward is not that weight pass, and per-micro-batch parameter gradients do not exist here. "
+                f"Run the weight pass through {wp}, or pass accumulate_grads=False to this layer.")
+        layer.queue.pop_weight(call)
+        self._leave_flight(call, sig)
+        if isinstance(run, RanEager) and not run.recorded:
+            layer.unreplayed(call, sig, "weight")
+        n_inputs = len(call.shape.specs)
+        try:
+            if isinstance(run, Replayed):
+                return [None] * n_inputs + self.replay_weight(call, run.position, hand_over=True)
+            grads = self._eager_weight(call, run, accumulates)
+            if call.recorded and sig is not None:
+                self.record(call, sig, [], [], half="weight")
+            return [None] * n_inputs + grads
+        finally:
+            call.end()
+
+    def _eager_weight(self, call: Call, run: RanEager, accumulates: bool) -> list:
+        """The eager weight half. A recorded call of a layer whose graphs will accumulate: each
+        group of gradients goes into ``.grad`` as it comes, as the graphs will do (not the whole
+        stage's at once)."""
+        grads = [None] * len(call.params)
+        if run.weight_state is not None:
+            for index, got in self.split.backward_weight(run.weight_state, run.params):
+                if accumulates:
+                    self._add_into_grads([call.params[i] for i in index], got)
+                    got = [self.accumulation.grad_of(call.params[i]) for i in index]
+                for i, g in zip(index, got):
+                    grads[i] = g
+        if accumulates:
+            self.layer.process.grad_writes += 1  # .grad changed outside autograd (see Process.grad_writes)
+            grads = self._hand_over(call.params, grads)
+        return grads
+
+    # ------------------------------------------------------------------ eager
+    def _eager(self, call: Call, diff_grads: list, into_grads: bool = False) -> list:
+        """The eager backward. With ``into_grads`` (a recorded call of a layer whose graphs will
+        accumulate into ``.grad``) each parameter gradient goes into ``.grad`` as autograd
+        produces it, as the graphs will do, instead of all of the run's gradients being handed
+        back together (a whole stage's parameter gradients alive at once)."""
+        run = call.run
+        outs = [o for o, d in zip(run.outputs, call.differentiable) if d]
+        inputs = [x for x, s in zip(run.inputs, call.shape.specs) if s.requires_grad]
+        if into_grads and outs:
+            got = iter(self.accumulation.backward_to_grads(outs, diff_grads, inputs, run.params, call.params))
+            self.layer.process.grad_writes += 1  # .grad changed outside autograd (see Process.grad_writes)
+            return [next(got) if s.requires_grad else None for s in call.shape.specs] + [None] * len(call.params)
+        wrt = inputs + list(run.params)
+        got = iter(self.rt.autograd_grad(outs, diff_grads, wrt) if outs else [None] * len(wrt))
+        input_grads = [next(got) if s.requires_grad else None for s in call.shape.specs]
+        return input_grads + list(got)
+
+    def record(self, call: Call, sig: Signature, diff_grads: list, input_grads: list,
+               half: Optional[str] = None) -> None:
+        """Record a backward: a full one (``half=None``), or the ``"input"`` or ``"weight"``
+        half of a split one. The static buffers of the position are released when its backward
+        is complete: the weight half still reads the inputs and the incoming gradients."""
+        rt, proc = self.rt, self.layer.process
+        rec = sig.recordings.get(call.position)
+        if rec is None:
+            return
+        reuse = self.layer.memory_mode is not _memory.MemoryMode.PER_GRAPH
+        if half != "weight":
+            specs = tuple(rt.spec(g) for g in diff_grads)
+            grad_slots = tuple((proc.link_of("grad", g) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
+                               for g, s in zip(diff_grads, specs))
+            rec = sig.recordings[call.position] = dataclasses.replace(
+                rec, grad_slots=grad_slots, grad_specs=specs, split=half == "input")
+            if reuse:
+                proc.note_produced(self.layer.capture, call.key, call.position, "grad", input_grads)
+                proc.watch_grads(self.layer.capture, call.key, call.position, input_grads, diff_grads)
+        if reuse and half != "input":
+            # Positions recorded after this backward may take these buffers over: the inputs
+            # are read by nothing after this backward, the gradients by nothing outside it.
+            for slot in rec.input_slots + rec.grad_slots:
+                if isinstance(slot, int):
+                    proc.release_slot(slot)
+        proc.record(self.layer.capture, call.key, call.position, forward=False, half=half)
+
+    # ----------------------------------------------------------------- replay
+    def _prepare(self, call: Call, position: Position, graph: Any, kind: str, *, finishes: bool = True) -> None:
+        """Before a backward graph replays: held outputs moved off memory it overwrites, the
+        pool's capture order checked (raises before anything changed), collectives checked."""
+        layer = self.layer
+        layer.process.before_replay(layer.capture, call.key, call.position, kind)
+        layer.plan.note_replay(position.generation, id(graph), False, layer.name, finishes=finishes)
+        _collectives.check_replay(graph)
+
+    def _replay(self, graph: Any) -> None:
+        self.rt.replay_graph(graph)
+        self.layer.replays += 1
+
+    def replay(self, call: Call, position: Position, diff_grads: list) -> list:
+        """Replay the position's backward graph (both halves where it was captured split)."""
+        if position.weight_graph is not None:  # captured as two halves; this step wants both at once
+            n = len(call.shape.specs)
+            first = self.replay_input(call, position, diff_grads)
+            return first[:n] + self._sum_grads(first[n:], self.replay_weight(call, position))
+        self._prepare(call, position, position.bwd_graph, "backward")
+        if position.static_grad_outputs:
+            self.rt.copy_many(position.static_grad_outputs, diff_grads)
+        buffers = self.layer.param_grad_buffers
+        if position.accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
+            used = [(p, b) for p, b, u in zip(call.params, buffers, position.param_grad_used) if u]
+            self._bind_grads([p for p, _ in used], [b for _, b in used])
+        self._replay(position.bwd_graph)
+        if position.accumulate:
+            self.layer.process.grad_writes += 1  # .grad changed without a version bump
+            param_grads = [None] * len(call.params)
+        else:
+            param_grads = [b if u else None for b, u in zip(buffers, position.param_grad_used)]
+        return self._hand_off(list(call.tensors) + list(call.params),
+                              list(position.static_grad_inputs) + param_grads)
+
+    def replay_input(self, call: Call, position: Position, diff_grads: list) -> list:
+        self._prepare(call, position, position.bwd_graph, "input", finishes=False)
+        if position.static_grad_outputs:
+            self.rt.copy_many(position.static_grad_outputs, diff_grads)
+        self._replay(position.bwd_graph)
+        used = position.input_param_used or (False,) * len(call.params)
+        buffers = self.layer.param_grad_buffers if any(used) else [None] * len(call.params)
+        return self._hand_off(list(call.tensors) + list(call.params),
+                              list(position.static_grad_inputs) + [b if u else None for b, u in zip(buffers, used)])
+
+    def replay_weight(self, call: Call, position: Position, hand_over: bool = False) -> list:
+        """Replay the weight half. Without accumulation: the parameter gradients, in buffers
+        the layer keeps (copies where a parameter has no ``.grad`` yet: the caller may make the
+        gradient it gets its ``.grad``, as the zero-bubble weight pass does, and the next replay
+        would overwrite it). With accumulation the graph adds them into the layer's gradient
+        buffers, bound as ``.grad`` first; a schedule's weight pass (``hand_over``) is handed
+        each parameter's whole sum with ``.grad`` unset (:meth:`_hand_over`)."""
+        if position.accumulate:
+            used = [(p, b) for p, b, u in zip(call.params, position.weight_buffers, position.param_grad_used) if u]
+            self._bind_grads([p for p, _ in used], [b for _, b in used])
+        self._prepare(call, position, position.weight_graph, "weight")
+        self._replay(position.weight_graph)
+        grads = [b if u else None for b, u in zip(position.weight_buffers, position.param_grad_used)]
+        if position.accumulate:
+            self.layer.process.grad_writes += 1  # .grad changed without a version bump
+            return self._hand_over(call.params, grads) if hand_over else [None] * len(call.params)
+        fresh = [i for i in self.rt.leaves_without_grad(call.params) if grads[i] is not None]
+        if fresh:
+            for i, c in zip(fresh, clone_many(self.rt, [grads[i] for i in fresh])):
+                grads[i] = c
+        return grads
+
+    # ---------------------------------------------------------- gradient moves
+    def _add_into_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
+        """``.grad += grad`` for each parameter; an unset ``.grad`` adopts the gradient."""
+        acc = self.accumulation
+        dst, src = [], []
+        for p, g in zip(params, grads):
+            have = acc.grad_of(p)
+            if have is None:
+                acc.set_grad(p, g)
+            else:
+                dst.append(have)
+                src.append(g)
+        if dst:
+            self.rt.add_many(dst, src)
+
+    def _hand_over(self, params: Sequence[Any], totals: Sequence[Any]) -> list:
+        """For the schedule's weight pass, which puts the gradients it gets into ``.grad``
+        (assigned where ``.grad`` is unset, added otherwise; only then is this called, see
+        :meth:`SplitBackward.weight_pass_refills_grad`): each parameter's ``.grad``, already
+        holding the sum (``totals``), is unset and handed over whole, so the sum returns to
+        ``.grad`` without a copy."""
+        for p, total in zip(params, totals):
+            if total is not None:
+                self.accumulation.set_grad(p, None)
+        return list(totals)
+
+    def _hand_off(self, targets: list, grads: list) -> list:
+        """Give autograd gradients it may keep. A leaf with no gradient yet may adopt the tensor
+        it is handed, and a static buffer would then be overwritten by the next replay. Where
+        the framework adopts only tensors nobody else holds (PyTorch), handing over the held
+        buffers themselves is safe; elsewhere (Paddle) such leaves get copies."""
+        rt = self.rt
+        if not rt.adopts_held_gradients:
+            return grads
+        adopt = [i for i in rt.leaves_without_grad(targets) if grads[i] is not None]
+        if adopt:
+            for i, c in zip(adopt, clone_many(rt, [grads[i] for i in adopt])):
+                grads[i] = c
+        return grads
+
+    def _sum_grads(self, first: list, second: list) -> list:
+        """Per parameter, the sum of two optional gradients (new tensors where both exist)."""
+        both = [i for i, (a, b) in enumerate(zip(first, second)) if a is not None and b is not None]
+        out = [a if a is not None else b for a, b in zip(first, second)]
+        if both:
+            sums = clone_many(self.rt, [first[i] for i in both])
+            self.rt.add_many(sums, [second[i] for i in both])
+            for i, total in zip(both, sums):
+                out[i] = total
+        return out
+
+    def _bind_grads(self, params: list, buffers: list) -> None:
+        """Make each buffer its parameter's ``.grad``, keeping the gradient's value: an unset
+        ``.grad`` becomes the zeroed buffer, another tensor is copied into it."""
+        acc = self.accumulation
+        unset, dst, src = [], [], []
+        for p, b in zip(params, buffers):
+            g = acc.grad_of(p)
+            if g is b:
+                continue
+            if g is None:
+                unset.append(b)
+            else:
+                dst.append(b)
+                src.append(g)
+            acc.set_grad(p, b)
+        if unset:
+            acc.zero_many(unset)
+        self.rt.copy_many(dst, src)

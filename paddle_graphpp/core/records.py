@@ -1,0 +1,323 @@
+"""What the engine keeps about one graphed layer: signatures, positions, calls, and how each call ran.
+
+A layer's calls are grouped by input *signature* (:class:`Signature`), each with a
+:class:`Phase`. A call (:class:`Call`) lives in the layer's FIFO from its forward to its backward
+and records how it ran as one immutable *run* object: :class:`RanEager` (eagerly, maybe recorded
+for capture), :class:`Replayed` (its position's forward graph replayed) or :class:`Launched`
+(captured and launched in the step, under the stream-ordered allocator). A captured position is
+one :class:`Position`, built once after its graphs are captured and never changed; between the
+capture of its forward and of its backward the forward's autograd graph is kept as a
+:class:`Live`, and between the two halves of a split backward as an :class:`InputHalf`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from .runtime import TensorSpec
+from .tree import unflatten
+
+__all__ = ["Phase", "Tree", "CallShape", "Outputs", "Recording", "Position", "Live", "InputHalf", "Signature",
+           "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "describe",
+           "signature_key_parts", "with_layer"]
+
+
+class Phase(enum.Enum):
+    """Where one input signature of a layer stands (see :mod:`paddle_graphpp.core.engine`)."""
+
+    WARMUP = "warmup"
+    RECORD = "record"
+    READY = "ready"
+    EAGER = "eager"  # the layer went eager for good (a failed capture with fallback="eager")
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """A nested structure with its tensors taken out: leaves (tensor slots ``None``), tree
+    spec, and which leaves are tensors."""
+
+    leaves: tuple
+    spec: Any
+    tensor_index: tuple
+
+    def rebuild(self, tensors: Sequence[Any]) -> Any:
+        """The structure with ``tensors`` put back in their slots."""
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_index, tensors):
+            leaves[i] = t
+        return unflatten(self.spec, leaves)
+
+
+@dataclass(frozen=True, slots=True)
+class CallShape(Tree):
+    """The argument structure of a signature, and its tensors' specs."""
+
+    specs: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Outputs(Tree):
+    """A call's output structure, and which of its tensors carry a gradient."""
+
+    differentiable: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Recording:
+    """What capturing one recorded position needs, kept without the eager tensors: its static
+    buffers as slots of the recording and its output structure."""
+
+    input_slots: tuple  # a slot index, or a capture.Link to the tensor's producer
+    outputs: Outputs
+    grad_slots: Optional[tuple] = None  # set when its backward is recorded
+    grad_specs: Optional[tuple] = None
+    split: bool = False  # its backward ran as an input half and a weight half
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """The graphs of one (signature, position) and their static buffers. Built once, after
+    its graphs are captured; never changed."""
+
+    generation: Any
+    fwd_graph: Any
+    bwd_graph: Any
+    static_inputs: tuple
+    static_outputs: tuple  # detached aliases of the forward graph's outputs
+    static_grad_outputs: tuple
+    static_grad_inputs: tuple  # one per tensor input (None: no gradient)
+    param_grad_used: tuple  # per parameter: does the backward graph produce its gradient
+    outputs: Outputs
+    accumulate: bool
+    keepalive: Any = None  # stream-ordered allocator: the forward capture's tensors (see in_step)
+    # Inputs whose static tensor is another position's static output (a recorded link): their
+    # index and alias key. A replay is only right when the call passes exactly that tensor.
+    linked: tuple = ()
+    state: Any = None  # the layer's parameters and buffers the graphs read (core.state.StateWatch)
+    # Split backward (zero-bubble schedules): bwd_graph is the input half, weight_graph the
+    # weight half, which writes the gradients of the parameters marked in param_grad_used into
+    # weight_buffers; input_param_used marks those the input half wrote into the layer's
+    # parameter-gradient buffers (handed to autograd with the input gradients).
+    weight_graph: Any = None
+    weight_buffers: tuple = ()
+    input_param_used: tuple = ()
+    # Per output: the tensor owning its memory where static_outputs holds an alias that does not
+    # (an output the recorded step freed within the episode), until its release point in the
+    # capture order sets it to None (core.batch); None where static_outputs owns it
+    owned: Any = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """A captured forward's autograd graph, held until its backward is captured."""
+
+    generation: Any
+    graph: Any
+    static_inputs: tuple
+    inputs: list
+    outputs: list
+    params: list
+    outputs_shape: Outputs
+    linked: tuple = ()  # see Position.linked
+    state: Any = None  # see Position.state
+    static_outputs: tuple = ()  # see Position.static_outputs
+    owned: Any = ()  # see Position.owned
+
+
+@dataclass(frozen=True, slots=True)
+class InputHalf:
+    """A captured input half (B) of a split backward, held until its weight half is captured."""
+
+    live: Live
+    graph: Any
+    static_grads: tuple
+    static_grad_inputs: tuple
+    weight_state: Any  # the runtime's backward_input state: what the weight half needs
+    param_used: tuple = ()  # per parameter: did the input half write its gradient (see Position)
+
+
+class Signature:
+    """One input signature of a layer: its phase, parameters and captured positions."""
+
+    __slots__ = ("key", "describe", "shape", "phase", "warm", "params", "accumulate", "positions",
+                 "recordings", "busy")
+
+    def __init__(self, key: Any, describe: str, shape: CallShape):
+        self.key = key
+        self.describe = describe
+        self.shape = shape
+        self.phase = Phase.WARMUP
+        self.warm = 0
+        self.params: Optional[tuple] = None  # fixed when the signature leaves warmup
+        self.accumulate = False
+        self.positions: dict[int, Position] = {}
+        self.recordings: dict[int, Recording] = {}
+        self.busy: set = set()  # per_graph mode: slots whose backward has not run
+
+    def free_slot(self) -> int:
+        """Lowest slot not in flight: ``per_graph`` recycles a position once its backward ran."""
+        slot = 0
+        while slot in self.busy:
+            slot += 1
+        return slot
+
+    def reset(self, phase: Phase = Phase.WARMUP) -> None:
+        """Forget graphs and recordings; warm up again (after a failed capture), or stay eager."""
+        self.phase, self.warm = phase, 0
+        self.positions.clear()
+        self.recordings.clear()
+
+    def view(self) -> "SignatureView":
+        return SignatureView(self.key, self.describe, self.phase, self.accumulate, dict(self.positions))
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureView:
+    """What a signature holds, for inspection (a copy: changing it changes nothing)."""
+
+    key: Any
+    describe: str
+    phase: Phase
+    accumulate: bool
+    positions: dict
+
+
+# ------------------------------------------------------------------ how a call ran
+@dataclass(frozen=True, slots=True)
+class RanEager:
+    """The call ran eagerly: its autograd graph over ``inputs`` (detached aliases of the call's
+    inputs) and ``params`` (aliases of the parameters) to ``outputs``. ``recorded``: recorded
+    for capture at the next episode start. ``weight_state``: an eager split backward's state
+    between its input half and its weight half (``outputs`` are dropped by then)."""
+
+    inputs: Sequence[Any]
+    outputs: Optional[Sequence[Any]]
+    params: Sequence[Any]
+    recorded: bool = False
+    weight_state: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """The call replayed ``position``'s forward graph."""
+
+    position: Position
+
+
+@dataclass(frozen=True, slots=True)
+class Launched:
+    """Stream-ordered allocator: the call's forward was captured this step and launched; its
+    backward is captured from ``live`` (``None`` once it was)."""
+
+    live: Optional[Live]
+
+
+ENDED = RanEager((), None, ())  # a call whose backward is over keeps no tensor
+
+
+class Call:
+    """One forward call and, later, its backward. Lives in the layer's FIFO in between."""
+
+    __slots__ = ("engine", "key", "shape", "tensors", "params", "force_eager", "position", "run", "outputs", "anchor")
+
+    def __init__(self, engine: Any, key: Any, shape: CallShape, tensors: list, params: tuple, force_eager: bool):
+        self.engine = engine
+        self.key = key
+        self.shape = shape
+        self.tensors = tensors
+        self.params = params
+        self.force_eager = force_eager
+        self.position = -1
+        self.run: Any = None  # RanEager, Replayed or Launched, once the forward ran
+        self.outputs: Optional[Outputs] = None
+        self.anchor: Any = None  # set by a runtime: keeps the call's autograd node alive until its backward is over
+
+    @property
+    def differentiable(self) -> tuple:
+        return self.outputs.differentiable
+
+    @property
+    def recorded(self) -> bool:
+        return isinstance(self.run, RanEager) and self.run.recorded
+
+    def forward(self) -> list:
+        return self.engine._forward(self)
+
+    def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
+        return self.engine.backward.run(self, grads, weights_wanted)
+
+    @property
+    def weight_pending(self) -> bool:
+        """The input half of this call's backward ran and its weight half has not."""
+        return self.engine.queue.awaits_weight(self)
+
+    def end(self) -> None:
+        """The call's backward is over: it keeps no tensor. (Its autograd node keeps the call,
+        and the node lives as long as anyone holds the call's outputs: the inputs, often
+        another graphed layer's outputs, would be held with them.)"""
+        self.tensors = ()
+        if isinstance(self.run, RanEager):
+            self.run = ENDED
+
+
+# ------------------------------------------------------------------ capture failures
+class UserError(Exception):
+    """Wraps an exception raised by the layer's own code during a capture."""
+
+    def __init__(self, phase: str, error: BaseException):
+        super().__init__(phase)
+        self.phase = phase
+        self.error = error
+
+
+class CaptureFailed(Exception):
+    """Wraps a failure of capture itself."""
+
+    def __init__(self, phase: str, error: BaseException, generation: Any):
+        super().__init__(phase)
+        self.phase = phase
+        self.error = error
+        self.generation = generation
+
+
+def with_layer(error: BaseException, context: str) -> BaseException:
+    """``error``'s type with the layer named, chained to ``error``; the original (with a
+    note) where the type cannot be rebuilt from a message."""
+    try:
+        new = type(error)(f"{context}: {error}")
+    except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+        error.add_note(context)
+        return error
+    new.__cause__ = error
+    return new
+
+
+# ------------------------------------------------------------------ signature keys
+def _const_key(x):
+    try:
+        hash(x)
+        return (type(x).__name__, x)
+    except TypeError:
+        return (type(x).__name__, repr(x))
+
+
+def _hashable_spec(spec):
+    if spec[0] == "leaf":
+        return "leaf"
+    kind, meta, children = spec
+    meta_key = tuple(meta) if kind == "dict" else (meta.__name__ if isinstance(meta, type) else None)
+    return (kind, meta_key, tuple(_hashable_spec(c) for c in children))
+
+
+def signature_key_parts(leaves, tensor_index, spec) -> tuple:
+    """The non-tensor arguments and the argument structure, hashable."""
+    tensor_pos = set(tensor_index)
+    consts = tuple(_const_key(x) for i, x in enumerate(leaves) if i not in tensor_pos)
+    return consts, _hashable_spec(spec)
+
+
+def describe(specs: Sequence[TensorSpec]) -> str:
+    return "(" + "; ".join(s.describe() for s in specs) + ")"
+

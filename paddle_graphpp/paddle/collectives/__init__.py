@@ -1,0 +1,1 @@
+"""Paddle collectives inside graphs: the custom all-reduce (:mod:`.allreduce`)."""

@@ -1,0 +1,59 @@
+"""Graph objects beyond one capture: undoing a capture that failed, and the empty anchor graph
+that keeps a pool's users counted (see :meth:`~paddle_graphpp.torch.memory.capabilities.TorchMemory.new_pool`)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["end_failed_capture", "anchor_graph"]
+
+
+def end_failed_capture(graph, pool_id) -> None:
+    """Undo what a capture that did not complete left in the caching allocator.
+
+    ``CUDAGraph.capture_begin`` routes the device's allocations into the pool and takes a
+    reference on it before the stream starts capturing; ``capture_end`` ends the routing only
+    after the stream's capture ended well, and a graph gives its reference back (on reset or
+    destruction) only if its capture ended. A capture that failed in between (a begin the stream
+    refused, a body that raised, an end the driver rejected) would leave the routing on, so that
+    the next ``empty_cache()`` (and the pool's destructor at exit) trips the allocator's "no capture
+    underway" assertion, and the reference taken, so that the pool's memory could never be freed.
+    Here the capture is ended if it still runs, then the routing and the reference are given
+    back, each only if still held."""
+    device = torch.cuda.current_device()
+    try:
+        graph.capture_end()  # a body that raised in Python leaves a capture the driver can end
+        ended = True
+    except Exception:  # noqa: BLE001 - invalidated, or never begun
+        ended = False
+    if not ended:
+        with contextlib.suppress(Exception):
+            pool_id = tuple(pool_id or graph.pool())
+        try:
+            torch._C._cuda_endAllocateToPool(device, pool_id)
+        except Exception:  # noqa: BLE001 - not routed: capture_begin failed before it routed
+            pool_id = None
+        if pool_id is not None:
+            with contextlib.suppress(Exception):
+                torch._C._cuda_releasePool(device, pool_id)
+    with contextlib.suppress(Exception):
+        graph.reset()  # an ended capture gives its reference back here
+
+
+def anchor_graph(pool, stream):
+    """An empty graph captured into ``pool``: a user of the pool for as long as it lives."""
+    import warnings
+
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream())
+    with warnings.catch_warnings(), torch.cuda.stream(stream):
+        warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
+        try:
+            graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+            graph.capture_end()
+        except BaseException:
+            end_failed_capture(graph, pool.id)
+            raise
+    return graph

@@ -1,0 +1,210 @@
+"""The PyTorch runtime's memory capabilities: graph pools (made, anchored, released), outputs
+that give their memory back to the pool, optimizer steps that borrow it, the stream-ordered
+allocator, and memory figures."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from ...allocator import env_flag_value
+from ...core.runtime import MemoryTelemetry, OutputRelease, PoolLending, StreamOrderedAllocator, clone_many
+from ..graphs import anchor_graph
+from .allocator import async_allocator_active as _async_allocator_active
+
+__all__ = ["TorchMemory", "storage_watches"]
+
+
+class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTelemetry):
+    """Mixed into :class:`~paddle_graphpp.torch.runtime.TorchRuntime`; needs its
+    ``capture_stream()`` and ``copy_many``."""
+
+    def __init__(self):
+        super().__init__()
+        self._lender = None  # pool_lending.PoolLender, once a pool is lent
+        self._pools: list = []  # every MemPool handed out (see new_pool)
+        self._anchors: dict = {}  # id(pool) -> its empty anchor graph (see new_pool)
+        from .pool_lending import watch_optimizers
+
+        watch_optimizers()  # prepare_pool sizes a pool by the parameters of the optimizers that step
+
+    def abandon_borrowed_step(self) -> None:
+        """An optimizer step that raised may have left the borrowed pool active: leave it."""
+        if self._lender is not None:
+            self._lender.abandon_step()
+
+    def release_to_pool(self, tensor) -> None:
+        # The tensor object is re-pointed at a storage over the same address that owns nothing
+        # (as PyTorch's CUDA graph trees alias graph outputs); when the last owning storage goes,
+        # the block returns to the graphs' pool. Only graph memory: a CPU tensor (a test's fake
+        # capture) would be freed to the host allocator under the alias.
+        if not tensor.is_cuda:
+            return
+        with torch.no_grad():
+            tensor.set_(_unowned_storage(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+    def memory_watches(self, tensors, others):
+        if not tensors or not all(t.is_cuda for t in tensors):
+            return None  # graph memory only (see release_to_pool)
+        return storage_watches(tensors, others)
+
+    def weak_alias(self, tensor):
+        if not tensor.is_cuda:
+            return None
+        out = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        with torch.no_grad():
+            out.set_(_unowned_storage(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
+        return out
+
+    def move_to_copies(self, tensors) -> None:
+        # ``.data`` swaps the tensor's storage for the copy's, keeping the object (and the
+        # references others hold to it); autograd is unaffected: the call's backward is over.
+        for t, copy in zip(tensors, clone_many(self, [t.detach() for t in tensors])):
+            t.data = copy
+
+    def new_pool(self):
+        # A MemPool (not a bare handle): eager work can then be routed into it (lend_pool). Its
+        # destructor empties its cache, which the allocator refuses (aborting the process) while
+        # any capture is underway: the runtime keeps each pool until it is released between
+        # captures (release_pool) or the process ends. Each pool gets an empty anchor graph
+        # captured into it: the host (pinned-memory) allocator counts a pool's users only by its
+        # graphs, and refuses a capture into a pool whose graphs are all gone (torch 2.11:
+        # "use_count > 0" asserted in capture_begin), as they are after reset_graphs() or a
+        # failed capture.
+        pool = torch.cuda.MemPool()
+        self._pools.append(pool)
+        self._anchors[id(pool)] = anchor_graph(pool, self.capture_stream())
+        return pool
+
+    def release_pool(self, pool) -> None:
+        # Dropping the runtime's references lets the caller's be the last: the pool's destructor
+        # then gives its reference on the allocator's pool back and frees its cached segments,
+        # between captures. A pool someone else still holds is kept for the process instead:
+        # destroyed later, during a capture, it would trip the allocator's assertion.
+        if pool not in self._pools:
+            return
+        self._pools.remove(pool)
+        if sys.getrefcount(pool) > 3:  # this argument, getrefcount's, the caller's
+            self._pools.append(pool)
+            return
+        anchor = self._anchors.pop(id(pool), None)
+        if anchor is not None:
+            anchor.reset()
+
+    # memory
+    def memory_stats(self, pools=None) -> dict:
+        if not torch.cuda.is_available():
+            return {"reserved_bytes": 0, "allocated_bytes": 0}
+        if pools is None:
+            return {"reserved_bytes": torch.cuda.memory_reserved(),
+                    "allocated_bytes": torch.cuda.memory_allocated()}
+        if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+            # No snapshot and no private pools under cudaMallocAsync: all graph memory is the
+            # driver's, reported as a whole whatever the pools.
+            from ...core.driver_memory import GraphMemory
+
+            gm = GraphMemory(torch.cuda.current_device())
+            return {"reserved_bytes": gm.get(GraphMemory.RESERVED_CURRENT) or 0,
+                    "allocated_bytes": gm.get(GraphMemory.USED_CURRENT) or 0}
+        wanted = {tuple(_pool_id(p)) for p in pools if p is not None}
+        reserved = allocated = 0
+        for seg in torch.cuda.memory_snapshot():
+            if tuple(seg.get("segment_pool_id", ())) in wanted:
+                reserved += seg["total_size"]
+                allocated += seg["allocated_size"]
+        return {"reserved_bytes": reserved, "allocated_bytes": allocated}
+
+    def async_allocator_active(self) -> bool:
+        return _async_allocator_active()
+
+    def lending_report(self) -> Optional[dict]:
+        """What optimizer steps borrowing graph pools did in this process
+        (:meth:`PoolLender.report`); ``None`` before any pool was lent or reserved."""
+        return None if self._lender is None else self._lender.report()
+
+    def _pool_lender(self):
+        if self._lender is None:
+            from .pool_lending import PoolLender
+
+            self._lender = PoolLender(self.capture_stream)
+        return self._lender
+
+    def defer_capture(self) -> Optional[str]:
+        # An optimizer that has not stepped creates its state in its first step, beside a pool
+        # captured before it (the last stage of a 1F1B pipeline, whose episodes are single
+        # micro-batches, would otherwise capture within the first training step). Whether or not
+        # the pool gets a reserved block: the state and that step's temporaries beside a captured
+        # pool cost memory either way (measured with the block off, 1F1B's last stage at GPT-3
+        # 1.3B, sequence 2048: +960 MiB on the capture step).
+        if not torch.cuda.is_available():
+            return None
+        from .pool_lending import optimizer_pending
+
+        return "an optimizer has not stepped yet" if optimizer_pending() else None
+
+    def prepare_pool(self, pool) -> int:
+        layout = _reserve_pool()
+        return self._pool_lender().reserve(pool, layout) if layout else 0
+
+    def lend_pool(self, pool, is_idle, on_leak) -> None:
+        self._pool_lender().lend(pool, is_idle, on_leak)
+
+    def release_cached_memory(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _unowned_storage(tensor):
+    """A storage over ``tensor``'s whole storage that does not own the memory."""
+    storage = tensor.untyped_storage()
+    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
+
+
+def storage_watches(tensors, others) -> Optional[list]:
+    """Per tensor, whether its storage is still alive (a weak reference to the storage: a tensor
+    object may die while autograd keeps its storage saved); ``None`` when two of ``tensors`` share
+    a storage, or one shares a storage with ``others``."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        storages = [t.untyped_storage() for t in tensors]
+        keys = [(s.device, s.data_ptr()) for s in storages]
+        taken = {(o.untyped_storage().device, o.untyped_storage().data_ptr()) for o in others
+                 if isinstance(o, torch.Tensor) and o.layout is torch.strided}
+    except (NotImplementedError, RuntimeError):  # no plain storage to watch (sparse, DTensor, nested)
+        return None
+    if len(set(keys)) != len(keys) or taken.intersection(keys) or any(p == 0 for _, p in keys):
+        return None
+    refs = [StorageWeakRef(s) for s in storages]
+    return [lambda ref=ref: not ref.expired() for ref in refs]
+
+
+_RESERVE_FLAG = "FLAGS_graphpp_reserve_pool"
+
+
+def _reserve_pool() -> Optional[str]:
+    """``FLAGS_graphpp_reserve_pool``: the memory a shared pool gets before its first capture,
+    for the stepping optimizers' temporaries between episodes (see pool_lending): unset or
+    true, one block of the parameters' bytes (``"block"``); ``segments``, the segments one list
+    of temporaries makes; false, none. Captures wait for an optimizer's first step either way
+    (``defer_capture``). In a pool of expandable segments (the default, see pool_segments) the
+    two layouts come to the same free range."""
+    from .pool_lending import BLOCK, SEGMENTS
+
+    raw = os.environ.get(_RESERVE_FLAG)
+    if raw is None:
+        return BLOCK
+    if (layout := raw.strip().lower()) in (BLOCK, SEGMENTS):
+        return layout
+    try:
+        return BLOCK if env_flag_value(raw, _RESERVE_FLAG) else None
+    except ValueError:
+        raise ValueError(f"{_RESERVE_FLAG}={raw!r}: use 1 or 'block' (one block of the optimizer's parameter "
+                         f"bytes, the default), 'segments' (the segments its temporaries make) or 0 (none)") from None
+
+
+def _pool_id(pool):
+    return pool.id if isinstance(pool, torch.cuda.MemPool) else pool
