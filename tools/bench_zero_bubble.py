@@ -11,7 +11,7 @@ through ``tools/train_gpt.py --framework torch --dtype bfloat16`` under eager 1F
 1F1B, and each zero-bubble schedule this torch has (``interleaved_zb``, ``zbv``,
 ``dualpipev``, with ``--vpp 2``) eager and graphed. Each run reports tokens/s over the steps
 after warmup and capture, and, per rank, the compute-busy share of its last steps
-(``--profile-steps``, ``tools/busy.py``). Graphed losses are checked against the eager run of
+(``--profile-steps``, ``tools/diagnostics/busy.py``). Graphed losses are checked against the eager run of
 the same schedule (bf16: relative 1e-3). The result goes to
 ``benchmarks/results/zero-bubble-<device>.json``; its ``summary`` holds
 ``best_graphed_zb_vs_graphed_1f1b`` at seq 2048 with 4 micro-batches (target >= 1.10) and
@@ -34,7 +34,7 @@ The settings can run as separate commands on separate GPU pairs and be joined af
 part lacks, or ran only half of (out of budget), is taken from a part that ran it eager and
 graphed (``--schedules`` runs a few again). The summary also holds, per setting and schedule,
 graphed over eager peak memory (``memory_graphed_vs_eager``, each run's larger rank; bound 1.05). With ``--speed-rounds ROUNDS.json`` (a
-``tools/bench_rounds.py`` record at seq 2048 with 4 micro-batches whose first variant is
+``tools/diagnostics/bench_rounds.py`` record at seq 2048 with 4 micro-batches whose first variant is
 ``graphed_1f1b`` and whose others are ``graphed_<schedule>``, run without the profiler) the
 summary's ``best_graphed_zb_vs_graphed_1f1b`` is the best ratio of the rounds' medians, with their
 spread; the ratio of this benchmark's single profiled runs stays beside it

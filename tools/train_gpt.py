@@ -138,7 +138,7 @@ class Config:
     profile_steps: int = 0
     """Profile the last N steps with ``torch.profiler`` (PyTorch on GPUs) and add, per rank,
     ``compute_busy`` to the JSON line: the share of the time from the first to the last kernel
-    of those steps during which a compute (non-NCCL) kernel runs (``tools/busy.py``)."""
+    of those steps during which a compute (non-NCCL) kernel runs (``tools/diagnostics/busy.py``)."""
     return_outputs: bool = True
     """PyTorch: ``return_outputs`` of the schedule's ``step`` (torch's default: on): the last
     stage keeps every micro-batch's output and concatenates them at the end of the step. The
@@ -149,7 +149,7 @@ class Config:
     the default frees them and autograd allocates them again during the step)."""
     memory_trace: bool = False
     """Record every CUDA allocation (PyTorch) and add, per rank, where memory went at the peak
-    to the JSON line (``tools/memtrace.py``); slows the run down."""
+    to the JSON line (``tools/diagnostics/memtrace.py``); slows the run down."""
 
     @property
     def num_heads(self) -> int:
@@ -508,7 +508,7 @@ def run_torch(cfg: Config) -> None:
         torch.backends.cudnn.allow_tf32 = True
         os.environ["NCCL_NVLS_ENABLE"] = "0"  # multicast off on the lent machines, whatever the launcher says
         if cfg.memory_trace:
-            from tools import memtrace
+            from tools.diagnostics import memtrace
 
             memtrace.start()
     else:
@@ -615,7 +615,7 @@ def run_torch(cfg: Config) -> None:
     profiler = None
     for step in range(cfg.steps):
         if use_cuda and cfg.profile_steps and step == cfg.steps - cfg.profile_steps:
-            from tools import busy
+            from tools.diagnostics import busy
 
             profiler = busy.start()
         if use_cuda and step == timer.skip:  # warmup and capture are over: the steady state begins
@@ -639,7 +639,7 @@ def run_torch(cfg: Config) -> None:
 
     compute_busy = idle = None
     if profiler is not None:
-        from tools import busy
+        from tools.diagnostics import busy
 
         compute_busy, idle = busy.stop(profiler, gaps=True)
     if use_cuda:
@@ -662,7 +662,7 @@ def run_torch(cfg: Config) -> None:
             if (lending := RUNTIME.lending_report()) is not None:
                 mine["pool_lending"] = lending
     if cfg.memory_trace and use_cuda:
-        from tools import memtrace
+        from tools.diagnostics import memtrace
 
         snapshot = torch.cuda.memory._snapshot()
         mine["memory_trace"] = memtrace.analyze(snapshot, steady_since_us=steady_since_us,

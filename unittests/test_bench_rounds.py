@@ -1,7 +1,7 @@
 """tools/bench_rounds.py's summary (its runs need GPUs) and its argument checks."""
 import pytest
 
-from tools import bench_rounds
+from tools.diagnostics import bench_rounds
 
 
 def _run(tps, losses):

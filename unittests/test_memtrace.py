@@ -1,7 +1,7 @@
 """tools.memtrace on a hand-made allocator history: the peaks, where in the steps they fall,
 what the step inherited, block sizes per site."""
 
-from tools import memtrace
+from tools.diagnostics import memtrace
 
 MIB = 2**20
 

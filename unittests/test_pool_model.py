@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from tools import pool_model
-from tools.pool_model import ExpandablePoolModel, PoolModel, layouts, pool_requests, replay, round_size, segment_size
+from tools.diagnostics import pool_model
+from tools.diagnostics.pool_model import ExpandablePoolModel, PoolModel, layouts, pool_requests, replay, round_size, segment_size
 
 MIB = 1 << 20
 

@@ -1,5 +1,5 @@
 """tools/stage_memory.py's orders (its runs need a GPU)."""
-from tools import stage_memory
+from tools.diagnostics import stage_memory
 
 
 def test_one_f_one_b_and_its_zero_bubble_split():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Repeat a few ``tools/train_gpt.py`` variants in alternating rounds: speed spread and loss spread.
 
-    python tools/bench_rounds.py --name zb-rounds --rounds 2 \\
+    python tools/diagnostics/bench_rounds.py --name zb-rounds --rounds 2 \\
         --base "--framework torch --pp 2 --seq-len 2048 ..." \\
         --variant 1f1b_graphed="--cudagraph" --variant zbv_graphed="--vpp 2 --schedule zbv --cudagraph"
 
@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from tools import benchlib  # noqa: E402

@@ -4,7 +4,7 @@ A pipeline stage's GPU idles in the schedule's bubble (waiting for a neighbour's
 or gradients) and, eagerly, between kernels the CPU has not launched yet. Graphs remove the
 second; zero-bubble schedules shrink the first. This measures what is left::
 
-    from tools import busy
+    from tools.diagnostics import busy
 
     prof = busy.start()          # before the steps to measure
     ...                          # the steps

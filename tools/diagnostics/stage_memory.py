@@ -1,7 +1,7 @@
 """One pipeline rank's memory on one GPU: a stage of the GPT run in its rank's 1F1B order.
 
-    python tools/stage_memory.py                              # both stages of pp=2, eager and default
-    python tools/stage_memory.py --stages 1 --variants eager,default --seq-len 512 --trace
+    python tools/diagnostics/stage_memory.py                              # both stages of pp=2, eager and default
+    python tools/diagnostics/stage_memory.py --stages 1 --variants eager,default --seq-len 512 --trace
 
 A rank of a pipeline sees only its stage: the forwards and backwards of its micro-batches in
 the order its schedule runs them, activations coming in and gradients coming back. This tool
@@ -10,7 +10,7 @@ of the shapes the neighbours would send; the last stage computes the loss itself
 memory a rank of a multi-GPU pipeline holds can be studied where only one GPU is at hand.
 Each (stage, variant) runs in its own process; per run it prints the peak including the
 capture step, the steady peak after it, and with ``--trace`` where the memory was at the peak
-(tools/memtrace.py). Not included: the peer-to-peer buffers and the tied-weight all-reduce.
+(tools/diagnostics/memtrace.py). Not included: the peer-to-peer buffers and the tied-weight all-reduce.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = str(Path(__file__).resolve().parents[1])
+REPO = str(Path(__file__).resolve().parents[2])
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from tools import launch  # noqa: E402
@@ -85,7 +85,7 @@ def worker(args) -> dict:
 
     torch.cuda.set_device(0)
     if args.trace:
-        from tools import memtrace
+        from tools.diagnostics import memtrace
 
         memtrace.start()
     dev, dtype = torch.device("cuda"), torch.bfloat16
@@ -181,7 +181,7 @@ def worker(args) -> dict:
         out.update(RUNTIME.lending_report() or dict.fromkeys(
             ("optimizer_steps_in_pool", "optimizer_steps_declined", "pool_reserved_before_capture_mib")))
     if args.trace:
-        from tools import memtrace
+        from tools.diagnostics import memtrace
 
         out["trace"] = memtrace.analyze(torch.cuda.memory._snapshot(), steady_since_us=steady_since_us)
     return out
@@ -297,7 +297,7 @@ def _print_row(rec: dict, runs: list) -> None:
           rec.get("pool_reserved_before_capture_mib"),
           " per step (peak / end / pools):", _per_step(rec["per_step_mib"]))
     if rec.get("trace"):
-        from tools import memtrace
+        from tools.diagnostics import memtrace
 
         print(memtrace.describe(rec["trace"]))
 

@@ -4,7 +4,7 @@ Measures :meth:`paddle_graphpp.core.state.StateWatch.changed` on CPU (the check 
 host: it reads dictionaries and tensor addresses, never the device) for a graphed layer's
 parameters and buffers and for an AdamW optimizer's state, and writes a JSON record.
 
-    python tools/bench_state_check.py --out benchmarks/results/state-check-cpu.json
+    python tools/diagnostics/bench_state_check.py --out benchmarks/results/state-check-cpu.json
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import timeit
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 

@@ -1,6 +1,6 @@
 """A model of PyTorch's CUDA caching allocator for the requests of one stream in one pool.
 
-    python tools/pool_model.py RANK.json.gz ... [--reserve-from RANK.json.gz]
+    python tools/diagnostics/pool_model.py RANK.json.gz ... [--reserve-from RANK.json.gz]
         # histories written by train_gpt.py --memory-trace with GRAPHPP_MEMTRACE_RAW=<folder>
 
 What it answers: given a sequence of requests (allocate ``n`` bytes, free an earlier
@@ -24,7 +24,8 @@ allocator's rules (PyTorch 2.x, ``expandable_segments`` off, ``max_split_size_mb
 
 Requests are matched to frees by a key of the caller's choice (an address in a recorded
 history, a counter in a plan). Measured against 12 recorded runs (GPT-3 1.3B ``zbv`` and
-``dualpipev`` stages, three layouts, ``benchmarks/results/pool-model-fifth-h200.json``): with
+``dualpipev`` stages, three layouts, 2026-11-26; the record is in git history, see
+``benchmarks/NOTES.md``, fifth session): with
 its segments at the run's addresses the model gives each run's pool exactly; from another
 layout's run it gives the runs with a reserve (block or segments) within 4 MiB, while without
 a reserve the outcome depends on the order of the addresses the driver hands out (between free
@@ -34,8 +35,9 @@ blocks of one size the lowest address wins), which the model cannot know beforeh
 ``paddle_graphpp`` maps graph pools by default, ``FLAGS_graphpp_pool_expandable``); the command
 prints it as ``expandable``. Its figures from the fifth session's histories were the
 prediction for that change: ``zbv`` rank 0 4986 MiB (5552 with the block), rank 1 4366; the
-pools of the run with it (phase 31, ``benchmarks/results/allocator-histories-sixth/``) were
-4986 and 4366 MiB.
+pools of the run with it were 4986 and 4366 MiB. Those histories (the run with expandable
+pools, both ranks, and the block layout's rank 0) are kept in
+``tools/diagnostics/allocator-histories/`` for the tests.
 """
 
 from __future__ import annotations
@@ -292,7 +294,7 @@ def _capture_state(where: str, ours: str) -> bool:
 
 
 def pool_rows(rows: list) -> tuple:
-    """The graph pool of a raw history (``tools/memtrace.py`` ``raw_events`` rows) and its rows:
+    """The graph pool of a raw history (``tools/diagnostics/memtrace.py`` ``raw_events`` rows) and its rows:
     the pool the reserve was made in, else the one with the most events (histories of torch
     2.11 name pools by their stream: one pool per capture stream)."""
     from collections import Counter

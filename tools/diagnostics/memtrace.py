@@ -1,6 +1,6 @@
 """Where GPU memory goes: replay PyTorch's allocator trace and break the peak down.
 
-    from tools import memtrace
+    from tools.diagnostics import memtrace
     memtrace.start()                      # first thing after torch.cuda.set_device
     ...                                   # the run
     summary = memtrace.analyze(torch.cuda.memory._snapshot())
@@ -94,7 +94,7 @@ def raw_events(snapshot: dict, device: int | None = None) -> list:
     pool, time_us, engine frame, site]``. ``pool`` is "default" or "graph(a, b)" where the
     event names its pool, else "stream<N>": torch 2.11's events name none, and a graph pool is
     then its capture stream, with what else is allocated on that stream (a capture's own
-    random-number state, in the default pool; ``tools/pool_model.py`` leaves it out). The
+    random-number state, in the default pool; ``tools/diagnostics/pool_model.py`` leaves it out). The
     snapshot's segments cannot stand in: an address range changes pools over a run. ``engine
     frame`` is the innermost frame in ``paddle_graphpp/`` ("" when none), ``site`` as in
     :func:`analyze`."""
@@ -279,7 +279,7 @@ def describe(trace: dict, sites: int = 8) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m tools.memtrace RUN.txt ...``: summarise train_gpt --memory-trace output files."""
+    """``python -m tools.diagnostics.memtrace RUN.txt ...``: summarise train_gpt --memory-trace output files."""
     import json
     import sys
 
