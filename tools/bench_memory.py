@@ -1,7 +1,7 @@
 """Graph memory by mode on one GPU: eager, per_graph, shared, the async allocator.
 
     python tools/bench_memory.py                 # all modes; ~2-3 min on an H100/H200
-    python tools/bench_memory.py --plot-only benchmarks/results/memory-h100.json   # re-plot (CPU is fine)
+    python tools/bench_memory.py --plot-only benchmarks/results/memory-h200.json   # re-plot (CPU is fine)
     python tools/bench_memory.py --smoke --out /tmp/memory-smoke.json   # tiny run, checks the script on CPU
 
 Workload (the issue's): one pipeline stage of a GPT, hidden 2048, 8 layers in 2 virtual chunks

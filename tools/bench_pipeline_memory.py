@@ -20,8 +20,10 @@ design under that allocator, the seed's 95% -> 25%; ``summary.upstream`` sets it
 ``per_graph``). Under that allocator the figures include the driver's graph memory (torch's
 counters leave it out; ``tools/benchlib.DeviceMemory``). The gpt1.3b preset runs them
 with 1F1B at seq 2048, eager and default interleaved (vpp 2), and eager and default at
-seq 512 (launch-bound). Writes ``benchmarks/results/memory-pipeline-<preset>-<device>.json``
-with ``summary.default`` (1F1B, the longest sequence) and a PNG chart next to it. The
+seq 512 (launch-bound). Writes ``benchmarks/results/<name>-<device>.json`` (``--name``; by
+default ``memory-pipeline-gpt1.3b-pp2``, ``memory-pipeline-gpt1.3b-pp4`` or
+``memory-pipeline-small`` by preset) with ``summary.default`` (1F1B, the longest sequence) and
+a PNG chart next to it. The
 gpt1.3b-pp4 preset is the same model over 4 GPUs (pp=4, 6 blocks a stage), 1F1B and
 interleaved at seq 2048.
 """
@@ -52,6 +54,8 @@ PRESETS = {
 }
 SEQ = {"gpt1.3b": (2048, 512), "gpt1.3b-pp4": (2048,), "small": (512,)}
 GPUS = {"gpt1.3b": 2, "gpt1.3b-pp4": 4, "small": 2}
+RECORD = {"gpt1.3b": "memory-pipeline-gpt1.3b-pp2", "gpt1.3b-pp4": "memory-pipeline-gpt1.3b-pp4",
+          "small": "memory-pipeline-small"}
 GRAPHED = {
     "default": ([], None),
     "eager_loss": (["--no-graph-loss"], None),
@@ -185,6 +189,7 @@ def main(argv=None) -> int:
                         help="comma-separated, from: eager," + ",".join(GRAPHED))
     parser.add_argument("--rounds", type=int, default=2, help="alternating eager/default rounds for speed")
     parser.add_argument("--budget", type=float, default=560.0, help="seconds for all runs")
+    parser.add_argument("--name", help="result file name: <name>-<device>.json (default by preset)")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -234,7 +239,7 @@ def main(argv=None) -> int:
                    "default_config": default_tag, "upstream": upstream(summary.get(default_tag, {})),
                    "by_config": summary},
                "runs": runs}
-    path = benchlib.write_result(f"memory-pipeline-{args.preset}", payload)
+    path = benchlib.write_result(args.name or RECORD[args.preset], payload)
     print(f"wrote {path}")
     if default_tag in summary and "eager" in summary[default_tag]:
         try:
