@@ -1,7 +1,9 @@
 """paddle_graphpp: CUDA Graphs for pipeline-parallel training.
 
-``import paddle_graphpp`` imports neither Paddle nor PyTorch. The Paddle-facing API lives at
-the top level and loads Paddle on first use; the PyTorch API lives in ``paddle_graphpp.torch``.
+``import paddle_graphpp`` imports neither Paddle nor PyTorch. The Paddle API lives in
+``paddle_graphpp.paddle`` and is re-exported here (Paddle first); the PyTorch API lives in
+``paddle_graphpp.torch``; the cross-framework entry points (the allocator switch, the graphed
+optimizer, the graph API) are the modules at this level. Every name loads its framework on first use.
 """
 
 import os
@@ -25,6 +27,7 @@ _LAZY = {
     "CaptureError": "paddle_graphpp.core.errors",
     "GraphScheduleError": "paddle_graphpp.core.errors",
     "StateReplacedError": "paddle_graphpp.core.errors",
+    "ReplayTimeoutError": "paddle_graphpp.core.errors",
     "reset_graphs": "paddle_graphpp.core.engine",
     "use_cuda_malloc_async_allocator": "paddle_graphpp.allocator",
     "AllocatorSwitchError": "paddle_graphpp.allocator",

@@ -21,13 +21,13 @@ through :func:`paddle_graphpp.core.runtime.framework_of`; this module imports ne
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Hashable, Optional
 
 from .core.errors import CaptureError
-from .core.runtime import FRAMEWORKS, GraphRuntime, framework_of, get_runtime
+from .core.runtime import (FRAMEWORKS, GraphRuntime, framework_imported, framework_of, get_runtime,
+                           sole_imported_framework)
 
 __all__ = ["graph_process", "create_graph", "capture_to_graph", "replay_graph", "clear_graph_cache"]
 
@@ -296,14 +296,10 @@ def _runtime_of_leaves(leaves: list) -> Optional[GraphRuntime]:
     return _imported_runtime()
 
 
-def _imported_frameworks() -> list:
-    return [name for name in FRAMEWORKS if name in sys.modules]
-
-
 def _imported_runtime() -> Optional[GraphRuntime]:
     # No tensor argument: the one framework that is imported, if exactly one is.
-    imported = _imported_frameworks()
-    return get_runtime(imported[0]) if len(imported) == 1 else None
+    name = sole_imported_framework()
+    return get_runtime(name) if name is not None else None
 
 
 def _no_tensor_reason(runtime: GraphRuntime) -> Optional[str]:
@@ -316,7 +312,7 @@ def _runtime_named(framework: Optional[str]) -> GraphRuntime:
         return get_runtime(framework)
     runtime = _imported_runtime()
     if runtime is None:
-        imported = _imported_frameworks()
+        imported = [name for name in FRAMEWORKS if framework_imported(name)]
         state = "both paddle and torch are imported" if imported else "neither paddle nor torch is imported"
         raise RuntimeError(f"paddle_graphpp graph API: cannot tell the framework ({state}); "
                            "pass framework='torch' or framework='paddle'.")

@@ -44,6 +44,25 @@ def test_one_rank_fails_capture_and_every_rank_raises(tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_by_default_a_peers_failed_capture_makes_this_rank_raise(tmp_path):
+    # No agree_on_captures(): the replay watchdog reads the failure rank 1 published in the
+    # store, and rank 0 raises at its next graphed call instead of going on alone.
+    r0, r1 = _run("default", tmp_path)
+    assert r1["outcome"] == "CaptureError" and "rank1-layer: capturing the forward failed" in r1["message"]
+    assert r0["outcome"] == "ReplayTimeoutError", r0
+    assert "capturing CUDA graphs failed on rank 1: CaptureError: rank1-layer" in r0["message"], r0
+    assert r0["seconds_to_raise"] < 15, r0  # the store is read about once a second; the group's timeout is 30 s
+    assert r0["store_read_ms"] < 50, r0  # what each of those reads costs the watchdog's thread
+
+
+@pytest.mark.timeout(150)
+def test_the_default_agreement_can_be_turned_off(tmp_path):
+    r0, r1 = _run("default_off", tmp_path)
+    assert r1["outcome"] == "CaptureError"
+    assert r0["outcome"] == "trained", r0
+
+
+@pytest.mark.timeout(150)
 def test_fallback_eager_keeps_every_rank_training(tmp_path):
     r0, r1 = _run("fallback", tmp_path)
     assert r0["outcome"] == r1["outcome"] == "trained"
@@ -74,6 +93,8 @@ def _worker(mode, rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     if mode == "gpu":
         _gpu_worker(rank, out)
+    if mode.startswith("default"):
+        _default_worker(mode, rank, out)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
     rt = FakeGraphRuntime()
     runtime_mod.register_runtime("torch", lambda: rt)
@@ -113,6 +134,59 @@ def _worker(mode, rank, port, out):
         time.sleep(AGREEMENT_TIMEOUT + 4)  # stay connected: rank 0 must give up on its own timeout
     sys.stdout.flush()
     os._exit(0)  # no destroy_process_group: a broken gloo group can hang there
+
+
+def _default_worker(mode, rank, out):
+    """Modes "default" and "default_off": no agree_on_captures(); rank 1's capture fails."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from fake_runtime import FakeGraphRuntime
+    from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
+    from paddle_graphpp.core.errors import CaptureError, ReplayTimeoutError
+
+    if mode == "default_off":
+        os.environ["FLAGS_graphpp_capture_agreement"] = "0"
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    rt = FakeGraphRuntime()
+
+    class Fails(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if rank == 1 and rt.capturing:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return self.lin(x)
+
+    module = Fails()
+    layer = GraphedCallable(module, rt, lambda: list(module.parameters()), name=f"rank{rank}-layer",
+                            options=EngineOptions(num_warmup_steps=0))
+    result, start, failed_at = {"outcome": "trained"}, time.monotonic(), None
+    try:
+        for step in range(40 if rank == 0 else 3):  # rank 0 keeps stepping for a few seconds
+            layer((torch.randn(2, 4, requires_grad=True),), {}).sum().backward()
+            time.sleep(0.2 if rank == 0 else 0)
+    except (CaptureError, ReplayTimeoutError) as exc:
+        result.update(outcome=type(exc).__name__, message=str(exc))
+        failed_at = time.monotonic()
+    if rank == 0:
+        store = dist.distributed_c10d._get_default_store()
+        begin = time.perf_counter()
+        for _ in range(20):
+            store.add("paddle_graphpp/capture_failures", 0)
+        result["store_read_ms"] = (time.perf_counter() - begin) / 20 * 1e3
+        # from rank 1's failure (its capture runs at its step 1, right after start) to here
+        result["seconds_to_raise"] = (failed_at or time.monotonic()) - start
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if rank == 1:
+        time.sleep(6)  # stay up while rank 0 reads the store
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _gpu_worker(rank, out):

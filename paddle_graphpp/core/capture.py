@@ -44,20 +44,25 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import warnings
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Hashable, Optional, Sequence
 
+from . import collectives as _collectives
 from . import memory as _memory
 from .batch import CaptureBatch, Link
 from .errors import CaptureError
 from .runtime import capabilities
 from .schedule import EpisodeClock
+from .watchdog import ReplayWatchdog, parse_timeout
 
 __all__ = ["Process", "process_for", "Link"]
 
 logger = logging.getLogger("paddle_graphpp")
+
+_UNRESOLVED = object()  # the watchdog is decided at first use
 
 MAX_DEFERRED_EPISODES = 4096  # recordings dropped in a row at most while the runtime asks to wait
 # (episodes, not steps: on the last stage of a 1F1B pipeline every micro-batch is one)
@@ -107,6 +112,7 @@ class Process:
         #: (empty: none), or raises :class:`~paddle_graphpp.CaptureError` when the peers do not
         #: answer in time. ``None``: each process decides alone.
         self.agreement: Optional[Callable[[bool], list]] = None
+        self._watchdog: Any = _UNRESOLVED  # core.watchdog.ReplayWatchdog, None, or not decided yet
 
     # ------------------------------------------------------ shared parameters
     def accumulate_in_graphs(self, layer: Any, params: Sequence[Any]) -> None:
@@ -289,6 +295,54 @@ class Process:
                 self._watches.append((alive, link))
                 self._grad_watched.add(link)
 
+    # ------------------------------------------------------------- watchdog
+    @property
+    def watchdog(self) -> Optional[ReplayWatchdog]:
+        """The replay watchdog (:mod:`paddle_graphpp.core.watchdog`), decided at first use:
+        ``FLAGS_graphpp_replay_timeout`` (seconds; 0: off), else the runtime's default (the
+        process group's timeout where a group of several ranks exists). Where several ranks
+        exist it also turns a peer's failed capture into an error here, unless
+        ``FLAGS_graphpp_capture_agreement=0``."""
+        if self._watchdog is _UNRESOLVED:
+            self._watchdog = None
+            self.watch()
+        return self._watchdog
+
+    def watch(self, timeout: Any = _UNRESOLVED, *, grace: float = 30.0) -> Optional[ReplayWatchdog]:
+        """(Re)configure the watchdog: ``timeout`` seconds (``None`` or 0: replays are not timed;
+        default: the flag, else the runtime's default). Returns the watchdog, or ``None``."""
+        events = self.caps.events
+        if self._watchdog not in (None, _UNRESOLVED):
+            self._watchdog.stop()
+        self._watchdog = None
+        if events is None:
+            return None
+        distributed = events.default_replay_timeout()
+        if timeout is _UNRESOLVED:
+            flag = os.environ.get("FLAGS_graphpp_replay_timeout")
+            timeout = parse_timeout(flag, "FLAGS_graphpp_replay_timeout") if flag is not None else distributed
+        else:
+            timeout = parse_timeout(timeout, "watch_replays(timeout)")
+        agree = distributed is not None and os.environ.get("FLAGS_graphpp_capture_agreement", "1").strip().lower() \
+            not in ("0", "false", "off", "no")
+        if timeout is None and not agree:
+            return None
+        self._watchdog = ReplayWatchdog(events, timeout if timeout is not None else float("inf"), grace=grace,
+                                        peer_failure=events.peer_capture_failure if agree else None)
+        return self._watchdog
+
+    def launched(self, participant: Any, position: int, kind: str, graph: Any) -> None:
+        """A graph of ``participant`` was replayed: the watchdog follows it."""
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.launched(lambda: _describe_graph(participant, position, kind, graph))
+
+    def check_watchdog(self) -> None:
+        """Raise the watchdog's error, if it has one, in the calling (main) thread."""
+        watchdog = self._watchdog
+        if watchdog is not None and watchdog is not _UNRESOLVED:
+            watchdog.raise_pending()
+
     # --------------------------------------------------------------- capture
     def capture_if_due(self) -> None:
         """At a graphed forward that may start an episode: when the last episode was recorded and
@@ -364,6 +418,8 @@ class Process:
             gc.collect()
             self.runtime.release_cached_memory()
         self.plan.log_summary()
+        if batch.errors and self.caps.events is not None and self.watchdog is not None:
+            self.caps.events.publish_capture_failure(f"{type(batch.errors[0]).__name__}: {batch.errors[0]}"[:500])
         errors = self._agree(batch.errors)
         for extra in errors[1:]:
             warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=4)
@@ -395,6 +451,12 @@ class Process:
         for layer in self._layers.values():
             layer.drop_generation(gen)
         logger.warning("paddle_graphpp: graphs of pool generation %d dropped; they are captured anew", gen.index)
+
+
+def _describe_graph(participant: Any, position: int, kind: str, graph: Any) -> str:
+    found = _collectives.collectives_in(graph)
+    held = f"captured with {', '.join(found)}" if found else "no collective recorded in its capture"
+    return f"the {kind} graph of {participant.name} (micro-batch position {position}; {held})"
 
 
 _PROCESSES: dict[str, Process] = {}

@@ -40,7 +40,8 @@ from .errors import CaptureError, GraphedLayerError
 __all__ = [
     "AllReducePath", "choose_path", "CustomAllReducePolicy", "AllReduceBackend",
     "AllReduceDispatcher", "capture_custom_allreduce", "in_capture_phase", "capturing_graph",
-    "check_replay", "release_graph_buffers", "ReleasedBufferError", "TensorFacts",
+    "check_replay", "release_graph_buffers", "ReleasedBufferError", "TensorFacts", "note_collective",
+    "collectives_in",
 ]
 
 
@@ -228,6 +229,7 @@ class _GraphRecord:
     label: str
     registrations: list = field(default_factory=list)
     released_reason: Optional[str] = None
+    collectives: list = field(default_factory=list)  # what ran inside the capture, for error messages
 
 
 # --------------------------------------------------------------------------- registry
@@ -357,6 +359,20 @@ def _current_record() -> _GraphRecord:
     return _TLS.graphs[-1][1] if _TLS.graphs else _UNDECLARED
 
 
+def note_collective(name: str) -> None:
+    """A collective ran inside the capture under way (named in the replay watchdog's errors)."""
+    if _TLS.graphs:
+        collectives = _TLS.graphs[-1][1].collectives
+        if name not in collectives:
+            collectives.append(name)
+
+
+def collectives_in(graph: Any) -> list:
+    """The collectives noted while ``graph`` was captured (see :func:`note_collective`)."""
+    record = _RECORDS.get(id(graph))
+    return list(record.collectives) if record is not None else []
+
+
 def check_replay(graph: Any) -> None:
     """Raise :class:`ReleasedBufferError` if ``graph`` uses a custom all-reduce buffer that is gone.
 
@@ -430,6 +446,9 @@ class AllReduceDispatcher:
     def all_reduce(self, tensor: Any) -> Any:
         """Sum ``tensor`` over the group; returns the result (see the class notes)."""
         path = self.path_for(tensor)
+        if self.backend.is_capturing():
+            kind = "the framework's all-reduce" if path is AllReducePath.FALLBACK else "the custom all-reduce"
+            note_collective(f"{kind} of a {self.backend.world_size}-rank group")
         if path is AllReducePath.REGISTERED:
             facts = self.backend.facts(tensor)
             with _LOCK:

@@ -149,7 +149,9 @@ class GraphedCallable:
         if reason is not None:
             self.warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); running eagerly.")
         else:
-            self.process.capture_if_due()  # a recorded episode is captured before the next one starts
+            proc = self.process
+            proc.check_watchdog()  # a replay that never completed, or a peer's failed capture
+            proc.capture_if_due()  # a recorded episode is captured before the next one starts
         if sig is not None:
             shape = sig.shape
         else:
@@ -295,6 +297,7 @@ class GraphedCallable:
         self.keep_held_outputs(call)
         self.runtime.copy_many(done.static_inputs, call.tensors)
         self.runtime.replay_graph(done.fwd_graph)
+        self.process.launched(self.capture, call.position, "forward", done.fwd_graph)
         self.replays += 1
         call.run, call.outputs = Replayed(done), done.outputs
         return self.hand_out(call, done.static_outputs)

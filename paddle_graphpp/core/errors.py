@@ -2,7 +2,8 @@
 
 import traceback
 
-__all__ = ["GraphedLayerError", "CaptureError", "GraphScheduleError", "SignatureError", "StateReplacedError"]
+__all__ = ["GraphedLayerError", "CaptureError", "GraphScheduleError", "SignatureError", "StateReplacedError",
+           "ReplayTimeoutError"]
 
 
 class GraphedLayerError(RuntimeError):
@@ -25,6 +26,11 @@ class StateReplacedError(GraphedLayerError):
     """A parameter, buffer or optimizer state tensor that a captured graph reads was replaced
     (new storage, or another tensor in its place) since the capture; replaying would compute
     with the old memory, so the replay is refused."""
+
+
+class ReplayTimeoutError(GraphedLayerError):
+    """A graph replay did not complete within the replay timeout (a collective in it waits for a
+    peer that died or stalled), or a peer rank's capture failed; the process cannot go on."""
 
 
 def release_frames(exc: BaseException) -> None:

@@ -11,7 +11,8 @@ imported, so that module imports no framework at import time).
 Everything else is a capability a runtime has or has not, one protocol each:
 :class:`AutocastModes`, :class:`SplitBackward`, :class:`InGraphAccumulation`,
 :class:`OutputRelease`, :class:`PoolLending`, :class:`StreamOrderedAllocator`,
-:class:`MemoryTelemetry`, :class:`CaptureHints`, :class:`ModelTree`. A runtime declares one by
+:class:`MemoryTelemetry`, :class:`CaptureHints`, :class:`ModelTree`, :class:`ReplayEvents`. A
+runtime declares one by
 deriving from it (and implementing all of it); :func:`capabilities` finds them once per runtime,
 and the engine asks that record, never a runtime for something it did not declare.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib
+import sys
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
@@ -44,14 +46,17 @@ __all__ = [
     "MemoryTelemetry",
     "CaptureHints",
     "ModelTree",
+    "ReplayEvents",
     "Capabilities",
     "capabilities",
     "clone_many",
     "backward_into",
     "available_runtimes",
     "framework_module",
+    "framework_imported",
     "framework_of",
     "get_runtime",
+    "sole_imported_framework",
     "runtime_for",
 ]
 
@@ -421,6 +426,39 @@ class ModelTree(abc.ABC):
         """Every module (layer) of ``model``, ``model`` included."""
 
 
+class ReplayEvents(abc.ABC):
+    """Replays the host can follow (:mod:`paddle_graphpp.core.watchdog`), communicators it can
+    abort, and capture failures published to the other ranks."""
+
+    @abc.abstractmethod
+    def record_event(self) -> Any:
+        """An event recorded on the current stream after the work launched so far, or ``None``
+        where there is nothing to follow (no device)."""
+
+    @abc.abstractmethod
+    def event_done(self, event: Any) -> bool:
+        """Whether the work before ``event`` completed. Called from the watchdog's thread."""
+
+    @abc.abstractmethod
+    def default_replay_timeout(self) -> Optional[float]:
+        """The replay timeout when none is configured: the process group's timeout where a group
+        of more than one rank exists, else ``None`` (no watchdog)."""
+
+    @abc.abstractmethod
+    def abort_collectives(self, reason: str) -> Optional[str]:
+        """Abort this process's communicators, so kernels waiting on a dead peer return; what was
+        aborted, or ``None``. Called from the watchdog's thread."""
+
+    @abc.abstractmethod
+    def publish_capture_failure(self, text: str) -> None:
+        """Tell the other ranks that a capture of this rank failed (``text`` says which)."""
+
+    @abc.abstractmethod
+    def peer_capture_failure(self) -> Optional[str]:
+        """A capture failure another rank published, or ``None`` (cheap: one lookup; called
+        from the watchdog's thread)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """The optional capabilities of one runtime: each field is the runtime itself where it
@@ -435,6 +473,7 @@ class Capabilities:
     telemetry: Optional[MemoryTelemetry]
     hints: Optional[CaptureHints]
     tree: Optional[ModelTree]
+    events: Optional[ReplayEvents]
 
     def mode_key(self) -> Any:
         return self.modes.mode_key() if self.modes is not None else None
@@ -447,7 +486,7 @@ class Capabilities:
 
 _FIELDS = {"modes": AutocastModes, "split": SplitBackward, "accumulation": InGraphAccumulation,
            "release": OutputRelease, "lending": PoolLending, "stream_ordered": StreamOrderedAllocator,
-           "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree}
+           "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree, "events": ReplayEvents}
 _CAPABILITIES: "weakref.WeakKeyDictionary[GraphRuntime, Capabilities]" = weakref.WeakKeyDictionary()
 
 
@@ -511,6 +550,18 @@ def framework_of(obj: Any) -> Optional[str]:
         if root in FRAMEWORKS:
             return root
     return None
+
+
+def framework_imported(name: str) -> bool:
+    """Whether framework ``name`` is imported already (asks ``sys.modules``; imports nothing)."""
+    return name in sys.modules
+
+
+def sole_imported_framework() -> Optional[str]:
+    """For a call that carries no framework object (``create_graph()``, a function without tensor
+    arguments): the one framework imported so far, or ``None`` when none or both are."""
+    imported = [name for name in FRAMEWORKS if framework_imported(name)]
+    return imported[0] if len(imported) == 1 else None
 
 
 def runtime_for(obj: Any) -> GraphRuntime:

@@ -5,7 +5,7 @@ member's contract).
 graph operations) and declares every optional capability: autocast modes, capture hints and
 model walking here; split backward and accumulation inside graphs in :mod:`.autograd`; output
 release, pool lending, the stream-ordered allocator and memory figures in
-:mod:`.memory.capabilities`.
+:mod:`.memory.capabilities`; replay events for the watchdog in :mod:`.collectives.watch`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..core.state import module_state_slots
 from . import autograd as _autograd
 from . import compile as _compile
 from .memory import pool_segments as _pool_segments
+from .collectives.watch import TorchReplayEvents, noting_collectives
 from .graphs import end_failed_capture
 from .memory.capabilities import TorchMemory, _pool_id
 
@@ -31,7 +32,8 @@ __all__ = ["TorchRuntime", "RUNTIME", "active_runtime"]
 _ALIGN = 512  # bytes between buffers carved from one block (the caching allocator's own rounding)
 
 
-class TorchRuntime(TorchMemory, _autograd.TorchGradients, GraphRuntime, AutocastModes, CaptureHints, ModelTree):
+class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, GraphRuntime, AutocastModes, CaptureHints,
+                   ModelTree):
     name = "torch"
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.
@@ -178,7 +180,8 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, GraphRuntime, Autocast
         for gen in _registered_generators(generators):
             graph.register_generator_state(gen)
         # compiled code runs only what it compiled in the warmup (see .compile)
-        with torch.cuda.stream(stream), _pool_segments.pool_allocations(), _compile.no_compile_in_capture():
+        with torch.cuda.stream(stream), _pool_segments.pool_allocations(), _compile.no_compile_in_capture(), \
+                noting_collectives():
             try:
                 graph.capture_begin(pool=_pool_id(pool), capture_error_mode="thread_local")
                 yield graph

@@ -1,0 +1,146 @@
+"""A watchdog of the host's own for graph replays: no hang without an error.
+
+Collectives captured inside a graph (a tensor-parallel all-reduce, a pipeline's send) run
+where the framework's own watchdogs do not look: PyTorch's NCCL watchdog follows work objects,
+and a replay has none. If a peer dies, a replay waits forever. The host knows when it launched
+each replay; :class:`ReplayWatchdog` records an event after replays (at most one every
+``min_gap`` seconds, so launch-bound steps pay next to nothing) and a daemon thread checks the
+oldest one still running. When one has not completed ``timeout`` seconds after its launch:
+
+1. the error (naming the layer, the graph and the collectives captured in it) is logged at once
+   and raised as :class:`~paddle_graphpp.core.errors.ReplayTimeoutError` by the next graphed call
+   of the process (:meth:`ReplayWatchdog.raise_pending`);
+2. if the process is still stuck ``grace`` seconds later (its main thread waits on the device),
+   the runtime aborts its collectives' communicators, as PyTorch's NCCL watchdog does, so that
+   kernels waiting on a dead peer return;
+3. if it is still stuck another ``grace`` seconds later, the process exits with
+   :data:`EXIT_CODE` after printing the error: a scheduler sees a failed job, not a hung one.
+
+The same thread turns a peer's failed capture into an error here
+(:class:`~paddle_graphpp.core.runtime.ReplayEvents.peer_capture_failure`): every rank of the
+job raises, instead of the survivors waiting in their next collective until its timeout.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from .errors import ReplayTimeoutError
+
+__all__ = ["ReplayWatchdog", "EXIT_CODE", "parse_timeout"]
+
+logger = logging.getLogger("paddle_graphpp")
+
+EXIT_CODE = 75  # the process stopped because a graph replay (or a peer's capture) never completed
+_POLL = 0.05  # seconds between the thread's checks
+
+
+def parse_timeout(raw: Any, where: str) -> Optional[float]:
+    """A timeout in seconds from a flag or argument: ``None``/``0`` turn the watchdog off."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}={raw!r}: give the replay timeout in seconds (e.g. 600), or 0 to turn the "
+                         f"watchdog off") from None
+    if value < 0 or value != value:
+        raise ValueError(f"{where}={raw!r}: the replay timeout must be >= 0 seconds (0 turns the watchdog off)")
+    return value or None
+
+
+class ReplayWatchdog:
+    """Watches the replays of one process (see the module docstring).
+
+    Args:
+        events: the runtime's :class:`~paddle_graphpp.core.runtime.ReplayEvents` capability.
+        timeout: seconds a replay may run before it is an error.
+        grace: seconds between the error, the abort of the communicators and the exit.
+        peer_failure: returns a peer's published capture failure (text), or ``None``.
+        exit: what ends the process (``os._exit`` by default; tests pass their own).
+    """
+
+    def __init__(self, events: Any, timeout: float, *, grace: float = 30.0,
+                 peer_failure: Optional[Callable[[], Optional[str]]] = None, min_gap: float = 0.01,
+                 exit: Callable[[int], None] = os._exit):
+        self.events, self.timeout, self.grace, self.min_gap = events, timeout, grace, min_gap
+        self.peer_failure = peer_failure
+        self._exit = exit
+        self._pending: collections.deque = collections.deque()  # (launch time, event, what), oldest first
+        self._last = 0.0
+        self._lock = threading.Lock()
+        self.error: Optional[str] = None  # set once: the process cannot go on after it
+        self._raised = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paddle_graphpp-replay-watchdog", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ main thread
+    def launched(self, what: Any) -> None:
+        """After a replay was launched on the current stream: ``what`` (a callable giving the
+        description, evaluated only on a timeout) for the graph."""
+        now = time.monotonic()
+        if now - self._last < self.min_gap:
+            return
+        event = self.events.record_event()
+        if event is None:
+            return
+        self._last = now
+        with self._lock:
+            self._pending.append((now, event, what))
+
+    def raise_pending(self) -> None:
+        """Raise the watchdog's error in the calling (main) thread, once it has one."""
+        if self.error is not None:
+            self._raised = True
+            raise ReplayTimeoutError(self.error)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --------------------------------------------------------------- thread
+    def _run(self) -> None:
+        while not self._stop.wait(_POLL):
+            message = self._check()
+            if message is not None:
+                self._fail(message)
+                return
+
+    def _check(self) -> Optional[str]:
+        """The error to report now, or ``None``."""
+        with self._lock:
+            while self._pending and self.events.event_done(self._pending[0][1]):
+                self._pending.popleft()
+            oldest = self._pending[0] if self._pending else None
+        if oldest is not None and time.monotonic() - oldest[0] > self.timeout:
+            what = oldest[2]() if callable(oldest[2]) else oldest[2]
+            return (f"paddle_graphpp: {what} has not completed {self.timeout:g} s after its replay was launched. "
+                    f"A collective in it waits for a peer that died or stalled, or a kernel hangs. Check the "
+                    f"other ranks' logs for the first error; raise the timeout (FLAGS_graphpp_replay_timeout or "
+                    f"paddle_graphpp.torch.watch_replays) if the step is that slow.")
+        failure = self.peer_failure() if self.peer_failure is not None else None
+        if failure is not None:
+            return (f"paddle_graphpp: {failure}; this rank stops too instead of waiting in collectives its peer "
+                    f"will not join. The cause is in that rank's CaptureError; fallback='eager' on the failing "
+                    f"layers keeps every rank training.")
+        return None
+
+    def _fail(self, message: str) -> None:
+        self.error = message
+        logger.error("%s", message)
+        if self._stop.wait(self.grace) or self._raised:
+            return
+        aborted = self.events.abort_collectives(message)
+        if aborted:
+            logger.error("paddle_graphpp: aborted this process's communicators (%s)", aborted)
+        if self._stop.wait(self.grace) or self._raised:
+            return
+        print(f"{message}\npaddle_graphpp: the process is still waiting on the device {2 * self.grace:g} s later; "
+              f"exiting with code {EXIT_CODE}.", file=sys.stderr, flush=True)
+        self._exit(EXIT_CODE)

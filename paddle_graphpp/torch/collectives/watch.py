@@ -1,0 +1,157 @@
+"""What the replay watchdog (:mod:`paddle_graphpp.core.watchdog`) needs from PyTorch.
+
+* events after replays on the current stream, queried from the watchdog's thread;
+* the default timeout: the default process group's own, where a group of several ranks exists
+  (so a graph's collectives wait as long as eager ones would, and no longer);
+* aborting the process groups' communicators, as PyTorch's NCCL watchdog does on a timeout;
+* capture failures published through the default group's store (one key set by the failed
+  rank; the others read one counter from the watchdog's thread, about once a second);
+* the collectives a capture ran (``torch.distributed`` calls are noted while a graph captures,
+  for the watchdog's message).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import time
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...core import collectives as _collectives
+from ...core.capture import process_for
+from ...core.runtime import ReplayEvents
+
+__all__ = ["TorchReplayEvents", "watch_replays", "noting_collectives"]
+
+_FAILED_KEY = "paddle_graphpp/capture_failed"
+_COUNT_KEY = "paddle_graphpp/capture_failures"
+_PEER_POLL = 1.0  # seconds between two looks at the store
+# torch.distributed calls noted while a graph captures (looked up on the module at call time).
+_NOTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
+          "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier")
+
+
+class TorchReplayEvents(ReplayEvents):
+    """Mixed into :class:`~paddle_graphpp.torch.runtime.TorchRuntime`."""
+
+    def __init__(self):
+        super().__init__()
+        self._peer_seen = 0.0  # when the store was last read for peers' failures
+        self._failed_here = False  # this rank published a failure of its own: it stops anyway
+
+    def record_event(self):
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def event_done(self, event) -> bool:
+        return event.query()
+
+    def default_replay_timeout(self) -> Optional[float]:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        group = dist.distributed_c10d._get_default_group()
+        with contextlib.suppress(Exception):
+            device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+            timeout = group._get_backend(device).options._timeout
+            if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+                return timeout.total_seconds()
+        return float(dist.default_pg_timeout.total_seconds())
+
+    def abort_collectives(self, reason: str) -> Optional[str]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as exc:  # noqa: BLE001 - best effort from the watchdog's thread
+            return f"aborting the process groups failed: {exc}"
+        return "the default process group and its subgroups"
+
+    def publish_capture_failure(self, text: str) -> None:
+        store = _store()
+        if store is None:
+            return
+        self._failed_here = True
+        with contextlib.suppress(Exception):
+            store.set(_FAILED_KEY, f"rank {dist.get_rank()}: {text}")
+            store.add(_COUNT_KEY, 1)
+
+    def peer_capture_failure(self) -> Optional[str]:
+        now = time.monotonic()
+        if self._failed_here or now - self._peer_seen < _PEER_POLL:
+            return None
+        self._peer_seen = now
+        store = _store()
+        if store is None:
+            return None
+        try:
+            if store.add(_COUNT_KEY, 0) == 0:
+                return None
+            found = store.get(_FAILED_KEY).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - a store that went away: nothing to report from here
+            return None
+        if found.startswith(f"rank {dist.get_rank()}:"):
+            return None  # this rank's own failure, raised here already
+        return f"capturing CUDA graphs failed on {found}"
+
+
+def _store():
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    with contextlib.suppress(Exception):
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
+@contextlib.contextmanager
+def noting_collectives() -> Iterator[None]:
+    """While a graph captures: the ``torch.distributed`` collectives called (through the module)
+    are noted for the graph (:func:`paddle_graphpp.core.collectives.note_collective`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        yield
+        return
+    saved = {name: getattr(dist, name) for name in _NOTED if hasattr(dist, name)}
+
+    def noted(name, fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            _collectives.note_collective(f"torch.distributed.{name} ({size} ranks)")
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, noted(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def watch_replays(timeout: Optional[float], *, grace: float = 30.0) -> None:
+    """Time every graph replay of this process: one that has not completed ``timeout`` seconds
+    after its launch raises :class:`paddle_graphpp.ReplayTimeoutError` at the next graphed call;
+    ``grace`` seconds later the process groups are aborted, and ``grace`` seconds after that the
+    process exits (code :data:`paddle_graphpp.core.watchdog.EXIT_CODE`) if it is still stuck.
+
+    By default (without this call) replays are timed with the default process group's timeout
+    where a group of several ranks exists (``FLAGS_graphpp_replay_timeout`` overrides it; 0 turns
+    it off). ``timeout=None`` or ``0`` turns timing off here (a peer's failed capture is still
+    reported where several ranks exist, unless ``FLAGS_graphpp_capture_agreement=0``).
+
+    Raises:
+        ValueError: a negative or non-numeric ``timeout``, or ``grace`` not > 0.
+    """
+    if not grace > 0:
+        raise ValueError(f"watch_replays: grace must be > 0 seconds, got {grace!r}")
+    from ..runtime import active_runtime
+
+    process_for(active_runtime()).watch(0 if timeout is None else timeout, grace=grace)
