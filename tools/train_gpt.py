@@ -342,10 +342,13 @@ class Reporter:
         self.losses: list = []
         self.bar = None
         if enabled and cfg.steps >= 20:
-            from tqdm import tqdm
-
+            try:  # the progress bar is the `demo` extra's (pip install paddle_graphpp[demo])
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
             # disable=None: a bar on a terminal only, so captured logs stay one line per step
-            self.bar = tqdm(total=cfg.steps, unit="step", disable=None, file=sys.stderr)
+            if tqdm is not None:
+                self.bar = tqdm(total=cfg.steps, unit="step", disable=None, file=sys.stderr)
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         self.losses.append(loss)
