@@ -215,9 +215,9 @@ def test_expandable_model_gives_the_recorded_pool_of_a_run():
     session's histories of the same run with ordinary segments, where the pool was 5552 MiB."""
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    root = pathlib.Path(__file__).resolve().parent.parent / "tools" / "diagnostics" / "allocator-histories"
     for rank, mib in ((0, 4986.0), (1, 4366.0)):
-        got = pool_model.compare(str(root / "allocator-histories-sixth" / f"zbv-mb4-expandable-rank{rank}.json.gz"))
+        got = pool_model.compare(str(root / f"zbv-mb4-expandable-rank{rank}.json.gz"))
         assert got["run_mib"] == got["model_at_run_addresses_mib"] == got["expandable_mib"] == mib
-    before = pool_model.compare(str(root / "allocator-histories-fifth" / "zbv-mb4-block-final-rank0.json.gz"))
+    before = pool_model.compare(str(root / "zbv-mb4-block-rank0.json.gz"))
     assert before["run_mib"] == 5552.0 and before["expandable_mib"] == 4986.0

@@ -451,7 +451,7 @@ def test_zero_bubble_schedules_capture_split_positions_in_every_graphed_run(sche
 
 # ------------------------------------------------------------------- the benchmark's tools
 def test_busy_share_merges_overlapping_kernels():
-    from tools.busy import busy_share
+    from tools.diagnostics.busy import busy_share
 
     # kernels at [0, 2) and [1, 3) overlap (3 us busy), [5, 6) adds 1; the span is 6 us
     assert busy_share([(0, 2), (1, 3), (5, 6)]) == round(4 / 6, 4)
@@ -460,7 +460,7 @@ def test_busy_share_merges_overlapping_kernels():
 
 
 def test_idle_gaps_group_by_neighbours_and_say_when_a_peer_was_awaited():
-    from tools.busy import idle_gaps
+    from tools.diagnostics.busy import idle_gaps
 
     kernels = [(0, 10, "gemm"), (5, 12, "softmax"), (112, 120, "gemm"), (150, 160, "gemm"), (165, 170, "add")]
     out = idle_gaps(kernels, comm=[(100, 130)], min_us=20)
@@ -558,7 +558,8 @@ def test_merge_fills_a_schedule_a_part_ran_out_of_budget_for(tmp_path, monkeypat
 def test_merge_takes_the_seq2048_ratio_from_speed_rounds(tmp_path, monkeypatch):
     """--speed-rounds replaces the single-run ratio by the best ratio of the rounds' medians
     (kept beside it), and refuses a rounds record of another setting or a profiled one."""
-    from tools import bench_rounds, bench_zero_bubble, benchlib
+    from tools import bench_zero_bubble, benchlib
+    from tools.diagnostics import bench_rounds
 
     monkeypatch.setattr(benchlib, "RESULTS", tmp_path / "results")
     monkeypatch.delenv("OUT", raising=False)
@@ -572,7 +573,7 @@ def test_merge_takes_the_seq2048_ratio_from_speed_rounds(tmp_path, monkeypatch):
                "graphed_zbv": [run(112.0), run(111.0), run(113.0)],
                "graphed_interleaved_zb": [run(108.0), run(109.0), run(107.0)]}
     rounds = tmp_path / "rounds.json"
-    rounds.write_text(json.dumps({"command": "python tools/bench_rounds.py", "base": base,
+    rounds.write_text(json.dumps({"command": "python tools/diagnostics/bench_rounds.py", "base": base,
                                   "summary": bench_rounds.summarize(records)}))
     monkeypatch.setattr(sys, "argv", ["bench_zero_bubble.py", "--merge", str(part), "--speed-rounds", str(rounds),
                                       "--name", "zb"])
