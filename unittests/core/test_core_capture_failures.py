@@ -1,0 +1,145 @@
+"""Capture failures over the numpy framework of ``nofw.py``: what the user sees (the layer
+named, the error's type kept or a CaptureError), what is given back, and that training goes on."""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+import nofw
+from nofw import Graphed, Linear
+from paddle_graphpp.core.engine import Phase
+from paddle_graphpp.core.errors import CaptureError
+
+
+def step(layer, order="f1 b1"):
+    outs = {}
+    for tok in order.split():
+        n = int(tok[1:])
+        if tok[0] == "f":
+            outs[n] = layer(nofw.randn(2, 4, requires_grad=True))
+        else:
+            nofw.backward(outs.pop(n).sum())
+
+
+class SyncsInCapture(nofw.Module):
+    """Stands in for a host sync: its forward fails only while the (fake) stream captures."""
+
+    error = RuntimeError("operation not permitted when stream is capturing")
+
+    def __init__(self, runtime):
+        super().__init__()
+        self.lin = Linear(4, 4)
+        self.runtime = runtime
+
+    def forward(self, x):
+        if self.runtime.is_capturing():
+            raise type(self.error)(*self.error.args)
+        return self.lin(x)
+
+
+class RaisesInCapture(SyncsInCapture):
+    """User code that raises a ValueError only while the (fake) stream captures."""
+
+    error = ValueError("bad value")
+
+
+class SyncsInBackwardCapture(SyncsInCapture):
+    """Its forward captures; its backward fails while the stream captures."""
+
+    def forward(self, x):
+        def check():
+            if self.runtime.is_capturing():
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        return self.lin(nofw.on_backward(x, check))
+
+
+def test_capture_failure_names_layer_releases_memory_and_training_goes_on(any_rt):
+    rt = any_rt
+    layer = Graphed(SyncsInCapture(rt), rt, num_warmup_steps=0)
+    step(layer)  # recorded (eager: the sync only fails under capture)
+    released = rt.released
+    with pytest.raises(CaptureError, match=r"test:SyncsInCapture: capturing the forward failed.*not permitted"
+                                           r".*pass fallback='eager'") as err:
+        layer(nofw.randn(2, 4, requires_grad=True))
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert rt.released >= released + 2  # before the capture, and after the failure
+    assert rt.aborted == 1  # the broken capture was ended
+    assert layer.engine.in_flight == 0 and layer.engine.graph_count() == 0
+    assert layer.engine.phase() is Phase.WARMUP  # it warms up again
+    step(layer)  # training goes on (recorded again)
+    assert layer.engine.phase() is Phase.RECORD and layer.engine.in_flight == 0
+
+
+def test_a_failed_captures_buffers_are_freed_while_its_error_is_held(rt, monkeypatch):
+    made = []
+    allocate = rt.static_buffers
+
+    def tracked(specs):
+        buffers = allocate(specs)
+        made.extend(weakref.ref(b) for b in buffers)
+        return buffers
+
+    monkeypatch.setattr(rt, "static_buffers", tracked)
+    layer = Graphed(SyncsInCapture(rt), rt, num_warmup_steps=0)
+    step(layer)
+    with pytest.raises(CaptureError) as err:
+        layer(nofw.randn(2, 4, requires_grad=True))
+    gc.collect()
+    assert made and all(ref() is None for ref in made)  # err (and its traceback) still held
+    assert "SyncsInCapture" in str(err.value)
+
+
+def test_an_error_of_the_layers_own_code_during_capture_keeps_its_type(rt):
+    layer = Graphed(RaisesInCapture(rt), rt, num_warmup_steps=0, fallback="eager")
+    step(layer)
+    with pytest.raises(ValueError, match=r"test:RaisesInCapture: raised while capturing the forward: bad value") as err:
+        layer(nofw.randn(2, 4, requires_grad=True))
+    assert not isinstance(err.value, CaptureError) and isinstance(err.value.__cause__, ValueError)
+    assert layer.engine.in_flight == 0
+    assert layer.engine.phase() is Phase.WARMUP  # not the capture's failure: no fallback, warms up again
+
+
+def test_capture_failure_with_eager_fallback_keeps_training(rt):
+    mod = SyncsInCapture(rt)
+    layer = Graphed(mod, rt, num_warmup_steps=0, fallback="eager")
+    step(layer)  # recorded
+    x = nofw.randn(2, 4, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="test:SyncsInCapture: capturing the forward failed.*runs eagerly from now on"):
+        y = layer(x)
+    np.testing.assert_array_equal(y.array, mod.lin(x).array)
+    nofw.backward(y.sum())
+    assert layer.engine.phase() is Phase.EAGER
+    mod.zero_grad()
+    with pytest.warns(RuntimeWarning, match=r"test:SyncsInCapture: CUDA graphs are not used \(capturing the forward "
+                                            r"failed: RuntimeError"):
+        for _ in range(2):
+            step(layer)
+    assert layer.engine.replays == 0 and layer.engine.captures == 0 and layer.engine.phase() is Phase.EAGER
+    assert all(p.grad is not None for p in mod.parameters())
+
+
+def test_a_backward_capture_failure_says_so_and_drops_the_forward_graph(rt):
+    layer = Graphed(SyncsInBackwardCapture(rt), rt, num_warmup_steps=0)
+    step(layer)  # recorded
+    with pytest.raises(CaptureError, match=r"test:SyncsInBackwardCapture: capturing the backward failed"):
+        layer(nofw.randn(2, 4, requires_grad=True))
+    assert layer.engine.captures == 1  # the forward was captured, then dropped with the position
+    assert layer.engine.graph_count() == 0 and layer.engine.phase() is Phase.WARMUP
+    assert layer.engine.in_flight == 0
+    step(layer)  # training goes on
+
+
+def test_one_layers_failed_capture_leaves_the_other_layers_graphs(rt):
+    a = Graphed(Linear(4, 4), rt, num_warmup_steps=0)
+    b = Graphed(SyncsInCapture(rt), rt, num_warmup_steps=0)
+    x = nofw.randn(2, 4, requires_grad=True)
+    nofw.backward(b(a(x)).sum())  # recorded: a.f b.f b.b a.b
+    # the error is raised once the whole batch ran: a's forward and backward are captured
+    with pytest.raises(CaptureError, match="test:SyncsInCapture: capturing the forward failed"):
+        a(x)
+    assert a.engine.graph_count() == 2 and b.engine.graph_count() == 0
+    assert a.engine.in_flight == 0 and b.engine.in_flight == 0
+    nofw.backward(b(a(x)).sum())  # a replays; b (warming up again, no warmup steps) is recorded
+    assert a.engine.replays == 2 and b.engine.replays == 0 and b.engine.phase() is Phase.RECORD
