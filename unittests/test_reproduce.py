@@ -1,0 +1,60 @@
+"""benchmarks/: reproduce.py lists commands of tools that exist, and benchmarks/README.md indexes
+every record under benchmarks/results, none of them named by iteration or session."""
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+ITERATION = re.compile(r"noret|first|second|third|fourth|fifth|sixth|after-|earlier|rounds\d|20\d\d-\d\d-\d\d")
+
+
+def listed(*args) -> str:
+    done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "reproduce.py"), "--list", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_every_listed_command_runs_a_tool_that_exists():
+    lines = listed("--gpus", "4").splitlines()
+    assert len(lines) >= 10
+    for line in lines:
+        tools = re.findall(r"\btools/\S+\.py\b", line)
+        assert tools, f"no tool in {line!r}"
+        for tool in tools:
+            assert os.path.isfile(os.path.join(REPO, tool)), f"{tool} (listed in {line!r}) does not exist"
+
+
+def test_the_gpu_count_selects_the_steps():
+    one, two, four = (len(listed("--gpus", n).splitlines()) for n in ("1", "2", "4"))
+    assert 0 < one < two < four
+    assert len(listed("--only", "engine").splitlines()) == 1
+
+
+def records() -> list:
+    """Every file under benchmarks/results, as a path relative to it."""
+    found = []
+    for root, _, files in os.walk(RESULTS):
+        found += [os.path.relpath(os.path.join(root, f), RESULTS) for f in files]
+    return sorted(found)
+
+
+def test_the_index_names_every_record():
+    index = open(os.path.join(REPO, "benchmarks", "README.md"), encoding="utf-8").read()
+    assert records()
+    missing = [r for r in records() if f"`{os.path.basename(r)}`" not in index]
+    assert not missing, f"benchmarks/README.md does not name {missing}"
+
+
+def test_no_record_is_named_by_iteration():
+    named = [r for r in records() if ITERATION.search(r)]
+    assert not named, f"records named by iteration or session: {named}"
+
+
+def test_every_record_the_index_names_exists():
+    index = open(os.path.join(REPO, "benchmarks", "README.md"), encoding="utf-8").read()
+    named = set(re.findall(r"`([\w.-]+\.(?:json|png))`", index))
+    have = {os.path.basename(r) for r in records()}
+    assert named <= have, f"benchmarks/README.md names records that do not exist: {sorted(named - have)}"
