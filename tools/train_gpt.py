@@ -230,8 +230,8 @@ def validate(cfg: Config) -> None:
         )
     if cfg.schedule != "1f1b":
         if cfg.framework != "torch":
-            raise ConfigError(f"--schedule {cfg.schedule} works with --framework torch (Paddle: see the README's "
-                              f"zero-bubble section for fleet's DualPipeV)")
+            raise ConfigError(f"--schedule {cfg.schedule} works with --framework torch (Paddle: fleet's DualPipeV, "
+                              f"see docs/paddle.md)")
         if cfg.tp > 1:
             raise ConfigError(f"--schedule {cfg.schedule} with --tp is untested; use --tp 1")
         if cfg.schedule in ("zbv", "dualpipev") and cfg.vpp != 2:

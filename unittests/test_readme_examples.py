@@ -1,16 +1,19 @@
-"""The examples of the README's "Using it with your model" section run as written, on CPU.
+"""The examples of the README's "Using it with your model" section and of the guides in docs/
+run as written, on CPU.
 
 Each ``python`` block there opens with a comment holding the command that runs it (``# python
 hf_llama.py``, ``# torchrun --nproc_per_node 2 hf_pipe.py``, ``# python -m
 paddle.distributed.launch --nproc_per_node 2 llama_pipe.py``). The test writes the block to that
 file in a fresh directory and runs the command there, in its own session under a time limit
-(``tools/launch.py``): it must exit 0 and print a loss for each step. The demo trainer's fleet
-launch line in the same section is run the same way.
+(``tools/launch.py``): it must exit 0, and the README's must print a loss for each step. The demo
+trainer's fleet launch line in the same section is run the same way. In docs/*.md every
+``python`` block whose first line is such a command is run; the other blocks are illustrative.
 
 Paddle's gloo setup inside ``fleet.init`` sometimes fails on a 2-core machine before any example
 code runs (see ``unittests/workers/fleet_ranks.py``); a fleet launch in which no rank got to its
 first step is tried again, three times at most.
 """
+import glob
 import os
 import re
 import shlex
@@ -47,6 +50,29 @@ def examples() -> dict:
     return found
 
 
+COMMAND = re.compile(r"# (python|torchrun) .*\.py$")
+
+
+def doc_examples() -> list:
+    """``(page, file name, command, code)`` of every runnable ``python`` block in docs/*.md: one
+    whose first line is ``# python FILE.py``, ``# torchrun ... FILE.py`` or ``# python -m
+    paddle.distributed.launch ... FILE.py``."""
+    found = []
+    for page in sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))):
+        text = open(page, encoding="utf-8").read()
+        names = set()
+        for code in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+            first = code.splitlines()[0]
+            if not COMMAND.match(first):
+                continue
+            command = first[2:].strip()
+            name = command.split()[-1]
+            assert name not in names, f"{page}: two examples named {name}"
+            names.add(name)
+            found.append((os.path.basename(page), name, command, code))
+    return found
+
+
 def test_the_section_holds_every_route_and_the_demo_launch_line():
     assert set(examples()) == EXPECTED
     assert f"`{DEMO}`" in section()
@@ -74,7 +100,7 @@ def outputs(cwd, end) -> str:
     return end.stdout + end.stderr + logs
 
 
-def run(command: str, cwd, timeout: float, steps, loss_line: str) -> str:
+def run(command: str, cwd, timeout: float, steps=(), loss_line: str = "") -> str:
     """Run ``command`` in ``cwd``; it must exit 0 and print ``loss_line`` (a regex with a
     ``{step}`` field) for each of ``steps``. Returns what it printed."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PADDLE_TRAINER_ID")}
@@ -87,7 +113,7 @@ def run(command: str, cwd, timeout: float, steps, loss_line: str) -> str:
                 os.remove(os.path.join(log_dir, name))
         end = launch.run(argv(command), env=env, cwd=str(cwd), timeout=timeout)
         text = outputs(cwd, end)
-        started = re.search(loss_line.format(step=steps[0]), text, flags=re.M)
+        started = bool(steps) and re.search(loss_line.format(step=steps[0]), text, flags=re.M)
         if end.returncode == 0 or started or not fleet:
             break
     assert end.returncode == 0 and not end.timed_out, f"{command} failed (code {end.returncode}):\n{text[-6000:]}"
@@ -117,3 +143,19 @@ def test_demo_runs_under_the_fleet_launcher(tmp_path):
     pytest.importorskip("paddle")
     command = DEMO.replace("tools/train_gpt.py", os.path.join(REPO, "tools", "train_gpt.py"))
     run(command, tmp_path, timeout=300, steps=range(1, 9), loss_line=r"^step {step}/8 loss")
+
+
+def test_the_docs_hold_runnable_examples():
+    assert len(doc_examples()) >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("page,name,command,code", doc_examples(), ids=[f"{p}:{n}" for p, n, _, _ in doc_examples()])
+def test_doc_example_runs_as_written(page, name, command, code, tmp_path):
+    for module, needed in (("paddleformers", "paddleformers"), ("transformers", "transformers"),
+                           ("paddle", r"^\s*(import|from) paddle\b"), ("torch", r"^\s*(import|from) torch\b")):
+        if re.search(needed, code, flags=re.M):
+            pytest.importorskip(module)
+    (tmp_path / name).write_text(code)
+    run(command, tmp_path, timeout=300)
