@@ -637,6 +637,26 @@ def test_a_chained_layer_given_another_tensor_runs_eagerly_and_writes_no_graph_m
     assert b.engine.replays == replays + 2
 
 
+def test_a_layer_after_one_whose_capture_failed_is_captured_and_replays(rt):
+    a = Graphed(SyncsInCapture(rt), rt, num_warmup_steps=0)
+    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
+    x = torch.randn(2, 4, requires_grad=True)
+    b(a(x)).sum().backward()  # recorded: b reads a's output
+    with pytest.raises(CaptureError, match="test:SyncsInCapture"):
+        b(a(x)).sum().backward()
+    # b was captured with an input buffer of its own (a's output was never captured) and
+    # replays; a warms up again and fails each time it is captured
+    for _ in range(3):
+        try:
+            y = b(a(x))
+        except CaptureError:
+            continue
+        y.sum().backward()
+    assert b.engine.replays > 0 and a.engine.replays == 0
+    pb = _positions(b)[0]
+    assert pb.static_inputs[0] is not None
+
+
 def test_accumulate_grads_auto_steps_aside_for_megatron_style_accumulator_hooks(rt):
     """Megatron-Core's DDP hooks each parameter's gradient accumulator node and adds .grad into
     the parameter's main_grad there: every micro-batch's gradient must reach that hook."""

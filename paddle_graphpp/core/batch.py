@@ -124,6 +124,10 @@ class CaptureBatch:
             return tensor if tensor is not None else self.runtime.static_buffers([spec])[0]
         return self.buffers[slot]
 
+    def is_linked(self, slot: Any) -> bool:
+        """Whether the static tensor of ``slot`` is another captured graph's tensor (read in place)."""
+        return isinstance(slot, Link) and slot in self.produced
+
     def dies_in_episode(self, participant: Any, key: Hashable, position: int, index: int) -> bool:
         """The recorded output gives its memory back (it was found dead before a graph captured
         after it)."""

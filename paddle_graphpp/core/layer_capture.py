@@ -58,8 +58,10 @@ class LayerCapture:
         static_inputs = tuple(batch.static_for(slot, spec) for slot, spec in zip(rec.input_slots, sig.shape.specs))
         with self.caps.mode_context(mode):
             live = self.capture_forward(sig, static_inputs, rec.outputs)
+        # Inputs read in place from another graph's output; one whose producer was not captured got
+        # a buffer of its own and is copied into at replay like any other.
         linked = tuple((i, rt.alias_key(t)) for i, (slot, t) in enumerate(zip(rec.input_slots, static_inputs))
-                       if not isinstance(slot, int))
+                       if batch.is_linked(slot))
         statics, owned = list(live.static_outputs), [None] * len(live.static_outputs)
         release = self.caps.release
         for index, t in enumerate(statics):
