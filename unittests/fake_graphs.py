@@ -20,6 +20,9 @@ class FakeGraphs:
         self.pools = itertools.count()
         self.released = 0
         self.aborted = 0  # captures whose body raised (capture_to_graph ended them)
+        # As PyTorch's allocators do after a capture the driver invalidated (a RuntimeError in
+        # its body): the pool stays marked as recording, and a later capture into it fails.
+        self.poisoned: list = []
 
     def graphs_unavailable_reason(self, tensors):
         return None
@@ -32,12 +35,16 @@ class FakeGraphs:
 
     @contextlib.contextmanager
     def capture_to_graph(self, graph, pool=None, stream=None, generators=()):
+        if pool is not None and pool in self.poisoned:
+            raise RuntimeError(f"beginAllocateToPool: already recording to mempool_id {pool}")
         self.capturing = True
         try:
             with self.capture_checks():
                 yield graph
-        except BaseException:
+        except BaseException as exc:
             self.aborted += 1
+            if pool is not None and isinstance(exc, RuntimeError):
+                self.poisoned.append(pool)
             raise
         finally:
             self.capturing = False

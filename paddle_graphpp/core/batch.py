@@ -40,7 +40,9 @@ class CaptureParticipant(Protocol):
 
     def forward(self, key: Any, position: int, batch: "CaptureBatch") -> Optional[Any]:
         """Capture the forward of recorded ``position``; its live autograd graph, or ``None``
-        when the position cannot be captured now (it is recorded again when it next runs)."""
+        when the position cannot be captured now (it is recorded again when it next runs).
+        The live state (and an input half's) names its pool as ``generation``, and a failure
+        of capture (not of the layer's own code) the pool it failed in the same way."""
 
     def backward(self, key: Any, position: int, live: Any, batch: "CaptureBatch") -> None:
         """Capture its whole backward from ``live``, completing the position."""
@@ -271,12 +273,29 @@ class CaptureBatch:
         for other in [s for s in self.live if s[:2] == (id(participant), key)]:
             del self.live[other]
             self._complete(other)
+        self._abandon_pool(getattr(exc, "generation", None))
         for other in [s for s in self.pending if s[:2] == (id(participant), key)]:
             self._complete(other)  # its positions not captured yet will not be
         error = participant.failed(key, exc)
         exc = None  # the traceback's frames hold the failed capture's tensors
         if error is not None:
             self.errors.append(error)
+
+    def _abandon_pool(self, generation: Any) -> None:
+        """A capture into pool ``generation`` failed: the pool takes no further capture (a capture
+        that failed can leave the framework's allocator recording into it, so that the next
+        capture into it fails as well). The positions whose forward was captured into it and
+        whose backward was not are dropped: they are recorded again when they next run, and
+        captured into a new pool. Graphs captured later in this batch read their own buffers
+        instead of those positions' outputs."""
+        if generation is None:
+            return
+        dropped = {s for s, state in self.live.items() if getattr(state, "generation", None) is generation}
+        for slot in dropped:
+            del self.live[slot]
+            self._complete(slot)
+        for link in [link for link in self.produced if (link.layer, link.key, link.position) in dropped]:
+            del self.produced[link]
 
     # ------------------------------------------------------ reading and release
     def _note_readers(self, complete: set) -> None:

@@ -137,6 +137,10 @@ class InputHalf:
     weight_state: Any  # the runtime's backward_input state: what the weight half needs
     param_used: tuple = ()  # per parameter: did the input half write its gradient (see Position)
 
+    @property
+    def generation(self) -> Any:
+        return self.live.generation
+
 
 class Signature:
     """One input signature of a layer: its phase, parameters and captured positions."""

@@ -234,6 +234,67 @@ def _out_of_memory_during_capture(fallback, after_activations):
     assert graphed.engine.replays == (0 if fallback == "eager" else 4)
 
 
+# ------------------------------------------------- a host sync in one layer among graphed ones
+class _SyncsOnTheHost(torch.nn.Module):
+    """Its capture fails: ``.item()`` waits for the host, which an invalidated capture cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+        self.syncs = True
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * float(y.sum().item() > -1e30) if self.syncs else y
+
+
+@pytest.mark.parametrize("fallback", ["error", "eager"])
+def test_a_capture_invalidated_between_other_layers_captures_leaves_them_training(fallback, recwarn):
+    # The blocks' forwards are captured into a pool before the failing layer's capture; the
+    # driver invalidates that capture, after which the allocator takes no further capture into
+    # that pool. The blocks' positions are dropped with the pool and captured into a new one.
+    from paddle_graphpp.torch import graph_layers
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU())
+                                 for _ in range(3)).to(DEV)
+    plain = copy.deepcopy(blocks)
+    graph_layers(blocks, num_warmup_steps=1)
+    failing = CUDAGraphedModule(_SyncsOnTheHost().to(DEV), num_warmup_steps=1, name="syncs", fallback=fallback)
+    errors = 0
+    for _ in range(8):
+        x = torch.randn(8, 32, device=DEV, requires_grad=True)
+        try:
+            h = x
+            for block in blocks:
+                h = block(h)
+            y = failing(h)
+        except CaptureError as exc:
+            assert "syncs: capturing the forward failed" in str(exc)
+            errors += 1
+            continue
+        with torch.no_grad():
+            expected = plain[2](plain[1](plain[0](x)))
+        torch.testing.assert_close(h, expected, rtol=1e-6, atol=1e-6)  # the parameters do not change
+        y.square().mean().backward()
+    assert not [w for w in recwarn if "already recording" in str(w.message)]
+    if fallback == "eager":
+        assert errors == 0 and all(b.engine.replays > 0 for b in blocks), [b.engine.replays for b in blocks]
+        return
+    # It fails at each capture, and the blocks are recorded and captured again with it. Once
+    # the sync is gone, every layer is captured and replays (and no recording is left over for
+    # the next test's first graphed call to capture).
+    assert errors >= 1
+    failing.module.syncs = False
+    for _ in range(4):  # at most: warmup, recorded, captured and replayed, replayed
+        x = torch.randn(8, 32, device=DEV, requires_grad=True)
+        h = x
+        for block in blocks:
+            h = block(h)
+        failing(h).square().mean().backward()
+    assert failing.engine.replays > 0 and all(b.engine.replays > 0 for b in blocks)
+
+
 # ------------------------------------------------------------ ranks agree on a failed capture
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
 @pytest.mark.timeout(200)
