@@ -45,8 +45,7 @@ def test_graphed_stages_stay_equal_to_eager_through_a_new_signature_and_a_failed
     sequences from step 4 on (new stages and schedule around the same graphed modules: a second
     signature is captured beside the first), or a layer whose capture fails on rank 1 under
     fallback='eager' (that run goes on eagerly, the rest replays). Losses and every parameter
-    gradient of every step as the plain stages'. 4 passed on 2 H200s
-    (benchmarks/results/gpu-tests-h200x4-2026-11-26-second.json)."""
+    gradient of every step as the plain stages' (benchmarks/results/gpu-tests-h200x4.json)."""
     from tools.engine_parity import TOLERANCE, rel
     from unittests.pipeline_ranks import graphed_against_eager, run_pipeline_ranks
 
