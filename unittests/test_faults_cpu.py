@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from tools import fault_checks
+from unittests import fault_checks
 
 
 @pytest.fixture(autouse=True)

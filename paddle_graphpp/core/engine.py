@@ -77,7 +77,7 @@ from .state import LayerStateCheck
 from .tree import flatten
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine",
-           "node_forward", "node_backward", "reset_graphs"]
+           "HoldsEngine", "node_forward", "node_backward", "reset_graphs"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -491,6 +491,24 @@ def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], 
     """The engine behind a framework's graphed layer class (``kind`` names that class)."""
     return GraphedCallable(wrapped, runtime, trainable, name=name or f"{kind}({type(wrapped).__name__})",
                            options=EngineOptions(**options))
+
+
+class HoldsEngine:
+    """Mixed into a framework's graphed layer class (before the framework's module class): the
+    engine it calls, ``engine``, and ``reset_graphs()``. The class sets ``_engine``."""
+
+    _engine: GraphedCallable
+
+    def reset_graphs(self) -> None:
+        """Forget this layer's graphs; they are captured anew after warmup, against the
+        parameters and buffers it has now (see :func:`paddle_graphpp.reset_graphs`, which resets
+        every graphed layer of a model at once)."""
+        self._engine.reset()
+
+    @property
+    def engine(self) -> GraphedCallable:
+        """The engine: ``replays``, ``captures``, ``in_flight`` and ``graph_count()`` for inspection."""
+        return self._engine
 
 
 def reset_graphs(model: Any) -> int:

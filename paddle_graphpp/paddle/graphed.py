@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import paddle
 
-from ..core.engine import GraphedCallable, graphed_engine, graphed_layer_doc
+from ..core.engine import HoldsEngine, graphed_engine, graphed_layer_doc
 from .runtime import RUNTIME
 from .compile import StaticLayer, opaque, to_static_options
 
@@ -35,7 +35,7 @@ _TO_STATIC_DOC = """        to_static: ``True`` or a dict of ``paddle.jit.to_sta
 
 
 @opaque  # paddle.jit.to_static (SOT) around a model calls its graphed layers as they are (see .to_static)
-class CUDAGraphedLayer(paddle.nn.Layer):
+class CUDAGraphedLayer(HoldsEngine, paddle.nn.Layer):
     __doc__ = graphed_layer_doc(arg="layer", base="paddle.nn.Layer", no_grad="paddle.no_grad()",
                                 accumulate_grads=False, generators=False, extra_args=_TO_STATIC_DOC).rstrip() + """
     .. warning:: ``paddle.jit.to_static`` of a model holding graphed layers: SOT (the default,
@@ -61,14 +61,3 @@ class CUDAGraphedLayer(paddle.nn.Layer):
 
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)
-
-    def reset_graphs(self) -> None:
-        """Forget this layer's graphs; they are captured anew after warmup, against the
-        parameters and buffers it has now (see :func:`paddle_graphpp.reset_graphs`, which resets
-        every graphed layer of a model at once)."""
-        self._engine.reset()
-
-    @property
-    def engine(self) -> GraphedCallable:
-        """The engine: ``replays``, ``captures``, ``in_flight`` and ``graph_count()`` for inspection."""
-        return self._engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.engine import GraphedCallable, graphed_engine, graphed_layer_doc
+from ..core.engine import HoldsEngine, graphed_engine, graphed_layer_doc
 from .compile import CompiledModule, compile_options, opaque, refuse_inner_graphs
 from .runtime import RUNTIME, _registered_generators
 
@@ -20,7 +20,7 @@ _COMPILE_DOC = """        compile: ``True`` or a dict of ``torch.compile`` keywo
 """
 
 
-class CUDAGraphedModule(torch.nn.Module):
+class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
     __doc__ = graphed_layer_doc(arg="module", base="torch.nn.Module", no_grad="torch.no_grad()",
                                 accumulate_grads=True, generators=True, extra_args=_COMPILE_DOC)
 
@@ -52,14 +52,3 @@ class CUDAGraphedModule(torch.nn.Module):
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)
-
-    def reset_graphs(self) -> None:
-        """Forget this layer's graphs; they are captured anew after warmup, against the
-        parameters and buffers it has now (see :func:`paddle_graphpp.reset_graphs`, which resets
-        every graphed layer of a model at once)."""
-        self._engine.reset()
-
-    @property
-    def engine(self) -> GraphedCallable:
-        """The engine: ``replays``, ``captures``, ``in_flight`` and ``graph_count()`` for inspection."""
-        return self._engine

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires 
 import paddle_graphpp  # noqa: E402
 from paddle_graphpp.core.errors import CaptureError, StateReplacedError  # noqa: E402
 from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
-from tools import fault_checks  # noqa: E402
+from unittests import fault_checks  # noqa: E402
 
 DEV = "cuda"
 
