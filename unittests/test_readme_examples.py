@@ -159,3 +159,9 @@ def test_doc_example_runs_as_written(page, name, command, code, tmp_path):
             pytest.importorskip(module)
     (tmp_path / name).write_text(code)
     run(command, tmp_path, timeout=300)
+
+
+def test_the_readme_is_a_front_door_of_at_most_300_lines():
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move detail into docs/"
