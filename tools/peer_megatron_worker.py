@@ -1,9 +1,12 @@
-"""One variant of ``tools/bench_peer_megatron.py`` on one pipeline rank: Megatron-Core's GPTModel
-(local layer spec, no TransformerEngine) trained through Megatron's own schedule.
+"""One variant of ``tools/bench_peer_megatron.py`` on one rank: Megatron-Core's GPTModel (local
+layer spec, no TransformerEngine) trained through Megatron's own schedule, ``--tp`` ranks per
+pipeline stage (tensor parallel) and ``--pp`` stages.
 
-Started by the benchmark, one process per rank (``RANK``/``WORLD_SIZE``/``MASTER_PORT`` from
-``tools.launch.rank_envs``); prints ONE JSON line as its last output: this rank's figures, or
-``{"error": ..., "traceback": ...}`` with exit status 1.
+Started by the benchmark, ``tp * pp`` processes, one per rank (``RANK``/``WORLD_SIZE``/``MASTER_PORT``
+from ``tools.launch.rank_envs``); Megatron's default rank order puts a stage's tensor-parallel
+ranks next to each other (ranks 0..tp-1 are the first stage). Every rank makes the same
+micro-batches, so the ranks of a tensor-parallel group feed the same data. Prints ONE JSON line as
+its last output: this rank's figures, or ``{"error": ..., "traceback": ...}`` with exit status 1.
 
 Variants (all train the same math: bf16 parameters, bf16 gradients accumulated over the
 micro-batches, plain ``torch.optim.AdamW`` on the bf16 parameters, dropout 0.1 drawn through
@@ -18,6 +21,8 @@ Megatron's graph-safe RNG tracker):
 
 The tied embedding of a pipeline's first and last stage is summed by
 ``finalize_model_grads`` (Megatron's DDP) or by Megatron's embedding all-reduce on ``.grad``.
+Under tensor parallelism without sequence parallelism nothing else needs summing: each TP rank
+owns its shard's gradients, and the replicated layer norms get equal gradients on every rank.
 
 Steps: ``CAPTURE_STEPS`` steps (warmup, recording, capture), then ``rounds`` timed rounds of
 ``STEPS_PER_ROUND`` steps, each between two device synchronisations. Memory: the peak of
@@ -52,10 +57,11 @@ MICRO_BATCHES = 8
 MICRO_BATCH_SIZE = 1
 SEED = 1234
 LR = 3e-4
-#: GPT-3 1.3B (the default) and the tiny shape of the CPU check.
+#: GPT-3 1.3B (the default) and the tiny shape of the CPU check. Layers split evenly over up to 4
+#: pipeline stages and heads over 2 tensor-parallel ranks in both.
 SHAPES = {
     "gpt1.3b": dict(hidden=2048, layers=24, heads=16, vocab=50304),
-    "tiny": dict(hidden=64, layers=2, heads=4, vocab=128),
+    "tiny": dict(hidden=64, layers=4, heads=4, vocab=128),
 }
 DROPOUT = 0.1
 
@@ -64,7 +70,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", choices=VARIANTS, required=True)
     p.add_argument("--seq", type=int, required=True)
-    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per pipeline stage")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--profile", action="store_true", help="profile one steady step (torch.profiler and cProfile)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -94,8 +101,9 @@ def init_distributed(opts, rank: int):
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != opts.pp:
-        raise ValueError(f"started with {world} processes but --pp {opts.pp}")
+    if world != opts.tp * opts.pp:
+        raise ValueError(f"started with WORLD_SIZE={world} processes, but --tp {opts.tp} x --pp {opts.pp} needs "
+                         f"{opts.tp * opts.pp}: start one process per rank (tools/bench_peer_megatron.py does)")
     if opts.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", str(rank)))
         if torch.cuda.device_count() <= local:
@@ -122,18 +130,21 @@ def build(opts, rank: int):
 
     from paddle_graphpp.support import require
     require("megatron-core")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=opts.pp)
+    shape = SHAPES["tiny" if opts.device == "cpu" else "gpt1.3b"]
+    check_shape(shape, tp=opts.tp, pp=opts.pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    # As megatron.training seeds: per pipeline stage; the graph-safe tracker in every variant,
-    # so all of them draw the same dropout masks.
+    # As megatron.training seeds: per pipeline stage (Megatron's tracker adds the TP rank for the
+    # sharded weights' and dropout's stream); the graph-safe tracker in every variant, so all of
+    # them draw the same dropout masks.
     tensor_parallel.model_parallel_cuda_manual_seed(SEED + 100 * pp_rank, use_cudagraphable_rng=opts.device == "cuda")
     torch.manual_seed(SEED + 100 * pp_rank)
-    shape = SHAPES["tiny" if opts.device == "cpu" else "gpt1.3b"]
     config = TransformerConfig(
         num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
         ffn_hidden_size=4 * shape["hidden"], hidden_dropout=DROPOUT, attention_dropout=DROPOUT,
         bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        pipeline_model_parallel_size=opts.pp, use_cpu_initialization=opts.device == "cpu",
+        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
+        use_cpu_initialization=opts.device == "cpu",
         # on CPU (a check of this script) the megatron variant keeps its DDP and main_grad path, without graphs
         cuda_graph_impl="local" if opts.variant == "megatron" and opts.device == "cuda" else "none",
         batch_p2p_comm=opts.device == "cuda",  # gloo has no coalesced p2p
@@ -162,6 +173,14 @@ def build(opts, rank: int):
             layers[i] = CUDAGraphedModule(layer)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, gpt, config, optimizer, shape
+
+
+def check_shape(shape: dict, *, tp: int, pp: int) -> None:
+    """The model splits evenly: layers over the stages, heads and vocabulary over the TP ranks."""
+    for what, n, by, flag in (("layers", shape["layers"], pp, "--pp"), ("heads", shape["heads"], tp, "--tp"),
+                              ("vocab", shape["vocab"], tp, "--tp")):
+        if n % by:
+            raise ValueError(f"{what} {n} do not split over {flag} {by}: choose a {flag} that divides {n}")
 
 
 def _tied_grads_finalizer(gpt):
@@ -275,7 +294,9 @@ def run(opts, rank: int) -> dict:
     tokens_per_round = STEPS_PER_ROUND * MICRO_BATCHES * MICRO_BATCH_SIZE * opts.seq
     tps = [tokens_per_round / s for s in round_s]
     record = {
-        "rank": rank, "variant": opts.variant, "seq": opts.seq, "pp": opts.pp, "device": opts.device,
+        "rank": rank, "variant": opts.variant, "seq": opts.seq, "tp": opts.tp, "pp": opts.pp,
+        "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "device": opts.device,
         "shape": shape, "micro_batches": MICRO_BATCHES, "micro_batch_size": MICRO_BATCH_SIZE,
         "capture_steps": CAPTURE_STEPS, "steps_per_round": STEPS_PER_ROUND, "rounds": opts.rounds,
         "tokens_per_s": statistics.median(tps), "tokens_per_s_rounds": tps,
@@ -286,7 +307,7 @@ def run(opts, rank: int) -> dict:
     }
     if opts.profile:
         record["profile"] = profile_step(lambda: step(i), sync, layer_calls=len(gpt.decoder.layers) * MICRO_BATCHES)
-    if opts.pp > 1:
+    if opts.tp * opts.pp > 1:
         import torch.distributed as dist
 
         dist.barrier()
@@ -384,6 +405,8 @@ def _cpu_adjustments() -> None:
     generator states. Nothing here runs on a GPU."""
     import torch
     from torch.overrides import TorchFunctionMode
+
+    torch.set_num_threads(1)  # every rank on the same few cores: more threads each only contend
 
     def cpu(dev):
         if isinstance(dev, int) or (isinstance(dev, str) and dev.startswith("cuda")) or \
