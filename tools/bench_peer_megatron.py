@@ -3,14 +3,18 @@
 
     python tools/bench_peer_megatron.py --pp 1            # one GPU, ~6 minutes
     python tools/bench_peer_megatron.py --pp 2            # two GPUs, ~8 minutes
+    python tools/bench_peer_megatron.py --pp 4            # four GPUs, ~9 minutes
+    python tools/bench_peer_megatron.py --tp 2 --pp 2     # four GPUs: 2-way tensor parallel per stage
     python tools/bench_peer_megatron.py --pp 1 --profile  # + where CPU time per layer call goes
-    python tools/bench_peer_megatron.py --dry-run         # print the runs
+    python tools/bench_peer_megatron.py --dry-run         # print the runs and the record's name
 
 Model: Megatron-Core 0.19.2's ``GPTModel`` with ``get_gpt_layer_local_spec()`` (no
 TransformerEngine) in the GPT-3 1.3B shape (hidden 2048, 24 layers, 16 heads, vocab 50304),
 bf16, dropout 0.1, micro-batch 1, 8 micro-batches, trained through
-``get_forward_backward_func()`` (1F1B at ``--pp 2``, no pipelining at ``--pp 1``) with
-``torch.optim.AdamW`` at sequence lengths 512 and 2048. Variants, each in its own processes
+``get_forward_backward_func()`` (1F1B at ``--pp`` 2 and 4, no pipelining at ``--pp 1``) with
+``torch.optim.AdamW`` at sequence lengths 512 and 2048, on ``--tp`` x ``--pp`` GPUs (Megatron's
+tensor parallelism within a stage at ``--tp 2``, no sequence parallelism; no data parallelism).
+Variants, each in its own processes
 (``tools/peer_megatron_worker.py``; what each one wraps is described there):
 
 * ``eager``; ``eager_repeat`` (a second eager run: the spread of the losses between two
@@ -22,10 +26,12 @@ bf16, dropout 0.1, micro-batch 1, 8 micro-batches, trained through
 
 Per variant and rank: tokens/s (median of timed rounds after the capture steps, with the
 spread), peak reserved memory over the capture steps and the steady peak after them, losses
-per step against eager's (max abs difference), graph count and capture time. A variant that
-fails keeps its exact error in the record; the others go on. Writes
-``benchmarks/results/peer-megatron[-pp1]-<device>.json``; its ``summary`` holds ours over
-Megatron's graphs for speed at each sequence length and memory (max over ranks).
+per step against eager's (max abs difference, on the last stage), graph count and capture time.
+A variant that fails keeps its exact error in the record; the others go on. Writes
+``benchmarks/results/peer-megatron-pp<P>-<device>.json`` (``peer-megatron-tp<T>pp<P>-<device>.json``
+at ``--tp 2``); its ``summary`` holds ours over Megatron's graphs for speed at each sequence
+length and memory (max over ranks), and ours over eager's peak memory per rank (the whole run,
+capture steps included) at the longest sequence.
 Needs ``megatron-core`` (``python -m pip install --no-deps .wheels/megatron_core-*.whl``).
 """
 
@@ -46,12 +52,21 @@ WORKER = os.path.join(REPO, "tools", "peer_megatron_worker.py")
 SEQS = (512, 2048)
 CPU_SEQ = 32
 MAIN = ("eager", "megatron", "ours")
-BUDGET_S = {1: 360.0, 2: 480.0}
-RUN_CAP_S = 170.0  # one variant's processes: start, build, capture, timed rounds
+TP_CHOICES = (1, 2)
+PP_CHOICES = (1, 2, 4)
+# By ranks per run (tp * pp). At 4 ranks the six main runs need about 60 s each (start, build,
+# capture, timed rounds); the budget keeps the whole benchmark within a 10-minute GPU session.
+BUDGET_S = {1: 360.0, 2: 480.0, 4: 540.0, 8: 540.0}
+RUN_CAP_S = {1: 170.0, 2: 170.0, 4: 200.0, 8: 200.0}  # one variant's processes: start, build, capture, rounds
 MIN_RUN_S = 40.0  # below this much budget left, a run is skipped
 
 
-def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str) -> list[dict]:
+def record_name(tp: int, pp: int) -> str:
+    """The record's name without its device: ``peer-megatron-pp2``, ``peer-megatron-tp2pp2``."""
+    return f"peer-megatron-pp{pp}" if tp == 1 else f"peer-megatron-tp{tp}pp{pp}"
+
+
+def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1) -> list[dict]:
     """The runs in order: every sequence length's main variants first, then the eager repeats
     (a budget that runs out drops those first). Profiling rides on the shortest sequence's
     graphed runs."""
@@ -59,26 +74,26 @@ def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str) -> list[dict
     for seq in seqs:
         for variant in MAIN:
             prof = profile and seq == min(seqs) and variant in ("megatron", "ours")
-            runs.append(_run(variant, seq, pp, rounds, prof, device))
+            runs.append(_run(variant, seq, tp, pp, rounds, prof, device))
     for seq in seqs:
-        runs.append(_run("eager_repeat", seq, pp, rounds, False, device))
+        runs.append(_run("eager_repeat", seq, tp, pp, rounds, False, device))
     return runs
 
 
-def _run(variant, seq, pp, rounds, profile, device) -> dict:
-    args = ["--variant", variant, "--seq", str(seq), "--pp", str(pp), "--rounds", str(rounds)]
+def _run(variant, seq, tp, pp, rounds, profile, device) -> dict:
+    args = ["--variant", variant, "--seq", str(seq), "--tp", str(tp), "--pp", str(pp), "--rounds", str(rounds)]
     args += ["--profile"] if profile else []
     args += ["--device", "cpu"] if device == "cpu" else []
     return {"label": f"{variant}@seq{seq}", "variant": variant, "seq": seq, "args": args}
 
 
-def run_variant(run: dict, pp: int, timeout: float) -> dict:
-    """One variant on ``pp`` ranks; per-rank records (the worker's JSON line, or the failure)."""
+def run_variant(run: dict, world: int, timeout: float) -> dict:
+    """One variant on ``world`` (tp * pp) ranks; per-rank records (the worker's JSON line, or the failure)."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
     cmd = [sys.executable, WORKER, *run["args"]]
-    ends = launch.run_ranks([cmd] * pp, envs=launch.rank_envs(pp, base=env), cwd=REPO, timeout=timeout)
+    ends = launch.run_ranks([cmd] * world, envs=launch.rank_envs(world, base=env), cwd=REPO, timeout=timeout)
     record = {"command": "python tools/peer_megatron_worker.py " + " ".join(run["args"]),
               "seconds": round(max(e.seconds for e in ends), 1), "per_rank": []}
     for rank, end in enumerate(ends):
@@ -111,7 +126,7 @@ def summarize(records: dict, seqs) -> dict:
                 rows[variant] = {"error": rec["error"]}
                 continue
             ranks = rec["per_rank"]
-            timing = ranks[-1]  # the last stage: every rank times the same steps
+            timing = ranks[-1]  # a rank of the last stage: every rank times the same steps
             row = {
                 "tokens_per_s": timing["tokens_per_s"], "tokens_per_s_rounds": timing["tokens_per_s_rounds"],
                 "tokens_per_s_spread": timing["tokens_per_s_spread"],
@@ -144,8 +159,10 @@ def _max(values):
     return max(values) if values else None
 
 
-def headline(by_seq: dict) -> dict:
-    """Ours over Megatron's graphs: speed per sequence length; memory at the longest one."""
+def headline(by_seq: dict, *, world: int = 1) -> dict:
+    """Ours over Megatron's graphs: speed per sequence length; memory at the longest one. Ours
+    over eager's peak memory per rank (``world`` entries, None where unmeasured): the peak of the
+    whole run, capture steps included, at the longest sequence."""
     def ratio(seq, key):
         rows = by_seq.get(f"seq{seq}", {})
         a, b = rows.get("ours", {}).get(key), rows.get("megatron", {}).get(key)
@@ -154,11 +171,23 @@ def headline(by_seq: dict) -> dict:
     ran = [k for k, rows in by_seq.items()
            if "tokens_per_s" in rows.get("megatron", {}) and sum(rows["megatron"].get("graphs_per_rank") or [0]) > 0]
     longest = max(SEQS)
+    rows = by_seq.get(f"seq{longest}", {})
+    ours, eager = _run_peaks(rows.get("ours", {}), world), _run_peaks(rows.get("eager", {}), world)
     return {"ours_vs_megatron_speed_seq512": ratio(512, "tokens_per_s"),
             "ours_vs_megatron_speed_seq2048": ratio(2048, "tokens_per_s"),
             "ours_vs_megatron_peak_mem": ratio(longest, "peak_reserved_mib"),
             "ours_vs_megatron_steady_mem": ratio(longest, "steady_reserved_mib"),
+            "ours_peak_vs_eager_per_rank": [round(a / b, 4) if a and b else None for a, b in zip(ours, eager)],
             "megatron_graphs_ran": bool(ran)}
+
+
+def _run_peaks(row: dict, world: int) -> list:
+    """Per rank, the peak reserved MiB of the whole run: the capture steps' peak or the steady
+    one after them (the worker resets the peak between the two); None where not measured."""
+    peak = row.get("peak_reserved_mib_per_rank") or [None] * world
+    steady = row.get("steady_reserved_mib_per_rank") or [None] * world
+    out = [_max((p, s)) for p, s in zip(peak, steady)]
+    return out + [None] * (world - len(out))
 
 
 def print_table(by_seq: dict) -> None:
@@ -180,11 +209,13 @@ def print_table(by_seq: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pp", type=int, choices=[1, 2], default=2, help="pipeline stages = GPUs")
+    parser.add_argument("--tp", type=int, choices=TP_CHOICES, default=1,
+                        help="tensor-parallel GPUs per pipeline stage (GPUs = tp * pp)")
+    parser.add_argument("--pp", type=int, choices=PP_CHOICES, default=2, help="pipeline stages")
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)), help="comma-separated sequence lengths")
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds per variant (3 steps each)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for all runs (default 360 at --pp 1, 480 at --pp 2)")
+                        help="seconds for all runs (default 360 on 1 GPU, 480 on 2, 540 on 4)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one steady step of Megatron's graphs and ours at the shortest sequence")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
@@ -192,19 +223,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (a spread needs two rounds)")
+    world = args.tp * args.pp
     seqs = (CPU_SEQ,) if args.device == "cpu" else tuple(int(s) for s in args.seqs.split(",") if s)
-    runs = plan(args.pp, seqs, rounds=args.rounds, profile=args.profile, device=args.device)
-    budget = args.budget if args.budget is not None else BUDGET_S[args.pp]
+    runs = plan(args.pp, seqs, rounds=args.rounds, profile=args.profile, device=args.device, tp=args.tp)
+    budget = args.budget if args.budget is not None else BUDGET_S[world]
+    run_cap = RUN_CAP_S[world]
+    name = record_name(args.tp, args.pp)
     if args.dry_run:
-        print(f"# budget {budget:.0f}s, {args.pp} rank(s) per run, each run in its own processes")
+        print(f"# budget {budget:.0f}s, {world} rank(s) per run (--tp {args.tp} x --pp {args.pp}), each run in its "
+              f"own processes, at most {run_cap:.0f}s each")
+        print(f"# writes benchmarks/results/{name}-<device>.json")
         for r in runs:
             print(r["label"], "python tools/peer_megatron_worker.py", *r["args"])
         return 0
     if args.device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < args.pp:
-            print(f"bench_peer_megatron: --pp {args.pp} needs {args.pp} GPU(s), found {torch.cuda.device_count()}",
+        if torch.cuda.device_count() < world:
+            print(f"bench_peer_megatron: --tp {args.tp} x --pp {args.pp} needs {world} GPUs, found "
+                  f"{torch.cuda.device_count()}; run it on a machine with {world} GPUs or lower --tp/--pp",
                   file=sys.stderr)
             return 2
     deadline = time.monotonic() + budget
@@ -216,19 +253,19 @@ def main(argv=None) -> int:
             print(f"[{i}/{len(runs)}] {run['label']}: skipped (budget)", flush=True)
             continue
         print(f"[{i}/{len(runs)}] {run['label']} ...", flush=True)
-        records[run["label"]] = rec = run_variant(run, args.pp, timeout=min(RUN_CAP_S, remaining - 5))
+        records[run["label"]] = rec = run_variant(run, world, timeout=min(run_cap, remaining - 5))
         if "error" in rec:
             print(f"  failed: {rec['error'][:500]}", flush=True)
     by_seq = summarize(records, seqs)
     print_table(by_seq)
-    summary = headline(by_seq)
+    summary = headline(by_seq, world=world)
     payload = {"command": benchlib.command(), **benchlib.environment(), "versions": _versions(),
-               "pp": args.pp, "seqs": list(seqs), "budget_s": budget, "summary": summary, "by_config": by_seq,
-               "runs": records}
+               "tp": args.tp, "pp": args.pp, "world_size": world, "seqs": list(seqs), "budget_s": budget,
+               "summary": summary, "by_config": by_seq, "runs": records}
     if args.device == "cpu":  # a check of the scripts: no result file
         print(json.dumps(payload)[:20000])
     else:
-        path = benchlib.write_result("peer-megatron" + ("-pp1" if args.pp == 1 else ""), payload)
+        path = benchlib.write_result(name, payload)
         print(f"wrote {path}")
     print(json.dumps(summary))
     return 0 if all("error" not in r for r in records.values()) else 1

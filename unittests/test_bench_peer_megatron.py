@@ -1,5 +1,6 @@
-"""tools/bench_peer_megatron.py on CPU: the run plan (no Megatron needed) and, when Megatron-Core
-is importable, a tiny model through every variant on 2 gloo ranks (graphs need CUDA: Megatron's
+"""tools/bench_peer_megatron.py on CPU: the run plan and record names at pp 1/2/4 and TP=2 x PP=2,
+the summary's ratios, the errors for bad input (no Megatron needed) and, when Megatron-Core is
+importable, a tiny model through every variant on 2 and 4 gloo ranks (graphs need CUDA: Megatron's
 variant then runs its DDP/main_grad path without graphs, ours runs eagerly) with equal losses."""
 import importlib.util
 import json
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from tools import bench_peer_megatron, launch
+from tools import bench_peer_megatron, launch, peer_megatron_worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tools", "bench_peer_megatron.py")
@@ -36,12 +37,79 @@ def test_headline_ratios_are_ours_over_megatron():
     assert h["megatron_graphs_ran"] is True
 
 
+@pytest.mark.parametrize("argv, world, record, budget", [
+    (["--pp", "1"], 1, "peer-megatron-pp1", 360),
+    (["--pp", "2"], 2, "peer-megatron-pp2", 480),
+    (["--pp", "4"], 4, "peer-megatron-pp4", 540),
+    (["--tp", "2", "--pp", "2"], 4, "peer-megatron-tp2pp2", 540),
+])
+def test_dry_run_names_the_ranks_and_the_record(capsys, argv, world, record, budget):
+    assert bench_peer_megatron.main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"# budget {budget}s, {world} rank(s) per run")
+    assert out[1] == f"# writes benchmarks/results/{record}-<device>.json"
+    tp = argv[argv.index("--tp") + 1] if "--tp" in argv else "1"
+    runs = out[2:]
+    assert len(runs) == 8 and all(f"--tp {tp} --pp {argv[-1]}" in l for l in runs)
+
+
+def test_the_per_run_cap_fits_the_budget_for_every_world_size():
+    for world, budget in bench_peer_megatron.BUDGET_S.items():
+        assert bench_peer_megatron.RUN_CAP_S[world] + bench_peer_megatron.MIN_RUN_S < budget
+
+
+@pytest.mark.parametrize("argv", [["--tp", "3"], ["--pp", "3"], ["--tp", "0", "--pp", "2"]])
+def test_unsupported_parallel_sizes_are_refused_with_the_choices(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        bench_peer_megatron.main([*argv, "--dry-run"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_worker_refuses_a_world_size_that_is_not_tp_times_pp(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    opts = peer_megatron_worker.parse_args(["--variant", "eager", "--seq", "32", "--tp", "2", "--pp", "2",
+                                            "--device", "cpu"])
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 .*--tp 2 x --pp 2 needs 4"):
+        peer_megatron_worker.init_distributed(opts, 0)
+
+
+def test_both_shapes_split_over_every_offered_layout():
+    for shape in peer_megatron_worker.SHAPES.values():
+        for tp in bench_peer_megatron.TP_CHOICES:
+            for pp in bench_peer_megatron.PP_CHOICES:
+                peer_megatron_worker.check_shape(shape, tp=tp, pp=pp)
+    with pytest.raises(ValueError, match="layers 4 do not split over --pp 3"):
+        peer_megatron_worker.check_shape(dict(layers=4, heads=4, vocab=128), tp=1, pp=3)
+
+
+def test_ours_peak_vs_eager_is_per_rank_over_the_whole_run():
+    rows = {"seq2048": {
+        "eager": {"peak_reserved_mib_per_rank": [100.0, 200.0, 100.0, 50.0],
+                  "steady_reserved_mib_per_rank": [100.0, 250.0, 100.0, 50.0]},
+        "ours": {"peak_reserved_mib_per_rank": [110.0, 200.0, 120.0, None],  # rank 3 not measured
+                 "steady_reserved_mib_per_rank": [105.0, 225.0, 90.0, None]}}}
+    h = bench_peer_megatron.headline(rows, world=4)
+    assert h["ours_peak_vs_eager_per_rank"] == [1.1, 0.9, 1.2, None]
+    failed = bench_peer_megatron.headline({"seq2048": {"ours": {"error": "x"}}}, world=4)
+    assert failed["ours_peak_vs_eager_per_rank"] == [None] * 4  # one entry per rank even when nothing ran
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
-def test_tiny_model_every_variant_on_two_cpu_ranks():
-    end = launch.run([sys.executable, SCRIPT, "--device", "cpu", "--pp", "2", "--rounds", "2"], cwd=REPO, timeout=400)
+@pytest.mark.parametrize("argv, world", [(["--pp", "2"], 2), (["--pp", "4"], 4), (["--tp", "2", "--pp", "2"], 4)],
+                         ids=["pp2", "pp4", "tp2pp2"])
+def test_tiny_model_every_variant_on_cpu_ranks(argv, world):
+    end = launch.run([sys.executable, SCRIPT, "--device", "cpu", *argv, "--rounds", "2"], cwd=REPO, timeout=400)
     assert end.returncode == 0, end.stdout[-3000:] + end.stderr[-3000:]
     payload = json.loads([l for l in end.stdout.splitlines() if l.startswith('{"command"')][-1])
+    assert payload["world_size"] == world
     rows = payload["by_config"]["seq32"]
     for variant in ("megatron", "ours", "eager_repeat"):
         assert rows[variant]["max_abs_loss_diff_vs_eager"] == 0.0, variant
+    assert len(payload["summary"]["ours_peak_vs_eager_per_rank"]) == world
+    ranks = payload["runs"]["ours@seq32"]["per_rank"]
+    pp = payload["pp"]
+    last_stage = [r["losses"] for r in ranks if r["pp_rank"] == pp - 1]
+    assert len(last_stage) == payload["tp"] and all(l == last_stage[0] for l in last_stage)  # TP ranks agree
+    assert all(r["losses"] is None for r in ranks if r["pp_rank"] < pp - 1)
