@@ -44,12 +44,15 @@ STEPS = [
      "zero-bubble-<device>.json"),
     ("allreduce", 2, "python tools/bench_allreduce.py", "allreduce-<device>.json"),
     ("hybrid-tp2", 2, "python tools/bench_hybrid.py --pp 1", "hybrid-tp2pp1-<device>.json"),
-    ("peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2", "peer-megatron-<device>.json"),
+    ("peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2", "peer-megatron-pp2-<device>.json"),
     ("gpu-suite-2gpu", 2, "python tools/gpu_suite.py --name gpu-suite-2gpu", "gpu-suite-2gpu-<device>.json"),
     ("memory-pipeline-pp4", 4, "python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 --variants eager,default",
      "memory-pipeline-gpt1.3b-pp4-<device>.json"),
     ("allreduce-4r", 4, "python tools/bench_allreduce.py --ranks 4", "allreduce-4r-<device>.json"),
     ("hybrid-tp2pp2", 4, "python tools/bench_hybrid.py", "hybrid-tp2pp2-<device>.json"),
+    ("peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4", "peer-megatron-pp4-<device>.json"),
+    ("peer-megatron-tp2pp2", 4, "python tools/bench_peer_megatron.py --tp 2 --pp 2",
+     "peer-megatron-tp2pp2-<device>.json"),
 ]
 
 
