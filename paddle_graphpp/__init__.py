@@ -9,18 +9,14 @@ optimizer, the graph API) are the modules at this level. Every name loads its fr
 import os
 
 from ._lazy import lazy_attributes
+from .paddle import _LAZY as _PADDLE_API
 
 __version__ = "0.1.0"
 
 # Public name -> module defining it. Resolved on first attribute access (PEP 562), so that
 # importing the package stays free of framework imports.
 _LAZY = {
-    "CUDAGraphedLayer": "paddle_graphpp.paddle.graphed",
-    "PipelineLayer": "paddle_graphpp.paddle.pipeline",
-    "graph_pipeline": "paddle_graphpp.paddle.pipeline",
-    "GraphedPipeline": "paddle_graphpp.paddle.pipeline",
-    "install": "paddle_graphpp.paddle.upstream",
-    "uninstall": "paddle_graphpp.paddle.upstream",
+    **_PADDLE_API,  # the Paddle API, re-exported (paddle_graphpp.paddle imports no framework)
     "mark_not_capturable": "paddle_graphpp.core.segment",
     "memory_report": "paddle_graphpp.core.memory",
     "MemoryMode": "paddle_graphpp.core.memory",

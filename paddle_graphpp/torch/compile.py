@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-__all__ = ["compile_options", "refuse_inner_graphs", "compiled_module", "CompiledModule", "opaque",
+__all__ = ["compile_options", "refuse_inner_graphs", "compiled_module", "CompiledModule", "RunsInPlaceOf", "opaque",
            "no_compile_in_capture"]
 
 # torch.compile's keyword arguments that a graphed layer passes through.
@@ -111,23 +111,30 @@ def compiled_module(module: nn.Module, options: dict) -> Callable:
     return torch.compile(module, **options)
 
 
-class CompiledModule(nn.Module):
+class RunsInPlaceOf(nn.Module):
+    """A module a graphed layer's engine runs in place of another (the attribute named by
+    ``_wrapped``): its train/eval mode is the other module's, whatever is set on it."""
+
+    _wrapped = "module"
+
+    @property
+    def training(self) -> bool:  # the engine keys signatures by the wrapped module's mode
+        return getattr(self, self._wrapped).training
+
+    @training.setter
+    def training(self, mode: bool) -> None:  # nn.Module.__init__ and train() set it; the wrapped one's wins
+        pass
+
+
+class CompiledModule(RunsInPlaceOf):
     """The module a graphed layer's engine runs when ``compile=`` is given: ``module`` called
-    through ``torch.compile``. Its parameters are ``module``'s (under ``module.``), its
-    train/eval mode is ``module``'s; it is never a submodule of the model."""
+    through ``torch.compile``. Its parameters are ``module``'s (under ``module.``); it is never
+    a submodule of the model."""
 
     def __init__(self, module: nn.Module, options: dict):
         super().__init__()
         self.module = module
         self.__dict__["_compiled"] = compiled_module(module, options)
-
-    @property
-    def training(self) -> bool:  # the engine keys signatures by the wrapped module's mode
-        return self.module.training
-
-    @training.setter
-    def training(self, mode: bool) -> None:  # nn.Module.__init__ and train() set it; the module's own wins
-        pass
 
     def forward(self, *args, **kwargs):
         return self._compiled(*args, **kwargs)

@@ -39,7 +39,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from .compile import compile_options, opaque, refuse_inner_graphs
+from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
 from .graphed import CUDAGraphedModule
 
 __all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
@@ -55,22 +55,16 @@ _NAME = "_graphpp_name"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
 
 
-class _OriginalForward(nn.Module):
+class _OriginalForward(RunsInPlaceOf):
     """The block's original ``forward``, called on the block itself, as the module the engine
     wraps. Its parameters are the block's (under ``layer.``); its train/eval mode is the block's."""
+
+    _wrapped = "layer"
 
     def __init__(self, layer: nn.Module, forward):
         super().__init__()
         self.layer = layer
         self._forward = forward
-
-    @property
-    def training(self) -> bool:  # the engine keys signatures by the wrapped module's mode
-        return self.layer.training
-
-    @training.setter
-    def training(self, mode: bool) -> None:  # nn.Module.__init__ and train() set it; the block's own wins
-        pass
 
     def forward(self, *args, **kwargs):
         return self._forward(self.layer, *args, **kwargs)
