@@ -85,6 +85,22 @@ def test_replaced_parameter_or_buffer_is_refused_at_replay(rt, replace, what):
         step(model)
 
 
+def test_a_parameter_replaced_between_warmup_and_capture_is_refused_at_capture(rt):
+    module = Scaled()
+    layer = Graphed(module, rt, num_warmup_steps=1)
+    for _ in range(2):  # warmup (the parameters are fixed as it ends), recorded
+        step(layer)
+    module.fc.weight = torch.nn.Parameter(module.fc.weight.detach().clone())
+    with pytest.raises(StateReplacedError, match=r"test:Scaled: 1 of the parameters it was warmed up with "
+                                                 r"\(parameter 0\).*replaced after warmup.*reset_graphs"):
+        step(layer)
+    assert layer.engine.graph_count() == 0 and layer.engine.in_flight == 0
+    assert paddle_graphpp.reset_graphs(layer) == 1
+    for _ in range(3):  # captured anew against the new parameter, then replayed
+        step(layer)
+    assert layer.engine.replays > 0
+
+
 def test_load_state_dict_copies_in_place_and_replays_go_on(rt):
     model = captured(rt)
     fresh = torch.nn.Sequential(Scaled(), torch.nn.Linear(4, 4))

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from . import collectives as _collectives
 from . import guards as _guards
 from . import memory as _memory
-from .errors import CaptureError, GraphedLayerError, release_frames
+from .errors import CaptureError, GraphedLayerError, StateReplacedError, release_frames
 from .records import CaptureFailed, InputHalf, Live, Outputs, Phase, Position, Signature, UserError, with_layer
 from .runtime import backward_into
 
@@ -133,6 +133,7 @@ class LayerCapture:
         backward capture. ``outputs``: the structure the eager run returned (``None``: none
         ran, the capture defines it)."""
         layer, rt, plan = self.layer, self.rt, self.layer.plan
+        self._check_params(sig)
         gen = plan.generation_for_capture(layer.memory_mode)
         graph = rt.create_graph()
         start = _memory.now()
@@ -149,6 +150,17 @@ class LayerCapture:
         layer.captures += 1
         return Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured,
                     state=layer.state.watch(), static_outputs=tuple(rt.detach(o) for o in outs))
+
+    def _check_params(self, sig: Signature) -> None:
+        """The parameters fixed when ``sig`` left warmup must still be the layer's: a graph
+        captured over a replaced one would read memory the layer no longer uses."""
+        current = {id(p) for p in self.layer.params()}
+        gone = [i for i, p in enumerate(sig.params or ()) if id(p) not in current]
+        if gone:
+            raise StateReplacedError(
+                f"{self.layer.name}: {len(gone)} of the parameters it was warmed up with (parameter {gone[0]}) "
+                f"are no longer its own: they were replaced after warmup. Replace parameters before the "
+                f"first call, or call paddle_graphpp.reset_graphs(model) after replacing them.")
 
     def capture_backward(self, sig: Signature, live: Live, static_grads: Sequence[Any]) -> Position:
         """Capture the backward of ``live``'s forward; returns the position's record."""

@@ -129,14 +129,7 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
     def call_with_param_aliases(self, fn, params, args, kwargs):
         if not params:
             return fn(*args, **kwargs), []
-        slots = _parameter_slots(fn)
-        missing = [i for i, p in enumerate(params) if id(p) not in slots]
-        if missing:
-            raise RuntimeError(
-                f"{len(missing)} of the parameters the graphed layer was warmed up with are no longer its "
-                f"module's (parameter {missing[0]}, shape {tuple(params[missing[0]].shape)}): parameters were "
-                f"replaced after warmup. Replace parameters before the first call, or call "
-                f"paddle_graphpp.reset_graphs(model) after replacing them.")
+        slots = _parameter_slots(fn)  # the engine checked that every one is still fn's (core.layer_capture)
         aliases = [p.detach().requires_grad_(True) for p in params]
         mapping = {name: a for p, a in zip(params, aliases) for name in slots[id(p)]}
         # Every place a parameter is held gets its alias, each place once: functional_call's
