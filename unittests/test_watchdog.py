@@ -19,9 +19,11 @@ class Events:
         self.done, self.aborted, self.exited = set(), [], threading.Event()
         self.count = 0
 
-    def record_event(self):
-        self.count += 1
-        return self.count
+    def event_recorder(self):
+        def record():
+            self.count += 1
+            return self.count
+        return record
 
     def event_done(self, event):
         return event in self.done
@@ -94,6 +96,21 @@ def test_replays_are_sampled_at_most_once_per_min_gap():
         dog.launched("a graph")
     assert events.count == 1  # launch-bound steps record one event, not one per replay
     dog.stop()
+
+
+def test_a_last_launch_within_min_gap_is_followed_by_the_thread():
+    # The host launches twice in quick succession, then blocks: the second launch is not
+    # recorded at once, and must not be lost when nothing launches after it.
+    events = Events()
+    dog = ReplayWatchdog(events, 0.3, grace=60, min_gap=0.2)
+    dog.launched("the first graph")
+    events.done.add(events.count)  # the first replay completes
+    dog.launched("the last graph before the host blocks")
+    assert events.count == 1  # not recorded at launch
+    assert wait_for(lambda: dog.error is not None, 3.0)
+    with pytest.raises(ReplayTimeoutError, match="the last graph before the host blocks has not completed"):
+        dog.raise_pending()
+    assert events.count == 2
 
 
 @pytest.mark.parametrize("raw,want", [(None, None), (0, None), ("0", None), ("600", 600.0), (1.5, 1.5)])

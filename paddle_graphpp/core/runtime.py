@@ -431,9 +431,10 @@ class ReplayEvents(abc.ABC):
     abort, and capture failures published to the other ranks."""
 
     @abc.abstractmethod
-    def record_event(self) -> Any:
-        """An event recorded on the current stream after the work launched so far, or ``None``
-        where there is nothing to follow (no device)."""
+    def event_recorder(self) -> Optional[Callable[[], Any]]:
+        """For the work launched so far on the current stream: a function that records an event
+        after it on that stream and returns the event (called at once, or later from the
+        watchdog's thread), or ``None`` where there is nothing to follow (no device)."""
 
     @abc.abstractmethod
     def event_done(self, event: Any) -> bool:

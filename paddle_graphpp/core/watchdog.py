@@ -4,7 +4,8 @@ Collectives captured inside a graph (a tensor-parallel all-reduce, a pipeline's 
 where the framework's own watchdogs do not look: PyTorch's NCCL watchdog follows work objects,
 and a replay has none. If a peer dies, a replay waits forever. The host knows when it launched
 each replay; :class:`ReplayWatchdog` records an event after replays (at most one every
-``min_gap`` seconds, so launch-bound steps pay next to nothing) and a daemon thread checks the
+``min_gap`` seconds, so launch-bound steps pay next to nothing; the thread records one after the
+last launch when none followed it) and a daemon thread checks the
 oldest one still running. When one has not completed ``timeout`` seconds after its launch:
 
 1. the error (naming the layer, the graph and the collectives captured in it) is logged at once
@@ -73,7 +74,8 @@ class ReplayWatchdog:
         self.peer_failure = peer_failure
         self._exit = exit
         self._pending: collections.deque = collections.deque()  # (launch time, event, what), oldest first
-        self._last = 0.0
+        self._last = 0.0  # when the last followed launch was recorded
+        self._tail: Optional[tuple] = None  # (launch time, recorder, what) of a launch not followed yet
         self._lock = threading.Lock()
         self.error: Optional[str] = None  # set once: the process cannot go on after it
         self._raised = False
@@ -86,14 +88,17 @@ class ReplayWatchdog:
         """After a replay was launched on the current stream: ``what`` (a callable giving the
         description, evaluated only on a timeout) for the graph."""
         now = time.monotonic()
-        if now - self._last < self.min_gap:
+        record = self.events.event_recorder()
+        if record is None:
             return
-        event = self.events.record_event()
-        if event is None:
-            return
-        self._last = now
         with self._lock:
-            self._pending.append((now, event, what))
+            if now - self._last < self.min_gap:
+                # Not followed now; the thread records it if no later launch is (see _check).
+                self._tail = (now, record, what)
+                return
+            self._tail = None
+            self._last = now
+            self._pending.append((now, record(), what))
 
     def raise_pending(self) -> None:
         """Raise the watchdog's error in the calling (main) thread, once it has one."""
@@ -115,6 +120,12 @@ class ReplayWatchdog:
     def _check(self) -> Optional[str]:
         """The error to report now, or ``None``."""
         with self._lock:
+            tail = self._tail
+            if tail is not None and time.monotonic() - self._last >= self.min_gap:
+                # The last launch was skipped and nothing launched since: follow it from here (a
+                # host that blocks right after it would otherwise wait with nothing pending).
+                self._tail, self._last = None, time.monotonic()
+                self._pending.append((tail[0], tail[1](), tail[2]))
             while self._pending and self.events.event_done(self._pending[0][1]):
                 self._pending.popleft()
             oldest = self._pending[0] if self._pending else None

@@ -43,12 +43,16 @@ class TorchReplayEvents(ReplayEvents):
         self._peer_seen = 0.0  # when the store was last read for peers' failures
         self._failed_here = False  # this rank published a failure of its own: it stops anyway
 
-    def record_event(self):
+    def event_recorder(self):
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        stream = torch.cuda.current_stream()
+
+        def record():
+            event = torch.cuda.Event()
+            event.record(stream)  # on that stream's device, from whichever thread calls it
+            return event
+        return record
 
     def event_done(self, event) -> bool:
         return event.query()
