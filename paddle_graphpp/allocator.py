@@ -26,6 +26,7 @@ import os
 import warnings
 from typing import Callable, Optional, Sequence
 
+from .core import flags as _flags
 from .core.runtime import FRAMEWORKS, framework_module
 
 __all__ = [
@@ -39,8 +40,6 @@ __all__ = [
 
 ENV_FLAG = "FLAGS_use_cuda_malloc_async_allocator"
 _FRAMEWORKS = tuple(FRAMEWORKS)  # ("paddle", "torch")
-_TRUE = ("1", "t", "true", "y", "yes", "on")
-_FALSE = ("0", "f", "false", "n", "no", "off", "")
 #: Where the switch must come; completes "To fix it, ..." in the errors.
 WHERE = ("call paddle_graphpp.use_cuda_malloc_async_allocator() at the top of the entry script, before "
          "`import torch` / before any Paddle tensor is created, or start the process with "
@@ -165,14 +164,7 @@ def _check_frameworks(frameworks) -> list:
 
 def env_flag_value(raw: Optional[str], flag: str = ENV_FLAG) -> bool:
     """gflags' reading of a boolean environment value (``None``: unset, false)."""
-    if raw is None:
-        return False
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{flag}={raw!r} is not a boolean; use 1 or 0")
+    return _flags.env_flag_value(raw, flag)
 
 
 class SwitchPlan:

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from typing import Any, Optional
 
+from .core.flags import env_flag
 from .support import report as support_report
 
 __all__ = ["environment_report", "format_report", "main"]
@@ -70,14 +71,23 @@ def _torch_checks() -> dict:
     return found
 
 
+def _flag(name: str, default: bool) -> bool:
+    """A boolean setting as the library reads it; one it cannot read counts as its default
+    here (the library raises on it where it is used; the report lists its raw value)."""
+    try:
+        return env_flag(name, default)
+    except ValueError:
+        return default
+
+
 def _features(torch_found: Optional[dict]) -> dict:
     """Optional features: available here, or what they fall back to."""
     on_gpu = bool(torch_found and torch_found.get("capture") == "works")
     n = len(torch_found.get("devices", [])) if torch_found else 0
     async_on = bool(torch_found and torch_found.get("allocator_backend") == "cudaMallocAsync") or \
-        os.environ.get("FLAGS_use_cuda_malloc_async_allocator", "").strip().lower() in ("1", "true", "on")
+        _flag("FLAGS_use_cuda_malloc_async_allocator", False)
     multicast_off = os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
-    expandable = os.environ.get("FLAGS_graphpp_pool_expandable", "1").strip().lower() not in ("0", "false", "off")
+    expandable = _flag("FLAGS_graphpp_pool_expandable", True)
     return {
         "cuda_graphs": "available" if on_gpu else "falls back to eager (no working capture here)",
         "custom_all_reduce": ("available for groups of 2 or 4 ranks" if on_gpu and n >= 2 and multicast_off else

@@ -73,7 +73,7 @@ class Backward:
         if isinstance(call.run, Launched):
             raise GraphScheduleError(
                 f"{name}: a backward asked for input gradients only (a zero-bubble schedule's input pass), "
-                f"which the stream-ordered allocator (backend:cudaMallocAsync) cannot serve: its graphs are "
+                f"which the stream-ordered allocator (use_cuda_malloc_async_allocator) cannot serve: its graphs are "
                 f"captured within the step, as one backward. Use the default caching allocator with "
                 f"zero-bubble schedules, or a schedule with full backwards (1F1B, interleaved 1F1B).")
         if isinstance(call.run, Replayed) and call.run.position.weight_graph is None:
@@ -210,7 +210,7 @@ class Backward:
             grad_slots = tuple((proc.link_of("grad", g) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
                                for g, s in zip(diff_grads, specs))
             rec = sig.recordings[call.position] = dataclasses.replace(
-                rec, grad_slots=grad_slots, grad_specs=specs, split=half == "input")
+                rec, grad_slots=grad_slots, grad_specs=specs)
             if reuse:
                 proc.note_produced(self.layer.capture, call.key, call.position, "grad", input_grads)
                 proc.watch_grads(self.layer.capture, call.key, call.position, input_grads, diff_grads)
@@ -275,10 +275,10 @@ class Backward:
         would overwrite it). With accumulation the graph adds them into the layer's gradient
         buffers, bound as ``.grad`` first; a schedule's weight pass (``hand_over``) is handed
         each parameter's whole sum with ``.grad`` unset (:meth:`_hand_over`)."""
+        self._prepare(call, position, position.weight_graph, "weight")  # may raise: nothing changed yet
         if position.accumulate:
             used = [(p, b) for p, b, u in zip(call.params, position.weight_buffers, position.param_grad_used) if u]
             self._bind_grads([p for p, _ in used], [b for _, b in used])
-        self._prepare(call, position, position.weight_graph, "weight")
         self._replay(call, position.weight_graph, "backward (weight half)")
         grads = [b if u else None for b, u in zip(position.weight_buffers, position.param_grad_used)]
         if position.accumulate:

@@ -54,6 +54,7 @@ from . import collectives as _collectives
 from . import memory as _memory
 from .batch import CaptureBatch, Link
 from .errors import CaptureError
+from .flags import env_flag
 from .runtime import capabilities
 from .schedule import EpisodeClock
 from .watchdog import ReplayWatchdog, parse_timeout
@@ -133,10 +134,6 @@ class Process:
         return layer
 
     # ------------------------------------------------------------- recording
-    @property
-    def has_recording(self) -> bool:
-        return bool(self._events)
-
     def record(self, layer: Any, key: Hashable, position: int, forward: bool, *, half: Optional[str] = None) -> None:
         """Append one call of the episode being recorded (``half``: ``"input"`` or ``"weight"``
         for the halves of a split backward)."""
@@ -323,8 +320,7 @@ class Process:
             timeout = parse_timeout(flag, "FLAGS_graphpp_replay_timeout") if flag is not None else distributed
         else:
             timeout = parse_timeout(timeout, "watch_replays(timeout)")
-        agree = distributed is not None and os.environ.get("FLAGS_graphpp_capture_agreement", "1").strip().lower() \
-            not in ("0", "false", "off", "no")
+        agree = distributed is not None and env_flag("FLAGS_graphpp_capture_agreement", True)
         if timeout is None and not agree:
             return None
         self._watchdog = ReplayWatchdog(events, timeout if timeout is not None else float("inf"), grace=grace,

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from .errors import CaptureError
 from .records import Call, Launched, Signature
+from .runtime import clone_many
 
 __all__ = ["InStepCapture"]
 
@@ -27,8 +28,7 @@ class InStepCapture:
     def forward(self, call: Call, sig: Signature) -> list:
         """Capture this position's forward and launch the capture; the call's outputs."""
         layer, rt = self.layer, self.layer.runtime
-        static_inputs = [rt.static_like(t) for t in call.tensors]
-        rt.copy_many(static_inputs, call.tensors)  # before capture: a later copy would bump versions
+        static_inputs = clone_many(rt, call.tensors)  # before capture: a later copy would bump versions
         try:
             live = layer.capture.capture_forward(sig, static_inputs, None)
         except BaseException as exc:  # noqa: BLE001

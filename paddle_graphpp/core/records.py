@@ -73,7 +73,6 @@ class Recording:
     outputs: Outputs
     grad_slots: Optional[tuple] = None  # set when its backward is recorded
     grad_specs: Optional[tuple] = None
-    split: bool = False  # its backward ran as an input half and a weight half
 
 
 @dataclass(frozen=True, slots=True)

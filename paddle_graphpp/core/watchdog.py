@@ -133,8 +133,8 @@ class ReplayWatchdog:
             what = oldest[2]() if callable(oldest[2]) else oldest[2]
             return (f"paddle_graphpp: {what} has not completed {self.timeout:g} s after its replay was launched. "
                     f"A collective in it waits for a peer that died or stalled, or a kernel hangs. Check the "
-                    f"other ranks' logs for the first error; raise the timeout (FLAGS_graphpp_replay_timeout or "
-                    f"paddle_graphpp.torch.watch_replays) if the step is that slow.")
+                    f"other ranks' logs for the first error; raise the timeout (FLAGS_graphpp_replay_timeout, or "
+                    f"the runtime's watch_replays) if the step is that slow.")
         failure = self.peer_failure() if self.peer_failure is not None else None
         if failure is not None:
             return (f"paddle_graphpp: {failure}; this rank stops too instead of waiting in collectives its peer "
