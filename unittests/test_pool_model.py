@@ -1,4 +1,4 @@
-"""The caching-allocator model (tools/pool_model.py) on cases worked out by hand from the
+"""The caching-allocator model (tools/diagnostics/pool_model.py) on cases worked out by hand from the
 allocator's rules; the GPU runs it was checked against are in its docstring."""
 import gzip
 import json

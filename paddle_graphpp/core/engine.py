@@ -77,7 +77,7 @@ from .state import LayerStateCheck
 from .tree import flatten
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine",
-           "HoldsEngine", "node_forward", "node_backward", "reset_graphs"]
+           "graphed_label", "HoldsEngine", "node_forward", "node_backward", "reset_graphs"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -486,11 +486,16 @@ def node_backward(ctx: Any, grads: Sequence[Any], weights_wanted: bool = True) -
     return ctx.call.backward(list(grads), weights_wanted)
 
 
-def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, kind: str,
-                   name: Optional[str], **options: Any) -> GraphedCallable:
-    """The engine behind a framework's graphed layer class (``kind`` names that class)."""
-    return GraphedCallable(wrapped, runtime, trainable, name=name or f"{kind}({type(wrapped).__name__})",
-                           options=EngineOptions(**options))
+def graphed_label(kind: str, module: Any, name: Optional[str]) -> str:
+    """The name a graphed layer goes by in errors and logs: ``name``, else ``Kind(ModuleClass)``
+    (``kind`` names the framework's graphed layer class)."""
+    return name or f"{kind}({type(module).__name__})"
+
+
+def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, name: str,
+                   **options: Any) -> GraphedCallable:
+    """The engine behind a framework's graphed layer class, named ``name`` (:func:`graphed_label`)."""
+    return GraphedCallable(wrapped, runtime, trainable, name=name, options=EngineOptions(**options))
 
 
 class HoldsEngine:

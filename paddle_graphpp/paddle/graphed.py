@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import paddle
 
-from ..core.engine import HoldsEngine, graphed_engine, graphed_layer_doc
+from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
 from .runtime import RUNTIME
 from .compile import StaticLayer, opaque, to_static_options
 
@@ -50,13 +50,13 @@ class CUDAGraphedLayer(HoldsEngine, paddle.nn.Layer):
         super().__init__()
         if not isinstance(layer, paddle.nn.Layer):
             raise TypeError(f"CUDAGraphedLayer wraps a paddle.nn.Layer, got {type(layer).__name__}")
-        label = name or f"CUDAGraphedLayer({type(layer).__name__})"
+        label = graphed_label("CUDAGraphedLayer", layer, name)
         options = to_static_options(to_static, label)
         run = layer if options is None else StaticLayer(layer, options, label)
         self.layer = layer
         self._engine = graphed_engine(
             run, RUNTIME, lambda: [p for p in layer.parameters() if not p.stop_gradient],
-            kind="CUDAGraphedLayer", name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
+            name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
             memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures)
 
     def forward(self, *args, **kwargs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.engine import HoldsEngine, graphed_engine, graphed_layer_doc
+from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
 from .compile import CompiledModule, compile_options, opaque, refuse_inner_graphs
 from .runtime import RUNTIME, _registered_generators
 
@@ -30,7 +30,7 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"CUDAGraphedModule wraps a torch.nn.Module, got {type(module).__name__}")
-        label = name or f"CUDAGraphedModule({type(module).__name__})"
+        label = graphed_label("CUDAGraphedModule", module, name)
         self.module = module
         if isinstance(generators, (list, tuple)):
             try:
@@ -45,7 +45,7 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
         run = module if options is None else CompiledModule(module, options)
         self._engine = graphed_engine(
             run, RUNTIME, lambda: [p for p in module.parameters() if p.requires_grad],
-            kind="CUDAGraphedModule", name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
+            name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
             memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures,
             accumulate_grads=accumulate_grads, generators=generators)
 

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-__all__ = ["end_failed_capture", "anchor_graph"]
+__all__ = ["end_failed_capture", "empty_capture", "anchor_graph"]
 
 
 def end_failed_capture(graph, pool_id) -> None:
@@ -42,18 +42,24 @@ def end_failed_capture(graph, pool_id) -> None:
         graph.reset()  # an ended capture gives its reference back here
 
 
-def anchor_graph(pool, stream):
-    """An empty graph captured into ``pool``: a user of the pool for as long as it lives."""
+def empty_capture(stream, pool_id=None):
+    """An empty graph captured on ``stream`` (into the pool ``pool_id``, or a pool of its own);
+    a capture that fails is ended (:func:`end_failed_capture`) before its error is raised."""
     import warnings
 
     graph = torch.cuda.CUDAGraph()
-    stream.wait_stream(torch.cuda.current_stream())
     with warnings.catch_warnings(), torch.cuda.stream(stream):
         warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
         try:
-            graph.capture_begin(pool=pool.id, capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
             graph.capture_end()
         except BaseException:
-            end_failed_capture(graph, pool.id)
+            end_failed_capture(graph, pool_id)
             raise
     return graph
+
+
+def anchor_graph(pool, stream):
+    """An empty graph captured into ``pool``: a user of the pool for as long as it lives."""
+    stream.wait_stream(torch.cuda.current_stream())
+    return empty_capture(stream, pool.id)

@@ -24,7 +24,7 @@ from . import autograd as _autograd
 from . import compile as _compile
 from .memory import pool_segments as _pool_segments
 from .collectives.watch import TorchReplayEvents, noting_collectives
-from .graphs import end_failed_capture
+from .graphs import empty_capture, end_failed_capture
 from .memory.capabilities import TorchMemory, _pool_id
 
 __all__ = ["TorchRuntime", "RUNTIME", "active_runtime"]
@@ -189,20 +189,10 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
     def _reset_capture_state(stream) -> None:
         """After a failed capture, wait for the device, then run one empty capture so
         per-capture state (the RNG generators' capture bookkeeping) is closed the normal way."""
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize()
-            empty = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(stream):
-                try:
-                    empty.capture_begin(capture_error_mode="thread_local")
-                    empty.capture_end()
-                except Exception:  # noqa: BLE001 - best effort; what it began is ended below
-                    end_failed_capture(empty, None)
-            del empty
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+        with contextlib.suppress(Exception):  # best effort; a failed one was ended
+            empty_capture(stream)
 
     def capture_failure_hint(self, error, generators):
         if "stance is 'fail_on_recompile'" in str(error):

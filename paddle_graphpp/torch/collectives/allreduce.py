@@ -2,7 +2,7 @@
 
 Kernels, by message size:
 
-* below ``two_shot_min_bytes``: our push one-shot kernel (:mod:`._push_allreduce`, Triton):
+* below ``two_shot_min_bytes``: our push one-shot kernel (:mod:`.push_allreduce`, Triton):
   each rank writes its input into a receive slot in every peer's memory, raises one flag per
   peer, waits for its peers' flags and sums locally. One launch, one handshake, no copy-in.
   Without Triton, PyTorch's stock one-shot kernel (``torch.ops.symm_mem``) takes its place.
