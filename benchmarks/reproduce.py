@@ -25,6 +25,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO))
+
+from tools import launch  # noqa: E402
+
+STOP_GRACE_S = 30.0  # a multi-rank tool stops its ranks one by one, a few seconds each
 
 # (name, GPUs, command, the record it writes: <device> is this machine's)
 STEPS = [
@@ -84,13 +90,16 @@ def run_step(name: str, command: str, log_dir: Path, timeout: float) -> tuple:
         out.write(f"$ {command}\n")
         out.flush()
         try:
-            code = subprocess.run(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+            proc = launch.start(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         except OSError as exc:
             out.write(f"could not start: {exc}\n")
-            code = "not started"
+            return "not started", time.monotonic() - start, log
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        finally:  # the step's own clean-up gets SIGTERM and time to stop its ranks
+            launch.stop(proc, grace=STOP_GRACE_S)
     return code, time.monotonic() - start, log
 
 
@@ -115,7 +124,8 @@ def main(argv=None) -> int:
     rows = []
     for i, (name, _, command, record) in enumerate(steps, 1):
         print(f"[{i}/{len(steps)}] {name}: {command}", flush=True)
-        code, seconds, log = run_step(name, command, args.log_dir, args.timeout)
+        with launch.sigterm_raises():  # a SIGTERM here still stops the running step
+            code, seconds, log = run_step(name, command, args.log_dir, args.timeout)
         print(f"    {'ok' if code == 0 else f'FAILED ({code})'} in {seconds:.0f} s, log {log}", flush=True)
         rows.append((name, "ok" if code == 0 else f"failed ({code})", seconds, record))
     print(f"\n{'step':<20} {'result':<16} {'seconds':>8}  record")

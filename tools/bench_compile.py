@@ -50,7 +50,6 @@ import json
 import os
 import queue
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -405,7 +404,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_compile.py needs a CUDA device", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the workers are stopped on the way out
+    with launch.sigterm_raises():  # the workers are stopped on the way out
+        return _measure(args)
+
+
+def _measure(args) -> int:
     deadline = time.monotonic() + args.budget
     versions = {"transformers": importlib.metadata.version("transformers"), "paddle_graphpp": benchlib.code_version()}
     shapes = {shape: bench_shape(shape, args, deadline) for shape in args.shapes}

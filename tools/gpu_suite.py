@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
@@ -30,7 +29,7 @@ REPO = str(Path(__file__).resolve().parents[1])
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 
-from tools import benchlib  # noqa: E402
+from tools import benchlib, launch  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -71,11 +70,10 @@ def main(argv=None) -> int:
         env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
         if args.probe:
             env["GRAPHPP_PROBE_ALLOCATOR"] = "1"
-        try:
-            end = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-            code, output = end.returncode, end.stdout + end.stderr
-        except subprocess.TimeoutExpired as exc:
-            code, output = None, f"{exc.stdout or ''}{exc.stderr or ''}\n[timed out after {args.timeout} s]"
+        # its own session: on a time limit what pytest started (workers, test subprocesses) is stopped too
+        end = launch.run(cmd, timeout=args.timeout, env=env, cwd=REPO, merge_stderr=True)
+        code = None if end.timed_out else end.returncode
+        output = end.stdout + (f"\n[timed out after {args.timeout} s]" if end.timed_out else "")
         found = counts(junit)
     record = {"command": "python -m pytest unittests/gpu" + (" (allocator probe)" if args.probe else ""),
               "exit_code": code, "passed": found["passed"], "failed": found["failed"],

@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-__all__ = ["Finished", "free_port", "rank_envs", "start", "stop", "run", "run_ranks"]
+__all__ = ["Finished", "free_port", "rank_envs", "start", "stop", "run", "run_ranks", "sigterm_raises"]
 
 POLL_S = 0.2
 PORT_TAKEN = "EADDRINUSE"  # how a rank reports that its rendezvous port was taken between the pick and the bind
@@ -143,7 +143,7 @@ def run_ranks(cmds: Sequence[Sequence[str]], *, timeout: float | None, envs: Seq
     files, procs, ends = [], [], {}
     start_t = time.monotonic()
     timed_out = False
-    with _sigterm_raises():
+    with sigterm_raises():
         try:
             for i, cmd in enumerate(cmds):
                 out = err = None
@@ -197,9 +197,10 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_raises():
-    """While active (main thread only), SIGTERM raises ``SystemExit(143)`` so that the
-    ``finally`` of :func:`run_ranks` stops the processes instead of leaving them running."""
+def sigterm_raises():
+    """While active (main thread only), SIGTERM raises ``SystemExit(143)`` (once) so that the
+    ``finally`` of :func:`run_ranks` (or a caller's) stops the processes instead of leaving them
+    running."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
