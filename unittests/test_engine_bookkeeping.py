@@ -1,10 +1,12 @@
-"""Engine bookkeeping with a fake graph runtime: warmup, capture, replay, generations, errors.
+"""Engine bookkeeping over the PyTorch runtime with fake graphs: warmup, capture, replay, what
+goes through torch (leaves, .grad, storages, generators, autocast, eval mode), errors.
 
-These tests check which path each call takes. Whether capture and replay compute the right
-numbers is checked on a GPU (unittests/gpu/test_engine_gpu.py).
+These tests check which path each call takes. The engine's scheduling alone (capture order,
+episodes, signatures, generations, options, deferral) is tested without any framework in
+unittests/core/. Whether capture and replay compute the right numbers is checked on a GPU
+(unittests/gpu/test_engine_gpu.py).
 """
 import gc
-import warnings
 import weakref
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from fake_runtime import FakeGraphRuntime, Graphed
 from paddle_graphpp.core import memory as memory_mod
 from paddle_graphpp.core.engine import EngineOptions, Phase
-from paddle_graphpp.core.errors import CaptureError, GraphScheduleError
+from paddle_graphpp.core.errors import CaptureError
 
 
 def step(layer, order, shape=(2, 4)):
@@ -50,30 +52,6 @@ def test_warmup_then_record_then_capture_in_order_then_replay(rt):
     assert len(plan._generations) == 1 and plan.graphs_captured == 8
 
 
-def test_graphs_are_captured_in_the_recorded_order_of_all_layers(rt):
-    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
-    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
-    for _ in range(2):
-        x = torch.randn(2, 4, requires_grad=True)
-        b(a(x)).sum().backward()  # recorded: a.f b.f b.b a.b; then captured and replayed
-    (gen,) = memory_mod.plan_for(rt)._generations
-    pa = next(iter(a.engine.signatures().values())).positions[0]
-    pb = next(iter(b.engine.signatures().values())).positions[0]
-    order = sorted(gen.order, key=gen.order.get)
-    assert order == [id(pa.fwd_graph), id(pb.fwd_graph), id(pb.bwd_graph), id(pa.bwd_graph)]
-
-
-def test_capture_waits_for_episode_start(rt):
-    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
-    outs = step(layer, "f1 f2")  # f1 warms up; f2 is mid-episode: must stay in warmup
-    assert layer.engine.phase() is Phase.WARMUP
-    outs[1].sum().backward(); outs[2].sum().backward()
-    step(layer, "f1 b1")  # recorded
-    assert layer.engine.captures == 0
-    step(layer, "f1 b1")
-    assert layer.engine.captures == 2 and layer.engine.replays == 2
-
-
 def test_recorded_step_results_come_from_the_eager_run(rt):
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 3)
@@ -101,100 +79,6 @@ def test_replay_hands_off_copies_to_leaves_without_grad_and_accumulates_in_place
     before = [p.grad.data_ptr() for p in lin.parameters()]
     step(layer, "f1 b1")  # accumulation into the existing grads, in place
     assert [p.grad.data_ptr() for p in lin.parameters()] == before
-
-
-def test_new_signature_is_captured_anew_in_a_new_generation(rt):
-    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
-    for _ in range(3):
-        step(layer, "f1 b1")  # warmup, record, capture + replay
-    assert layer.engine.captures == 2 and layer.engine.replays == 2
-    for _ in range(3):
-        step(layer, "f1 b1", shape=(5, 4))
-    assert layer.engine.captures == 4 and layer.engine.replays == 4
-    assert len(memory_mod.plan_for(rt)._generations) == 2
-
-
-def test_a_position_seen_after_capture_is_recorded_and_captured_into_a_new_generation(rt):
-    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
-    step(layer, "f1 b1")
-    step(layer, "f1 b1")  # position 0 captured
-    step(layer, "f1 f2 b1 b2")  # position 1 is new: eager and recorded, position 0 replays
-    assert layer.engine.graph_count() == 2 and layer.engine.replays == 4
-    step(layer, "f1 f2 b1 b2")  # position 1 captured into a generation of its own
-    assert layer.engine.graph_count() == 4 and layer.engine.replays == 8
-    assert len(memory_mod.plan_for(rt)._generations) == 2
-
-
-def test_signature_cache_full_runs_eagerly_with_one_warning(rt):
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(4, 3)
-    layer = Graphed(lin, rt, num_warmup_steps=0, max_signatures=1)
-    for _ in range(3):
-        step(layer, "f1 b1")
-    replays = layer.engine.replays
-    x = torch.randn(7, 4, requires_grad=True)
-    with pytest.warns(RuntimeWarning, match="max_signatures"):
-        y = layer(x)
-    torch.testing.assert_close(y, lin(x), rtol=0, atol=0)  # computed, not a stale replay
-    y.sum().backward()
-    assert layer.engine.replays == replays
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        layer(torch.randn(7, 4, requires_grad=True)).sum().backward()  # warned once only
-
-
-def test_non_tensor_argument_is_part_of_the_signature(rt):
-    class Scale(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.ones(3))
-
-        def forward(self, x, factor):
-            return x * self.w * factor
-
-    layer = Graphed(Scale(), rt, num_warmup_steps=0)
-    for f in (2.0, 2.0, 3.0):
-        layer(torch.ones(3, requires_grad=True), f).sum().backward()
-    assert len(layer.engine.signatures()) == 2
-
-
-def test_replay_order_differing_from_capture_raises(rt):
-    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
-    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
-    x = torch.randn(2, 4, requires_grad=True)
-    # (b reads a copy of a's output: b's graph has its own input buffer, so it can replay on
-    # any input of that shape and only the order is checked here)
-    b(a(x) * 1).sum().backward()  # recorded order: a.f b.f b.b a.b
-    b(a(x) * 1).sum().backward()  # captured in that order; the same order replays fine
-    b(a(x) * 1).sum().backward()
-    # b first, then a (with b in flight): a takes position 0, whose forward graph was captured
-    # before b's: replaying it now would run ahead of the capture order
-    yb = b(torch.randn(2, 4, requires_grad=True))  # noqa: F841 - held: its forward stays in flight
-    with pytest.raises(GraphScheduleError, match="different order"):
-        a(x)
-
-
-def test_positions_restart_per_process_wide_episode(rt):
-    """A layer nested inside another's forward/backward never starts an episode itself, yet its
-    positions restart every step: the episode is process-wide."""
-    outer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
-    inner = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
-    for _ in range(5):
-        inner(outer(torch.randn(2, 4, requires_grad=True))).sum().backward()
-    assert inner.engine.graph_count() == 2 and outer.engine.graph_count() == 2
-    assert inner.engine.replays == 8
-
-
-def test_per_graph_mode_has_no_order_constraint(rt):
-    a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
-    b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0, memory="per_graph")
-    x = torch.randn(2, 4, requires_grad=True)
-    b(a(x)).sum().backward()  # recorded
-    b(a(x)).sum().backward()  # captured, replayed
-    yb = b(torch.randn(2, 4, requires_grad=True))
-    ya = a(x)
-    (yb.sum() + ya.sum()).backward()
-    assert a.engine.replays == 4 and b.engine.replays == 4
 
 
 class SyncsInCapture(torch.nn.Module):
@@ -284,23 +168,6 @@ def test_a_forward_without_backward_is_not_captured(rt):
     layer.engine.process.clock.in_flight = 0
     step(layer, "f1 f2 b1 b2")  # position 0 captured; position 1 runs eagerly and is recorded
     assert layer.engine.graph_count() == 2
-
-
-def test_unpaired_backward_raises_schedule_error(rt):
-    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
-    y1 = layer(torch.randn(2, 4, requires_grad=True))  # noqa: F841 - held: its forward stays in flight
-    y2 = layer(torch.randn(2, 4, requires_grad=True))
-    with pytest.raises(GraphScheduleError, match="order of their forwards"):
-        y2.sum().backward()
-
-
-def test_bad_options_are_rejected_with_the_layer_name(rt):
-    with pytest.raises(ValueError, match="test:Linear.*memory='pooled'"):
-        Graphed(torch.nn.Linear(2, 2), rt, memory="pooled")
-    with pytest.raises(ValueError, match="fallback"):
-        Graphed(torch.nn.Linear(2, 2), rt, fallback="ignore")
-    with pytest.raises(ValueError, match="num_warmup_steps"):
-        Graphed(torch.nn.Linear(2, 2), rt, num_warmup_steps=-1)
 
 
 def _positions(layer):
@@ -680,38 +547,6 @@ def test_accumulate_grads_auto_steps_aside_for_megatron_style_accumulator_hooks(
     sig = next(iter(layer.engine.signatures().values()))
     assert sig.accumulate is False
     assert layer.engine.replays == 8 and len(seen) == 2 * 8  # two parameters, every micro-batch
-
-
-def test_a_deferred_capture_records_the_next_episode_instead(rt, monkeypatch):
-    from paddle_graphpp.core import capture as capture_mod
-
-    waits = iter(["a test's reason", "a test's reason"])  # the runtime asks to wait twice, then lets it go
-    monkeypatch.setattr(rt, "defer_capture", lambda: next(waits, None))
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(4, 3)
-    layer = Graphed(lin, rt, num_warmup_steps=1)
-    step(layer, "f1 f2 b1 b2")  # warmup
-    step(layer, "f1 f2 b1 b2")  # recorded
-    for _ in range(2):  # each: the recording is dropped, this episode is recorded instead (eager)
-        step(layer, "f1 f2 b1 b2")
-        assert layer.engine.captures == 0 and layer.engine.phase() is Phase.RECORD
-    assert rt.released == 0  # a dropped recording gives nothing back and captures nothing
-    step(layer, "f1 f2 b1 b2")  # captured at its start, from the last recording
-    assert layer.engine.captures == 4 and layer.engine.replays == 4
-    assert capture_mod.process_for(rt).deferred == 0
-
-
-def test_deferring_stops_after_the_limit(rt, monkeypatch):
-    from paddle_graphpp.core import capture as capture_mod
-
-    monkeypatch.setattr(capture_mod, "MAX_DEFERRED_EPISODES", 2)
-    monkeypatch.setattr(rt, "defer_capture", lambda: "a test's reason")
-    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=0)
-    for _ in range(3):  # recorded, then two recordings dropped
-        step(layer, "f1 b1")
-    assert layer.engine.captures == 0
-    step(layer, "f1 b1")  # the limit is reached: captured although the runtime still asks to wait
-    assert layer.engine.captures == 2
 
 
 def test_an_output_held_when_its_position_replays_again_moves_to_memory_of_its_own(rt):

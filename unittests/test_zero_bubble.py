@@ -272,40 +272,6 @@ def test_a_failed_input_half_leaves_nothing_waiting_for_its_weight_half(rt, monk
     assert layer.engine.in_flight == 0 and layer.engine.replays > 0
 
 
-def test_a_position_captured_split_serves_a_full_backward(rt):
-    # Both halves replay back to back (correct values; the pool's order check guards the rest).
-    layer = Graphed(Block(), rt, num_warmup_steps=1)
-    for _ in range(3):
-        fake_step(layer, "f0 i0 w0")
-    before = layer.engine.replays
-    fake_step(layer, "f0 b0")
-    assert layer.engine.replays == before + 3 and layer.engine.in_flight == 0
-
-
-def test_per_graph_slots_are_recycled_only_after_the_weight_pass(rt):
-    # per_graph reuses a position once its backward is over; a split backward is over at its
-    # weight pass, so the second forward (after i0, before w0) needs a slot of its own.
-    split = Graphed(Block(), rt, num_warmup_steps=1, memory="per_graph")
-    for _ in range(3):
-        fake_step(split, "f0 i0 f1 w0 i1 w1")
-    assert split.engine.position_kinds() == {"full": 0, "split": 2}
-    whole = Graphed(Block(), rt, num_warmup_steps=1, memory="per_graph")
-    for _ in range(3):
-        fake_step(whole, "f0 b0 f1 b1")
-    assert whole.engine.position_kinds() == {"full": 1, "split": 0}
-    assert split.engine.in_flight == whole.engine.in_flight == 0
-
-
-def test_pending_weight_passes_count_against_max_in_flight(rt):
-    layer = Graphed(Block(), rt, num_warmup_steps=0, max_in_flight=2)
-    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(3)]
-    for x in xs[:2]:
-        h, extra = layer(x)
-        stage_backward_input([h.sum() + extra], None, [x], layer.parameters())
-    with pytest.raises(GraphScheduleError, match="2 of them ran the input-gradient half"):
-        layer(xs[2])
-
-
 def test_weight_graphs_accumulate_into_grad_without_a_second_set_of_buffers(rt):
     # accumulate_grads="auto": the weight graph adds into the layer's gradient buffers, which
     # the weight pass leaves as .grad; no weight-gradient buffers of its own exist
