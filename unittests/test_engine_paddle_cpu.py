@@ -90,3 +90,14 @@ def test_no_grad_runs_plain():
 def test_rejects_non_layer():
     with pytest.raises(TypeError, match="paddle.nn.Layer"):
         CUDAGraphedLayer(lambda x: x)
+
+
+def test_paddle_device_and_memory_errors_are_failures_of_capture():
+    from paddle_graphpp.paddle.runtime import PaddleRuntime
+
+    rt = PaddleRuntime()
+    # Paddle raises CUDA's errors as OSError and running out of memory as MemoryError
+    assert rt.is_capture_failure(OSError("(External) CUDA error(900), operation not permitted when stream is capturing"))
+    assert rt.is_capture_failure(MemoryError("(ResourceExhausted) Out of memory error on GPU 0"))
+    assert rt.is_capture_failure(RuntimeError("(PreconditionNotMet) ..."))
+    assert not rt.is_capture_failure(ValueError("the layer's own check"))

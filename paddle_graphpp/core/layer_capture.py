@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from functools import partial
 from typing import Any, Optional, Sequence
 
 from . import collectives as _collectives
@@ -21,7 +22,7 @@ from . import guards as _guards
 from . import memory as _memory
 from .errors import CaptureError, GraphedLayerError, StateReplacedError, release_frames
 from .records import CaptureFailed, InputHalf, Live, Outputs, Phase, Position, Signature, UserError, with_layer
-from .runtime import backward_into
+from .runtime import CaptureHints, backward_into
 
 __all__ = ["LayerCapture"]
 
@@ -260,9 +261,12 @@ class LayerCapture:
     def _capturing(self, graph: Any, gen: Any, phase: str):
         """Around every capture: compiled code traces the branch that will be captured
         (core.guards), custom all-reduce buffers reserved inside belong to ``graph``
-        (core.collectives). Sorts failures: the runtime's and CUDA's (``RuntimeError``) are
-        failures of capture; anything else was raised by the layer's own code."""
+        (core.collectives). Sorts failures: the runtime's and the device's
+        (:meth:`~paddle_graphpp.core.runtime.CaptureHints.is_capture_failure`) are failures of
+        capture; anything else was raised by the layer's own code."""
         layer, rt = self.layer, self.rt
+        hints = self.caps.hints
+        of_capture = hints.is_capture_failure if hints is not None else partial(CaptureHints.is_capture_failure, None)
         try:
             with _guards.sot_warmup_guard(True), _collectives.capturing_graph(graph, layer.name), \
                     rt.capture_to_graph(graph, layer.plan.pool_for(gen), generators=layer.generators()):
@@ -271,7 +275,7 @@ class LayerCapture:
                 except GraphedLayerError:
                     raise
                 except Exception as exc:  # noqa: BLE001
-                    if isinstance(exc, RuntimeError):
+                    if of_capture(exc):
                         raise
                     raise UserError(phase, exc) from exc
         except (UserError, GraphedLayerError):

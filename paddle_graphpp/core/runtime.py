@@ -417,6 +417,13 @@ class CaptureHints(abc.ABC):
         """What to do about a capture that failed with ``error`` when the runtime knows the
         cause; ``None`` for the engine's general hint. ``generators``: those the layer registered."""
 
+    def is_capture_failure(self, error: BaseException) -> bool:
+        """Whether ``error``, raised inside a capture, is the framework's or the device's (a
+        failure of the capture) rather than the layer's own code. The framework's errors are
+        ``RuntimeError`` unless the runtime says otherwise (a runtime without this capability
+        is read the same way)."""
+        return isinstance(error, RuntimeError)
+
 
 class ModelTree(abc.ABC):
     """Models made of modules (layers) that :func:`paddle_graphpp.reset_graphs` can walk."""

@@ -241,6 +241,11 @@ class PaddleRuntime(GraphRuntime, AutocastModes, SplitBackward, StreamOrderedAll
     def replay_graph(self, graph) -> None:
         graph.replay()
 
+    def is_capture_failure(self, error) -> bool:
+        # Paddle raises CUDA's errors as OSError ("(External) ...") and running out of memory as
+        # MemoryError ("(ResourceExhausted) ..."); its own checks as RuntimeError.
+        return isinstance(error, (RuntimeError, OSError, MemoryError))
+
     def capture_failure_hint(self, error, generators):
         if "converted the layer anew inside the capture" in str(error):  # raised by .to_static.StaticLayer
             return ("paddle.jit.to_static converts where a call's inputs or modes differ from the warmup's: keep them "

@@ -10,6 +10,7 @@ import nofw
 from nofw import Graphed, Linear
 from paddle_graphpp.core.engine import Phase
 from paddle_graphpp.core.errors import CaptureError
+from paddle_graphpp.core.runtime import CaptureHints
 
 
 def step(layer, order="f1 b1"):
@@ -53,6 +54,35 @@ class SyncsInBackwardCapture(SyncsInCapture):
                 raise RuntimeError("operation not permitted when stream is capturing")
 
         return self.lin(nofw.on_backward(x, check))
+
+
+class DeviceErrorAsOSError(SyncsInCapture):
+    """A framework that raises the device's errors as OSError (as Paddle does)."""
+
+    error = OSError("(External) CUDA error(900), operation not permitted when stream is capturing")
+
+
+class RuntimeNamingOSErrors(nofw.NoFrameworkRuntime, CaptureHints):
+    def capture_failure_hint(self, error, generators):
+        return None
+
+    def is_capture_failure(self, error):
+        return isinstance(error, (RuntimeError, OSError))
+
+
+@pytest.mark.parametrize("says_so", [True, False], ids=["runtime-names-its-errors", "default-runtime-error-only"])
+def test_the_runtime_decides_which_errors_are_failures_of_capture(says_so):
+    rt = RuntimeNamingOSErrors() if says_so else nofw.NoFrameworkRuntime()
+    layer = Graphed(DeviceErrorAsOSError(rt), rt, num_warmup_steps=0, fallback="eager")
+    step(layer)  # recorded
+    if says_so:  # a failure of capture: fallback='eager' applies
+        with pytest.warns(RuntimeWarning, match=r"test:DeviceErrorAsOSError: capturing the forward failed \(OSError"):
+            step(layer)
+        assert layer.engine.phase() is Phase.EAGER
+    else:  # the layer's own error: it keeps its type, with the layer named
+        with pytest.raises(OSError, match="test:DeviceErrorAsOSError: raised while capturing the forward"):
+            step(layer)
+        assert layer.engine.phase() is not Phase.EAGER
 
 
 def test_capture_failure_names_layer_releases_memory_and_training_goes_on(any_rt):
