@@ -18,6 +18,7 @@ both copies are recorded as a check that they train the same model.
 
 Writes ``benchmarks/results/hf-<device>.json`` (command, device, date, versions, settings and,
 per model, each variant's timing, tokens/s and the graphed/eager ratio) and prints a table.
+The same models split over 2 GPUs under ``torch.distributed.pipelining``: ``tools/bench_hf_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ MODELS = ("gpt2", "llama")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p, micro_batches=4)
+    p.add_argument("--warmup", type=int, default=6, help="untimed steps of each variant first")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="steps per round")
+    args = p.parse_args(argv)
+    args.models = models_arg(p, args.models)
+    return args
+
+
+def add_model_args(p: argparse.ArgumentParser, *, micro_batches: int) -> None:
+    """The flags that choose the models and their shape (shared with tools/bench_hf_pipeline.py)."""
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2, llama")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
@@ -47,33 +59,40 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--micro-batches", type=int, default=micro_batches)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--warmup", type=int, default=6, help="untimed steps of each variant first")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--iters", type=int, default=10, help="steps per round")
-    args = p.parse_args(argv)
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    bad = [m for m in args.models if m not in MODELS]
-    if bad or not args.models:
+
+
+def models_arg(p: argparse.ArgumentParser, text: str) -> list:
+    """``--models`` as a list; an unknown or empty list ends with the parser's error."""
+    models = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in models if m not in MODELS]
+    if bad or not models:
         p.error(f"--models takes {', '.join(MODELS)}; got {bad or 'none'}")
-    return args
+    return models
 
 
-def build(kind: str, args) -> tuple:
-    """The model on the GPU in ``args.dtype``, and a function returning its decoder blocks."""
+def make_model(kind: str, args, **config_overrides) -> tuple:
+    """The model on the CPU in fp32, seeded (the same weights in every process), from a config of
+    ``args``' shape (no download) with ``config_overrides`` on top; and a function returning its
+    decoder blocks."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if kind == "llama":
-        config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                             num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                             num_key_value_heads=args.heads, max_position_embeddings=args.seq_len, use_cache=False)
-        model, blocks = LlamaForCausalLM(config), (lambda m: m.model.layers)
-    else:
-        config = GPT2Config(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
-                            n_positions=args.seq_len, use_cache=False)
-        model, blocks = GPT2LMHeadModel(config), (lambda m: m.transformer.h)
+        config = LlamaConfig(**{**dict(vocab_size=args.vocab, hidden_size=args.hidden,
+                                       intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                                       num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                                       max_position_embeddings=args.seq_len, use_cache=False), **config_overrides})
+        return LlamaForCausalLM(config), (lambda m: m.model.layers)
+    config = GPT2Config(**{**dict(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+                                  n_positions=args.seq_len, use_cache=False), **config_overrides})
+    return GPT2LMHeadModel(config), (lambda m: m.transformer.h)
+
+
+def build(kind: str, args) -> tuple:
+    """The model on the GPU in ``args.dtype``, and a function returning its decoder blocks."""
+    model, blocks = make_model(kind, args)
     return model.to("cuda", getattr(torch, args.dtype)), blocks
 
 
