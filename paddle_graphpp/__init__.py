@@ -24,6 +24,7 @@ _LAZY = {
     "GraphScheduleError": "paddle_graphpp.core.errors",
     "StateReplacedError": "paddle_graphpp.core.errors",
     "ReplayTimeoutError": "paddle_graphpp.core.errors",
+    "CollectiveTimeoutError": "paddle_graphpp.core.errors",
     "reset_graphs": "paddle_graphpp.core.engine",
     "use_cuda_malloc_async_allocator": "paddle_graphpp.allocator",
     "AllocatorSwitchError": "paddle_graphpp.allocator",

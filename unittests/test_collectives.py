@@ -294,3 +294,29 @@ def test_the_suggested_choice_never_takes_a_kernel_whose_results_were_wrong():
     assert suggested_choice(rows)["two_shot_min_bytes"] == 1 << 20
     rows[1]["fallback_calls"] = {"two_shot": 32}
     assert suggested_choice(rows)["two_shot_min_bytes"] == 2 << 20
+
+
+def test_after_the_kernel_gave_up_on_a_peer_every_call_raises_naming_it():
+    from paddle_graphpp.core.errors import CollectiveTimeoutError, ReplayTimeoutError
+
+    class GivesUp(ListBackend):
+        gave_up = None
+
+        def fault(self):
+            return self.gave_up
+
+    backend = GivesUp()
+    ar = C.AllReduceDispatcher(backend)
+    assert ar.all_reduce([1.0]) == [2.0] and C.collective_fault() is None
+    backend.gave_up = "the custom all-reduce on rank 0 waited 5 s for rank 1 and gave up"
+    calls = len(backend.calls)
+    for capturing in (False, True):  # eager or inside a capture: nothing is launched
+        backend.capturing = capturing
+        with pytest.raises(CollectiveTimeoutError, match="waited 5 s for rank 1") as raised:
+            ar.all_reduce([1.0])
+        assert isinstance(raised.value, ReplayTimeoutError)
+    assert len(backend.calls) == calls
+    # the replay watchdog's thread finds it among the live dispatchers, until the group is closed
+    assert C.collective_fault() == backend.gave_up
+    ar.close()
+    assert C.collective_fault() is None

@@ -148,3 +148,24 @@ def test_watch_replays_validates_its_arguments():
         watch_replays(10, grace=0)
     with pytest.raises(ValueError, match=r"watch_replays\(timeout\)=-5"):
         watch_replays(-5)
+
+
+def test_a_collective_that_gave_up_on_a_peer_raises_its_own_error_though_every_replay_completed():
+    from paddle_graphpp.core.errors import CollectiveTimeoutError
+
+    events, codes, fault = Events(), [], []
+    dog = ReplayWatchdog(events, 60.0, grace=0.3, min_gap=0, faults=lambda: fault[0] if fault else None,
+                         exit=lambda code: (codes.append(code), events.exited.set()))
+    try:
+        dog.launched("the forward graph of stage[0:4]")
+        events.done.add(1)  # the replay completed: the kernel gave up and returned
+        time.sleep(0.2)
+        dog.raise_pending()  # nothing yet
+        fault.append("the custom all-reduce of a 2-rank group on rank 0 waited 5 s for rank 1 and gave up")
+        assert wait_for(lambda: dog.error is not None, 2.0)
+        with pytest.raises(CollectiveTimeoutError, match="waited 5 s for rank 1"):
+            dog.raise_pending()
+        time.sleep(1.0)  # raised in the main thread: no abort, no exit
+        assert events.aborted == [] and codes == []
+    finally:
+        dog.stop()

@@ -324,7 +324,8 @@ class Process:
         if timeout is None and not agree:
             return None
         self._watchdog = ReplayWatchdog(events, timeout if timeout is not None else float("inf"), grace=grace,
-                                        peer_failure=events.peer_capture_failure if agree else None)
+                                        peer_failure=events.peer_capture_failure if agree else None,
+                                        faults=_collectives.collective_fault)
         return self._watchdog
 
     def launched(self, participant: Any, position: int, kind: str, graph: Any) -> None:

@@ -35,13 +35,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from .errors import CaptureError, GraphedLayerError
+from .errors import CaptureError, CollectiveTimeoutError, GraphedLayerError
 
 __all__ = [
     "AllReducePath", "choose_path", "CustomAllReducePolicy", "AllReduceBackend",
     "AllReduceDispatcher", "capture_custom_allreduce", "in_capture_phase", "capturing_graph",
     "check_replay", "release_graph_buffers", "ReleasedBufferError", "TensorFacts", "note_collective",
-    "collectives_in",
+    "collectives_in", "collective_fault",
 ]
 
 
@@ -170,6 +170,13 @@ class AllReduceBackend(abc.ABC):
         A kernel that receives its peers' data into double-buffered slots reserves more.
         """
         return nbytes
+
+    def fault(self) -> Optional[str]:
+        """Why the group's custom kernel cannot be used again (a call gave up waiting for a
+        peer: the text names it), else ``None`` (the default: a backend without a timeout).
+        Cheap and without device calls: it is asked before every call and from the replay
+        watchdog's thread."""
+        return None
 
     @abc.abstractmethod
     def exchange(self, obj: Any) -> list:
@@ -373,6 +380,20 @@ def collectives_in(graph: Any) -> list:
     return list(record.collectives) if record is not None else []
 
 
+_DISPATCHERS: "weakref.WeakSet[AllReduceDispatcher]" = weakref.WeakSet()
+
+
+def collective_fault() -> Optional[str]:
+    """The first fault of a live dispatcher's backend (a custom kernel that gave up waiting for
+    a peer), or ``None``. Cheap: the replay watchdog asks it on every check."""
+    for dispatcher in list(_DISPATCHERS):
+        if not dispatcher._closed:
+            fault = dispatcher.backend.fault()
+            if fault is not None:
+                return fault
+    return None
+
+
 def check_replay(graph: Any) -> None:
     """Raise :class:`ReleasedBufferError` if ``graph`` uses a custom all-reduce buffer that is gone.
 
@@ -411,6 +432,9 @@ class AllReduceDispatcher:
           the fallback reduces in place.
         * Every rank must call it with the same shapes in the same order (it is a collective).
         * After :meth:`close`, graphs that captured it refuse to replay (see :func:`check_replay`).
+        * After a custom kernel gave up waiting for a peer (:meth:`AllReduceBackend.fault`),
+          every call raises :class:`~paddle_graphpp.core.errors.CollectiveTimeoutError`, and so
+          does the next graphed call once the replay watchdog saw it (:func:`collective_fault`).
     """
 
     def __init__(self, backend: AllReduceBackend, policy: Optional[CustomAllReducePolicy] = None) -> None:
@@ -421,6 +445,7 @@ class AllReduceDispatcher:
         self._closed = False
         self._warned_full = False
         self.counts = {path: 0 for path in AllReducePath}
+        _DISPATCHERS.add(self)
 
     # ------------------------------------------------------------------ policy
     def why_not_custom(self, tensor: Any) -> Optional[str]:
@@ -445,6 +470,9 @@ class AllReduceDispatcher:
     # -------------------------------------------------------------------- call
     def all_reduce(self, tensor: Any) -> Any:
         """Sum ``tensor`` over the group; returns the result (see the class notes)."""
+        fault = self.backend.fault()
+        if fault is not None:
+            raise CollectiveTimeoutError(fault)
         path = self.path_for(tensor)
         if self.backend.is_capturing():
             kind = "the framework's all-reduce" if path is AllReducePath.FALLBACK else "the custom all-reduce"

@@ -3,7 +3,7 @@
 import traceback
 
 __all__ = ["GraphedLayerError", "CaptureError", "GraphScheduleError", "SignatureError", "StateReplacedError",
-           "ReplayTimeoutError"]
+           "ReplayTimeoutError", "CollectiveTimeoutError"]
 
 
 class GraphedLayerError(RuntimeError):
@@ -31,6 +31,11 @@ class StateReplacedError(GraphedLayerError):
 class ReplayTimeoutError(GraphedLayerError):
     """A graph replay did not complete within the replay timeout (a collective in it waits for a
     peer that died or stalled), or a peer rank's capture failed; the process cannot go on."""
+
+
+class CollectiveTimeoutError(ReplayTimeoutError):
+    """A custom all-reduce gave up waiting for a peer (named in the message) after its timeout;
+    the group's kernels no longer agree on where they are, so the process cannot go on."""
 
 
 def release_frames(exc: BaseException) -> None:

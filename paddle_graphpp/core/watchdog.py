@@ -19,7 +19,11 @@ oldest one still running. When one has not completed ``timeout`` seconds after i
 
 The same thread turns a peer's failed capture into an error here
 (:class:`~paddle_graphpp.core.runtime.ReplayEvents.peer_capture_failure`): every rank of the
-job raises, instead of the survivors waiting in their next collective until its timeout.
+job raises, instead of the survivors waiting in their next collective until its timeout; and
+so it does with a custom all-reduce that gave up waiting for a peer
+(:func:`~paddle_graphpp.core.collectives.collective_fault`), whose replay completed but computed
+nothing valid: raised as :class:`~paddle_graphpp.core.errors.CollectiveTimeoutError`, naming the
+peer.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from .errors import ReplayTimeoutError
+from .errors import CollectiveTimeoutError, ReplayTimeoutError
 
 __all__ = ["ReplayWatchdog", "EXIT_CODE", "parse_timeout"]
 
@@ -64,20 +68,24 @@ class ReplayWatchdog:
         timeout: seconds a replay may run before it is an error.
         grace: seconds between the error, the abort of the communicators and the exit.
         peer_failure: returns a peer's published capture failure (text), or ``None``.
+        faults: returns why a collective cannot go on (a custom all-reduce that gave up on a
+            peer: text), or ``None``.
         exit: what ends the process (``os._exit`` by default; tests pass their own).
     """
 
     def __init__(self, events: Any, timeout: float, *, grace: float = 30.0,
-                 peer_failure: Optional[Callable[[], Optional[str]]] = None, min_gap: float = 0.01,
+                 peer_failure: Optional[Callable[[], Optional[str]]] = None,
+                 faults: Optional[Callable[[], Optional[str]]] = None, min_gap: float = 0.01,
                  exit: Callable[[int], None] = os._exit):
         self.events, self.timeout, self.grace, self.min_gap = events, timeout, grace, min_gap
-        self.peer_failure = peer_failure
+        self.peer_failure, self.faults = peer_failure, faults
         self._exit = exit
         self._pending: collections.deque = collections.deque()  # (launch time, event, what), oldest first
         self._last = 0.0  # when the last followed launch was recorded
         self._tail: Optional[tuple] = None  # (launch time, recorder, what) of a launch not followed yet
         self._lock = threading.Lock()
         self.error: Optional[str] = None  # set once: the process cannot go on after it
+        self._error_type: type = ReplayTimeoutError
         self._raised = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paddle_graphpp-replay-watchdog", daemon=True)
@@ -104,7 +112,7 @@ class ReplayWatchdog:
         """Raise the watchdog's error in the calling (main) thread, once it has one."""
         if self.error is not None:
             self._raised = True
-            raise ReplayTimeoutError(self.error)
+            raise self._error_type(self.error)
 
     def stop(self) -> None:
         self._stop.set()
@@ -119,6 +127,10 @@ class ReplayWatchdog:
 
     def _check(self) -> Optional[str]:
         """The error to report now, or ``None``."""
+        fault = self.faults() if self.faults is not None else None
+        if fault is not None:  # before the replay timeout: it names the peer, that one cannot
+            self._error_type = CollectiveTimeoutError
+            return fault
         with self._lock:
             tail = self._tail
             if tail is not None and time.monotonic() - self._last >= self.min_gap:

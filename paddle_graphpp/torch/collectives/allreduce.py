@@ -27,6 +27,7 @@ Without CUDA, peer access, NCCL or the symmetric-memory ops, every call falls ba
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, Optional
@@ -36,10 +37,12 @@ import torch.distributed as dist
 
 from ...core.collectives import (AllReduceBackend, AllReduceDispatcher, CustomAllReducePolicy,
                                 TensorFacts, check_replay)
+from ...core.watchdog import parse_timeout
 from ..runtime import active_runtime
+from .watch import group_timeout
 
 __all__ = ["TorchSymmMemBackend", "create_allreduce", "replay", "peer_access_report", "MEASURED",
-           "MeasuredChoice", "policy_for_world"]
+           "MeasuredChoice", "policy_for_world", "allreduce_timeout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +118,14 @@ class TorchSymmMemBackend(AllReduceBackend):
             ``n`` bytes takes ``2 x world x n`` bytes (the push kernel's double-buffered
             receive slots): see :meth:`buffer_bytes`.
         two_shot_min_bytes: messages this large or larger use the two-shot kernel.
+        timeout: seconds the push kernel waits for a peer before it gives up and every later
+            call (and the next graphed call) raises
+            :class:`~paddle_graphpp.core.errors.CollectiveTimeoutError` naming that peer.
+            Default (``None``): ``FLAGS_graphpp_allreduce_timeout``, else half the group's
+            timeout, so that it gives up before the replay watchdog (the group's timeout) stops
+            the process without knowing which peer was missing. ``0``: wait for ever. The stock
+            kernels (one-shot without Triton, two-shot) have no timeout of their own: the replay
+            watchdog bounds their waits.
 
     ``force_kernel`` (attribute, default ``None``) pins the kernel for benchmarks:
     ``"push"``, ``"one_shot"`` (stock) or ``"two_shot"`` (stock).
@@ -128,10 +139,12 @@ class TorchSymmMemBackend(AllReduceBackend):
     name = "torch symm_mem"
 
     def __init__(self, group: Any = None, *, max_bytes: int = 8 << 20, arena_bytes: int = 64 << 20,
-                 two_shot_min_bytes: int = 4 << 20) -> None:
+                 two_shot_min_bytes: int = 4 << 20, timeout: Optional[float] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TorchSymmMemBackend: call torch.distributed.init_process_group() first")
         self.group = group if group is not None else dist.group.WORLD
+        self.timeout = allreduce_timeout(self.group, timeout)
+        self._fault: Optional[str] = None
         self._world = dist.get_world_size(self.group)
         self._max_bytes = max_bytes
         self._arena_bytes = arena_bytes
@@ -180,7 +193,8 @@ class TorchSymmMemBackend(AllReduceBackend):
         if self.push_unavailable_reason is None:
             from .push_allreduce import PushAllReduce
 
-            self._push = PushAllReduce(handle, self._buf, dist.get_rank(self.group), self._world)
+            self._push = PushAllReduce(handle, self._buf, dist.get_rank(self.group), self._world,
+                                       timeout=self.timeout)
             torch.cuda.synchronize(self.device)   # flags zeroed before the exchange that follows
         ops = torch.ops.symm_mem
         self._has_fused_copy = hasattr(ops, "one_shot_all_reduce_copy_out")
@@ -195,6 +209,13 @@ class TorchSymmMemBackend(AllReduceBackend):
         if self._buf is None and self._reason is None:
             return "closed"
         return self._reason
+
+    def fault(self) -> Optional[str]:
+        if self._fault is None and self._push is not None:
+            peer = self._push.peer_waited_for()
+            if peer is not None:
+                self._fault = _gave_up_text(self.group, self._world, peer, self.timeout)
+        return self._fault
 
     def facts(self, tensor: torch.Tensor) -> TensorFacts:
         mod = tensor.data_ptr() % 16 if tensor.is_cuda else -1
@@ -270,8 +291,35 @@ class TorchSymmMemBackend(AllReduceBackend):
         return out
 
 
+def allreduce_timeout(group: Any, timeout: Optional[float]) -> Optional[float]:
+    """The push kernel's timeout in seconds (``None``: it waits for ever) from the argument, or by
+    default from ``FLAGS_graphpp_allreduce_timeout``, else half of ``group``'s timeout.
+
+    Raises:
+        ValueError: a negative or non-numeric argument or flag.
+    """
+    if timeout is not None:
+        return parse_timeout(timeout, "create_allreduce(timeout)")
+    flag = os.environ.get("FLAGS_graphpp_allreduce_timeout")
+    if flag is not None:
+        return parse_timeout(flag, "FLAGS_graphpp_allreduce_timeout")
+    return group_timeout(group) / 2
+
+
+def _gave_up_text(group: Any, world: int, peer: int, timeout: Optional[float]) -> str:
+    me = dist.get_rank()
+    with contextlib.suppress(Exception):
+        peer = dist.get_global_rank(group, peer)
+    return (f"paddle_graphpp: the custom all-reduce of a {world}-rank group on rank {me} waited {timeout:g} s "
+            f"for rank {peer} and gave up: that rank died, stalled, or called the all-reduces in another "
+            f"order. The step's results are not valid and the group's custom all-reduce cannot be used "
+            f"again. Look in rank {peer}'s log for the first error and restart the job from its last "
+            f"checkpoint; if that rank is only slow, raise the timeout (create_allreduce(timeout=...) or "
+            f"FLAGS_graphpp_allreduce_timeout, seconds; 0 waits for ever).")
+
+
 def create_allreduce(group: Any = None, *, policy: Optional[CustomAllReducePolicy] = None,
-                     arena_bytes: int = 64 << 20) -> AllReduceDispatcher:
+                     arena_bytes: int = 64 << 20, timeout: Optional[float] = None) -> AllReduceDispatcher:
     """A capture-aware all-reduce for ``group`` (collective: call it on every rank, eagerly).
 
     Args:
@@ -280,6 +328,9 @@ def create_allreduce(group: Any = None, *, policy: Optional[CustomAllReducePolic
             default: :func:`policy_for_world` of the group's size.
         arena_bytes: room for buffers registered by graphs captured in
             ``capture_custom_allreduce()``; when full, further captured calls use NCCL.
+        timeout: seconds the custom kernel waits for a peer before it gives up, naming it
+            (default: ``FLAGS_graphpp_allreduce_timeout``, else half the group's timeout; 0: no
+            timeout). See :class:`TorchSymmMemBackend`.
 
     Returns:
         an :class:`~paddle_graphpp.core.collectives.AllReduceDispatcher`; call its
@@ -287,7 +338,7 @@ def create_allreduce(group: Any = None, *, policy: Optional[CustomAllReducePolic
     """
     policy = policy or policy_for_world(dist.get_world_size(group if group is not None else dist.group.WORLD))
     backend = TorchSymmMemBackend(group, max_bytes=policy.max_bytes, arena_bytes=arena_bytes,
-                                  two_shot_min_bytes=policy.two_shot_min_bytes)
+                                  two_shot_min_bytes=policy.two_shot_min_bytes, timeout=timeout)
     return AllReduceDispatcher(backend, policy)
 
 

@@ -20,6 +20,14 @@ eager calls share one sequence; every rank must issue the same calls in the same
 one stream per communicator (what any collective requires). Sums run in rank order on every
 rank, so all ranks get bit-identical results.
 
+A wait is bounded: a block that has waited ``timeout`` seconds (the device's global timer) for
+a peer's flag stops waiting, writes ``1 + that peer's rank`` into a status word in pinned host
+memory, and finishes (its output is then meaningless). A block that finds a flag missing and
+the word already set does not wait at all, so the calls already launched after it (the rest of
+a graph) finish at once. The host reads the word without any device call
+(:meth:`PushAllReduce.peer_waited_for`); the caller turns it into an error and never calls the
+kernel again, since the ranks' epochs no longer agree.
+
 Layout of the symmetric buffer a :class:`PushAllReduce` uses (bytes):
 ``[flags: world x MAX_BLOCKS int32][regions...]``; a region for an ``n``-element message is
 ``2 x world x n`` elements (slot parity, source rank).
@@ -29,6 +37,8 @@ without it.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -45,6 +55,8 @@ MAX_BLOCKS = 128
 EPOCH_MASK = (1 << 30) - 1   # epochs count modulo 2**30: no signed overflow, parity keeps alternating
 SUB = 2048          # elements per block per inner step
 NUM_WARPS = 4
+STATUS_AFTER_NS = 100_000  # a wait this long looks at whether an earlier call gave up
+MAX_TIMEOUT_US = 2**31 - 1  # about 35 minutes: a longer timeout is this one
 
 
 def flags_bytes(world: int) -> int:
@@ -83,12 +95,19 @@ if triton is not None:
 
 
     @triton.jit
+    def _now_ns():
+        # the device's global timer (nanoseconds), read with one PTX move
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+
+    @triton.jit(do_not_specialize=["timeout_us"])
     def _push_all_reduce(inp, out, counters,
                          r0, r1, r2, r3, r4, r5, r6, r7,
                          f0, f1, f2, f3, f4, f5, f6, f7,
-                         n, chunk,
+                         n, chunk, status, timeout_us,
                          RANK: tl.constexpr, WORLD: tl.constexpr, NBLK: tl.constexpr, SUB: tl.constexpr,
-                         MASK: tl.constexpr):
+                         MASK: tl.constexpr, STATUS_AFTER_NS: tl.constexpr):
         pid = tl.program_id(0)
         epoch = (tl.load(counters + pid) + 1) & MASK
         ahead = (epoch + 1) & MASK
@@ -112,13 +131,27 @@ if triton is not None:
                 tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
         # 3. wait for every peer's flag. A peer can be at most one call ahead (it cannot pass
         #    its next wait before this rank's next call), so the flag reads `epoch` or `ahead`;
-        #    comparing for equality stays right when the epoch wraps.
+        #    comparing for equality stays right when the epoch wraps. The timer is read only
+        #    once a flag was not there at the first look; timeout_us 0: wait for ever.
         mine = _pick(RANK, f0, f1, f2, f3, f4, f5, f6, f7)
+        limit = timeout_us.to(tl.int64) * 1000
         for r in tl.static_range(WORLD):
             if r != RANK:
                 seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
-                while (seen != epoch) & (seen != ahead):
-                    seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
+                if (seen != epoch) & (seen != ahead):
+                    begin = _now_ns()
+                    waited = begin - begin
+                    given_up = tl.zeros([], dtype=tl.int32)
+                    while (seen != epoch) & (seen != ahead) & (given_up == 0) & \
+                            ((limit == 0) | (waited < limit)):
+                        seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
+                        waited = _now_ns() - begin
+                        if waited > STATUS_AFTER_NS:
+                            # a call gave up before (the peers are out of step): do not wait again.
+                            # Looked at only in long waits: it is a read over the host bus.
+                            given_up = tl.load(status, volatile=True)
+                    if (seen != epoch) & (seen != ahead) & (given_up == 0):
+                        tl.store(status, r + 1)  # gave up on peer r (pinned host memory)
         tl.debug_barrier()
         # 4. sum in rank order (identical on every rank) and write the result
         recv = _pick(RANK, r0, r1, r2, r3, r4, r5, r6, r7)
@@ -143,17 +176,27 @@ class PushAllReduce:
         handle: the symmetric-memory handle of ``buf`` (from ``rendezvous``).
         buf: the local symmetric buffer; its first :func:`flags_bytes` bytes hold the flags.
         rank, world: this rank and the group size (``world <= MAX_WORLD``).
+        timeout: seconds a call waits for a peer before it gives up (see the module notes; at
+            most :data:`MAX_TIMEOUT_US` microseconds); ``None`` or 0: it waits for ever.
 
     The caller zeroes nothing: construction zeroes the local flags and counters; the caller
     must then pass a barrier with all ranks before the first call.
     """
 
-    def __init__(self, handle, buf: torch.Tensor, rank: int, world: int) -> None:
+    def __init__(self, handle, buf: torch.Tensor, rank: int, world: int, *, timeout: Optional[float] = None) -> None:
         if triton is None:
             raise RuntimeError("PushAllReduce needs Triton (pip install triton, or a CUDA build of PyTorch)")
         if not 2 <= world <= MAX_WORLD:
             raise ValueError(f"PushAllReduce: world size {world} not in 2..{MAX_WORLD}")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"PushAllReduce: timeout must be >= 0 seconds (0: no timeout), got {timeout!r}")
         self.rank, self.world = rank, world
+        self.timeout = timeout or None
+        # microseconds as a 32-bit argument: one compiled kernel whatever the timeout
+        self._timeout_us = min(int(round(timeout * 1e6)), MAX_TIMEOUT_US) if timeout else 0
+        # written by a block that gave up; read by the host without a device call
+        self.status = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._status = self.status.numpy()
         self.total = buf.numel()
         self.flags_end = flags_bytes(world)
         self.peers = [handle.get_buffer(r, (self.total,), torch.uint8, 0) for r in range(world)]
@@ -176,6 +219,12 @@ class PushAllReduce:
             self._views[key] = views
         return views
 
+    def peer_waited_for(self) -> Optional[int]:
+        """The rank a call gave up waiting for (its first such call), or ``None``. Reads host
+        memory only: cheap, from any thread, without waiting for the device."""
+        value = int(self._status[0])
+        return value - 1 if value else None
+
     def __call__(self, tensor: torch.Tensor, start: int) -> torch.Tensor:
         """Sum ``tensor`` over the group through the region at byte ``start`` of the buffer
         (past the flags); returns a new tensor."""
@@ -186,6 +235,8 @@ class PushAllReduce:
         chunk = _cdiv(_cdiv(n, blocks), SUB) * SUB     # whole inner steps per block
         blocks = _cdiv(n, chunk)
         _push_all_reduce[(blocks,)](tensor, out, self.counters, *regions, *self._flag_args, n, chunk,
+                                    self.status, self._timeout_us,
                                     RANK=self.rank, WORLD=self.world, NBLK=MAX_BLOCKS, SUB=SUB, MASK=EPOCH_MASK,
+                                    STATUS_AFTER_NS=STATUS_AFTER_NS,
                                     num_warps=NUM_WARPS)
         return out

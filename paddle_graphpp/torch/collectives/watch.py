@@ -25,7 +25,7 @@ from ...core import collectives as _collectives
 from ...core.capture import process_for
 from ...core.runtime import ReplayEvents
 
-__all__ = ["TorchReplayEvents", "watch_replays", "noting_collectives"]
+__all__ = ["TorchReplayEvents", "watch_replays", "noting_collectives", "group_timeout"]
 
 _FAILED_KEY = "paddle_graphpp/capture_failed"
 _COUNT_KEY = "paddle_graphpp/capture_failures"
@@ -60,13 +60,7 @@ class TorchReplayEvents(ReplayEvents):
     def default_replay_timeout(self) -> Optional[float]:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
-        group = dist.distributed_c10d._get_default_group()
-        with contextlib.suppress(Exception):
-            device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
-            timeout = group._get_backend(device).options._timeout
-            if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
-                return timeout.total_seconds()
-        return float(dist.default_pg_timeout.total_seconds())
+        return group_timeout(dist.distributed_c10d._get_default_group())
 
     def abort_collectives(self, reason: str) -> Optional[str]:
         if not (dist.is_available() and dist.is_initialized()):
@@ -103,6 +97,17 @@ class TorchReplayEvents(ReplayEvents):
         if found.startswith(f"rank {dist.get_rank()}:"):
             return None  # this rank's own failure, raised here already
         return f"capturing CUDA graphs failed on {found}"
+
+
+def group_timeout(group) -> float:
+    """Seconds a collective of ``group`` waits before its backend gives up (its options'
+    timeout where the backend tells, else torch's default for process groups)."""
+    with contextlib.suppress(Exception):
+        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        timeout = group._get_backend(device).options._timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+    return float(dist.default_pg_timeout.total_seconds())
 
 
 def _store():
