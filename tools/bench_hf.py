@@ -50,9 +50,11 @@ def parse_args(argv=None):
     return args
 
 
-def add_model_args(p: argparse.ArgumentParser, *, micro_batches: int) -> None:
-    """The flags that choose the models and their shape (shared with tools/bench_hf_pipeline.py)."""
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2, llama")
+def add_model_args(p: argparse.ArgumentParser, *, micro_batches: int, models: bool = True) -> None:
+    """The flags that choose the models (``models=False``: not that one) and their shape (shared with
+    tools/bench_hf_pipeline.py and its rank, tools/hf_stage_worker.py)."""
+    if models:
+        p.add_argument("--models", default=",".join(MODELS), help="comma-separated: gpt2, llama")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
