@@ -231,10 +231,6 @@ class Backward:
         layer.plan.note_replay(position.generation, id(graph), False, layer.name, finishes=finishes)
         _collectives.check_replay(graph)
 
-    def _replay(self, call: Call, graph: Any, kind: str) -> None:
-        self.rt.replay_graph(graph)
-        self.layer.process.launched(self.layer.capture, call.position, kind, graph)
-        self.layer.replays += 1
 
     def replay(self, call: Call, position: Position, diff_grads: list) -> list:
         """Replay the position's backward graph (both halves where it was captured split)."""
@@ -249,7 +245,7 @@ class Backward:
         if position.accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
             used = [(p, b) for p, b, u in zip(call.params, buffers, position.param_grad_used) if u]
             self._bind_grads([p for p, _ in used], [b for _, b in used])
-        self._replay(call, position.bwd_graph, "backward")
+        self.layer.launch(call, position.bwd_graph, "backward")
         if position.accumulate:
             self.layer.process.grad_writes += 1  # .grad changed without a version bump
             param_grads = [None] * len(call.params)
@@ -262,7 +258,7 @@ class Backward:
         self._prepare(call, position, position.bwd_graph, "input", finishes=False)
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
-        self._replay(call, position.bwd_graph, "backward (input half)")
+        self.layer.launch(call, position.bwd_graph, "backward (input half)")
         used = position.input_param_used or (False,) * len(call.params)
         buffers = self.layer.param_grad_buffers if any(used) else [None] * len(call.params)
         return self._hand_off(list(call.tensors) + list(call.params),
@@ -279,7 +275,7 @@ class Backward:
         if position.accumulate:
             used = [(p, b) for p, b, u in zip(call.params, position.weight_buffers, position.param_grad_used) if u]
             self._bind_grads([p for p, _ in used], [b for _, b in used])
-        self._replay(call, position.weight_graph, "backward (weight half)")
+        self.layer.launch(call, position.weight_graph, "backward (weight half)")
         grads = [b if u else None for b, u in zip(position.weight_buffers, position.param_grad_used)]
         if position.accumulate:
             self.layer.process.grad_writes += 1  # .grad changed without a version bump

@@ -296,9 +296,7 @@ class GraphedCallable:
         _collectives.check_replay(done.fwd_graph)
         self.keep_held_outputs(call)
         self.runtime.copy_many(done.static_inputs, call.tensors)
-        self.runtime.replay_graph(done.fwd_graph)
-        self.process.launched(self.capture, call.position, "forward", done.fwd_graph)
-        self.replays += 1
+        self.launch(call, done.fwd_graph, "forward")
         call.run, call.outputs = Replayed(done), done.outputs
         return self.hand_out(call, done.static_outputs)
 
@@ -311,6 +309,13 @@ class GraphedCallable:
         kinds = ("backward", "input", "weight") if kind == "backward" else (kind,)  # a full backward of split graphs
         for k in kinds:
             self.process.before_replay(self.capture, call.key, call.position, k)
+
+    def launch(self, call: Call, graph: Any, kind: str) -> None:
+        """Launch one of the call's graphs (``kind``: forward, backward, input, weight); the
+        replay watchdog follows it."""
+        self.runtime.replay_graph(graph)
+        self.process.launched(self.capture, call.position, kind, graph)
+        self.replays += 1
 
     def hand_out(self, call: Call, static_outputs: Sequence[Any]) -> list:
         """Aliases of a launched forward's output buffers for the caller, remembered weakly:

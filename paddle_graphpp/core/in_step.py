@@ -39,9 +39,7 @@ class InStepCapture:
         call.outputs = live.outputs_shape
         layer.plan.note_replay(live.generation, id(live.graph), True, layer.name)
         layer.keep_held_outputs(call)
-        rt.replay_graph(live.graph)
-        layer.process.launched(layer.capture, call.position, "forward", live.graph)
-        layer.replays += 1
+        layer.launch(call, live.graph, "forward")
         call.run = Launched(live)
         return layer.hand_out(call, live.outputs)
 

@@ -136,9 +136,7 @@ class LayerCapture:
         layer, rt, plan = self.layer, self.rt, self.layer.plan
         self._check_params(sig)
         gen = plan.generation_for_capture(layer.memory_mode)
-        graph = rt.create_graph()
-        start = _memory.now()
-        with self._capturing(graph, gen, "forward"):
+        with self._captured(gen, "forward") as graph:
             with rt.enable_grad():
                 inputs = [rt.detach(b, s.requires_grad) for b, s in zip(static_inputs, sig.shape.specs)]
                 args, kwargs = sig.shape.rebuild(inputs)
@@ -147,8 +145,6 @@ class LayerCapture:
         if outputs is not None and (captured.spec != outputs.spec or captured.tensor_index != outputs.tensor_index):
             raise CaptureError(f"{layer.name}: the captured forward returned a different structure than the "
                                f"eager run; a graphed layer must return the same structure every call.")
-        plan.note_capture(gen, id(graph), _memory.now() - start)
-        layer.captures += 1
         return Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured,
                     state=layer.state.watch(), static_outputs=tuple(rt.detach(o) for o in outs))
 
@@ -170,9 +166,7 @@ class LayerCapture:
         shape = live.outputs_shape
         outs = [o for o, d in zip(live.outputs, shape.differentiable) if d]
         wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad]
-        graph = rt.create_graph()
-        start = _memory.now()
-        with self._capturing(graph, live.generation, "backward"):
+        with self._captured(live.generation, "backward") as graph:
             # Parameter gradients go into the layer's buffers as autograd produces them (added:
             # the buffers are the parameters' .grad at replay; or copied), so the graph holds one
             # parameter's gradient at a time, as eager autograd does. Under the stream-ordered
@@ -186,8 +180,6 @@ class LayerCapture:
             else:
                 input_grads, param_used = [None] * len(wrt), [False] * len(live.params)
             param_used = tuple(param_used)
-        plan.note_capture(live.generation, id(graph), _memory.now() - start)
-        layer.captures += 1
         it = iter(input_grads)
         return Position(
             generation=live.generation, fwd_graph=live.graph, bwd_graph=graph, static_inputs=live.static_inputs,
@@ -199,13 +191,11 @@ class LayerCapture:
     def _capture_input_half(self, sig: Signature, live: Live, static_grads: Sequence[Any]) -> InputHalf:
         """Capture the input half of ``live``'s backward; its autograd graph stays live for
         the weight half."""
-        layer, rt, plan, split = self.layer, self.rt, self.layer.plan, self.caps.split
+        layer, rt, split = self.layer, self.rt, self.caps.split
         outs = [o for o, d in zip(live.outputs, live.outputs_shape.differentiable) if d]
         wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad]
-        graph = rt.create_graph()
-        start = _memory.now()
         param_used = (False,) * len(live.params)
-        with self._capturing(graph, live.generation, "backward (input half)"):
+        with self._captured(live.generation, "backward (input half)") as graph:
             if outs:
                 input_grads, param_grads, state = split.backward_input(outs, list(static_grads), wrt, live.params)
                 param_used = tuple(g is not None for g in param_grads)
@@ -221,8 +211,6 @@ class LayerCapture:
                 del param_grads
             else:
                 input_grads, state = [None] * len(wrt), None
-        plan.note_capture(live.generation, id(graph), _memory.now() - start)
-        layer.captures += 1
         it = iter(input_grads)
         # the weight half starts from the state: the outputs' memory may go (see Live.owned)
         return InputHalf(dataclasses.replace(live, outputs=[]), graph, tuple(static_grads),
@@ -234,13 +222,11 @@ class LayerCapture:
         or copied into weight-gradient buffers of its own (the schedule's weight pass adds them
         into ``.grad``). The autograd graph kept since the forward is released inside this
         capture, as a full backward releases it."""
-        layer, rt, plan, live = self.layer, self.rt, self.layer.plan, half.live
+        layer, rt, live = self.layer, self.rt, half.live
         buffers = tuple(layer.param_buffers(sig.params) if sig.accumulate else layer.weight_buffers(sig.params))
         move = rt.add_many if sig.accumulate else rt.copy_many
-        graph = rt.create_graph()
-        start = _memory.now()
         used = [False] * len(sig.params)
-        with self._capturing(graph, live.generation, "backward (weight half)"):
+        with self._captured(live.generation, "backward (weight half)") as graph:
             state, half = half.weight_state, dataclasses.replace(half, weight_state=None)
             if state is not None:
                 for index, grads in self.caps.split.backward_weight(state, live.params):
@@ -248,14 +234,23 @@ class LayerCapture:
                     for i in index:
                         used[i] = True
             del state  # drops the last references to the autograd graph
-        plan.note_capture(live.generation, id(graph), _memory.now() - start)
-        layer.captures += 1
         return Position(
             generation=live.generation, fwd_graph=live.graph, bwd_graph=half.graph, static_inputs=live.static_inputs,
             static_outputs=live.static_outputs, static_grad_outputs=half.static_grads,
             static_grad_inputs=half.static_grad_inputs, param_grad_used=tuple(used),
             outputs=live.outputs_shape, accumulate=sig.accumulate, linked=live.linked, weight_graph=graph,
             weight_buffers=buffers, state=live.state, input_param_used=half.param_used, owned=live.owned)
+
+    @contextlib.contextmanager
+    def _captured(self, gen: Any, phase: str):
+        """One capture into pool generation ``gen``: a new graph (yielded) captured inside the
+        block (see :meth:`_capturing`), then noted with its duration and counted."""
+        graph = self.rt.create_graph()
+        start = _memory.now()
+        with self._capturing(graph, gen, phase):
+            yield graph
+        self.layer.plan.note_capture(gen, id(graph), _memory.now() - start)
+        self.layer.captures += 1
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):
