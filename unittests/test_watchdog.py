@@ -77,7 +77,7 @@ def test_completed_replays_and_a_quiet_peer_raise_nothing():
         events.done.add(events.count)
     time.sleep(0.6)
     dog.raise_pending()  # nothing to raise
-    assert dog.error is None and peer_calls
+    assert dog.error is None and len(peer_calls) == 1  # asked at once, then about once a second
     dog.stop()
 
 

@@ -114,6 +114,7 @@ class Process:
         #: answer in time. ``None``: each process decides alone.
         self.agreement: Optional[Callable[[bool], list]] = None
         self._watchdog: Any = _UNRESOLVED  # core.watchdog.ReplayWatchdog, None, or not decided yet
+        self._published_failure = False  # this process told its peers a capture failed: it stops anyway
 
     # ------------------------------------------------------ shared parameters
     def accumulate_in_graphs(self, layer: Any, params: Sequence[Any]) -> None:
@@ -324,9 +325,14 @@ class Process:
         if timeout is None and not agree:
             return None
         self._watchdog = ReplayWatchdog(events, timeout if timeout is not None else float("inf"), grace=grace,
-                                        peer_failure=events.peer_capture_failure if agree else None,
+                                        peer_failure=self._peer_failure if agree else None,
                                         faults=_collectives.collective_fault)
         return self._watchdog
+
+    def _peer_failure(self) -> Optional[str]:
+        """A peer's published capture failure (the watchdog's thread asks), unless this process
+        published one of its own (its own error reaches its user)."""
+        return None if self._published_failure else self.caps.events.peer_capture_failure()
 
     def launched(self, participant: Any, position: int, kind: str, graph: Any) -> None:
         """A graph of ``participant`` was replayed: the watchdog follows it."""
@@ -416,6 +422,7 @@ class Process:
             self.runtime.release_cached_memory()
         self.plan.log_summary()
         if batch.errors and self.caps.events is not None and self.watchdog is not None:
+            self._published_failure = True
             self.caps.events.publish_capture_failure(f"{type(batch.errors[0]).__name__}: {batch.errors[0]}"[:500])
         errors = self._agree(batch.errors)
         for extra in errors[1:]:

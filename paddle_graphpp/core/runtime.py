@@ -463,8 +463,8 @@ class ReplayEvents(abc.ABC):
 
     @abc.abstractmethod
     def peer_capture_failure(self) -> Optional[str]:
-        """A capture failure another rank published, or ``None`` (cheap: one lookup; called
-        from the watchdog's thread)."""
+        """A capture failure another rank published, or ``None`` (one lookup, which may cross the
+        network: the watchdog's thread asks about once a second)."""
 
 
 @dataclass(frozen=True, slots=True)

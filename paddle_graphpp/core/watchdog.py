@@ -44,6 +44,7 @@ logger = logging.getLogger("paddle_graphpp")
 
 EXIT_CODE = 75  # the process stopped because a graph replay (or a peer's capture) never completed
 _POLL = 0.05  # seconds between the thread's checks
+_PEER_POLL = 1.0  # seconds between two questions about peers' failed captures
 
 
 def parse_timeout(raw: Any, where: str) -> Optional[float]:
@@ -79,6 +80,7 @@ class ReplayWatchdog:
                  exit: Callable[[int], None] = os._exit):
         self.events, self.timeout, self.grace, self.min_gap = events, timeout, grace, min_gap
         self.peer_failure, self.faults = peer_failure, faults
+        self._peer_asked = 0.0  # when peer_failure was last called
         self._exit = exit
         self._pending: collections.deque = collections.deque()  # (launch time, event, what), oldest first
         self._last = 0.0  # when the last followed launch was recorded
@@ -147,7 +149,10 @@ class ReplayWatchdog:
                     f"A collective in it waits for a peer that died or stalled, or a kernel hangs. Check the "
                     f"other ranks' logs for the first error; raise the timeout (FLAGS_graphpp_replay_timeout, or "
                     f"the runtime's watch_replays) if the step is that slow.")
-        failure = self.peer_failure() if self.peer_failure is not None else None
+        failure = None
+        if self.peer_failure is not None and time.monotonic() - self._peer_asked >= _PEER_POLL:
+            self._peer_asked = time.monotonic()
+            failure = self.peer_failure()
         if failure is not None:
             return (f"paddle_graphpp: {failure}; this rank stops too instead of waiting in collectives its peer "
                     f"will not join. The cause is in that rank's CaptureError; fallback='eager' on the failing "

@@ -5,7 +5,8 @@
   (so a graph's collectives wait as long as eager ones would, and no longer);
 * aborting the process groups' communicators, as PyTorch's NCCL watchdog does on a timeout;
 * capture failures published through the default group's store (one key set by the failed
-  rank; the others read one counter from the watchdog's thread, about once a second);
+  rank; the others read one counter, from the watchdog's thread, which asks about once a
+  second);
 * the collectives a capture ran (``torch.distributed`` calls are noted while a graph captures,
   for the watchdog's message).
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import time
 from typing import Iterator, Optional
 
 import torch
@@ -29,19 +29,13 @@ __all__ = ["TorchReplayEvents", "watch_replays", "noting_collectives", "group_ti
 
 _FAILED_KEY = "paddle_graphpp/capture_failed"
 _COUNT_KEY = "paddle_graphpp/capture_failures"
-_PEER_POLL = 1.0  # seconds between two looks at the store
 # torch.distributed calls noted while a graph captures (looked up on the module at call time).
 _NOTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
           "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier")
 
 
 class TorchReplayEvents(ReplayEvents):
-    """Mixed into :class:`~paddle_graphpp.torch.runtime.TorchRuntime`."""
-
-    def __init__(self):
-        super().__init__()
-        self._peer_seen = 0.0  # when the store was last read for peers' failures
-        self._failed_here = False  # this rank published a failure of its own: it stops anyway
+    """Mixed into :class:`~paddle_graphpp.torch.runtime.TorchRuntime`; holds no state."""
 
     def event_recorder(self):
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -75,16 +69,11 @@ class TorchReplayEvents(ReplayEvents):
         store = _store()
         if store is None:
             return
-        self._failed_here = True
         with contextlib.suppress(Exception):
             store.set(_FAILED_KEY, f"rank {dist.get_rank()}: {text}")
             store.add(_COUNT_KEY, 1)
 
     def peer_capture_failure(self) -> Optional[str]:
-        now = time.monotonic()
-        if self._failed_here or now - self._peer_seen < _PEER_POLL:
-            return None
-        self._peer_seen = now
         store = _store()
         if store is None:
             return None
