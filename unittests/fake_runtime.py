@@ -8,10 +8,22 @@ import contextlib
 
 import torch
 
+from paddle_graphpp.core import runtime as runtime_mod
 from paddle_graphpp.core.engine import EngineOptions, GraphedCallable
 from paddle_graphpp.torch.memory.capabilities import storage_watches
 from paddle_graphpp.torch.runtime import TorchRuntime
 from fake_graphs import FakeGraphs
+
+
+@contextlib.contextmanager
+def serving(rt, framework: str = "torch"):
+    """Inside the block ``rt`` is the framework's runtime (``active_runtime()``: what graphed
+    modules, optimizers and collectives built there use)."""
+    runtime_mod.register_runtime(framework, lambda: rt)
+    try:
+        yield rt
+    finally:
+        runtime_mod.unregister_runtime(framework)
 
 
 class FakeGraphRuntime(FakeGraphs, TorchRuntime):

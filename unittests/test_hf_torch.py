@@ -265,21 +265,20 @@ def test_losses_and_gradients_equal_eager_over_steps_and_micro_batches(kind):
 
 
 @pytest.fixture
-def fake_runtime(monkeypatch):
+def fake_runtime():
     """CUDAGraphedModules built while it is active use the fake graph runtime: capture runs the
     code eagerly and replay only counts (values after a replay are stale), so the engine's
     graph path (record, capture, replay, links between chained blocks) runs on CPU."""
-    from fake_runtime import FakeGraphRuntime
+    from fake_runtime import FakeGraphRuntime, serving
 
-    import paddle_graphpp.torch.graphed as graphed_mod
     from paddle_graphpp.core import capture as capture_mod
     from paddle_graphpp.core import memory as memory_mod
 
     rt = FakeGraphRuntime()
-    monkeypatch.setattr(graphed_mod, "RUNTIME", rt)
     for table in (memory_mod._PLANS, capture_mod._PROCESSES):
         table.pop(rt.name, None)
-    yield rt
+    with serving(rt):
+        yield rt
     for table in (memory_mod._PLANS, capture_mod._PROCESSES):
         table.pop(rt.name, None)
 

@@ -211,20 +211,19 @@ def test_graph_loss_computes_the_loss_and_its_gradient_and_rejects_bad_input():
         graph_loss(nn.Linear(2, 1))
 
 
-def test_each_micro_batch_gets_its_own_graphed_loss_tensor(monkeypatch):
+def test_each_micro_batch_gets_its_own_graphed_loss_tensor():
     # On the last stage every micro-batch is an episode of its own and replays the same loss
     # graph: the losses a schedule collects must not all be that graph's one output buffer.
-    from fake_runtime import FakeGraphRuntime
-    import paddle_graphpp.torch.graphed as graphed_mod
+    from fake_runtime import FakeGraphRuntime, serving
     from paddle_graphpp.torch import graph_loss
 
-    monkeypatch.setattr(graphed_mod, "RUNTIME", FakeGraphRuntime())
-    loss_fn = graph_loss(lambda out, target: (out - target).square().mean(), 1)
-    for step in range(4):
-        losses = []
-        for _ in range(3):  # forward and backward of each micro-batch before the next (last stage, 1F1B)
-            loss = loss_fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))
-            losses.append(loss)
-            loss.backward()
-        assert len({t.data_ptr() for t in losses}) == 3, f"step {step}: the losses share storage"
-    assert loss_fn.engine.replays > 0
+    with serving(FakeGraphRuntime()):
+        loss_fn = graph_loss(lambda out, target: (out - target).square().mean(), 1)
+        for step in range(4):
+            losses = []
+            for _ in range(3):  # forward and backward of each micro-batch before the next (last stage, 1F1B)
+                loss = loss_fn(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8))
+                losses.append(loss)
+                loss.backward()
+            assert len({t.data_ptr() for t in losses}) == 3, f"step {step}: the losses share storage"
+        assert loss_fn.engine.replays > 0

@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from . import memory as _memory
 
-__all__ = ["EngineOptions", "GRAPHED_LAYER_DOC", "graphed_layer_doc"]
+__all__ = ["EngineOptions", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "compiler_options"]
 
 _FALLBACKS = ("error", "eager")
+
+
+def compiler_options(value: Any, owner: str, option: str, compiler: str, keys: Sequence[str]) -> Optional[dict]:
+    """The keyword arguments a graphed layer's compiler option (``compile=``, ``to_static=``)
+    stands for: ``None`` for ``False``/``None``, ``{}`` for ``True``, a copy of a dict whose keys
+    are among ``keys``. The framework checks the values.
+
+    Raises:
+        TypeError: ``value`` is neither a bool nor a dict.
+        ValueError: a key not in ``keys``.
+    """
+    if value is None or value is False:
+        return None
+    if value is not True and not isinstance(value, dict):
+        raise TypeError(f"{owner}: {option} must be True, False or a dict of {compiler} keyword arguments (some of "
+                        f"{list(keys)}), got {type(value).__name__}")
+    options = {} if value is True else dict(value)
+    unknown = sorted(set(options) - set(keys))
+    if unknown:
+        raise ValueError(f"{owner}: {option}={{...}} has {unknown}, which a graphed layer does not pass to {compiler}; "
+                         f"use some of {list(keys)}")
+    return options
 
 
 @dataclass(kw_only=True, slots=True)

@@ -47,7 +47,8 @@ from paddle.jit.sot.opcode_translator.executor.executor_cache import OpcodeExecu
 from paddle.jit.sot.translate import symbolic_translate
 from paddle.jit.sot.utils import StepInfoManager
 
-from .runtime import RUNTIME
+from ..core.options import compiler_options
+from .runtime import active_runtime
 
 __all__ = ["to_static_options", "StaticLayer", "opaque", "is_converted"]
 
@@ -68,16 +69,9 @@ def to_static_options(to_static: Any, owner: str) -> Optional[dict]:
         ValueError: an unknown key, an unknown backend, ``input_spec`` without
             ``full_graph=True`` (SOT ignores it), or SOT with the PIR API turned off.
     """
-    if to_static is None or to_static is False:
+    options = compiler_options(to_static, owner, "to_static", "paddle.jit.to_static", _KEYS)
+    if options is None:
         return None
-    if to_static is not True and not isinstance(to_static, dict):
-        raise TypeError(f"{owner}: to_static must be True, False or a dict of paddle.jit.to_static keyword "
-                        f"arguments (some of {list(_KEYS)}), got {type(to_static).__name__}")
-    options = {} if to_static is True else dict(to_static)
-    unknown = sorted(set(options) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"{owner}: to_static={{...}} has {unknown}, which a graphed layer does not pass to "
-                         f"paddle.jit.to_static; use some of {list(_KEYS)}")
     full_graph = options.get("full_graph")
     if full_graph is not None and not isinstance(full_graph, bool):
         raise TypeError(f"{owner}: to_static['full_graph'] must be a bool, got {type(full_graph).__name__}")
@@ -180,7 +174,7 @@ class StaticLayer(nn.Layer):
         pass
 
     def forward(self, *args, **kwargs):
-        if not RUNTIME.is_capturing():
+        if not active_runtime().is_capturing():
             return self._static(args, kwargs)
         before = _conversions(self._static)
         out = self._static(args, kwargs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import paddle
 
 from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
-from .runtime import RUNTIME
+from .runtime import active_runtime
 from .compile import StaticLayer, opaque, to_static_options
 
 __all__ = ["CUDAGraphedLayer"]
@@ -55,7 +55,7 @@ class CUDAGraphedLayer(HoldsEngine, paddle.nn.Layer):
         run = layer if options is None else StaticLayer(layer, options, label)
         self.layer = layer
         self._engine = graphed_engine(
-            run, RUNTIME, lambda: [p for p in layer.parameters() if not p.stop_gradient],
+            run, active_runtime(), lambda: [p for p in layer.parameters() if not p.stop_gradient],
             name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
             memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures)
 

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..core.options import compiler_options
+
 __all__ = ["compile_options", "refuse_inner_graphs", "compiled_module", "CompiledModule", "RunsInPlaceOf", "opaque",
            "no_compile_in_capture"]
 
@@ -55,17 +57,9 @@ def compile_options(compile: Any, owner: str) -> Optional[dict]:
         TypeError: ``compile`` is neither a bool nor a dict.
         ValueError: an unknown key, or a setting that records Inductor's own CUDA graphs.
     """
-    if compile is None or compile is False:
+    compile = compiler_options(compile, owner, "compile", "torch.compile", _KEYS)
+    if compile is None:
         return None
-    if compile is True:
-        return {}
-    if not isinstance(compile, dict):
-        raise TypeError(f"{owner}: compile must be True, False or a dict of torch.compile keyword arguments, "
-                        f"got {type(compile).__name__}")
-    unknown = sorted(set(compile) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"{owner}: compile={{...}} has {unknown}, which torch.compile does not take here; "
-                         f"use some of {list(_KEYS)}")
     mode, options, backend = compile.get("mode"), compile.get("options") or {}, compile.get("backend")
     if mode in _GRAPHING_MODES:
         raise _inner_graphs_error(owner, f"compile={{'mode': {mode!r}}}")
@@ -76,7 +70,7 @@ def compile_options(compile: Any, owner: str) -> Optional[dict]:
         raise _inner_graphs_error(owner, "compile={'options': {'triton.cudagraphs': True}}")
     if backend == "cudagraphs":
         raise _inner_graphs_error(owner, "compile={'backend': 'cudagraphs'}")
-    return dict(compile)
+    return compile
 
 
 def _compiled_by_user(obj: Any) -> Any:

@@ -6,7 +6,7 @@ import torch
 
 from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
 from .compile import CompiledModule, compile_options, opaque, refuse_inner_graphs
-from .runtime import RUNTIME, _registered_generators
+from .runtime import _registered_generators, active_runtime
 
 __all__ = ["CUDAGraphedModule"]
 
@@ -44,7 +44,7 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
                              f"the compiled one without it")
         run = module if options is None else CompiledModule(module, options)
         self._engine = graphed_engine(
-            run, RUNTIME, lambda: [p for p in module.parameters() if p.requires_grad],
+            run, active_runtime(), lambda: [p for p in module.parameters() if p.requires_grad],
             name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
             memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures,
             accumulate_grads=accumulate_grads, generators=generators)

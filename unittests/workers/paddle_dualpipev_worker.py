@@ -125,9 +125,9 @@ def main():
     eager = train(args, False)
     if args.runtime == "fake":
         from fake_paddle_runtime import FakePaddleRuntime
-        import paddle_graphpp.paddle.graphed as graphed_layer
+        from paddle_graphpp.core.runtime import register_runtime
 
-        graphed_layer.RUNTIME = FakePaddleRuntime()
+        register_runtime("paddle", FakePaddleRuntime)  # what the graphed layers built from here use
     graphed = train(args, True)
     finish(args.out, rank, {"rank": rank, "eager": eager, "graphed": graphed,
                             "weight_halves_run": len(weight_halves)})

@@ -60,9 +60,9 @@ class FailsInCapture(nn.Module):
     inside a capture does."""
 
     def forward(self, x):
-        from paddle_graphpp.torch import graphed  # its RUNTIME: the real one, or the fake one set below
+        from paddle_graphpp.torch.runtime import active_runtime  # the real one, or the fake one set below
 
-        if graphed.RUNTIME.is_capturing():
+        if active_runtime().is_capturing():
             raise RuntimeError("FailsInCapture: a host sync inside the capture (injected by the test)")
         return x
 
@@ -187,9 +187,9 @@ def main():
         result = {"rank": rank, "eager": train(args, rank, world, graphed=False)}
         if args.runtime == "fake":
             from fake_runtime import FakeGraphRuntime
-            import paddle_graphpp.torch.graphed as graphed_mod
+            from paddle_graphpp.core.runtime import register_runtime
 
-            graphed_mod.RUNTIME = FakeGraphRuntime()
+            register_runtime("torch", FakeGraphRuntime)  # what the graphed modules built from here use
         result["graphed"] = train(args, rank, world, graphed=True)
         return result
 
