@@ -16,6 +16,9 @@ the weight on the first and one on the last stage and sums their gradients after
 With ``--cudagraph`` each stage's blocks are captured as CUDA graphs (``paddle_graphpp.
 PipelineLayer(use_cudagraph=True)`` / ``paddle_graphpp.torch.pipeline.graph_stage_module``);
 Paddle keeps the tied (``SharedLayerDesc``) layers eager, PyTorch graphs them with the blocks.
+With ``--compile`` (PyTorch) each stage module runs through ``torch.compile`` (Inductor); with
+``--cudagraph`` too, the compiled kernels are what the graphs capture (``graph_stage_module(...,
+compile=True)``). ``--lr-warmup N`` ramps the learning rate up linearly over the first N steps.
 On CPU the graphed layers run eagerly. On GPUs the torch path uses
 NCCL (with ``NCCL_NVLS_ENABLE=0``) and TF32 matmuls, one GPU per rank; the paddle path needs a
 Paddle build with CUDA for graphs.
@@ -52,6 +55,13 @@ from tools import launch  # noqa: E402
 
 # Eager micro-batches each graphed run sees before it captures (the engine's default).
 NUM_WARMUP_STEPS = 3
+# Extra untimed steps of a --compile run. Dynamo compiles at a module's first call and AOTAutograd
+# the backward at its first backward, both in step 0 (on CPU every compile falls there); the
+# margin keeps a recompile in step 1 or 2 (a guard failing once the engine records its step on
+# static buffers) out of the timing. The JSON line's per-rank compile_steps shows where they fell.
+COMPILE_SETTLE_STEPS = 2
+# --compile BACKEND: Inductor (the default), or dynamo + AOTAutograd without Inductor (fast, eager numerics)
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 # --schedule -> (torch.distributed.pipelining class, chunks placed in a V)
 SCHEDULES = {
     "1f1b": (None, False),  # Schedule1F1B, or ScheduleInterleaved1F1B with --vpp > 1
@@ -117,7 +127,18 @@ class Config:
     dropout: float = 0.1
     """Dropout probability in the embeddings and blocks."""
     lr: float = 3e-4
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, after ``--lr-warmup``)."""
+    lr_warmup: int = 0
+    """Steps of linear learning-rate warmup: step ``s`` (from 0) trains at ``lr * (s + 1) / N``
+    for ``s < N``, then at ``lr`` (torch ``LambdaLR``, Paddle ``LambdaDecay``, the same factor).
+    0: no warmup."""
+    compile: str = ""
+    """``torch.compile`` the stage modules (PyTorch): ``--compile`` is Inductor in its default mode;
+    ``--compile BACKEND`` names another backend (``aot_eager``: AOTAutograd without Inductor, as
+    the CPU tests use). Without ``--cudagraph`` every module of a stage (embedding, blocks, final
+    norm, head) runs through ``torch.compile`` while the schedule and its sends and receives stay
+    eager; with it, ``graph_stage_module(compile=...)`` compiles the graphed runs' modules in the
+    warmup and captures the compiled kernels. The loss function stays uncompiled. Empty: off."""
     timeout: int = 120
     """Seconds a rank waits for its peers before it gives up with an error."""
     graph_memory: str = "shared"
@@ -195,7 +216,12 @@ def parse_args(argv=None) -> Config:
                         help="per rank, where memory went at the peak (torch on GPUs; slow)")
     parser.add_argument("--data", default=defaults.data, metavar="PATH", help="text file (default: synthetic)")
     parser.add_argument("--dropout", type=float, default=defaults.dropout)
-    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate (the peak)")
+    parser.add_argument("--lr-warmup", type=int, default=defaults.lr_warmup, metavar="N",
+                        help="linear learning-rate warmup over the first N steps (default: none)")
+    parser.add_argument("--compile", nargs="?", const="inductor", default=defaults.compile, metavar="BACKEND",
+                        help="torch.compile the stage modules (--framework torch; default backend: inductor); "
+                             "with --cudagraph the compiled kernels are captured")
     args = parser.parse_args(argv)
     return Config(**vars(args))
 
@@ -212,6 +238,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(cfg, flag)}")
     if not 0.0 <= cfg.dropout < 1.0:
         raise ConfigError(f"--dropout must be in [0, 1), got {cfg.dropout}")
+    if not cfg.lr > 0:
+        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.lr_warmup < 0:
+        raise ConfigError(f"--lr-warmup must be 0 (no warmup) or a number of steps, got {cfg.lr_warmup}")
+    validate_compile(cfg)
     chunks = cfg.pp * cfg.vpp
     if cfg.layers % chunks:
         raise ConfigError(
@@ -280,13 +311,42 @@ def validate(cfg: Config) -> None:
                           f"{VOCAB_SIZE} or more")
     if cfg.framework != "torch" and (cfg.dtype != "float32" or cfg.attention != "explicit" or cfg.memory_trace):
         raise ConfigError("--dtype, --attention and --memory-trace work with --framework torch")
-    if cfg.profile_steps and (cfg.framework != "torch" or cfg.profile_steps < 0
-                              or cfg.profile_steps > cfg.steps - NUM_WARMUP_STEPS - 2):
+    most = cfg.steps - untimed_steps(cfg) - 1
+    if cfg.profile_steps and (cfg.framework != "torch" or cfg.profile_steps < 0 or cfg.profile_steps > most):
         raise ConfigError(f"--profile-steps works with --framework torch and leaves at least one timed step after "
-                          f"warmup and capture: at most {max(0, cfg.steps - NUM_WARMUP_STEPS - 2)} with --steps "
-                          f"{cfg.steps}")
+                          f"warmup and capture: at most {max(0, most)} with --steps {cfg.steps}")
     if cfg.data and not os.path.isfile(cfg.data):
         raise ConfigError(f"--data {cfg.data!r} is not a file; pass a text file or leave --data out")
+
+
+def validate_compile(cfg: Config) -> None:
+    """The rules of ``--compile``: PyTorch only, and the schedules and layouts it was tried with."""
+    if not cfg.compile:
+        return
+    if cfg.framework != "torch":
+        raise ConfigError("--compile works with --framework torch; this trainer does not compile Paddle models "
+                          "(paddle_graphpp.PipelineLayer's to_static=True does, docs/paddle.md)")
+    if cfg.compile not in COMPILE_BACKENDS:
+        raise ConfigError(f"--compile {cfg.compile}: the backend must be one of {', '.join(COMPILE_BACKENDS)} "
+                          f"(Inductor's own CUDA graphs are not offered: use --cudagraph for graphs)")
+    if cfg.tp > 1:
+        raise ConfigError("--compile with --tp is untested (the tensor-parallel all-reduces run inside the "
+                          "blocks); use --tp 1")
+    if cfg.schedule != "1f1b":
+        raise ConfigError(f"--compile with --schedule {cfg.schedule} (a split backward) is untested; use "
+                          f"--schedule 1f1b")
+
+
+def lr_factor(step: int, warmup: int) -> float:
+    """The learning-rate multiplier of step ``step`` (from 0) under ``--lr-warmup warmup``."""
+    return 1.0 if step >= warmup else (step + 1) / warmup
+
+
+def untimed_steps(cfg: Config) -> int:
+    """Steps before the timed ones: the eager warmup calls, the recorded step and the capture
+    (``NUM_WARMUP_STEPS + 1`` steps, more than the engine needs with several micro-batches per
+    step), and with ``--compile`` :data:`COMPILE_SETTLE_STEPS` more."""
+    return NUM_WARMUP_STEPS + 1 + (COMPILE_SETTLE_STEPS if cfg.compile else 0)
 
 
 # ------------------------------------------------------------------------------------- data
@@ -394,9 +454,10 @@ class StepTimer:
 
     def __init__(self, cfg: Config, sync):
         self.sync = sync
-        # Skip the eager warmup steps and the capture step; keep at least one timed step. The
-        # profiled steps (--profile-steps, at the end) are not timed: the profiler slows them.
-        self.skip = min(NUM_WARMUP_STEPS + 1, cfg.steps - 1)
+        # Skip the eager warmup steps and the capture step (and, compiled, the steps that compile);
+        # keep at least one timed step. The profiled steps (--profile-steps, at the end) are not
+        # timed: the profiler slows them.
+        self.skip = min(untimed_steps(cfg), cfg.steps - 1)
         self.last = max(self.skip, cfg.steps - 1 - cfg.profile_steps)
         self.timed_steps = self.last - self.skip + 1
         self.start = None
@@ -414,6 +475,30 @@ class StepTimer:
 
     def tokens_per_s(self, cfg: Config) -> float:
         return self.timed_steps * cfg.tokens_per_step / max(self.elapsed, 1e-9)
+
+
+class CompileWatch:
+    """The steps in which dynamo compiled a frame (a first compile or a recompile), for the
+    JSON line: a compiled run's timing is sound when they all come before the timed steps."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.steps: list = []
+        self._seen = 0
+
+    @staticmethod
+    def frames() -> int:
+        from torch._dynamo.utils import counters
+
+        return counters["frames"]["total"]
+
+    def after(self, step: int) -> None:
+        if self.enabled and (now := self.frames()) != self._seen:
+            self._seen = now
+            self.steps.append(step)
+
+    def report(self) -> dict:
+        return {"compile_steps": self.steps, "frames_compiled": self._seen} if self.enabled else {}
 
 
 def cpu_peak_mib() -> float:
@@ -480,6 +565,56 @@ def _tied_pairs(tied_by_chunk: dict) -> list:
             continue
         out.extend(t if isinstance(t, tuple) else (t,))
     return out
+
+
+def torch_compile_kwargs(cfg: Config):
+    """``--compile`` as ``torch.compile`` keyword arguments (``None`` when off)."""
+    if not cfg.compile:
+        return None
+    return {} if cfg.compile == "inductor" else {"backend": cfg.compile}
+
+
+def torch_stage_module(cfg: Config, chunk, tied, *, name: str):
+    """What ``PipelineStage`` runs for ``chunk``: the chunk itself, its modules each through
+    ``torch.compile`` (``--compile``), or its graphed runs (``--cudagraph``, compiled inside the
+    graphs with ``--compile``). ``tied``: the chunk's tied module(s), kept eager with
+    ``--graph-eager-tied``."""
+    from torch import nn
+
+    options = torch_compile_kwargs(cfg)
+    if not cfg.cudagraph:
+        if options is None:
+            return chunk
+        from paddle_graphpp.torch.compile import compiled_module
+
+        # the same torch.compile(module) per entry that graph_stage_module(compile=...) applies;
+        # the parameters stay the chunk's (the optimizer and the tie hold them)
+        return nn.Sequential(*[compiled_module(module, options) for module in chunk])
+    from paddle_graphpp.torch.pipeline import graph_stage_module
+
+    accumulate = "auto" if cfg.graph_accumulate_grads is None else cfg.graph_accumulate_grads
+    # the tied embedding and head are graphed too (unless --graph-eager-tied); _sum_tied_grads
+    # reads their .grad after the step
+    keep = tied if cfg.graph_eager_tied else None
+    return graph_stage_module(chunk, NUM_WARMUP_STEPS, memory=cfg.graph_memory, accumulate_grads=accumulate,
+                              name=name, shared=() if keep is None else keep if isinstance(keep, tuple) else (keep,),
+                              compile=options)
+
+
+def torch_lr_schedule(cfg: Config, optimizer):
+    """``--lr-warmup`` as a ``LambdaLR`` over ``optimizer`` (``None`` without warmup).
+
+    Under ``--graph-optimizer`` it schedules the wrapped optimizer: ``GraphedOptimizer`` keeps
+    ``lr`` in a device tensor the captured step reads, filled in place by the scheduler (or from
+    a new value before the next replay), so every replay steps at the scheduled rate
+    (``unittests/gpu/test_optim_gpu.py`` checks it against eager AdamW under ``LambdaLR``).
+    """
+    import torch
+
+    if not cfg.lr_warmup:
+        return None
+    inner = getattr(optimizer, "optimizer", optimizer)  # GraphedOptimizer wraps the AdamW
+    return torch.optim.lr_scheduler.LambdaLR(inner, lambda step: lr_factor(step, cfg.lr_warmup))
 
 
 def run_torch(cfg: Config) -> None:
@@ -550,20 +685,8 @@ def run_torch(cfg: Config) -> None:
     graphed = []
     stage_modules = {}
     for s in stage_ids:
-        if cfg.cudagraph:
-            from paddle_graphpp.torch.pipeline import graph_stage_module
-
-            accumulate = "auto" if cfg.graph_accumulate_grads is None else cfg.graph_accumulate_grads
-            # the tied embedding and head are graphed too (unless --graph-eager-tied); _sum_tied_grads
-            # reads their .grad after the step
-            keep = tied_by_chunk[s] if cfg.graph_eager_tied else None
-            mod = graph_stage_module(chunks[s], NUM_WARMUP_STEPS, memory=cfg.graph_memory,
-                                     accumulate_grads=accumulate, name=f"stage{s}",
-                                     shared=() if keep is None else keep if isinstance(keep, tuple) else (keep,))
-            graphed.extend(mod.graphed_modules)
-        else:
-            mod = chunks[s]
-        stage_modules[s] = mod
+        stage_modules[s] = torch_stage_module(cfg, chunks[s], tied_by_chunk[s], name=f"stage{s}")
+        graphed.extend(getattr(stage_modules[s], "graphed_modules", []))
 
     mbs, seq, hid = cfg.micro_batch_size, cfg.seq_len, cfg.hidden
     hidden_meta = torch.empty(mbs, seq, hid, device=device, dtype=dtype, requires_grad=True)  # carries gradients
@@ -595,6 +718,7 @@ def run_torch(cfg: Config) -> None:
         from paddle_graphpp import GraphedOptimizer
 
         optimizer = GraphedOptimizer(optimizer)  # step + in-place zero-grad, one graph replay
+    lr_schedule = torch_lr_schedule(cfg, optimizer)
     # The tie between the first and the last stage: each holds a copy, gradients are summed
     # over tie_group (from torch_mesh).
 
@@ -606,6 +730,7 @@ def run_torch(cfg: Config) -> None:
     reporter = Reporter(cfg, enabled=last_rank and tp_rank == 0)
     sync = (lambda: torch.cuda.synchronize(device)) if use_cuda else (lambda: None)
     timer = StepTimer(cfg, sync)
+    compiles = CompileWatch(bool(cfg.compile))
     memory = None
     if use_cuda:
         from tools.benchlib import DeviceMemory
@@ -636,8 +761,11 @@ def run_torch(cfg: Config) -> None:
         schedule.step(*args, target=target, losses=losses, **step_kwargs)
         _sum_tied_grads(tied, tie_group)
         optimizer.step()
+        if lr_schedule is not None:
+            lr_schedule.step()
         loss = torch.stack(losses).float().mean().item() if last_rank else 0.0
         timer.after(step, cfg)
+        compiles.after(step)
         reporter.step(step, loss, time.perf_counter() - t0)
 
     compute_busy = idle = None
@@ -652,6 +780,7 @@ def run_torch(cfg: Config) -> None:
     else:
         mine = {"peak_mem_mib": round(cpu_peak_mib(), 1), "steady_peak_mem_mib": round(cpu_peak_mib(), 1)}
         device_name = "cpu"
+    mine.update(compiles.report())
     if compute_busy is not None:
         mine["compute_busy"] = compute_busy
         mine["idle_gaps"] = idle
@@ -688,7 +817,7 @@ def run_torch(cfg: Config) -> None:
                     per_rank=per_rank,
                     graphed_runs_on_rank=len(graphed),
                     graphs_active=bool(cfg.cudagraph and use_cuda), timed_steps=timer.timed_steps,
-                    torch_version=torch.__version__)
+                    untimed_steps=timer.skip, torch_version=torch.__version__)
     if world > 1:
         dist.barrier()
 
@@ -742,7 +871,9 @@ def run_paddle(cfg: Config) -> None:
         descs, num_stages=cfg.pp, loss_fn=LossPipe(cfg.vocab), seg_method="layer:Block",
         num_virtual_pipeline_stages=cfg.vpp if cfg.vpp > 1 else None, use_cudagraph=cfg.cudagraph,
         num_warmup_steps=NUM_WARMUP_STEPS, graph_loss=cfg.graph_loss)
-    optimizer = paddle.optimizer.AdamW(learning_rate=cfg.lr, parameters=model.parameters())
+    lr_schedule = paddle_lr_schedule(cfg)  # fleet's train_batch steps it after each optimizer step
+    optimizer = paddle.optimizer.AdamW(learning_rate=cfg.lr if lr_schedule is None else lr_schedule,
+                                       parameters=model.parameters())
     if cfg.pp > 1:
         model = fleet.distributed_model(model)
         optimizer = fleet.distributed_optimizer(optimizer)
@@ -757,9 +888,11 @@ def run_paddle(cfg: Config) -> None:
         t0 = time.perf_counter()
         x, y = (paddle.to_tensor(a) for a in batch_for_step(corpus, cfg, step))
         if cfg.pp > 1:
-            loss = model.train_batch([x, y], optimizer)
+            loss = model.train_batch([x, y], optimizer, lr_schedule)
         else:
             loss = _paddle_single_stage_step(model, optimizer, x, y, cfg)
+            if lr_schedule is not None:
+                lr_schedule.step()
         loss = float(np.asarray(loss).reshape(-1)[0])
         timer.after(step, cfg)
         reporter.step(step, loss, time.perf_counter() - t0)
@@ -778,6 +911,16 @@ def run_paddle(cfg: Config) -> None:
                     timed_steps=timer.timed_steps, paddle_version=paddle.__version__)
     if world > 1:
         dist.barrier()
+
+
+def paddle_lr_schedule(cfg: Config):
+    """``--lr-warmup`` as Paddle's ``LambdaDecay`` with the torch run's factor (``None`` without
+    warmup): step ``s`` trains at ``lr * lr_factor(s)`` in both frameworks."""
+    import paddle
+
+    if not cfg.lr_warmup:
+        return None
+    return paddle.optimizer.lr.LambdaDecay(cfg.lr, lambda step: lr_factor(step, cfg.lr_warmup))
 
 
 def _paddle_single_stage_step(model, optimizer, x, y, cfg: Config):

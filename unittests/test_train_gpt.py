@@ -148,6 +148,12 @@ def test_text_file_data(tmp_path):
     (["--framework", "torch", "--schedule", "zbv"], "--vpp 2"),
     (["--framework", "torch", "--schedule", "interleaved_zb"], "--vpp 2"),
     (["--framework", "torch", "--vpp", "2", "--schedule", "dualpipev", "--micro-batches", "2"], "--micro-batches 4"),
+    (["--compile"], "--framework torch"),
+    (["--framework", "torch", "--compile", "cudagraphs"], "--compile cudagraphs: the backend must be one of"),
+    (["--framework", "torch", "--compile", "--tp", "2", "--heads", "2"], "--tp 1"),
+    (["--framework", "torch", "--compile", "--vpp", "2", "--schedule", "zbv"], "--schedule 1f1b"),
+    (["--lr-warmup", "-1"], "--lr-warmup"),
+    (["--lr", "0"], "--lr must be positive"),
 ])
 def test_bad_configurations_fail_before_any_rank_starts(args, fix):
     rc, out, err, seconds = train(args, timeout=60)
@@ -240,3 +246,115 @@ def test_benchmark_run_starts_again_once_when_its_rendezvous_port_was_taken(monk
     monkeypatch.setattr(bench_pipeline.launch, "run", lambda argv, **kw: calls.append(argv) or real_run(argv, **kw))
     record = bench_pipeline.run_one(args + ["--micro-batches", "1"], timeout=120)  # fewer than --pp: refused
     assert record["error"].startswith("exit code") and "port_retries" not in record and len(calls) == 1
+
+
+def test_compile_and_warmup_flags_as_a_library():
+    from tools.train_gpt import StepTimer, lr_factor, parse_args, torch_compile_kwargs, untimed_steps, validate
+
+    plain = parse_args(["--framework", "torch"])
+    compiled = parse_args(["--framework", "torch", "--compile", "--cudagraph"])
+    assert (compiled.compile, compiled.cudagraph) == ("inductor", True)  # --compile takes no value from the next flag
+    assert parse_args(["--framework", "torch", "--compile", "aot_eager"]).compile == "aot_eager"
+    validate(compiled)
+    assert (torch_compile_kwargs(plain), torch_compile_kwargs(compiled)) == (None, {})
+    assert torch_compile_kwargs(parse_args(["--compile", "aot_eager"])) == {"backend": "aot_eager"}
+    # compiled runs leave two more steps untimed, and the timer starts after them
+    assert (untimed_steps(plain), untimed_steps(compiled)) == (4, 6)
+    long = parse_args(["--framework", "torch", "--compile", "--steps", "12"])
+    assert StepTimer(long, lambda: None).skip == 6 and StepTimer(long, lambda: None).timed_steps == 6
+    assert StepTimer(parse_args(["--framework", "torch", "--compile", "--steps", "5"]), lambda: None).skip == 4
+    # --profile-steps counts the compiled run's untimed steps
+    validate(parse_args(["--framework", "torch", "--steps", "12", "--profile-steps", "7"]))
+    with pytest.raises(Exception, match="at most 5 with --steps 12"):
+        validate(parse_args(["--framework", "torch", "--compile", "--steps", "12", "--profile-steps", "7"]))
+    assert [lr_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert [lr_factor(s, 0) for s in range(2)] == [1.0, 1.0]
+
+
+def test_the_warmup_schedules_the_same_rates_in_both_frameworks():
+    import torch
+
+    from tools.train_gpt import paddle_lr_schedule, parse_args, torch_lr_schedule
+
+    cfg = parse_args(["--lr", "1e-3", "--lr-warmup", "3"])
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=cfg.lr)
+    sched, paddle_sched = torch_lr_schedule(cfg, opt), paddle_lr_schedule(cfg)
+    torch_rates, paddle_rates = [], []
+    for _ in range(5):
+        torch_rates.append(opt.param_groups[0]["lr"])
+        paddle_rates.append(paddle_sched())
+        opt.step()
+        sched.step()
+        paddle_sched.step()
+    assert torch_rates == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3])
+    assert paddle_rates == pytest.approx(torch_rates)
+    assert torch_lr_schedule(parse_args([]), opt) is None and paddle_lr_schedule(parse_args([])) is None
+
+
+def test_under_the_graphed_optimizer_the_warmup_fills_the_lr_tensor_the_graph_reads():
+    # On a GPU GraphedOptimizer turns lr into a device tensor that the captured step reads; the
+    # schedule must update that tensor in place (a new object would leave the graph at the old
+    # rate). A tensor lr on the CPU shows what the scheduler does to it.
+    import torch
+
+    from paddle_graphpp import GraphedOptimizer
+    from tools.train_gpt import parse_args, torch_lr_schedule
+
+    lr = torch.tensor(1e-3)
+    param = torch.nn.Parameter(torch.ones(2))
+    gopt = GraphedOptimizer(torch.optim.AdamW([param], lr=lr, foreach=False))
+    sched = torch_lr_schedule(parse_args(["--lr", "1e-3", "--lr-warmup", "4"]), gopt)
+    assert sched.optimizer is gopt.optimizer
+    seen = []
+    for _ in range(5):
+        param.grad = torch.ones(2)
+        gopt.step()
+        sched.step()
+        assert gopt.optimizer.param_groups[0]["lr"] is lr
+        seen.append(lr.item())
+    assert seen == pytest.approx([5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+def test_compiled_stages_train_the_eager_model_with_and_without_graphs():
+    # aot_eager (dynamo + AOTAutograd, eager kernels; what the compile tests use on CPU): the
+    # compiled stages, and the compiled stages inside the graphed runs (eager on CPU), give
+    # eager's losses bit for bit; every rank compiles, in the first step only.
+    args = ["--framework", "torch", "--steps", "7", "--dropout", "0"]
+    eager, _, _ = train_ok(args)
+    compiled, _, _ = train_ok(args + ["--compile", "aot_eager"])
+    both, _, _ = train_ok(args + ["--compile", "aot_eager", "--cudagraph"])
+    for run in (compiled, both):
+        assert run["losses"] == eager["losses"]
+        assert run["config"]["compile"] == "aot_eager" and run["untimed_steps"] == 6 and run["timed_steps"] == 1
+        assert [r["compile_steps"] for r in run["per_rank"]] == [[0], [0]]
+        assert all(r["frames_compiled"] >= 2 for r in run["per_rank"])  # the embedding or head, and the blocks
+    assert both["graphed_runs_on_rank"] >= 1 and "compile_steps" not in eager["per_rank"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+def test_inductor_compiled_graphed_stages_train_like_eager():
+    args = ["--framework", "torch", "--steps", "5", "--dropout", "0", "--layers", "2"]
+    eager, _, _ = train_ok(args)
+    both, _, _ = train_ok(args + ["--compile", "--cudagraph"], timeout=240)
+    assert both["config"]["compile"] == "inductor"
+    assert both["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("framework", ["torch", "paddle"])
+def test_lr_warmup_starts_at_a_fraction_of_the_rate(framework):
+    # the first step's loss comes before any update; warmup then takes smaller steps than the
+    # full rate, so the second loss differs; the graphed optimizer follows the same schedule
+    args = ["--framework", framework, "--steps", "3", "--dropout", "0", "--lr", "3e-3"]
+    full, _, _ = train_ok(args)
+    warm, _, _ = train_ok(args + ["--lr-warmup", "3"])
+    assert warm["config"]["lr_warmup"] == 3
+    assert warm["losses"][0] == full["losses"][0] and warm["losses"][1] != full["losses"][1]
+    assert warm["loss_last"] < warm["loss_first"]
+    if framework == "torch":
+        graphed_opt, _, _ = train_ok(args + ["--lr-warmup", "3", "--graph-optimizer"])
+        assert graphed_opt["losses"] == warm["losses"]
