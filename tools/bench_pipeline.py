@@ -33,6 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from tools import benchlib, launch  # noqa: E402
+from tools.gpt_shape import GPT3_1P3B, train_gpt_flags  # noqa: E402
 
 TRAIN = os.path.join(REPO, "tools", "train_gpt.py")
 BUDGET_S = 450  # the whole benchmark stays under 8 minutes
@@ -49,6 +50,16 @@ SMOKE_CONFIGS = {
     "launch_bound": ["--hidden", "64", "--layers", "4", "--micro-batch-size", "2", "--seq-len", "32",
                      "--micro-batches", "4"],
 }
+#: GPT-3 1.3B as the multi-GPU benchmarks train it (each adds --pp/--tp, --seq-len, --steps and its
+#: variant's flags): micro-batch 1, 8 micro-batches, bf16, flash attention, dropout off (runs of
+#: different numerics then compare), AdamW at lr 2e-5 after a 3-step linear warmup. At lr 3e-4
+#: without warmup the loss rose from 11.3 to 22.9 before it fell. The same width and depth at
+#: seq 128 on CPU: at 2e-5 (warmup 3) the loss fell at every one of ten steps (11.30 -> 5.16), at
+#: 4e-5 it rose in step 4 (8.00 -> 8.77), and with 8 blocks 5e-5 already rose; the deeper, the
+#: smaller the rate Adam's first, gradient-size-blind steps tolerate.
+GPT3_1P3B_RUN = ["--framework", "torch", *train_gpt_flags(GPT3_1P3B), "--micro-batch-size", "1",
+                 "--micro-batches", "8", "--dtype", "bfloat16", "--dropout", "0", "--lr", "2e-5",
+                 "--lr-warmup", "3", "--seed", "1234", "--timeout", "120"]
 EXTRA_VARIANTS = ("graphed_optimizer", "graphed_accumulate")
 SCHEDULES = {"1F1B": ["--pp", "2"], "interleaved": ["--pp", "2", "--vpp", "2"]}
 
@@ -84,40 +95,82 @@ def run_one(args: list, timeout: float, extra_env: Optional[dict] = None) -> dic
 
 
 def summarize(records: list) -> dict:
-    """Median tokens/s and peak memory over a variant's rounds, with the round spread."""
+    """Median tokens/s and peak memory over a variant's rounds, with the round spread; per rank
+    (``*_per_rank``, medians over the rounds) where the runs report their ranks."""
     ok = [r for r in records if "error" not in r]
     if not ok:
         return {"error": records[0].get("error", "no run") if records else "no run"}
     tps = [r["tokens_per_s"] for r in ok]
-    return {"tokens_per_s": statistics.median(tps), "tokens_per_s_rounds": tps, "spread": max(tps) / min(tps),
-            "peak_mem_mib": statistics.median([r["peak_mem_mib"] for r in ok]),
-            "steady_peak_mem_mib": statistics.median([r.get("steady_peak_mem_mib", r["peak_mem_mib"]) for r in ok]),
-            "losses": ok[0]["losses"],
-            "graphs_active": all(r.get("graphs_active", False) for r in ok),
-            "commands": sorted({r["command"] for r in ok})}
+    out = {"tokens_per_s": statistics.median(tps), "tokens_per_s_rounds": tps, "spread": max(tps) / min(tps),
+           "peak_mem_mib": statistics.median([r["peak_mem_mib"] for r in ok]),
+           "steady_peak_mem_mib": statistics.median([r.get("steady_peak_mem_mib", r["peak_mem_mib"]) for r in ok]),
+           "losses": ok[0]["losses"],
+           "graphs_active": all(r.get("graphs_active", False) for r in ok),
+           "commands": sorted({r["command"] for r in ok})}
+    ranks = {len(r.get("per_rank") or []) for r in ok}
+    if len(ranks) == 1 and (count := ranks.pop()):
+        for key in ("peak_mem_mib", "steady_peak_mem_mib"):
+            out[key + "_per_rank"] = [statistics.median([r["per_rank"][i].get(key, 0.0) for r in ok])
+                                      for i in range(count)]
+    return out
 
 
-def compare(eager: dict, graphed: dict) -> dict:
-    """Loss agreement and the speed and memory ratios of one eager/graphed pair (medians)."""
+def compare(eager: dict, graphed: dict, *, rtol: float = LOSS_RTOL) -> dict:
+    """Loss agreement (relative error within ``rtol``) and the speed and memory ratios of one
+    eager/graphed pair (medians; memory per rank too where both have it)."""
     if "error" in eager or "error" in graphed:
         return {"ok": False, "reason": "a run failed"}
     a, b = eager["losses"], graphed["losses"]
     if len(a) != len(b) or not a:
         return {"ok": False, "reason": f"loss counts differ ({len(a)} vs {len(b)})"}
-    rel = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
-    reason = [] if rel <= LOSS_RTOL else [f"losses differ by {rel:.1e}"]
+    rel = benchlib.max_rel_loss_diff(b, a)
+    reason = [] if rel <= rtol else [f"losses differ by {rel:.1e}"]
     if not graphed.get("graphs_active", False):
         reason.append("graphs were not active")
-    return {
+    out = {
         "reason": "; ".join(reason),
-        "ok": rel <= LOSS_RTOL and graphed.get("graphs_active", False),
+        "ok": rel <= rtol and graphed.get("graphs_active", False),
         "max_rel_loss_err": rel,
-        "losses_match": rel <= LOSS_RTOL,
+        "loss_rtol": rtol,
+        "losses_match": rel <= rtol,
         "graphs_active": graphed.get("graphs_active", False),
         "speedup_tokens_per_s": graphed["tokens_per_s"] / max(eager["tokens_per_s"], 1e-9),
         "peak_mem_ratio": graphed["peak_mem_mib"] / max(eager["peak_mem_mib"], 1e-9),
         "steady_peak_mem_ratio": graphed["steady_peak_mem_mib"] / max(eager["steady_peak_mem_mib"], 1e-9),
     }
+    for key in ("peak_mem_mib", "steady_peak_mem_mib"):
+        mine, base = graphed.get(key + "_per_rank"), eager.get(key + "_per_rank")
+        if mine and base and len(mine) == len(base):
+            out[key.replace("_mib", "_ratio") + "_per_rank"] = [x / max(y, 1e-9) for x, y in zip(mine, base)]
+    return out
+
+
+MIN_RUN_S = 25.0  # a run that would start with less time left is recorded as skipped
+
+
+def run_plan(plan: list, *, budget: float, run_cap: float) -> dict:
+    """Run ``(label, seq, train_gpt arguments)`` entries in order, each through :func:`run_one`
+    with what is left of ``budget`` seconds (at most ``run_cap``); an entry with less than
+    :data:`MIN_RUN_S` left is recorded as skipped. Returns ``{(seq, label): [record, ...]}``."""
+    deadline = time.monotonic() + budget
+    records: dict = {}
+    for i, (label, seq, args) in enumerate(plan, 1):
+        remaining = deadline - time.monotonic()
+        if remaining < MIN_RUN_S:
+            records.setdefault((seq, label), []).append({"error": "skipped: time budget spent"})
+            continue
+        print(f"[{i}/{len(plan)}] seq {seq} {label} ...", flush=True)
+        record = run_one(args, timeout=min(run_cap, remaining - 5))
+        if "error" in record:
+            print(f"  failed: {record['error']}\n{record.get('stderr_tail', '')[-1500:]}", flush=True)
+        records.setdefault((seq, label), []).append(record)
+    return records
+
+
+def print_plan(plan: list) -> None:
+    """``--dry-run`` of a tool built on :func:`run_plan`: one line per run, in order."""
+    for label, seq, args in plan:
+        print(f"{label:<14} seq {seq}: python tools/train_gpt.py {' '.join(args)}")
 
 
 def main() -> int:
@@ -197,18 +250,23 @@ def main() -> int:
         return 0 if all("error" not in r for r in runs) else 1
     payload = {"command": benchlib.command(), **benchlib.environment(), "steps": steps, "rounds": opts.rounds,
                "configs": {k: CONFIGS[k] for k in configs}, "summary": summary, "pairs": pairs,
-               "runs": [_slim(r) for r in runs]}
+               "runs": [slim(r) for r in runs]}
     path = benchlib.write_result(opts.name, payload)
     print(f"wrote {path}")
     print(json.dumps(summary))
     return 0 if summary["all_ok"] else 1
 
 
-def _slim(record: dict) -> dict:
+def slim(record: dict) -> dict:
+    """A run's record as a result file keeps it: the figures and the command, not the whole configuration."""
     keep = ("command", "seconds", "error", "stderr_tail", "tokens_per_s", "peak_mem_mib", "steady_peak_mem_mib",
-            "loss_first", "loss_last",
-            "losses", "device", "graphs_active", "timed_steps", "graphed_runs_on_rank", "torch_version")
-    return {k: record[k] for k in keep if k in record}
+            "loss_first", "loss_last", "losses", "device", "graphs_active", "timed_steps", "untimed_steps",
+            "graphed_runs_on_rank", "torch_version")
+    out = {k: record[k] for k in keep if k in record}
+    if record.get("per_rank"):
+        rank_keys = ("peak_mem_mib", "steady_peak_mem_mib", "compile_steps", "frames_compiled")
+        out["per_rank"] = [{k: r[k] for k in rank_keys if k in r} for r in record["per_rank"]]
+    return out
 
 
 def print_table(pairs: list) -> None:

@@ -123,6 +123,56 @@ def max_loss_diff(a: dict, b: dict):
     return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
 
+#: The loss tolerance of bf16 runs that compute in another order than their reference (a tensor-
+#: parallel split, fused compiled kernels): a few units of bf16's relative precision (2**-8) on the
+#: fp32 mean loss. Two identical eager runs may agree bit for bit, so their spread alone cannot
+#: judge such runs; :func:`loss_check` takes the larger of the two.
+BF16_LOSS_RTOL = 1e-2
+
+
+def max_rel_loss_diff(a: list, b: list):
+    """The largest per-step relative difference ``|x - y| / |y|`` between loss lists ``a`` and
+    ``b`` (``b`` the reference), over the steps both have; ``None`` when either is empty."""
+    if not a or not b:
+        return None
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def loss_check(reference: list, others: list, *, floor: float) -> dict:
+    """Losses of runs under test against a reference run, judged by the reference's own spread.
+
+    Args:
+        reference: loss lists of identical runs of the reference configuration; the first is
+            what ``others`` are compared with, two or more give the spread.
+        others: loss lists of the runs under test.
+        floor: the smallest tolerance (relative): identical runs can be bit-identical (spread
+            0) while the runs under test compute in another order, which no rerun shows.
+
+    Returns:
+        ``reference_spread`` (largest relative difference between reference runs; ``None``
+        with fewer than two), ``max_rel_err`` (the worst run under test against the first
+        reference run; ``None`` when none compares), ``tolerance`` (``max(spread, floor)``),
+        ``judged_by`` (``"reference_spread"`` or ``"floor"``: which of the two set it),
+        ``within`` (``max_rel_err <= tolerance``; ``False`` when nothing compared or a run
+        has another number of steps than the reference).
+    """
+    reference = [r for r in reference if r]
+    spreads = [max_rel_loss_diff(r, reference[0]) for r in reference[1:]]
+    spread = max(spreads) if spreads else None
+    tolerance = max(spread or 0.0, floor)
+    errors = [max_rel_loss_diff(o, reference[0]) for o in others] if reference else []
+    complete = bool(others) and all(o and len(o) == len(reference[0]) for o in others) if reference else False
+    worst = max((e for e in errors if e is not None), default=None)
+    return {"reference_spread": spread, "max_rel_err": worst, "tolerance": tolerance,
+            "judged_by": "reference_spread" if spread is not None and spread > floor else "floor",
+            "within": complete and worst is not None and worst <= tolerance}
+
+
+def loss_falls(losses: list) -> bool:
+    """Every loss list ends below where it started (``False`` when there is none, or one is empty)."""
+    return bool(losses) and all(bool(run) and run[-1] < run[0] for run in losses)
+
+
 def last_json_line(text: str):
     """The last non-blank line of ``text`` parsed as JSON (a tool's result line), or ``None``
     when ``text`` is blank or that line is not JSON."""

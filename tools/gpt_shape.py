@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ATTENTION", "GPTShape", "GPT3_1P3B"]
+__all__ = ["ATTENTION", "GPTShape", "GPT3_1P3B", "train_gpt_flags"]
 
 ATTENTION = ("explicit", "sdpa")
 
@@ -47,3 +47,10 @@ class GPTShape:
 
 #: GPT-3 1.3B (hidden 2048, 24 layers, 16 heads, vocab 50304) at sequence length 2048.
 GPT3_1P3B = GPTShape(hidden=2048, heads=16, vocab=50304, seq_len=2048, layers=24, dropout=0.1, attention="sdpa")
+
+
+def train_gpt_flags(shape: GPTShape) -> list:
+    """``tools/train_gpt.py`` arguments that build ``shape``'s model (width, depth, heads, vocab,
+    attention); the sequence length and dropout are the run's, left to the caller."""
+    return ["--hidden", str(shape.hidden), "--layers", str(shape.layers), "--heads", str(shape.heads),
+            "--vocab", str(shape.vocab), "--attention", shape.attention]
