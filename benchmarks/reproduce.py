@@ -52,6 +52,7 @@ STEPS = [
     ("hybrid-tp2", 2, "python tools/bench_hybrid.py --pp 1", "hybrid-tp2pp1-<device>.json"),
     ("peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2", "peer-megatron-pp2-<device>.json"),
     ("hf-pipeline-pp2", 2, "python tools/bench_hf_pipeline.py", "hf-pipeline-pp2-<device>.json"),
+    ("compile-pipeline-pp2", 2, "python tools/bench_compile_pipeline.py", "compile-pipeline-pp2-<device>.json"),
     ("gpu-suite-2gpu", 2, "python tools/gpu_suite.py --name gpu-suite-2gpu", "gpu-suite-2gpu-<device>.json"),
     ("memory-pipeline-pp4", 4, "python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 --variants eager,default",
      "memory-pipeline-gpt1.3b-pp4-<device>.json"),
