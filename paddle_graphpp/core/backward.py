@@ -231,7 +231,6 @@ class Backward:
         layer.plan.note_replay(position.generation, id(graph), False, layer.name, finishes=finishes)
         _collectives.check_replay(graph)
 
-
     def replay(self, call: Call, position: Position, diff_grads: list) -> list:
         """Replay the position's backward graph (both halves where it was captured split)."""
         if position.weight_graph is not None:  # captured as two halves; this step wants both at once

@@ -53,7 +53,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 from . import collectives as _collectives
 from . import memory as _memory
 from .batch import CaptureBatch, Link
-from .errors import CaptureError
+from .errors import CaptureError, CollectiveTimeoutError
 from .flags import env_flag
 from .runtime import capabilities
 from .schedule import EpisodeClock
@@ -341,10 +341,15 @@ class Process:
             watchdog.launched(lambda: _describe_graph(participant, position, kind, graph))
 
     def check_watchdog(self) -> None:
-        """Raise the watchdog's error, if it has one, in the calling (main) thread."""
+        """Raise the watchdog's error, if it has one, in the calling (main) thread; and a custom
+        all-reduce's give-up (:func:`~paddle_graphpp.core.collectives.collective_fault`), asked
+        here too, so that it raises without a watchdog and without its thread's delay."""
         watchdog = self._watchdog
         if watchdog is not None and watchdog is not _UNRESOLVED:
             watchdog.raise_pending()
+        fault = _collectives.collective_fault()
+        if fault is not None:
+            raise CollectiveTimeoutError(fault)
 
     # --------------------------------------------------------------- capture
     def capture_if_due(self) -> None:

@@ -385,8 +385,10 @@ _DISPATCHERS: "weakref.WeakSet[AllReduceDispatcher]" = weakref.WeakSet()
 
 def collective_fault() -> Optional[str]:
     """The first fault of a live dispatcher's backend (a custom kernel that gave up waiting for
-    a peer), or ``None``. Cheap: the replay watchdog asks it on every check."""
-    for dispatcher in list(_DISPATCHERS):
+    a peer), or ``None``. Cheap: every graphed call and the replay watchdog's thread ask it."""
+    with _LOCK:
+        dispatchers = list(_DISPATCHERS)
+    for dispatcher in dispatchers:
         if not dispatcher._closed:
             fault = dispatcher.backend.fault()
             if fault is not None:
@@ -445,7 +447,9 @@ class AllReduceDispatcher:
         self._closed = False
         self._warned_full = False
         self.counts = {path: 0 for path in AllReducePath}
-        _DISPATCHERS.add(self)
+        if type(backend).fault is not AllReduceBackend.fault:  # it can fail on its own: watched
+            with _LOCK:
+                _DISPATCHERS.add(self)
 
     # ------------------------------------------------------------------ policy
     def why_not_custom(self, tensor: Any) -> Optional[str]:

@@ -311,8 +311,9 @@ class GraphedCallable:
             self.process.before_replay(self.capture, call.key, call.position, k)
 
     def launch(self, call: Call, graph: Any, kind: str) -> None:
-        """Launch one of the call's graphs (``kind``: forward, backward, input, weight); the
-        replay watchdog follows it."""
+        """Launch one of the call's graphs (``kind`` names it in the watchdog's message:
+        ``"forward"``, ``"backward"``, ``"backward (input half)"``, ``"backward (weight half)"``);
+        the replay watchdog follows it."""
         self.runtime.replay_graph(graph)
         self.process.launched(self.capture, call.position, kind, graph)
         self.replays += 1

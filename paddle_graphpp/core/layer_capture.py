@@ -141,10 +141,11 @@ class LayerCapture:
                 inputs = [rt.detach(b, s.requires_grad) for b, s in zip(static_inputs, sig.shape.specs)]
                 args, kwargs = sig.shape.rebuild(inputs)
                 result, params = rt.call_with_param_aliases(layer.fn, sig.params, args, kwargs)
-        captured, outs = layer.outputs_of(result)
-        if outputs is not None and (captured.spec != outputs.spec or captured.tensor_index != outputs.tensor_index):
-            raise CaptureError(f"{layer.name}: the captured forward returned a different structure than the "
-                               f"eager run; a graphed layer must return the same structure every call.")
+            # checked before the capture counts as done (an error here ends it like the layer's own)
+            captured, outs = layer.outputs_of(result)
+            if outputs is not None and (captured.spec != outputs.spec or captured.tensor_index != outputs.tensor_index):
+                raise CaptureError(f"{layer.name}: the captured forward returned a different structure than the "
+                                   f"eager run; a graphed layer must return the same structure every call.")
         return Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured,
                     state=layer.state.watch(), static_outputs=tuple(rt.detach(o) for o in outs))
 

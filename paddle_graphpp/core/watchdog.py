@@ -47,18 +47,35 @@ _POLL = 0.05  # seconds between the thread's checks
 _PEER_POLL = 1.0  # seconds between two questions about peers' failed captures
 
 
-def parse_timeout(raw: Any, where: str) -> Optional[float]:
-    """A timeout in seconds from a flag or argument: ``None``/``0`` turn the watchdog off."""
+def parse_timeout(raw: Any, where: str, what: str = "the replay timeout",
+                  zero: str = "to turn the watchdog off") -> Optional[float]:
+    """A timeout in seconds from a flag or argument ``where``: ``None``/``0`` give ``None`` (off).
+    ``what`` and ``zero`` name the setting and what 0 means in the error.
+
+    Raises:
+        ValueError: a negative, NaN or non-numeric value.
+    """
     if raw is None:
         return None
     try:
         value = float(raw)
     except (TypeError, ValueError):
-        raise ValueError(f"{where}={raw!r}: give the replay timeout in seconds (e.g. 600), or 0 to turn the "
-                         f"watchdog off") from None
+        raise ValueError(f"{where}={raw!r}: give {what} in seconds (e.g. 600), or 0 {zero}") from None
     if value < 0 or value != value:
-        raise ValueError(f"{where}={raw!r}: the replay timeout must be >= 0 seconds (0 turns the watchdog off)")
+        raise ValueError(f"{where}={raw!r}: {what} must be >= 0 seconds (0 {zero})")
     return value or None
+
+
+def _asked(question: Optional[Callable[[], Optional[str]]]) -> Optional[str]:
+    """``question()`` from the watchdog's thread; an error in it is logged, not raised (the
+    thread must go on timing replays)."""
+    if question is None:
+        return None
+    try:
+        return question()
+    except Exception:  # noqa: BLE001
+        logger.exception("paddle_graphpp: the replay watchdog's check %r failed", question)
+        return None
 
 
 class ReplayWatchdog:
@@ -129,7 +146,7 @@ class ReplayWatchdog:
 
     def _check(self) -> Optional[str]:
         """The error to report now, or ``None``."""
-        fault = self.faults() if self.faults is not None else None
+        fault = _asked(self.faults)
         if fault is not None:  # before the replay timeout: it names the peer, that one cannot
             self._error_type = CollectiveTimeoutError
             return fault
@@ -152,7 +169,7 @@ class ReplayWatchdog:
         failure = None
         if self.peer_failure is not None and time.monotonic() - self._peer_asked >= _PEER_POLL:
             self._peer_asked = time.monotonic()
-            failure = self.peer_failure()
+            failure = _asked(self.peer_failure)
         if failure is not None:
             return (f"paddle_graphpp: {failure}; this rank stops too instead of waiting in collectives its peer "
                     f"will not join. The cause is in that rank's CaptureError; fallback='eager' on the failing "

@@ -502,3 +502,34 @@ def test_stream_ordered_allocator_captures_in_the_step_instead_of_recording():
     step(layer, "f1 b1")
     assert layer.engine.captures == 2 and layer.engine.replays == 4
     assert report(rt)["pool_generations"] == 0  # pools are the driver's: no generations
+
+
+def test_a_custom_all_reduce_that_gave_up_raises_at_the_next_graphed_call_without_a_watchdog(rt):
+    from paddle_graphpp.core import collectives as C
+    from paddle_graphpp.core.errors import CollectiveTimeoutError
+
+    class GaveUp(C.AllReduceBackend):
+        """A group whose kernel gave up on rank 1; nothing else of it is used."""
+
+        name, world_size = "gave up", 2
+        custom_unavailable_reason = facts = is_capturing = empty_like = fallback = None
+        reduce_staged = reduce_registered = exchange = close = None
+
+        def arena_bytes(self):
+            return 0
+
+        def fault(self):
+            return "waited 5 s for rank 1 and gave up"
+
+    layer = Graphed(Linear(4, 4), rt, num_warmup_steps=0)
+    step(layer, "f1 b1")
+    step(layer, "f1 b1")
+    replays = layer.engine.replays
+    assert replays > 0 and layer.engine.process.watchdog is None  # one process: no watchdog
+    dispatcher = C.AllReduceDispatcher(GaveUp())
+    try:
+        with pytest.raises(CollectiveTimeoutError, match="for rank 1 and gave up"):
+            step(layer, "f1")
+        assert layer.engine.replays == replays  # raised before anything was launched
+    finally:
+        dispatcher._closed = True  # (close() would release through the backend)

@@ -6,6 +6,7 @@ a peer that never comes.
 * Rank 0 alone: the kernel gives up after its timeout, names rank 1 through the pinned status
   word, and returns; a call after it, eager or replayed from a graph, does not wait again.
   Stated margin: 1 s over the timeout for the launch and the host's wait.
+* A peer that comes about 1 s late, within a 30 s timeout, is waited for.
 
 Run on the GPU machine: ``python -m pytest unittests/gpu/test_allreduce_timeout_gpu.py -q``.
 """
@@ -49,6 +50,7 @@ def _both(ranks, xs):
     streams = [torch.cuda.Stream() for _ in ranks]
     outs = []
     for push, x, s in zip(reversed(ranks), reversed(xs), reversed(streams)):  # rank 1 first: it waits
+        s.wait_stream(torch.cuda.current_stream())  # the inputs were made there
         with torch.cuda.stream(s):
             outs.append(push(x, flags_bytes(2)))
     torch.cuda.synchronize()
@@ -65,11 +67,14 @@ def _timed(fn):
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled():
-    """Both ranks' kernels compiled under a long timeout (one kernel serves every timeout): a
-    rank compiled while its peer already waits must not make the peer give up."""
-    ranks = _group(timeout=120.0)
-    _both(ranks, [torch.ones(N, device="cuda", dtype=torch.bfloat16) for _ in ranks])
-    assert [r.peer_waited_for() for r in ranks] == [None, None]
+    """Each rank's kernel compiled and loaded alone, on a group of its own with a 1 ms timeout
+    (one kernel serves every timeout): loading a kernel while another one spins on the device
+    could wait for that one (lazy module loading), and a compile must not eat a peer's timeout."""
+    for rank in range(2):
+        alone = _group(timeout=0.001)[rank]
+        alone(torch.ones(N, device="cuda", dtype=torch.bfloat16), flags_bytes(2))
+        torch.cuda.synchronize()
+        assert alone.peer_waited_for() == 1 - rank
 
 
 def test_two_ranks_get_the_sum_and_report_no_peer():
@@ -100,15 +105,17 @@ def test_a_rank_whose_peer_never_comes_gives_up_names_it_and_does_not_wait_again
     assert replayed < 0.1 + MARGIN / 2, replayed
 
 
-def test_without_a_timeout_the_kernel_waits_until_the_peer_comes():
-    ranks = _group(timeout=None)
+def test_a_peer_that_comes_within_the_timeout_is_waited_for():
+    ranks = _group(timeout=30.0)  # finite: a wrong kernel fails the test instead of hanging it
     xs = [torch.randn(N, device="cuda").to(torch.bfloat16) for _ in ranks]
     _both(ranks, xs)
     s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
+    s0.wait_stream(torch.cuda.current_stream())
+    s1.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s0):
         out0 = ranks[0](xs[0], flags_bytes(2))
     with torch.cuda.stream(s1):
-        torch.cuda._sleep(int(2 * TIMEOUT * 1.5e9))  # the peer comes late: longer than TIMEOUT would allow
+        torch.cuda._sleep(int(2 * TIMEOUT * 1.5e9))  # the peer comes ~1 s late, well past TIMEOUT
         out1 = ranks[1](xs[1], flags_bytes(2))
     torch.cuda.synchronize()
     assert ranks[0].peer_waited_for() is None

@@ -65,7 +65,19 @@ WORKER = textwrap.dedent(f'''
         dispatcher = create_allreduce(timeout={AR_TIMEOUT})
         why = dispatcher.why_not_custom(torch.empty(8, 256, device="cuda"))
         assert why is None, why
-        reduce = dispatcher.all_reduce
+
+        class Reduce(torch.autograd.Function):
+            """The row-parallel output's all-reduce; its gradient passes through."""
+
+            @staticmethod
+            def forward(ctx, y):
+                return dispatcher.all_reduce(y)
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad
+
+        reduce = Reduce.apply
     else:
         def reduce(y):
             dist.all_reduce(y)

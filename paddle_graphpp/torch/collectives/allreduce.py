@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from typing import Any, Optional
 
@@ -211,10 +212,11 @@ class TorchSymmMemBackend(AllReduceBackend):
         return self._reason
 
     def fault(self) -> Optional[str]:
-        if self._fault is None and self._push is not None:
-            peer = self._push.peer_waited_for()
+        push = self._push  # read once: close() may run in the main thread meanwhile
+        if self._fault is None and push is not None:
+            peer = push.peer_waited_for()
             if peer is not None:
-                self._fault = _gave_up_text(self.group, self._world, peer, self.timeout)
+                self._fault = _gave_up_text(self.group, self._world, peer, push.timeout)
         return self._fault
 
     def facts(self, tensor: torch.Tensor) -> TensorFacts:
@@ -293,17 +295,21 @@ class TorchSymmMemBackend(AllReduceBackend):
 
 def allreduce_timeout(group: Any, timeout: Optional[float]) -> Optional[float]:
     """The push kernel's timeout in seconds (``None``: it waits for ever) from the argument, or by
-    default from ``FLAGS_graphpp_allreduce_timeout``, else half of ``group``'s timeout.
+    default from ``FLAGS_graphpp_allreduce_timeout``, else half the shorter of ``group``'s
+    timeout and the default group's (which the replay watchdog uses): the kernel gives up, naming
+    the peer, before the watchdog stops the process without knowing which peer was missing.
 
     Raises:
         ValueError: a negative or non-numeric argument or flag.
     """
+    what = ("the all-reduce timeout", "for no timeout")
     if timeout is not None:
-        return parse_timeout(timeout, "create_allreduce(timeout)")
-    flag = os.environ.get("FLAGS_graphpp_allreduce_timeout")
-    if flag is not None:
-        return parse_timeout(flag, "FLAGS_graphpp_allreduce_timeout")
-    return group_timeout(group) / 2
+        value = parse_timeout(timeout, "create_allreduce(timeout)", *what)
+    elif (flag := os.environ.get("FLAGS_graphpp_allreduce_timeout")) is not None:
+        value = parse_timeout(flag, "FLAGS_graphpp_allreduce_timeout", *what)
+    else:
+        value = min(group_timeout(group), group_timeout(dist.distributed_c10d._get_default_group())) / 2
+    return None if value is None or math.isinf(value) else value
 
 
 def _gave_up_text(group: Any, world: int, peer: int, timeout: Optional[float]) -> str:

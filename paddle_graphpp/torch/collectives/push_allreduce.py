@@ -20,13 +20,16 @@ eager calls share one sequence; every rank must issue the same calls in the same
 one stream per communicator (what any collective requires). Sums run in rank order on every
 rank, so all ranks get bit-identical results.
 
-A wait is bounded: a block that has waited ``timeout`` seconds (the device's global timer) for
-a peer's flag stops waiting, writes ``1 + that peer's rank`` into a status word in pinned host
-memory, and finishes (its output is then meaningless). A block that finds a flag missing and
-the word already set does not wait at all, so the calls already launched after it (the rest of
-a graph) finish at once. The host reads the word without any device call
-(:meth:`PushAllReduce.peer_waited_for`); the caller turns it into an error and never calls the
-kernel again, since the ranks' epochs no longer agree.
+A call's wait is bounded: once a block has waited ``timeout`` (the device's global timer, one
+reading for the whole block so that its warps leave the wait together) since the call first
+found a flag missing, it stops waiting, marks ``1 + the peer's rank`` in a device word and in a
+status word in pinned host memory, and finishes (its output is then meaningless). A block that
+is still waiting looks at the device word every ``STATUS_AFTER_NS`` and stops too once it is
+set, so the calls launched after the one that gave up (the rest of a graph) finish within that.
+The host reads the pinned word without any device call (:meth:`PushAllReduce.peer_waited_for`);
+the caller turns it into an error and never calls the kernel again. After a give-up the ranks'
+epochs no longer agree: a peer that was only slow may sum slots this rank overwrote, so the
+step is invalid on every rank and the job must stop.
 
 Layout of the symmetric buffer a :class:`PushAllReduce` uses (bytes):
 ``[flags: world x MAX_BLOCKS int32][regions...]``; a region for an ``n``-element message is
@@ -38,6 +41,7 @@ without it.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -55,8 +59,7 @@ MAX_BLOCKS = 128
 EPOCH_MASK = (1 << 30) - 1   # epochs count modulo 2**30: no signed overflow, parity keeps alternating
 SUB = 2048          # elements per block per inner step
 NUM_WARPS = 4
-STATUS_AFTER_NS = 100_000  # a wait this long looks at whether an earlier call gave up
-MAX_TIMEOUT_US = 2**31 - 1  # about 35 minutes: a longer timeout is this one
+STATUS_AFTER_NS = 100_000  # how often a long wait looks at whether a call gave up
 
 
 def flags_bytes(world: int) -> int:
@@ -95,19 +98,46 @@ if triton is not None:
 
 
     @triton.jit
-    def _now_ns():
-        # the device's global timer (nanoseconds), read with one PTX move
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                         pack=1)
+    def _block_now_ns(THREADS: tl.constexpr):
+        # The device's global timer (ns), one value for the block: every thread reads it and the
+        # block takes the largest (through shared memory), so that a loop whose exit depends on
+        # it ends in the same iteration for every warp.
+        ticks = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.arange(0, THREADS)],
+                                          dtype=tl.int64, is_pure=False, pack=1)
+        return tl.max(ticks, axis=0)
 
 
-    @triton.jit(do_not_specialize=["timeout_us"])
+    @triton.jit
+    def _wait_for(flag, epoch, ahead, begin, limit, gave_up, status, PEER: tl.constexpr,
+                  STATUS_AFTER_NS: tl.constexpr, THREADS: tl.constexpr):
+        # Wait until `flag` (PEER's) reads `epoch` or `ahead`, the device word says a call gave
+        # up, or `limit` ns (0: no limit) passed since `begin` (0: from now); returns `begin`.
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        if (seen != epoch) & (seen != ahead):
+            now = _block_now_ns(THREADS)
+            if begin == 0:
+                begin = now
+            look = now + STATUS_AFTER_NS
+            stop = tl.zeros([], dtype=tl.int32)  # the device word: a call gave up
+            while (seen != epoch) & (seen != ahead) & (stop == 0) & ((limit == 0) | (now - begin < limit)):
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                now = _block_now_ns(THREADS)
+                if (limit != 0) & (now >= look):
+                    stop = tl.atomic_add(gave_up, 0, sem="relaxed", scope="gpu")
+                    look = now + STATUS_AFTER_NS
+            if (seen != epoch) & (seen != ahead) & (stop == 0):
+                tl.atomic_cas(gave_up, 0, PEER + 1, sem="relaxed", scope="gpu")
+                tl.store(status, PEER + 1)  # for the host (pinned memory)
+        return begin
+
+
+    @triton.jit(do_not_specialize=["timeout_ms"])
     def _push_all_reduce(inp, out, counters,
                          r0, r1, r2, r3, r4, r5, r6, r7,
                          f0, f1, f2, f3, f4, f5, f6, f7,
-                         n, chunk, status, timeout_us,
+                         n, chunk, gave_up, status, timeout_ms,
                          RANK: tl.constexpr, WORLD: tl.constexpr, NBLK: tl.constexpr, SUB: tl.constexpr,
-                         MASK: tl.constexpr, STATUS_AFTER_NS: tl.constexpr):
+                         MASK: tl.constexpr, STATUS_AFTER_NS: tl.constexpr, THREADS: tl.constexpr):
         pid = tl.program_id(0)
         epoch = (tl.load(counters + pid) + 1) & MASK
         ahead = (epoch + 1) & MASK
@@ -131,27 +161,18 @@ if triton is not None:
                 tl.atomic_xchg(flag, epoch, sem="release", scope="sys")
         # 3. wait for every peer's flag. A peer can be at most one call ahead (it cannot pass
         #    its next wait before this rank's next call), so the flag reads `epoch` or `ahead`;
-        #    comparing for equality stays right when the epoch wraps. The timer is read only
-        #    once a flag was not there at the first look; timeout_us 0: wait for ever.
+        #    comparing for equality stays right when the epoch wraps. The flag and the device
+        #    word are read by one thread and shared with the block (Triton's scalar atomics), the
+        #    timer through _block_now_ns: every exit condition is the same in every warp. The
+        #    timer is read only once a flag was not there at the first look; timeout_ms 0: wait
+        #    for ever (and never look at the device word: nothing sets it).
         mine = _pick(RANK, f0, f1, f2, f3, f4, f5, f6, f7)
-        limit = timeout_us.to(tl.int64) * 1000
+        limit = timeout_ms.to(tl.int64) * 1000000
+        begin = tl.zeros([], dtype=tl.int64)  # when this call first found a flag missing (0: not yet)
         for r in tl.static_range(WORLD):
             if r != RANK:
-                seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
-                if (seen != epoch) & (seen != ahead):
-                    begin = _now_ns()
-                    waited = begin - begin
-                    given_up = tl.zeros([], dtype=tl.int32)
-                    while (seen != epoch) & (seen != ahead) & (given_up == 0) & \
-                            ((limit == 0) | (waited < limit)):
-                        seen = tl.atomic_add(mine + r * NBLK + pid, 0, sem="acquire", scope="sys")
-                        waited = _now_ns() - begin
-                        if waited > STATUS_AFTER_NS:
-                            # a call gave up before (the peers are out of step): do not wait again.
-                            # Looked at only in long waits: it is a read over the host bus.
-                            given_up = tl.load(status, volatile=True)
-                    if (seen != epoch) & (seen != ahead) & (given_up == 0):
-                        tl.store(status, r + 1)  # gave up on peer r (pinned host memory)
+                begin = _wait_for(mine + r * NBLK + pid, epoch, ahead, begin, limit, gave_up, status, r,
+                                  STATUS_AFTER_NS, THREADS)
         tl.debug_barrier()
         # 4. sum in rank order (identical on every rank) and write the result
         recv = _pick(RANK, r0, r1, r2, r3, r4, r5, r6, r7)
@@ -176,8 +197,9 @@ class PushAllReduce:
         handle: the symmetric-memory handle of ``buf`` (from ``rendezvous``).
         buf: the local symmetric buffer; its first :func:`flags_bytes` bytes hold the flags.
         rank, world: this rank and the group size (``world <= MAX_WORLD``).
-        timeout: seconds a call waits for a peer before it gives up (see the module notes; at
-            most :data:`MAX_TIMEOUT_US` microseconds); ``None`` or 0: it waits for ever.
+        timeout: seconds a call waits for a peer before it gives up (see the module notes;
+            counted in whole milliseconds, at least one); ``None``, 0 or infinity: it waits for
+            ever.
 
     The caller zeroes nothing: construction zeroes the local flags and counters; the caller
     must then pass a barrier with all ranks before the first call.
@@ -191,10 +213,13 @@ class PushAllReduce:
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"PushAllReduce: timeout must be >= 0 seconds (0: no timeout), got {timeout!r}")
         self.rank, self.world = rank, world
-        self.timeout = timeout or None
-        # microseconds as a 32-bit argument: one compiled kernel whatever the timeout
-        self._timeout_us = min(int(round(timeout * 1e6)), MAX_TIMEOUT_US) if timeout else 0
-        # written by a block that gave up; read by the host without a device call
+        # whole milliseconds as a 32-bit argument (up to 24 days): one compiled kernel whatever the
+        # timeout; self.timeout is the one in force
+        ms = 0 if not timeout or math.isinf(timeout) else min(max(1, round(timeout * 1e3)), 2**31 - 1)
+        self._timeout_ms, self.timeout = ms, (ms / 1e3 if ms else None)
+        # 1 + the rank a call gave up on: in device memory for the kernels, in pinned host memory
+        # for the host (read without a device call)
+        self.gave_up = torch.zeros(1, dtype=torch.int32, device=buf.device)
         self.status = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self._status = self.status.numpy()
         self.total = buf.numel()
@@ -220,8 +245,9 @@ class PushAllReduce:
         return views
 
     def peer_waited_for(self) -> Optional[int]:
-        """The rank a call gave up waiting for (its first such call), or ``None``. Reads host
-        memory only: cheap, from any thread, without waiting for the device."""
+        """The rank a call gave up waiting for, or ``None`` (where blocks gave up on different
+        peers, one of them). Reads host memory only: cheap, from any thread, without waiting for
+        the device."""
         value = int(self._status[0])
         return value - 1 if value else None
 
@@ -235,8 +261,8 @@ class PushAllReduce:
         chunk = _cdiv(_cdiv(n, blocks), SUB) * SUB     # whole inner steps per block
         blocks = _cdiv(n, chunk)
         _push_all_reduce[(blocks,)](tensor, out, self.counters, *regions, *self._flag_args, n, chunk,
-                                    self.status, self._timeout_us,
+                                    self.gave_up, self.status, self._timeout_ms,
                                     RANK=self.rank, WORLD=self.world, NBLK=MAX_BLOCKS, SUB=SUB, MASK=EPOCH_MASK,
-                                    STATUS_AFTER_NS=STATUS_AFTER_NS,
+                                    STATUS_AFTER_NS=STATUS_AFTER_NS, THREADS=32 * NUM_WARPS,
                                     num_warps=NUM_WARPS)
         return out
