@@ -185,7 +185,10 @@ def last_json_line(text: str):
 
 def write_result(name: str, payload: dict, *, slug: str | None = None) -> Path:
     """Write ``benchmarks/results/<name>-<device>.json`` (and a copy under $OUT if set); ``slug``
-    names the device where the figures were measured elsewhere (default: this machine's)."""
+    names the device where the figures were measured elsewhere (default: this machine's).
+    Every record says which code measured it: ``code_version`` (:func:`code_version`) and the
+    ``command`` (:func:`command`) are added where the payload does not give them."""
+    payload = {"command": command(), "code_version": code_version(), **payload}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}-{slug or device_slug()}.json"
     text = json.dumps(payload, indent=2, sort_keys=False) + "\n"

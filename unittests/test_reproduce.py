@@ -58,3 +58,21 @@ def test_every_record_the_index_names_exists():
     named = set(re.findall(r"`([\w.-]+\.(?:json|png))`", index))
     have = {os.path.basename(r) for r in records()}
     assert named <= have, f"benchmarks/README.md names records that do not exist: {sorted(named - have)}"
+
+
+def test_a_written_record_says_which_code_and_command_measured_it(tmp_path, monkeypatch):
+    import json
+
+    from tools import benchlib
+
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path)
+    monkeypatch.setenv("GRAPHPP_CODE_VERSION", "abc123+dirty")
+    monkeypatch.delenv("OUT", raising=False)
+    path = benchlib.write_result("example", {"summary": {"x": 1.0}}, slug="h100")
+    record = json.load(open(path))
+    assert path.name == "example-h100.json"
+    assert record["code_version"] == "abc123+dirty" and record["command"] and record["summary"] == {"x": 1.0}
+    # a record that carries its own (a merge of parts measured elsewhere) keeps them
+    kept = json.load(open(benchlib.write_result("example", {"command": "python x.py", "code_version": "def"},
+                                                slug="h100")))
+    assert kept["command"] == "python x.py" and kept["code_version"] == "def"
