@@ -24,7 +24,8 @@ __all__ = ["environment_report", "format_report", "main"]
 # Settings that change what the package does, read from the environment.
 _SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "FLAGS_use_cuda_malloc_async_allocator",
              "FLAGS_graphpp_pool_expandable", "FLAGS_graphpp_reserve_pool", "FLAGS_graphpp_replay_timeout",
-             "FLAGS_graphpp_allreduce_timeout", "FLAGS_graphpp_capture_agreement", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+             "FLAGS_graphpp_allreduce_timeout", "FLAGS_graphpp_capture_agreement", "NCCL_NVLS_ENABLE",
+             "TORCH_SYMM_MEM_DISABLE_MULTICAST")
 
 
 def _gpu_visible() -> bool:
