@@ -58,9 +58,9 @@ def environment() -> dict:
 
 
 def code_version() -> str:
-    """The checkout's commit (with ``+dirty`` when files differ from it), or ``"unknown"``;
-    ``GRAPHPP_CODE_VERSION`` names it where the tree was copied without its git history (the
-    GPU machine)."""
+    """The checkout's commit (with ``+dirty`` when files differ from it); ``GRAPHPP_CODE_VERSION``
+    names it where the tree was copied without its git history (the GPU machine); without
+    either, ``files:<digest>`` of the code (:func:`code_digest`), which a checkout can match."""
     import subprocess
 
     if os.environ.get("GRAPHPP_CODE_VERSION"):
@@ -72,8 +72,21 @@ def code_version() -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return "files:" + code_digest()
     return commit + ("+dirty" if dirty else "")
+
+
+def code_digest(root: Path | None = None) -> str:
+    """A digest (12 hex digits) of the Python files under ``paddle_graphpp/`` and ``tools/`` of
+    ``root`` (default: this checkout): their paths and contents, in path order. To find the
+    commit of a record that says ``files:<digest>``, compute it on candidate checkouts."""
+    import hashlib
+
+    root = Path(root or ROOT)
+    digest = hashlib.sha256()
+    for path in sorted(p for top in ("paddle_graphpp", "tools") for p in (root / top).rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def command() -> str:

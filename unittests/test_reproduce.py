@@ -76,3 +76,18 @@ def test_a_written_record_says_which_code_and_command_measured_it(tmp_path, monk
     kept = json.load(open(benchlib.write_result("example", {"command": "python x.py", "code_version": "def"},
                                                 slug="h100")))
     assert kept["command"] == "python x.py" and kept["code_version"] == "def"
+
+
+def test_without_git_a_record_names_the_code_by_a_digest_of_its_files(tmp_path, monkeypatch):
+    import shutil
+
+    from tools import benchlib
+
+    for top in ("paddle_graphpp", "tools"):
+        shutil.copytree(os.path.join(REPO, top), tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
+    assert benchlib.code_digest(tmp_path) == benchlib.code_digest(REPO)  # the same files: the same digest
+    (tmp_path / "tools" / "benchlib.py").write_text((tmp_path / "tools" / "benchlib.py").read_text() + "\n# x\n")
+    assert benchlib.code_digest(tmp_path) != benchlib.code_digest(REPO)
+    monkeypatch.delenv("GRAPHPP_CODE_VERSION", raising=False)
+    monkeypatch.setattr(benchlib, "ROOT", tmp_path)  # no .git there
+    assert benchlib.code_version() == "files:" + benchlib.code_digest(tmp_path)
