@@ -6,12 +6,15 @@
     python benchmarks/reproduce.py --gpus 4     # and the 4-GPU ones
     python benchmarks/reproduce.py --list       # print the commands, run nothing
     python benchmarks/reproduce.py --only hf    # one step by name
+    python benchmarks/reproduce.py --only gpu-suite,engine --budget 570   # these, in ~10 minutes
 
 Each step is one tool command from the repository root, run in its own process with
 ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off). Its output goes to ``<log-dir>/<step>.log``; a
 failed step is reported and the others go on. Each tool writes its record to
-``benchmarks/results/<name>-<device>.json``. A summary table ends the run; the exit status is 1
-if a step failed. The GPU test suite step runs the 2-GPU tests too where two GPUs are present.
+``benchmarks/results/<name>-<device>.json``. With ``--budget`` the steps share that many seconds:
+each runs under what is left (stopped at its end), the ones after it are skipped, and the
+summary still prints (a machine that allows 10 minutes a command: ``--budget 570``). A summary
+table ends the run; the exit status is 1 if a step failed or was skipped. The GPU test suite step runs the 2-GPU tests too where two GPUs are present.
 """
 
 from __future__ import annotations
@@ -65,11 +68,16 @@ STEPS = [
 
 
 def selected(gpus: int, only: str | None) -> list:
+    """The steps to run: those named in ``only`` (comma-separated, in that order), else every
+    step that needs at most ``gpus`` GPUs."""
     if only is not None:
-        found = [s for s in STEPS if s[0] == only]
-        if not found:
-            raise SystemExit(f"reproduce.py: no step {only!r}; steps: {', '.join(s[0] for s in STEPS)}")
-        return found
+        by_name = {s[0]: s for s in STEPS}
+        names = [n.strip() for n in only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in by_name]
+        if unknown or not names:
+            raise SystemExit(f"reproduce.py: no step {', '.join(map(repr, unknown)) or repr(only)}; "
+                             f"steps: {', '.join(by_name)}")
+        return [by_name[n] for n in names]
     return [s for s in STEPS if s[1] <= gpus]
 
 
@@ -108,11 +116,15 @@ def run_step(name: str, command: str, log_dir: Path, timeout: float) -> tuple:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", type=int, choices=[1, 2, 4], default=1, help="run the steps that need at most this many GPUs")
-    p.add_argument("--only", metavar="NAME", help="run one step (any GPU count)")
+    p.add_argument("--only", metavar="NAME[,NAME...]", help="run these steps, in this order (any GPU count)")
     p.add_argument("--list", action="store_true", help="print the steps' commands and exit")
     p.add_argument("--log-dir", type=Path, default=REPO / "benchmarks" / "logs")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per step")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for all the steps together (those that do not fit are skipped)")
     args = p.parse_args(argv)
+    if args.budget is not None and not args.budget > 0:
+        p.error(f"--budget must be > 0 seconds, got {args.budget:g}")
     steps = selected(args.gpus, args.only)
     if args.list:
         for name, gpus, command, record in steps:
@@ -124,10 +136,16 @@ def main(argv=None) -> int:
         return 2
     args.log_dir.mkdir(parents=True, exist_ok=True)
     rows = []
+    end = None if args.budget is None else time.monotonic() + args.budget
     for i, (name, _, command, record) in enumerate(steps, 1):
+        left = args.timeout if end is None else min(args.timeout, end - time.monotonic() - STOP_GRACE_S)
+        if left <= 0:
+            print(f"[{i}/{len(steps)}] {name}: skipped (the budget is spent)", flush=True)
+            rows.append((name, "skipped", 0.0, record))
+            continue
         print(f"[{i}/{len(steps)}] {name}: {command}", flush=True)
         with launch.sigterm_raises():  # a SIGTERM here still stops the running step
-            code, seconds, log = run_step(name, command, args.log_dir, args.timeout)
+            code, seconds, log = run_step(name, command, args.log_dir, left)
         print(f"    {'ok' if code == 0 else f'FAILED ({code})'} in {seconds:.0f} s, log {log}", flush=True)
         rows.append((name, "ok" if code == 0 else f"failed ({code})", seconds, record))
     print(f"\n{'step':<20} {'result':<16} {'seconds':>8}  record")

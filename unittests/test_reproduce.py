@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -91,3 +92,29 @@ def test_without_git_a_record_names_the_code_by_a_digest_of_its_files(tmp_path, 
     monkeypatch.delenv("GRAPHPP_CODE_VERSION", raising=False)
     monkeypatch.setattr(benchlib, "ROOT", tmp_path)  # no .git there
     assert benchlib.code_version() == "files:" + benchlib.code_digest(tmp_path)
+
+
+def test_named_steps_run_in_their_order_and_a_budget_skips_what_does_not_fit(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reproduce", os.path.join(REPO, "benchmarks", "reproduce.py"))
+    reproduce = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reproduce)
+    assert [s[0] for s in reproduce.selected(1, "gpu-suite, engine")] == ["gpu-suite", "engine"]
+    try:
+        reproduce.selected(1, "engine,nope")
+    except SystemExit as exc:
+        assert "no step 'nope'" in str(exc)
+    else:
+        raise AssertionError("an unknown step was accepted")
+    monkeypatch.setattr(reproduce, "gpu_count", lambda: 1)
+    monkeypatch.setattr(reproduce, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(reproduce, "STEPS", [
+        ("quick", 1, "python -c pass", "quick-<device>.json"),
+        ("slow", 1, "python -c 'import time; time.sleep(60)'", "slow-<device>.json"),
+        ("after", 1, "python -c pass", "after-<device>.json")])
+    start = time.monotonic()
+    code = reproduce.main(["--only", "quick,slow,after", "--budget", "4", "--log-dir", str(tmp_path)])
+    assert code == 1 and time.monotonic() - start < 15  # the slow step stopped at the budget's end
+    assert (tmp_path / "quick.log").exists() and (tmp_path / "slow.log").exists()
+    assert not (tmp_path / "after.log").exists()  # skipped
