@@ -246,8 +246,7 @@ def side_by_side(shape_result: dict | None, a: str, b: str):
 
 def loss_rel_err(rec: dict | None, ref: dict | None):
     """The largest |rec - ref| / |ref| over the recorded step losses both have."""
-    pairs = list(zip((rec or {}).get("losses") or [], (ref or {}).get("losses") or []))
-    return max((abs(x - y) / abs(y) for x, y in pairs), default=None)
+    return benchlib.max_rel_loss_diff((rec or {}).get("losses"), (ref or {}).get("losses"))
 
 
 def first_record(shape_result: dict | None, name: str):

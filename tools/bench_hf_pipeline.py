@@ -126,14 +126,6 @@ def run_variant(run: dict, timeout: float) -> dict:
     return record
 
 
-def rel_err(losses, reference) -> float | None:
-    """Largest relative difference between two runs' per-step losses (``None`` when either has none
-    or their step counts differ)."""
-    if not losses or not reference or len(losses) != len(reference):
-        return None
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))
-
-
 def variant_row(runs: list) -> dict:
     """Medians over a variant's finished runs: tokens/s (the last rank's) with the spread over runs,
     and per rank the peak memory including the capture steps and the steady peak."""
@@ -163,8 +155,12 @@ def compare(eager_runs: list, graphed_runs: list, eager: dict, graphed: dict) ->
     if "error" in eager or "error" in graphed:
         return {"error": "a variant has no finished run"}
     reference = eager["losses"]
-    graphed_errs = [rel_err(r["per_rank"][-1].get("losses"), reference) for r in graphed_runs if "error" not in r]
-    repeats = [rel_err(r["per_rank"][-1].get("losses"), reference) for r in eager_runs if "error" not in r][1:]
+
+    def rel_err(run):
+        return benchlib.max_rel_loss_diff(run["per_rank"][-1].get("losses"), reference, same_steps=True)
+
+    graphed_errs = [rel_err(r) for r in graphed_runs if "error" not in r]
+    repeats = [rel_err(r) for r in eager_runs if "error" not in r][1:]
 
     def ratios(key):
         return [round(g / e, 4) if g is not None and e else None for g, e in zip(graphed[key], eager[key])]

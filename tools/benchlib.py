@@ -143,12 +143,32 @@ def max_loss_diff(a: dict, b: dict):
 BF16_LOSS_RTOL = 1e-2
 
 
-def max_rel_loss_diff(a: list, b: list):
+def max_rel_loss_diff(a: list, b: list, *, same_steps: bool = False):
     """The largest per-step relative difference ``|x - y| / |y|`` between loss lists ``a`` and
-    ``b`` (``b`` the reference), over the steps both have; ``None`` when either is empty."""
-    if not a or not b:
+    ``b`` (``b`` the reference), over the steps both have; ``None`` when either is empty, or
+    with ``same_steps`` when their numbers of steps differ (a run that stopped early)."""
+    if not a or not b or (same_steps and len(a) != len(b)):
         return None
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def rank_result(compute: Callable[[], dict], labels: dict) -> int:
+    """A worker rank's end: print ``compute()``'s record as the last JSON line (the driver reads
+    it, :func:`last_json_line`), or on an error a line of ``labels``, the error and its
+    traceback. Returns the exit status (0, or 1 after an error)."""
+    import traceback
+
+    try:
+        record = compute()
+    except BaseException as exc:  # noqa: BLE001 - reported to the driver, then exit 1
+        sys.stdout.flush()
+        print(json.dumps({**labels, "error": f"{type(exc).__name__}: {exc}"[:4000],
+                          "traceback": traceback.format_exc()[-6000:]}), flush=True)
+        return 1
+    sys.stdout.flush()
+    print(json.dumps(record), flush=True)
+    sys.stderr.flush()
+    return 0
 
 
 def loss_check(reference: list, others: list, *, floor: float) -> dict:

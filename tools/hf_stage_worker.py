@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
 import time
-import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
-from tools import bench_hf  # noqa: E402
+from tools import bench_hf, benchlib  # noqa: E402
 
 VARIANTS = ("eager", "graphed")
 WARMUP_STEPS = 3  # causal_lm_stage's num_warmup_steps: eager steps before the blocks record and capture
@@ -62,19 +60,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        record = run(opts)
-    except BaseException as exc:  # noqa: BLE001 - reported to the driver, then exit 1
-        sys.stdout.flush()
-        print(json.dumps({"rank": rank, "model": opts.model, "variant": opts.variant,
-                          "error": f"{type(exc).__name__}: {exc}"[:4000], "traceback": traceback.format_exc()[-6000:]}),
-              flush=True)
-        sys.stderr.flush()
-        os._exit(1)  # no process-group teardown: a peer may be gone
-    print(json.dumps(record), flush=True)
-    sys.stderr.flush()
-    os._exit(0)  # destroying NCCL communicators after captured work can hang (DESIGN.md)
+    labels = {"rank": int(os.environ.get("RANK", "0")), "model": opts.model, "variant": opts.variant}
+    # no process-group teardown: a peer may be gone, and destroying NCCL communicators after
+    # captured work can hang (DESIGN.md)
+    os._exit(benchlib.rank_result(lambda: run(opts), labels))
 
 
 def init_distributed(device: str) -> tuple:

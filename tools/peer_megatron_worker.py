@@ -38,17 +38,16 @@ import cProfile
 import contextlib
 import datetime
 import io
-import json
 import os
 import pstats
 import statistics
 import sys
 import time
-import traceback
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
+from tools import benchlib  # noqa: E402
 
 VARIANTS = ("eager", "megatron", "ours", "eager_repeat")
 CAPTURE_STEPS = 3  # ours: 3 warmup calls, a recorded step, the capture step; Megatron: step 1 records, captures at its end
@@ -81,18 +80,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     opts = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    try:
-        record = run(opts, rank)
-    except BaseException as exc:  # noqa: BLE001 - reported to the driver, then exit 1
-        sys.stdout.flush()
-        print(json.dumps({"rank": rank, "variant": opts.variant, "seq": opts.seq,
-                          "error": f"{type(exc).__name__}: {exc}"[:4000],
-                          "traceback": traceback.format_exc()[-6000:]}), flush=True)
-        return 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    print(json.dumps(record), flush=True)
-    return 0
+    return benchlib.rank_result(lambda: run(opts, rank), {"rank": rank, "variant": opts.variant, "seq": opts.seq})
 
 
 # ----------------------------------------------------------------------------------- setup

@@ -696,3 +696,17 @@ class Graphed(Module):
 
     def forward(self, *args, **kwargs):
         return self.engine(args, kwargs)
+
+
+def step(layer, order: str = "f1 b1", shape: tuple = (2, 4)) -> dict:
+    """Run an order like 'f1 f2 b1 b2' (forwards and backwards of numbered micro-batches) through
+    ``layer``; an output is dropped once its backward ran, as pipeline schedules do. Returns the
+    outputs whose backward did not run."""
+    outs = {}
+    for tok in order.split():
+        n = int(tok[1:])
+        if tok[0] == "f":
+            outs[n] = layer(randn(*shape, requires_grad=True))
+        else:
+            backward(outs.pop(n).sum())
+    return outs

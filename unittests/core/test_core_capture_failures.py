@@ -7,20 +7,10 @@ import numpy as np
 import pytest
 
 import nofw
-from nofw import Graphed, Linear
+from nofw import Graphed, Linear, step
 from paddle_graphpp.core.engine import Phase
 from paddle_graphpp.core.errors import CaptureError
 from paddle_graphpp.core.runtime import CaptureHints
-
-
-def step(layer, order="f1 b1"):
-    outs = {}
-    for tok in order.split():
-        n = int(tok[1:])
-        if tok[0] == "f":
-            outs[n] = layer(nofw.randn(2, 4, requires_grad=True))
-        else:
-            nofw.backward(outs.pop(n).sum())
 
 
 class SyncsInCapture(nofw.Module):

@@ -10,27 +10,13 @@ import numpy as np
 import pytest
 
 import nofw
-from nofw import Graphed, Linear
+from nofw import Graphed, Linear, step
 from paddle_graphpp.core import memory as memory_mod
 from paddle_graphpp.core.engine import EngineOptions, Phase
 from paddle_graphpp.core.errors import GraphScheduleError, StateReplacedError
 from paddle_graphpp.core.runtime import StreamOrderedAllocator
 
 INTERLEAVED = "f1 f2 f3 b1 f4 b2 b3 b4"
-
-
-def step(layer, order, shape=(2, 4)):
-    """Run an order like 'f1 f2 b1 b2' (forwards and backwards of numbered micro-batches); an
-    output is dropped once its backward ran, as pipeline schedules do. Returns the outputs
-    whose backward did not run."""
-    outs = {}
-    for tok in order.split():
-        n = int(tok[1:])
-        if tok[0] == "f":
-            outs[n] = layer(nofw.randn(*shape, requires_grad=True))
-        else:
-            nofw.backward(outs.pop(n).sum())
-    return outs
 
 
 def report(rt):

@@ -5,18 +5,8 @@ import numpy as np
 import pytest
 
 import nofw
-from nofw import Graphed, Linear
+from nofw import Graphed, Linear, step
 from paddle_graphpp.core.errors import GraphScheduleError
-
-
-def step(layer, order, shape=(2, 4)):
-    outs = {}
-    for tok in order.split():
-        n = int(tok[1:])
-        if tok[0] == "f":
-            outs[n] = layer(nofw.randn(*shape, requires_grad=True))
-        else:
-            nofw.backward(outs.pop(n).sum())
 
 
 # ------------------------------------------------------------ accumulate_grads
