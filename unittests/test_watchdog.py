@@ -163,6 +163,8 @@ def test_a_collective_that_gave_up_on_a_peer_raises_its_own_error_though_every_r
         dog.raise_pending()  # nothing yet
         fault.append("the custom all-reduce of a 2-rank group on rank 0 waited 5 s for rank 1 and gave up")
         assert wait_for(lambda: dog.error is not None, 2.0)
+        time.sleep(1.0)  # > 2 x grace: a kernel that gave up returned, nothing is stuck to abort
+        assert events.aborted == [] and codes == []
         with pytest.raises(CollectiveTimeoutError, match="waited 5 s for rank 1"):
             dog.raise_pending()
         time.sleep(1.0)  # raised in the main thread: no abort, no exit

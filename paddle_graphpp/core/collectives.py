@@ -436,7 +436,7 @@ class AllReduceDispatcher:
         * After :meth:`close`, graphs that captured it refuse to replay (see :func:`check_replay`).
         * After a custom kernel gave up waiting for a peer (:meth:`AllReduceBackend.fault`),
           every call raises :class:`~paddle_graphpp.core.errors.CollectiveTimeoutError`, and so
-          does the next graphed call once the replay watchdog saw it (:func:`collective_fault`).
+          does the next graphed call (:func:`collective_fault`).
     """
 
     def __init__(self, backend: AllReduceBackend, policy: Optional[CustomAllReducePolicy] = None) -> None:

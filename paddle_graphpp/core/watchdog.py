@@ -139,17 +139,18 @@ class ReplayWatchdog:
     # --------------------------------------------------------------- thread
     def _run(self) -> None:
         while not self._stop.wait(_POLL):
+            if self.error is None and (fault := _asked(self.faults)) is not None:
+                # The kernel gave up and returned: raised at the next graphed call, nothing to
+                # abort; replays are still timed (something else may hang on the dead peer).
+                self._error_type, self.error = CollectiveTimeoutError, fault
+                logger.error("%s", fault)
             message = self._check()
             if message is not None:
                 self._fail(message)
                 return
 
     def _check(self) -> Optional[str]:
-        """The error to report now, or ``None``."""
-        fault = _asked(self.faults)
-        if fault is not None:  # before the replay timeout: it names the peer, that one cannot
-            self._error_type = CollectiveTimeoutError
-            return fault
+        """The replay timeout's or a peer's failed capture's error to report now, or ``None``."""
         with self._lock:
             tail = self._tail
             if tail is not None and time.monotonic() - self._last >= self.min_gap:
@@ -177,7 +178,7 @@ class ReplayWatchdog:
         return None
 
     def _fail(self, message: str) -> None:
-        self.error = message
+        self._error_type, self.error = ReplayTimeoutError, message
         logger.error("%s", message)
         if self._stop.wait(self.grace) or self._raised:
             return
