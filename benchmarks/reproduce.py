@@ -7,13 +7,18 @@
     python benchmarks/reproduce.py --list       # print the commands, run nothing
     python benchmarks/reproduce.py --only hf    # one step by name
     python benchmarks/reproduce.py --only gpu-suite,engine --budget 570   # these, in ~10 minutes
+    python benchmarks/reproduce.py --lanes 0:gpu-suite 1:engine,hf 2,3:allreduce --budget 570
+                                                # side by side, each lane on its own GPUs
 
 Each step is one tool command from the repository root, run in its own process with
 ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off). Its output goes to ``<log-dir>/<step>.log``; a
 failed step is reported and the others go on. Each tool writes its record to
 ``benchmarks/results/<name>-<device>.json``. With ``--budget`` the steps share that many seconds:
 each runs under what is left (stopped at its end), the ones after it are skipped, and the
-summary still prints (a machine that allows 10 minutes a command: ``--budget 570``). A summary
+summary still prints (a machine that allows 10 minutes a command: ``--budget 570``). With
+``--lanes`` several lists of steps run at the same time, each on the GPUs it names
+(``CUDA_VISIBLE_DEVICES``), each under the whole budget: for correctness runs and for ratios
+measured side by side inside one step, not for absolute figures compared across steps. A summary
 table ends the run; the exit status is 1 if a step failed or was skipped. The GPU test suite step runs the 2-GPU tests too where two GPUs are present.
 """
 
@@ -24,6 +29,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +40,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 from tools import launch  # noqa: E402
 
 STOP_GRACE_S = 30.0  # a multi-rank tool stops its ranks one by one, a few seconds each
+RUNNING: set = set()  # the steps' processes now running (several with --lanes)
 
 # (name, GPUs, command, the record it writes: <device> is this machine's)
 STEPS = [
@@ -89,11 +96,39 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_step(name: str, command: str, log_dir: Path, timeout: float) -> tuple:
-    """``(exit code or a word, seconds, log path)``; the step's output goes to its log only."""
+def parse_lanes(specs: list, have: int) -> list:
+    """``[(GPU ids, steps)]`` from ``IDS:STEP[,STEP...]`` specs (``0:engine,hf``, ``2,3:allreduce``):
+    the ids are this machine's, no two lanes share one, and each step fits its lane's GPUs."""
+    lanes, taken = [], set()
+    for spec in specs:
+        ids_text, sep, names = spec.partition(":")
+        try:
+            ids = [int(i) for i in ids_text.split(",")]
+        except ValueError:
+            ids = []
+        if not sep or not ids or not names:
+            raise SystemExit(f"reproduce.py: --lanes {spec!r}: write GPU ids, a colon and steps, e.g. 2,3:allreduce")
+        bad = [i for i in ids if not 0 <= i < have]
+        if bad or len(set(ids)) < len(ids) or taken & set(ids):
+            raise SystemExit(f"reproduce.py: --lanes {spec!r}: GPU ids must be distinct among all lanes and "
+                             f"below this machine's {have} GPU(s)")
+        taken.update(ids)
+        steps = selected(have, names)
+        big = [s[0] for s in steps if s[1] > len(ids)]
+        if big:
+            raise SystemExit(f"reproduce.py: --lanes {spec!r}: {', '.join(big)} need more GPUs than the lane's {len(ids)}")
+        lanes.append((ids, steps))
+    return lanes
+
+
+def run_step(name: str, command: str, log_dir: Path, timeout: float, gpus: list | None = None) -> tuple:
+    """``(exit code or a word, seconds, log path)``; the step's output goes to its log only;
+    ``gpus``: the GPU ids it sees (all by default)."""
     words = shlex.split(command)
     argv = [sys.executable if words[0] == "python" else words[0], *words[1:]]
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     log = log_dir / f"{name}.log"
     start = time.monotonic()
     with open(log, "w") as out:
@@ -104,19 +139,40 @@ def run_step(name: str, command: str, log_dir: Path, timeout: float) -> tuple:
         except OSError as exc:
             out.write(f"could not start: {exc}\n")
             return "not started", time.monotonic() - start, log
+        RUNNING.add(proc)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = "timeout"
         finally:  # the step's own clean-up gets SIGTERM and time to stop its ranks
             launch.stop(proc, grace=STOP_GRACE_S)
+            RUNNING.discard(proc)
     return code, time.monotonic() - start, log
+
+
+def run_lane(steps: list, gpus: list | None, args, end: float | None) -> list:
+    """Run ``steps`` one after the other (on ``gpus``), each under what is left of the budget;
+    ``[(name, result, seconds, record)]``."""
+    rows, where = [], "" if gpus is None else f" [GPU {','.join(map(str, gpus))}]"
+    for i, (name, _, command, record) in enumerate(steps, 1):
+        left = args.timeout if end is None else min(args.timeout, end - time.monotonic() - STOP_GRACE_S)
+        if left <= 0:
+            print(f"[{i}/{len(steps)}]{where} {name}: skipped (the budget is spent)", flush=True)
+            rows.append((name, "skipped", 0.0, record))
+            continue
+        print(f"[{i}/{len(steps)}]{where} {name}: {command}", flush=True)
+        code, seconds, log = run_step(name, command, args.log_dir, left, gpus)
+        print(f"    {name}: {'ok' if code == 0 else f'FAILED ({code})'} in {seconds:.0f} s, log {log}", flush=True)
+        rows.append((name, "ok" if code == 0 else f"failed ({code})", seconds, record))
+    return rows
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", type=int, choices=[1, 2, 4], default=1, help="run the steps that need at most this many GPUs")
     p.add_argument("--only", metavar="NAME[,NAME...]", help="run these steps, in this order (any GPU count)")
+    p.add_argument("--lanes", nargs="+", metavar="IDS:STEP[,STEP...]",
+                   help="run these lists of steps side by side, each on the GPUs it names (e.g. 0:engine 2,3:allreduce)")
     p.add_argument("--list", action="store_true", help="print the steps' commands and exit")
     p.add_argument("--log-dir", type=Path, default=REPO / "benchmarks" / "logs")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per step")
@@ -125,29 +181,37 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.budget is not None and not args.budget > 0:
         p.error(f"--budget must be > 0 seconds, got {args.budget:g}")
-    steps = selected(args.gpus, args.only)
+    if args.lanes and args.only:
+        p.error("--lanes names its own steps; leave --only out")
+    steps = selected(args.gpus, args.only) if not args.lanes else [s for spec in args.lanes for s in selected(
+        4, spec.partition(":")[2] or spec)]
     if args.list:
         for name, gpus, command, record in steps:
             print(f"{name:<20} {gpus} GPU  {command}  -> benchmarks/results/{record}")
         return 0
     have, need = gpu_count(), max(s[1] for s in steps)
+    lanes = parse_lanes(args.lanes, have) if args.lanes else []
     if have < need:
         print(f"reproduce.py: these steps need {need} GPU(s), this machine has {have}", file=sys.stderr)
         return 2
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
     end = None if args.budget is None else time.monotonic() + args.budget
-    for i, (name, _, command, record) in enumerate(steps, 1):
-        left = args.timeout if end is None else min(args.timeout, end - time.monotonic() - STOP_GRACE_S)
-        if left <= 0:
-            print(f"[{i}/{len(steps)}] {name}: skipped (the budget is spent)", flush=True)
-            rows.append((name, "skipped", 0.0, record))
-            continue
-        print(f"[{i}/{len(steps)}] {name}: {command}", flush=True)
-        with launch.sigterm_raises():  # a SIGTERM here still stops the running step
-            code, seconds, log = run_step(name, command, args.log_dir, left)
-        print(f"    {'ok' if code == 0 else f'FAILED ({code})'} in {seconds:.0f} s, log {log}", flush=True)
-        rows.append((name, "ok" if code == 0 else f"failed ({code})", seconds, record))
+    if not lanes:
+        rows = run_lane(steps, None, args, end)
+    else:
+        results: dict = {}
+        threads = [threading.Thread(target=lambda i=i, ids=ids, lane=lane: results.__setitem__(
+            i, run_lane(lane, ids, args, end)), daemon=True) for i, (ids, lane) in enumerate(lanes)]
+        try:
+            with launch.sigterm_raises():
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+        finally:  # a SIGTERM (or an error) here: the lanes' threads would leave their steps running
+            for proc in list(RUNNING):
+                launch.stop(proc, grace=STOP_GRACE_S)
+        rows = [row for i in range(len(lanes)) for row in results.get(i, [])]
     print(f"\n{'step':<20} {'result':<16} {'seconds':>8}  record")
     for name, result, seconds, record in rows:
         print(f"{name:<20} {result:<16} {seconds:>8.0f}  benchmarks/results/{record}")

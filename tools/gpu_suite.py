@@ -59,13 +59,56 @@ def counts(junit: Path) -> dict:
     return out
 
 
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+
+
+def _verbose_lines(output: str):
+    """``(test id, outcome or None)`` for each test line of pytest's ``-v`` output."""
+    for line in output.splitlines():
+        if line.startswith("unittests/gpu/") and "::" in line:
+            words = line.split()
+            yield words[0], next((w for w in words[1:] if w in OUTCOMES), None)
+
+
+def counts_from_output(output: str) -> dict:
+    """The counts from pytest's ``-v`` lines, for a run that ended before its JUnit report
+    was written (a process that aborted in the middle)."""
+    out = {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []}
+    for test, outcome in _verbose_lines(output):
+        if outcome == "PASSED" or outcome == "XPASS":
+            out["passed"] += 1
+        elif outcome in ("FAILED", "ERROR"):
+            out["failed"] += 1
+            out["failed_tests"].append({"test": test, "message": "(see the output)"})
+        elif outcome in ("SKIPPED", "XFAIL"):
+            out["skipped"] += 1
+    return out
+
+
+def running_at_end(output: str) -> str | None:
+    """The test that had started and not ended when the output stopped (one the process died
+    in), else None."""
+    last = None
+    for test, outcome in _verbose_lines(output):
+        last = test if outcome is None else None
+    return last
+
+
+def tail(output: str, chars: int = 6000) -> str:
+    """The output's end without the interpreter's list of loaded extension modules (a fatal
+    error prints it, thousands of characters that would push the error itself out of the tail)."""
+    lines = [ln for ln in output.splitlines() if not ln.startswith("Extension modules:")]
+    return "\n".join(lines)[-chars:]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp, "suite.xml")
-        cmd = [sys.executable, "-m", "pytest", "unittests/gpu", "-q", "-p", "no:cacheprovider",
+        # -v: each test's id is printed as it starts, so an abort names the test it hit
+        cmd = [sys.executable, "-m", "pytest", "unittests/gpu", "-v", "-p", "no:cacheprovider",
                f"--junitxml={junit}", *args.pytest_args]
         env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
         if args.probe:
@@ -74,16 +117,19 @@ def main(argv=None) -> int:
         end = launch.run(cmd, timeout=args.timeout, env=env, cwd=REPO, merge_stderr=True)
         code = None if end.timed_out else end.returncode
         output = end.stdout + (f"\n[timed out after {args.timeout} s]" if end.timed_out else "")
-        found = counts(junit)
+        found = counts(junit) if junit.exists() else counts_from_output(output)
     record = {"command": "python -m pytest unittests/gpu" + (" (allocator probe)" if args.probe else ""),
               "exit_code": code, "passed": found["passed"], "failed": found["failed"],
               "skipped": found["skipped"], "gpus": torch.cuda.device_count(),
               "failed_tests": found["failed_tests"], "environment": benchlib.environment(),
-              "code_version": benchlib.code_version(), "output_tail": output[-4000:]}
+              "code_version": benchlib.code_version(), "running_at_end": running_at_end(output),
+              "output_tail": tail(output)}
     path = benchlib.write_result(args.name, record)
+    if os.environ.get("OUT"):  # the whole output beside the record, for what the tail leaves out
+        Path(os.environ["OUT"], f"{args.name}.log").write_text(output)
     print(f"exit code {code}: {found['passed']} passed, {found['failed']} failed, {found['skipped']} skipped "
           f"on {record['gpus']} GPU(s) -> {path}")
-    print(output[-3000:])
+    print(tail(output, 3000))
     return 0 if code == 0 else 1
 
 

@@ -95,11 +95,7 @@ def test_without_git_a_record_names_the_code_by_a_digest_of_its_files(tmp_path, 
 
 
 def test_named_steps_run_in_their_order_and_a_budget_skips_what_does_not_fit(tmp_path, monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("reproduce", os.path.join(REPO, "benchmarks", "reproduce.py"))
-    reproduce = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reproduce)
+    reproduce = _reproduce_module()
     assert [s[0] for s in reproduce.selected(1, "gpu-suite, engine")] == ["gpu-suite", "engine"]
     try:
         reproduce.selected(1, "engine,nope")
@@ -118,3 +114,58 @@ def test_named_steps_run_in_their_order_and_a_budget_skips_what_does_not_fit(tmp
     assert code == 1 and time.monotonic() - start < 15  # the slow step stopped at the budget's end
     assert (tmp_path / "quick.log").exists() and (tmp_path / "slow.log").exists()
     assert not (tmp_path / "after.log").exists()  # skipped
+
+
+def _reproduce_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reproduce", os.path.join(REPO, "benchmarks", "reproduce.py"))
+    reproduce = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reproduce)
+    return reproduce
+
+
+def test_lanes_run_side_by_side_each_on_its_own_gpus(tmp_path, monkeypatch):
+    reproduce = _reproduce_module()
+    monkeypatch.setattr(reproduce, "gpu_count", lambda: 4)
+    monkeypatch.setattr(reproduce, "STEPS", [
+        ("one", 1, "python -c \"import os,time; time.sleep(2); print('sees', os.environ['CUDA_VISIBLE_DEVICES'])\"",
+         "one-<device>.json"),
+        ("two", 2, "python -c \"import os,time; time.sleep(2); print('sees', os.environ['CUDA_VISIBLE_DEVICES'])\"",
+         "two-<device>.json")])
+    start = time.monotonic()
+    code = reproduce.main(["--lanes", "0:one", "2,3:two", "--log-dir", str(tmp_path)])
+    assert code == 0
+    assert time.monotonic() - start < 3.9  # side by side, not 2 + 2 s one after the other
+    assert "sees 0" in (tmp_path / "one.log").read_text()
+    assert "sees 2,3" in (tmp_path / "two.log").read_text()
+
+
+def test_lanes_are_refused_when_they_share_a_gpu_or_a_step_needs_more_than_its_lane(monkeypatch):
+    reproduce = _reproduce_module()
+    for specs, words in ((["0:engine", "0,1:allreduce"], "distinct"), (["5:engine"], "below this machine's 4"),
+                         (["1:allreduce"], "need more GPUs"), (["engine"], "a colon")):
+        try:
+            reproduce.parse_lanes(specs, 4)
+        except SystemExit as exc:
+            assert words in str(exc), (specs, str(exc))
+        else:
+            raise AssertionError(f"lanes {specs} were accepted")
+
+
+def test_the_gpu_suite_counts_a_run_that_aborted_and_names_the_test_it_died_in():
+    from tools import gpu_suite
+
+    output = "\n".join([
+        "unittests/gpu/test_a.py::test_one PASSED                 [ 10%]",
+        "unittests/gpu/test_a.py::test_two SKIPPED (needs 2 GPUs)  [ 20%]",
+        "unittests/gpu/test_b.py::test_three FAILED               [ 30%]",
+        "unittests/gpu/test_b.py::test_four ",
+        "Fatal Python error: Aborted",
+        "Extension modules: numpy, " + "x, " * 3000 + "torch (total: 3000)"])
+    found = gpu_suite.counts_from_output(output)
+    assert (found["passed"], found["skipped"], found["failed"]) == (1, 1, 1)
+    assert found["failed_tests"][0]["test"] == "unittests/gpu/test_b.py::test_three"
+    assert gpu_suite.running_at_end(output) == "unittests/gpu/test_b.py::test_four"
+    assert gpu_suite.running_at_end(output.replace("test_four ", "test_four PASSED")) is None
+    assert "Fatal Python error: Aborted" in gpu_suite.tail(output, 200)  # the module list is left out
