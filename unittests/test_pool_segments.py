@@ -117,3 +117,30 @@ def test_a_failed_switch_back_keeps_the_bodys_error_and_closes_the_window(monkey
         with pool_segments.pool_allocations():
             pass
     assert pool_segments._DEPTH == 0 and pool_segments._SAVED is None and len(calls) == 4
+
+
+def test_the_cycle_collector_is_off_inside_a_routing_window_and_back_after_it():
+    import gc
+
+    from paddle_graphpp.torch.graphs import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer window is still open
+    assert gc.isenabled()
+    try:
+        with gc_paused():
+            raise ValueError("a failing capture")
+    except ValueError:
+        pass
+    assert gc.isenabled()
+    gc.disable()  # a program that runs without the collector keeps it off
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -4,10 +4,28 @@ that keeps a pool's users counted (see :meth:`~paddle_graphpp.torch.memory.capab
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import torch
 
-__all__ = ["end_failed_capture", "empty_capture", "anchor_graph"]
+__all__ = ["end_failed_capture", "empty_capture", "anchor_graph", "gc_paused"]
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cycle collector off while allocations route into a graph pool (a capture, a
+    borrowed optimizer step). A collection there could destroy an unreachable
+    ``torch.cuda.MemPool`` (one the program left in a reference cycle): its destructor empties the
+    pool's cache, which the caching allocator refuses while any capture or routing is on, by
+    aborting the process (``captures_underway.empty()``). Nested uses leave it off until the
+    outermost ends; a collector the program turned off stays off."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def end_failed_capture(graph, pool_id) -> None:
@@ -48,7 +66,7 @@ def empty_capture(stream, pool_id=None):
     import warnings
 
     graph = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings(), torch.cuda.stream(stream):
+    with warnings.catch_warnings(), torch.cuda.stream(stream), gc_paused():
         warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
         try:
             graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")

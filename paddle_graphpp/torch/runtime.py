@@ -24,7 +24,7 @@ from . import autograd as _autograd
 from . import compile as _compile
 from .memory import pool_segments as _pool_segments
 from .collectives.watch import TorchReplayEvents, noting_collectives
-from .graphs import empty_capture, end_failed_capture
+from .graphs import empty_capture, end_failed_capture, gc_paused
 from .memory.capabilities import TorchMemory, _pool_id
 
 __all__ = ["TorchRuntime", "RUNTIME", "active_runtime"]
@@ -173,8 +173,8 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         for gen in _registered_generators(generators):
             graph.register_generator_state(gen)
         # compiled code runs only what it compiled in the warmup (see .compile)
-        with torch.cuda.stream(stream), _pool_segments.pool_allocations(), _compile.no_compile_in_capture(), \
-                noting_collectives():
+        with gc_paused(), torch.cuda.stream(stream), _pool_segments.pool_allocations(), \
+                _compile.no_compile_in_capture(), noting_collectives():
             try:
                 graph.capture_begin(pool=_pool_id(pool), capture_error_mode="thread_local")
                 yield graph

@@ -39,3 +39,22 @@ def _allocator_probe(request):
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+def pytest_runtest_logreport(report):
+    """A failure's traceback printed as soon as the test ends, not in the summary at the end: a
+    process that aborts later in the run (the caching allocator's assertions abort) would
+    lose it."""
+    if not report.failed:
+        return
+    reporter = _reporter.get("terminal")
+    text = getattr(report, "longreprtext", "") or str(report.longrepr)
+    if reporter is not None and text:
+        reporter.write_line(f"\n[failure, {report.when}] {report.nodeid}\n{text[-4000:]}")
+
+
+_reporter: dict = {}
+
+
+def pytest_configure(config):
+    _reporter["terminal"] = config.pluginmanager.getplugin("terminalreporter")

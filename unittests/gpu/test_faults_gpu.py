@@ -181,6 +181,21 @@ def _settled_reserved() -> int:
     return torch.cuda.memory_reserved()
 
 
+def _segments() -> dict:
+    """Address -> (size, pool id, stream, allocated bytes, expandable) of every segment."""
+    return {s["address"]: (s["total_size"], tuple(s.get("segment_pool_id", ())), s.get("stream"),
+                           s["allocated_size"], s.get("is_expandable", False))
+            for s in torch.cuda.memory_snapshot()}
+
+
+def _segments_gained(before: dict) -> str:
+    """The segments that appeared since ``before`` (or grew), for an assertion's message."""
+    now = _segments()
+    gained = {a: v for a, v in now.items() if a not in before or before[a][0] != v[0]}
+    return "; ".join(f"{a:#x}: {v[0] >> 20} MiB pool {v[1]} stream {v[2]} allocated {v[3]} expandable {v[4]}"
+                     for a, v in gained.items()) or "none"
+
+
 @pytest.mark.parametrize("fallback", ["error", "eager"])
 def test_out_of_memory_during_capture(fallback):
     _out_of_memory_during_capture(fallback, after_activations=False)
@@ -205,12 +220,14 @@ def _out_of_memory_during_capture(fallback, after_activations):
     graphed = CUDAGraphedModule(mod, num_warmup_steps=0, name="OOMLayer", fallback=fallback)
     graphed(x).sum().backward()  # recorded: the capture runs at the next call
     before = _settled_reserved()
+    segments = _segments()
     if fallback == "error":
         with pytest.raises(CaptureError, match=r"OOMLayer: capturing the forward failed: OutOfMemoryError") as err:
             graphed(x)
         assert isinstance(err.value.__cause__, torch.OutOfMemoryError)
         after = _settled_reserved()  # `err` still holds the error: its frames were cleared
-        assert after == before, f"reserved {after - before:+d} bytes after the failed capture"
+        assert after == before, (f"reserved {after - before:+d} bytes after the failed capture; "
+                                 f"segments gained: {_segments_gained(segments)}")
         # The CUDA RNG left capture mode: eager draws work and follow the seed.
         draws = []
         for _ in range(2):
@@ -225,7 +242,8 @@ def _out_of_memory_during_capture(fallback, after_activations):
         y.sum().backward()
         del y
         after = _settled_reserved()
-        assert after == before, f"reserved {after - before:+d} bytes after the failed capture"
+        assert after == before, (f"reserved {after - before:+d} bytes after the failed capture; "
+                                 f"segments gained: {_segments_gained(segments)}")
     # Training goes on, with the results of the plain module.
     for _ in range(3):
         y = graphed(x)

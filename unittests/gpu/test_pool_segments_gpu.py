@@ -11,6 +11,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
 
+from paddle_graphpp.torch.graphs import gc_paused  # noqa: E402
 from paddle_graphpp.torch.memory import pool_segments  # noqa: E402
 from paddle_graphpp.torch.runtime import RUNTIME  # noqa: E402
 
@@ -86,7 +87,7 @@ def test_a_request_larger_than_every_free_block_maps_only_what_is_missing(monkey
     def reserved():
         return sum(seg["total_size"] for seg in pool.snapshot())
 
-    with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool), pool_segments.pool_allocations():
+    with gc_paused(), torch.cuda.stream(side), torch.cuda.use_mem_pool(pool), pool_segments.pool_allocations():
         a = torch.empty(100 * MIB, dtype=torch.uint8, device="cuda")
         b = torch.empty(60 * MIB, dtype=torch.uint8, device="cuda")
         del b
@@ -144,7 +145,7 @@ def test_a_borrowed_step_whose_window_cannot_open_leaves_the_pool_and_the_stream
     monkeypatch.delenv(pool_segments.FLAG, raising=False)
     side = torch.cuda.Stream()
     pool = torch.cuda.MemPool()
-    with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool), pool_segments.pool_allocations():
+    with gc_paused(), torch.cuda.stream(side), torch.cuda.use_mem_pool(pool), pool_segments.pool_allocations():
         room = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
         del room  # free in the pool: the step's temporaries fit
     side.synchronize()

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import pool_segments
+from ..graphs import gc_paused
 
 __all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers"]
 
@@ -144,7 +145,7 @@ class PoolLender:
             return 0
         blocks: list = []
         try:
-            with (pool_segments.pool_allocations(), torch.cuda.stream(self._capture_stream()),
+            with (gc_paused(), pool_segments.pool_allocations(), torch.cuda.stream(self._capture_stream()),
                   torch.cuda.use_mem_pool(pool)):
                 device = torch.cuda.current_device()
                 for n in sizes:
@@ -205,6 +206,7 @@ class PoolLender:
         before = _allocated(pool)
         stream.wait_stream(caller)
         with contextlib.ExitStack() as stack:  # what was entered is left again if an entry raises
+            stack.enter_context(gc_paused())
             stack.enter_context(pool_segments.pool_allocations())
             stack.enter_context(torch.cuda.stream(stream))
             stack.enter_context(torch.cuda.use_mem_pool(pool))
