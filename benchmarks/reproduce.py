@@ -53,6 +53,8 @@ STEPS = [
     ("zero-bubble-split", 1, "python tools/bench_zero_bubble.py --single-gpu", "zero-bubble-split-<device>.json"),
     ("peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --profile", "peer-megatron-pp1-<device>.json"),
     ("gpu-suite", 1, "python tools/gpu_suite.py", "gpu-suite-<device>.json"),
+    ("gpu-suite-probe", 1, "python tools/gpu_suite.py --probe --name gpu-suite-probe",
+     "gpu-suite-probe-<device>.json"),
     ("pipeline", 2, "python tools/bench_pipeline.py", "pipeline-<device>.json"),
     ("memory-pipeline-pp2", 2, "python tools/bench_pipeline_memory.py --preset gpt1.3b",
      "memory-pipeline-gpt1.3b-pp2-<device>.json"),
@@ -72,11 +74,12 @@ STEPS = [
     ("peer-megatron-tp2pp2", 4, "python tools/bench_peer_megatron.py --tp 2 --pp 2",
      "peer-megatron-tp2pp2-<device>.json"),
 ]
+DIAGNOSTIC = {"gpu-suite-probe"}  # run only when named: they look for a fault, they record no figure
 
 
 def selected(gpus: int, only: str | None) -> list:
     """The steps to run: those named in ``only`` (comma-separated, in that order), else every
-    step that needs at most ``gpus`` GPUs."""
+    step that needs at most ``gpus`` GPUs, diagnostics left out."""
     if only is not None:
         by_name = {s[0]: s for s in STEPS}
         names = [n.strip() for n in only.split(",") if n.strip()]
@@ -85,7 +88,7 @@ def selected(gpus: int, only: str | None) -> list:
             raise SystemExit(f"reproduce.py: no step {', '.join(map(repr, unknown)) or repr(only)}; "
                              f"steps: {', '.join(by_name)}")
         return [by_name[n] for n in names]
-    return [s for s in STEPS if s[1] <= gpus]
+    return [s for s in STEPS if s[1] <= gpus and s[0] not in DIAGNOSTIC]
 
 
 def gpu_count() -> int:

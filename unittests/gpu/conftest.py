@@ -1,9 +1,10 @@
 """Shared by the GPU tests (each skips itself without CUDA).
 
-``GRAPHPP_PROBE_ALLOCATOR=1`` empties the CUDA cache after every test. The caching allocator
-asserts, and aborts the process, when its cache is emptied while an allocation routing into a
-graph pool is still on (``captures_underway``), as a capture that failed without ending its
-routing leaves it; the test named on stderr just before such an abort is the one that left it.
+``GRAPHPP_PROBE_ALLOCATOR=1`` checks after every test that no allocation routing into a graph
+pool was left on: a new allocation of the thread must land in the default pool (else the test
+errors, naming the pool), then a fresh ``MemPool`` is destroyed, whose destructor asserts, and
+aborts the process, while any capture or routing is underway (``captures_underway``); the test
+named on stderr just before such an abort is the one that left it.
 """
 import os
 import sys
@@ -35,26 +36,44 @@ def _allocator_probe(request):
 
     if not torch.cuda.is_available():
         return
-    print(f"\n[allocator probe] emptying the cache after {request.node.nodeid}", file=sys.stderr, flush=True)
     gc.collect()
     torch.cuda.synchronize()
+    routed = _routed_pool(torch)
+    assert routed is None, (f"after {request.node.nodeid}: this thread's allocations still route into graph pool "
+                            f"{routed} (a pool window left open)")
+    print(f"\n[allocator probe] a pool destroyed after {request.node.nodeid}", file=sys.stderr, flush=True)
+    # A MemPool's destructor empties its cache, which asserts that no capture or pool routing is
+    # on: with one left behind, the process aborts here, right after the test that left it.
+    pool = torch.cuda.MemPool()
+    del pool
     torch.cuda.empty_cache()
+
+
+def _routed_pool(torch):
+    """The pool a new allocation of this thread lands in, or None for the default one."""
+    probe = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    address = probe.data_ptr()
+    for seg in torch.cuda.memory_snapshot():
+        if seg["address"] <= address < seg["address"] + seg["total_size"]:
+            pool = tuple(seg.get("segment_pool_id", (0, 0)))
+            return None if pool == (0, 0) else pool
+    return None
 
 
 def pytest_runtest_logreport(report):
     """A failure's traceback printed as soon as the test ends, not in the summary at the end: a
     process that aborts later in the run (the caching allocator's assertions abort) would
     lose it."""
-    if not report.failed:
+    if not report.failed or _config.get("config") is None:
         return
-    reporter = _reporter.get("terminal")
+    reporter = _config["config"].pluginmanager.get_plugin("terminalreporter")
     text = getattr(report, "longreprtext", "") or str(report.longrepr)
     if reporter is not None and text:
         reporter.write_line(f"\n[failure, {report.when}] {report.nodeid}\n{text[-4000:]}")
 
 
-_reporter: dict = {}
+_config: dict = {}
 
 
 def pytest_configure(config):
-    _reporter["terminal"] = config.pluginmanager.getplugin("terminalreporter")
+    _config["config"] = config

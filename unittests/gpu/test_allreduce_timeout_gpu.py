@@ -112,11 +112,18 @@ def test_a_peer_that_comes_within_the_timeout_is_waited_for():
     s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
     s0.wait_stream(torch.cuda.current_stream())
     s1.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s0):
-        out0 = ranks[0](xs[0], flags_bytes(2))
+    # Rank 1 is queued first, behind ~1 s of sleep (well past TIMEOUT), then rank 0: the host
+    # makes no allocation while rank 0's kernel waits. (Queued the other way round, rank 1's
+    # output was allocated on a new stream while rank 0 spun, and rank 1 started only after
+    # rank 0 had waited its whole timeout: the test took 30 s and rank 0 gave up.)
     with torch.cuda.stream(s1):
-        torch.cuda._sleep(int(2 * TIMEOUT * 1.5e9))  # the peer comes ~1 s late, well past TIMEOUT
+        torch.cuda._sleep(int(2 * TIMEOUT * 1.5e9))
         out1 = ranks[1](xs[1], flags_bytes(2))
+    with torch.cuda.stream(s0):
+        start = time.monotonic()
+        out0 = ranks[0](xs[0], flags_bytes(2))
     torch.cuda.synchronize()
+    waited = time.monotonic() - start
+    assert waited < 10.0, f"rank 0 waited {waited:.1f} s for a peer ~1 s late"
     assert ranks[0].peer_waited_for() is None
     assert torch.equal(out0, out1)
