@@ -58,10 +58,17 @@ def _torch_checks() -> dict:
         x = torch.ones(8, device="cuda")
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        from .torch.graphs import capture_pool_id, end_failed_capture
+
+        pool_id = capture_pool_id()
         with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            y = x * 2
-            graph.capture_end()
+            graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+            try:
+                y = x * 2
+                graph.capture_end()
+            except BaseException:
+                end_failed_capture(graph, pool_id)
+                raise
         torch.cuda.current_stream().wait_stream(stream)
         x.fill_(3)
         graph.replay()

@@ -8,7 +8,7 @@ import gc
 
 import torch
 
-__all__ = ["end_failed_capture", "empty_capture", "anchor_graph", "gc_paused"]
+__all__ = ["end_failed_capture", "capture_pool_id", "empty_capture", "anchor_graph", "gc_paused"]
 
 
 @contextlib.contextmanager
@@ -36,10 +36,14 @@ def end_failed_capture(graph, pool_id) -> None:
     after the stream's capture ended well, and a graph gives its reference back (on reset or
     destruction) only if its capture ended. A capture that failed in between (a begin the stream
     refused, a body that raised, an end the driver rejected) would leave the routing on, so that
-    the next ``empty_cache()`` (and the pool's destructor at exit) trips the allocator's "no capture
-    underway" assertion, and the reference taken, so that the pool's memory could never be freed.
-    Here the capture is ended if it still runs, then the routing and the reference are given
-    back, each only if still held."""
+    the next ``empty_cache()`` frees nothing and the next ``MemPool`` destroyed (or the process
+    exit) trips the allocator's "no capture underway" assertion, and the reference taken, so that
+    the pool's memory could never be freed. Here the capture is ended if it still runs, then the
+    routing and the reference are given back, each only if still held.
+
+    ``pool_id``: the id the capture began with, never ``None``: a graph without a pool of its own
+    cannot tell its id after a failed capture (``CUDAGraph.pool()`` needs a completed one), so
+    captures pass :func:`capture_pool_id`'s."""
     device = torch.cuda.current_device()
     try:
         graph.capture_end()  # a body that raised in Python leaves a capture the driver can end
@@ -47,17 +51,23 @@ def end_failed_capture(graph, pool_id) -> None:
     except Exception:  # noqa: BLE001 - invalidated, or never begun
         ended = False
     if not ended:
-        with contextlib.suppress(Exception):
-            pool_id = tuple(pool_id or graph.pool())
         try:
             torch._C._cuda_endAllocateToPool(device, pool_id)
+            routed = True
         except Exception:  # noqa: BLE001 - not routed: capture_begin failed before it routed
-            pool_id = None
-        if pool_id is not None:
+            routed = False
+        if routed:
             with contextlib.suppress(Exception):
                 torch._C._cuda_releasePool(device, pool_id)
     with contextlib.suppress(Exception):
         graph.reset()  # an ended capture gives its reference back here
+
+
+def capture_pool_id(pool_id=None) -> tuple:
+    """The pool id a capture begins with: ``pool_id``, or a new one of the graph's own (what
+    ``capture_begin`` makes when given none), known before the capture so that a failed capture
+    can be ended (:func:`end_failed_capture`)."""
+    return tuple(pool_id) if pool_id is not None else tuple(torch.cuda.graph_pool_handle())
 
 
 def empty_capture(stream, pool_id=None):
@@ -65,7 +75,7 @@ def empty_capture(stream, pool_id=None):
     a capture that fails is ended (:func:`end_failed_capture`) before its error is raised."""
     import warnings
 
-    graph = torch.cuda.CUDAGraph()
+    graph, pool_id = torch.cuda.CUDAGraph(), capture_pool_id(pool_id)
     with warnings.catch_warnings(), torch.cuda.stream(stream), gc_paused():
         warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
         try:
