@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
@@ -57,6 +58,22 @@ def counts(junit: Path) -> dict:
         else:
             out["passed"] += 1
     return out
+
+
+def run_logged(cmd: list, env: dict, log: Path, timeout: float) -> tuple:
+    """Run ``cmd`` in its own session with its output going to ``log`` as it is written;
+    ``(exit code or None when stopped, a note for the output)``. A time limit or a SIGTERM of
+    this process stops it (and what it started)."""
+    with open(log, "w") as out, launch.sigterm_raises():
+        proc = launch.start(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout), ""
+        except subprocess.TimeoutExpired:
+            return None, f"\n[timed out after {timeout:g} s]"
+        except SystemExit:  # SIGTERM: stopped from outside (reproduce.py's budget)
+            return None, "\n[stopped by SIGTERM]"
+        finally:
+            launch.stop(proc)
 
 
 OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
@@ -113,10 +130,11 @@ def main(argv=None) -> int:
         env = dict(os.environ, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE", "0"))
         if args.probe:
             env["GRAPHPP_PROBE_ALLOCATOR"] = "1"
-        # its own session: on a time limit what pytest started (workers, test subprocesses) is stopped too
-        end = launch.run(cmd, timeout=args.timeout, env=env, cwd=REPO, merge_stderr=True)
-        code = None if end.timed_out else end.returncode
-        output = end.stdout + (f"\n[timed out after {args.timeout} s]" if end.timed_out else "")
+        # pytest writes to the log as it goes (beside the record under $OUT when set): a run
+        # stopped from outside still leaves the tests it reached
+        log = Path(os.environ["OUT"], f"{args.name}.log") if os.environ.get("OUT") else Path(tmp, "suite.log")
+        code, note = run_logged(cmd, env, log, args.timeout)
+        output = log.read_text(errors="replace") + note
         found = counts(junit) if junit.exists() else counts_from_output(output)
     record = {"command": "python -m pytest unittests/gpu" + (" (allocator probe)" if args.probe else ""),
               "exit_code": code, "passed": found["passed"], "failed": found["failed"],
@@ -125,8 +143,6 @@ def main(argv=None) -> int:
               "code_version": benchlib.code_version(), "running_at_end": running_at_end(output),
               "output_tail": tail(output)}
     path = benchlib.write_result(args.name, record)
-    if os.environ.get("OUT"):  # the whole output beside the record, for what the tail leaves out
-        Path(os.environ["OUT"], f"{args.name}.log").write_text(output)
     print(f"exit code {code}: {found['passed']} passed, {found['failed']} failed, {found['skipped']} skipped "
           f"on {record['gpus']} GPU(s) -> {path}")
     print(tail(output, 3000))

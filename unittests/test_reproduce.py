@@ -169,3 +169,19 @@ def test_the_gpu_suite_counts_a_run_that_aborted_and_names_the_test_it_died_in()
     assert gpu_suite.running_at_end(output) == "unittests/gpu/test_b.py::test_four"
     assert gpu_suite.running_at_end(output.replace("test_four ", "test_four PASSED")) is None
     assert "Fatal Python error: Aborted" in gpu_suite.tail(output, 200)  # the module list is left out
+
+
+def test_the_gpu_suite_logs_as_it_goes_so_a_stopped_run_keeps_what_it_reached(tmp_path):
+    import sys
+
+    from tools import gpu_suite
+
+    log = tmp_path / "suite.log"
+    cmd = [sys.executable, "-c", "import time; print('unittests/gpu/test_a.py::test_one PASSED', flush=True); "
+                                 "print('unittests/gpu/test_a.py::test_two ', flush=True); time.sleep(60)"]
+    start = time.monotonic()
+    code, note = gpu_suite.run_logged(cmd, dict(os.environ), log, timeout=3)
+    assert code is None and "timed out after 3 s" in note and time.monotonic() - start < 30
+    output = log.read_text()
+    assert gpu_suite.counts_from_output(output)["passed"] == 1
+    assert gpu_suite.running_at_end(output) == "unittests/gpu/test_a.py::test_two"
