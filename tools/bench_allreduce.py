@@ -448,8 +448,12 @@ def main(argv=None) -> int:
         "suggested_choice": suggested_choice(lat) if lat else None,
         **{k: v for k, v in data.items() if k != "rank"},
     }
+    record["code_version"] = benchlib.code_version()
     with open(out_file, "w") as f:
         json.dump(record, f, indent=1)
+    if os.environ.get("OUT"):  # the device machine's folder that comes back (benchlib.write_result does the same)
+        with open(os.path.join(os.environ["OUT"], os.path.basename(out_file)), "w") as f:
+            json.dump(record, f, indent=1)
 
     print(f"\nall-reduce inside replayed graphs, {record['device']} x{args.ranks}, bf16, {args.calls} calls/graph, "
           f"{args.rounds} rounds (median us [p10-p90])")

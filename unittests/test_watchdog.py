@@ -171,3 +171,26 @@ def test_a_collective_that_gave_up_on_a_peer_raises_its_own_error_though_every_r
         assert events.aborted == [] and codes == []
     finally:
         dog.stop()
+
+
+def test_a_timeout_names_the_launches_before_it_that_were_not_followed():
+    # Replays on one stream complete in order: a forward graph with a collective hangs, and the
+    # graphs queued behind it do not complete either. It was launched within min_gap of the
+    # previous followed launch, as were the next ones; the thread follows the last one (the host
+    # then blocks), whose graph holds no collective: the error names the launches before it.
+    events = Events()
+    dog = ReplayWatchdog(events, 0.3, grace=60, min_gap=0.2)
+    dog.launched("the forward graph of blocks.0 (micro-batch position 0; captured with torch.distributed.all_reduce)")
+    events.done.add(events.count)  # position 0 completed
+    dog.launched("the forward graph of blocks.0 (micro-batch position 1; captured with torch.distributed.all_reduce)")
+    for n in range(5):
+        dog.launched(f"the forward graph of blocks.{n + 1} (micro-batch position 1)")
+    assert wait_for(lambda: dog.error is not None, 3.0)
+    with pytest.raises(ReplayTimeoutError) as err:
+        dog.raise_pending()
+    text = str(err.value)
+    assert text.startswith("paddle_graphpp: the forward graph of blocks.5 (micro-batch position 1) (or one launched "
+                           "before it, after the last replay known to have completed: the forward graph of blocks.0 "
+                           "(micro-batch position 1; captured with torch.distributed.all_reduce); "), text
+    assert "blocks.3 (micro-batch position 1); and 1 more) has not completed 0.3 s" in text  # the first four, a count
+    dog.stop()

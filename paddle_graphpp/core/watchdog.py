@@ -66,6 +66,13 @@ def parse_timeout(raw: Any, where: str, what: str = "the replay timeout",
     return value or None
 
 
+_UNFOLLOWED_KEPT = 4  # launches not followed, named (the earliest) with the one that timed out
+
+
+def _text(what: Any) -> str:
+    return what() if callable(what) else what
+
+
 def _asked(question: Optional[Callable[[], Optional[str]]]) -> Optional[str]:
     """``question()`` from the watchdog's thread; an error in it is logged, not raised (the
     thread must go on timing replays)."""
@@ -99,9 +106,12 @@ class ReplayWatchdog:
         self.peer_failure, self.faults = peer_failure, faults
         self._peer_asked = 0.0  # when peer_failure was last called
         self._exit = exit
-        self._pending: collections.deque = collections.deque()  # (launch time, event, what), oldest first
+        # (launch time, event, what, the launches not followed just before it), oldest first
+        self._pending: collections.deque = collections.deque()
         self._last = 0.0  # when the last followed launch was recorded
         self._tail: Optional[tuple] = None  # (launch time, recorder, what) of a launch not followed yet
+        self._unfollowed: list = []  # what of the first launches not followed since the last followed one
+        self._unfollowed_more = 0  # and how many more
         self._lock = threading.Lock()
         self.error: Optional[str] = None  # set once: the process cannot go on after it
         self._error_type: type = ReplayTimeoutError
@@ -121,11 +131,26 @@ class ReplayWatchdog:
         with self._lock:
             if now - self._last < self.min_gap:
                 # Not followed now; the thread records it if no later launch is (see _check).
+                if self._tail is not None:
+                    self._note_unfollowed(self._tail[2])
                 self._tail = (now, record, what)
                 return
+            if self._tail is not None:
+                self._note_unfollowed(self._tail[2])
             self._tail = None
             self._last = now
-            self._pending.append((now, record(), what))
+            self._pending.append((now, record(), what, self._take_unfollowed()))
+
+    def _note_unfollowed(self, what: Any) -> None:
+        if len(self._unfollowed) < _UNFOLLOWED_KEPT:
+            self._unfollowed.append(what)
+        else:
+            self._unfollowed_more += 1
+
+    def _take_unfollowed(self) -> tuple:
+        taken = (self._unfollowed, self._unfollowed_more)
+        self._unfollowed, self._unfollowed_more = [], 0
+        return taken
 
     def raise_pending(self) -> None:
         """Raise the watchdog's error in the calling (main) thread, once it has one."""
@@ -157,12 +182,19 @@ class ReplayWatchdog:
                 # The last launch was skipped and nothing launched since: follow it from here (a
                 # host that blocks right after it would otherwise wait with nothing pending).
                 self._tail, self._last = None, time.monotonic()
-                self._pending.append((tail[0], tail[1](), tail[2]))
+                self._pending.append((tail[0], tail[1](), tail[2], self._take_unfollowed()))
             while self._pending and self.events.event_done(self._pending[0][1]):
                 self._pending.popleft()
             oldest = self._pending[0] if self._pending else None
         if oldest is not None and time.monotonic() - oldest[0] > self.timeout:
-            what = oldest[2]() if callable(oldest[2]) else oldest[2]
+            what = _text(oldest[2])
+            # Replays on a stream run in order: the one that hangs may be one launched before it,
+            # since the last replay known to have completed; the earliest of them first.
+            unfollowed, more = oldest[3]
+            before = [_text(w) for w in unfollowed]
+            if before:
+                what += (f" (or one launched before it, after the last replay known to have completed: "
+                         f"{'; '.join(before)}{f'; and {more} more' if more else ''})")
             return (f"paddle_graphpp: {what} has not completed {self.timeout:g} s after its replay was launched. "
                     f"A collective in it waits for a peer that died or stalled, or a kernel hangs. Check the "
                     f"other ranks' logs for the first error; raise the timeout (FLAGS_graphpp_replay_timeout, or "
