@@ -26,6 +26,7 @@ _LAZY = {
     "ReplayTimeoutError": "paddle_graphpp.core.errors",
     "CollectiveTimeoutError": "paddle_graphpp.core.errors",
     "reset_graphs": "paddle_graphpp.core.engine",
+    "drop_in_flight": "paddle_graphpp.core.engine",
     "use_cuda_malloc_async_allocator": "paddle_graphpp.allocator",
     "AllocatorSwitchError": "paddle_graphpp.allocator",
     "capture_custom_allreduce": "paddle_graphpp.core.collectives",

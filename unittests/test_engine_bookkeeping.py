@@ -701,3 +701,29 @@ def test_a_capture_batch_that_raises_early_leaves_no_output_marked_to_go_back(rt
     run_dropping(layer, order)  # recorded again
     run_dropping(layer, order)  # captured from this recording only, then replayed
     assert layer.engine.captures == 6 and layer.engine.replays > 0
+
+
+def test_a_step_abandoned_between_forwards_and_backwards_is_dropped_and_training_goes_on(rt):
+    import paddle_graphpp
+    from paddle_graphpp.core.errors import GraphScheduleError
+
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    step(layer, INTERLEAVED)  # warmup
+    step(layer, "f1 f2 f3 b1 f4")  # the recorded step raises before its last backwards
+    with pytest.raises(GraphScheduleError, match=r"paddle_graphpp\.drop_in_flight\(model\)"):
+        step(layer, INTERLEAVED)  # without the drop, the next step's first backward is refused
+    assert layer.engine.in_flight == 3 + 3  # the abandoned step's f2 f3 f4, the refused one's f1 f2 f3
+    assert paddle_graphpp.drop_in_flight(layer) == 6
+    assert layer.engine.in_flight == 0 and paddle_graphpp.drop_in_flight(layer) == 0
+    # The abandoned recording held one complete position (f1 b1): captured at the next step's
+    # start and replayed there, the others recorded in that step and captured at the one after.
+    step(layer, INTERLEAVED)
+    assert layer.engine.captures == 2 and layer.engine.replays == 2
+    step(layer, INTERLEAVED)
+    assert layer.engine.captures == 8 and layer.engine.replays == 10 and layer.engine.in_flight == 0
+    # abandoned while replaying: the capture order starts again at the next step
+    step(layer, "f1 f2 f3 b1 f4 b2")
+    assert paddle_graphpp.drop_in_flight(layer) == 2
+    for _ in range(2):
+        step(layer, INTERLEAVED)
+    assert layer.engine.replays == 10 + 6 + 2 * 8 and layer.engine.captures == 8 and layer.engine.in_flight == 0

@@ -69,8 +69,8 @@ from .errors import GraphScheduleError, SignatureError
 from .in_step import InStepCapture
 from .layer_capture import LayerCapture
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
-from .records import (Call, CallShape, Outputs, Phase, Position, RanEager, Recording, Replayed, Signature, describe,
-                      signature_key_parts)
+from .records import (Call, CallShape, Launched, Outputs, Phase, Position, RanEager, Recording, Replayed, Signature,
+                      describe, signature_key_parts)
 from .runtime import GraphRuntime, capabilities, runtime_for
 from .schedule import InFlightQueue
 from .state import LayerStateCheck
@@ -358,6 +358,33 @@ class GraphedCallable:
         self._warned.clear()
         self.state.reset()
 
+    def drop_in_flight(self) -> int:
+        """Forget this layer's micro-batches in flight: a step that raised between their
+        forwards and backwards left them, and their backwards will not run. The next step starts
+        afresh (replays from the first captured position; a recording in progress is captured
+        without the dropped positions, which are recorded again when they next run). The dropped
+        micro-batches' outputs may be overwritten by the next replays. Returns how many were
+        dropped."""
+        dropped = self.queue.drop_all()
+        for call in dropped:
+            call.anchor = None
+            run, sig = call.run, self._signatures.get(call.key)
+            if isinstance(run, Replayed):
+                gen = run.position.generation
+            elif isinstance(run, Launched):
+                done = sig.positions.get(call.position) if sig is not None else None
+                gen = run.live.generation if run.live is not None else (done.generation if done else None)
+            else:
+                gen = None
+            self.plan.note_dropped(gen)
+            self.process.clock.forward_done()
+            if sig is not None:
+                sig.busy.discard(call.position)
+        if dropped:
+            logger.warning("%s: %d micro-batch(es) in flight dropped; their backwards will not run", self.name,
+                           len(dropped))
+        return len(dropped)
+
     def fall_back(self, reason: str) -> None:
         """Run eagerly from now on (phase ``EAGER``): a capture failed with ``fallback="eager"``."""
         self._eager_reason = reason
@@ -522,6 +549,33 @@ class HoldsEngine:
         return self._engine
 
 
+def _engines_of(model: Any) -> list:
+    """The engines of the graphed layers in ``model`` (``model`` itself included), each once."""
+    tree = capabilities(runtime_for(model)).tree
+    subs = tree.submodules(model) if tree is not None else [model]
+    # Graphed layer classes expose their engine as ``engine`` (blocks graphed in place by
+    # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
+    return list({id(e): e for e in (getattr(m, "engine", None) for m in subs)
+                 if isinstance(e, GraphedCallable)}.values())
+
+
+def drop_in_flight(model: Any) -> int:
+    """Forget the micro-batches in flight in every graphed layer of ``model``: after a step
+    that raised between forwards and their backwards (a batch skipped on an error, a schedule
+    interrupted), before the next step. Without it the next backward raises
+    ``GraphScheduleError`` (backwards must follow their forwards' order) and no graph is
+    captured again, since a step never ends. Outputs of the dropped micro-batches may be
+    overwritten by the next replays: do not use them.
+
+    Args:
+        model: a ``torch.nn.Module`` or ``paddle.nn.Layer``.
+
+    Returns:
+        The number of micro-batches dropped.
+    """
+    return sum(engine.drop_in_flight() for engine in _engines_of(model))
+
+
 def reset_graphs(model: Any) -> int:
     """Make every graphed layer in ``model`` (``model`` itself included) forget its graphs and
     capture them anew after warmup, against the parameters and buffers it has now.
@@ -541,12 +595,7 @@ def reset_graphs(model: Any) -> int:
     Raises:
         GraphScheduleError: a micro-batch is in flight in one of them (nothing is reset).
     """
-    tree = capabilities(runtime_for(model)).tree
-    subs = tree.submodules(model) if tree is not None else [model]
-    # Graphed layer classes expose their engine as ``engine`` (blocks graphed in place by
-    # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
-    engines = list({id(e): e for e in (getattr(m, "engine", None) for m in subs)
-                    if isinstance(e, GraphedCallable)}.values())
+    engines = _engines_of(model)
     busy = [e.name for e in engines if e.in_flight]
     if busy:
         raise GraphScheduleError(f"reset_graphs: micro-batches are in flight in {busy[:4]}; run their "

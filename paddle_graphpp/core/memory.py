@@ -154,6 +154,13 @@ class MemoryPlan:
         gen.cursor = index
         gen.in_flight += 1 if forward else (-1 if finishes else 0)
 
+    def note_dropped(self, gen: Optional[_Generation]) -> None:
+        """A micro-batch replayed (or launched) from ``gen`` left the flight without its
+        backward (:func:`paddle_graphpp.drop_in_flight`): the next step may start the capture
+        order again."""
+        if gen is not None and gen.in_flight > 0:
+            gen.in_flight -= 1
+
     def note_aborted(self, gen: Optional[_Generation]) -> None:
         """A capture failed: graphs captured later must not share its pool. A generation that
         holds no graph (it failed at its first capture) is dropped, and its pool's memory given

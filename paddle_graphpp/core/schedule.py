@@ -72,7 +72,8 @@ class InFlightQueue:
             raise GraphScheduleError(
                 f"{self.owner}: {len(self)} forwards are waiting for their backward{waiting}, the "
                 f"limit is max_in_flight={self.max_in_flight}. Run backward for each micro-batch "
-                f"(inference belongs under no_grad, which runs eagerly), or raise max_in_flight if "
+                f"(inference belongs under no_grad, which runs eagerly), call paddle_graphpp.drop_in_flight"
+                f"(model) after a step that raised before its backwards, or raise max_in_flight if "
                 f"your schedule really keeps this many micro-batches in flight."
             )
         if episode is None:
@@ -104,7 +105,9 @@ class InFlightQueue:
             raise GraphScheduleError(
                 f"{self.owner}: backwards must run in the order of their forwards (FIFO, as 1F1B and "
                 f"interleaved schedules do), but this backward's forward {where}, while the oldest "
-                f"forward still waits. Run the backward of the oldest micro-batch first."
+                f"forward still waits. Run the backward of the oldest micro-batch first; if a step raised "
+                f"between forwards and their backwards, call paddle_graphpp.drop_in_flight(model) before "
+                f"the next step."
             )
         self._pending.popleft()
         if weight_later:
@@ -124,6 +127,14 @@ class InFlightQueue:
             f"{self.owner}: the weight-gradient half of a backward was asked for a micro-batch whose "
             f"input-gradient half has not run (or whose weight half already ran). Run the input pass "
             f"(stage_backward_input) of each micro-batch before its weight pass.")
+
+    def drop_all(self) -> list:
+        """Forget every micro-batch in flight (their backwards will not run); returns them,
+        the ones waiting for their whole backward first."""
+        dropped = list(self._pending) + self._awaiting_weight
+        self._pending.clear()
+        self._awaiting_weight = []
+        return dropped
 
     def discard(self, record: Any) -> None:
         """Remove ``record`` if present (its forward raised before returning)."""
