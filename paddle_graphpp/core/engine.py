@@ -358,33 +358,6 @@ class GraphedCallable:
         self._warned.clear()
         self.state.reset()
 
-    def drop_in_flight(self) -> int:
-        """Forget this layer's micro-batches in flight: a step that raised between their
-        forwards and backwards left them, and their backwards will not run. The next step starts
-        afresh (replays from the first captured position; a recording in progress is captured
-        without the dropped positions, which are recorded again when they next run). The dropped
-        micro-batches' outputs may be overwritten by the next replays. Returns how many were
-        dropped."""
-        dropped = self.queue.drop_all()
-        for call in dropped:
-            call.anchor = None
-            run, sig = call.run, self._signatures.get(call.key)
-            if isinstance(run, Replayed):
-                gen = run.position.generation
-            elif isinstance(run, Launched):
-                done = sig.positions.get(call.position) if sig is not None else None
-                gen = run.live.generation if run.live is not None else (done.generation if done else None)
-            else:
-                gen = None
-            self.plan.note_dropped(gen)
-            self.process.clock.forward_done()
-            if sig is not None:
-                sig.busy.discard(call.position)
-        if dropped:
-            logger.warning("%s: %d micro-batch(es) in flight dropped; their backwards will not run", self.name,
-                           len(dropped))
-        return len(dropped)
-
     def fall_back(self, reason: str) -> None:
         """Run eagerly from now on (phase ``EAGER``): a capture failed with ``fallback="eager"``."""
         self._eager_reason = reason
@@ -559,6 +532,31 @@ def _engines_of(model: Any) -> list:
                  if isinstance(e, GraphedCallable)}.values())
 
 
+def _drop_engine_in_flight(engine: GraphedCallable) -> int:
+    """Forget ``engine``'s micro-batches in flight (see :func:`drop_in_flight`): each leaves the
+    FIFO, the process clock and its pool generation's count of micro-batches in flight, so that
+    the next step may start the capture order again. Returns how many were dropped."""
+    dropped = engine.queue.drop_all()
+    for call in dropped:
+        call.anchor = None
+        run, sig = call.run, engine._signatures.get(call.key)
+        if isinstance(run, Replayed):
+            gen = run.position.generation
+        elif isinstance(run, Launched):
+            done = sig.positions.get(call.position) if sig is not None else None
+            gen = run.live.generation if run.live is not None else (done.generation if done else None)
+        else:
+            gen = None  # ran eagerly: a recording keeps only complete positions
+        engine.plan.note_dropped(gen)
+        engine.process.clock.forward_done()
+        if sig is not None:
+            sig.busy.discard(call.position)
+    if dropped:
+        logger.warning("%s: %d micro-batch(es) in flight dropped; their backwards will not run", engine.name,
+                       len(dropped))
+    return len(dropped)
+
+
 def drop_in_flight(model: Any) -> int:
     """Forget the micro-batches in flight in every graphed layer of ``model``: after a step
     that raised between forwards and their backwards (a batch skipped on an error, a schedule
@@ -573,7 +571,7 @@ def drop_in_flight(model: Any) -> int:
     Returns:
         The number of micro-batches dropped.
     """
-    return sum(engine.drop_in_flight() for engine in _engines_of(model))
+    return sum(_drop_engine_in_flight(engine) for engine in _engines_of(model))
 
 
 def reset_graphs(model: Any) -> int:
