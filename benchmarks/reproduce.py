@@ -40,7 +40,6 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 from tools import launch  # noqa: E402
 
 STOP_GRACE_S = 30.0  # a multi-rank tool stops its ranks one by one, a few seconds each
-RUNNING: set = set()  # the steps' processes now running (several with --lanes)
 
 # (name, GPUs, command, the record it writes: <device> is this machine's)
 STEPS = [
@@ -124,50 +123,103 @@ def parse_lanes(specs: list, have: int) -> list:
     return lanes
 
 
-def run_step(name: str, command: str, log_dir: Path, timeout: float, gpus: list | None = None) -> tuple:
-    """``(exit code or a word, seconds, log path)``; the step's output goes to its log only;
-    ``gpus``: the GPU ids it sees (all by default)."""
-    words = shlex.split(command)
-    argv = [sys.executable if words[0] == "python" else words[0], *words[1:]]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
-    if gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-    log = log_dir / f"{name}.log"
-    start = time.monotonic()
-    with open(log, "w") as out:
-        out.write(f"$ {command}\n")
-        out.flush()
-        try:
-            proc = launch.start(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-        except OSError as exc:
-            out.write(f"could not start: {exc}\n")
-            return "not started", time.monotonic() - start, log
-        RUNNING.add(proc)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            code = "timeout"
-        finally:  # the step's own clean-up gets SIGTERM and time to stop its ranks
-            launch.stop(proc, grace=STOP_GRACE_S)
-            RUNNING.discard(proc)
-    return code, time.monotonic() - start, log
+class Runner:
+    """Starts the steps' processes and stops them all when told to (a SIGTERM, the end of the
+    run): a step asked to start after that is not started."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._running: set = set()
+        self.stopping = threading.Event()
+
+    def run_step(self, name: str, command: str, log_dir: Path, timeout: float, gpus: list | None = None) -> tuple:
+        """``(exit code or a word, seconds, log path)``; the step's output goes to its log only;
+        ``gpus``: the GPU ids (this process's numbering) it sees, all by default."""
+        words = shlex.split(command)
+        argv = [sys.executable if words[0] == "python" else words[0], *words[1:]]
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_ids(gpus))
+        log = log_dir / f"{name}.log"
+        start = time.monotonic()
+        with open(log, "w") as out:
+            out.write(f"$ {command}\n")
+            out.flush()
+            with self._lock:
+                if self.stopping.is_set():
+                    return "not started (stopping)", 0.0, log
+                try:
+                    proc = launch.start(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+                except OSError as exc:
+                    out.write(f"could not start: {exc}\n")
+                    return "not started", time.monotonic() - start, log
+                self._running.add(proc)
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            finally:  # the step's own clean-up gets SIGTERM and time to stop its ranks
+                launch.stop(proc, grace=STOP_GRACE_S)
+                with self._lock:
+                    self._running.discard(proc)
+        return code if not self.stopping.is_set() or code == 0 else "stopped", time.monotonic() - start, log
+
+    def stop_all(self) -> None:
+        """No new step starts; every running one gets SIGTERM at once, then SIGKILL after the
+        grace (one deadline for all, so a few lanes do not add up their graces)."""
+        with self._lock:
+            self.stopping.set()
+            procs = list(self._running)
+        for proc in procs:
+            launch.terminate(proc)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in procs:
+            launch.stop(proc, grace=max(0.0, deadline - time.monotonic()))
 
 
-def run_lane(steps: list, gpus: list | None, args, end: float | None) -> list:
+def visible_ids(gpus: list) -> list:
+    """``gpus`` (indices among the GPUs this process sees) as ``CUDA_VISIBLE_DEVICES`` entries: the
+    same numbers, or the entries of this process's own ``CUDA_VISIBLE_DEVICES`` they index."""
+    mine = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return [mine[i] if i < len(mine) else str(i) for i in gpus] if mine else [str(i) for i in gpus]
+
+
+def run_lane(runner: Runner, steps: list, gpus: list | None, args, end: float | None) -> list:
     """Run ``steps`` one after the other (on ``gpus``), each under what is left of the budget;
     ``[(name, result, seconds, record)]``."""
     rows, where = [], "" if gpus is None else f" [GPU {','.join(map(str, gpus))}]"
     for i, (name, _, command, record) in enumerate(steps, 1):
         left = args.timeout if end is None else min(args.timeout, end - time.monotonic() - STOP_GRACE_S)
-        if left <= 0:
-            print(f"[{i}/{len(steps)}]{where} {name}: skipped (the budget is spent)", flush=True)
+        if left <= 0 or runner.stopping.is_set():
+            why = "the budget is spent" if left <= 0 else "stopping"
+            print(f"[{i}/{len(steps)}]{where} {name}: skipped ({why})", flush=True)
             rows.append((name, "skipped", 0.0, record))
             continue
         print(f"[{i}/{len(steps)}]{where} {name}: {command}", flush=True)
-        code, seconds, log = run_step(name, command, args.log_dir, left, gpus)
+        code, seconds, log = runner.run_step(name, command, args.log_dir, left, gpus)
         print(f"    {name}: {'ok' if code == 0 else f'FAILED ({code})'} in {seconds:.0f} s, log {log}", flush=True)
         rows.append((name, "ok" if code == 0 else f"failed ({code})", seconds, record))
     return rows
+
+
+def run_lanes(runner: Runner, lanes: list, args, end: float | None) -> list:
+    """Each lane in a thread of its own; the rows of all, lane by lane (a lane whose thread
+    raised: one failed row per step)."""
+    results: dict = {}
+
+    def lane(i, ids, steps):
+        try:
+            results[i] = run_lane(runner, steps, ids, args, end)
+        except BaseException as exc:  # noqa: BLE001 - reported in the summary
+            results[i] = [(s[0], f"failed (lane: {type(exc).__name__})", 0.0, s[3]) for s in steps]
+
+    threads = [threading.Thread(target=lane, args=(i, ids, steps), daemon=True)
+               for i, (ids, steps) in enumerate(lanes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [row for i in range(len(lanes)) for row in results[i]]
 
 
 def main(argv=None) -> int:
@@ -199,22 +251,12 @@ def main(argv=None) -> int:
         return 2
     args.log_dir.mkdir(parents=True, exist_ok=True)
     end = None if args.budget is None else time.monotonic() + args.budget
-    if not lanes:
-        rows = run_lane(steps, None, args, end)
-    else:
-        results: dict = {}
-        threads = [threading.Thread(target=lambda i=i, ids=ids, lane=lane: results.__setitem__(
-            i, run_lane(lane, ids, args, end)), daemon=True) for i, (ids, lane) in enumerate(lanes)]
-        try:
-            with launch.sigterm_raises():
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-        finally:  # a SIGTERM (or an error) here: the lanes' threads would leave their steps running
-            for proc in list(RUNNING):
-                launch.stop(proc, grace=STOP_GRACE_S)
-        rows = [row for i in range(len(lanes)) for row in results.get(i, [])]
+    runner = Runner()
+    try:
+        with launch.sigterm_raises():  # a SIGTERM here stops the running steps
+            rows = run_lane(runner, steps, None, args, end) if not lanes else run_lanes(runner, lanes, args, end)
+    finally:
+        runner.stop_all()
     print(f"\n{'step':<20} {'result':<16} {'seconds':>8}  record")
     for name, result, seconds, record in rows:
         print(f"{name:<20} {result:<16} {seconds:>8.0f}  benchmarks/results/{record}")

@@ -58,12 +58,12 @@ def _torch_checks() -> dict:
         x = torch.ones(8, device="cuda")
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        from .torch.graphs import capture_pool_id, end_failed_capture
+        from .torch.graphs import capture_pool_id, end_failed_capture, gc_paused
 
         pool_id = capture_pool_id()
-        with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+        with torch.cuda.stream(stream), gc_paused():
             try:
+                graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
                 y = x * 2
                 graph.capture_end()
             except BaseException:

@@ -7,9 +7,9 @@ and counts.
 
 Runs pytest once, in a child process, over the whole ``unittests/gpu`` folder (the way a user
 runs it, so that every test file shares one interpreter and its teardown: the exit code is
-part of what is checked), with a JUnit XML report for the counts. ``--probe`` empties the CUDA
-cache after every test (``GRAPHPP_PROBE_ALLOCATOR=1``, see ``unittests/gpu/conftest.py``): a
-test that leaves an allocation routing into a graph pool then aborts the process right after it.
+part of what is checked), with a JUnit XML report for the counts. ``--probe`` checks after every
+test that no allocation routing into a graph pool was left on (``GRAPHPP_PROBE_ALLOCATOR=1``, see
+``unittests/gpu/conftest.py``): a test that leaves one errors or aborts the process right after it.
 
 The record holds ``command``, ``exit_code``, ``passed``, ``failed`` (failures and errors),
 ``skipped``, ``gpus``, the environment (device, versions, date, code version), the failed
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,8 @@ from tools import benchlib, launch  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--name", default="gpu-suite", help="record name (the device is appended)")
-    p.add_argument("--probe", action="store_true", help="empty the CUDA cache after every test")
+    p.add_argument("--probe", action="store_true",
+                   help="check after every test that no allocation routing into a graph pool was left on")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for the whole suite")
     p.add_argument("pytest_args", nargs="*", help="more arguments for pytest (e.g. -k ...)")
     return p.parse_args(argv)
@@ -76,6 +78,7 @@ def run_logged(cmd: list, env: dict, log: Path, timeout: float) -> tuple:
             launch.stop(proc)
 
 
+SESSION_END = re.compile(r"^=+ .*\b(passed|failed|error|errors|skipped)\b.* in [0-9.]+s")
 OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 
 
@@ -103,12 +106,19 @@ def counts_from_output(output: str) -> dict:
 
 
 def running_at_end(output: str) -> str | None:
-    """The test that had started and not ended when the output stopped (one the process died
-    in), else None."""
-    last = None
-    for test, outcome in _verbose_lines(output):
-        last = test if outcome is None else None
-    return last
+    """The test the process died in: the last test before a fatal error (``-v`` prints a test's
+    outcome before its teardown, so an abort there follows the outcome word), or a test that
+    started and never ended; else None."""
+    last, ended = None, True
+    for line in output.splitlines():
+        if line.startswith("unittests/gpu/") and "::" in line:
+            words = line.split()
+            last, ended = words[0], any(w in OUTCOMES for w in words[1:])
+        elif SESSION_END.match(line):
+            last, ended = None, True  # a fatal error after this is the interpreter's exit, no test's
+        if "Fatal Python error" in line:
+            return last
+    return None if ended else last
 
 
 def tail(output: str, chars: int = 6000) -> str:

@@ -93,6 +93,12 @@ def start(cmd: Sequence[str], *, env: dict | None = None, cwd=None, stdout=None,
                             start_new_session=True)
 
 
+def terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group if ``proc`` still runs (:func:`stop` finishes the job)."""
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+
+
 def stop(proc: subprocess.Popen, *, grace: float = GRACE_S) -> None:
     """End ``proc`` and everything in its process group, and reap ``proc``.
 

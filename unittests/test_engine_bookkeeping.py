@@ -727,3 +727,19 @@ def test_a_step_abandoned_between_forwards_and_backwards_is_dropped_and_training
     for _ in range(2):
         step(layer, INTERLEAVED)
     assert layer.engine.replays == 10 + 6 + 2 * 8 and layer.engine.captures == 8 and layer.engine.in_flight == 0
+
+
+def test_drop_in_flight_takes_several_models_and_warns_of_layers_it_was_not_given(rt, caplog):
+    import paddle_graphpp
+
+    a, b = (Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=1) for _ in range(2))
+    x = torch.randn(2, 4, requires_grad=True)
+    ys = [b(a(x)) for _ in range(2)]  # the step raises here
+    with caplog.at_level("WARNING", logger="paddle_graphpp"):
+        assert paddle_graphpp.drop_in_flight(a) == 2
+    assert "still in flight in graphed layers outside the models given" in caplog.text
+    assert paddle_graphpp.drop_in_flight([a, b]) == 2 and b.engine.in_flight == 0
+    del ys
+    for _ in range(3):  # recorded (the abandoned step was the warmup), captured and replayed, replayed
+        b(a(x)).sum().backward()
+    assert a.engine.captures == b.engine.captures == 2 and a.engine.replays == b.engine.replays == 4

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 ITERATION = re.compile(r"noret|first|second|third|fourth|fifth|sixth|after-|earlier|rounds\d|20\d\d-\d\d-\d\d")
@@ -167,8 +169,15 @@ def test_the_gpu_suite_counts_a_run_that_aborted_and_names_the_test_it_died_in()
     assert (found["passed"], found["skipped"], found["failed"]) == (1, 1, 1)
     assert found["failed_tests"][0]["test"] == "unittests/gpu/test_b.py::test_three"
     assert gpu_suite.running_at_end(output) == "unittests/gpu/test_b.py::test_four"
-    assert gpu_suite.running_at_end(output.replace("test_four ", "test_four PASSED")) is None
+    # ended, then the process died (in its teardown, or at exit): the last test is named
+    assert gpu_suite.running_at_end(output.replace("test_four ", "test_four PASSED")) == "unittests/gpu/test_b.py::test_four"
+    assert gpu_suite.running_at_end(output.replace("test_four ", "test_four PASSED").split("Fatal")[0]) is None
     assert "Fatal Python error: Aborted" in gpu_suite.tail(output, 200)  # the module list is left out
+    # an abort in a test's teardown follows its outcome word on the same line (-v)
+    torn = "unittests/gpu/test_a.py::test_one PASSED [ 50%]Fatal Python error: Aborted\nExtension modules: x"
+    assert gpu_suite.running_at_end(torn) == "unittests/gpu/test_a.py::test_one"
+    at_exit = "unittests/gpu/test_a.py::test_one PASSED [100%]\n==== 1 passed in 3.20s ====\nFatal Python error: Aborted"
+    assert gpu_suite.running_at_end(at_exit) is None  # the interpreter's exit, after every test
 
 
 def test_the_gpu_suite_logs_as_it_goes_so_a_stopped_run_keeps_what_it_reached(tmp_path):
@@ -185,3 +194,41 @@ def test_the_gpu_suite_logs_as_it_goes_so_a_stopped_run_keeps_what_it_reached(tm
     output = log.read_text()
     assert gpu_suite.counts_from_output(output)["passed"] == 1
     assert gpu_suite.running_at_end(output) == "unittests/gpu/test_a.py::test_two"
+
+
+@pytest.mark.parametrize("lanes", [False, True])
+def test_a_sigterm_stops_the_running_steps_and_starts_no_more(tmp_path, lanes):
+    """A SIGTERM of reproduce.py (a device call's time limit): the steps running then are
+    stopped, with their process groups, and the steps after them in each lane never start."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    marker = tmp_path / "marks"
+    marker.mkdir()
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        import importlib.util, sys
+        spec = importlib.util.spec_from_file_location("reproduce", {os.path.join(REPO, "benchmarks", "reproduce.py")!r})
+        reproduce = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(reproduce)
+        reproduce.gpu_count = lambda: 4
+        reproduce.STOP_GRACE_S = 2.0
+        slow = "python -c \\"import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(60)\\" "
+        reproduce.STEPS = [(n, 1, slow + {str(marker)!r} + "/" + n, n + "-<device>.json") for n in ("a1", "a2", "b1", "b2")]
+        args = ["--lanes", "0:a1,a2", "1:b1,b2"] if {lanes} else ["--only", "a1,a2"]
+        sys.exit(reproduce.main(args + ["--log-dir", {str(tmp_path)!r}]))
+    """))
+    proc = subprocess.Popen([sys.executable, str(driver)], start_new_session=True)
+    first = ["a1", "b1"] if lanes else ["a1"]
+    deadline = time.monotonic() + 30
+    while not all((marker / n).exists() for n in first) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all((marker / n).exists() for n in first), "the first steps did not start"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) != 0
+    time.sleep(3)  # what would start after the signal has had time to
+    assert not (marker / "a2").exists() and not (marker / "b2").exists()
+    out = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
+    assert out.stdout.strip() == "", f"steps left running: {out.stdout}"

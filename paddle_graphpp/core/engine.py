@@ -77,7 +77,7 @@ from .state import LayerStateCheck
 from .tree import flatten
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine",
-           "graphed_label", "HoldsEngine", "node_forward", "node_backward", "reset_graphs"]
+           "graphed_label", "HoldsEngine", "node_forward", "node_backward", "reset_graphs", "drop_in_flight"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -523,13 +523,17 @@ class HoldsEngine:
 
 
 def _engines_of(model: Any) -> list:
-    """The engines of the graphed layers in ``model`` (``model`` itself included), each once."""
-    tree = capabilities(runtime_for(model)).tree
-    subs = tree.submodules(model) if tree is not None else [model]
-    # Graphed layer classes expose their engine as ``engine`` (blocks graphed in place by
-    # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
-    return list({id(e): e for e in (getattr(m, "engine", None) for m in subs)
-                 if isinstance(e, GraphedCallable)}.values())
+    """The engines of the graphed layers in ``model`` (``model`` itself included; a list or tuple
+    of models: all of theirs), each once."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    found: dict = {}
+    for m in models:
+        tree = capabilities(runtime_for(m)).tree
+        subs = tree.submodules(m) if tree is not None else [m]
+        # Graphed layer classes expose their engine as ``engine`` (blocks graphed in place by
+        # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
+        found.update({id(e): e for e in (getattr(s, "engine", None) for s in subs) if isinstance(e, GraphedCallable)})
+    return list(found.values())
 
 
 def _drop_engine_in_flight(engine: GraphedCallable) -> int:
@@ -539,6 +543,7 @@ def _drop_engine_in_flight(engine: GraphedCallable) -> int:
     dropped = engine.queue.drop_all()
     for call in dropped:
         call.anchor = None
+        call.end()  # it keeps no tensor (its outputs, if still held, keep their own memory)
         run, sig = call.run, engine._signatures.get(call.key)
         if isinstance(run, Replayed):
             gen = run.position.generation
@@ -563,15 +568,30 @@ def drop_in_flight(model: Any) -> int:
     interrupted), before the next step. Without it the next backward raises
     ``GraphScheduleError`` (backwards must follow their forwards' order) and no graph is
     captured again, since a step never ends. Outputs of the dropped micro-batches may be
-    overwritten by the next replays: do not use them.
+    overwritten by the next replays: do not use them. Backwards that ran before the error have
+    added their gradients already: zero the gradients (``optimizer.zero_grad()``) to skip the
+    step. Pass every model (stage, chunk) of the process whose layers may hold micro-batches: a
+    warning says when graphed layers outside them still do.
 
     Args:
-        model: a ``torch.nn.Module`` or ``paddle.nn.Layer``.
+        model: a ``torch.nn.Module`` or ``paddle.nn.Layer``, or a list of them.
 
     Returns:
         The number of micro-batches dropped.
     """
-    return sum(_drop_engine_in_flight(engine) for engine in _engines_of(model))
+    engines = _engines_of(model)
+    dropped = sum(_drop_engine_in_flight(engine) for engine in engines)
+    for proc in {id(e.process): e.process for e in engines}.values():
+        lending = proc.caps.lending
+        if lending is not None:
+            lending.end_borrowed_work()
+        if proc.clock.in_flight:
+            logger.warning("drop_in_flight: %d micro-batch(es) are still in flight in graphed layers outside the "
+                           "models given; no graph is captured until they end. Pass those models too.",
+                           proc.clock.in_flight)
+        else:
+            proc.plan.reset_flight()  # nothing in flight anywhere: every pool's capture order starts again
+    return dropped
 
 
 def reset_graphs(model: Any) -> int:

@@ -161,6 +161,13 @@ class MemoryPlan:
         if gen is not None and gen.in_flight > 0:
             gen.in_flight -= 1
 
+    def reset_flight(self) -> None:
+        """Nothing is in flight in the process (after :func:`paddle_graphpp.drop_in_flight`):
+        every generation's capture order starts again, whatever a backward that raised midway
+        left in its counts."""
+        for gen in self._generations:
+            gen.in_flight, gen.cursor = 0, -1
+
     def note_aborted(self, gen: Optional[_Generation]) -> None:
         """A capture failed: graphs captured later must not share its pool. A generation that
         holds no graph (it failed at its first capture) is dropped, and its pool's memory given

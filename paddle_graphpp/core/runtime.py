@@ -389,6 +389,11 @@ class PoolLending(abc.ABC):
         """``pool`` holds no graph and never will (every capture into it failed): give its
         memory back to the driver now. Called between captures, never inside one."""
 
+    def end_borrowed_work(self) -> None:
+        """Borrowed work that raised (an optimizer step) may have left its allocations routed
+        into a pool: end that now. Called before a batch of captures and by
+        :func:`paddle_graphpp.drop_in_flight`. Default: nothing borrows across calls."""
+
 
 class StreamOrderedAllocator(abc.ABC):
     """The framework may allocate with the stream-ordered allocator (cudaMallocAsync)."""

@@ -100,7 +100,7 @@ class InFlightQueue:
         head = self._pending[0]
         if head is not record:
             ahead = next((i for i, r in enumerate(self._pending) if r is record), None)
-            where = "is not in flight (already back-propagated)" if ahead is None else (
+            where = "is not in flight (already back-propagated, or dropped by drop_in_flight)" if ahead is None else (
                 f"is number {ahead + 1} in flight")
             raise GraphScheduleError(
                 f"{self.owner}: backwards must run in the order of their forwards (FIFO, as 1F1B and "

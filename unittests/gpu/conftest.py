@@ -1,10 +1,12 @@
 """Shared by the GPU tests (each skips itself without CUDA).
 
 ``GRAPHPP_PROBE_ALLOCATOR=1`` checks after every test that no allocation routing into a graph
-pool was left on: a new allocation of the thread must land in the default pool (else the test
-errors, naming the pool), then a fresh ``MemPool`` is destroyed, whose destructor asserts, and
-aborts the process, while any capture or routing is underway (``captures_underway``); the test
-named on stderr just before such an abort is the one that left it.
+pool was left on. A new allocation of the thread must land in the default pool (else the test
+errors, naming the pool): that finds routing of eager work (a borrowed optimizer step left
+open); a failed capture's routing matches only its capturing stream, so then a fresh
+``MemPool`` is destroyed, whose destructor asserts, and aborts the process, while any capture or
+routing is underway (``captures_underway``). The test named on stderr just before such an abort
+is the one that left it.
 """
 import os
 import sys
@@ -41,7 +43,9 @@ def _allocator_probe(request):
     routed = _routed_pool(torch)
     assert routed is None, (f"after {request.node.nodeid}: this thread's allocations still route into graph pool "
                             f"{routed} (a pool window left open)")
-    print(f"\n[allocator probe] a pool destroyed after {request.node.nodeid}", file=sys.stderr, flush=True)
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # to the terminal: an abort right after would lose it captured
+        print(f"\n[allocator probe] a pool destroyed after {request.node.nodeid}", file=sys.stderr, flush=True)
     # A MemPool's destructor empties its cache, which asserts that no capture or pool routing is
     # on: with one left behind, the process aborts here, right after the test that left it.
     pool = torch.cuda.MemPool()

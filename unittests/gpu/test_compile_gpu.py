@@ -44,18 +44,6 @@ TOLERANCE = 1e-6
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test starts with dynamo's caches empty. The blocks' forward code is one code object
-    for every test of a process (the HF tests before these compile the same classes); its compiled
-    entries pile up to dynamo's cache size limit, past which calls run uncompiled, so that in the
-    whole suite a reference block ran eagerly beside its compiled twin (1e-5 apart) and a stale
-    entry made a capture recompile."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.fixture(autouse=True)
 def _fp32_exact(fp32_exact):  # unittests/gpu/conftest.py
     torch._dynamo.reset()
     yield

@@ -62,9 +62,11 @@ exec(LAYER)  # noqa: S102 - the same code runs in this process and in the subpro
 
 
 def test_a_stalled_replay_raises_at_the_next_graphed_call_within_the_timeout():
+    import paddle_graphpp
     from paddle_graphpp.torch import watch_replays
 
     watch_replays(1.0, grace=30.0)
+    layer = None
     try:
         layer, x, module = stalled_layer(5.0)  # noqa: F821 - defined by LAYER
         start = time.monotonic()
@@ -76,24 +78,14 @@ def test_a_stalled_replay_raises_at_the_next_graphed_call_within_the_timeout():
                 layer(x)  # the host keeps launching, as a schedule does
                 time.sleep(0.05)
         assert time.monotonic() - start < 1.0 + MARGIN + 0.1
+        del out
     finally:
         watch_replays(None)
         torch.cuda.synchronize()  # the spin ends after 5 s
-        _forget_the_process()
-    del out
-
-
-def _forget_the_process():
-    """A ReplayTimeoutError means the process cannot go on: the stalled layer's micro-batch
-    stays in flight, so the process-wide episode never ends and no later layer of this process
-    would capture. The tests after this one (one pytest process) start from new process-wide
-    state instead, as a restarted job would."""
-    from paddle_graphpp.core import capture as capture_mod
-    from paddle_graphpp.core import memory as memory_mod
-    from paddle_graphpp.torch.runtime import RUNTIME
-
-    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-        table.pop(RUNTIME.name, None)
+        if layer is not None:
+            # The stalled micro-batch never gets its backward: without this, no later graphed
+            # layer of this pytest process would capture (the process-wide step never ends).
+            paddle_graphpp.drop_in_flight(layer)
 
 
 @pytest.mark.timeout(120)

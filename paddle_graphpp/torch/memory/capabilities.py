@@ -31,7 +31,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
 
         watch_optimizers()  # prepare_pool sizes a pool by the parameters of the optimizers that step
 
-    def abandon_borrowed_step(self) -> None:
+    def end_borrowed_work(self) -> None:
         """An optimizer step that raised may have left the borrowed pool active: leave it."""
         if self._lender is not None:
             self._lender.abandon_step()
