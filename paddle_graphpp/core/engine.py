@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from . import collectives as _collectives
@@ -107,6 +108,7 @@ class GraphedCallable:
             raise ValueError(f"{name}: accumulate_grads=True is not supported by the {runtime.name} runtime; "
                              "leave it 'auto' or False (gradients then reach .grad through autograd).")
         self.queue = InFlightQueue(name, options.max_in_flight)
+        _LIVE_ENGINES.add(self)
         self._signatures: dict[Any, Signature] = {}
         self._param_grad_buffers: Optional[list] = None
         self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
@@ -524,7 +526,9 @@ class HoldsEngine:
 
 def _engines_of(model: Any) -> list:
     """The engines of the graphed layers in ``model`` (``model`` itself included; a list or tuple
-    of models: all of theirs), each once."""
+    of models: all of theirs; ``None``: every graphed layer alive in the process), each once."""
+    if model is None:
+        return [e for e in list(_LIVE_ENGINES) if e.in_flight]
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     found: dict = {}
     for m in models:
@@ -534,6 +538,9 @@ def _engines_of(model: Any) -> list:
         # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
         found.update({id(e): e for e in (getattr(s, "engine", None) for s in subs) if isinstance(e, GraphedCallable)})
     return list(found.values())
+
+
+_LIVE_ENGINES: "weakref.WeakSet[GraphedCallable]" = weakref.WeakSet()  # for drop_in_flight()
 
 
 def _drop_engine_in_flight(engine: GraphedCallable) -> int:
@@ -562,7 +569,7 @@ def _drop_engine_in_flight(engine: GraphedCallable) -> int:
     return len(dropped)
 
 
-def drop_in_flight(model: Any) -> int:
+def drop_in_flight(model: Any = None) -> int:
     """Forget the micro-batches in flight in every graphed layer of ``model``: after a step
     that raised between forwards and their backwards (a batch skipped on an error, a schedule
     interrupted), before the next step. Without it the next backward raises
@@ -570,11 +577,12 @@ def drop_in_flight(model: Any) -> int:
     captured again, since a step never ends. Outputs of the dropped micro-batches may be
     overwritten by the next replays: do not use them. Backwards that ran before the error have
     added their gradients already: zero the gradients (``optimizer.zero_grad()``) to skip the
-    step. Pass every model (stage, chunk) of the process whose layers may hold micro-batches: a
-    warning says when graphed layers outside them still do.
+    step. Without ``model``, every graphed layer of the process forgets its micro-batches; with
+    models (stages, chunks), a warning says when graphed layers outside them still hold some.
 
     Args:
-        model: a ``torch.nn.Module`` or ``paddle.nn.Layer``, or a list of them.
+        model: a ``torch.nn.Module`` or ``paddle.nn.Layer``, a list of them, or ``None`` (every
+            graphed layer alive in this process).
 
     Returns:
         The number of micro-batches dropped.
