@@ -739,10 +739,11 @@ def test_drop_in_flight_takes_several_models_and_warns_of_layers_it_was_not_give
         assert paddle_graphpp.drop_in_flight(a) == 2
     assert "still in flight in graphed layers outside the models given" in caplog.text
     assert paddle_graphpp.drop_in_flight([a, b]) == 2 and b.engine.in_flight == 0
-    ys = [b(a(x)) for _ in range(3)]  # again; now without naming the layers: every one of the process
-    gc.collect()  # layers of earlier tests, gone
-    assert paddle_graphpp.drop_in_flight() == 6 and a.engine.in_flight == b.engine.in_flight == 0
     del ys
-    for _ in range(3):  # recorded (the abandoned steps were the warmup), captured and replayed, replayed
+    for _ in range(3):  # recorded (the abandoned step was the warmup), captured and replayed, replayed
         b(a(x)).sum().backward()
     assert a.engine.captures == b.engine.captures == 2 and a.engine.replays == b.engine.replays == 4
+    # without naming the layers: every one of the process that holds micro-batches (in a whole
+    # test run, layers that earlier tests left in flight too)
+    ys = [b(a(x)) for _ in range(3)]
+    assert paddle_graphpp.drop_in_flight() >= 6 and a.engine.in_flight == b.engine.in_flight == 0
