@@ -366,8 +366,6 @@ class Process:
         that must reach the user is raised after the other layers' graphs are captured, and
         after the failed captures' memory is released.
         """
-        if self.caps.lending is not None:
-            self.caps.lending.end_borrowed_work()  # no routing of eager work into a pool from here on
         self.poll_watches()  # what died after the episode's last call
         events, self._events = self._events, []
         specs, self._slot_specs = self._slot_specs, []

@@ -147,6 +147,8 @@ class GraphedCallable:
         params = sig.params if sig is not None and sig.params is not None else tuple(self.params())
         if not params and not any(s.requires_grad for s in specs):
             return self.fn(*args, **kwargs)  # nothing to differentiate
+        if self.caps.lending is not None:
+            self.caps.lending.end_borrowed_work()  # before any capture: no eager work routed into a pool
         reason = self._eager_reason or rt.graphs_unavailable_reason(tensors)
         if reason is not None:
             self.warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); running eagerly.")

@@ -391,8 +391,8 @@ class PoolLending(abc.ABC):
 
     def end_borrowed_work(self) -> None:
         """Borrowed work that raised (an optimizer step) may have left its allocations routed
-        into a pool: end that now. Called before a batch of captures and by
-        :func:`paddle_graphpp.drop_in_flight`. Default: nothing borrows across calls."""
+        into a pool: end that now. Called at every graphed call (before a batch of captures can
+        start) and by :func:`paddle_graphpp.drop_in_flight`. Default: nothing borrows across calls."""
 
 
 class StreamOrderedAllocator(abc.ABC):

@@ -144,7 +144,6 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
                                         allow_unused=True))
 
     def apply_graphed_function(self, call, tensors, params) -> tuple:
-        self.end_borrowed_work()
         return _autograd.apply_graphed_function(call, tensors, params)
 
     def add_many(self, dsts, srcs) -> None:
