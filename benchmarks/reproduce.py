@@ -9,6 +9,8 @@
     python benchmarks/reproduce.py --only gpu-suite,engine --budget 570   # these, in ~10 minutes
     python benchmarks/reproduce.py --lanes 0:gpu-suite 1:engine,hf 2,3:allreduce --budget 570
                                                 # side by side, each lane on its own GPUs
+    python benchmarks/reproduce.py --baseline ../old --lanes 0:engine,engine@baseline,hf,hf@baseline
+                                                # a step and the same step of an older checkout
 
 Each step is one tool command from the repository root, run in its own process with
 ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off). Its output goes to ``<log-dir>/<step>.log``; a
@@ -20,6 +22,12 @@ summary still prints (a machine that allows 10 minutes a command: ``--budget 570
 (``CUDA_VISIBLE_DEVICES``), each under the whole budget: for correctness runs and for ratios
 measured side by side inside one step, not for absolute figures compared across steps. A summary
 table ends the run; the exit status is 1 if a step failed or was skipped. The GPU test suite step runs the 2-GPU tests too where two GPUs are present.
+
+A step named ``NAME@baseline`` runs step ``NAME``'s command from the checkout given by
+``--baseline DIR`` (an older code version, e.g. ``git archive <rev> | tar -x -C DIR``), with
+that checkout first on ``PYTHONPATH`` and ``GRAPHPP_CODE_VERSION`` from ``DIR/CODE_VERSION`` if
+the file exists: the baseline of a "no figure got worse" check, run on the same machine. Its record
+lands in ``DIR/benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -73,7 +81,13 @@ STEPS = [
     ("peer-megatron-tp2pp2", 4, "python tools/bench_peer_megatron.py --tp 2 --pp 2",
      "peer-megatron-tp2pp2-<device>.json"),
 ]
-DIAGNOSTIC = {"gpu-suite-probe"}  # run only when named: they look for a fault, they record no figure
+STEPS.insert(next(i for i, s in enumerate(STEPS) if s[0] == "pipeline"),
+             ("memory-trace-peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --seqs 2048 "
+              "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp1-<device>.json"))
+STEPS.append(("memory-trace-peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2 --seqs 2048 "
+              "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp2-<device>.json"))
+BASELINE = "@baseline"  # a step's name with this suffix: the step, run from the --baseline checkout
+DIAGNOSTIC = {"gpu-suite-probe", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2"}  # run only when named: they look for a fault, they record no figure
 
 
 def selected(gpus: int, only: str | None) -> list:
@@ -82,11 +96,11 @@ def selected(gpus: int, only: str | None) -> list:
     if only is not None:
         by_name = {s[0]: s for s in STEPS}
         names = [n.strip() for n in only.split(",") if n.strip()]
-        unknown = [n for n in names if n not in by_name]
+        unknown = [n for n in names if n.removesuffix(BASELINE) not in by_name]
         if unknown or not names:
             raise SystemExit(f"reproduce.py: no step {', '.join(map(repr, unknown)) or repr(only)}; "
-                             f"steps: {', '.join(by_name)}")
-        return [by_name[n] for n in names]
+                             f"steps: {', '.join(by_name)} (each also as NAME{BASELINE})")
+        return [(n, *by_name[n.removesuffix(BASELINE)][1:]) for n in names]
     return [s for s in STEPS if s[1] <= gpus and s[0] not in DIAGNOSTIC]
 
 
@@ -132,12 +146,19 @@ class Runner:
         self._running: set = set()
         self.stopping = threading.Event()
 
-    def run_step(self, name: str, command: str, log_dir: Path, timeout: float, gpus: list | None = None) -> tuple:
+    def run_step(self, name: str, command: str, log_dir: Path, timeout: float, gpus: list | None = None,
+                 checkout: Path = REPO) -> tuple:
         """``(exit code or a word, seconds, log path)``; the step's output goes to its log only;
-        ``gpus``: the GPU ids (this process's numbering) it sees, all by default."""
+        ``gpus``: the GPU ids (this process's numbering) it sees, all by default; ``checkout``:
+        the code it runs (another one goes first on ``PYTHONPATH``)."""
         words = shlex.split(command)
         argv = [sys.executable if words[0] == "python" else words[0], *words[1:]]
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+        if checkout != REPO:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), env.get("PYTHONPATH")) if p)
+            version = checkout / "CODE_VERSION"
+            if version.is_file():
+                env["GRAPHPP_CODE_VERSION"] = version.read_text().strip()
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_ids(gpus))
         log = log_dir / f"{name}.log"
@@ -149,7 +170,7 @@ class Runner:
                 if self.stopping.is_set():
                     return "not started (stopping)", 0.0, log
                 try:
-                    proc = launch.start(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+                    proc = launch.start(argv, env=env, cwd=checkout, stdout=out, stderr=subprocess.STDOUT)
                 except OSError as exc:
                     out.write(f"could not start: {exc}\n")
                     return "not started", time.monotonic() - start, log
@@ -195,8 +216,10 @@ def run_lane(runner: Runner, steps: list, gpus: list | None, args, end: float | 
             print(f"[{i}/{len(steps)}]{where} {name}: skipped ({why})", flush=True)
             rows.append((name, "skipped", 0.0, record))
             continue
-        print(f"[{i}/{len(steps)}]{where} {name}: {command}", flush=True)
-        code, seconds, log = runner.run_step(name, command, args.log_dir, left, gpus)
+        checkout = args.baseline if name.endswith(BASELINE) else REPO
+        print(f"[{i}/{len(steps)}]{where} {name}: {command}" + (f" (in {checkout})" if checkout != REPO else ""),
+              flush=True)
+        code, seconds, log = runner.run_step(name, command, args.log_dir, left, gpus, checkout=checkout)
         print(f"    {name}: {'ok' if code == 0 else f'FAILED ({code})'} in {seconds:.0f} s, log {log}", flush=True)
         rows.append((name, "ok" if code == 0 else f"failed ({code})", seconds, record))
     return rows
@@ -228,6 +251,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", metavar="NAME[,NAME...]", help="run these steps, in this order (any GPU count)")
     p.add_argument("--lanes", nargs="+", metavar="IDS:STEP[,STEP...]",
                    help="run these lists of steps side by side, each on the GPUs it names (e.g. 0:engine 2,3:allreduce)")
+    p.add_argument("--baseline", type=Path, metavar="DIR",
+                   help=f"an older checkout: steps named NAME{BASELINE} run their command there")
     p.add_argument("--list", action="store_true", help="print the steps' commands and exit")
     p.add_argument("--log-dir", type=Path, default=REPO / "benchmarks" / "logs")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per step")
@@ -238,6 +263,12 @@ def main(argv=None) -> int:
         p.error(f"--budget must be > 0 seconds, got {args.budget:g}")
     if args.lanes and args.only:
         p.error("--lanes names its own steps; leave --only out")
+    wants_baseline = BASELINE in " ".join([args.only or "", *(args.lanes or [])])
+    if wants_baseline and not args.list and (args.baseline is None or not (args.baseline / "tools").is_dir()):
+        p.error(f"steps named NAME{BASELINE} need --baseline DIR, a checkout with a tools/ folder"
+                + (f" ({args.baseline} has none)" if args.baseline is not None else ""))
+    if args.baseline is not None:
+        args.baseline = args.baseline.resolve()
     steps = selected(args.gpus, args.only) if not args.lanes else [s for spec in args.lanes for s in selected(
         4, spec.partition(":")[2] or spec)]
     if args.list:
@@ -259,7 +290,8 @@ def main(argv=None) -> int:
         runner.stop_all()
     print(f"\n{'step':<20} {'result':<16} {'seconds':>8}  record")
     for name, result, seconds, record in rows:
-        print(f"{name:<20} {result:<16} {seconds:>8.0f}  benchmarks/results/{record}")
+        where = f"{args.baseline}/benchmarks/results" if name.endswith(BASELINE) else "benchmarks/results"
+        print(f"{name:<20} {result:<16} {seconds:>8.0f}  {where}/{record}")
     return 0 if all(r[1] == "ok" for r in rows) else 1
 
 

@@ -66,23 +66,27 @@ def record_name(tp: int, pp: int) -> str:
     return f"peer-megatron-pp{pp}" if tp == 1 else f"peer-megatron-tp{tp}pp{pp}"
 
 
-def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1) -> list[dict]:
+def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1,
+         variants=(*MAIN, "eager_repeat"), memory_trace: bool = False) -> list[dict]:
     """The runs in order: every sequence length's main variants first, then the eager repeats
     (a budget that runs out drops those first). Profiling rides on the shortest sequence's
     graphed runs."""
     runs = []
     for seq in seqs:
         for variant in MAIN:
-            prof = profile and seq == min(seqs) and variant in ("megatron", "ours")
-            runs.append(_run(variant, seq, tp, pp, rounds, prof, device))
+            if variant in variants:
+                prof = profile and seq == min(seqs) and variant in ("megatron", "ours")
+                runs.append(_run(variant, seq, tp, pp, rounds, prof, device, memory_trace))
     for seq in seqs:
-        runs.append(_run("eager_repeat", seq, tp, pp, rounds, False, device))
+        if "eager_repeat" in variants:
+            runs.append(_run("eager_repeat", seq, tp, pp, rounds, False, device, memory_trace))
     return runs
 
 
-def _run(variant, seq, tp, pp, rounds, profile, device) -> dict:
+def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False) -> dict:
     args = ["--variant", variant, "--seq", str(seq), "--tp", str(tp), "--pp", str(pp), "--rounds", str(rounds)]
     args += ["--profile"] if profile else []
+    args += ["--memory-trace"] if memory_trace else []
     args += ["--device", "cpu"] if device == "cpu" else []
     return {"label": f"{variant}@seq{seq}", "variant": variant, "seq": seq, "args": args}
 
@@ -102,8 +106,8 @@ def run_variant(run: dict, world: int, timeout: float) -> dict:
             out.setdefault("error", "timed out after %.0fs" % timeout if end.timed_out
                            else f"exit code {end.returncode}" + (" (stopped: a peer failed)" if end.stopped else ""))
             out["stderr_tail"] = end.stderr[-3000:]
-        if "profile" in out:
-            sys.stderr.write(end.stderr[-20000:])  # the worker's printed profile tables
+        if "profile" in out or "memory_trace" in out:
+            sys.stderr.write(end.stderr[-20000:])  # the worker's printed profile tables or memory breakdown
         record["per_rank"].append(out)
     errors = [r["error"] for r in record["per_rank"] if "error" in r]
     if errors:
@@ -162,7 +166,7 @@ def _max(values):
 def headline(by_seq: dict, *, world: int = 1) -> dict:
     """Ours over Megatron's graphs: speed per sequence length; memory at the longest one. Ours
     over eager's peak memory per rank (``world`` entries, None where unmeasured): the peak of the
-    whole run, capture steps included, at the longest sequence."""
+    whole run, capture steps included, the worst over the sequence lengths."""
     def ratio(seq, key):
         rows = by_seq.get(f"seq{seq}", {})
         a, b = rows.get("ours", {}).get(key), rows.get("megatron", {}).get(key)
@@ -171,13 +175,17 @@ def headline(by_seq: dict, *, world: int = 1) -> dict:
     ran = [k for k, rows in by_seq.items()
            if "tokens_per_s" in rows.get("megatron", {}) and sum(rows["megatron"].get("graphs_per_rank") or [0]) > 0]
     longest = max(SEQS)
-    rows = by_seq.get(f"seq{longest}", {})
-    ours, eager = _run_peaks(rows.get("ours", {}), world), _run_peaks(rows.get("eager", {}), world)
+    per_rank = [None] * world  # per rank, the worst ratio over the sequence lengths
+    for rows in by_seq.values():
+        ours, eager = _run_peaks(rows.get("ours", {}), world), _run_peaks(rows.get("eager", {}), world)
+        for i, (a, b) in enumerate(zip(ours, eager)):
+            if a and b:
+                per_rank[i] = max(per_rank[i] or 0.0, round(a / b, 4))
     return {"ours_vs_megatron_speed_seq512": ratio(512, "tokens_per_s"),
             "ours_vs_megatron_speed_seq2048": ratio(2048, "tokens_per_s"),
             "ours_vs_megatron_peak_mem": ratio(longest, "peak_reserved_mib"),
             "ours_vs_megatron_steady_mem": ratio(longest, "steady_reserved_mib"),
-            "ours_peak_vs_eager_per_rank": [round(a / b, 4) if a and b else None for a, b in zip(ours, eager)],
+            "ours_peak_vs_eager_per_rank": per_rank,
             "megatron_graphs_ran": bool(ran)}
 
 
@@ -218,17 +226,29 @@ def main(argv=None) -> int:
                         help="seconds for all runs (default 360 on 1 GPU, 480 on 2, 540 on 4)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one steady step of Megatron's graphs and ours at the shortest sequence")
+    parser.add_argument("--variants", default=",".join((*MAIN, "eager_repeat")),
+                        help="comma-separated variants to run (default: all)")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="a diagnosis: record every allocation and break each rank's memory peaks down "
+                             "(slows the runs); writes memory-trace-<record>-<device>.json, not the benchmark record")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (a spread needs two rounds)")
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in (*MAIN, "eager_repeat")]
+    if unknown or not variants:
+        parser.error(f"--variants {args.variants!r}: choose among {', '.join((*MAIN, 'eager_repeat'))}")
+    if args.memory_trace and args.device != "cuda":
+        parser.error("--memory-trace records the CUDA allocator: it needs a GPU")
     world = args.tp * args.pp
     seqs = (CPU_SEQ,) if args.device == "cpu" else tuple(int(s) for s in args.seqs.split(",") if s)
-    runs = plan(args.pp, seqs, rounds=args.rounds, profile=args.profile, device=args.device, tp=args.tp)
+    runs = plan(args.pp, seqs, rounds=args.rounds, profile=args.profile, device=args.device, tp=args.tp,
+                variants=variants, memory_trace=args.memory_trace)
     budget = args.budget if args.budget is not None else BUDGET_S[world]
     run_cap = RUN_CAP_S[world]
-    name = record_name(args.tp, args.pp)
+    name = ("memory-trace-" if args.memory_trace else "") + record_name(args.tp, args.pp)
     if args.dry_run:
         print(f"# budget {budget:.0f}s, {world} rank(s) per run (--tp {args.tp} x --pp {args.pp}), each run in its "
               f"own processes, at most {run_cap:.0f}s each")

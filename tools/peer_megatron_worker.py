@@ -73,8 +73,14 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--profile", action="store_true", help="profile one steady step (torch.profiler and cProfile)")
+    p.add_argument("--memory-trace", action="store_true",
+                   help="record every allocation and break the memory peaks down (tools/diagnostics/memtrace.py); "
+                        "slows the run: a diagnosis, not a timing")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    return p.parse_args(argv)
+    opts = p.parse_args(argv)
+    if opts.memory_trace and opts.device != "cuda":
+        p.error("--memory-trace records the CUDA allocator: it needs --device cuda")
+    return opts
 
 
 def main(argv=None) -> int:
@@ -212,6 +218,10 @@ def run(opts, rank: int) -> dict:
     if opts.device == "cpu":
         _cpu_adjustments()
     init_distributed(opts, rank)
+    if opts.memory_trace:  # before the model is built: parameters and optimizer state are in the history
+        from tools.diagnostics import memtrace
+
+        memtrace.start()
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -232,7 +242,10 @@ def run(opts, rank: int) -> dict:
         tokens, labels = next(data_iterator)
         return model_(tokens, positions, None, labels=labels), loss_func
 
+    step_starts_us = []
+
     def step(i: int):
+        step_starts_us.append(time.time() * 1e6)
         if opts.variant == "megatron":
             model.zero_grad_buffer()
         else:
@@ -266,6 +279,7 @@ def run(opts, rank: int) -> dict:
         mem["peak_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
         mem["peak_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
         torch.cuda.reset_peak_memory_stats()
+    steady_since_us = time.time() * 1e6
     round_s = []
     i = CAPTURE_STEPS
     for _ in range(opts.rounds):
@@ -293,6 +307,10 @@ def run(opts, rank: int) -> dict:
         **{k: round(v, 1) for k, v in mem.items()},
         **graph_stats(opts.variant, gpt, megatron_capture),
     }
+    if opts.memory_trace:
+        record["memory_trace"] = memtrace.analyze(torch.cuda.memory._snapshot(), steady_since_us=steady_since_us,
+                                                  step_starts_us=step_starts_us)
+        print(f"rank {rank} {opts.variant} seq {opts.seq}:\n{memtrace.describe(record['memory_trace'])}", file=sys.stderr)
     if opts.profile:
         record["profile"] = profile_step(lambda: step(i), sync, layer_calls=len(gpt.decoder.layers) * MICRO_BATCHES)
     if opts.tp * opts.pp > 1:

@@ -95,6 +95,25 @@ def test_ours_peak_vs_eager_is_per_rank_over_the_whole_run():
     assert failed["ours_peak_vs_eager_per_rank"] == [None] * 4  # one entry per rank even when nothing ran
 
 
+def test_ours_peak_vs_eager_per_rank_is_the_worst_over_the_sequence_lengths():
+    def row(eager, ours):
+        return {"eager": {"peak_reserved_mib_per_rank": eager}, "ours": {"peak_reserved_mib_per_rank": ours}}
+    rows = {"seq512": row([100.0, 100.0], [108.0, 100.0]), "seq2048": row([200.0, 200.0], [202.0, 220.0])}
+    assert bench_peer_megatron.headline(rows, world=2)["ours_peak_vs_eager_per_rank"] == [1.08, 1.1]
+
+
+def test_a_memory_trace_runs_the_named_variants_traced_and_writes_a_record_of_its_own(capsys):
+    assert bench_peer_megatron.main(["--pp", "1", "--seqs", "2048", "--variants", "eager,ours", "--memory-trace",
+                                     "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "# writes benchmarks/results/memory-trace-peer-megatron-pp1-<device>.json"
+    assert [l.split()[0] for l in out[2:]] == ["eager@seq2048", "ours@seq2048"]
+    assert all(l.endswith("--memory-trace") for l in out[2:])
+    with pytest.raises(SystemExit):
+        bench_peer_megatron.main(["--variants", "eager,fast", "--dry-run"])
+    assert "choose among eager, megatron, ours, eager_repeat" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 @pytest.mark.parametrize("argv, world", [(["--pp", "2"], 2), (["--pp", "4"], 4), (["--tp", "2", "--pp", "2"], 4)],

@@ -143,6 +143,24 @@ def test_lanes_run_side_by_side_each_on_its_own_gpus(tmp_path, monkeypatch):
     assert "sees 2,3" in (tmp_path / "two.log").read_text()
 
 
+def test_a_baseline_step_runs_the_same_command_from_the_older_checkout(tmp_path, monkeypatch):
+    reproduce = _reproduce_module()
+    old = tmp_path / "old"
+    (old / "tools").mkdir(parents=True)
+    (old / "CODE_VERSION").write_text("5f45ad6\n")
+    monkeypatch.setattr(reproduce, "gpu_count", lambda: 1)
+    monkeypatch.setattr(reproduce, "STEPS", [
+        ("where", 1, "python -c \"import os; print('in', os.getcwd(), os.environ.get('GRAPHPP_CODE_VERSION'), "
+                     "os.environ.get('PYTHONPATH', '').split(os.pathsep)[0])\"", "where-<device>.json")])
+    logs = tmp_path / "logs"
+    code = reproduce.main(["--baseline", str(old), "--only", "where,where@baseline", "--log-dir", str(logs)])
+    assert code == 0
+    assert f"in {old} 5f45ad6 {old}" in (logs / "where@baseline.log").read_text()
+    assert f"in {reproduce.REPO} " in (logs / "where.log").read_text()
+    with pytest.raises(SystemExit):  # a baseline step without a baseline checkout
+        reproduce.main(["--only", "where@baseline", "--log-dir", str(logs)])
+
+
 def test_lanes_are_refused_when_they_share_a_gpu_or_a_step_needs_more_than_its_lane(monkeypatch):
     reproduce = _reproduce_module()
     for specs, words in ((["0:engine", "0,1:allreduce"], "distinct"), (["5:engine"], "below this machine's 4"),

@@ -25,6 +25,7 @@ __all__ = ["start", "analyze", "raw_events"]
 
 MIB = 2**20
 _OURS = ("paddle_graphpp/", "train_gpt.py", "gpt_torch.py")
+_MODELS = ("megatron/", "transformers/models/")  # the model's own code, before torch's
 _LIBS = ("torch/optim/", "torch/distributed/", "torch/autograd/", "torch/nn/")
 
 
@@ -37,8 +38,9 @@ def start(max_entries: int = 400_000) -> None:
 
 
 def _label(frames: list) -> str:
-    """The innermost frame of our code, else of a torch library we care about, else the innermost."""
-    for wanted in (_OURS, _LIBS):
+    """The innermost frame of our code, else of the model's library (Megatron-Core, transformers),
+    else of a torch library we care about, else the innermost."""
+    for wanted in (_OURS, _MODELS, _LIBS):
         for f in frames:
             name = f.get("filename", "")
             if any(w in name for w in wanted):
