@@ -189,11 +189,37 @@ def _segments() -> dict:
 
 
 def _segments_gained(before: dict) -> str:
-    """The segments that appeared since ``before`` (or grew), for an assertion's message."""
+    """The segments that appeared since ``before`` (or grew), for an assertion's message, with
+    what still holds their pool (a pool's memory goes back only once nothing uses it)."""
     now = _segments()
     gained = {a: v for a, v in now.items() if a not in before or before[a][0] != v[0]}
     return "; ".join(f"{a:#x}: {v[0] >> 20} MiB pool {v[1]} stream {v[2]} allocated {v[3]} expandable {v[4]}"
-                     for a, v in gained.items()) or "none"
+                     f"{_pool_holders(v[1])}" for a, v in gained.items()) or "none"
+
+
+def _pool_holders(pool_id: tuple) -> str:
+    """Who refers to a ``MemPool`` or ``CUDAGraph`` of ``pool_id`` still alive: two levels of
+    referrers, by type (frames by function and line), for the message of a memory test."""
+    import types
+
+    def name(o) -> str:
+        if isinstance(o, types.FrameType):
+            return f"frame {o.f_code.co_name}@{o.f_code.co_filename.rsplit('/', 2)[-1]}:{o.f_lineno}"
+        return type(o).__qualname__
+
+    gc.collect()
+    found = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.cuda.MemPool) and tuple(obj.id) == pool_id:
+                found.append(obj)
+        except Exception:  # noqa: BLE001 - a diagnostic
+            continue
+    lines = []
+    for obj in found:
+        holders = [r for r in gc.get_referrers(obj) if r is not found]
+        lines.append(f"MemPool held by [{', '.join(name(r) + ' <- ' + '/'.join(name(q) for q in gc.get_referrers(r)[:4] if q is not holders) for r in holders[:6])}]")
+    return f" ({'; '.join(lines) or 'no live MemPool of that id'})"
 
 
 @pytest.mark.parametrize("fallback", ["error", "eager"])
