@@ -40,12 +40,16 @@ class CollectiveTimeoutError(ReplayTimeoutError):
 
 def release_frames(exc: BaseException) -> None:
     """Clear the local variables of the finished frames in the tracebacks of ``exc`` and of
-    the exceptions it chains. A failed capture's tensors (static buffers, partial outputs)
-    are locals of those frames: an error kept by the caller would keep their memory. The
-    traceback's file and line information stays."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
+    every exception it chains (its cause and its context, both). A failed capture's tensors
+    (static buffers, partial outputs) and its pool are locals of those frames: an error kept by
+    the caller would keep their memory. The traceback's file and line information stays."""
+    seen: set = set()
+    todo = [exc]
+    while todo:
+        exc = todo.pop()
+        if exc is None or id(exc) in seen:
+            continue
         seen.add(id(exc))
         if exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
+        todo += [exc.__cause__, exc.__context__]

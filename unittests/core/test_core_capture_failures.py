@@ -186,3 +186,44 @@ def test_after_a_failed_capture_the_other_layers_are_captured_into_a_new_pool(rt
     assert len(pools) == 2 and not pools & set(rt.poisoned)
 
 
+
+
+def test_release_frames_clears_the_frames_of_the_cause_and_of_the_context_both():
+    import gc
+    import weakref
+
+    from paddle_graphpp.core.errors import release_frames
+
+    class Held:  # stands in for a failed capture's pool, a local of a frame below the capture
+        pass
+
+    refs = []
+
+    def fails(kind):
+        held = Held()
+        refs.append(weakref.ref(held))
+        raise RuntimeError(kind)
+
+    def caught(kind):
+        try:
+            fails(kind)
+        except RuntimeError as exc:
+            return exc
+
+    cause = caught("cause")  # outside any handler: it has no context of its own
+    try:
+        try:
+            fails("context")
+        except RuntimeError:  # while handling it, an error raised from another one
+            raise ValueError("the capture failed") from cause
+    except ValueError as err:
+        kept = err  # the caller keeps the error, as a test's pytest.raises does
+    del cause
+    assert str(kept.__cause__) == "cause" and str(kept.__context__) == "context"
+    assert kept.__cause__.__context__ is None  # two chains: following the cause alone misses the context
+    gc.disable()  # only the frames' locals may hold them, not garbage the collector has yet to see
+    try:
+        release_frames(kept)
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()

@@ -4,6 +4,7 @@ allocator, and memory figures."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from typing import Optional
@@ -87,6 +88,10 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         if pool not in self._pools:
             return
         self._pools.remove(pool)
+        if sys.getrefcount(pool) > 3:
+            # A failed capture's frames in a reference cycle (an error, its traceback, a frame
+            # holding the error) may be the other holder: garbage the collector has not reached.
+            gc.collect()
         if sys.getrefcount(pool) > 3:  # this argument, getrefcount's, the caller's
             self._pools.append(pool)
             return
