@@ -5,6 +5,7 @@ allocator, and memory figures."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import sys
 from typing import Optional
@@ -15,6 +16,8 @@ from ...allocator import env_flag_value
 from ...core.runtime import MemoryTelemetry, OutputRelease, PoolLending, StreamOrderedAllocator, clone_many
 from ..graphs import anchor_graph
 from .allocator import async_allocator_active as _async_allocator_active
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TorchMemory", "storage_watches"]
 
@@ -94,6 +97,8 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
             gc.collect()
         if sys.getrefcount(pool) > 3:  # this argument, getrefcount's, the caller's
             self._pools.append(pool)
+            logger.warning("paddle_graphpp: a graph pool given back is still referenced (by %s): its memory stays "
+                           "reserved until the process ends", _holders(pool))
             return
         anchor = self._anchors.pop(id(pool), None)
         if anchor is not None:
@@ -213,3 +218,16 @@ def _reserve_pool() -> Optional[str]:
 
 def _pool_id(pool):
     return pool.id if isinstance(pool, torch.cuda.MemPool) else pool
+
+
+def _holders(obj) -> str:
+    """What refers to ``obj`` (types; frames by function and line), for a log line."""
+    import types
+
+    def name(o) -> str:
+        if isinstance(o, types.FrameType):
+            return f"frame {o.f_code.co_name} ({o.f_code.co_filename.rsplit('/', 1)[-1]}:{o.f_lineno})"
+        return type(o).__qualname__
+
+    here = sys._getframe()
+    return ", ".join(name(r) for r in gc.get_referrers(obj) if r is not here and r is not here.f_back) or "nothing found"
