@@ -308,8 +308,12 @@ def run(opts, rank: int) -> dict:
         **graph_stats(opts.variant, gpt, megatron_capture),
     }
     if opts.memory_trace:
-        record["memory_trace"] = memtrace.analyze(torch.cuda.memory._snapshot(), steady_since_us=steady_since_us,
+        snapshot = torch.cuda.memory._snapshot()
+        record["memory_trace"] = memtrace.analyze(snapshot, steady_since_us=steady_since_us,
                                                   step_starts_us=step_starts_us)
+        # GRAPHPP_MEMTRACE_RAW=<folder>: the raw history too, for tools/diagnostics/pool_model.py
+        memtrace.write_raw(snapshot, f"{opts.variant}-seq{opts.seq}-rank{rank}", step_starts_us)
+        del snapshot
         print(f"rank {rank} {opts.variant} seq {opts.seq}:\n{memtrace.describe(record['memory_trace'])}", file=sys.stderr)
     if opts.profile:
         record["profile"] = profile_step(lambda: step(i), sync, layer_calls=len(gpt.decoder.layers) * MICRO_BATCHES)

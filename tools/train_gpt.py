@@ -799,12 +799,7 @@ def run_torch(cfg: Config) -> None:
         snapshot = torch.cuda.memory._snapshot()
         mine["memory_trace"] = memtrace.analyze(snapshot, steady_since_us=steady_since_us,
                                                  step_starts_us=step_starts_us)
-        if os.environ.get("GRAPHPP_MEMTRACE_RAW"):  # a folder: the raw history per rank, for offline study
-            import gzip
-
-            os.makedirs(os.environ["GRAPHPP_MEMTRACE_RAW"], exist_ok=True)
-            with gzip.open(os.path.join(os.environ["GRAPHPP_MEMTRACE_RAW"], f"rank{rank}.json.gz"), "wt") as f:
-                json.dump({"step_starts_us": step_starts_us, "events": memtrace.raw_events(snapshot)}, f)
+        memtrace.write_raw(snapshot, f"rank{rank}", step_starts_us)  # with GRAPHPP_MEMTRACE_RAW=<folder>
         del snapshot
     per_rank = [None] * world
     if world > 1:

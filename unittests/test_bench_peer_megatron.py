@@ -132,3 +132,9 @@ def test_tiny_model_every_variant_on_cpu_ranks(argv, world):
     last_stage = [r["losses"] for r in ranks if r["pp_rank"] == pp - 1]
     assert len(last_stage) == payload["tp"] and all(l == last_stage[0] for l in last_stage)  # TP ranks agree
     assert all(r["losses"] is None for r in ranks if r["pp_rank"] < pp - 1)
+
+
+def test_the_worker_refuses_a_memory_trace_without_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        peer_megatron_worker.parse_args(["--variant", "ours", "--seq", "32", "--device", "cpu", "--memory-trace"])
+    assert "needs --device cuda" in capsys.readouterr().err

@@ -65,3 +65,23 @@ def test_a_graph_pool_growing_beside_a_hole_too_small_is_listed():
     assert out["growth"] == [[100.0, 30.0, 0.0, 0.0, "tools/train_gpt.py:5:run_torch"],
                              [40.0, 40.0, 20.0, 40.0, "tools/train_gpt.py:7:run_torch"]]
     assert "2 segments; 2 of them for a request larger than the largest hole" in memtrace.describe(out)
+
+
+def test_the_raw_history_is_written_only_where_a_folder_is_given(tmp_path, monkeypatch):
+    import gzip
+    import json
+
+    from tools.diagnostics import pool_model
+
+    events = [{"action": "alloc", "addr": 0, "size": 1024, "stream": 0, "time_us": 5, "frames": []},
+              {"action": "free_completed", "addr": 0, "size": 1024, "stream": 0, "time_us": 6, "frames": []}]
+    monkeypatch.delenv("GRAPHPP_MEMTRACE_RAW", raising=False)
+    monkeypatch.setattr(memtrace, "raw_events", lambda snapshot: [[e["action"], e["addr"], e["size"], 0, "default",
+                                                                  e["time_us"], "", ""] for e in snapshot["events"]])
+    assert memtrace.write_raw({"events": events}, "ours-rank1", [1, 2]) is None
+    monkeypatch.setenv("GRAPHPP_MEMTRACE_RAW", str(tmp_path))
+    path = memtrace.write_raw({"events": events}, "ours-rank1", [1, 2])
+    assert path == str(tmp_path / "ours-rank1.json.gz")
+    with gzip.open(path, "rt") as f:
+        assert json.load(f)["step_starts_us"] == [1, 2]
+    assert [row[0] for row in pool_model._rows(path)] == ["alloc", "free_completed"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 
-__all__ = ["start", "analyze", "raw_events"]
+__all__ = ["start", "analyze", "raw_events", "write_raw"]
 
 MIB = 2**20
 _OURS = ("paddle_graphpp/", "train_gpt.py", "gpt_torch.py")
@@ -112,6 +112,24 @@ def raw_events(snapshot: dict, device: int | None = None) -> list:
         rows.append([e.get("action"), e.get("addr"), e.get("size"), e.get("stream"), _pool(e),
                      e.get("time_us"), ours, _label(frames)])
     return rows
+
+
+def write_raw(snapshot: dict, name: str, step_starts_us: list, folder: str | None = None) -> str | None:
+    """Write :func:`raw_events` with the steps' start times to ``<folder>/<name>.json.gz`` (the
+    folder: ``folder``, else the ``GRAPHPP_MEMTRACE_RAW`` environment variable; neither: nothing
+    written), the input of ``tools/diagnostics/pool_model.py``. Returns the path written."""
+    import gzip
+    import json
+    import os
+
+    folder = folder or os.environ.get("GRAPHPP_MEMTRACE_RAW")
+    if not folder:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{name}.json.gz")
+    with gzip.open(path, "wt") as f:
+        json.dump({"step_starts_us": step_starts_us, "events": raw_events(snapshot)}, f)
+    return path
 
 
 def _largest_hole(pool: str, live: dict, seg_pool: dict) -> tuple:

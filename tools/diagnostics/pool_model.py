@@ -1,7 +1,8 @@
 """A model of PyTorch's CUDA caching allocator for the requests of one stream in one pool.
 
     python tools/diagnostics/pool_model.py RANK.json.gz ... [--reserve-from RANK.json.gz]
-        # histories written by train_gpt.py --memory-trace with GRAPHPP_MEMTRACE_RAW=<folder>
+        # histories written with GRAPHPP_MEMTRACE_RAW=<folder> by train_gpt.py --memory-trace
+        # or bench_peer_megatron.py --memory-trace (memtrace.write_raw)
 
 What it answers: given a sequence of requests (allocate ``n`` bytes, free an earlier
 allocation) and the free blocks a pool starts with, which segments the allocator adds, so that
@@ -404,7 +405,7 @@ def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("histories", nargs="+", help="rank<N>.json.gz files (GRAPHPP_MEMTRACE_RAW)")
+    parser.add_argument("histories", nargs="+", help="*.json.gz histories (memtrace.write_raw, GRAPHPP_MEMTRACE_RAW)")
     parser.add_argument("--reserve-from", help="take the reserve's allocations from this history")
     parser.add_argument("--orders", type=int, default=0, help="also replay over this many random address orders")
     parser.add_argument("--add-segment", type=float, action="append", default=[], metavar="MIB",
