@@ -4,6 +4,8 @@ Each run is ``tools/train_gpt.py --framework torch --pp 2`` in its own processes
 fp32 (TF32 off in the trainer's fp32 path is not assumed: tolerances allow TF32), dropout on.
 Skipped without 2 GPUs.
 """
+import functools
+
 import pytest
 import torch
 
@@ -22,11 +24,18 @@ def _losses(extra):
     return r
 
 
+@functools.lru_cache(maxsize=None)
+def _eager_losses(vpp):
+    """The eager run of a schedule, once for the three graphed settings compared with it (each
+    run is a 2-process training job: the suite on two GPUs must fit one device call)."""
+    return _losses(["--vpp", vpp])
+
+
 @pytest.mark.parametrize("vpp", ["1", "2"])
 @pytest.mark.parametrize("graph", [[], ["--no-graph-accumulate-grads"], ["--graph-memory", "per_graph"]],
                          ids=["default", "no_accumulate", "per_graph"])
 def test_graphed_pipeline_losses_equal_eager_with_dropout(vpp, graph):
-    eager = _losses(["--vpp", vpp])
+    eager = _eager_losses(vpp)
     graphed = _losses(["--vpp", vpp, "--cudagraph", *graph])
     assert len(graphed["losses"]) == len(eager["losses"]) == 8
     for a, b in zip(graphed["losses"], eager["losses"]):
