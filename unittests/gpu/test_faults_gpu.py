@@ -208,13 +208,7 @@ def _pool_holders(pool_id: tuple) -> str:
         return type(o).__qualname__
 
     gc.collect()
-    found = []
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.cuda.MemPool) and tuple(obj.id) == pool_id:
-                found.append(obj)
-        except Exception:  # noqa: BLE001 - a diagnostic
-            continue
+    found = [obj for obj in gc.get_objects() if type(obj) is torch.cuda.MemPool and tuple(obj.id) == pool_id]
     lines = []
     for obj in found:
         holders = [r for r in gc.get_referrers(obj) if r is not found]
