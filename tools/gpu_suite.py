@@ -45,12 +45,20 @@ def parse_args(argv=None):
 
 
 def counts(junit: Path) -> dict:
-    """Passed, failed (failures and errors), skipped, and the failed tests' ids, from a JUnit report."""
+    """Passed, failed (failures and errors), skipped, and the failed tests' ids, from a JUnit
+    report; with the seconds each test file took and the slowest tests (which a suite that must
+    fit one device call would shorten first)."""
     out = {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": []}
     if not junit.exists():
         return out
+    by_file: dict = {}
+    times = []
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
+        seconds = float(case.get("time") or 0.0)
+        module = (case.get("classname") or "").rsplit(".", 1)[-1]
+        by_file[module] = by_file.get(module, 0.0) + seconds
+        times.append((seconds, name))
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         if bad is not None:
             out["failed"] += 1
@@ -59,6 +67,8 @@ def counts(junit: Path) -> dict:
             out["skipped"] += 1
         else:
             out["passed"] += 1
+    out["seconds_by_file"] = {k: round(v, 1) for k, v in sorted(by_file.items(), key=lambda kv: -kv[1])}
+    out["slowest_tests"] = [[name, round(sec, 1)] for sec, name in sorted(times, reverse=True)[:10]]
     return out
 
 
@@ -149,7 +159,8 @@ def main(argv=None) -> int:
     record = {"command": "python -m pytest unittests/gpu" + (" (allocator probe)" if args.probe else ""),
               "exit_code": code, "passed": found["passed"], "failed": found["failed"],
               "skipped": found["skipped"], "gpus": torch.cuda.device_count(),
-              "failed_tests": found["failed_tests"], "environment": benchlib.environment(),
+              "failed_tests": found["failed_tests"], "seconds_by_file": found.get("seconds_by_file"),
+              "slowest_tests": found.get("slowest_tests"), "environment": benchlib.environment(),
               "code_version": benchlib.code_version(), "running_at_end": running_at_end(output),
               "output_tail": tail(output)}
     path = benchlib.write_result(args.name, record)

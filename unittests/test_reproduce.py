@@ -198,6 +198,22 @@ def test_the_gpu_suite_counts_a_run_that_aborted_and_names_the_test_it_died_in()
     assert gpu_suite.running_at_end(at_exit) is None  # the interpreter's exit, after every test
 
 
+def test_the_gpu_suite_record_says_where_the_time_went(tmp_path):
+    from tools import gpu_suite
+
+    junit = tmp_path / "suite.xml"
+    junit.write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="unittests.gpu.test_pipeline_gpu" name="test_a" time="41.5"/>'
+        '<testcase classname="unittests.gpu.test_pipeline_gpu" name="test_b" time="20.0"><failure message="x"/></testcase>'
+        '<testcase classname="unittests.gpu.test_engine_gpu" name="test_c" time="3.25"><skipped/></testcase>'
+        '</testsuite></testsuites>')
+    found = gpu_suite.counts(junit)
+    assert (found["passed"], found["failed"], found["skipped"]) == (1, 1, 1)
+    assert found["seconds_by_file"] == {"test_pipeline_gpu": 61.5, "test_engine_gpu": 3.2}
+    assert found["slowest_tests"][0] == ["unittests.gpu.test_pipeline_gpu::test_a", 41.5]
+
+
 def test_the_gpu_suite_logs_as_it_goes_so_a_stopped_run_keeps_what_it_reached(tmp_path):
     import sys
 
