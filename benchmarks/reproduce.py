@@ -62,6 +62,8 @@ STEPS = [
     ("gpu-suite", 1, "python tools/gpu_suite.py", "gpu-suite-<device>.json"),
     ("gpu-suite-probe", 1, "python tools/gpu_suite.py --probe --name gpu-suite-probe",
      "gpu-suite-probe-<device>.json"),
+    ("memory-trace-peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --seqs 2048 "
+     "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp1-<device>.json"),
     ("pipeline", 2, "python tools/bench_pipeline.py", "pipeline-<device>.json"),
     ("memory-pipeline-pp2", 2, "python tools/bench_pipeline_memory.py --preset gpt1.3b",
      "memory-pipeline-gpt1.3b-pp2-<device>.json"),
@@ -73,6 +75,8 @@ STEPS = [
     ("hf-pipeline-pp2", 2, "python tools/bench_hf_pipeline.py", "hf-pipeline-pp2-<device>.json"),
     ("compile-pipeline-pp2", 2, "python tools/bench_compile_pipeline.py", "compile-pipeline-pp2-<device>.json"),
     ("gpu-suite-2gpu", 2, "python tools/gpu_suite.py --name gpu-suite-2gpu", "gpu-suite-2gpu-<device>.json"),
+    ("memory-trace-peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2 --seqs 2048 "
+     "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp2-<device>.json"),
     ("memory-pipeline-pp4", 4, "python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 --variants eager,default",
      "memory-pipeline-gpt1.3b-pp4-<device>.json"),
     ("allreduce-4r", 4, "python tools/bench_allreduce.py --ranks 4", "allreduce-4r-<device>.json"),
@@ -81,13 +85,9 @@ STEPS = [
     ("peer-megatron-tp2pp2", 4, "python tools/bench_peer_megatron.py --tp 2 --pp 2",
      "peer-megatron-tp2pp2-<device>.json"),
 ]
-STEPS.insert(next(i for i, s in enumerate(STEPS) if s[0] == "pipeline"),
-             ("memory-trace-peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --seqs 2048 "
-              "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp1-<device>.json"))
-STEPS.append(("memory-trace-peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2 --seqs 2048 "
-              "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp2-<device>.json"))
 BASELINE = "@baseline"  # a step's name with this suffix: the step, run from the --baseline checkout
-DIAGNOSTIC = {"gpu-suite-probe", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2"}  # run only when named: they look for a fault, they record no figure
+# Run only when named: they look for a fault or break memory down, they record no published figure.
+DIAGNOSTIC = {"gpu-suite-probe", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2"}
 
 
 def selected(gpus: int, only: str | None) -> list:

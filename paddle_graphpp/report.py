@@ -58,17 +58,10 @@ def _torch_checks() -> dict:
         x = torch.ones(8, device="cuda")
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        from .torch.graphs import capture_pool_id, end_failed_capture, gc_paused
+        from .torch.graphs import capturing
 
-        pool_id = capture_pool_id()
-        with torch.cuda.stream(stream), gc_paused():
-            try:
-                graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
-                y = x * 2
-                graph.capture_end()
-            except BaseException:
-                end_failed_capture(graph, pool_id)
-                raise
+        with torch.cuda.stream(stream), capturing(graph):
+            y = x * 2
         torch.cuda.current_stream().wait_stream(stream)
         x.fill_(3)
         graph.replay()

@@ -113,3 +113,22 @@ def test_the_lender_reports_what_it_did():
     lender.steps, lender.declined, lender.reserved = 3, 1, 5 * MIB
     assert lender.report() == {"optimizer_steps_in_pool": 3, "optimizer_steps_declined": 1,
                                "pool_reserved_before_capture_mib": 5.0}
+
+
+def test_referrers_names_what_holds_an_object_frames_by_function():
+    from paddle_graphpp.torch.memory.capabilities import referrers
+
+    class Pool:
+        pass
+
+    pool = Pool()
+    holder = {"pool": pool}
+
+    def keeps(p):
+        return referrers(p)
+
+    text = keeps(pool)
+    assert "dict" in text and "frame keeps" in text and "test_referrers_names" in text
+    plain, skipping = referrers(pool), referrers(pool, skip=(holder,))
+    assert "frame keeps" not in plain  # called from the test itself now
+    assert skipping.count("dict") == plain.count("dict") - 1  # the holder is not named

@@ -129,14 +129,12 @@ class ReplayWatchdog:
         if record is None:
             return
         with self._lock:
+            if self._tail is not None:  # the launch before this one was not followed
+                self._note_unfollowed(self._tail[2])
             if now - self._last < self.min_gap:
                 # Not followed now; the thread records it if no later launch is (see _check).
-                if self._tail is not None:
-                    self._note_unfollowed(self._tail[2])
                 self._tail = (now, record, what)
                 return
-            if self._tail is not None:
-                self._note_unfollowed(self._tail[2])
             self._tail = None
             self._last = now
             self._pending.append((now, record(), what, self._take_unfollowed()))

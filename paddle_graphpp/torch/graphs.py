@@ -8,7 +8,7 @@ import gc
 
 import torch
 
-__all__ = ["end_failed_capture", "capture_pool_id", "empty_capture", "anchor_graph", "gc_paused"]
+__all__ = ["capturing", "end_failed_capture", "capture_pool_id", "empty_capture", "anchor_graph", "gc_paused"]
 
 
 @contextlib.contextmanager
@@ -70,20 +70,33 @@ def capture_pool_id(pool_id=None) -> tuple:
     return tuple(pool_id) if pool_id is not None else tuple(torch.cuda.graph_pool_handle())
 
 
+@contextlib.contextmanager
+def capturing(graph, pool_id=None):
+    """Capture the block into ``graph`` on the current stream, into the pool ``pool_id`` (or a
+    pool of the graph's own), with the collector paused (:func:`gc_paused`). A block or an end
+    that fails has its capture ended (:func:`end_failed_capture`) before the error goes on: every
+    capture of the library goes through here."""
+    pool_id = capture_pool_id(pool_id)
+    with gc_paused():
+        try:
+            graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
+            yield graph
+            graph.capture_end()
+        except BaseException:
+            end_failed_capture(graph, pool_id)
+            raise
+
+
 def empty_capture(stream, pool_id=None):
     """An empty graph captured on ``stream`` (into the pool ``pool_id``, or a pool of its own);
     a capture that fails is ended (:func:`end_failed_capture`) before its error is raised."""
     import warnings
 
-    graph, pool_id = torch.cuda.CUDAGraph(), capture_pool_id(pool_id)
-    with warnings.catch_warnings(), torch.cuda.stream(stream), gc_paused():
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings(), torch.cuda.stream(stream):
         warnings.simplefilter("ignore")  # "the CUDA Graph is empty"
-        try:
-            graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
-            graph.capture_end()
-        except BaseException:
-            end_failed_capture(graph, pool_id)
-            raise
+        with capturing(graph, pool_id):
+            pass
     return graph
 
 

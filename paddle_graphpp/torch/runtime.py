@@ -24,7 +24,7 @@ from . import autograd as _autograd
 from . import compile as _compile
 from .memory import pool_segments as _pool_segments
 from .collectives.watch import TorchReplayEvents, noting_collectives
-from .graphs import capture_pool_id, empty_capture, end_failed_capture, gc_paused
+from .graphs import capturing, empty_capture, gc_paused
 from .memory.capabilities import TorchMemory, _pool_id
 
 __all__ = ["TorchRuntime", "RUNTIME", "active_runtime"]
@@ -174,13 +174,10 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         # compiled code runs only what it compiled in the warmup (see .compile)
         with gc_paused(), torch.cuda.stream(stream), _pool_segments.pool_allocations(), \
                 _compile.no_compile_in_capture(), noting_collectives():
-            pool_id = capture_pool_id(_pool_id(pool))
             try:
-                graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
-                yield graph
-                graph.capture_end()
+                with capturing(graph, _pool_id(pool)):
+                    yield graph
             except BaseException:
-                end_failed_capture(graph, pool_id)
                 self._reset_capture_state(stream)
                 raise
         current.wait_stream(stream)

@@ -198,22 +198,13 @@ def _segments_gained(before: dict) -> str:
 
 
 def _pool_holders(pool_id: tuple) -> str:
-    """Who refers to a ``MemPool`` or ``CUDAGraph`` of ``pool_id`` still alive: two levels of
-    referrers, by type (frames by function and line), for the message of a memory test."""
-    import types
-
-    def name(o) -> str:
-        if isinstance(o, types.FrameType):
-            return f"frame {o.f_code.co_name}@{o.f_code.co_filename.rsplit('/', 2)[-1]}:{o.f_lineno}"
-        return type(o).__qualname__
+    """What still refers to a live ``MemPool`` of ``pool_id`` (a pool's memory goes back only
+    once nothing holds it), for the message of a memory test."""
+    from paddle_graphpp.torch.memory.capabilities import referrers
 
     gc.collect()
     found = [obj for obj in gc.get_objects() if type(obj) is torch.cuda.MemPool and tuple(obj.id) == pool_id]
-    lines = []
-    for obj in found:
-        holders = [r for r in gc.get_referrers(obj) if r is not found]
-        lines.append(f"MemPool held by [{', '.join(name(r) + ' <- ' + '/'.join(name(q) for q in gc.get_referrers(r)[:4] if q is not holders) for r in holders[:6])}]")
-    return f" ({'; '.join(lines) or 'no live MemPool of that id'})"
+    return f" ({'; '.join(f'MemPool held by [{referrers(obj, skip=(found,))}]' for obj in found) or 'no live MemPool of that id'})"
 
 
 @pytest.mark.parametrize("fallback", ["error", "eager"])

@@ -91,14 +91,10 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         if pool not in self._pools:
             return
         self._pools.remove(pool)
-        if sys.getrefcount(pool) > 3:
-            # A failed capture's frames in a reference cycle (an error, its traceback, a frame
-            # holding the error) may be the other holder: garbage the collector has not reached.
-            gc.collect()
         if sys.getrefcount(pool) > 3:  # this argument, getrefcount's, the caller's
             self._pools.append(pool)
             logger.warning("paddle_graphpp: a graph pool given back is still referenced (by %s): its memory stays "
-                           "reserved until the process ends", _holders(pool))
+                           "reserved until the process ends", referrers(pool, skip=(sys._getframe(),)))
             return
         anchor = self._anchors.pop(id(pool), None)
         if anchor is not None:
@@ -220,14 +216,24 @@ def _pool_id(pool):
     return pool.id if isinstance(pool, torch.cuda.MemPool) else pool
 
 
-def _holders(obj) -> str:
-    """What refers to ``obj`` (types; frames by function and line), for a log line."""
+def referrers(obj, skip: tuple = ()) -> str:
+    """What refers to ``obj``, for a log line or a test's message: the containers the collector
+    knows (by type) and the frames of this thread's stack that hold it in a local (by function
+    and line; the collector does not see running frames); ``skip``: objects and frames not to
+    name (the asker's own)."""
+    here = sys._getframe()
+    skipped = lambda r: r is here or any(r is s for s in skip)  # noqa: E731
+    names = [type(r).__qualname__ for r in gc.get_referrers(obj) if not skipped(r) and not _is_frame(r)]
+    frame = here.f_back
+    while frame is not None:
+        if not skipped(frame) and any(v is obj for v in frame.f_locals.values()):
+            names.append(f"frame {frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:"
+                         f"{frame.f_lineno})")
+        frame = frame.f_back
+    return ", ".join(names) or "nothing found"
+
+
+def _is_frame(obj) -> bool:
     import types
 
-    def name(o) -> str:
-        if isinstance(o, types.FrameType):
-            return f"frame {o.f_code.co_name} ({o.f_code.co_filename.rsplit('/', 1)[-1]}:{o.f_lineno})"
-        return type(o).__qualname__
-
-    here = sys._getframe()
-    return ", ".join(name(r) for r in gc.get_referrers(obj) if r is not here and r is not here.f_back) or "nothing found"
+    return isinstance(obj, types.FrameType)
