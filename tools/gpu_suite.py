@@ -3,7 +3,7 @@
 and counts.
 
     python tools/gpu_suite.py                 # -> benchmarks/results/gpu-suite-<device>.json
-    python tools/gpu_suite.py --name gpu-suite-2gpu   # on a machine with two GPUs
+    python tools/gpu_suite.py --name gpu-suite-2gpu -- -m two_gpus   # the 2-GPU tests alone
 
 Runs pytest once, in a child process, over the whole ``unittests/gpu`` folder (the way a user
 runs it, so that every test file shares one interpreter and its teardown: the exit code is
@@ -156,7 +156,8 @@ def main(argv=None) -> int:
         code, note = run_logged(cmd, env, log, args.timeout)
         output = log.read_text(errors="replace") + note
         found = counts(junit) if junit.exists() else counts_from_output(output)
-    record = {"command": "python -m pytest unittests/gpu" + (" (allocator probe)" if args.probe else ""),
+    command = " ".join(["python -m pytest unittests/gpu", *args.pytest_args])
+    record = {"command": command + (" (allocator probe)" if args.probe else ""),
               "exit_code": code, "passed": found["passed"], "failed": found["failed"],
               "skipped": found["skipped"], "gpus": torch.cuda.device_count(),
               "failed_tests": found["failed_tests"], "seconds_by_file": found.get("seconds_by_file"),

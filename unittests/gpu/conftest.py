@@ -7,11 +7,25 @@ open); a failed capture's routing matches only its capturing stream, so then a f
 ``MemPool`` is destroyed, whose destructor asserts, and aborts the process, while any capture or
 routing is underway (``captures_underway``). The test named on stderr just before such an abort
 is the one that left it.
+
+Tests marked ``two_gpus`` skip themselves on a machine with fewer than two CUDA devices;
+``pytest unittests/gpu -m two_gpus`` runs those alone.
 """
 import os
 import sys
 
 import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        return
+    skip = pytest.mark.skip(reason="requires two CUDA devices")
+    for item in items:
+        if item.get_closest_marker("two_gpus") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -15,8 +15,7 @@ from tools import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="requires two CUDA devices")
+pytestmark = pytest.mark.two_gpus
 
 
 @pytest.mark.timeout(300)

@@ -36,7 +36,7 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices"),
+pytestmark = [pytest.mark.two_gpus,
               pytest.mark.timeout(240)]
 
 from paddle_graphpp.core.watchdog import EXIT_CODE  # noqa: E402

@@ -325,7 +325,7 @@ def test_a_capture_invalidated_between_other_layers_captures_leaves_them_trainin
 
 
 # ------------------------------------------------------------ ranks agree on a failed capture
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
+@pytest.mark.two_gpus
 @pytest.mark.timeout(200)
 def test_two_ranks_both_raise_when_one_capture_fails(tmp_path):
     import json

@@ -125,7 +125,7 @@ def test_graphed_outputs_feed_hidden_state_recording():
     assert all(b.engine.replays > 0 for b in blocks_of(graphed))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
+@pytest.mark.two_gpus
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind,vpp", [("gpt2", 1), ("llama", 1), ("llama", 2)],
                          ids=["gpt2-Schedule1F1B", "llama-Schedule1F1B", "llama-ScheduleInterleaved1F1B"])

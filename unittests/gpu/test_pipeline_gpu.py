@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
+pytestmark = pytest.mark.two_gpus
 
 from tools.bench_pipeline import run_one  # noqa: E402
 

@@ -142,7 +142,7 @@ def test_weight_graphs_share_the_pool_and_memory_stays_flat():
 
 
 # ------------------------------------------------------------------------------- two GPUs
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires two CUDA devices")
+@pytest.mark.two_gpus
 @pytest.mark.parametrize("micro_batches", [4, 8])
 @pytest.mark.parametrize("schedule", ZB_SCHEDULES)
 def test_zero_bubble_schedules_on_two_gpus_match_eager_with_dropout(schedule, micro_batches, tmp_path):
