@@ -30,6 +30,8 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         super().__init__()
         self._lender = None  # pool_lending.PoolLender, once a pool is lent
         self._pools: list = []  # every MemPool handed out (see new_pool)
+        self._held: list = []  # pools given back that something else still held (see release_pool)
+        self._held_named: set = set()  # ids of held pools whose holders were logged
         self._anchors: dict = {}  # id(pool) -> its empty anchor graph (see new_pool)
         from .pool_lending import watch_optimizers
 
@@ -86,19 +88,39 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
     def release_pool(self, pool) -> None:
         # Dropping the runtime's references lets the caller's be the last: the pool's destructor
         # then gives its reference on the allocator's pool back and frees its cached segments,
-        # between captures. A pool someone else still holds is kept for the process instead:
-        # destroyed later, during a capture, it would trip the allocator's assertion.
+        # between captures. A pool someone else still holds (a failed capture's error on its way
+        # up, say) would be destroyed whenever that holder lets go, maybe inside a later capture,
+        # where the destructor trips the allocator's assertion: it is kept, and given back at the
+        # next release_cached_memory (between captures) that finds nothing else holding it.
         if pool not in self._pools:
             return
         self._pools.remove(pool)
         if sys.getrefcount(pool) > 3:  # this argument, getrefcount's, the caller's
-            self._pools.append(pool)
-            logger.warning("paddle_graphpp: a graph pool given back is still referenced (by %s): its memory stays "
-                           "reserved until the process ends", referrers(pool, skip=(sys._getframe(),)))
+            self._held.append(pool)
+            logger.info("paddle_graphpp: a graph pool given back is still referenced (by %s): it is given back "
+                        "once nothing else holds it", referrers(pool, skip=(sys._getframe(),)))
             return
+        self._drop_anchor(pool)
+
+    def _drop_anchor(self, pool) -> None:
         anchor = self._anchors.pop(id(pool), None)
         if anchor is not None:
             anchor.reset()
+
+    def _release_held(self) -> None:
+        """Give back the held pools (:meth:`release_pool`) that nothing else holds any more."""
+        i = 0
+        while i < len(self._held):
+            if sys.getrefcount(self._held[i]) > 2:  # the list's, getrefcount's
+                if id(self._held[i]) not in self._held_named:
+                    self._held_named.add(id(self._held[i]))
+                    logger.warning("paddle_graphpp: a graph pool given back is still referenced (by %s): its "
+                                   "memory stays reserved until that lets go", referrers(self._held[i]))
+                i += 1
+                continue
+            self._drop_anchor(self._held[i])
+            self._held_named.discard(id(self._held[i]))
+            del self._held[i]  # the last reference: the pool's destructor frees its segments
 
     # memory
     def memory_stats(self, pools=None) -> dict:
@@ -159,6 +181,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         self._pool_lender().lend(pool, is_idle, on_leak)
 
     def release_cached_memory(self) -> None:
+        self._release_held()  # between captures (the callers'), where a pool may be destroyed
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -217,23 +240,76 @@ def _pool_id(pool):
 
 
 def referrers(obj, skip: tuple = ()) -> str:
-    """What refers to ``obj``, for a log line or a test's message: the containers the collector
-    knows (by type) and the frames of this thread's stack that hold it in a local (by function
-    and line; the collector does not see running frames); ``skip``: objects and frames not to
-    name (the asker's own)."""
+    """What refers to ``obj``, for a log line or a test's message: each holder the collector
+    knows, named (a frame not running, by function and line, e.g. one a traceback or a suspended
+    generator keeps; a closure cell by the functions that close over it; a container by what
+    holds it), the frames of this thread's stack that hold it in a local, and how many references
+    none of these explain (C++ holders, untracked containers); ``skip``: objects and frames not
+    to name (the asker's own)."""
     here = sys._getframe()
-    skipped = lambda r: r is here or any(r is s for s in skip)  # noqa: E731
-    names = [type(r).__qualname__ for r in gc.get_referrers(obj) if not skipped(r) and not _is_frame(r)]
-    frame = here.f_back
-    while frame is not None:
-        if not skipped(frame) and any(v is obj for v in frame.f_locals.values()):
-            names.append(f"frame {frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:"
-                         f"{frame.f_lineno})")
-        frame = frame.f_back
-    return ", ".join(names) or "nothing found"
+    mine = [here, *skip]
+    try:
+        found = [r for r in gc.get_referrers(obj) if not _among(r, mine)]
+        # getrefcount's argument and this frame's ``obj`` aside (counted before the stack's locals
+        # are read: reading them makes snapshots that refer to ``obj`` too)
+        unexplained = sys.getrefcount(obj) - 2 - len(found)
+        for s in skip:  # a loop, not a generator: one would close over ``obj`` (a cell referring to it)
+            unexplained -= _holds(s, obj)
+        names = [_holder(r, mine + [found]) for r in found]
+        frame, on_stack = here.f_back, 0
+        while frame is not None:
+            if not _among(frame, mine):
+                for value in frame.f_locals.values():
+                    if value is obj:
+                        names.append(f"running frame {_frame_name(frame)}")
+                        on_stack += 1
+                        break
+            frame = frame.f_back
+        unexplained -= on_stack
+        if unexplained > 0:
+            names.append(f"{unexplained} reference(s) from holders the collector does not see")
+        return ", ".join(names) or "nothing found"
+    finally:
+        # no cycle through this frame (it refers to itself and, by f_back, to its callers, whose
+        # locals were read): left to the collector, it would hold ``obj`` on
+        mine.clear()
+        del here, mine
 
 
-def _is_frame(obj) -> bool:
+def _among(obj, objs) -> bool:
+    return any(obj is o for o in objs)
+
+
+def _holds(container, obj) -> bool:
     import types
 
-    return isinstance(obj, types.FrameType)
+    if isinstance(container, types.FrameType):
+        container = container.f_locals
+    try:
+        return any(v is obj for v in (container.values() if isinstance(container, dict) else container))
+    except TypeError:
+        return False
+
+
+def _frame_name(frame) -> str:
+    return f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})"
+
+
+def _holder(ref, mine: list) -> str:
+    """``ref`` (a holder of something) named for a person: frames by function and line, cells
+    by the functions closing over them, containers by the types of what holds them."""
+    import types
+
+    if isinstance(ref, types.FrameType):
+        return f"frame {_frame_name(ref)} (not running: a traceback's or a suspended generator's)"
+    up = [r for r in gc.get_referrers(ref) if not _among(r, mine) and r is not sys._getframe()]
+    if isinstance(ref, types.CellType):
+        users = [f.__qualname__ for t in up if isinstance(t, tuple)
+                 for f in gc.get_referrers(t) if isinstance(f, types.FunctionType) and f.__closure__ is t]
+        users += [f"frame {_frame_name(r)}" for r in up if isinstance(r, types.FrameType)]
+        return f"cell of {', '.join(users) or 'a running frame, or of a closure no longer reachable'}"
+    if isinstance(ref, (list, dict, tuple, set)):
+        owners = [type(r).__qualname__ if not isinstance(r, types.FrameType) else f"frame {_frame_name(r)}"
+                  for r in up][:4]
+        return f"{type(ref).__qualname__} in {', '.join(owners) or 'a running frame, or nothing the collector sees'}"
+    return type(ref).__qualname__
