@@ -231,6 +231,10 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-trace", action="store_true",
                         help="a diagnosis: record every allocation and break each rank's memory peaks down "
                              "(slows the runs); writes memory-trace-<record>-<device>.json, not the benchmark record")
+    parser.add_argument("--name", default=None,
+                        help="the record's name without its device (default peer-megatron-pp<P>, "
+                             "peer-megatron-tp<T>pp<P>): a run under other settings (FLAGS_graphpp_*) must not "
+                             "replace the published record")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -248,7 +252,7 @@ def main(argv=None) -> int:
                 variants=variants, memory_trace=args.memory_trace)
     budget = args.budget if args.budget is not None else BUDGET_S[world]
     run_cap = RUN_CAP_S[world]
-    name = ("memory-trace-" if args.memory_trace else "") + record_name(args.tp, args.pp)
+    name = ("memory-trace-" if args.memory_trace else "") + (args.name or record_name(args.tp, args.pp))
     if args.dry_run:
         print(f"# budget {budget:.0f}s, {world} rank(s) per run (--tp {args.tp} x --pp {args.pp}), each run in its "
               f"own processes, at most {run_cap:.0f}s each")

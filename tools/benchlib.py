@@ -54,7 +54,15 @@ def environment() -> dict:
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:  # noqa: BLE001 - a CPU build has no NCCL
         env["nccl"] = None
+    env["settings"] = settings()
     return env
+
+
+def settings() -> dict:
+    """The environment variables that change what a run measures: the library's flags and the
+    CUDA allocator's configuration (a run under a non-default one says so in its record)."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("FLAGS_graphpp_") or k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
 
 
 def code_version() -> str:
