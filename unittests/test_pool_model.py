@@ -221,3 +221,18 @@ def test_expandable_model_gives_the_recorded_pool_of_a_run():
         assert got["run_mib"] == got["model_at_run_addresses_mib"] == got["expandable_mib"] == mib
     before = pool_model.compare(str(root / "zbv-mb4-block-rank0.json.gz"))
     assert before["run_mib"] == 5552.0 and before["expandable_mib"] == 4986.0
+
+
+def test_the_model_tells_which_layout_a_megatron_last_stage_pool_needs_less_of():
+    """Megatron-Core's GPT-3 1.3B, pp=2, seq 2048, its last stage (ours, expandable pool, 2 x
+    H200): the model gives the run's pool to 2 MiB and, from the same requests, 7880 MiB in
+    ordinary segments with the reserve as one block, less than expandable segments there (the
+    opposite of the zbv stages above). Measured afterwards with FLAGS_graphpp_pool_expandable=0
+    (benchmarks/results/peer-megatron-pp2-pool-segments-h200.json, rank 1's pool_reserved_bytes):
+    7880 MiB."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "tools" / "diagnostics" / "allocator-histories"
+    got = pool_model.compare(str(root / "megatron-pp2-seq2048-expandable-rank1.json.gz"))
+    assert got["run_mib"] == 8044.0 and abs(got["model_at_run_addresses_mib"] - 8044.0) <= 2
+    assert got["block_mib"] == 7880.0 < got["expandable_mib"]
