@@ -12,7 +12,8 @@
     python benchmarks/reproduce.py --baseline ../old --lanes 0:engine,engine@baseline,hf,hf@baseline
                                                 # a step and the same step of an older checkout
 
-Each step is one tool command from the repository root, run in its own process with
+Each step is one tool command from the repository root (settings written before it,
+``NAME=VALUE`` as in a shell, go into its environment), run in its own process with
 ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off). Its output goes to ``<log-dir>/<step>.log``; a
 failed step is reported and the others go on. Each tool writes its record to
 ``benchmarks/results/<name>-<device>.json``. With ``--budget`` the steps share that many seconds:
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -47,6 +49,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from tools import launch  # noqa: E402
 
+ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")  # a step's setting before its command
 STOP_GRACE_S = 30.0  # a multi-rank tool stops its ranks one by one, a few seconds each
 
 # (name, GPUs, command, the record it writes: <device> is this machine's)
@@ -84,10 +87,20 @@ STEPS = [
     ("peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4", "peer-megatron-pp4-<device>.json"),
     ("peer-megatron-tp2pp2", 4, "python tools/bench_peer_megatron.py --tp 2 --pp 2",
      "peer-megatron-tp2pp2-<device>.json"),
+    ("peer-megatron-pp2-pool-segments", 2, "FLAGS_graphpp_pool_expandable=0 python tools/bench_peer_megatron.py "
+     "--pp 2 --name peer-megatron-pp2-pool-segments", "peer-megatron-pp2-pool-segments-<device>.json"),
+    ("peer-megatron-pp4-pool-segments", 4, "FLAGS_graphpp_pool_expandable=0 python tools/bench_peer_megatron.py "
+     "--pp 4 --name peer-megatron-pp4-pool-segments", "peer-megatron-pp4-pool-segments-<device>.json"),
+    ("peer-megatron-tp2pp2-pool-segments", 4, "FLAGS_graphpp_pool_expandable=0 python tools/bench_peer_megatron.py "
+     "--tp 2 --pp 2 --name peer-megatron-tp2pp2-pool-segments", "peer-megatron-tp2pp2-pool-segments-<device>.json"),
+    ("profile-peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4 --seqs 512 --variants megatron,ours "
+     "--rounds 2 --profile --name profile-peer-megatron-pp4", "profile-peer-megatron-pp4-<device>.json"),
 ]
 BASELINE = "@baseline"  # a step's name with this suffix: the step, run from the --baseline checkout
 # Run only when named: they look for a fault or break memory down, they record no published figure.
-DIAGNOSTIC = {"gpu-suite-probe", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2"}
+DIAGNOSTIC = {"gpu-suite-probe", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2",
+              "peer-megatron-pp2-pool-segments", "peer-megatron-pp4-pool-segments",
+              "peer-megatron-tp2pp2-pool-segments", "profile-peer-megatron-pp4"}
 
 
 def selected(gpus: int, only: str | None) -> list:
@@ -152,8 +165,12 @@ class Runner:
         ``gpus``: the GPU ids (this process's numbering) it sees, all by default; ``checkout``:
         the code it runs (another one goes first on ``PYTHONPATH``)."""
         words = shlex.split(command)
+        settings = {}
+        while words and ASSIGNMENT.fullmatch(words[0]):  # NAME=VALUE before the command, as in a shell
+            key, value = words.pop(0).split("=", 1)
+            settings[key] = value
         argv = [sys.executable if words[0] == "python" else words[0], *words[1:]]
-        env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", **settings}
         if checkout != REPO:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(checkout), env.get("PYTHONPATH")) if p)
             version = checkout / "CODE_VERSION"

@@ -266,3 +266,15 @@ def test_a_sigterm_stops_the_running_steps_and_starts_no_more(tmp_path, lanes):
     assert not (marker / "a2").exists() and not (marker / "b2").exists()
     out = subprocess.run(["pgrep", "-f", str(marker)], capture_output=True, text=True)
     assert out.stdout.strip() == "", f"steps left running: {out.stdout}"
+
+
+def test_a_steps_settings_before_its_command_go_into_its_environment(tmp_path, monkeypatch):
+    reproduce = _reproduce_module()
+    monkeypatch.setattr(reproduce, "gpu_count", lambda: 1)
+    monkeypatch.setattr(reproduce, "STEPS", [
+        ("flagged", 1, "FLAGS_graphpp_pool_expandable=0 OTHER=a=b python -c \"import os; "
+                       "print('got', os.environ['FLAGS_graphpp_pool_expandable'], os.environ['OTHER'])\"",
+         "flagged-<device>.json")])
+    code = reproduce.main(["--only", "flagged", "--log-dir", str(tmp_path)])
+    assert code == 0
+    assert "got 0 a=b" in (tmp_path / "flagged.log").read_text()
