@@ -167,9 +167,9 @@ def headline(by_seq: dict, *, world: int = 1) -> dict:
     """Ours over Megatron's graphs: speed per sequence length; memory at the longest one. Ours
     over eager's peak memory per rank (``world`` entries, None where unmeasured): the peak of the
     whole run, capture steps included, the worst over the sequence lengths."""
-    def ratio(seq, key):
+    def ratio(seq, key, top="ours", bottom="megatron"):
         rows = by_seq.get(f"seq{seq}", {})
-        a, b = rows.get("ours", {}).get(key), rows.get("megatron", {}).get(key)
+        a, b = rows.get(top, {}).get(key), rows.get(bottom, {}).get(key)
         return round(a / b, 4) if a and b else None
 
     ran = [k for k, rows in by_seq.items()
@@ -186,7 +186,11 @@ def headline(by_seq: dict, *, world: int = 1) -> dict:
             "ours_vs_megatron_peak_mem": ratio(longest, "peak_reserved_mib"),
             "ours_vs_megatron_steady_mem": ratio(longest, "steady_reserved_mib"),
             "ours_peak_vs_eager_per_rank": per_rank,
-            "megatron_graphs_ran": bool(ran)}
+            "megatron_graphs_ran": bool(ran),
+            # the same eager run twice, minutes apart: how far runs move between them, which the
+            # rounds' spread inside one run does not show (a speed ratio nearer 1 than this is noise)
+            "eager_repeat_vs_eager_speed_seq512": ratio(512, "tokens_per_s", "eager_repeat", "eager"),
+            "eager_repeat_vs_eager_speed_seq2048": ratio(2048, "tokens_per_s", "eager_repeat", "eager")}
 
 
 def _run_peaks(row: dict, world: int) -> list:

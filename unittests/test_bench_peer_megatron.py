@@ -35,6 +35,15 @@ def test_headline_ratios_are_ours_over_megatron():
     assert h["ours_vs_megatron_speed_seq512"] == 1.5
     assert h["ours_vs_megatron_speed_seq2048"] is None and h["ours_vs_megatron_peak_mem"] is None
     assert h["megatron_graphs_ran"] is True
+    assert h["eager_repeat_vs_eager_speed_seq512"] is None  # no repeat ran
+
+
+def test_headline_says_how_far_the_same_eager_run_moved_between_two_runs():
+    rows = {"seq512": {"eager": {"tokens_per_s": 25100.0}, "eager_repeat": {"tokens_per_s": 17459.0}},
+            "seq2048": {"eager": {"tokens_per_s": 58466.0}, "eager_repeat": {"error": "x"}}}
+    h = bench_peer_megatron.headline(rows, world=4)
+    assert h["eager_repeat_vs_eager_speed_seq512"] == 0.6956
+    assert h["eager_repeat_vs_eager_speed_seq2048"] is None
 
 
 @pytest.mark.parametrize("argv, world, record, budget", [
