@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         code, note = run_logged(cmd, env, log, args.timeout)
         output = log.read_text(errors="replace") + note
         found = counts(junit) if junit.exists() else counts_from_output(output)
-    command = " ".join(["python -m pytest unittests/gpu", *args.pytest_args])
+    command = shlex.join(["python", "-m", "pytest", "unittests/gpu", *args.pytest_args])
     record = {"command": command + (" (allocator probe)" if args.probe else ""),
               "exit_code": code, "passed": found["passed"], "failed": found["failed"],
               "skipped": found["skipped"], "gpus": torch.cuda.device_count(),

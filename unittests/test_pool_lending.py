@@ -117,6 +117,7 @@ def test_the_lender_reports_what_it_did():
 
 def test_referrers_names_what_holds_an_object_frames_by_function():
     import ctypes
+    import sys
 
     from paddle_graphpp.torch.memory.capabilities import referrers
 
@@ -130,15 +131,21 @@ def test_referrers_names_what_holds_an_object_frames_by_function():
         return referrers(p)
 
     text = keeps(pool)
-    assert "dict" in text and "running frame keeps" in text and "test_referrers_names" in text
+    assert "dict in " in text
+    if sys.version_info >= (3, 13):  # running frames are read only where that leaves nothing in them
+        assert "running frame keeps" in text and "test_referrers_names" in text
+    else:  # the test's local and keeps' argument: counted, not read
+        assert "2 reference(s) not accounted for" in text
     plain, skipping = referrers(pool), referrers(pool, skip=(holder,))
-    assert "frame keeps" not in plain  # called from the test itself now: nothing left behind
-    assert len(skipping.split(", ")) == len(plain.split(", ")) - 1  # the holder is not named
+    assert "keeps" not in plain  # called from the test itself now: nothing left behind
+    assert "dict in " in plain and "dict in " not in skipping  # the skipped holder is not named
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool))  # a holder the collector cannot see
     try:
-        assert "1 reference(s) from holders the collector does not see" in referrers(pool)
+        extra = referrers(pool, skip=(holder,))
     finally:
         ctypes.pythonapi.Py_DecRef(ctypes.py_object(pool))
+    unseen = 1 if sys.version_info >= (3, 13) else 2  # and, before 3.13, the test's own local
+    assert f"{unseen} reference(s) not accounted for" in extra
 
 
 def test_referrers_names_closures_and_the_frames_of_a_kept_error():
@@ -181,17 +188,37 @@ def test_a_pool_given_back_while_held_elsewhere_goes_at_the_next_release_of_cach
     pool = Pool()
     gone = weakref.ref(pool)
     runtime._pools.append(pool)
-    error_on_its_way = [pool]  # a holder that lets go later (a failed capture's error, say)
+    error_on_its_way = {"pool": pool}  # a holder that lets go later (a failed capture's error, say)
     runtime.release_pool(pool)
     del pool
     assert gone() is not None and gone() not in runtime._pools  # kept aside, not destroyed under its holder
     with caplog.at_level(logging.WARNING, logger="paddle_graphpp"):
-        runtime.release_cached_memory()
-    assert gone() is not None and "still referenced (by list in" in caplog.text  # the holder, named once
-    caplog.clear()
+        runtime.release_cached_memory()  # the first: the failure may still be handled, no warning
+    assert gone() is not None and caplog.text == ""
     with caplog.at_level(logging.WARNING, logger="paddle_graphpp"):
         runtime.release_cached_memory()
-    assert caplog.text == ""
+        runtime.release_cached_memory()
+    assert gone() is not None
+    assert caplog.text.count("still referenced") == 1  # named once
+    assert "(by dict in" in caplog.text and "TorchRuntime" not in caplog.text  # the holder, not the runtime's list
     error_on_its_way.clear()
     runtime.release_cached_memory()
-    assert gone() is None  # given back once nothing else held it
+    assert gone() is None and not runtime._held  # given back once nothing else held it
+
+
+def test_a_pool_nobody_else_holds_goes_at_once():
+    import weakref
+
+    from paddle_graphpp.torch.runtime import TorchRuntime
+
+    class Pool:
+        pass
+
+    runtime = TorchRuntime()
+    pool = Pool()
+    gone = weakref.ref(pool)
+    runtime._pools.append(pool)
+    runtime.release_pool(pool)
+    assert not runtime._held and pool not in runtime._pools
+    del pool
+    assert gone() is None

@@ -31,7 +31,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         self._lender = None  # pool_lending.PoolLender, once a pool is lent
         self._pools: list = []  # every MemPool handed out (see new_pool)
         self._held: list = []  # pools given back that something else still held (see release_pool)
-        self._held_named: set = set()  # ids of held pools whose holders were logged
+        self._held_passes: dict = {}  # id(held pool) -> releases that found it still held
         self._anchors: dict = {}  # id(pool) -> its empty anchor graph (see new_pool)
         from .pool_lending import watch_optimizers
 
@@ -95,10 +95,10 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         if pool not in self._pools:
             return
         self._pools.remove(pool)
-        if sys.getrefcount(pool) > 3:  # this argument, getrefcount's, the caller's
+        if sys.getrefcount(pool) > _ALONE_IN_CALLEE:  # more than this argument and the caller's
             self._held.append(pool)
-            logger.info("paddle_graphpp: a graph pool given back is still referenced (by %s): it is given back "
-                        "once nothing else holds it", referrers(pool, skip=(sys._getframe(),)))
+            logger.info("paddle_graphpp: a graph pool given back is still referenced; it is given back at a later "
+                        "release of cached memory that finds nothing else holding it")
             return
         self._drop_anchor(pool)
 
@@ -108,18 +108,22 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
             anchor.reset()
 
     def _release_held(self) -> None:
-        """Give back the held pools (:meth:`release_pool`) that nothing else holds any more."""
+        """Give back the held pools (:meth:`release_pool`) that nothing else holds any more. The
+        first release after one was kept usually comes while the failure that gave it back is
+        still being handled; a pool still held at the second is named in a warning, once."""
         i = 0
         while i < len(self._held):
-            if sys.getrefcount(self._held[i]) > 2:  # the list's, getrefcount's
-                if id(self._held[i]) not in self._held_named:
-                    self._held_named.add(id(self._held[i]))
+            if sys.getrefcount(self._held[i]) > _ALONE_IN_LIST:
+                key = id(self._held[i])
+                self._held_passes[key] = self._held_passes.get(key, 0) + 1
+                if self._held_passes[key] == 2:
                     logger.warning("paddle_graphpp: a graph pool given back is still referenced (by %s): its "
-                                   "memory stays reserved until that lets go", referrers(self._held[i]))
+                                   "memory stays reserved until that lets go",
+                                   referrers(self._held[i], skip=(self._held,)))
                 i += 1
                 continue
+            self._held_passes.pop(id(self._held[i]), None)
             self._drop_anchor(self._held[i])
-            self._held_named.discard(id(self._held[i]))
             del self._held[i]  # the last reference: the pool's destructor frees its segments
 
     # memory
@@ -235,6 +239,29 @@ def _reserve_pool() -> Optional[str]:
                          f"bytes, the default), 'segments' (the segments its temporaries make) or 0 (none)") from None
 
 
+class _RefProbe:
+    def ask(self, obj) -> int:
+        return sys.getrefcount(obj)
+
+
+def _alone_in_callee() -> int:
+    """What ``sys.getrefcount`` reads in a method for an argument its caller holds in one local
+    and nobody else holds: the shape of :meth:`TorchMemory.release_pool`'s question (CPython
+    versions differ: 3.10 counts the caller's evaluation stack too, 3.14 may borrow references)."""
+    obj = _RefProbe()
+    return _RefProbe().ask(obj)
+
+
+def _alone_in_list() -> int:
+    """What ``sys.getrefcount(held[i])`` reads for an object only the list ``held`` holds."""
+    held = [_RefProbe()]
+    return sys.getrefcount(held[0])
+
+
+_ALONE_IN_CALLEE = _alone_in_callee()
+_ALONE_IN_LIST = _alone_in_list()
+
+
 def _pool_id(pool):
     return pool.id if isinstance(pool, torch.cuda.MemPool) else pool
 
@@ -243,37 +270,34 @@ def referrers(obj, skip: tuple = ()) -> str:
     """What refers to ``obj``, for a log line or a test's message: each holder the collector
     knows, named (a frame not running, by function and line, e.g. one a traceback or a suspended
     generator keeps; a closure cell by the functions that close over it; a container by what
-    holds it), the frames of this thread's stack that hold it in a local, and how many references
-    none of these explain (C++ holders, untracked containers); ``skip``: objects and frames not
-    to name (the asker's own)."""
-    here = sys._getframe()
+    holds it), on Python 3.13 and later the frames of this thread's stack that hold it in a local,
+    and how many references none of these account for (running frames' locals before 3.13, C++
+    holders, untracked containers); ``skip``: objects not to name (the asker's own). Reading a
+    running frame's locals before 3.13 would store a snapshot in the frame that holds ``obj`` for
+    as long as the frame runs: those are counted, not read."""
+    here, frame = sys._getframe(), None
     mine = [here, *skip]
     try:
         found = [r for r in gc.get_referrers(obj) if not _among(r, mine)]
-        # getrefcount's argument and this frame's ``obj`` aside (counted before the stack's locals
-        # are read: reading them makes snapshots that refer to ``obj`` too)
+        # getrefcount's argument and this frame's ``obj`` aside
         unexplained = sys.getrefcount(obj) - 2 - len(found)
         for s in skip:  # a loop, not a generator: one would close over ``obj`` (a cell referring to it)
             unexplained -= _holds(s, obj)
         names = [_holder(r, mine + [found]) for r in found]
-        frame, on_stack = here.f_back, 0
+        frame = here.f_back if sys.version_info >= (3, 13) else None  # 3.13: f_locals is a view
         while frame is not None:
-            if not _among(frame, mine):
-                for value in frame.f_locals.values():
-                    if value is obj:
-                        names.append(f"running frame {_frame_name(frame)}")
-                        on_stack += 1
-                        break
+            if _holds(frame, obj):
+                names.append(f"running frame {_frame_name(frame)}")
+                unexplained -= 1
             frame = frame.f_back
-        unexplained -= on_stack
         if unexplained > 0:
-            names.append(f"{unexplained} reference(s) from holders the collector does not see")
+            names.append(f"{unexplained} reference(s) not accounted for (running frames' locals, C++ holders)")
         return ", ".join(names) or "nothing found"
     finally:
-        # no cycle through this frame (it refers to itself and, by f_back, to its callers, whose
-        # locals were read): left to the collector, it would hold ``obj`` on
+        # no cycle through this frame (it refers to itself and, by f_back, to its callers): left
+        # to the collector, it would hold ``obj`` on
         mine.clear()
-        del here, mine
+        del here, mine, frame
 
 
 def _among(obj, objs) -> bool:
@@ -281,12 +305,16 @@ def _among(obj, objs) -> bool:
 
 
 def _holds(container, obj) -> bool:
+    """Whether ``container`` (a sequence, a mapping, or on 3.13 and later a frame) refers to ``obj``."""
     import types
 
     if isinstance(container, types.FrameType):
+        if sys.version_info < (3, 13):
+            return False  # reading it would snapshot its locals into the frame (see referrers)
         container = container.f_locals
     try:
-        return any(v is obj for v in (container.values() if isinstance(container, dict) else container))
+        values = container.values() if hasattr(container, "values") else container
+        return any(v is obj for v in values)
     except TypeError:
         return False
 
@@ -302,7 +330,7 @@ def _holder(ref, mine: list) -> str:
 
     if isinstance(ref, types.FrameType):
         return f"frame {_frame_name(ref)} (not running: a traceback's or a suspended generator's)"
-    up = [r for r in gc.get_referrers(ref) if not _among(r, mine) and r is not sys._getframe()]
+    up = [r for r in gc.get_referrers(ref) if not _among(r, mine)]
     if isinstance(ref, types.CellType):
         users = [f.__qualname__ for t in up if isinstance(t, tuple)
                  for f in gc.get_referrers(t) if isinstance(f, types.FunctionType) and f.__closure__ is t]
