@@ -91,7 +91,7 @@ def test_dead_rank_makes_the_others_exit(tmp_path):
 def test_bad_interleave_config_fails_on_every_rank_before_communicating(tmp_path):
     # 4 micro-batches < 2 * pp: upstream would assert only inside distributed_model.
     rc, seconds, logs, results = launch(
-        4, ["--pp", "4", "--vpp", "2", "--blocks", "8", "--micro-batches", "4"], tmp_path, timeout=120)
+        4, ["--pp", "4", "--vpp", "2", "--blocks", "8", "--micro-batches", "4"], tmp_path, timeout=240)
     assert rc not in (0, None), logs[-6000:]
     assert "raise strategy.pipeline_configs['accumulate_steps'] to 8 or more" in logs
     assert "TIMEOUT" not in logs
