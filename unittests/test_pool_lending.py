@@ -181,8 +181,9 @@ def test_referrers_names_closures_and_the_frames_of_a_kept_error():
     assert "frame raises" in held and "not running" in held
 
 
-def test_a_pool_given_back_while_held_elsewhere_goes_at_the_next_release_of_cached_memory(caplog):
-    import logging
+def _runtime_with_a_pool():
+    """A torch runtime that handed out one pool (a stand-in object: release_pool's bookkeeping
+    only), the pool and a weak reference that tells when it is gone."""
     import weakref
 
     from paddle_graphpp.torch.runtime import TorchRuntime
@@ -190,10 +191,15 @@ def test_a_pool_given_back_while_held_elsewhere_goes_at_the_next_release_of_cach
     class Pool:
         pass
 
-    runtime = TorchRuntime()
-    pool = Pool()
-    gone = weakref.ref(pool)
+    runtime, pool = TorchRuntime(), Pool()
     runtime._pools.append(pool)
+    return runtime, pool, weakref.ref(pool)
+
+
+def test_a_pool_given_back_while_held_elsewhere_goes_at_the_next_release_of_cached_memory(caplog):
+    import logging
+
+    runtime, pool, gone = _runtime_with_a_pool()
     error_on_its_way = {"pool": pool}  # a holder that lets go later (a failed capture's error, say)
     runtime.release_pool(pool)
     del pool
@@ -213,17 +219,7 @@ def test_a_pool_given_back_while_held_elsewhere_goes_at_the_next_release_of_cach
 
 
 def test_a_pool_nobody_else_holds_goes_at_once():
-    import weakref
-
-    from paddle_graphpp.torch.runtime import TorchRuntime
-
-    class Pool:
-        pass
-
-    runtime = TorchRuntime()
-    pool = Pool()
-    gone = weakref.ref(pool)
-    runtime._pools.append(pool)
+    runtime, pool, gone = _runtime_with_a_pool()
     runtime.release_pool(pool)
     assert not runtime._held and pool not in runtime._pools
     del pool
