@@ -387,7 +387,9 @@ class PoolLending(abc.ABC):
     @abc.abstractmethod
     def release_pool(self, pool: Any) -> None:
         """``pool`` holds no graph and never will (every capture into it failed): give its
-        memory back to the driver now. Called between captures, never inside one."""
+        memory back to the driver, at the latest at the next :meth:`release_cached_memory`,
+        which the core calls right after (once the caller dropped its own reference). Called
+        between captures, never inside one."""
 
     def end_borrowed_work(self) -> None:
         """Borrowed work that raised (an optimizer step) may have left its allocations routed

@@ -86,21 +86,19 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         return pool
 
     def release_pool(self, pool) -> None:
-        # Dropping the runtime's references lets the caller's be the last: the pool's destructor
-        # then gives its reference on the allocator's pool back and frees its cached segments,
-        # between captures. A pool someone else still holds (a failed capture's error on its way
-        # up, say) would be destroyed whenever that holder lets go, maybe inside a later capture,
-        # where the destructor trips the allocator's assertion: it is kept, and given back at the
-        # next release_cached_memory (between captures) that finds nothing else holding it.
+        # The pool leaves the runtime's pools for the held ones; the next release_cached_memory
+        # (between captures; the core calls it right after giving a pool back) drops the last
+        # reference once nothing else holds the pool: its destructor then gives its reference on
+        # the allocator's pool back and frees its cached segments. A pool someone else still
+        # holds (a failed capture's error on its way up, say) would be destroyed whenever that
+        # holder lets go, maybe inside a later capture, where the destructor trips the allocator's
+        # assertion: it waits for a later release. (Asked inside this method, the reference count
+        # would count more than the caller's reference once torch.compile has run in the process:
+        # dynamo's frame evaluation holds the arguments of each running call.)
         if pool not in self._pools:
             return
         self._pools.remove(pool)
-        if sys.getrefcount(pool) > _ALONE_IN_CALLEE:  # more than this argument and the caller's
-            self._held.append(pool)
-            logger.info("paddle_graphpp: a graph pool given back is still referenced; it is given back at a later "
-                        "release of cached memory that finds nothing else holding it")
-            return
-        self._drop_anchor(pool)
+        self._held.append(pool)
 
     def _drop_anchor(self, pool) -> None:
         anchor = self._anchors.pop(id(pool), None)
@@ -109,14 +107,15 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
 
     def _release_held(self) -> None:
         """Give back the held pools (:meth:`release_pool`) that nothing else holds any more. The
-        first release after one was kept usually comes while the failure that gave it back is
-        still being handled; a pool still held at the second is named in a warning, once."""
+        first two releases after a failed capture gave one back come while the failure is still
+        being handled (its error may hold the pool); a pool still held at a third is named in a
+        warning, once."""
         i = 0
         while i < len(self._held):
             if sys.getrefcount(self._held[i]) > _ALONE_IN_LIST:
                 key = id(self._held[i])
                 self._held_passes[key] = self._held_passes.get(key, 0) + 1
-                if self._held_passes[key] == 2:
+                if self._held_passes[key] == 3:
                     logger.warning("paddle_graphpp: a graph pool given back is still referenced (by %s): its "
                                    "memory stays reserved until that lets go",
                                    referrers(self._held[i], skip=(self._held,)))
@@ -239,26 +238,17 @@ def _reserve_pool() -> Optional[str]:
                          f"bytes, the default), 'segments' (the segments its temporaries make) or 0 (none)") from None
 
 
-class _RefProbe:
-    def ask(self, obj) -> int:
-        return sys.getrefcount(obj)
-
-
-def _alone_in_callee() -> int:
-    """What ``sys.getrefcount`` reads in a method for an argument its caller holds in one local
-    and nobody else holds: the shape of :meth:`TorchMemory.release_pool`'s question (CPython
-    versions differ: 3.10 counts the caller's evaluation stack too, 3.14 may borrow references)."""
-    obj = _RefProbe()
-    return _RefProbe().ask(obj)
+class _Probe:
+    pass
 
 
 def _alone_in_list() -> int:
-    """What ``sys.getrefcount(held[i])`` reads for an object only the list ``held`` holds."""
-    held = [_RefProbe()]
+    """What ``sys.getrefcount(held[i])`` reads for an object only the list ``held`` holds (CPython
+    versions may differ: 3.14 borrows more references)."""
+    held = [_Probe()]
     return sys.getrefcount(held[0])
 
 
-_ALONE_IN_CALLEE = _alone_in_callee()
 _ALONE_IN_LIST = _alone_in_list()
 
 
