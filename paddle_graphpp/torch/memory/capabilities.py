@@ -30,7 +30,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         super().__init__()
         self._lender = None  # pool_lending.PoolLender, once a pool is lent
         self._pools: list = []  # every MemPool handed out (see new_pool)
-        self._held: list = []  # pools given back that something else still held (see release_pool)
+        self._held: list = []  # pools given back, until a release finds nothing else holds them (release_pool)
         self._held_passes: dict = {}  # id(held pool) -> releases that found it still held
         self._anchors: dict = {}  # id(pool) -> its empty anchor graph (see new_pool)
         from .pool_lending import watch_optimizers
