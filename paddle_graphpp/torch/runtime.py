@@ -24,7 +24,7 @@ from . import autograd as _autograd
 from . import compile as _compile
 from .memory import pool_segments as _pool_segments
 from .collectives.watch import TorchReplayEvents, noting_collectives
-from .graphs import capturing, empty_capture, gc_paused
+from .graphs import capturing, empty_capture
 from .memory.capabilities import TorchMemory, _pool_id
 
 __all__ = ["TorchRuntime", "RUNTIME", "active_runtime"]
@@ -172,7 +172,7 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         for gen in _registered_generators(generators):
             graph.register_generator_state(gen)
         # compiled code runs only what it compiled in the warmup (see .compile)
-        with gc_paused(), torch.cuda.stream(stream), _pool_segments.pool_allocations(), \
+        with torch.cuda.stream(stream), _pool_segments.pool_allocations(), \
                 _compile.no_compile_in_capture(), noting_collectives():
             try:
                 with capturing(graph, _pool_id(pool)):

@@ -100,11 +100,6 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         self._pools.remove(pool)
         self._held.append(pool)
 
-    def _drop_anchor(self, pool) -> None:
-        anchor = self._anchors.pop(id(pool), None)
-        if anchor is not None:
-            anchor.reset()
-
     def _release_held(self) -> None:
         """Give back the held pools (:meth:`release_pool`) that nothing else holds any more. The
         first two releases after a failed capture gave one back come while the failure is still
@@ -122,7 +117,9 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
                 i += 1
                 continue
             self._held_passes.pop(id(self._held[i]), None)
-            self._drop_anchor(self._held[i])
+            anchor = self._anchors.pop(id(self._held[i]), None)
+            if anchor is not None:
+                anchor.reset()
             del self._held[i]  # the last reference: the pool's destructor frees its segments
 
     # memory
