@@ -87,20 +87,13 @@ STEPS = [
     ("peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4", "peer-megatron-pp4-<device>.json"),
     ("peer-megatron-tp2pp2", 4, "python tools/bench_peer_megatron.py --tp 2 --pp 2",
      "peer-megatron-tp2pp2-<device>.json"),
-    ("peer-megatron-pp2-segments", 2, "FLAGS_graphpp_pool_expandable=0 python tools/bench_peer_megatron.py "
-     "--pp 2 --name peer-megatron-pp2-segments", "peer-megatron-pp2-segments-<device>.json"),
-    ("peer-megatron-pp4-segments", 4, "FLAGS_graphpp_pool_expandable=0 python tools/bench_peer_megatron.py "
-     "--pp 4 --name peer-megatron-pp4-segments", "peer-megatron-pp4-segments-<device>.json"),
-    ("peer-megatron-tp2pp2-segments", 4, "FLAGS_graphpp_pool_expandable=0 python tools/bench_peer_megatron.py "
-     "--tp 2 --pp 2 --name peer-megatron-tp2pp2-segments", "peer-megatron-tp2pp2-segments-<device>.json"),
     ("profile-peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4 --seqs 512 --variants megatron,ours "
      "--rounds 2 --profile --name profile-peer-megatron-pp4", "profile-peer-megatron-pp4-<device>.json"),
 ]
 BASELINE = "@baseline"  # a step's name with this suffix: the step, run from the --baseline checkout
 # Run only when named: they look for a fault or break memory down, they record no published figure.
 DIAGNOSTIC = {"gpu-suite-probe", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2",
-              "peer-megatron-pp2-segments", "peer-megatron-pp4-segments",
-              "peer-megatron-tp2pp2-segments", "profile-peer-megatron-pp4"}
+              "profile-peer-megatron-pp4"}
 
 
 def selected(gpus: int, only: str | None) -> list:

@@ -22,7 +22,14 @@ Variants, each in its own processes
 * ``megatron``: its local graphs (``cuda_graph_impl="local"``, ``cuda_graph_warmup_steps`` 3,
   graph-safe RNG tracker, Megatron's DDP for ``main_grad``; graphs are recorded in the first
   step and captured by ``create_cudagraphs()`` at the end of Megatron's schedule);
-* ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule`` (defaults).
+* ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule`` (defaults);
+* ``ours_segments``: the same under ``FLAGS_graphpp_pool_expandable=0`` (graph pools of
+  ordinary segments, the setting docs/memory.md gives Megatron-style last stages).
+
+Megatron's graphs and ours run ``--repeats`` times (2) per sequence length in alternating order
+(megatron, ours, ours_segments, ours, megatron): their figures pool the runs' rounds, so that
+a machine that drifts between runs (it does: the same eager run has read 0.70x its first run a
+few minutes later) moves both alike.
 
 Per variant and rank: tokens/s (median of timed rounds after the capture steps, with the
 spread), peak reserved memory over the capture steps and the steady peak after them, losses
@@ -40,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -52,11 +60,17 @@ WORKER = os.path.join(REPO, "tools", "peer_megatron_worker.py")
 SEQS = (512, 2048)
 CPU_SEQ = 32
 MAIN = ("eager", "megatron", "ours")
+# A variant that runs a worker variant under settings: ours with graph pools of ordinary
+# segments (docs/memory.md: where a last stage needs less memory that way).
+VARIANT_SETTINGS = {"ours_segments": ("ours", {"FLAGS_graphpp_pool_expandable": "0"})}
+VARIANTS = (*MAIN, "ours_segments", "eager_repeat")
+DEFAULT_VARIANTS = VARIANTS
 TP_CHOICES = (1, 2)
 PP_CHOICES = (1, 2, 4)
-# By ranks per run (tp * pp). At 4 ranks the six main runs need about 60 s each (start, build,
-# capture, timed rounds); the budget keeps the whole benchmark within a 10-minute GPU session.
-BUDGET_S = {1: 360.0, 2: 480.0, 4: 540.0, 8: 540.0}
+# By ranks per run (tp * pp). A run needs 20-35 s on H100/H200 (start, build, capture, timed
+# rounds), 14 runs in all; the budget keeps the whole benchmark within a 10-minute GPU session
+# and drops the eager repeats first.
+BUDGET_S = {1: 480.0, 2: 540.0, 4: 560.0, 8: 560.0}
 RUN_CAP_S = {1: 170.0, 2: 170.0, 4: 200.0, 8: 200.0}  # one variant's processes: start, build, capture, rounds
 MIN_RUN_S = 40.0  # below this much budget left, a run is skipped
 
@@ -67,38 +81,51 @@ def record_name(tp: int, pp: int) -> str:
 
 
 def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1,
-         variants=(*MAIN, "eager_repeat"), memory_trace: bool = False) -> list[dict]:
-    """The runs in order: every sequence length's main variants first, then the eager repeats
-    (a budget that runs out drops those first). Profiling rides on the shortest sequence's
-    graphed runs."""
+         variants=DEFAULT_VARIANTS, memory_trace: bool = False, repeats: int = 2) -> list[dict]:
+    """The runs in order: per sequence length eager, then Megatron's graphs and ours
+    ``repeats`` times each in alternating order (megatron, ours, ours_segments, then ours,
+    megatron, ...: a drift of the machine between runs moves both alike), then, after every
+    length, the eager repeats (a budget that runs out drops those first). Profiling rides on
+    the shortest sequence's first Megatron and ours runs."""
     runs = []
+    repeats = 1 if memory_trace else max(1, repeats)
     for seq in seqs:
-        for variant in MAIN:
-            if variant in variants:
-                prof = profile and seq == min(seqs) and variant in ("megatron", "ours")
-                runs.append(_run(variant, seq, tp, pp, rounds, prof, device, memory_trace))
+        order = ["eager"] if "eager" in variants else []
+        for k in range(repeats):
+            pair = ["megatron", "ours"] if k % 2 == 0 else ["ours", "megatron"]
+            order += [v for v in pair if v in variants]
+            if k == 0 and "ours_segments" in variants:
+                order.append("ours_segments")
+        seen: dict = {}
+        for variant in order:
+            seen[variant] = seen.get(variant, 0) + 1
+            prof = profile and seq == min(seqs) and variant in ("megatron", "ours") and seen[variant] == 1
+            runs.append(_run(variant, seq, tp, pp, rounds, prof, device, memory_trace, seen[variant]))
     for seq in seqs:
         if "eager_repeat" in variants:
             runs.append(_run("eager_repeat", seq, tp, pp, rounds, False, device, memory_trace))
     return runs
 
 
-def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False) -> dict:
-    args = ["--variant", variant, "--seq", str(seq), "--tp", str(tp), "--pp", str(pp), "--rounds", str(rounds)]
+def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False, repeat=1) -> dict:
+    worker_variant, env = VARIANT_SETTINGS.get(variant, (variant, {}))
+    args = ["--variant", worker_variant, "--seq", str(seq), "--tp", str(tp), "--pp", str(pp), "--rounds", str(rounds)]
     args += ["--profile"] if profile else []
     args += ["--memory-trace"] if memory_trace else []
     args += ["--device", "cpu"] if device == "cpu" else []
-    return {"label": f"{variant}@seq{seq}", "variant": variant, "seq": seq, "args": args}
+    label = f"{variant}@seq{seq}" + (f"#{repeat}" if repeat > 1 else "")
+    return {"label": label, "variant": variant, "seq": seq, "args": args, "env": env}
 
 
 def run_variant(run: dict, world: int, timeout: float) -> dict:
     """One variant on ``world`` (tp * pp) ranks; per-rank records (the worker's JSON line, or the failure)."""
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", **run.get("env", {}))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
     cmd = [sys.executable, WORKER, *run["args"]]
     ends = launch.run_ranks([cmd] * world, envs=launch.rank_envs(world, base=env), cwd=REPO, timeout=timeout)
-    record = {"command": "python tools/peer_megatron_worker.py " + " ".join(run["args"]),
+    settings = [f"{k}={v}" for k, v in run.get("env", {}).items()]
+    record = {"command": " ".join([*settings, "python tools/peer_megatron_worker.py", *run["args"]]),
               "seconds": round(max(e.seconds for e in ends), 1), "per_rank": []}
     for rank, end in enumerate(ends):
         out = benchlib.last_json_line(end.stdout) or {}
@@ -116,39 +143,63 @@ def run_variant(run: dict, world: int, timeout: float) -> dict:
 
 
 def summarize(records: dict, seqs) -> dict:
-    """Per sequence length and variant: speed, memory per rank, losses against eager's."""
+    """Per sequence length and variant: speed, memory per rank, losses against eager's. A
+    variant run more than once (``--repeats``) pools its runs' timed rounds (the median and
+    spread over all of them; ``tokens_per_s_runs``: each run's median) and keeps each rank's
+    highest peak."""
     out = {}
     for seq in seqs:
-        eager = records.get(f"eager@seq{seq}", {})
-        eager_losses = _losses(eager)
+        runs_of = _runs_by_variant(records, seq)
+        eager_losses = _losses(runs_of.get("eager", [{}])[0])
         rows = {}
-        for variant in (*MAIN, "eager_repeat"):
-            rec = records.get(f"{variant}@seq{seq}")
-            if rec is None:
+        for variant in VARIANTS:
+            recs = runs_of.get(variant)
+            if not recs:
                 continue
-            if "error" in rec:
-                rows[variant] = {"error": rec["error"]}
+            failed = [r for r in recs if "error" in r]
+            if failed:
+                rows[variant] = {"error": failed[0]["error"]}
                 continue
-            ranks = rec["per_rank"]
-            timing = ranks[-1]  # a rank of the last stage: every rank times the same steps
-            row = {
-                "tokens_per_s": timing["tokens_per_s"], "tokens_per_s_rounds": timing["tokens_per_s_rounds"],
-                "tokens_per_s_spread": timing["tokens_per_s_spread"],
-                "peak_reserved_mib_per_rank": [r.get("peak_reserved_mib") for r in ranks],
-                "steady_reserved_mib_per_rank": [r.get("steady_reserved_mib") for r in ranks],
-                "peak_reserved_mib": _max(r.get("peak_reserved_mib") for r in ranks),
-                "steady_reserved_mib": _max(r.get("steady_reserved_mib") for r in ranks),
-                "capture_phase_s": timing["capture_phase_s"],
-            }
-            for key in ("graphs", "capture_s", "runners", "replays"):
-                if key in ranks[0]:
-                    row[key + "_per_rank"] = [r.get(key) for r in ranks]
-            losses = _losses(rec)
-            if losses and eager_losses and variant != "eager":
-                row["max_abs_loss_diff_vs_eager"] = max(abs(a - b) for a, b in zip(losses, eager_losses))
-            rows[variant] = row
+            rows[variant] = _row(variant, recs, eager_losses)
         out[f"seq{seq}"] = rows
     return out
+
+
+def _runs_by_variant(records: dict, seq) -> dict:
+    """``{variant: [record, ...]}`` of one sequence length, in run order (labels
+    ``<variant>@seq<seq>`` and ``<variant>@seq<seq>#<k>``)."""
+    out: dict = {}
+    for label, rec in records.items():
+        variant, _, rest = label.partition("@seq")
+        if rest.split("#")[0] == str(seq):
+            out.setdefault(variant, []).append(rec)
+    return out
+
+
+def _row(variant: str, recs: list, eager_losses) -> dict:
+    timings = [rec["per_rank"][-1] for rec in recs]  # a rank of the last stage: every rank times the same steps
+    rounds = [t for timing in timings for t in timing["tokens_per_s_rounds"]]
+    world = len(recs[0]["per_rank"])
+    per_rank = lambda key: [_max(rec["per_rank"][i].get(key) for rec in recs) for i in range(world)]  # noqa: E731
+    ranks = recs[0]["per_rank"]
+    row = {
+        "tokens_per_s": statistics.median(rounds), "tokens_per_s_rounds": rounds,
+        "tokens_per_s_spread": max(rounds) / min(rounds),
+        "peak_reserved_mib_per_rank": per_rank("peak_reserved_mib"),
+        "steady_reserved_mib_per_rank": per_rank("steady_reserved_mib"),
+        "capture_phase_s": timings[0]["capture_phase_s"],
+    }
+    row["peak_reserved_mib"] = _max(row["peak_reserved_mib_per_rank"])
+    row["steady_reserved_mib"] = _max(row["steady_reserved_mib_per_rank"])
+    if len(recs) > 1:
+        row["tokens_per_s_runs"] = [t["tokens_per_s"] for t in timings]
+    for key in ("graphs", "capture_s", "runners", "replays"):
+        if key in ranks[0]:
+            row[key + "_per_rank"] = [r.get(key) for r in ranks]
+    losses = [_losses(rec) for rec in recs]
+    if losses[0] and eager_losses and variant != "eager":
+        row["max_abs_loss_diff_vs_eager"] = max(abs(a - b) for run in losses if run for a, b in zip(run, eager_losses))
+    return row
 
 
 def _losses(rec: dict):
@@ -166,7 +217,8 @@ def _max(values):
 def headline(by_seq: dict, *, world: int = 1) -> dict:
     """Ours over Megatron's graphs: speed per sequence length; memory at the longest one. Ours
     over eager's peak memory per rank (``world`` entries, None where unmeasured): the peak of the
-    whole run, capture steps included, the worst over the sequence lengths."""
+    whole run, capture steps included, the worst over the sequence lengths. The same for
+    ``ours_segments`` (ours under ``FLAGS_graphpp_pool_expandable=0``) where it ran."""
     def ratio(seq, key, top="ours", bottom="megatron"):
         rows = by_seq.get(f"seq{seq}", {})
         a, b = rows.get(top, {}).get(key), rows.get(bottom, {}).get(key)
@@ -175,22 +227,32 @@ def headline(by_seq: dict, *, world: int = 1) -> dict:
     ran = [k for k, rows in by_seq.items()
            if "tokens_per_s" in rows.get("megatron", {}) and sum(rows["megatron"].get("graphs_per_rank") or [0]) > 0]
     longest = max(SEQS)
-    per_rank = [None] * world  # per rank, the worst ratio over the sequence lengths
+    out = {}
+    for ours in ("ours", "ours_segments"):
+        if ours != "ours" and not any(ours in rows for rows in by_seq.values()):
+            continue
+        out.update({f"{ours}_vs_megatron_speed_seq512": ratio(512, "tokens_per_s", ours),
+                    f"{ours}_vs_megatron_speed_seq2048": ratio(2048, "tokens_per_s", ours),
+                    f"{ours}_vs_megatron_peak_mem": ratio(longest, "peak_reserved_mib", ours),
+                    f"{ours}_vs_megatron_steady_mem": ratio(longest, "steady_reserved_mib", ours),
+                    f"{ours}_peak_vs_eager_per_rank": _per_rank_vs_eager(by_seq, ours, world)})
+    out["megatron_graphs_ran"] = bool(ran)
+    # the same eager run twice, minutes apart: how far runs move between them, which the
+    # rounds' spread inside one run does not show (a speed ratio nearer 1 than this is noise)
+    out["eager_repeat_vs_eager_speed_seq512"] = ratio(512, "tokens_per_s", "eager_repeat", "eager")
+    out["eager_repeat_vs_eager_speed_seq2048"] = ratio(2048, "tokens_per_s", "eager_repeat", "eager")
+    return out
+
+
+def _per_rank_vs_eager(by_seq: dict, variant: str, world: int) -> list:
+    """Per rank, ``variant``'s whole-run peak over eager's, the worst over the sequence lengths."""
+    per_rank = [None] * world
     for rows in by_seq.values():
-        ours, eager = _run_peaks(rows.get("ours", {}), world), _run_peaks(rows.get("eager", {}), world)
+        ours, eager = _run_peaks(rows.get(variant, {}), world), _run_peaks(rows.get("eager", {}), world)
         for i, (a, b) in enumerate(zip(ours, eager)):
             if a and b:
                 per_rank[i] = max(per_rank[i] or 0.0, round(a / b, 4))
-    return {"ours_vs_megatron_speed_seq512": ratio(512, "tokens_per_s"),
-            "ours_vs_megatron_speed_seq2048": ratio(2048, "tokens_per_s"),
-            "ours_vs_megatron_peak_mem": ratio(longest, "peak_reserved_mib"),
-            "ours_vs_megatron_steady_mem": ratio(longest, "steady_reserved_mib"),
-            "ours_peak_vs_eager_per_rank": per_rank,
-            "megatron_graphs_ran": bool(ran),
-            # the same eager run twice, minutes apart: how far runs move between them, which the
-            # rounds' spread inside one run does not show (a speed ratio nearer 1 than this is noise)
-            "eager_repeat_vs_eager_speed_seq512": ratio(512, "tokens_per_s", "eager_repeat", "eager"),
-            "eager_repeat_vs_eager_speed_seq2048": ratio(2048, "tokens_per_s", "eager_repeat", "eager")}
+    return per_rank
 
 
 def _run_peaks(row: dict, world: int) -> list:
@@ -230,8 +292,10 @@ def main(argv=None) -> int:
                         help="seconds for all runs (default 360 on 1 GPU, 480 on 2, 540 on 4)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one steady step of Megatron's graphs and ours at the shortest sequence")
-    parser.add_argument("--variants", default=",".join((*MAIN, "eager_repeat")),
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help="comma-separated variants to run (default: all)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of Megatron's graphs and of ours per length, in alternating order (default 2)")
     parser.add_argument("--memory-trace", action="store_true",
                         help="a diagnosis: record every allocation and break each rank's memory peaks down "
                              "(slows the runs); writes memory-trace-<record>-<device>.json, not the benchmark record")
@@ -245,15 +309,17 @@ def main(argv=None) -> int:
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (a spread needs two rounds)")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    unknown = [v for v in variants if v not in (*MAIN, "eager_repeat")]
+    unknown = [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
-        parser.error(f"--variants {args.variants!r}: choose among {', '.join((*MAIN, 'eager_repeat'))}")
+        parser.error(f"--variants {args.variants!r}: choose among {', '.join(VARIANTS)}")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if args.memory_trace and args.device != "cuda":
         parser.error("--memory-trace records the CUDA allocator: it needs a GPU")
     world = args.tp * args.pp
     seqs = (CPU_SEQ,) if args.device == "cpu" else tuple(int(s) for s in args.seqs.split(",") if s)
     runs = plan(args.pp, seqs, rounds=args.rounds, profile=args.profile, device=args.device, tp=args.tp,
-                variants=variants, memory_trace=args.memory_trace)
+                variants=variants, memory_trace=args.memory_trace, repeats=args.repeats)
     budget = args.budget if args.budget is not None else BUDGET_S[world]
     run_cap = RUN_CAP_S[world]
     name = ("memory-trace-" if args.memory_trace else "") + (args.name or record_name(args.tp, args.pp))
@@ -262,7 +328,8 @@ def main(argv=None) -> int:
               f"own processes, at most {run_cap:.0f}s each")
         print(f"# writes benchmarks/results/{name}-<device>.json")
         for r in runs:
-            print(r["label"], "python tools/peer_megatron_worker.py", *r["args"])
+            print(r["label"], *[f"{k}={v}" for k, v in r["env"].items()], "python tools/peer_megatron_worker.py",
+                  *r["args"])
         return 0
     if args.device == "cuda":
         import torch
@@ -291,7 +358,7 @@ def main(argv=None) -> int:
                "tp": args.tp, "pp": args.pp, "world_size": world, "seqs": list(seqs), "budget_s": budget,
                "summary": summary, "by_config": by_seq, "runs": records}
     if args.device == "cpu":  # a check of the scripts: no result file
-        print(json.dumps(payload)[:20000])
+        print(json.dumps(payload))
     else:
         path = benchlib.write_result(name, payload)
         print(f"wrote {path}")

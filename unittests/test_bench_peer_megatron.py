@@ -19,12 +19,36 @@ def test_dry_run_lists_every_variant_and_length(capsys):
     assert bench_peer_megatron.main(["--pp", "1", "--profile", "--dry-run"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if not l.startswith("#")]
     labels = [l.split()[0] for l in lines]
-    assert labels[:6] == ["eager@seq512", "megatron@seq512", "ours@seq512",
-                          "eager@seq2048", "megatron@seq2048", "ours@seq2048"]
-    assert labels[6:] == ["eager_repeat@seq512", "eager_repeat@seq2048"]  # dropped first when time runs out
+    per_seq = ["eager", "megatron", "ours", "ours_segments", "ours", "megatron"]  # the peer and ours alternate
+    assert labels[:12] == ([f"{v}@seq512" for v in per_seq[:4]] + ["ours@seq512#2", "megatron@seq512#2"]
+                           + [f"{v}@seq2048" for v in per_seq[:4]] + ["ours@seq2048#2", "megatron@seq2048#2"])
+    assert labels[12:] == ["eager_repeat@seq512", "eager_repeat@seq2048"]  # dropped first when time runs out
     profiled = [l.split()[0] for l in lines if "--profile" in l]
-    assert profiled == ["megatron@seq512", "ours@seq512"]
+    assert profiled == ["megatron@seq512", "ours@seq512"]  # the first run of each only
     assert all("--pp 1" in l for l in lines)
+    segments = [l for l in lines if l.startswith("ours_segments@")]
+    assert segments and all("FLAGS_graphpp_pool_expandable=0 python" in l and "--variant ours " in l for l in segments)
+
+
+def test_repeated_runs_pool_their_rounds_and_keep_each_ranks_highest_peak():
+    def rec(rounds, peaks, losses=None):
+        ranks = [{"tokens_per_s": sorted(rounds)[len(rounds) // 2], "tokens_per_s_rounds": rounds,
+                  "capture_phase_s": 1.0, "peak_reserved_mib": p, "steady_reserved_mib": p,
+                  "losses": losses if i == len(peaks) - 1 else None} for i, p in enumerate(peaks)]
+        return {"per_rank": ranks}
+    records = {"eager@seq512": rec([10.0, 10.0], [100.0, 100.0], [1.0, 2.0]),
+               "ours@seq512": rec([30.0, 31.0], [101.0, 90.0], [1.0, 2.0]),
+               "ours@seq512#2": rec([20.0, 21.0], [99.0, 95.0], [1.0, 2.5]),
+               "ours_segments@seq512": rec([30.0, 30.0], [98.0, 97.0], [1.0, 2.0])}
+    rows = bench_peer_megatron.summarize(records, (512,))["seq512"]
+    assert rows["ours"]["tokens_per_s_rounds"] == [30.0, 31.0, 20.0, 21.0]
+    assert rows["ours"]["tokens_per_s"] == 25.5 and rows["ours"]["tokens_per_s_spread"] == 31.0 / 20.0
+    assert rows["ours"]["peak_reserved_mib_per_rank"] == [101.0, 95.0]
+    assert rows["ours"]["max_abs_loss_diff_vs_eager"] == 0.5  # the worst of both runs
+    assert "tokens_per_s_runs" in rows["ours"] and "tokens_per_s_runs" not in rows["ours_segments"]
+    h = bench_peer_megatron.headline({"seq2048": rows}, world=2)
+    assert h["ours_peak_vs_eager_per_rank"] == [1.01, 0.95]
+    assert h["ours_segments_peak_vs_eager_per_rank"] == [0.98, 0.97]
 
 
 def test_headline_ratios_are_ours_over_megatron():
@@ -47,10 +71,10 @@ def test_headline_says_how_far_the_same_eager_run_moved_between_two_runs():
 
 
 @pytest.mark.parametrize("argv, world, record, budget", [
-    (["--pp", "1"], 1, "peer-megatron-pp1", 360),
-    (["--pp", "2"], 2, "peer-megatron-pp2", 480),
-    (["--pp", "4"], 4, "peer-megatron-pp4", 540),
-    (["--tp", "2", "--pp", "2"], 4, "peer-megatron-tp2pp2", 540),
+    (["--pp", "1"], 1, "peer-megatron-pp1", 480),
+    (["--pp", "2"], 2, "peer-megatron-pp2", 540),
+    (["--pp", "4"], 4, "peer-megatron-pp4", 560),
+    (["--tp", "2", "--pp", "2"], 4, "peer-megatron-tp2pp2", 560),
 ])
 def test_dry_run_names_the_ranks_and_the_record(capsys, argv, world, record, budget):
     assert bench_peer_megatron.main([*argv, "--dry-run"]) == 0
@@ -59,7 +83,7 @@ def test_dry_run_names_the_ranks_and_the_record(capsys, argv, world, record, bud
     assert out[1] == f"# writes benchmarks/results/{record}-<device>.json"
     tp = argv[argv.index("--tp") + 1] if "--tp" in argv else "1"
     runs = out[2:]
-    assert len(runs) == 8 and all(f"--tp {tp} --pp {argv[-1]}" in l for l in runs)
+    assert len(runs) == 14 and all(f"--tp {tp} --pp {argv[-1]}" in l for l in runs)
 
 
 def test_the_per_run_cap_fits_the_budget_for_every_world_size():
@@ -120,7 +144,7 @@ def test_a_memory_trace_runs_the_named_variants_traced_and_writes_a_record_of_it
     assert all(l.endswith("--memory-trace") for l in out[2:])
     with pytest.raises(SystemExit):
         bench_peer_megatron.main(["--variants", "eager,fast", "--dry-run"])
-    assert "choose among eager, megatron, ours, eager_repeat" in capsys.readouterr().err
+    assert "choose among eager, megatron, ours, ours_segments, eager_repeat" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -128,12 +152,12 @@ def test_a_memory_trace_runs_the_named_variants_traced_and_writes_a_record_of_it
 @pytest.mark.parametrize("argv, world", [(["--pp", "2"], 2), (["--pp", "4"], 4), (["--tp", "2", "--pp", "2"], 4)],
                          ids=["pp2", "pp4", "tp2pp2"])
 def test_tiny_model_every_variant_on_cpu_ranks(argv, world):
-    end = launch.run([sys.executable, SCRIPT, "--device", "cpu", *argv, "--rounds", "2"], cwd=REPO, timeout=400)
+    end = launch.run([sys.executable, SCRIPT, "--device", "cpu", *argv, "--rounds", "2", "--repeats", "1"], cwd=REPO, timeout=400)
     assert end.returncode == 0, end.stdout[-3000:] + end.stderr[-3000:]
     payload = json.loads([l for l in end.stdout.splitlines() if l.startswith('{"command"')][-1])
     assert payload["world_size"] == world
     rows = payload["by_config"]["seq32"]
-    for variant in ("megatron", "ours", "eager_repeat"):
+    for variant in ("megatron", "ours", "ours_segments", "eager_repeat"):
         assert rows[variant]["max_abs_loss_diff_vs_eager"] == 0.0, variant
     assert len(payload["summary"]["ours_peak_vs_eager_per_rank"]) == world
     ranks = payload["runs"]["ours@seq32"]["per_rank"]

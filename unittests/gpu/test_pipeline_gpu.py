@@ -31,10 +31,12 @@ def _eager_losses(vpp):
     return _losses(["--vpp", vpp])
 
 
-@pytest.mark.parametrize("vpp", ["1", "2"])
-@pytest.mark.parametrize("graph", [[], ["--no-graph-accumulate-grads"], ["--graph-memory", "per_graph"]],
-                         ids=["default", "no_accumulate", "per_graph"])
+@pytest.mark.parametrize("graph, vpp", [([], "1"), ([], "2"), (["--no-graph-accumulate-grads"], "2"),
+                                        (["--graph-memory", "per_graph"], "1")],
+                         ids=["default-1", "default-2", "no_accumulate-2", "per_graph-1"])
 def test_graphed_pipeline_losses_equal_eager_with_dropout(vpp, graph):
+    """The defaults under both schedules; each other setting under one of them (every run is a
+    2-process job, and the suite on two GPUs must fit one device call)."""
     eager = _eager_losses(vpp)
     graphed = _losses(["--vpp", vpp, "--cudagraph", *graph])
     assert len(graphed["losses"]) == len(eager["losses"]) == 8
