@@ -10,12 +10,13 @@ GPT-3 1.3B shape trained as :data:`tools.bench_pipeline.GPT3_1P3B_RUN` (hidden 2
 warmup), torch pipelining 1F1B over 2 GPUs, ``tools/train_gpt.py --pp 2``, 12 steps. Three
 variants, each run in its own processes:
 
-* ``compile``: eager stages whose modules (embedding, blocks, final norm, head) each run
-  through ``torch.compile`` (Inductor, default mode); the schedule, its sends and receives and
-  the loss stay eager (``--compile``).
-* ``ours``: the stages' graphs alone (``--cudagraph``).
-* ``ours_compiled``: the same modules compiled in the graphs' warmup and captured
-  (``--cudagraph --compile``: ``graph_stage_module(..., compile=True)``).
+* ``compile``: eager stages whose modules (embedding, blocks, final norm, head) and the loss
+  function each run through ``torch.compile`` (Inductor, default mode); the schedule and its
+  sends and receives stay eager (``--compile``).
+* ``ours``: the stages' graphs alone (``--cudagraph``; the loss graphed with them).
+* ``ours_compiled``: the same modules and the loss compiled in the graphs' warmup and captured
+  (``--cudagraph --compile``: ``graph_stage_module(..., compile=True)``,
+  ``graph_loss(..., compile=True)``).
 
 Per sequence length (2048 first, then 512), ``--rounds`` rounds in alternating order (compile,
 ours, ours_compiled; then reversed); every length's first round runs before any second round,

@@ -16,9 +16,9 @@ the weight on the first and one on the last stage and sums their gradients after
 With ``--cudagraph`` each stage's blocks are captured as CUDA graphs (``paddle_graphpp.
 PipelineLayer(use_cudagraph=True)`` / ``paddle_graphpp.torch.pipeline.graph_stage_module``);
 Paddle keeps the tied (``SharedLayerDesc``) layers eager, PyTorch graphs them with the blocks.
-With ``--compile`` (PyTorch) each stage module runs through ``torch.compile`` (Inductor); with
-``--cudagraph`` too, the compiled kernels are what the graphs capture (``graph_stage_module(...,
-compile=True)``). ``--lr-warmup N`` ramps the learning rate up linearly over the first N steps.
+With ``--compile`` (PyTorch) each stage module and the loss run through ``torch.compile``
+(Inductor); with ``--cudagraph`` too, the compiled kernels are what the graphs capture
+(``graph_stage_module(..., compile=True)``, ``graph_loss(..., compile=True)``). ``--lr-warmup N`` ramps the learning rate up linearly over the first N steps.
 On CPU the graphed layers run eagerly. On GPUs the torch path uses
 NCCL (with ``NCCL_NVLS_ENABLE=0``) and TF32 matmuls, one GPU per rank; the paddle path needs a
 Paddle build with CUDA for graphs.
@@ -136,9 +136,10 @@ class Config:
     """``torch.compile`` the stage modules (PyTorch): ``--compile`` is Inductor in its default mode;
     ``--compile BACKEND`` names another backend (``aot_eager``: AOTAutograd without Inductor, as
     the CPU tests use). Without ``--cudagraph`` every module of a stage (embedding, blocks, final
-    norm, head) runs through ``torch.compile`` while the schedule and its sends and receives stay
-    eager; with it, ``graph_stage_module(compile=...)`` compiles the graphed runs' modules in the
-    warmup and captures the compiled kernels. The loss function stays uncompiled. Empty: off."""
+    norm, head) and the loss function run through ``torch.compile`` while the schedule and its
+    sends and receives stay eager; with it, ``graph_stage_module(compile=...)`` and
+    ``graph_loss(compile=...)`` compile the graphed runs' modules and the loss in the warmup and
+    capture the compiled kernels. Empty: off."""
     timeout: int = 120
     """Seconds a rank waits for its peers before it gives up with an error."""
     graph_memory: str = "shared"
@@ -701,11 +702,14 @@ def run_torch(cfg: Config) -> None:
     def loss_fn(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
+    options = torch_compile_kwargs(cfg)
     if cfg.cudagraph and cfg.graph_loss and last_rank:
         from paddle_graphpp.torch.pipeline import graph_loss
 
-        loss_fn = graph_loss(loss_fn, NUM_WARMUP_STEPS, memory=cfg.graph_memory)
+        loss_fn = graph_loss(loss_fn, NUM_WARMUP_STEPS, memory=cfg.graph_memory, compile=options)
         graphed.append(loss_fn)
+    elif options is not None and last_rank:
+        loss_fn = torch.compile(loss_fn, **options)  # as the graphed runs compile it
 
     if schedule_name is not None:
         schedule = getattr(pipelining, schedule_name)(stages, n_microbatches=cfg.micro_batches, loss_fn=loss_fn)

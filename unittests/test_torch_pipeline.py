@@ -211,6 +211,36 @@ def test_graph_loss_computes_the_loss_and_its_gradient_and_rejects_bad_input():
         graph_loss(nn.Linear(2, 1))
 
 
+def test_graph_loss_compiles_the_loss_and_refuses_bad_compile_options():
+    """``compile=`` compiles the loss (here aot_eager: dynamo and AOTAutograd with eager kernels,
+    so the values match bit for bit; on CPU the graphed layer runs it eagerly); a setting that
+    would record Inductor's own CUDA graphs is refused naming the loss."""
+    import torch._dynamo
+
+    from paddle_graphpp.torch import graph_loss
+
+    def xent(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    torch._dynamo.reset()
+    loss_fn = graph_loss(xent, 1, compile={"backend": "aot_eager"})
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for _ in range(3):
+        logits = torch.randn(2, 5, 11, requires_grad=True)
+        labels = torch.randint(0, 11, (2, 5))
+        got = loss_fn(logits, labels)
+        got.backward()
+        ref = logits.detach().clone().requires_grad_()
+        want = xent(ref, labels)
+        want.backward()
+        assert torch.equal(got.detach(), want.detach()) and torch.equal(logits.grad, ref.grad)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > compiled  # dynamo compiled the loss
+    with pytest.raises(ValueError, match=r"loss.*reduce-overhead"):
+        graph_loss(xent, compile={"mode": "reduce-overhead"})
+    with pytest.raises(TypeError, match="loss"):
+        graph_loss(xent, compile="inductor")
+
+
 def test_each_micro_batch_gets_its_own_graphed_loss_tensor():
     # On the last stage every micro-batch is an episode of its own and replays the same loss
     # graph: the losses a schedule collects must not all be that graph's one output buffer.

@@ -310,7 +310,7 @@ class GraphedLoss(nn.Module):
 
 
 def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = "error", memory: str = "shared",
-               name: Optional[str] = None) -> GraphedLoss:
+               compile: Any = None, name: Optional[str] = None) -> GraphedLoss:
     """The last stage's loss function, captured as CUDA graphs with the stage's graphs.
 
     Pass the result as the schedule's ``loss_fn``. Each micro-batch position's loss (forward
@@ -324,6 +324,10 @@ def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = 
             it captured); a loss that reads a Python value per call (a changing scale) must take
             it as a tensor.
         num_warmup_steps, fallback, memory: as for :func:`graph_stage_module`.
+        compile: ``True`` or a dict of ``torch.compile`` keyword arguments: the loss runs
+            compiled (Inductor: the vocabulary-sized softmax, its reduction and their backward
+            fused) inside its graphs, as the stage's modules do with ``graph_stage_module(...,
+            compile=...)``. Without CUDA it runs compiled and eagerly.
         name: its name in logs and errors (``"loss"`` by default).
 
     Returns:
@@ -349,4 +353,4 @@ def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = 
             f"parameters into the last stage's module")
     module = loss_fn if isinstance(loss_fn, nn.Module) else _Loss(loss_fn)
     return GraphedLoss(CUDAGraphedModule(module, num_warmup_steps, fallback=fallback, memory=memory,
-                                         name=name or "loss"))
+                                         compile=compile, name=name or "loss"))

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires 
 transformers = pytest.importorskip("transformers")
 
 from paddle_graphpp import CaptureError  # noqa: E402
-from paddle_graphpp.torch import graph_layers, graph_stage_module  # noqa: E402
+from paddle_graphpp.torch import graph_layers, graph_loss, graph_stage_module  # noqa: E402
 from tools.engine_parity import rel  # noqa: E402
 from tools.gpt_torch import Block, GPTShape  # noqa: E402
 
@@ -201,7 +201,11 @@ def stage_modules():
 PIPELINE = "0f1 1f1 0f2 1b1 0b1 1f2 0f3 1b2 0b2 1f3 0f4 1b3 0b3 1f4 1b4 0b4"
 
 
-def pipeline_step(stages, batches):
+def xent(logits, labels):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def pipeline_step(stages, batches, loss_fn=xent):
     acts, outs, losses = {}, {}, []
     for tok in PIPELINE.split():
         s, kind, n = int(tok[0]), tok[1], int(tok[2:]) - 1
@@ -212,7 +216,7 @@ def pipeline_step(stages, batches):
             outs[n] = (received, stages[1](received))
         elif s == 1:
             received, logits = outs[n]
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), batches[n].flatten())
+            loss = loss_fn(logits, batches[n])
             loss.backward()
             losses.append(loss.detach())
         else:
@@ -223,14 +227,16 @@ def pipeline_step(stages, batches):
 def test_compiled_graphed_stages_under_1f1b_equal_the_compiled_stages():
     reference = stage_modules()
     graphed = [graph_stage_module(copy.deepcopy(s), num_warmup_steps=1, compile=True) for s in reference]
+    graphed_loss = graph_loss(xent, num_warmup_steps=1, compile=True)  # the loss compiled and graphed too
     reference = [nn.Sequential(*[torch.compile(m) for m in s]) for s in reference]
+    reference_loss = torch.compile(xent)
     params = [[p for s in stages for p in s.parameters()] for stages in (reference, graphed)]
     opts = [torch.optim.AdamW(p, lr=1e-3) for p in params]
     data = torch.Generator().manual_seed(1)
     worst = 0.0
     for step in range(STEPS):
         batches = [torch.randint(0, VOCAB, (MBS, SEQ), generator=data).to(DEV) for _ in range(4)]
-        le, lg = pipeline_step(reference, batches), pipeline_step(graphed, batches)
+        le, lg = pipeline_step(reference, batches, reference_loss), pipeline_step(graphed, batches, graphed_loss)
         errs = [rel(lg, le)] + [rel(q.grad, p.grad) for p, q in zip(*params)]
         worst = max(worst, max(errs))
         assert max(errs) <= 1e-5, f"step {step}: relative error {max(errs):.3e}"
@@ -241,3 +247,6 @@ def test_compiled_graphed_stages_under_1f1b_equal_the_compiled_stages():
     for stage in graphed:
         for run in stage.graphed_modules:
             assert run.engine.captures == 8 and run.engine.replays == 8 * (STEPS - 2), run
+    # the loss, compiled inside its graphs: each captured graph replayed in every later step
+    loss_engine = graphed_loss.engine
+    assert loss_engine.captures > 0 and loss_engine.replays == loss_engine.captures * (STEPS - 2), loss_engine
