@@ -2,6 +2,7 @@
 """Compiled blocks inside graphed pipeline stages against torch.compile alone (2 GPUs, pp=2).
 
     python tools/bench_compile_pipeline.py            # writes benchmarks/results/compile-pipeline-pp2-<device>.json
+    python tools/bench_compile_pipeline.py --pp 1     # one GPU, no pipeline: compile-pipeline-pp1-<device>.json
     python tools/bench_compile_pipeline.py --dry-run  # prints the runs
     python tools/bench_compile_pipeline.py --smoke    # a tiny configuration, CPU allowed, writes nothing
 
@@ -52,8 +53,15 @@ if REPO not in sys.path:  # run from a checkout without installing
 from tools import benchlib  # noqa: E402
 from tools.bench_pipeline import GPT3_1P3B_RUN, compare, print_plan, run_plan, slim, summarize  # noqa: E402
 
-NAME = "compile-pipeline-pp2"
-BASE = GPT3_1P3B_RUN + ["--pp", "2", "--steps", "12"]
+NAME = "compile-pipeline-pp{pp}"
+
+
+def base_args(pp: int) -> list:
+    """The trainer's arguments every run shares, at ``pp`` stages (one GPU each)."""
+    return GPT3_1P3B_RUN + ["--pp", str(pp), "--steps", "12"]
+
+
+BASE = base_args(2)
 SEQS = (2048, 512)
 VARIANTS = {"compile": ["--compile"], "ours": ["--cudagraph"], "ours_compiled": ["--cudagraph", "--compile"]}
 TARGETS = {"ours_compiled_vs_compile_seq2048": 1.10, "ours_compiled_vs_ours_seq2048": 1.05}
@@ -162,6 +170,8 @@ def print_table(by_seq: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, choices=(1, 2), default=2,
+                        help="pipeline stages, one GPU each (1: the model on one GPU, no pipeline)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three variants per length")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all runs")
     parser.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths (default: 2048 512)")
@@ -171,15 +181,18 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     seqs = args.seqs or (SMOKE_SEQS if args.smoke else SEQS)
-    runs_plan = plan(args.rounds, seqs, base=SMOKE_BASE, backend="aot_eager") if args.smoke else plan(args.rounds, seqs)
+    base = base_args(args.pp)
+    runs_plan = (plan(args.rounds, seqs, base=SMOKE_BASE, backend="aot_eager") if args.smoke
+                 else plan(args.rounds, seqs, base=base))
     if args.dry_run:
         print_plan(runs_plan)
         return 0
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < 2 and not args.smoke:
-        print(f"bench_compile_pipeline: needs 2 GPUs (pp=2), found {gpus}; or pass --smoke", file=sys.stderr)
+    if gpus < args.pp and not args.smoke:
+        print(f"bench_compile_pipeline: needs {args.pp} GPUs (pp={args.pp}), found {gpus}; or pass --smoke",
+              file=sys.stderr)
         return 2
     records = run_plan(runs_plan, budget=args.budget, run_cap=RUN_CAP_S)
     by_seq, summary = summarize_compile(records, seqs)
@@ -189,9 +202,9 @@ def main(argv=None) -> int:
         print(json.dumps(summary))
         return 0 if finished else 1
     payload = {"command": benchlib.command(), **benchlib.environment(), "code_version": benchlib.code_version(),
-               "config": BASE, "variants": VARIANTS, "rounds": args.rounds, "summary": summary, "by_seq": by_seq,
+               "config": base, "variants": VARIANTS, "rounds": args.rounds, "summary": summary, "by_seq": by_seq,
                "runs": {f"seq{s}_{v}": [slim(r) for r in rs] for (s, v), rs in records.items()}}
-    path = benchlib.write_result(NAME, payload)
+    path = benchlib.write_result(NAME.format(pp=args.pp), payload)
     print(f"wrote {path}")
     print(json.dumps(summary))
     return 0 if finished else 1

@@ -134,3 +134,11 @@ def test_the_smoke_run_trains_every_variant_and_writes_nothing(tmp_path):
     assert summary["compiled_on_every_rank"] is True and summary["compiles_before_timed_steps"] is True
     assert summary["ours_compiled_vs_compile_seq32"] > 0
     assert set(os.listdir(os.path.join(REPO, "benchmarks", "results"))) == before
+
+
+def test_one_gpu_plan_runs_the_model_unpipelined(capsys):
+    assert bench.main(["--pp", "1", "--seqs", "2048", "--rounds", "1", "--dry-run"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if "train_gpt.py" in l]
+    assert len(lines) == 3 and all("--pp 1 " in l and "--seq-len 2048" in l for l in lines)
+    with pytest.raises(SystemExit):
+        bench.main(["--pp", "3", "--dry-run"])
