@@ -88,7 +88,7 @@ STEPS = [
     ("peer-megatron-tp2pp2", 4, "python tools/bench_peer_megatron.py --tp 2 --pp 2",
      "peer-megatron-tp2pp2-<device>.json"),
     ("profile-peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4 --seqs 512 --variants megatron,ours "
-     "--rounds 2 --profile --name profile-peer-megatron-pp4", "profile-peer-megatron-pp4-<device>.json"),
+     "--rounds 2 --repeats 1 --profile --name profile-peer-megatron-pp4", "profile-peer-megatron-pp4-<device>.json"),
 ]
 BASELINE = "@baseline"  # a step's name with this suffix: the step, run from the --baseline checkout
 # Run only when named: they look for a fault or break memory down, they record no published figure.

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Our graphs against Megatron-Core's own CUDA graphs, in Megatron's own training loop (GPU).
 
-    python tools/bench_peer_megatron.py --pp 1            # one GPU, ~6 minutes
-    python tools/bench_peer_megatron.py --pp 2            # two GPUs, ~8 minutes
+    python tools/bench_peer_megatron.py --pp 1            # one GPU, ~8 minutes
+    python tools/bench_peer_megatron.py --pp 2            # two GPUs, ~9 minutes
     python tools/bench_peer_megatron.py --pp 4            # four GPUs, ~9 minutes
     python tools/bench_peer_megatron.py --tp 2 --pp 2     # four GPUs: 2-way tensor parallel per stage
     python tools/bench_peer_megatron.py --pp 1 --profile  # + where CPU time per layer call goes
@@ -22,14 +22,18 @@ Variants, each in its own processes
 * ``megatron``: its local graphs (``cuda_graph_impl="local"``, ``cuda_graph_warmup_steps`` 3,
   graph-safe RNG tracker, Megatron's DDP for ``main_grad``; graphs are recorded in the first
   step and captured by ``create_cudagraphs()`` at the end of Megatron's schedule);
-* ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule`` (defaults);
+* ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule`` (defaults;
+  ``FLAGS_graphpp_pool_expandable=1``, the default, set explicitly so that the environment
+  cannot make it the next variant);
 * ``ours_segments``: the same under ``FLAGS_graphpp_pool_expandable=0`` (graph pools of
   ordinary segments, the setting docs/memory.md gives Megatron-style last stages).
 
 Megatron's graphs and ours run ``--repeats`` times (2) per sequence length in alternating order
 (megatron, ours, ours_segments, ours, megatron): their figures pool the runs' rounds, so that
 a machine that drifts between runs (it does: the same eager run has read 0.70x its first run a
-few minutes later) moves both alike.
+few minutes later) moves both alike. Their ``tokens_per_s_spread`` is over all runs' rounds
+(drift included); ``tokens_per_s_spread_runs`` holds each run's own. A repeat that fails or that
+the budget skips is listed in ``failed_runs``; the runs that finished stand.
 
 Per variant and rank: tokens/s (median of timed rounds after the capture steps, with the
 spread), peak reserved memory over the capture steps and the steady peak after them, losses
@@ -60,11 +64,12 @@ WORKER = os.path.join(REPO, "tools", "peer_megatron_worker.py")
 SEQS = (512, 2048)
 CPU_SEQ = 32
 MAIN = ("eager", "megatron", "ours")
-# A variant that runs a worker variant under settings: ours with graph pools of ordinary
-# segments (docs/memory.md: where a last stage needs less memory that way).
-VARIANT_SETTINGS = {"ours_segments": ("ours", {"FLAGS_graphpp_pool_expandable": "0"})}
+# Variants that run a worker variant under settings: ours with the graph pools' layout set either
+# way (an environment that sets the flag must not make the two alike): expandable (the default)
+# and ordinary segments (docs/memory.md: where a last stage needs less memory that way).
+VARIANT_SETTINGS = {"ours": ("ours", {"FLAGS_graphpp_pool_expandable": "1"}),
+                    "ours_segments": ("ours", {"FLAGS_graphpp_pool_expandable": "0"})}
 VARIANTS = (*MAIN, "ours_segments", "eager_repeat")
-DEFAULT_VARIANTS = VARIANTS
 TP_CHOICES = (1, 2)
 PP_CHOICES = (1, 2, 4)
 # By ranks per run (tp * pp). A run needs 20-35 s on H100/H200 (start, build, capture, timed
@@ -81,7 +86,7 @@ def record_name(tp: int, pp: int) -> str:
 
 
 def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1,
-         variants=DEFAULT_VARIANTS, memory_trace: bool = False, repeats: int = 2) -> list[dict]:
+         variants=VARIANTS, memory_trace: bool = False, repeats: int = 2) -> list[dict]:
     """The runs in order: per sequence length eager, then Megatron's graphs and ours
     ``repeats`` times each in alternating order (megatron, ours, ours_segments, then ours,
     megatron, ...: a drift of the machine between runs moves both alike), then, after every
@@ -117,6 +122,12 @@ def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False, repe
     return {"label": label, "variant": variant, "seq": seq, "args": args, "env": env}
 
 
+def _command(run: dict) -> str:
+    """A run's command line, its settings first (``NAME=VALUE``), as a shell would take it."""
+    settings = [f"{k}={v}" for k, v in run.get("env", {}).items()]
+    return " ".join([*settings, "python tools/peer_megatron_worker.py", *run["args"]])
+
+
 def run_variant(run: dict, world: int, timeout: float) -> dict:
     """One variant on ``world`` (tp * pp) ranks; per-rank records (the worker's JSON line, or the failure)."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **run.get("env", {}))
@@ -124,8 +135,7 @@ def run_variant(run: dict, world: int, timeout: float) -> dict:
         env.pop(key, None)
     cmd = [sys.executable, WORKER, *run["args"]]
     ends = launch.run_ranks([cmd] * world, envs=launch.rank_envs(world, base=env), cwd=REPO, timeout=timeout)
-    settings = [f"{k}={v}" for k, v in run.get("env", {}).items()]
-    record = {"command": " ".join([*settings, "python tools/peer_megatron_worker.py", *run["args"]]),
+    record = {"command": _command(run),
               "seconds": round(max(e.seconds for e in ends), 1), "per_rank": []}
     for rank, end in enumerate(ends):
         out = benchlib.last_json_line(end.stdout) or {}
@@ -156,11 +166,13 @@ def summarize(records: dict, seqs) -> dict:
             recs = runs_of.get(variant)
             if not recs:
                 continue
-            failed = [r for r in recs if "error" in r]
-            if failed:
-                rows[variant] = {"error": failed[0]["error"]}
+            done = [r for r in recs if "error" not in r]
+            if not done:
+                rows[variant] = {"error": recs[0]["error"]}
                 continue
-            rows[variant] = _row(variant, recs, eager_losses)
+            rows[variant] = _row(variant, done, eager_losses)
+            if len(done) < len(recs):  # a repeat failed or the budget skipped it: the others stand
+                rows[variant]["failed_runs"] = [r["error"] for r in recs if "error" in r]
         out[f"seq{seq}"] = rows
     return out
 
@@ -184,6 +196,7 @@ def _row(variant: str, recs: list, eager_losses) -> dict:
     ranks = recs[0]["per_rank"]
     row = {
         "tokens_per_s": statistics.median(rounds), "tokens_per_s_rounds": rounds,
+        # over every run's rounds: drift between the runs included, where one run's spread has none
         "tokens_per_s_spread": max(rounds) / min(rounds),
         "peak_reserved_mib_per_rank": per_rank("peak_reserved_mib"),
         "steady_reserved_mib_per_rank": per_rank("steady_reserved_mib"),
@@ -193,12 +206,13 @@ def _row(variant: str, recs: list, eager_losses) -> dict:
     row["steady_reserved_mib"] = _max(row["steady_reserved_mib_per_rank"])
     if len(recs) > 1:
         row["tokens_per_s_runs"] = [t["tokens_per_s"] for t in timings]
+        row["tokens_per_s_spread_runs"] = [t.get("tokens_per_s_spread") for t in timings]  # each run's own
     for key in ("graphs", "capture_s", "runners", "replays"):
         if key in ranks[0]:
             row[key + "_per_rank"] = [r.get(key) for r in ranks]
-    losses = [_losses(rec) for rec in recs]
-    if losses[0] and eager_losses and variant != "eager":
-        row["max_abs_loss_diff_vs_eager"] = max(abs(a - b) for run in losses if run for a, b in zip(run, eager_losses))
+    losses = [run for run in (_losses(rec) for rec in recs) if run]
+    if losses and eager_losses and variant != "eager":
+        row["max_abs_loss_diff_vs_eager"] = max(abs(a - b) for run in losses for a, b in zip(run, eager_losses))
     return row
 
 
@@ -226,7 +240,8 @@ def headline(by_seq: dict, *, world: int = 1) -> dict:
 
     ran = [k for k, rows in by_seq.items()
            if "tokens_per_s" in rows.get("megatron", {}) and sum(rows["megatron"].get("graphs_per_rank") or [0]) > 0]
-    longest = max(SEQS)
+    lengths = [int(k[3:]) for k in by_seq if k.startswith("seq")]
+    longest = max(lengths) if lengths else max(SEQS)  # memory at the longest length that ran
     out = {}
     for ours in ("ours", "ours_segments"):
         if ours != "ours" and not any(ours in rows for rows in by_seq.values()):
@@ -289,13 +304,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)), help="comma-separated sequence lengths")
     parser.add_argument("--rounds", type=int, default=4, help="timed rounds per variant (3 steps each)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for all runs (default 360 on 1 GPU, 480 on 2, 540 on 4)")
+                        help="seconds for all runs (default 480 on 1 GPU, 540 on 2, 560 on 4)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one steady step of Megatron's graphs and ours at the shortest sequence")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+    parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated variants to run (default: all)")
     parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of Megatron's graphs and of ours per length, in alternating order (default 2)")
+                        help="runs of Megatron's graphs and of ours per length, in alternating order (default 2; "
+                             "a memory trace runs each variant once)")
     parser.add_argument("--memory-trace", action="store_true",
                         help="a diagnosis: record every allocation and break each rank's memory peaks down "
                              "(slows the runs); writes memory-trace-<record>-<device>.json, not the benchmark record")
@@ -328,8 +344,7 @@ def main(argv=None) -> int:
               f"own processes, at most {run_cap:.0f}s each")
         print(f"# writes benchmarks/results/{name}-<device>.json")
         for r in runs:
-            print(r["label"], *[f"{k}={v}" for k, v in r["env"].items()], "python tools/peer_megatron_worker.py",
-                  *r["args"])
+            print(r["label"], _command(r))
         return 0
     if args.device == "cuda":
         import torch

@@ -18,7 +18,8 @@ PipelineLayer(use_cudagraph=True)`` / ``paddle_graphpp.torch.pipeline.graph_stag
 Paddle keeps the tied (``SharedLayerDesc``) layers eager, PyTorch graphs them with the blocks.
 With ``--compile`` (PyTorch) each stage module and the loss run through ``torch.compile``
 (Inductor); with ``--cudagraph`` too, the compiled kernels are what the graphs capture
-(``graph_stage_module(..., compile=True)``, ``graph_loss(..., compile=True)``). ``--lr-warmup N`` ramps the learning rate up linearly over the first N steps.
+(``graph_stage_module(..., compile=True)``, ``graph_loss(..., compile=True)``).
+``--lr-warmup N`` ramps the learning rate up linearly over the first N steps.
 On CPU the graphed layers run eagerly. On GPUs the torch path uses
 NCCL (with ``NCCL_NVLS_ENABLE=0``) and TF32 matmuls, one GPU per rank; the paddle path needs a
 Paddle build with CUDA for graphs.
@@ -638,8 +639,9 @@ def run_torch(cfg: Config) -> None:
     dtype = getattr(torch, cfg.dtype)
     if use_cuda:
         if torch.cuda.device_count() <= local_rank:
-            raise ConfigError(f"rank {rank} needs GPU {local_rank} but {torch.cuda.device_count()} are visible; "
-                              f"lower --pp or --tp")
+            raise ConfigError(f"--pp {cfg.pp} x --tp {cfg.tp} needs {world} GPUs, one per rank, but "
+                              f"{torch.cuda.device_count()} are visible (rank {rank} has none); lower --pp or --tp "
+                              f"or make more GPUs visible")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         # TF32 matmuls, as GPU training runs them; eager and graphed runs use the same kernels.

@@ -142,3 +142,6 @@ def test_one_gpu_plan_runs_the_model_unpipelined(capsys):
     assert len(lines) == 3 and all("--pp 1 " in l and "--seq-len 2048" in l for l in lines)
     with pytest.raises(SystemExit):
         bench.main(["--pp", "3", "--dry-run"])
+    with pytest.raises(SystemExit):
+        bench.main(["--pp", "1", "--smoke", "--dry-run"])  # the smoke model runs at pp=2 only
+    assert "leave --pp out" in capsys.readouterr().err

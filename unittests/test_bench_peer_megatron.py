@@ -28,12 +28,15 @@ def test_dry_run_lists_every_variant_and_length(capsys):
     assert all("--pp 1" in l for l in lines)
     segments = [l for l in lines if l.startswith("ours_segments@")]
     assert segments and all("FLAGS_graphpp_pool_expandable=0 python" in l and "--variant ours " in l for l in segments)
+    ours = [l for l in lines if l.startswith("ours@")]  # the default layout, whatever the environment says
+    assert ours and all("FLAGS_graphpp_pool_expandable=1 python" in l for l in ours)
 
 
 def test_repeated_runs_pool_their_rounds_and_keep_each_ranks_highest_peak():
     def rec(rounds, peaks, losses=None):
         ranks = [{"tokens_per_s": sorted(rounds)[len(rounds) // 2], "tokens_per_s_rounds": rounds,
-                  "capture_phase_s": 1.0, "peak_reserved_mib": p, "steady_reserved_mib": p,
+                  "tokens_per_s_spread": max(rounds) / min(rounds), "capture_phase_s": 1.0,
+                  "peak_reserved_mib": p, "steady_reserved_mib": p,
                   "losses": losses if i == len(peaks) - 1 else None} for i, p in enumerate(peaks)]
         return {"per_rank": ranks}
     records = {"eager@seq512": rec([10.0, 10.0], [100.0, 100.0], [1.0, 2.0]),
@@ -46,9 +49,28 @@ def test_repeated_runs_pool_their_rounds_and_keep_each_ranks_highest_peak():
     assert rows["ours"]["peak_reserved_mib_per_rank"] == [101.0, 95.0]
     assert rows["ours"]["max_abs_loss_diff_vs_eager"] == 0.5  # the worst of both runs
     assert "tokens_per_s_runs" in rows["ours"] and "tokens_per_s_runs" not in rows["ours_segments"]
+    assert rows["ours"]["tokens_per_s_spread_runs"] == [31.0 / 30.0, 21.0 / 20.0]  # each run's own
     h = bench_peer_megatron.headline({"seq2048": rows}, world=2)
     assert h["ours_peak_vs_eager_per_rank"] == [1.01, 0.95]
     assert h["ours_segments_peak_vs_eager_per_rank"] == [0.98, 0.97]
+
+
+def test_a_failed_repeat_keeps_the_runs_that_finished():
+    def rec(rounds, peaks):
+        return {"per_rank": [{"tokens_per_s": rounds[0], "tokens_per_s_rounds": rounds, "tokens_per_s_spread": 1.0,
+                              "capture_phase_s": 1.0, "peak_reserved_mib": p, "steady_reserved_mib": p,
+                              "graphs": 4, "losses": None} for p in peaks]}
+    skipped = {"error": "skipped: the time budget is spent", "per_rank": []}
+    records = {"megatron@seq2048": rec([10.0, 10.0], [100.0]), "ours@seq2048": rec([12.0, 12.0], [90.0]),
+               "ours@seq2048#2": rec([11.0, 11.0], [95.0]), "megatron@seq2048#2": skipped}
+    rows = bench_peer_megatron.summarize(records, (2048,))["seq2048"]
+    assert rows["megatron"]["tokens_per_s"] == 10.0 and rows["megatron"]["failed_runs"] == [skipped["error"]]
+    assert "failed_runs" not in rows["ours"] and rows["ours"]["tokens_per_s"] == 11.5
+    h = bench_peer_megatron.headline({"seq2048": rows}, world=1)
+    assert h["ours_vs_megatron_speed_seq2048"] == 1.15 and h["megatron_graphs_ran"] is True
+    assert h["ours_vs_megatron_peak_mem"] == 0.95  # memory at the longest length that ran
+    only_failed = bench_peer_megatron.summarize({"megatron@seq2048": skipped}, (2048,))["seq2048"]
+    assert only_failed["megatron"] == {"error": skipped["error"]}
 
 
 def test_headline_ratios_are_ours_over_megatron():
@@ -149,16 +171,19 @@ def test_a_memory_trace_runs_the_named_variants_traced_and_writes_a_record_of_it
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
-@pytest.mark.parametrize("argv, world", [(["--pp", "2"], 2), (["--pp", "4"], 4), (["--tp", "2", "--pp", "2"], 4)],
-                         ids=["pp2", "pp4", "tp2pp2"])
-def test_tiny_model_every_variant_on_cpu_ranks(argv, world):
-    end = launch.run([sys.executable, SCRIPT, "--device", "cpu", *argv, "--rounds", "2", "--repeats", "1"], cwd=REPO, timeout=400)
+@pytest.mark.parametrize("argv, world, repeats", [(["--pp", "2"], 2, 2), (["--pp", "4"], 4, 1),
+                                                  (["--tp", "2", "--pp", "2"], 4, 1)], ids=["pp2", "pp4", "tp2pp2"])
+def test_tiny_model_every_variant_on_cpu_ranks(argv, world, repeats):
+    end = launch.run([sys.executable, SCRIPT, "--device", "cpu", *argv, "--rounds", "2", "--repeats", str(repeats)],
+                     cwd=REPO, timeout=400)
     assert end.returncode == 0, end.stdout[-3000:] + end.stderr[-3000:]
     payload = json.loads([l for l in end.stdout.splitlines() if l.startswith('{"command"')][-1])
     assert payload["world_size"] == world
     rows = payload["by_config"]["seq32"]
     for variant in ("megatron", "ours", "ours_segments", "eager_repeat"):
         assert rows[variant]["max_abs_loss_diff_vs_eager"] == 0.0, variant
+    if repeats > 1:  # both runs of the peer and of ours pooled
+        assert len(rows["ours"]["tokens_per_s_runs"]) == len(rows["megatron"]["tokens_per_s_runs"]) == repeats
     assert len(payload["summary"]["ours_peak_vs_eager_per_rank"]) == world
     ranks = payload["runs"]["ours@seq32"]["per_rank"]
     pp = payload["pp"]

@@ -239,6 +239,11 @@ def test_graph_loss_compiles_the_loss_and_refuses_bad_compile_options():
         graph_loss(xent, compile={"mode": "reduce-overhead"})
     with pytest.raises(TypeError, match="loss"):
         graph_loss(xent, compile="inductor")
+    with pytest.raises(ValueError, match=r"graph_loss\(loss\).*reduce-overhead"):
+        graph_loss(torch.compile(xent, mode="reduce-overhead"))  # compiled by the user, with Inductor's graphs
+    with pytest.raises(ValueError, match="compiled already"):
+        graph_loss(torch.compile(xent), compile=True)
+    graph_loss(torch.compile(xent, backend="aot_eager"))  # compiled by the user: graphed as it is
 
 
 def test_each_micro_batch_gets_its_own_graphed_loss_tensor():

@@ -26,8 +26,8 @@ def _losses(extra):
 
 @functools.lru_cache(maxsize=None)
 def _eager_losses(vpp):
-    """The eager run of a schedule, once for the three graphed settings compared with it (each
-    run is a 2-process training job: the suite on two GPUs must fit one device call)."""
+    """The eager run of a schedule, once for every graphed setting compared with it (each run is
+    a 2-process training job, which the suite on two GPUs pays for in time)."""
     return _losses(["--vpp", vpp])
 
 
@@ -36,7 +36,7 @@ def _eager_losses(vpp):
                          ids=["default-1", "default-2", "no_accumulate-2", "per_graph-1"])
 def test_graphed_pipeline_losses_equal_eager_with_dropout(vpp, graph):
     """The defaults under both schedules; each other setting under one of them (every run is a
-    2-process job, and the suite on two GPUs must fit one device call)."""
+    2-process job: the suite on two GPUs runs four fewer this way)."""
     eager = _eager_losses(vpp)
     graphed = _losses(["--vpp", vpp, "--cudagraph", *graph])
     assert len(graphed["losses"]) == len(eager["losses"]) == 8

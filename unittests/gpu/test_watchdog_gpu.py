@@ -81,7 +81,7 @@ def test_a_stalled_replay_raises_at_the_next_graphed_call_within_the_timeout():
         raised = time.monotonic()
         # Not before the timeout, and within it (and the margin) of the launch; the capture
         # before the launch is not timed (after the rest of the suite it took 0.1 s more once).
-        assert raised - start >= 1.0 and raised - launched < 1.0 + MARGIN + 0.1, (launched - start, raised - launched)
+        assert 0.9 <= raised - launched < 1.0 + MARGIN + 0.1, (launched - start, raised - launched)
         del out
     finally:
         watch_replays(None)

@@ -147,8 +147,8 @@ def test_weight_graphs_share_the_pool_and_memory_stays_flat():
                          [(s, 8) for s in ZB_SCHEDULES] + ([("zbv", 4)] if "zbv" in ZB_SCHEDULES else []))
 def test_zero_bubble_schedules_on_two_gpus_match_eager_with_dropout(schedule, micro_batches, tmp_path):
     """Every schedule at 8 micro-batches, and zbv at 4 as well (as few as it takes: the first
-    rank's chunks run back to back); each run is a 2-process job, and the suite on two GPUs
-    must fit one device call."""
+    rank's chunks run back to back); each run is a 2-process job, which the suite on two GPUs
+    pays for in time."""
     steps = 6
     results = run_pipeline_ranks(["--device", "cuda", "--schedule", schedule, "--steps", str(steps),
                                   "--micro-batches", str(micro_batches)], tmp_path, timeout=240)
