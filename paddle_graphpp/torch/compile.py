@@ -34,7 +34,7 @@ from torch import nn
 
 from ..core.options import compiler_options
 
-__all__ = ["compile_options", "refuse_inner_graphs", "compiled_module", "CompiledModule", "RunsInPlaceOf", "opaque",
+__all__ = ["compile_options", "refuse_inner_graphs", "options_for", "compiled_module", "CompiledModule", "RunsInPlaceOf", "opaque",
            "no_compile_in_capture"]
 
 # torch.compile's keyword arguments that a graphed layer passes through.
@@ -97,6 +97,20 @@ def refuse_inner_graphs(obj: Any, owner: str) -> Any:
         raise _inner_graphs_error(owner, "the module was compiled with mode='reduce-overhead' (or "
                                          "triton.cudagraphs), which")
     return compiled
+
+
+def options_for(obj: Any, compile: Any, owner: str) -> Optional[dict]:
+    """``compile=`` for ``obj`` (a module or function a graphed layer will run): its options as
+    :func:`compile_options` gives them, after :func:`refuse_inner_graphs` checked what the user
+    compiled. Raises ``ValueError`` for an ``obj`` compiled already that ``compile=`` would
+    compile again."""
+    options = compile_options(compile, owner)
+    if refuse_inner_graphs(obj, owner) is not None and options is not None:
+        what = "module" if isinstance(obj, nn.Module) else "function"
+        raise ValueError(f"{owner}: the {what} is compiled already (torch.compile or module.compile()) and "
+                         f"compile= asks to compile it again; pass the plain {what} with compile=..., or the "
+                         f"compiled one without it")
+    return options
 
 
 def compiled_module(module: nn.Module, options: dict) -> Callable:

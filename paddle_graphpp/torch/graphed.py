@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
-from .compile import CompiledModule, compile_options, opaque, refuse_inner_graphs
+from .compile import CompiledModule, opaque, options_for
 from .runtime import _registered_generators, active_runtime
 
 __all__ = ["CUDAGraphedModule"]
@@ -37,11 +37,7 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
                 _registered_generators(generators)  # check now, not at the first capture
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"{label}: {exc}") from None
-        options = compile_options(compile, label)
-        if refuse_inner_graphs(module, label) is not None and options is not None:
-            raise ValueError(f"{label}: the module is compiled already (torch.compile or module.compile()) and "
-                             f"compile= asks to compile it again; pass the plain module with compile=..., or "
-                             f"the compiled one without it")
+        options = options_for(module, compile, label)
         run = module if options is None else CompiledModule(module, options)
         self._engine = graphed_engine(
             run, active_runtime(), lambda: [p for p in module.parameters() if p.requires_grad],

@@ -354,14 +354,10 @@ def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = 
             f"graph_loss(): the loss {type(loss_fn).__name__} has trainable parameters {trainable[:4]}; a pipeline "
             f"schedule's zero-bubble passes do not give them gradients. Keep this loss eager, or move its "
             f"parameters into the last stage's module")
-    if not isinstance(loss_fn, nn.Module):  # a module is checked by CUDAGraphedModule itself
-        from .compile import compile_options, refuse_inner_graphs
+    if not isinstance(loss_fn, nn.Module):  # CUDAGraphedModule checks a module; a function is wrapped first
+        from .compile import options_for
 
-        label = f"graph_loss({name or 'loss'})"
-        if refuse_inner_graphs(loss_fn, label) is not None and compile_options(compile, label) is not None:
-            raise ValueError(f"{label}: the loss function is compiled already (torch.compile) and compile= asks "
-                             f"to compile it again; pass the plain function with compile=..., or the compiled "
-                             f"one without it")
+        options_for(loss_fn, compile, f"graph_loss({name or 'loss'})")
     module = loss_fn if isinstance(loss_fn, nn.Module) else _Loss(loss_fn)
     return GraphedLoss(CUDAGraphedModule(module, num_warmup_steps, fallback=fallback, memory=memory,
                                          compile=compile, name=name or "loss"))
