@@ -17,7 +17,9 @@ Megatron's graph-safe RNG tracker):
   Megatron's ``DistributedDataParallel(grad_reduce_in_fp32=False)`` because its backward graphs
   add weight gradients into ``param.main_grad``; the optimizer reads ``main_grad``.
 * ``ours``: every ``TransformerLayer`` wrapped in ``paddle_graphpp.torch.CUDAGraphedModule``
-  with its default settings; gradients in ``.grad``.
+  with its default settings, and on the last stage the model's vocabulary cross-entropy
+  (``GPTModel.compute_language_model_loss``) in ``paddle_graphpp.torch.graph_loss`` (``--loss
+  eager`` leaves it eager); gradients in ``.grad``.
 
 The tied embedding of a pipeline's first and last stage is summed by
 ``finalize_model_grads`` (Megatron's DDP) or by Megatron's embedding all-reduce on ``.grad``.
@@ -76,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--memory-trace", action="store_true",
                    help="record every allocation and break the memory peaks down (tools/diagnostics/memtrace.py); "
                         "slows the run: a diagnosis, not a timing")
+    p.add_argument("--loss", choices=["graphed", "eager"], default="graphed",
+                   help="ours: the last stage's cross-entropy in graph_loss (default) or eager")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     opts = p.parse_args(argv)
     if opts.memory_trace and opts.device != "cuda":
@@ -165,6 +169,13 @@ def build(opts, rank: int):
         layers = gpt.decoder.layers
         for i, layer in enumerate(layers):
             layers[i] = CUDAGraphedModule(layer)
+        if opts.loss == "graphed" and gpt.post_process:
+            from paddle_graphpp.torch import graph_loss
+
+            # GPTModel.forward calls self.compute_language_model_loss(labels, logits). Set on the
+            # instance with object.__setattr__: nn.Module would file a module value as a child,
+            # found only after the class's own method, which would then still run.
+            object.__setattr__(gpt, "compute_language_model_loss", graph_loss(gpt.compute_language_model_loss))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, gpt, config, optimizer, shape
 
@@ -347,8 +358,11 @@ def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
         from paddle_graphpp.core.memory import memory_report
 
         report = memory_report()
-        return {"graphs": sum(l.engine.graph_count() for l in layers),
-                "replays": sum(l.engine.replays for l in layers),
+        loss = gpt.__dict__.get("compute_language_model_loss")  # graph_loss's module, when graphed
+        graphed = layers + ([loss] if loss is not None else [])
+        return {"graphs": sum(m.engine.graph_count() for m in graphed),
+                "replays": sum(m.engine.replays for m in graphed),
+                "loss_graphs": loss.engine.graph_count() if loss is not None else 0,
                 "capture_s": sum(r["capture_seconds"] for r in report.values()), "memory_report": report}
     if variant == "megatron":
         runners = [r for l in layers for r in getattr(getattr(l, "cudagraph_manager", None), "cudagraph_runners", [])]

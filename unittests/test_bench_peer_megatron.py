@@ -196,3 +196,12 @@ def test_the_worker_refuses_a_memory_trace_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         peer_megatron_worker.parse_args(["--variant", "ours", "--seq", "32", "--device", "cpu", "--memory-trace"])
     assert "needs --device cuda" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, loss", [([], "graphed"), (["--ours-loss", "eager"], "eager")])
+def test_ours_runs_name_how_the_last_stage_loss_runs_and_the_others_do_not(capsys, extra, loss):
+    assert bench_peer_megatron.main(["--pp", "2", "--seqs", "512", "--dry-run", *extra]) == 0
+    runs = capsys.readouterr().out.splitlines()[2:]
+    ours = [l for l in runs if l.split()[0].startswith("ours")]
+    assert ours and all(f"--loss {loss}" in l for l in ours)
+    assert all("--loss" not in l for l in runs if not l.split()[0].startswith("ours"))
