@@ -304,7 +304,7 @@ def main(argv=None) -> int:
                         help="tensor-parallel GPUs per pipeline stage (GPUs = tp * pp)")
     parser.add_argument("--pp", type=int, choices=PP_CHOICES, default=2, help="pipeline stages")
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)), help="comma-separated sequence lengths")
-    parser.add_argument("--rounds", type=int, default=4, help="timed rounds per variant (3 steps each)")
+    parser.add_argument("--rounds", type=int, default=4, help="timed rounds per variant (of 3 steps at seq 2048, as many tokens at shorter lengths)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for all runs (default 480 on 1 GPU, 540 on 2, 560 on 4)")
     parser.add_argument("--profile", action="store_true",

@@ -27,7 +27,8 @@ Under tensor parallelism without sequence parallelism nothing else needs summing
 owns its shard's gradients, and the replicated layer norms get equal gradients on every rank.
 
 Steps: ``CAPTURE_STEPS`` steps (warmup, recording, capture), then ``rounds`` timed rounds of
-``STEPS_PER_ROUND`` steps, each between two device synchronisations. Memory: the peak of
+:func:`steps_per_round` steps (the tokens of 3 steps at seq 2048: a round at seq 512 is 12 steps,
+~0.5 s on one H200, where 3 steps read rounds 10% apart), each between two device synchronisations. Memory: the peak of
 reserved memory over the capture steps (from after the model is built), then the peak over
 the timed steps. ``--device cpu`` runs a tiny model on gloo (a check of the code, not of graphs:
 Megatron's graphs need CUDA, ours run eagerly on CPU).
@@ -53,7 +54,7 @@ from tools import benchlib  # noqa: E402
 
 VARIANTS = ("eager", "megatron", "ours", "eager_repeat")
 CAPTURE_STEPS = 3  # ours: 3 warmup calls, a recorded step, the capture step; Megatron: step 1 records, captures at its end
-STEPS_PER_ROUND = 3
+STEPS_PER_ROUND = 3  # at seq 2048 and longer; shorter sequences run more (steps_per_round)
 MICRO_BATCHES = 8
 MICRO_BATCH_SIZE = 1
 SEED = 1234
@@ -223,6 +224,12 @@ def batches(opts, vocab: int, steps: int, device):
 
 
 # ------------------------------------------------------------------------------------ train
+def steps_per_round(seq: int, device: str = "cuda") -> int:
+    """Steps in a timed round: on a GPU as many tokens at every length as 3 steps at seq 2048
+    (the CPU check keeps 3)."""
+    return STEPS_PER_ROUND * (max(1, 2048 // seq) if device == "cuda" else 1)
+
+
 def run(opts, rank: int) -> dict:
     import torch
 
@@ -239,7 +246,8 @@ def run(opts, rank: int) -> dict:
     model, gpt, config, optimizer, shape = build(opts, rank)
     cuda = opts.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    total_steps = CAPTURE_STEPS + opts.rounds * STEPS_PER_ROUND
+    round_steps = steps_per_round(opts.seq, opts.device)
+    total_steps = CAPTURE_STEPS + opts.rounds * round_steps
     data, positions = batches(opts, shape["vocab"], total_steps + (1 if opts.profile else 0), device)
     last = parallel_state.is_pipeline_last_stage()
     forward_backward = get_forward_backward_func()
@@ -296,7 +304,7 @@ def run(opts, rank: int) -> dict:
     for _ in range(opts.rounds):
         sync()
         t = time.perf_counter()
-        for _ in range(STEPS_PER_ROUND):
+        for _ in range(round_steps):
             losses.append(step(i))
             i += 1
         sync()
@@ -304,14 +312,14 @@ def run(opts, rank: int) -> dict:
     if cuda:
         mem["steady_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
         mem["steady_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    tokens_per_round = STEPS_PER_ROUND * MICRO_BATCHES * MICRO_BATCH_SIZE * opts.seq
+    tokens_per_round = round_steps * MICRO_BATCHES * MICRO_BATCH_SIZE * opts.seq
     tps = [tokens_per_round / s for s in round_s]
     record = {
         "rank": rank, "variant": opts.variant, "seq": opts.seq, "tp": opts.tp, "pp": opts.pp,
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "device": opts.device,
         "shape": shape, "micro_batches": MICRO_BATCHES, "micro_batch_size": MICRO_BATCH_SIZE,
-        "capture_steps": CAPTURE_STEPS, "steps_per_round": STEPS_PER_ROUND, "rounds": opts.rounds,
+        "capture_steps": CAPTURE_STEPS, "steps_per_round": round_steps, "rounds": opts.rounds,
         "tokens_per_s": statistics.median(tps), "tokens_per_s_rounds": tps,
         "tokens_per_s_spread": max(tps) / min(tps), "capture_phase_s": capture_phase_s,
         "losses": [float(x) for x in losses] if last else None,

@@ -205,3 +205,9 @@ def test_ours_runs_name_how_the_last_stage_loss_runs_and_the_others_do_not(capsy
     ours = [l for l in runs if l.split()[0].startswith("ours")]
     assert ours and all(f"--loss {loss}" in l for l in ours)
     assert all("--loss" not in l for l in runs if not l.split()[0].startswith("ours"))
+
+
+def test_a_timed_round_holds_as_many_tokens_at_every_length_on_a_gpu():
+    steps = peer_megatron_worker.steps_per_round
+    assert [steps(s) * s for s in (512, 1024, 2048)] == [3 * 2048] * 3
+    assert steps(4096) == 3 and steps(32, "cpu") == 3
