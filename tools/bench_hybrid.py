@@ -30,8 +30,11 @@ bit-identical (spread 0) or differ only by the embedding backward's atomics; a r
 changes the summation order the way TP=2 does, so the floor sets the tolerance whenever the
 spread is smaller (``loss_judged_by`` says which did). ``loss_falls``: every run's last loss is below its first.
 
+``graphed_vs_eager_loss_max_rel_err``: the graphs' own effect, graphed TP=2 against eager TP=2
+(the same sums: 0 when the graphs replay eager's kernels exactly).
+
 ``summary`` = ``{"speed_vs_eager_seq512", "speed_vs_eager_seq2048", "loss_max_rel_err",
-"eager_loss_spread", "loss_within_eager_spread", "loss_falls", ...}``.
+"eager_loss_spread", "loss_within_eager_spread", "loss_falls", "graphed_vs_eager_loss_max_rel_err", ...}``.
 """
 
 from __future__ import annotations
@@ -84,7 +87,11 @@ def summarize_hybrid(records: dict, seqs) -> tuple:
     checks = {tag: row["loss_vs_tp1"] for tag, row in by_seq.items()}
     errors = [c["max_rel_err"] for c in checks.values() if c["max_rel_err"] is not None]
     spreads = [c["reference_spread"] for c in checks.values() if c["reference_spread"] is not None]
+    graphed_errors = [row["graphed_vs_eager"].get("max_rel_loss_err") for row in by_seq.values()]
+    graphed_errors = [e for e in graphed_errors if e is not None]
     summary.update({
+        # the graphs' own effect: graphed TP=2 against eager TP=2 (the same sums), per step
+        "graphed_vs_eager_loss_max_rel_err": max(graphed_errors, default=None),
         "loss_max_rel_err": max(errors, default=None),
         "eager_loss_spread": max(spreads, default=None),
         "loss_tolerance": {tag: c["tolerance"] for tag, c in checks.items()},

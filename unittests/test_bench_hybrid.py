@@ -46,9 +46,12 @@ def test_tp2_losses_are_judged_against_the_spread_of_two_identical_tp1_runs():
     assert summary["loss_tolerance"] == {"seq512": pytest.approx(0.05), "seq2048": BF16_LOSS_RTOL}
     assert summary["loss_within_eager_spread"] is True and summary["loss_falls"] is True
     assert by_seq["seq2048"]["loss_vs_tp1"]["max_rel_err"] == pytest.approx(0.005)
+    assert summary["graphed_vs_eager_loss_max_rel_err"] == 0.0  # graphed TP=2 as eager TP=2 at every step
 
     records[(2048, "graphed")] = [run([10.0, 8.0, 6.1])]  # 1.7% with no spread to cover it
-    assert bench_hybrid.summarize_hybrid(records, [512, 2048])[1]["loss_within_eager_spread"] is False
+    summary = bench_hybrid.summarize_hybrid(records, [512, 2048])[1]
+    assert summary["loss_within_eager_spread"] is False
+    assert summary["graphed_vs_eager_loss_max_rel_err"] == pytest.approx(0.07 / 6.03)
     records[(2048, "graphed")] = [run([10.0, 12.0, 10.5])]  # diverges: the loss ends above its start
     summary = bench_hybrid.summarize_hybrid(records, [512, 2048])[1]
     assert summary["loss_falls"] is False and summary["loss_within_eager_spread"] is False
