@@ -22,7 +22,9 @@ summary still prints (a machine that allows 10 minutes a command: ``--budget 570
 ``--lanes`` several lists of steps run at the same time, each on the GPUs it names
 (``CUDA_VISIBLE_DEVICES``), each under the whole budget: for correctness runs and for ratios
 measured side by side inside one step, not for absolute figures compared across steps. A summary
-table ends the run; the exit status is 1 if a step failed or was skipped. The gpu-suite step runs the whole GPU suite (its 2-GPU tests too where two GPUs are present); gpu-suite-2gpu the 2-GPU tests alone.
+table ends the run; the exit status is 1 if a step failed or was skipped. The gpu-suite and gpu-suite-2gpu steps both run the whole GPU suite in one process
+on the GPUs the step sees (the 2-GPU tests skip on one); the second is the record of a 2-GPU
+machine (about 570 s on 2 x H200).
 
 A step named ``NAME@baseline`` runs step ``NAME``'s command from the checkout given by
 ``--baseline DIR`` (an older code version, e.g. ``git archive <rev> | tar -x -C DIR``), with
@@ -77,7 +79,7 @@ STEPS = [
     ("peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2", "peer-megatron-pp2-<device>.json"),
     ("hf-pipeline-pp2", 2, "python tools/bench_hf_pipeline.py", "hf-pipeline-pp2-<device>.json"),
     ("compile-pipeline-pp2", 2, "python tools/bench_compile_pipeline.py", "compile-pipeline-pp2-<device>.json"),
-    ("gpu-suite-2gpu", 2, "python tools/gpu_suite.py --name gpu-suite-2gpu -- -m two_gpus", "gpu-suite-2gpu-<device>.json"),
+    ("gpu-suite-2gpu", 2, "python tools/gpu_suite.py --name gpu-suite-2gpu", "gpu-suite-2gpu-<device>.json"),
     ("memory-trace-peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2 --seqs 2048 "
      "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp2-<device>.json"),
     ("memory-pipeline-pp4", 4, "python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 --variants eager,default",

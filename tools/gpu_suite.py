@@ -3,7 +3,8 @@
 and counts.
 
     python tools/gpu_suite.py                 # -> benchmarks/results/gpu-suite-<device>.json
-    python tools/gpu_suite.py --name gpu-suite-2gpu -- -m two_gpus   # the 2-GPU tests alone
+    python tools/gpu_suite.py --name gpu-suite-2gpu    # on a 2-GPU machine: the 2-GPU tests too
+    python tools/gpu_suite.py -- -m two_gpus            # the 2-GPU tests alone
 
 Runs pytest once, in a child process, over the whole ``unittests/gpu`` folder (the way a user
 runs it, so that every test file shares one interpreter and its teardown: the exit code is
