@@ -24,7 +24,8 @@ Variants, each in its own processes
   step and captured by ``create_cudagraphs()`` at the end of Megatron's schedule);
 * ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule`` and the last
   stage's cross-entropy in ``graph_loss`` (defaults; ``--ours-loss eager`` leaves the loss eager,
-  as records before 2026-11-28 did; ``FLAGS_graphpp_pool_expandable=1``, the default, set
+  as records before code c401a8a did: those without an ``ours_loss`` key; the worker's ``graphs``
+  count includes the loss's, ``loss_graphs`` in each rank's run gives them apart; ``FLAGS_graphpp_pool_expandable=1``, the default, set
   explicitly so that the environment cannot make it the next variant);
 * ``ours_segments``: the same under ``FLAGS_graphpp_pool_expandable=0`` (graph pools of
   ordinary segments, the setting docs/memory.md gives Megatron-style last stages).
@@ -43,7 +44,7 @@ A variant that fails keeps its exact error in the record; the others go on. Writ
 ``benchmarks/results/peer-megatron-pp<P>-<device>.json`` (``peer-megatron-tp<T>pp<P>-<device>.json``
 at ``--tp 2``); its ``summary`` holds ours over Megatron's graphs for speed at each sequence
 length and memory (max over ranks), and ours over eager's peak memory per rank (the whole run,
-capture steps included) at the longest sequence.
+capture steps included), the worst over the sequence lengths.
 Needs ``megatron-core`` (``python -m pip install --no-deps .wheels/megatron_core-*.whl``).
 """
 
@@ -73,9 +74,10 @@ VARIANT_SETTINGS = {"ours": ("ours", {"FLAGS_graphpp_pool_expandable": "1"}),
 VARIANTS = (*MAIN, "ours_segments", "eager_repeat")
 TP_CHOICES = (1, 2)
 PP_CHOICES = (1, 2, 4)
-# By ranks per run (tp * pp). A run needs 20-35 s on H100/H200 (start, build, capture, timed
-# rounds), 14 runs in all; the budget keeps the whole benchmark within a 10-minute GPU session
-# and drops the eager repeats first.
+# By ranks per run (tp * pp). A run needs 25-50 s on H100/H200 (start, build, capture, timed
+# rounds; at pp=2 on 2 x H200 29-46 s at seq 512, eager the longest), 14 runs in all; the budget
+# keeps the whole benchmark within a 10-minute GPU session and drops the eager repeats first
+# (at --pp 1, where eager at seq 512 is slowest, not yet checked with rounds of 12 steps).
 BUDGET_S = {1: 480.0, 2: 540.0, 4: 560.0, 8: 560.0}
 RUN_CAP_S = {1: 170.0, 2: 170.0, 4: 200.0, 8: 200.0}  # one variant's processes: start, build, capture, rounds
 MIN_RUN_S = 40.0  # below this much budget left, a run is skipped

@@ -27,8 +27,9 @@ Under tensor parallelism without sequence parallelism nothing else needs summing
 owns its shard's gradients, and the replicated layer norms get equal gradients on every rank.
 
 Steps: ``CAPTURE_STEPS`` steps (warmup, recording, capture), then ``rounds`` timed rounds of
-:func:`steps_per_round` steps (the tokens of 3 steps at seq 2048: a round at seq 512 is 12 steps,
-~0.5 s on one H200, where 3 steps read rounds 10% apart), each between two device synchronisations. Memory: the peak of
+:func:`steps_per_round` steps (about the tokens of 3 steps at seq 2048: 12 steps at seq 512, a
+round of ~1.5 s at pp=2 on 2 x H200 where 3 steps took ~0.35 s), each between two device
+synchronisations. Memory: the peak of
 reserved memory over the capture steps (from after the model is built), then the peak over
 the timed steps. ``--device cpu`` runs a tiny model on gloo (a check of the code, not of graphs:
 Megatron's graphs need CUDA, ours run eagerly on CPU).
@@ -225,9 +226,11 @@ def batches(opts, vocab: int, steps: int, device):
 
 # ------------------------------------------------------------------------------------ train
 def steps_per_round(seq: int, device: str = "cuda") -> int:
-    """Steps in a timed round: on a GPU as many tokens at every length as 3 steps at seq 2048
-    (the CPU check keeps 3)."""
-    return STEPS_PER_ROUND * (max(1, 2048 // seq) if device == "cuda" else 1)
+    """Steps in a timed round: on a GPU about as many tokens at every length as 3 steps at seq
+    2048, and never fewer than 3 (the CPU check keeps 3)."""
+    if device != "cuda":
+        return STEPS_PER_ROUND
+    return max(STEPS_PER_ROUND, round(STEPS_PER_ROUND * 2048 / seq))
 
 
 def run(opts, rank: int) -> dict:

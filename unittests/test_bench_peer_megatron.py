@@ -211,3 +211,4 @@ def test_a_timed_round_holds_as_many_tokens_at_every_length_on_a_gpu():
     steps = peer_megatron_worker.steps_per_round
     assert [steps(s) * s for s in (512, 1024, 2048)] == [3 * 2048] * 3
     assert steps(4096) == 3 and steps(32, "cpu") == 3
+    assert steps(768) == 8  # 6144 tokens, as at seq 2048
