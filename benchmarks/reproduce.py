@@ -22,9 +22,10 @@ summary still prints (a machine that allows 10 minutes a command: ``--budget 570
 ``--lanes`` several lists of steps run at the same time, each on the GPUs it names
 (``CUDA_VISIBLE_DEVICES``), each under the whole budget: for correctness runs and for ratios
 measured side by side inside one step, not for absolute figures compared across steps. A summary
-table ends the run; the exit status is 1 if a step failed or was skipped. The gpu-suite and gpu-suite-2gpu steps both run the whole GPU suite in one process
-on the GPUs the step sees (the 2-GPU tests skip on one); the second is the record of a 2-GPU
-machine (about 570 s on 2 x H200).
+table ends the run; the exit status is 1 if a step failed or was skipped. Without lanes a step
+sees as many GPUs as it needs, the first ones. So the gpu-suite step runs the whole GPU suite in
+one process on one GPU (the 2-GPU tests skip), gpu-suite-2gpu the same suite on two (about 570 s
+on 2 x H200).
 
 A step named ``NAME@baseline`` runs step ``NAME``'s command from the checkout given by
 ``--baseline DIR`` (an older code version, e.g. ``git archive <rev> | tar -x -C DIR``), with
@@ -218,10 +219,10 @@ def visible_ids(gpus: list) -> list:
 
 
 def run_lane(runner: Runner, steps: list, gpus: list | None, args, end: float | None) -> list:
-    """Run ``steps`` one after the other (on ``gpus``), each under what is left of the budget;
-    ``[(name, result, seconds, record)]``."""
+    """Run ``steps`` one after the other (on ``gpus``; without them each step on the first GPUs,
+    as many as it needs), each under what is left of the budget; ``[(name, result, seconds, record)]``."""
     rows, where = [], "" if gpus is None else f" [GPU {','.join(map(str, gpus))}]"
-    for i, (name, _, command, record) in enumerate(steps, 1):
+    for i, (name, need, command, record) in enumerate(steps, 1):
         left = args.timeout if end is None else min(args.timeout, end - time.monotonic() - STOP_GRACE_S)
         if left <= 0 or runner.stopping.is_set():
             why = "the budget is spent" if left <= 0 else "stopping"
@@ -231,7 +232,8 @@ def run_lane(runner: Runner, steps: list, gpus: list | None, args, end: float | 
         checkout = args.baseline if name.endswith(BASELINE) else REPO
         print(f"[{i}/{len(steps)}]{where} {name}: {command}" + (f" (in {checkout})" if checkout != REPO else ""),
               flush=True)
-        code, seconds, log = runner.run_step(name, command, args.log_dir, left, gpus, checkout=checkout)
+        code, seconds, log = runner.run_step(name, command, args.log_dir, left,
+                                             gpus if gpus is not None else list(range(need)), checkout=checkout)
         print(f"    {name}: {'ok' if code == 0 else f'FAILED ({code})'} in {seconds:.0f} s, log {log}", flush=True)
         rows.append((name, "ok" if code == 0 else f"failed ({code})", seconds, record))
     return rows

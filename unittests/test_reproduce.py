@@ -143,6 +143,17 @@ def test_lanes_run_side_by_side_each_on_its_own_gpus(tmp_path, monkeypatch):
     assert "sees 2,3" in (tmp_path / "two.log").read_text()
 
 
+def test_without_lanes_each_step_sees_the_first_gpus_it_needs(tmp_path, monkeypatch):
+    reproduce = _reproduce_module()
+    monkeypatch.setattr(reproduce, "gpu_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    show = "python -c \"import os; print('sees', os.environ['CUDA_VISIBLE_DEVICES'])\""
+    monkeypatch.setattr(reproduce, "STEPS", [("one", 1, show, "one-<device>.json"), ("two", 2, show, "two-<device>.json")])
+    assert reproduce.main(["--gpus", "2", "--only", "one,two", "--log-dir", str(tmp_path)]) == 0
+    assert "sees 0\n" in (tmp_path / "one.log").read_text()  # a 1-GPU suite does not run the 2-GPU tests
+    assert "sees 0,1\n" in (tmp_path / "two.log").read_text()
+
+
 def test_a_baseline_step_runs_the_same_command_from_the_older_checkout(tmp_path, monkeypatch):
     reproduce = _reproduce_module()
     old = tmp_path / "old"
