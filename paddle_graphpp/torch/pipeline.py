@@ -354,10 +354,12 @@ def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = 
             f"graph_loss(): the loss {type(loss_fn).__name__} has trainable parameters {trainable[:4]}; a pipeline "
             f"schedule's zero-bubble passes do not give them gradients. Keep this loss eager, or move its "
             f"parameters into the last stage's module")
-    if not isinstance(loss_fn, nn.Module):  # CUDAGraphedModule checks a module; a function is wrapped first
+    if isinstance(loss_fn, nn.Module):
+        module = loss_fn
+    else:  # CUDAGraphedModule checks the module it gets: the function inside the wrapper is checked here
         from .compile import options_for
 
         options_for(loss_fn, compile, f"graph_loss({name or 'loss'})")
-    module = loss_fn if isinstance(loss_fn, nn.Module) else _Loss(loss_fn)
+        module = _Loss(loss_fn)
     return GraphedLoss(CUDAGraphedModule(module, num_warmup_steps, fallback=fallback, memory=memory,
                                          compile=compile, name=name or "loss"))
