@@ -334,7 +334,8 @@ def run(opts, rank: int) -> dict:
         record["memory_trace"] = memtrace.analyze(snapshot, steady_since_us=steady_since_us,
                                                   step_starts_us=step_starts_us)
         # GRAPHPP_MEMTRACE_RAW=<folder>: the raw history too, for tools/diagnostics/pool_model.py
-        memtrace.write_raw(snapshot, f"{opts.variant}-seq{opts.seq}-rank{rank}", step_starts_us)
+        layout = "-segments" if os.environ.get("FLAGS_graphpp_pool_expandable") == "0" else ""  # ours_segments
+        memtrace.write_raw(snapshot, f"{opts.variant}{layout}-seq{opts.seq}-rank{rank}", step_starts_us)
         del snapshot
         print(f"rank {rank} {opts.variant} seq {opts.seq}:\n{memtrace.describe(record['memory_trace'])}", file=sys.stderr)
     if opts.profile:
