@@ -23,9 +23,11 @@ Variants, each in its own processes
   graph-safe RNG tracker, Megatron's DDP for ``main_grad``; graphs are recorded in the first
   step and captured by ``create_cudagraphs()`` at the end of Megatron's schedule);
 * ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule`` and the last
-  stage's cross-entropy in ``graph_loss`` (defaults; ``--ours-loss eager`` leaves the loss eager,
-  as records before code c401a8a did: those without an ``ours_loss`` key; the worker's ``graphs``
-  count includes the loss's, ``loss_graphs`` in each rank's run gives them apart; ``FLAGS_graphpp_pool_expandable=1``, the default, set
+  stage's cross-entropy in ``graph_loss`` and its output layer graphed in place (defaults;
+  ``--ours-loss eager`` leaves the loss eager, as records before code c401a8a did: those without
+  an ``ours_loss`` key; ``--ours-head eager`` the output layer, as records without an
+  ``ours_head`` key did; the worker's ``graphs`` count includes the loss's and the head's,
+  ``loss_graphs`` and ``head_graphs`` in each rank's run give them apart; ``FLAGS_graphpp_pool_expandable=1``, the default, set
   explicitly so that the environment cannot make it the next variant);
 * ``ours_segments``: the same under ``FLAGS_graphpp_pool_expandable=0`` (graph pools of
   ordinary segments, the setting docs/memory.md gives Megatron-style last stages).
@@ -89,7 +91,8 @@ def record_name(tp: int, pp: int) -> str:
 
 
 def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1,
-         variants=VARIANTS, memory_trace: bool = False, repeats: int = 2, ours_loss: str = "graphed") -> list[dict]:
+         variants=VARIANTS, memory_trace: bool = False, repeats: int = 2, ours_loss: str = "graphed",
+         ours_head: str = "graphed") -> list[dict]:
     """The runs in order: per sequence length eager, then Megatron's graphs and ours
     ``repeats`` times each in alternating order (megatron, ours, ours_segments, then ours,
     megatron, ...: a drift of the machine between runs moves both alike), then, after every
@@ -108,17 +111,19 @@ def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1,
         for variant in order:
             seen[variant] = seen.get(variant, 0) + 1
             prof = profile and seq == min(seqs) and variant in ("megatron", "ours") and seen[variant] == 1
-            runs.append(_run(variant, seq, tp, pp, rounds, prof, device, memory_trace, seen[variant], ours_loss))
+            runs.append(_run(variant, seq, tp, pp, rounds, prof, device, memory_trace, seen[variant], ours_loss,
+                             ours_head))
     for seq in seqs:
         if "eager_repeat" in variants:
             runs.append(_run("eager_repeat", seq, tp, pp, rounds, False, device, memory_trace))
     return runs
 
 
-def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False, repeat=1, ours_loss="graphed") -> dict:
+def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False, repeat=1, ours_loss="graphed",
+         ours_head="graphed") -> dict:
     worker_variant, env = VARIANT_SETTINGS.get(variant, (variant, {}))
     args = ["--variant", worker_variant, "--seq", str(seq), "--tp", str(tp), "--pp", str(pp), "--rounds", str(rounds)]
-    args += ["--loss", ours_loss] if worker_variant == "ours" else []
+    args += ["--loss", ours_loss, "--head", ours_head] if worker_variant == "ours" else []
     args += ["--profile"] if profile else []
     args += ["--memory-trace"] if memory_trace else []
     args += ["--device", "cpu"] if device == "cpu" else []
@@ -318,6 +323,8 @@ def main(argv=None) -> int:
                              "a memory trace runs each variant once)")
     parser.add_argument("--ours-loss", choices=["graphed", "eager"], default="graphed",
                         help="ours: the last stage's cross-entropy in graph_loss (default) or left eager")
+    parser.add_argument("--ours-head", choices=["graphed", "eager"], default="graphed",
+                        help="ours: the last stage's output layer graphed in place (default) or left eager")
     parser.add_argument("--memory-trace", action="store_true",
                         help="a diagnosis: record every allocation and break each rank's memory peaks down "
                              "(slows the runs); writes memory-trace-<record>-<device>.json, not the benchmark record")
@@ -341,7 +348,8 @@ def main(argv=None) -> int:
     world = args.tp * args.pp
     seqs = (CPU_SEQ,) if args.device == "cpu" else tuple(int(s) for s in args.seqs.split(",") if s)
     runs = plan(args.pp, seqs, rounds=args.rounds, profile=args.profile, device=args.device, tp=args.tp,
-                variants=variants, memory_trace=args.memory_trace, repeats=args.repeats, ours_loss=args.ours_loss)
+                variants=variants, memory_trace=args.memory_trace, repeats=args.repeats, ours_loss=args.ours_loss,
+                ours_head=args.ours_head)
     budget = args.budget if args.budget is not None else BUDGET_S[world]
     run_cap = RUN_CAP_S[world]
     name = ("memory-trace-" if args.memory_trace else "") + (args.name or record_name(args.tp, args.pp))
@@ -377,7 +385,7 @@ def main(argv=None) -> int:
     summary = headline(by_seq, world=world)
     payload = {"command": benchlib.command(), **benchlib.environment(), "versions": _versions(),
                "tp": args.tp, "pp": args.pp, "world_size": world, "seqs": list(seqs), "budget_s": budget,
-               "ours_loss": args.ours_loss,
+               "ours_loss": args.ours_loss, "ours_head": args.ours_head,
                "summary": summary, "by_config": by_seq, "runs": records}
     if args.device == "cpu":  # a check of the scripts: no result file
         print(json.dumps(payload))

@@ -19,6 +19,7 @@ Megatron's graph-safe RNG tracker):
 * ``ours``: every ``TransformerLayer`` wrapped in ``paddle_graphpp.torch.CUDAGraphedModule``
   with its default settings, and on the last stage the model's vocabulary cross-entropy
   (``GPTModel.compute_language_model_loss``) in ``paddle_graphpp.torch.graph_loss`` (``--loss
+  eager`` leaves it eager) and its output layer graphed in place by ``graph_layers`` (``--head
   eager`` leaves it eager); gradients in ``.grad``.
 
 The tied embedding of a pipeline's first and last stage is summed by
@@ -82,6 +83,8 @@ def parse_args(argv=None):
                         "slows the run: a diagnosis, not a timing")
     p.add_argument("--loss", choices=["graphed", "eager"], default="graphed",
                    help="ours: the last stage's cross-entropy in graph_loss (default) or eager")
+    p.add_argument("--head", choices=["graphed", "eager"], default="graphed",
+                   help="ours: the last stage's output layer graphed in place (graph_layers) or eager")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     opts = p.parse_args(argv)
     if opts.memory_trace and opts.device != "cuda":
@@ -178,6 +181,12 @@ def build(opts, rank: int):
             # instance with object.__setattr__: nn.Module would file a module value as a child,
             # found only after the class's own method, which would then still run.
             object.__setattr__(gpt, "compute_language_model_loss", graph_loss(gpt.compute_language_model_loss))
+        if opts.head == "graphed" and gpt.post_process:
+            from paddle_graphpp.torch import graph_layers
+
+            # In place: GPTModel hands the layer its tied weight (weight=self.output_layer.weight),
+            # which the graphs then read in place; its logits feed a graphed loss without a copy.
+            graph_layers([gpt.output_layer], name="output_layer")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, gpt, config, optimizer, shape
 
@@ -371,10 +380,13 @@ def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
 
         report = memory_report()
         loss = gpt.__dict__.get("compute_language_model_loss")  # graph_loss's module, when graphed
-        graphed = layers + ([loss] if loss is not None else [])
+        head = getattr(gpt, "output_layer", None) if gpt.post_process else None
+        head = head if getattr(head, "engine", None) is not None else None  # graphed in place
+        graphed = layers + [m for m in (loss, head) if m is not None]
         return {"graphs": sum(m.engine.graph_count() for m in graphed),
                 "replays": sum(m.engine.replays for m in graphed),
                 "loss_graphs": loss.engine.graph_count() if loss is not None else 0,
+                "head_graphs": head.engine.graph_count() if head is not None else 0,
                 "capture_s": sum(r["capture_seconds"] for r in report.values()), "memory_report": report}
     if variant == "megatron":
         runners = [r for l in layers for r in getattr(getattr(l, "cudagraph_manager", None), "cudagraph_runners", [])]

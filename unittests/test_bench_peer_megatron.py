@@ -198,13 +198,14 @@ def test_the_worker_refuses_a_memory_trace_without_a_gpu(capsys):
     assert "needs --device cuda" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, loss", [([], "graphed"), (["--ours-loss", "eager"], "eager")])
-def test_ours_runs_name_how_the_last_stage_loss_runs_and_the_others_do_not(capsys, extra, loss):
+@pytest.mark.parametrize("extra, loss, head", [([], "graphed", "graphed"), (["--ours-loss", "eager"], "eager", "graphed"),
+                                               (["--ours-head", "eager"], "graphed", "eager")])
+def test_ours_runs_name_how_the_last_stage_loss_and_head_run_and_the_others_do_not(capsys, extra, loss, head):
     assert bench_peer_megatron.main(["--pp", "2", "--seqs", "512", "--dry-run", *extra]) == 0
     runs = capsys.readouterr().out.splitlines()[2:]
     ours = [l for l in runs if l.split()[0].startswith("ours")]
-    assert ours and all(f"--loss {loss}" in l for l in ours)
-    assert all("--loss" not in l for l in runs if not l.split()[0].startswith("ours"))
+    assert ours and all(f"--loss {loss} --head {head}" in l for l in ours)
+    assert all("--loss" not in l and "--head" not in l for l in runs if not l.split()[0].startswith("ours"))
 
 
 def test_a_timed_round_holds_as_many_tokens_at_every_length_on_a_gpu():

@@ -181,6 +181,63 @@ def test_positional_cache_arguments_and_tuple_outputs():
         assert torch.equal(p.grad, q.grad)
 
 
+class TiedHead(torch.nn.Module):
+    """An output layer that can be handed its weight, as Megatron-Core's is (``weight=``, tied)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(VOCAB, 8) * 0.1)
+        self.bias = torch.nn.Parameter(torch.zeros(VOCAB))
+
+    def forward(self, hidden, weight=None):
+        return hidden @ (self.weight if weight is None else weight).t() + self.bias, None
+
+
+def tied_head_steps(head, steps, *, given):
+    """Losses of ``steps`` steps of 2 micro-batches, the head given ``given`` as its weight; the
+    gradients are left in ``head``."""
+    data = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        head.zero_grad(set_to_none=True)
+        for _ in range(2):
+            x = torch.randn(2, SEQ, 8, generator=data)
+            logits, _ = head(x, weight=given(head))
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.zeros(2 * SEQ, dtype=torch.long))
+            loss.backward()
+            losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def test_a_blocks_own_weight_given_as_an_argument_trains_like_eager():
+    head, ref = TiedHead(), TiedHead()
+    ref.load_state_dict(head.state_dict())
+    graph_layers([head], num_warmup_steps=1, name="output_layer")
+    got = tied_head_steps(head, 3, given=lambda h: h.weight)
+    want = tied_head_steps(ref, 3, given=lambda h: h.weight)
+    assert torch.equal(got, want)
+    assert torch.equal(head.weight.grad, ref.weight.grad) and torch.equal(head.bias.grad, ref.bias.grad)
+    other = torch.nn.Parameter(head.weight.detach().clone())  # not the block's own: an input as before
+    logits, _ = head(torch.randn(2, SEQ, 8), weight=other)
+    logits.sum().backward()
+    assert other.grad is not None and other.grad.shape == other.shape
+
+
+def test_a_blocks_own_weight_given_as_an_argument_is_no_graph_input(fake_runtime):
+    # Read in place like the block's other parameters: the graphs take only the hidden state as
+    # an input (no weight-sized input buffer, no gradient handed out for it).
+    head = TiedHead()
+    graph_layers([head], num_warmup_steps=1, name="output_layer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback
+        tied_head_steps(head, 4, given=lambda h: h.weight)
+    assert head.engine.captures == 2 and head.engine.replays > 0
+    (sig,) = head.engine.signatures().values()
+    specs, consts = sig.key[:2]
+    assert [s.shape for s in specs] == [(2, SEQ, 8)]
+    assert any("weight" in repr(c) for c in consts), consts  # the weight by name, a constant
+
+
 def test_bad_arguments_name_the_fix():
     model = build("llama")
     with pytest.raises(TypeError, match="single LlamaDecoderLayer.*pass \\[module\\]"):

@@ -32,6 +32,8 @@ there.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 import sys
 from typing import Any, Iterable, Optional, Union
@@ -55,6 +57,29 @@ _NAME = "_graphpp_name"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
 
 
+@dataclasses.dataclass(frozen=True)
+class _OwnParameter:
+    """Stands for one of a block's own parameters passed to its forward as an argument (Megatron's
+    output layer gets its tied weight as ``weight=``). The engine sees a constant, not an input
+    tensor, so the graphs read the parameter in place and accumulate its gradient like every other
+    parameter's, instead of copying it into an input buffer and handing its gradient out."""
+
+    name: str
+
+
+def _by_name(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """``args`` and ``kwargs`` with each top-level argument that is one of ``layer``'s own
+    parameters replaced by an :class:`_OwnParameter`."""
+    if not any(isinstance(x, nn.Parameter) for x in (*args, *kwargs.values())):
+        return args, kwargs  # activations are never Parameters: the usual call stops here
+    names = {id(p): n for n, p in layer.named_parameters()}
+
+    def mark(x):
+        return _OwnParameter(names[id(x)]) if isinstance(x, nn.Parameter) and id(x) in names else x
+
+    return tuple(map(mark, args)), {k: mark(v) for k, v in kwargs.items()}
+
+
 class _OriginalForward(RunsInPlaceOf):
     """The block's original ``forward``, called on the block itself, as the module the engine
     wraps. Its parameters are the block's (under ``layer.``); its train/eval mode is the block's."""
@@ -67,6 +92,11 @@ class _OriginalForward(RunsInPlaceOf):
         self._forward = forward
 
     def forward(self, *args, **kwargs):
+        def resolve(x):  # the parameter as the block holds it now: inside a capture, its alias
+            return functools.reduce(getattr, x.name.split("."), self.layer) if isinstance(x, _OwnParameter) else x
+
+        if any(isinstance(x, _OwnParameter) for x in (*args, *kwargs.values())):
+            args, kwargs = tuple(map(resolve, args)), {k: resolve(v) for k, v in kwargs.items()}
         return self._forward(self.layer, *args, **kwargs)
 
 
@@ -85,6 +115,7 @@ class GraphedLayer(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
             self._graphpp_check_call(args, kwargs)
+        args, kwargs = _by_name(self, args, kwargs)
         return self.__dict__[_SLOT](*args, **kwargs)
 
     @property
@@ -264,7 +295,8 @@ def graph_layers(
     ``(cos, sin)`` tuple, ``cache_position``, ``use_cache=False``, ``past_key_values=None``);
     tensors among them are copied into static buffers at each replay, ``None``/bool/int values
     are part of the input signature, and a tensor or a tuple output is returned as the block
-    returns it.
+    returns it. A block's own parameter passed to it as an argument (Megatron-Core's output
+    layer is handed its tied weight as ``weight=``) is read in place like its other parameters.
 
     Args:
         layers: the blocks: ``nn.ModuleList`` (``model.model.layers``, ``model.transformer.h``),

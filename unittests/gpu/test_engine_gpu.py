@@ -433,6 +433,60 @@ def test_a_graphed_loss_trains_like_eager_and_replays_with_the_stage():
     assert rel(head.proj.weight, ref.proj.weight) <= 1e-6
 
 
+def test_a_head_given_its_own_weight_and_a_graphed_loss_train_like_eager():
+    """Megatron's last stage: the output layer is handed its tied weight (``weight=``) and its
+    logits go to a graphed loss. Graphed in place, the head reads the weight in place (no input
+    buffer for it) and its logits feed the loss graph; losses and weights as eager."""
+    from paddle_graphpp.torch import graph_layers, graph_loss
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(256, 64) * 0.05)
+
+        def forward(self, hidden, weight=None):
+            return hidden @ (self.weight if weight is None else weight).t(), None
+
+    def cross_entropy(labels, logits):  # Megatron's argument order
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten()) / 4
+
+    torch.manual_seed(0)
+    stack, head = Stack(n=2).to(DEV), Head().to(DEV)
+    ref_stack, ref_head = copy.deepcopy(stack), copy.deepcopy(head)
+    g_stack = CUDAGraphedModule(stack, num_warmup_steps=1)
+    graph_layers([head], num_warmup_steps=1, name="output_layer")
+    loss_fn = graph_loss(cross_entropy, 1)
+    params = [*stack.parameters(), *head.parameters()]
+    ref_params = [*ref_stack.parameters(), *ref_head.parameters()]
+    opt, ref_opt = torch.optim.AdamW(params, lr=1e-3), torch.optim.AdamW(ref_params, lr=1e-3)
+    order = "f0 f1 b0 f2 b1 f3 b2 b3".split()
+    for step in range(6):
+        xs = [torch.randn(2, 16, 64, device=DEV) for _ in range(4)]
+        labels = [torch.randint(0, 256, (2, 16), device=DEV) for _ in range(4)]
+        losses = {}
+        for body, last, loss, o, key in ((g_stack, head, loss_fn, opt, "graphed"),
+                                         (ref_stack, ref_head, cross_entropy, ref_opt, "eager")):
+            torch.manual_seed(step)
+            pending, got = {}, []
+            for op in order:
+                i = int(op[1:])
+                if op[0] == "f":
+                    logits, _ = last(body(xs[i])[0], weight=last.weight)
+                    pending[i] = loss(labels[i], logits)
+                else:
+                    value = pending.pop(i)
+                    got.append(value.detach().clone())
+                    value.backward()
+            losses[key] = torch.stack(got)
+            o.step()
+            o.zero_grad(set_to_none=True)
+        assert rel(losses["graphed"], losses["eager"]) <= 1e-6, f"step {step}"
+    assert head.engine.replays > 0 and loss_fn.engine.replays > 0
+    (sig,) = head.engine.signatures().values()
+    assert [s.shape for s in sig.key[0]] == [(2, 16, 64)], "the head's weight became a graph input"
+    assert rel(head.weight, ref_head.weight) <= 1e-6
+
+
 def test_schedule1f1b_with_graphed_stage_and_loss_returns_each_micro_batchs_loss():
     """Through torch.distributed.pipelining itself (one rank holding the only stage): the
     losses Schedule1F1B hands back are each micro-batch's own, step after step, so is the
