@@ -82,7 +82,7 @@ STEPS = [
     ("compile-pipeline-pp2", 2, "python tools/bench_compile_pipeline.py", "compile-pipeline-pp2-<device>.json"),
     ("gpu-suite-2gpu", 2, "python tools/gpu_suite.py --name gpu-suite-2gpu", "gpu-suite-2gpu-<device>.json"),
     ("memory-trace-peer-megatron-pp2", 2, "python tools/bench_peer_megatron.py --pp 2 --seqs 2048 "
-     "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp2-<device>.json"),
+     "--variants eager,ours,ours_segments --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp2-<device>.json"),
     ("memory-pipeline-pp4", 4, "python tools/bench_pipeline_memory.py --preset gpt1.3b-pp4 --variants eager,default",
      "memory-pipeline-gpt1.3b-pp4-<device>.json"),
     ("allreduce-4r", 4, "python tools/bench_allreduce.py --ranks 4", "allreduce-4r-<device>.json"),
@@ -90,13 +90,15 @@ STEPS = [
     ("peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4", "peer-megatron-pp4-<device>.json"),
     ("peer-megatron-tp2pp2", 4, "python tools/bench_peer_megatron.py --tp 2 --pp 2",
      "peer-megatron-tp2pp2-<device>.json"),
+    ("memory-trace-peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4 --seqs 512 "
+     "--variants eager,ours,ours_segments --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp4-<device>.json"),
     ("profile-peer-megatron-pp4", 4, "python tools/bench_peer_megatron.py --pp 4 --seqs 512 --variants megatron,ours "
      "--rounds 2 --repeats 1 --profile --name profile-peer-megatron-pp4", "profile-peer-megatron-pp4-<device>.json"),
 ]
 BASELINE = "@baseline"  # a step's name with this suffix: the step, run from the --baseline checkout
 # Run only when named: they look for a fault or break memory down, they record no published figure.
 DIAGNOSTIC = {"gpu-suite-probe", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2",
-              "profile-peer-megatron-pp4"}
+              "memory-trace-peer-megatron-pp4", "profile-peer-megatron-pp4"}
 
 
 def selected(gpus: int, only: str | None) -> list:
