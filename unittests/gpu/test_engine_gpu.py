@@ -388,6 +388,23 @@ def test_a_weight_shared_by_two_graphed_modules_trains_like_eager():
     assert rel(embed.table, ref_embed.table) <= 1e-6
 
 
+def step_in_order(order, forward, optimizer):
+    """One step: ``order``'s forwards (``f<i>``: ``forward(i)`` gives micro-batch ``i``'s loss) and
+    backwards (``b<i>``), then the optimizer. Returns the losses in backward order."""
+    pending, got = {}, []
+    for op in order:
+        i = int(op[1:])
+        if op[0] == "f":
+            pending[i] = forward(i)
+        else:
+            value = pending.pop(i)
+            got.append(value.detach().clone())
+            value.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return torch.stack(got)
+
+
 def test_a_graphed_loss_trains_like_eager_and_replays_with_the_stage():
     """A last stage and its cross-entropy (fp32 logits), both graphed, in 1F1B order: losses
     and weights as eager over steps with AdamW, labels changing every micro-batch."""
@@ -416,18 +433,7 @@ def test_a_graphed_loss_trains_like_eager_and_replays_with_the_stage():
         losses = {}
         for model, loss, o, key in ((graphed, loss_fn, opt, "graphed"), (ref, cross_entropy, ref_opt, "eager")):
             torch.manual_seed(step)
-            pending, got = {}, []
-            for op in order:
-                i = int(op[1:])
-                if op[0] == "f":
-                    pending[i] = loss(model(xs[i]), labels[i])
-                else:
-                    value = pending.pop(i)
-                    got.append(value.detach().clone())
-                    value.backward()
-            losses[key] = torch.stack(got)
-            o.step()
-            o.zero_grad(set_to_none=True)
+            losses[key] = step_in_order(order, lambda i: loss(model(xs[i]), labels[i]), o)
         assert rel(losses["graphed"], losses["eager"]) <= 1e-6, f"step {step}"
     assert loss_fn.engine.captures == 2 * 4 and loss_fn.engine.replays >= 2 * 4 * 3
     assert rel(head.proj.weight, ref.proj.weight) <= 1e-6
@@ -467,19 +473,12 @@ def test_a_head_given_its_own_weight_and_a_graphed_loss_train_like_eager():
         for body, last, loss, o, key in ((g_stack, head, loss_fn, opt, "graphed"),
                                          (ref_stack, ref_head, cross_entropy, ref_opt, "eager")):
             torch.manual_seed(step)
-            pending, got = {}, []
-            for op in order:
-                i = int(op[1:])
-                if op[0] == "f":
-                    logits, _ = last(body(xs[i])[0], weight=last.weight)
-                    pending[i] = loss(labels[i], logits)
-                else:
-                    value = pending.pop(i)
-                    got.append(value.detach().clone())
-                    value.backward()
-            losses[key] = torch.stack(got)
-            o.step()
-            o.zero_grad(set_to_none=True)
+
+            def forward(i):
+                logits, _ = last(body(xs[i])[0], weight=last.weight)  # Megatron's call of its head
+                return loss(labels[i], logits)
+
+            losses[key] = step_in_order(order, forward, o)
         assert rel(losses["graphed"], losses["eager"]) <= 1e-6, f"step {step}"
     assert head.engine.replays > 0 and loss_fn.engine.replays > 0
     (sig,) = head.engine.signatures().values()
