@@ -32,8 +32,9 @@ Variants, each in its own processes
 * ``ours_segments``: the same under ``FLAGS_graphpp_pool_expandable=0`` (graph pools of
   ordinary segments, the setting docs/memory.md gives Megatron-style last stages).
 
-Megatron's graphs and ours run ``--repeats`` times (2) per sequence length in alternating order
-(megatron, ours, ours_segments, ours, megatron): their figures pool the runs' rounds, so that
+Megatron's graphs and both layouts of ours run ``--repeats`` times (2) per sequence length in
+alternating order (megatron, ours, ours_segments, ours_segments, ours, megatron; records up to
+code 6dc9927 ran ``ours_segments`` once): their figures pool the runs' rounds, so that
 a machine that drifts between runs (it does: the same eager run has read 0.70x its first run a
 few minutes later) moves both alike. Their ``tokens_per_s_spread`` is over all runs' rounds
 (drift included); ``tokens_per_s_spread_runs`` holds each run's own. A repeat that fails or that
@@ -93,20 +94,19 @@ def record_name(tp: int, pp: int) -> str:
 def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1,
          variants=VARIANTS, memory_trace: bool = False, repeats: int = 2, ours_loss: str = "graphed",
          ours_head: str = "graphed") -> list[dict]:
-    """The runs in order: per sequence length eager, then Megatron's graphs and ours
-    ``repeats`` times each in alternating order (megatron, ours, ours_segments, then ours,
-    megatron, ...: a drift of the machine between runs moves both alike), then, after every
+    """The runs in order: per sequence length eager, then Megatron's graphs and ours in both
+    pool layouts ``repeats`` times each, every other repeat mirrored (megatron, ours,
+    ours_segments, then ours_segments, ours, megatron, ...: a drift of the machine between runs
+    moves all three alike), then, after every
     length, the eager repeats (a budget that runs out drops those first). Profiling rides on
     the shortest sequence's first Megatron and ours runs."""
     runs = []
     repeats = 1 if memory_trace else max(1, repeats)
     for seq in seqs:
         order = ["eager"] if "eager" in variants else []
-        for k in range(repeats):
-            pair = ["megatron", "ours"] if k % 2 == 0 else ["ours", "megatron"]
-            order += [v for v in pair if v in variants]
-            if k == 0 and "ours_segments" in variants:
-                order.append("ours_segments")
+        trio = ["megatron", "ours", "ours_segments"]
+        for k in range(repeats):  # mirrored every other repeat: a steady drift moves all three alike
+            order += [v for v in (trio if k % 2 == 0 else trio[::-1]) if v in variants]
         seen: dict = {}
         for variant in order:
             seen[variant] = seen.get(variant, 0) + 1

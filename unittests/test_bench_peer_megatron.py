@@ -19,10 +19,11 @@ def test_dry_run_lists_every_variant_and_length(capsys):
     assert bench_peer_megatron.main(["--pp", "1", "--profile", "--dry-run"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if not l.startswith("#")]
     labels = [l.split()[0] for l in lines]
-    per_seq = ["eager", "megatron", "ours", "ours_segments", "ours", "megatron"]  # the peer and ours alternate
-    assert labels[:12] == ([f"{v}@seq512" for v in per_seq[:4]] + ["ours@seq512#2", "megatron@seq512#2"]
-                           + [f"{v}@seq2048" for v in per_seq[:4]] + ["ours@seq2048#2", "megatron@seq2048#2"])
-    assert labels[12:] == ["eager_repeat@seq512", "eager_repeat@seq2048"]  # dropped first when time runs out
+    # the peer and both layouts of ours alternate, every other repeat mirrored
+    per_seq = ["eager", "megatron", "ours", "ours_segments", "ours_segments#2", "ours#2", "megatron#2"]
+    assert labels[:14] == [f"{v.split('#')[0]}@seq{s}" + (f"#{v.split('#')[1]}" if "#" in v else "")
+                           for s in (512, 2048) for v in per_seq]
+    assert labels[14:] == ["eager_repeat@seq512", "eager_repeat@seq2048"]  # dropped first when time runs out
     profiled = [l.split()[0] for l in lines if "--profile" in l]
     assert profiled == ["megatron@seq512", "ours@seq512"]  # the first run of each only
     assert all("--pp 1" in l for l in lines)
@@ -105,7 +106,7 @@ def test_dry_run_names_the_ranks_and_the_record(capsys, argv, world, record, bud
     assert out[1] == f"# writes benchmarks/results/{record}-<device>.json"
     tp = argv[argv.index("--tp") + 1] if "--tp" in argv else "1"
     runs = out[2:]
-    assert len(runs) == 14 and all(f"--tp {tp} --pp {argv[-1]}" in l for l in runs)
+    assert len(runs) == 16 and all(f"--tp {tp} --pp {argv[-1]}" in l for l in runs)
 
 
 def test_the_per_run_cap_fits_the_budget_for_every_world_size():
