@@ -23,14 +23,14 @@ Variants, each in its own processes
   graph-safe RNG tracker, Megatron's DDP for ``main_grad``; graphs are recorded in the first
   step and captured by ``create_cudagraphs()`` at the end of Megatron's schedule);
 * ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule`` and the last
-  stage's cross-entropy in ``graph_loss`` and its output layer graphed in place (defaults;
+  stage's cross-entropy in ``graph_loss`` and its output layer graphed in place (at pp > 1; defaults;
   ``--ours-loss eager`` leaves the loss eager, as records before code c401a8a did: those without
   an ``ours_loss`` key; ``--ours-head eager`` the output layer, as records without an
   ``ours_head`` key did; the worker's ``graphs`` count includes the loss's and the head's,
   ``loss_graphs`` and ``head_graphs`` in each rank's run give them apart; ``FLAGS_graphpp_pool_expandable=1``, the default, set
   explicitly so that the environment cannot make it the next variant);
 * ``ours_segments``: the same under ``FLAGS_graphpp_pool_expandable=0`` (graph pools of
-  ordinary segments, the setting docs/memory.md gives Megatron-style last stages).
+  ordinary segments; which layout holds less depends on the stage, docs/memory.md).
 
 Megatron's graphs and both layouts of ours run ``--repeats`` times (2) per sequence length in
 alternating order (megatron, ours, ours_segments, ours_segments, ours, megatron; records up to

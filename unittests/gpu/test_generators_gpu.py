@@ -142,21 +142,20 @@ def test_megatron_tracker_found_without_arguments():
 
     from tools.launch import free_port
 
-    created_group = not dist.is_initialized()
-    if created_group:
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    created_parallel = not parallel_state.model_parallel_is_initialized()
-    if created_parallel:
-        parallel_state.initialize_model_parallel(1, 1)
-
     def new_tracker():
         tensor_parallel.model_parallel_cuda_manual_seed(123, use_cudagraphable_rng=True, force_reset_rng=True)
         return tensor_parallel.get_cuda_rng_tracker()
 
+    created_group = not dist.is_initialized()
+    created_parallel = not parallel_state.model_parallel_is_initialized()
     try:
+        if created_group:
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        if created_parallel:
+            parallel_state.initialize_model_parallel(1, 1)
         _eager_and_graphed_agree(new_tracker, lambda tracker: {})  # no generators=: found in Megatron
     finally:  # what this test set up it takes down, so the suite exits without a group left open
         if created_parallel:
             parallel_state.destroy_model_parallel()
-        if created_group:
+        if created_group and dist.is_initialized():
             dist.destroy_process_group()
