@@ -87,8 +87,8 @@ def _mark_own_parameters(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
             warnings.warn(
                 f"{layer.__dict__.get(_NAME, type(layer).__name__)}: a parameter that is not this block's own "
                 f"(shape {tuple(x.shape)}) is passed to it as an argument; its graphs copy it into an input buffer at "
-                f"every replay and hand its gradient out. Graph the module that owns it together with this one, or "
-                f"let this block read it as an attribute.", RuntimeWarning, stacklevel=4)
+                f"every replay and hand its gradient out. Keep this block eager, or make the parameter one of its own "
+                f"(an attribute of the block) so that the graphs read it in place.", RuntimeWarning, stacklevel=4)
         return x
 
     return tuple(map(mark, args)), {k: mark(v) for k, v in kwargs.items()}
