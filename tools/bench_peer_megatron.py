@@ -22,13 +22,13 @@ Variants, each in its own processes
 * ``megatron``: its local graphs (``cuda_graph_impl="local"``, ``cuda_graph_warmup_steps`` 3,
   graph-safe RNG tracker, Megatron's DDP for ``main_grad``; graphs are recorded in the first
   step and captured by ``create_cudagraphs()`` at the end of Megatron's schedule);
-* ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule`` and the last
-  stage's cross-entropy in ``graph_loss`` and its output layer graphed in place (at pp > 1; defaults;
-  ``--ours-loss eager`` leaves the loss eager, as records before code c401a8a did: those without
-  an ``ours_loss`` key; ``--ours-head eager`` the output layer, as records without an
-  ``ours_head`` key did; the worker's ``graphs`` count includes the loss's and the head's,
-  ``loss_graphs`` and ``head_graphs`` in each rank's run give them apart; ``FLAGS_graphpp_pool_expandable=1``, the default, set
-  explicitly so that the environment cannot make it the next variant);
+* ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule``; on the
+  last stage the cross-entropy in ``graph_loss`` and, at pp > 1, the output layer graphed in
+  place (defaults). ``--ours-loss eager`` / ``--ours-head eager`` leave those eager, as the
+  records without an ``ours_loss`` / ``ours_head`` key did. Each rank's ``graphs`` count includes
+  the loss's and the head's (``loss_graphs``, ``head_graphs`` give them apart).
+  ``FLAGS_graphpp_pool_expandable=1``, the default, is set explicitly so that the environment
+  cannot make it the next variant;
 * ``ours_segments``: the same under ``FLAGS_graphpp_pool_expandable=0`` (graph pools of
   ordinary segments; which layout holds less depends on the stage, docs/memory.md).
 
@@ -78,7 +78,7 @@ VARIANTS = (*MAIN, "ours_segments", "eager_repeat")
 TP_CHOICES = (1, 2)
 PP_CHOICES = (1, 2, 4)
 # By ranks per run (tp * pp). A run needs 25-50 s on H100/H200 (start, build, capture, timed
-# rounds; at pp=2 on 2 x H200 29-46 s at seq 512, eager the longest), 14 runs in all; the budget
+# rounds; at pp=2 on 2 x H200 29-46 s at seq 512, eager the longest), 16 runs in all; the budget
 # keeps the whole benchmark within a 10-minute GPU session and drops the eager repeats first
 # (at --pp 1, where eager at seq 512 is slowest, not yet checked with rounds of 12 steps).
 BUDGET_S = {1: 480.0, 2: 540.0, 4: 560.0, 8: 560.0}

@@ -346,8 +346,9 @@ def run(opts, rank: int) -> dict:
         record["memory_trace"] = memtrace.analyze(snapshot, steady_since_us=steady_since_us,
                                                   step_starts_us=step_starts_us)
         # GRAPHPP_MEMTRACE_RAW=<folder>: the raw history too, for tools/diagnostics/pool_model.py
-        segments = opts.variant == "ours" and os.environ.get("FLAGS_graphpp_pool_expandable") == "0"
-        layout = "-segments" if segments else ""  # ours_segments
+        from paddle_graphpp.torch.memory import pool_segments
+
+        layout = "-segments" if opts.variant == "ours" and not pool_segments.enabled() else ""  # ours_segments
         memtrace.write_raw(snapshot, f"{opts.variant}{layout}-seq{opts.seq}-rank{rank}", step_starts_us)
         del snapshot
         print(f"rank {rank} {opts.variant} seq {opts.seq}:\n{memtrace.describe(record['memory_trace'])}", file=sys.stderr)
@@ -382,10 +383,11 @@ def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
     if variant == "ours":
         from paddle_graphpp.core.memory import memory_report
 
+        from paddle_graphpp.torch.layers import is_graphed_layer
+
         report = memory_report()
         loss = gpt.__dict__.get("compute_language_model_loss")  # graph_loss's module, when graphed
-        head = getattr(gpt, "output_layer", None) if gpt.post_process else None
-        head = head if getattr(head, "engine", None) is not None else None  # graphed in place
+        head = gpt.output_layer if gpt.post_process and is_graphed_layer(gpt.output_layer) else None
         graphed = layers + [m for m in (loss, head) if m is not None]
         return {"graphs": sum(m.engine.graph_count() for m in graphed),
                 "replays": sum(m.engine.replays for m in graphed),
