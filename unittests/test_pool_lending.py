@@ -20,6 +20,20 @@ def test_left_over_places_sizes_best_fit_with_splitting():
     assert pool_lending._left_over([], [MIB // 2, MIB]) == 0  # small requests are not counted
 
 
+def test_a_step_borrows_when_growing_the_pool_costs_less_than_growing_the_default_cache():
+    temps = 772 * MIB
+    # a stage whose work is all graphed: the default cache has little free at the step, so a
+    # quarter of the temporaries growing the pool beats all of them growing the default cache
+    assert pool_lending._borrow_pays(197 * MIB, temps, default_free=50 * MIB)
+    # the eager work left free memory for most of them: not borrowing costs less
+    assert not pool_lending._borrow_pays(197 * MIB, temps, default_free=700 * MIB)
+    assert not pool_lending._borrow_pays(197 * MIB, temps, default_free=2 * temps)
+    # everything fits the pool: borrowing is free, whatever the default cache holds
+    assert pool_lending._borrow_pays(0, temps, default_free=2 * temps)
+    # nothing fits the pool: the pool would grow by all of it, never better
+    assert not pool_lending._borrow_pays(temps, temps, default_free=0)
+
+
 def test_rounded_counts_what_the_allocator_rounds_to():
     assert pool_lending._rounded(torch.empty(1, dtype=torch.uint8)) == 512
     assert pool_lending._rounded(torch.empty(256, dtype=torch.float32)) == 1024

@@ -23,8 +23,11 @@ from each layout). Those layouts are of ordinary segments (``FLAGS_graphpp_pool_
 by default a pool is one expandable range (:mod:`.pool_segments`), where the reserve, whatever
 its layout, is one free block at the range's start that the end grows from. Each optimizer
 then borrows a pool when its temporaries (one per parameter, the parameter's size) fit the
-pool's free blocks, simulated best-fit the way the caching allocator places them, with at
-most a quarter left over; decided once per pool and optimizer.
+pool's free blocks well enough (simulated best-fit, the way the caching allocator places
+them): borrowing grows the pool by what does not fit, and the pool keeps that; not borrowing
+puts the temporaries in the default cache, which grows by what its free memory (the eager
+work's, free at the step) cannot hold. The step borrows when the first is smaller; decided once
+per pool and optimizer (:func:`_borrow_pays`).
 
 A step that leaves memory allocated in the pool (optimizer state created lazily, a tensor
 kept from the step) would be overwritten by the next replays. That is checked after every
@@ -54,7 +57,6 @@ logger = logging.getLogger("paddle_graphpp")
 
 _SMALL = 1 << 20  # the caching allocator serves requests up to 1 MiB from its small blocks
 _ROUND = 512  # ... and rounds every request up to a multiple of this
-_LEFT_OVER = 0.25  # borrow when at most this share of the temporaries' bytes does not fit
 SEGMENTS, BLOCK = "segments", "block"  # layouts of the memory reserved before a pool's captures
 
 _STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
@@ -191,8 +193,8 @@ class PoolLender:
         room = self._fits.get((id(pool), id(optimizer)))
         if room is None:
             sizes = [_rounded(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-            room = self._fits[(id(pool), id(optimizer))] = (
-                _left_over(_free_blocks(pool), sizes) <= _LEFT_OVER * sum(sizes))
+            room = self._fits[(id(pool), id(optimizer))] = _borrow_pays(
+                _left_over(_free_blocks(pool), sizes), sum(n for n in sizes if n > _SMALL), _default_free(pool))
         if not room:
             self.declined += 1
             return
@@ -270,6 +272,23 @@ def _free_blocks(pool: torch.cuda.MemPool) -> list:
     """Sizes of the free blocks of ``pool``'s large segments."""
     return [b["size"] for seg in pool.snapshot() if seg.get("segment_type", "large") == "large"
             for b in seg["blocks"] if b["state"] == "inactive"]
+
+
+def _default_free(pool: torch.cuda.MemPool) -> int:
+    """Bytes free in the large blocks of the device's caches outside ``pool`` (the default
+    cache, and any other private pool: counting those too errs toward not borrowing)."""
+    stats = torch.cuda.memory_stats()
+    device_free = stats.get("reserved_bytes.large_pool.current", 0) - stats.get("allocated_bytes.large_pool.current", 0)
+    pool_free = sum(seg["total_size"] - seg["allocated_size"] for seg in pool.snapshot()
+                    if seg.get("segment_type", "large") == "large")
+    return max(0, device_free - pool_free)
+
+
+def _borrow_pays(left_over: int, temporaries: int, default_free: int) -> bool:
+    """Borrow the pool for ``temporaries`` bytes when that costs less memory than not: the pool
+    grows by the ``left_over`` that does not fit its free blocks, while the default cache would
+    grow by what does not fit its ``default_free`` bytes. Nothing left over: always (free)."""
+    return left_over == 0 or left_over < temporaries - min(temporaries, default_free)
 
 
 def _left_over(free: Iterable[int], sizes: Iterable[int]) -> int:
