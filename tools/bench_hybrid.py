@@ -31,7 +31,12 @@ changes the summation order the way TP=2 does, so the floor sets the tolerance w
 spread is smaller (``loss_judged_by`` says which did). ``loss_falls``: every run's last loss is below its first.
 
 ``graphed_vs_eager_loss_max_rel_err``: the graphs' own effect, graphed TP=2 against eager TP=2
-(the same sums: 0 when the graphs replay eager's kernels exactly).
+(the same sums: 0 when the graphs replay eager's kernels exactly). ``graphed_within_eager_spread``:
+every graphed run within ``eager_tp2_loss_spread``, the spread of the identical eager TP=2 runs
+(``--rounds`` >= 2 gives two), with no floor.
+
+``--resummarize RECORD``: recompute a written record's summary from the runs it holds (after a
+summary key is added), without running anything.
 
 ``summary`` = ``{"speed_vs_eager_seq512", "speed_vs_eager_seq2048", "loss_max_rel_err",
 "eager_loss_spread", "loss_within_eager_spread", "loss_falls", "graphed_vs_eager_loss_max_rel_err", ...}``.
@@ -81,7 +86,11 @@ def summarize_hybrid(records: dict, seqs) -> tuple:
         row = {"eager": eager, "graphed": graphed, "tp1_eager": ref, "graphed_vs_eager": compare(eager, graphed),
                "loss_vs_tp1": benchlib.loss_check(losses_of(runs["tp1_eager"]),
                                                   losses_of(runs["eager"]) + losses_of(runs["graphed"]),
-                                                  floor=benchlib.BF16_LOSS_RTOL)}
+                                                  floor=benchlib.BF16_LOSS_RTOL),
+               # the graphs alone: graphed TP=2 within the spread of the identical eager TP=2 runs
+               # (no floor: the same sums in the same order, so any difference is the graphs')
+               "graphed_vs_eager_runs": benchlib.loss_check(losses_of(runs["eager"]), losses_of(runs["graphed"]),
+                                                            floor=0.0)}
         by_seq[f"seq{seq}"] = row
         summary[f"speed_vs_eager_seq{seq}"] = row["graphed_vs_eager"].get("speedup_tokens_per_s")
     checks = {tag: row["loss_vs_tp1"] for tag, row in by_seq.items()}
@@ -97,9 +106,34 @@ def summarize_hybrid(records: dict, seqs) -> tuple:
         "loss_tolerance": {tag: c["tolerance"] for tag, c in checks.items()},
         "loss_judged_by": {tag: c["judged_by"] for tag, c in checks.items()},
         "loss_within_eager_spread": bool(checks) and all(c["within"] for c in checks.values()),
+        "eager_tp2_loss_spread": max((row["graphed_vs_eager_runs"]["reference_spread"] for row in by_seq.values()
+                                      if row["graphed_vs_eager_runs"]["reference_spread"] is not None), default=None),
+        "graphed_within_eager_spread": bool(by_seq) and all(row["graphed_vs_eager_runs"]["within"]
+                                                             for row in by_seq.values()),
         "loss_falls": benchlib.loss_falls([l for runs in records.values() for l in losses_of(runs)]),
     })
     return by_seq, summary
+
+
+def resummarize(path: str) -> int:
+    """Rewrite the record at ``path`` with its summary recomputed from the runs it holds."""
+    import json
+
+    with open(path) as f:
+        payload = json.load(f)
+    records = {}
+    for key, value in payload.get("runs", {}).items():
+        seq, _, label = key.partition("_")
+        if not seq.startswith("seq") or not seq[3:].isdigit():
+            raise SystemExit(f"bench_hybrid: {path}: run key {key!r} is not seq<N>_<label>")
+        records[(int(seq[3:]), label)] = value
+    seqs = sorted({seq for seq, _ in records})
+    payload["by_seq"], payload["summary"] = summarize_hybrid(records, seqs)
+    payload["summary_code_version"] = benchlib.code_version()
+    with open(path, "w") as f:
+        f.write(json.dumps(payload, indent=2) + "\n")
+    print(json.dumps(payload["summary"]))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -109,7 +143,11 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, choices=[1, 2], default=2, help="pipeline stages (GPUs: 2 x pp)")
     parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS), help="sequence lengths")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
+    parser.add_argument("--resummarize", metavar="RECORD", default=None,
+                        help="recompute RECORD's summary from its stored runs and rewrite it; runs nothing")
     args = parser.parse_args(argv)
+    if args.resummarize:
+        return resummarize(args.resummarize)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     runs_plan = plan(args.rounds, args.pp, args.seqs)

@@ -1,6 +1,8 @@
 """tools/bench_hybrid.py on CPU: the run plan (two identical TP=1 eager runs around the rounds,
 a training that warms its rate up) and the summary's loss judgement from made-up runs. Its runs
 need 2 or 4 GPUs."""
+import json
+
 import pytest
 
 from tools import bench_hybrid
@@ -47,6 +49,7 @@ def test_tp2_losses_are_judged_against_the_spread_of_two_identical_tp1_runs():
     assert summary["loss_within_eager_spread"] is True and summary["loss_falls"] is True
     assert by_seq["seq2048"]["loss_vs_tp1"]["max_rel_err"] == pytest.approx(0.005)
     assert summary["graphed_vs_eager_loss_max_rel_err"] == 0.0  # graphed TP=2 as eager TP=2 at every step
+    assert summary["graphed_within_eager_spread"] is True and summary["eager_tp2_loss_spread"] is None
 
     records[(2048, "graphed")] = [run([10.0, 8.0, 6.1])]  # 1.7% with no spread to cover it
     summary = bench_hybrid.summarize_hybrid(records, [512, 2048])[1]
@@ -55,6 +58,25 @@ def test_tp2_losses_are_judged_against_the_spread_of_two_identical_tp1_runs():
     records[(2048, "graphed")] = [run([10.0, 12.0, 10.5])]  # diverges: the loss ends above its start
     summary = bench_hybrid.summarize_hybrid(records, [512, 2048])[1]
     assert summary["loss_falls"] is False and summary["loss_within_eager_spread"] is False
+
+
+def test_graphed_runs_are_held_to_the_spread_of_identical_eager_tp2_runs_without_a_floor(tmp_path):
+    records = {(512, "tp1_eager"): [run([10.0, 8.0]), run([10.0, 8.0])],
+               (512, "eager"): [run([10.0, 8.0]), run([10.0, 8.002])],  # spread 2.5e-4
+               (512, "graphed"): [run([10.0, 8.001]), run([10.0, 8.0])]}
+    summary = bench_hybrid.summarize_hybrid(records, [512])[1]
+    assert summary["eager_tp2_loss_spread"] == pytest.approx(2.5e-4)
+    assert summary["graphed_within_eager_spread"] is True
+    records[(512, "graphed")] = [run([10.0, 8.004])]  # 5e-4: inside the bf16 floor, outside the spread
+    summary = bench_hybrid.summarize_hybrid(records, [512])[1]
+    assert summary["loss_within_eager_spread"] is True and summary["graphed_within_eager_spread"] is False
+
+    path = tmp_path / "hybrid-tp2pp2-x.json"  # a record written before the key existed
+    path.write_text(json.dumps({"summary": {}, "runs": {f"seq{s}_{n}": v for (s, n), v in records.items()}}))
+    assert bench_hybrid.main(["--resummarize", str(path)]) == 0
+    rewritten = json.loads(path.read_text())
+    assert rewritten["summary"]["graphed_within_eager_spread"] is False
+    assert rewritten["runs"]["seq512_graphed"] == records[(512, "graphed")]
 
 
 def test_without_a_second_tp1_run_or_with_failed_runs_the_check_says_so():
