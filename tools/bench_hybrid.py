@@ -39,7 +39,8 @@ every graphed run within ``eager_tp2_loss_spread``, the spread of the identical 
 summary key is added), without running anything.
 
 ``summary`` = ``{"speed_vs_eager_seq512", "speed_vs_eager_seq2048", "loss_max_rel_err",
-"eager_loss_spread", "loss_within_eager_spread", "loss_falls", "graphed_vs_eager_loss_max_rel_err", ...}``.
+"eager_loss_spread", "loss_within_eager_spread", "loss_falls", "graphed_vs_eager_loss_max_rel_err",
+"eager_tp2_loss_spread", "graphed_within_eager_spread", ...}``.
 """
 
 from __future__ import annotations

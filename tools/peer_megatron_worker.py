@@ -384,8 +384,10 @@ def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
         from paddle_graphpp.core.memory import memory_report
 
         from paddle_graphpp.torch.layers import is_graphed_layer
+        from paddle_graphpp.torch.runtime import RUNTIME
 
         report = memory_report()
+        lending = RUNTIME.lending_report()  # optimizer steps that borrowed the graph pool, or declined
         loss = gpt.__dict__.get("compute_language_model_loss")  # graph_loss's module, when graphed
         head = gpt.output_layer if gpt.post_process and is_graphed_layer(gpt.output_layer) else None
         graphed = layers + [m for m in (loss, head) if m is not None]
@@ -393,7 +395,8 @@ def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
                 "replays": sum(m.engine.replays for m in graphed),
                 "loss_graphs": loss.engine.graph_count() if loss is not None else 0,
                 "head_graphs": head.engine.graph_count() if head is not None else 0,
-                "capture_s": sum(r["capture_seconds"] for r in report.values()), "memory_report": report}
+                "capture_s": sum(r["capture_seconds"] for r in report.values()), "memory_report": report,
+                **({"pool_lending": lending} if lending is not None else {})}
     if variant == "megatron":
         runners = [r for l in layers for r in getattr(getattr(l, "cudagraph_manager", None), "cudagraph_runners", [])]
         return {"graphs": sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in runners),

@@ -8,10 +8,9 @@ is dead, so an optimizer step run then may allocate its temporaries from the poo
 blocks, as long as it frees them before the next replay; it then runs on the capture stream
 (the pool's blocks belong to that stream) and the current stream waits for it.
 
-Borrowing pays only where the temporaries fit into what the pool already has free: a pool
-that must grow for them keeps that memory for good (a pool with live graphs is never
-trimmed), while the default cache would have shared it with the eager work outside the
-graphs. And a pool captured from nothing is made of the segments the activations asked for,
+A pool that grows for the temporaries keeps that memory for good (a pool with live graphs is
+never trimmed), while the default cache may hold memory the eager work outside the graphs left
+free, which they would reuse. And a pool captured from nothing is made of the segments the activations asked for,
 which parameter-sized temporaries may not fit. So before the first capture into a pool,
 :meth:`PoolLender.reserve` gives the pool free memory as large as the parameters of the
 optimizers seen stepping (:func:`watch_optimizers`): the captures place the activations in
@@ -27,7 +26,10 @@ pool's free blocks well enough (simulated best-fit, the way the caching allocato
 them): borrowing grows the pool by what does not fit, and the pool keeps that; not borrowing
 puts the temporaries in the default cache, which grows by what its free memory (the eager
 work's, free at the step) cannot hold. The step borrows when the first is smaller; decided once
-per pool and optimizer (:func:`_borrow_pays`).
+per pool and optimizer, at its first step after the pool is lent (:func:`_borrow_pays`). The
+model is rough in two ways: it takes all of an optimizer's temporaries as alive together, where
+``foreach`` steps each parameter group in a call of its own (so it errs toward not borrowing),
+and it reads the default cache's free memory once, at that step, ignoring how it is split.
 
 A step that leaves memory allocated in the pool (optimizer state created lazily, a tensor
 kept from the step) would be overwritten by the next replays. That is checked after every
@@ -118,10 +120,10 @@ class PoolLender:
         self._fresh = False  # the default cache has yet to be emptied for the pool lent last
         self.disabled = False
         self.steps = 0
-        self.declined = 0  # steps that did not borrow because the pool had too little free
+        self.declined = 0  # steps that did not borrow: borrowing would have cost more memory
         self.reserved = 0  # bytes reserved in pools before their captures
         self._reserved_once = False  # reserve() ran for a pool (the first one)
-        self._fits: dict = {}  # (id(pool), id(optimizer)) -> does the pool have room for its temporaries
+        self._fits: dict = {}  # (id(pool), id(optimizer)) -> does borrowing cost less than not
 
     def reserve(self, pool: Any, layout: str = BLOCK) -> int:
         """Before the first capture into ``pool``: give it free memory (on the capture stream,
@@ -164,7 +166,7 @@ class PoolLender:
 
     def report(self) -> dict:
         """What lending did in this process: optimizer steps run in a graph pool, steps that
-        did not borrow for lack of room, MiB reserved in pools before their captures."""
+        did not borrow (it would have cost more memory), MiB reserved in pools before their captures."""
         return {"optimizer_steps_in_pool": self.steps, "optimizer_steps_declined": self.declined,
                 "pool_reserved_before_capture_mib": self.reserved / 2**20}
 
