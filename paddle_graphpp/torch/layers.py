@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import inspect
 import sys
-import warnings
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -55,7 +54,6 @@ _FLAG_ARGS = ("use_cache", "output_attentions")
 _GRAPHED_CLASSES: dict = {}
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
 _NAME = "_graphpp_name"
-_WARNED_FOREIGN = "_graphpp_warned_foreign_parameter"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
 
 
@@ -69,10 +67,11 @@ class _OwnParameter:
     name: str
 
 
-def _mark_own_parameters(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
+def _mark_own_parameters(layer: "GraphedLayer", args: tuple, kwargs: dict) -> tuple:
     """``args`` and ``kwargs`` with each top-level argument that is one of ``layer``'s own
     parameters replaced by an :class:`_OwnParameter`. A parameter of another module stays an
-    input (copied at every replay, its gradient handed out), with a one-time warning."""
+    input (copied at every replay, its gradient handed out), with a warning (once, by the
+    layer's engine)."""
     if not any(isinstance(x, nn.Parameter) for x in (*args, *kwargs.values())):
         return args, kwargs  # activations are never Parameters: the usual call stops here
     names = {id(p): n for n, p in layer.named_parameters()}
@@ -82,13 +81,11 @@ def _mark_own_parameters(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
             return x
         if id(x) in names:
             return _OwnParameter(names[id(x)])
-        if not layer.__dict__.get(_WARNED_FOREIGN):
-            layer.__dict__[_WARNED_FOREIGN] = True
-            warnings.warn(
-                f"{layer.__dict__.get(_NAME, type(layer).__name__)}: a parameter that is not this block's own "
-                f"(shape {tuple(x.shape)}) is passed to it as an argument; its graphs copy it into an input buffer at "
-                f"every replay and hand its gradient out. Keep this block eager, or make the parameter one of its own "
-                f"(an attribute of the block) so that the graphs read it in place.", RuntimeWarning, stacklevel=4)
+        layer.engine.warn_once("foreign parameter", (
+            f"{layer.__dict__.get(_NAME, type(layer).__name__)}: a parameter that is not this block's own "
+            f"(shape {tuple(x.shape)}) is passed to it as an argument; its graphs copy it into an input buffer at "
+            f"every replay and hand its gradient out. Keep this block eager, or make the parameter one of its own "
+            f"(an attribute of the block) so that the graphs read it in place."))
         return x
 
     return tuple(map(mark, args)), {k: mark(v) for k, v in kwargs.items()}
@@ -422,7 +419,6 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
             layer.__class__ = type(layer)._graphpp_original
             layer.__dict__.pop(_SLOT, None)
             layer.__dict__.pop(_NAME, None)
-            layer.__dict__.pop(_WARNED_FOREIGN, None)
             if _USER_COMPILED in layer.__dict__:
                 layer._compiled_call_impl = layer.__dict__.pop(_USER_COMPILED)
         out.append(layer)

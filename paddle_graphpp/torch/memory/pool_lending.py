@@ -195,8 +195,9 @@ class PoolLender:
         room = self._fits.get((id(pool), id(optimizer)))
         if room is None:
             sizes = [_rounded(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            free = _free_blocks(pool)
             room = self._fits[(id(pool), id(optimizer))] = _borrow_pays(
-                _left_over(_free_blocks(pool), sizes), sum(n for n in sizes if n > _SMALL), _default_free(pool))
+                _left_over(free, sizes), sum(n for n in sizes if n > _SMALL), _default_free(sum(free)))
         if not room:
             self.declined += 1
             return
@@ -276,13 +277,12 @@ def _free_blocks(pool: torch.cuda.MemPool) -> list:
             for b in seg["blocks"] if b["state"] == "inactive"]
 
 
-def _default_free(pool: torch.cuda.MemPool) -> int:
-    """Bytes free in the large blocks of the device's caches outside ``pool`` (the default
-    cache, and any other private pool: counting those too errs toward not borrowing)."""
+def _default_free(pool_free: int) -> int:
+    """Bytes free in the large blocks of the device's caches outside the lent pool, whose large
+    free blocks hold ``pool_free`` bytes (the default cache, and any other private pool:
+    counting those too errs toward not borrowing)."""
     stats = torch.cuda.memory_stats()
     device_free = stats.get("reserved_bytes.large_pool.current", 0) - stats.get("allocated_bytes.large_pool.current", 0)
-    pool_free = sum(seg["total_size"] - seg["allocated_size"] for seg in pool.snapshot()
-                    if seg.get("segment_type", "large") == "large")
     return max(0, device_free - pool_free)
 
 
