@@ -35,6 +35,12 @@ as the anchor: (compile, ours_compiled, ours) and (compile, eager, reduce_overhe
 ours_compiled_model); ``--groups`` changes that. First-step times are measured while the group's
 other workers compile too (``--stagger`` warms them one at a time: cleaner, slower).
 
+After the rounds each worker runs ``--profile-steps`` more steps under ``torch.profiler``
+(``tools/diagnostics/busy.py``): the share of the span some compute kernel ran, and kernel time by
+kind (GEMM, attention, Inductor's fused kernels, optimizer, other). Graphs remove only the idle
+rest, so over ``compile`` any graphing can reach at most ``1 / compile's busy share``; the record
+keeps that bound per shape as ``graphing_ceiling``.
+
 A worker that fails, exits or stops answering is recorded (its error, exit code and the tail of
 its stderr) and the others go on; ``--worker-timeout`` limits a warmup, ``--budget`` the run.
 
@@ -91,6 +97,7 @@ class Worker:
         self.ready: dict = {}
         self.seconds: list[float] = []
         self.done: dict = {}
+        self.profile: dict = {}
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -154,6 +161,8 @@ class Worker:
     def record(self) -> dict:
         out = {k: v for k, v in self.ready.items() if k not in ("event", "variant", "shape")}
         out["round_seconds"] = self.seconds
+        if self.profile:
+            out["profile"] = {k: v for k, v in self.profile.items() if k != "event"}
         if "steady_peak_reserved_mib" in self.done:
             out["steady_peak_reserved_mib"] = self.done["steady_peak_reserved_mib"]
         return dict(out, **(self.failure or {}))
@@ -191,13 +200,15 @@ def alternate(workers: dict, *, iters: int, rounds: int, deadline: float, reply_
 
 
 def run_group(commands: dict, *, iters: int, rounds: int, warm_timeout: float, deadline: float,
-              reply_timeout: float = RUN_REPLY_S, stagger: bool = False, env: dict | None = None) -> dict:
+              reply_timeout: float = RUN_REPLY_S, stagger: bool = False, env: dict | None = None,
+              profile_steps: int = 0) -> dict:
     """Start one worker per command, warm them, time them in alternating rounds; their raw records.
 
     ``commands`` maps a variant's name to its worker's argv (any program speaking
     ``compile_worker``'s protocol). ``warm_timeout`` limits the warmup (all of it, or each one's
     with ``stagger``), ``reply_timeout`` each timed round, ``deadline`` (``time.monotonic()``) the
-    whole. Every worker is stopped on the way out, whatever happens.
+    whole. ``profile_steps`` > 0: then each worker profiles that many steps, one worker at a time.
+    Every worker is stopped on the way out, whatever happens.
     """
     workers: dict[str, Worker] = {}
     try:
@@ -207,6 +218,11 @@ def run_group(commands: dict, *, iters: int, rounds: int, warm_timeout: float, d
         if not alternate(workers, iters=iters, rounds=rounds, deadline=deadline, reply_timeout=reply_timeout):
             for w in workers.values():
                 w.ready["note"] = "rounds cut short: time budget spent"
+        elif profile_steps:
+            for w in workers.values():
+                left = deadline - time.monotonic()
+                if left > 1:
+                    w.profile = w.ask(f"profile {profile_steps}", min(reply_timeout, left)) or {}
         for w in workers.values():
             w.done = w.ask("done", DONE_REPLY_S) or {}
             if w.failure is None:
@@ -276,6 +292,16 @@ def summarize(shapes: dict) -> dict:
     }
 
 
+def graphing_ceiling(shapes: dict) -> dict:
+    """Per shape, ``compile``'s compute-busy share under the profiler and ``1 / share``: the most
+    that removing its idle time (all a graph can remove) could speed it up."""
+    out = {}
+    for shape, r in shapes.items():
+        busy = ((first_record(r, "compile") or {}).get("profile") or {}).get("compute_busy")
+        out[shape] = {"compile_busy": busy, "ceiling": 1 / busy} if busy else None
+    return out
+
+
 def plan_groups(shape: str, variants: list, spec: str) -> list[list]:
     """The groups of variants that run together at ``shape`` (see ``--groups``)."""
     if spec == "one" or (spec == "auto" and (shape not in AUTO_GROUPS or len(variants) <= 3)):
@@ -310,7 +336,8 @@ def bench_shape(shape: str, args, deadline: float) -> dict:
             groups.append({n: {"error": "skipped: time budget spent"} for n in names})
             continue
         raw = run_group({n: worker_command(n, shape, args) for n in names}, iters=args.iters, rounds=args.rounds,
-                        warm_timeout=args.worker_timeout, deadline=deadline, stagger=args.stagger, env=child_env())
+                        warm_timeout=args.worker_timeout, deadline=deadline, stagger=args.stagger, env=child_env(),
+                        profile_steps=args.profile_steps)
         recs = {n: variant_record(r, tokens_per_step=tokens, iters=args.iters) for n, r in raw.items()}
         for n, rec in recs.items():
             rec["vs_compile"] = side_by_side({"groups": [recs]}, n, "compile") if n != "compile" else None
@@ -343,7 +370,7 @@ def print_table(payload: dict) -> None:
     print(f"\nLlama training, {payload['settings']['micro_batches']} micro-batches per step, bf16, "
           f"{payload['device']}")
     print(f"{'shape':6} {'grp':>3} {'variant':22} {'tokens/s':>10} {'spread':>7} {'vs comp':>8} {'first s':>8} "
-          f"{'peak MiB':>9} {'steady MiB':>10}  error")
+          f"{'peak MiB':>9} {'steady MiB':>10} {'busy':>5}  error")
     for shape, r in payload["shapes"].items():
         for i, group in enumerate(r["groups"]):
             for name, rec in group.items():
@@ -351,8 +378,10 @@ def print_table(payload: dict) -> None:
                 print(f"{shape:6} {i + 1:3} {name:22} {fmt(rec.get('tokens_per_s'), '10.0f')} "
                       f"{fmt(rec.get('spread'), '7.3f')} {fmt(rec.get('vs_compile'), '8.3f')} "
                       f"{fmt(rec.get('first_step_s'), '8.1f')} {fmt(rec.get('peak_reserved_mib'), '9.0f')} "
-                      f"{fmt(rec.get('steady_peak_reserved_mib'), '10.0f')}  {err}")
+                      f"{fmt(rec.get('steady_peak_reserved_mib'), '10.0f')} "
+                      f"{fmt((rec.get('profile') or {}).get('compute_busy'), '5.3f')}  {err}")
     print("summary:", json.dumps(payload["summary"], indent=2))
+    print("graphing ceiling over compile:", json.dumps(payload.get("graphing_ceiling")))
 
 
 def parse_args(argv=None):
@@ -365,6 +394,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--groups", default="auto",
                    help="'auto' (1b in two groups, see above), 'one' (all at once), or groups 'a,b;c,d'")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="steps each worker profiles after the rounds (0: none)")
     p.add_argument("--stagger", action="store_true", help="warm the workers one at a time")
     p.add_argument("--worker-timeout", type=float, default=420.0, help="seconds for one group's warmup")
     p.add_argument("--budget", type=float, default=1500.0, help="seconds for the whole run")
@@ -378,6 +409,8 @@ def parse_args(argv=None):
         p.error(f"unknown or missing shapes/variants: {bad or 'none given'}")
     if min(args.micro_batches, args.iters, args.rounds) < 1 or args.warmup < RECORDED_STEPS - 1:
         p.error(f"--micro-batches, --iters, --rounds must be >= 1 and --warmup >= {RECORDED_STEPS - 1}")
+    if args.profile_steps < 0:
+        p.error("--profile-steps must be >= 0")
     try:
         args.plan = {s: plan_groups(s, args.variants, args.groups) for s in args.shapes}
     except ValueError as e:
@@ -417,6 +450,7 @@ def _measure(args) -> int:
     if args.merge:
         merge_previous(payload, benchlib.RESULTS / f"compile-{benchlib.device_slug()}.json")
     payload["summary"] = summarize(payload["shapes"])
+    payload["graphing_ceiling"] = graphing_ceiling(payload["shapes"])
     path = benchlib.write_result("compile", payload)
     print_table(payload)
     print(f"wrote {path}")

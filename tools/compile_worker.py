@@ -18,6 +18,8 @@ process writes to stdout (compile logs, C extensions) is moved to stderr.
               ``--warmup`` more steps, note the peak reserved memory so far, reset the peak;
               reply {"event": "ready", "first_step_s", "warmup_s", "losses", "peak_reserved_mib"}
     run N  -> N steps between two ``torch.cuda.synchronize()``; reply {"event": "ran", "seconds"}
+    profile N -> N steps under ``torch.profiler``; reply {"event": "profiled", ...} with
+              ``tools/diagnostics/busy.report``: the compute-busy share, kernel time by kind
     done   -> reply {"event": "done", "steady_peak_reserved_mib"} (the peak since the reset); exit 0
 
 A failure replies {"event": "failed", "error": ...} and exits 1. ``reduce_overhead`` tries the
@@ -162,6 +164,21 @@ def timed_steps(trainer: Trainer, n: int) -> float:
     return time.perf_counter() - start
 
 
+def profiled_steps(trainer: Trainer, n: int) -> dict:
+    """``n`` steps under the profiler: how busy the GPU was and with which kernels."""
+    from tools.diagnostics import busy
+
+    torch.cuda.synchronize()
+    try:
+        prof = busy.start()
+        for _ in range(n):
+            trainer.step()
+        return busy.report(prof, n)
+    except Exception as exc:  # noqa: BLE001 - the timings stand without it
+        traceback.print_exc()
+        return {"error": error_text(exc)}
+
+
 def warm_up(trainer: Trainer, warmup: int, memory) -> dict:
     """The first step (timed), ``warmup`` more, the losses of the first steps, the peak so far."""
     torch.cuda.synchronize()
@@ -259,6 +276,8 @@ def serve(args, reply) -> int:
         elif cmd[0] == "run" and len(cmd) == 2 and trainer is not None:
             n = int(cmd[1])
             reply({"event": "ran", "steps": n, "seconds": timed_steps(trainer, n)})
+        elif cmd[0] == "profile" and len(cmd) == 2 and trainer is not None:
+            reply({"event": "profiled", **profiled_steps(trainer, int(cmd[1]))})
         elif cmd[0] == "done" and trainer is not None:
             reply({"event": "done", "steady_peak_reserved_mib": memory.peak_mib()})
             return 0

@@ -34,6 +34,10 @@ FAKE_WORKER = textwrap.dedent("""
             with open(log, "a") as f:
                 f.write(name + "\\n")
             reply({"event": "ran", "steps": int(cmd[1]), "seconds": 0.2 if mode == "fast" else 0.4})
+        elif cmd[0] == "profile":
+            with open(log, "a") as f:
+                f.write("profile-" + name + "\\n")
+            reply({"event": "profiled", "steps": int(cmd[1]), "compute_busy": 0.8 if mode == "fast" else 0.95})
         elif cmd[0] == "done":
             reply({"event": "done", "steady_peak_reserved_mib": 90.0})
             sys.exit(0)
@@ -142,6 +146,28 @@ def test_a_worker_that_exits_hangs_or_fails_is_reported_and_the_others_go_on(tmp
     assert raw["d"]["error"] == "RuntimeError: overwritten" and raw["d"]["tried"] == [{"approach": "a"}]
     rec = bench_compile.variant_record(raw["e"], tokens_per_step=800, iters=2)
     assert rec["tokens_per_s"] == pytest.approx(4000.0) and rec["spread"] == 1.0
+
+
+def test_after_the_rounds_each_worker_profiles_and_compile_s_busy_share_bounds_graphing(tmp_path):
+    commands, log = _fakes(tmp_path, {"compile": "slow", "ours_compiled": "fast", "gone": "exit"})
+    raw = bench_compile.run_group(commands, iters=1, rounds=2, warm_timeout=20, deadline=time.monotonic() + 60,
+                                  profile_steps=3)
+    # profiled after every round, once each, the failed worker skipped
+    assert log.read_text().split() == ["compile", "ours_compiled", "ours_compiled", "compile",
+                                       "profile-compile", "profile-ours_compiled"]
+    assert raw["compile"]["profile"] == {"steps": 3, "compute_busy": 0.95}
+    assert "profile" not in raw["gone"]
+    ceiling = bench_compile.graphing_ceiling({"1b": {"groups": [raw]}, "small": {"groups": [{"eager": {}}]}})
+    assert ceiling["1b"] == {"compile_busy": 0.95, "ceiling": pytest.approx(1 / 0.95)}
+    assert ceiling["small"] is None  # no profiled compile there
+
+
+def test_no_profile_unless_asked(tmp_path):
+    commands, log = _fakes(tmp_path, {"a": "fast"})
+    raw = bench_compile.run_group(commands, iters=1, rounds=1, warm_timeout=20, deadline=time.monotonic() + 30)
+    assert "profile" not in raw["a"] and log.read_text().split() == ["a"]
+    with pytest.raises(SystemExit):
+        bench_compile.parse_args(["--profile-steps", "-1"])
 
 
 def test_a_worker_hanging_in_its_warmup_is_stopped_at_the_limit(tmp_path):

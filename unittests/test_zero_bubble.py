@@ -425,6 +425,24 @@ def test_busy_share_merges_overlapping_kernels():
     assert busy_share([]) is None
 
 
+def test_kernels_are_sorted_into_kinds_by_name():
+    from tools.diagnostics.busy import kind_of, time_by_kind
+
+    assert kind_of("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<...>") == "attention"
+    assert kind_of("fmha_cutlassB_bf16_aligned_64x64_k128_sm80") == "attention"  # CUTLASS, but attention
+    assert kind_of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert kind_of("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN") == "gemm"
+    assert kind_of("triton_tem_fused_mm_0") == "gemm"  # Inductor's matmul template
+    assert kind_of("triton_poi_fused__to_copy_add_mul_0") == "triton"
+    assert kind_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == (
+        "optimizer")
+    assert kind_of("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
+    assert kind_of("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>>") == "other"
+    # durations summed per kind, largest first
+    out = time_by_kind([(0, 5, "gemm_a"), (5, 7, "triton_poi_x"), (7, 13, "gemm_b"), (13, 14, "add")])
+    assert out == {"gemm": 11, "triton": 2, "other": 1} and list(out) == ["gemm", "triton", "other"]
+
+
 def test_idle_gaps_group_by_neighbours_and_say_when_a_peer_was_awaited():
     from tools.diagnostics.busy import idle_gaps
 

@@ -18,7 +18,18 @@ not kernels and do not count.
 
 from __future__ import annotations
 
-__all__ = ["start", "stop", "busy_share", "idle_gaps"]
+__all__ = ["start", "stop", "report", "busy_share", "idle_gaps", "kind_of", "time_by_kind"]
+
+# Kernel kinds by name, first match wins: attention before GEMM (memory-efficient attention's
+# kernels are CUTLASS ones), Inductor's matmul templates (``triton_tem``) before its fused
+# kernels (the other ``triton_`` ones).
+KINDS = (
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "triton_tem")),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("triton", ("triton_",)),
+)
 
 
 def start():
@@ -33,6 +44,52 @@ def start():
 def stop(prof, gaps: bool = False):
     """End ``prof``; the compute-busy share of what it recorded (``None``: no kernel ran).
     With ``gaps``: ``(share, idle_gaps(...))``, where the idle time went."""
+    kernels, comm = _kernels(prof)
+    share = busy_share([(a, b) for a, b, _ in kernels])
+    return (share, idle_gaps(kernels, comm)) if gaps else share
+
+
+def report(prof, steps: int) -> dict:
+    """End ``prof``, which recorded ``steps`` steps; per step, in ms: the span from the first
+    kernel's start to the last one's end, the time some compute kernel ran (``busy_ms``) and
+    the rest (``idle_ms``), kernel time by :func:`kind_of`; the compute-busy share and the
+    largest idle gaps (:func:`idle_gaps`). Removing launch gaps, as graphs do, can speed these
+    steps up by at most ``1 / compute_busy``: the kernels themselves stay."""
+    kernels, comm = _kernels(prof)
+    if not kernels:
+        return {"compute_busy": None}
+    share = busy_share([(a, b) for a, b, _ in kernels])
+    span = max(b for _, b, _ in kernels) - min(a for a, _, _ in kernels)
+    per_step = 1e-3 / steps  # us over the stretch -> ms per step
+    by_kind = time_by_kind(kernels + [(a, b, "nccl") for a, b in comm])
+    return {"steps": steps, "compute_busy": share, "span_ms": round(span * per_step, 3),
+            "busy_ms": round(span * share * per_step, 3), "idle_ms": round(span * (1 - share) * per_step, 3),
+            "kernel_ms": {k: round(v * per_step, 3) for k, v in by_kind.items()},
+            "kernels_per_step": round(len(kernels) / steps, 1), "gaps": idle_gaps(kernels, comm)}
+
+
+def kind_of(name: str) -> str:
+    """What a kernel does, from its name: one of :data:`KINDS`' names, or ``"other"`` (ATen's
+    elementwise kernels, reductions, embedding, loss)."""
+    low = name.lower()
+    for kind, marks in KINDS:
+        if any(m in low for m in marks):
+            return kind
+    return "other"
+
+
+def time_by_kind(kernels) -> dict:
+    """Total duration of ``(start, end, name)`` kernels per :func:`kind_of`, largest first
+    (overlapping kernels each count in full)."""
+    out: dict = {}
+    for a, b, n in kernels:
+        k = kind_of(n)
+        out[k] = out.get(k, 0.0) + max(0.0, b - a)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _kernels(prof):
+    """End ``prof``; its compute kernels ``(start, end, name)`` and communication ``(start, end)``."""
     import torch
 
     torch.cuda.synchronize()
@@ -48,8 +105,7 @@ def stop(prof, gaps: bool = False):
         if "memcpy" in name or "memset" in name:
             continue
         kernels.append((evt.time_range.start, evt.time_range.end, evt.name))
-    share = busy_share([(a, b) for a, b, _ in kernels])
-    return (share, idle_gaps(kernels, comm)) if gaps else share
+    return kernels, comm
 
 
 def idle_gaps(kernels, comm=(), min_us: float = 20.0, top: int = 10) -> dict:
