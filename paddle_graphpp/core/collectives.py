@@ -386,6 +386,8 @@ _DISPATCHERS: "weakref.WeakSet[AllReduceDispatcher]" = weakref.WeakSet()
 def collective_fault() -> Optional[str]:
     """The first fault of a live dispatcher's backend (a custom kernel that gave up waiting for
     a peer), or ``None``. Cheap: every graphed call and the replay watchdog's thread ask it."""
+    if not _DISPATCHERS:
+        return None
     with _LOCK:
         dispatchers = list(_DISPATCHERS)
     for dispatcher in dispatchers:

@@ -71,7 +71,7 @@ from .in_step import InStepCapture
 from .layer_capture import LayerCapture
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
 from .records import (Call, CallShape, Launched, Outputs, Phase, Position, RanEager, Recording, Replayed, Signature,
-                      describe, signature_key_parts)
+                      SignatureKey, describe, signature_key_parts)
 from .runtime import GraphRuntime, capabilities, runtime_for
 from .schedule import InFlightQueue
 from .state import LayerStateCheck
@@ -139,8 +139,10 @@ class GraphedCallable:
         tensors = [leaves[i] for i in tensor_index]
         specs = tuple(rt.spec(t) for t in tensors)
         consts, structure = signature_key_parts(leaves, tensor_index, spec)
-        key = (specs, consts, structure, (getattr(self.fn, "training", None), self.caps.mode_key()))
+        key = SignatureKey((specs, consts, structure, (getattr(self.fn, "training", None), self.caps.mode_key())))
         sig = self._signatures.get(key)
+        if sig is not None:
+            key = sig.key  # hashed once; the tables keyed by it find it by identity
         # Parameters are read while a signature warms up; its graphs keep the tuple they were
         # captured against (walking module.parameters() on every replay would cost more than
         # the replay itself).

@@ -21,7 +21,7 @@ from .tree import unflatten
 
 __all__ = ["Phase", "Tree", "CallShape", "Outputs", "Recording", "Position", "Live", "InputHalf", "Signature",
            "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "describe",
-           "signature_key_parts", "with_layer"]
+           "signature_key_parts", "SignatureKey", "with_layer"]
 
 
 class Phase(enum.Enum):
@@ -298,6 +298,22 @@ def with_layer(error: BaseException, context: str) -> BaseException:
 
 
 # ------------------------------------------------------------------ signature keys
+class SignatureKey(tuple):
+    """A signature's key: a tuple that hashes its parts once. A graphed call's key goes into
+    several tables on every call (its signature, its queue position, the outputs it handed
+    out); a plain tuple of tensor specs would be hashed anew each time. The engine gives every
+    call of a known signature the signature's own key object, so those lookups also compare
+    by identity."""
+
+    def __new__(cls, parts):
+        self = super().__new__(cls, parts)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self):
+        return self._hash
+
+
 def _const_key(x):
     try:
         hash(x)

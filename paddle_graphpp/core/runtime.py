@@ -31,7 +31,7 @@ import sys
 import weakref
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Iterator, NamedTuple, Optional, Sequence
 
 __all__ = [
     "FRAMEWORKS",
@@ -69,9 +69,9 @@ FRAMEWORKS: dict[str, str] = {
 _INSTALL = {"paddle": "paddlepaddle-gpu (or paddlepaddle for CPU)", "torch": "torch"}
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """What a captured graph assumes of one tensor input: a replay needs the same spec."""
+class TensorSpec(NamedTuple):
+    """What a captured graph assumes of one tensor input: a replay needs the same spec. (A
+    named tuple: every graphed call makes one per input tensor and hashes them.)"""
 
     shape: tuple
     dtype: str

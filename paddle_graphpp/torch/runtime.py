@@ -30,6 +30,9 @@ from .memory.capabilities import TorchMemory, _pool_id
 __all__ = ["TorchRuntime", "RUNTIME", "active_runtime"]
 
 _ALIGN = 512  # bytes between buffers carved from one block (the caching allocator's own rounding)
+# names in TensorSpec, looked up rather than formatted: every graphed call makes specs of its inputs
+_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_DEVICE_NAMES: dict = {}
 
 
 class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, GraphRuntime, AutocastModes, CaptureHints,
@@ -48,8 +51,12 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         return isinstance(obj, torch.Tensor)
 
     def spec(self, tensor) -> TensorSpec:
-        return TensorSpec(tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""), str(tensor.device),
-                          bool(tensor.requires_grad))
+        device = tensor.device
+        name = _DEVICE_NAMES.get(device)
+        if name is None:
+            name = _DEVICE_NAMES[device] = str(device)
+        return TensorSpec(tuple(tensor.shape), _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).replace("torch.", ""),
+                          name, tensor.requires_grad)
 
     def static_like(self, tensor):
         return torch.empty_like(tensor, requires_grad=False).detach()
@@ -75,10 +82,18 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         return out
 
     def copy_many(self, dsts, srcs) -> None:
-        pairs = [(d, s) for d, s in zip(dsts, srcs) if d.data_ptr() != s.data_ptr()]
-        if pairs:
+        to, of = [], []
+        for d, s in zip(dsts, srcs):
+            if d.data_ptr() != s.data_ptr():
+                to.append(d)
+                of.append(s)
+        if not to:
+            return
+        if torch.is_grad_enabled():
             with torch.no_grad():
-                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+                torch._foreach_copy_(to, of)
+        else:  # inside the graphed function's forward and backward
+            torch._foreach_copy_(to, of)
 
     def detach(self, tensor, requires_grad: bool = False):
         out = tensor.detach()
