@@ -322,19 +322,11 @@ def _const_key(x):
         return (type(x).__name__, repr(x))
 
 
-def _hashable_spec(spec):
-    if spec[0] == "leaf":
-        return "leaf"
-    kind, meta, children = spec
-    meta_key = tuple(meta) if kind == "dict" else (meta.__name__ if isinstance(meta, type) else None)
-    return (kind, meta_key, tuple(_hashable_spec(c) for c in children))
-
-
 def signature_key_parts(leaves, tensor_index, spec) -> tuple:
-    """The non-tensor arguments and the argument structure, hashable."""
+    """The non-tensor arguments and the argument structure (``spec``, a tree of tuples), hashable."""
     tensor_pos = set(tensor_index)
     consts = tuple(_const_key(x) for i, x in enumerate(leaves) if i not in tensor_pos)
-    return consts, _hashable_spec(spec)
+    return consts, spec
 
 
 def describe(specs: Sequence[TensorSpec]) -> str:

@@ -10,7 +10,8 @@ from typing import Any
 
 __all__ = ["flatten", "unflatten"]
 
-# A spec is a small tree: ("leaf",), ("tuple", type, [specs]), ("list", [specs]), ("dict", keys, [specs]).
+# A spec is a small tree of tuples, hashable (a signature key holds it): ("leaf",),
+# ("tuple", type, (specs)), ("list", None, (specs)), ("dict", keys, (specs)).
 _LEAF = ("leaf",)
 
 
@@ -23,12 +24,12 @@ def flatten(obj: Any) -> tuple[list, Any]:
 
 def _flatten(obj, leaves):
     if isinstance(obj, tuple):
-        return ("tuple", type(obj), [_flatten(x, leaves) for x in obj])
+        return ("tuple", type(obj), tuple([_flatten(x, leaves) for x in obj]))
     if isinstance(obj, list):
-        return ("list", None, [_flatten(x, leaves) for x in obj])
+        return ("list", None, tuple([_flatten(x, leaves) for x in obj]))
     if isinstance(obj, dict):
-        keys = list(obj.keys())
-        return ("dict", keys, [_flatten(obj[k], leaves) for k in keys])
+        keys = tuple(obj)
+        return ("dict", keys, tuple([_flatten(obj[k], leaves) for k in keys]))
     leaves.append(obj)
     return _LEAF
 

@@ -67,17 +67,26 @@ class _OwnParameter:
     name: str
 
 
+def _is_parameter(x: Any) -> bool:
+    """``isinstance(x, nn.Parameter)``, without that check's Python-level ``__instancecheck__``
+    for the arguments a block call usually gets (plain tensors, ``None``, flags, tuples)."""
+    kind = type(x)
+    if kind is torch.Tensor:
+        return False
+    return kind is nn.Parameter or (isinstance(x, torch.Tensor) and isinstance(x, nn.Parameter))
+
+
 def _mark_own_parameters(layer: "GraphedLayer", args: tuple, kwargs: dict) -> tuple:
     """``args`` and ``kwargs`` with each top-level argument that is one of ``layer``'s own
     parameters replaced by an :class:`_OwnParameter`. A parameter of another module stays an
     input (copied at every replay, its gradient handed out), with a warning (once, by the
     layer's engine)."""
-    if not any(isinstance(x, nn.Parameter) for x in (*args, *kwargs.values())):
+    if not any(map(_is_parameter, args)) and not any(map(_is_parameter, kwargs.values())):
         return args, kwargs  # activations are never Parameters: the usual call stops here
     names = {id(p): n for n, p in layer.named_parameters()}
 
     def mark(x):
-        if not isinstance(x, nn.Parameter):
+        if not _is_parameter(x):
             return x
         if id(x) in names:
             return _OwnParameter(names[id(x)])
@@ -127,7 +136,7 @@ class GraphedLayer(nn.Module):
         if torch.is_grad_enabled():
             self._graphpp_check_call(args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
-        return self.__dict__[_SLOT](*args, **kwargs)
+        return self.__dict__[_SLOT].engine(args, kwargs)  # CUDAGraphedModule.forward, without a second module call
 
     @property
     def graphed(self) -> CUDAGraphedModule:
