@@ -4,6 +4,7 @@ gradient capabilities (split backward for zero-bubble schedules, accumulation in
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -56,6 +57,9 @@ def _weight_pass_sums_output_grads() -> bool:
 
 
 _SUMS_OUTPUT_GRADS = None
+# A weight pass (stage_backward_weight) exists only where torch.distributed.pipelining is loaded;
+# without it, graphed calls skip the hooks and the anchor below (host time on every call).
+_PIPELINING = "torch.distributed.pipelining"
 
 
 class _SumsToItself(torch.Tensor):
@@ -107,7 +111,7 @@ def _weight_pass_hooks(outputs) -> None:
 def apply_graphed_function(call, tensors, params) -> tuple:
     """``call.forward()`` inside the custom autograd function (see GraphRuntime.apply_graphed_function)."""
     outputs = _GraphedFunction.apply(call, *tensors, *params)
-    if params:
+    if params and _PIPELINING in sys.modules:  # its weight pass is the only one that needs what follows
         if _weight_pass_sums_output_grads():
             _weight_pass_hooks(outputs)
         # A zero-bubble input pass (torch.distributed.pipelining's stage_backward_input)

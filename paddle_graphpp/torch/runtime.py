@@ -102,11 +102,11 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         return out
 
     def graphs_unavailable_reason(self, tensors: Sequence[Any]) -> Optional[str]:
-        if not torch.cuda.is_available():
-            return "PyTorch sees no CUDA device"
         for t in tensors:
             if not t.is_cuda:
-                return f"an input is on {t.device}"
+                return "PyTorch sees no CUDA device" if not torch.cuda.is_available() else f"an input is on {t.device}"
+        if not tensors and not torch.cuda.is_available():  # a CUDA input answers it (asked on every call)
+            return "PyTorch sees no CUDA device"
         return None
 
     def mode_key(self):

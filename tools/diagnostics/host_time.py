@@ -76,9 +76,10 @@ class Timers:
         return {k: {"calls": n, "us_per_call": round(t / n * 1e6, 1)} for k, (t, n) in self.total.items()}
 
 
-def timed_calls(trainer, model, steps: int) -> dict:
+def timed_calls(trainer, model, steps: int, detail: bool = False) -> dict:
     """Host microseconds per call of a decoder block (as the model calls it), of the engine's
-    forward entry, of a graphed backward, and of the whole decoder model's forward."""
+    forward entry, of a graphed backward, and of the whole decoder model's forward; with
+    ``detail``, of the parts of the engine's forward too."""
     from paddle_graphpp.core.engine import GraphedCallable
     from paddle_graphpp.torch import autograd as graphed_autograd
 
@@ -89,6 +90,24 @@ def timed_calls(trainer, model, steps: int) -> dict:
     timers.wrap("decoder model forward", type(model.model), "forward")
     timers.wrap("engine forward", GraphedCallable, "__call__")
     timers.wrap("graphed backward", graphed_autograd._GraphedFunction, "backward")
+    if detail:  # the forward's parts
+        from paddle_graphpp.core import capture, engine, state
+        from paddle_graphpp.torch import runtime
+
+        for label, owner, attr in (
+                ("forward: autograd function apply", graphed_autograd, "apply_graphed_function"),
+                ("forward: engine _forward", engine.GraphedCallable, "_forward"),
+                ("forward: replay (all of it)", engine.GraphedCallable, "_replay_forward"),
+                ("replay: copy inputs", runtime.TorchRuntime, "copy_many"),
+                ("replay: graph launch", runtime.TorchRuntime, "replay_graph"),
+                ("replay: watchdog note", capture.Process, "launched"),
+                ("replay: hand out", engine.GraphedCallable, "hand_out"),
+                ("replay: held outputs", engine.GraphedCallable, "keep_held_outputs"),
+                ("replay: state check", state.LayerStateCheck, "check"),
+                ("call: watchdog check", capture.Process, "check_watchdog"),
+                ("call: flatten", engine, "flatten"),
+                ("call: unavailable reason", runtime.TorchRuntime, "graphs_unavailable_reason")):
+            timers.wrap(label, owner, attr)
     try:
         for _ in range(steps):
             trainer.step()
@@ -127,6 +146,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--detail", action="store_true", help="time the parts of the engine's forward as well")
     args = p.parse_args(argv)
     import torch
 
@@ -146,7 +166,7 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     print("synchronising calls in one step:", syncs_in_step(trainer))
-    print("host time per call:", json.dumps(timed_calls(trainer, model, args.steps)))
+    print("host time per call:", json.dumps(timed_calls(trainer, model, args.steps, args.detail), indent=1))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.steps):
