@@ -1,6 +1,7 @@
 """tools/bench_compile.py on CPU: the worker commands, the group plan, the round order, the summary,
 and the cross-process rounds with tiny fake workers (one exits, one hangs, one fails as
 reduce-overhead does) that speak compile_worker's protocol. The model runs need a GPU."""
+import json
 import sys
 import textwrap
 import time
@@ -157,9 +158,34 @@ def test_after_the_rounds_each_worker_profiles_and_compile_s_busy_share_bounds_g
                                        "profile-compile", "profile-ours_compiled"]
     assert raw["compile"]["profile"] == {"steps": 3, "compute_busy": 0.95}
     assert "profile" not in raw["gone"]
-    ceiling = bench_compile.graphing_ceiling({"1b": {"groups": [raw]}, "small": {"groups": [{"eager": {}}]}})
-    assert ceiling["1b"] == {"compile_busy": 0.95, "ceiling": pytest.approx(1 / 0.95)}
-    assert ceiling["small"] is None  # no profiled compile there
+
+
+def test_the_ceiling_puts_kernel_time_beside_step_time():
+    def rec(step_s, busy_ms):
+        return {"tokens_per_s": 1.0, "median_s_per_step": step_s, "profile": {"busy_ms": busy_ms}}
+
+    shapes = {"1b": {"groups": [{"compile": rec(0.110, 100.0), "ours_compiled": rec(0.105, 90.0),
+                                 "reduce_overhead": rec(0.104, 101.0)}]},
+              "small": {"groups": [{"compile": {"tokens_per_s": 1.0, "median_s_per_step": 0.05}}]}}
+    ceiling = bench_compile.graphing_ceiling(shapes)
+    assert ceiling["1b"]["compile_idle_ms"] == pytest.approx(10.0)
+    assert ceiling["1b"]["compile_graphed_max"] == pytest.approx(1.1)  # compile's kernels with no idle time
+    assert ceiling["1b"]["ours_compiled_max"] == pytest.approx(110 / 90, abs=1e-4)
+    assert ceiling["1b"]["ours_compiled_idle_ms"] == pytest.approx(15.0)
+    assert ceiling["1b"]["reduce_overhead_idle_ms"] == pytest.approx(3.0)
+    assert ceiling["small"] is None  # compile was not profiled there
+
+
+def test_resummarize_rewrites_summary_and_ceiling_from_the_stored_runs(tmp_path):
+    record = tmp_path / "compile-x.json"
+    shapes = {"1b": {"groups": [{"compile": _ok(50.0, median_s_per_step=0.2, profile={"busy_ms": 180.0}),
+                                 "ours_compiled": _ok(60.0, median_s_per_step=0.1667, profile={"busy_ms": 150.0})}]}}
+    record.write_text(json.dumps({"shapes": shapes, "summary": {"stale": True}}))
+    assert bench_compile.main(["--resummarize", str(record)]) == 0
+    out = json.loads(record.read_text())
+    assert out["summary"]["ours_compiled_vs_compile_1b"] == pytest.approx(1.2)
+    assert out["graphing_ceiling"]["1b"]["ours_compiled_max"] == pytest.approx(200 / 150, abs=1e-4)
+    assert "stale" not in out["summary"] and out["summary_code_version"]
 
 
 def test_no_profile_unless_asked(tmp_path):

@@ -224,6 +224,24 @@ def test_a_blocks_own_weight_given_as_an_argument_trains_like_eager():
     assert other.grad is not None and other.grad.shape == other.shape
 
 
+def test_the_parameter_test_for_block_arguments_agrees_with_isinstance():
+    from torch import nn
+
+    from paddle_graphpp.torch.layers import _is_parameter
+
+    class MyParameter(nn.Parameter):
+        pass
+
+    class MyTensor(torch.Tensor):
+        pass
+
+    tensor = torch.ones(2)
+    cases = [tensor, nn.Parameter(tensor.clone()), MyParameter(tensor.clone()), tensor.as_subclass(MyTensor),
+             nn.Parameter(tensor.as_subclass(MyTensor)), None, 3, (tensor,), "use_cache"]
+    assert [_is_parameter(x) for x in cases] == [isinstance(x, nn.Parameter) for x in cases]
+    assert [_is_parameter(x) for x in cases] == [False, True, True, False, True, False, False, False, False]
+
+
 def test_a_blocks_own_weight_given_as_an_argument_is_no_graph_input(fake_runtime):
     # Read in place like the block's other parameters: the graphs take only the hidden state as
     # an input (no weight-sized input buffer, no gradient handed out for it).
