@@ -436,6 +436,7 @@ def test_kernels_are_sorted_into_kinds_by_name():
     assert kind_of("triton_poi_fused__to_copy_add_mul_0") == "triton"
     assert kind_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == (
         "optimizer")
+    assert kind_of("void at::native::multi_tensor_apply_kernel<at::native::ZeroFunctor<float>>") == "other"
     assert kind_of("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "communication"
     assert kind_of("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<c10::BFloat16>>") == "other"
     # durations summed per kind, largest first

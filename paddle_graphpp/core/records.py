@@ -313,6 +313,9 @@ class SignatureKey(tuple):
     def __hash__(self):
         return self._hash
 
+    def __reduce__(self):  # hashed anew where it is loaded (string hashes differ per process)
+        return SignatureKey, (tuple(self),)
+
 
 def _const_key(x):
     try:

@@ -57,8 +57,8 @@ def _weight_pass_sums_output_grads() -> bool:
 
 
 _SUMS_OUTPUT_GRADS = None
-# A weight pass (stage_backward_weight) exists only where torch.distributed.pipelining is loaded;
-# without it, graphed calls skip the hooks and the anchor below (host time on every call).
+# torch.distributed.pipelining's stage_backward_weight is the weight pass whose summing the hooks
+# work around; without that module loaded, graphed calls skip them (host time on every call).
 _PIPELINING = "torch.distributed.pipelining"
 
 
@@ -111,8 +111,8 @@ def _weight_pass_hooks(outputs) -> None:
 def apply_graphed_function(call, tensors, params) -> tuple:
     """``call.forward()`` inside the custom autograd function (see GraphRuntime.apply_graphed_function)."""
     outputs = _GraphedFunction.apply(call, *tensors, *params)
-    if params and _PIPELINING in sys.modules:  # its weight pass is the only one that needs what follows
-        if _weight_pass_sums_output_grads():
+    if params:
+        if _PIPELINING in sys.modules and _weight_pass_sums_output_grads():  # only its weight pass sums
             _weight_pass_hooks(outputs)
         # A zero-bubble input pass (torch.distributed.pipelining's stage_backward_input)
         # detaches the stage's outputs and keeps only Python handles of the nodes its weight

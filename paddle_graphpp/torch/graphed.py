@@ -47,4 +47,9 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
 
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):
+        return self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict):
+        """What ``forward`` does, without a module call: a graphed block calls this (hooks
+        registered on this module do not run then)."""
         return self._engine(args, kwargs)

@@ -19,7 +19,8 @@ forward. So parameter names, ``state_dict()`` keys, the optimizer's parameter li
 ``isinstance`` checks, attributes of the block (``layer.self_attn``, ``layer.attention_type``)
 and hooks registered on it (``transformers``' output recording) are all as before. The
 ``CUDAGraphedModule`` is kept on the block (``layer.graphed``) but is not one of its
-submodules, so it adds no names.
+submodules, so it adds no names; the block runs it without a module call (``run``), so hooks
+belong on the block, not on ``layer.graphed``.
 
 A graphed block cannot update a key/value cache: the update is Python-side state that would
 happen once, at capture, and never at replay. :func:`graph_layers` refuses a model whose
@@ -136,7 +137,7 @@ class GraphedLayer(nn.Module):
         if torch.is_grad_enabled():
             self._graphpp_check_call(args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
-        return self.__dict__[_SLOT].engine(args, kwargs)  # CUDAGraphedModule.forward, without a second module call
+        return self.__dict__[_SLOT].run(args, kwargs)  # its forward, without a second module call
 
     @property
     def graphed(self) -> CUDAGraphedModule:

@@ -27,7 +27,7 @@ KINDS = (
     ("communication", ("nccl",)),
     ("attention", ("flash", "fmha", "sdpa", "attention")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "triton_tem")),
-    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("optimizer", ("adam", "sgd", "lamb", "lion")),  # not the foreach copy/add/zero the engine launches
     ("triton", ("triton_",)),
 )
 

@@ -31,6 +31,7 @@ class Counted:
 
 
 def test_a_signature_key_is_a_tuple_that_hashes_its_parts_once():
+    Counted.hashed = 0
     part = Counted()
     parts = (("spec",), (1, 2), part)
     key = SignatureKey(parts)
@@ -41,3 +42,14 @@ def test_a_signature_key_is_a_tuple_that_hashes_its_parts_once():
     assert Counted.hashed == 1  # the engine's tables look the same key up many times per call
     assert key == parts and hash(key) == hash(parts) and key[1] == (1, 2)
     assert {parts: "found"}[key] == "found"
+
+
+def test_a_pickled_signature_key_is_hashed_anew_where_it_is_loaded():
+    import pickle
+
+    key = SignatureKey((("leaf",), ("str", "use_cache")))
+    key._hash = 12345  # as if hashed in another process, where strings hash differently
+    loaded = pickle.loads(pickle.dumps(key))
+    assert loaded == key and type(loaded) is SignatureKey
+    assert hash(loaded) == tuple.__hash__(loaded)  # computed on load, not carried over
+    assert {tuple(loaded): "found"}.get(loaded) == "found"
