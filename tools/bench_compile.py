@@ -74,8 +74,9 @@ from tools import benchlib, launch  # noqa: E402
 from tools.compile_worker import RECORDED_STEPS, SHAPES, VARIANTS  # noqa: E402
 
 WORKER = str(Path(REPO, "tools", "compile_worker.py"))
-AUTO_GROUPS = {"1b": [["compile", "ours_compiled", "ours"],
+AUTO_GROUPS = {"1b": [["compile", "ours_compiled", "ours", "ours_whole", "ours_whole_compiled", "ours_whole_step"],
                       ["compile", "eager", "reduce_overhead", "ours_compiled_model"]]}
+WHOLE = ("ours_whole", "ours_whole_compiled", "ours_whole_step")
 RUN_REPLY_S = 120.0  # a "run N" that takes longer is a hang
 DONE_REPLY_S = 30.0
 STDERR_TAIL = 3000
@@ -280,11 +281,36 @@ def reduce_overhead_summary(shape_result: dict | None):
             "vs_compile": side_by_side(shape_result, "reduce_overhead", "compile")}
 
 
+def step_us(shape_result: dict | None, name: str):
+    """Microseconds per step of ``name`` (the median round); at the tiny shape this is host time."""
+    rec = first_record(shape_result, name)
+    return round(rec["median_s_per_step"] * 1e6, 1) if ok(rec) else None
+
+
 def summarize(shapes: dict) -> dict:
-    """The headline figures; ``None`` where an input is missing (a variant failed or was not run)."""
+    """The headline figures; ``None`` where an input is missing (a variant failed or was not run).
+
+    The whole-model figures (``ours_whole_*``) are those of ``graph_model(compile=True)``
+    (variant ``ours_whole_compiled``), as ``ours_compiled`` is the blocks' headline; the one
+    without Inductor is ``ours_whole_uncompiled_vs_reduce_overhead_small``."""
     errs = [loss_rel_err(first_record(r, "ours_compiled"), first_record(r, "compile")) for r in shapes.values()]
     errs = [e for e in errs if e is not None]
+    whole_errs = {}
+    for name in WHOLE:
+        found = [loss_rel_err(first_record(r, name), first_record(r, "compile")) for r in shapes.values()]
+        found = [e for e in found if e is not None]
+        whole_errs[name] = max(found) if found else None
     return {
+        "ours_whole_vs_reduce_overhead_small": side_by_side(shapes.get("small"), "ours_whole_compiled",
+                                                            "reduce_overhead"),
+        "ours_whole_step_vs_reduce_overhead_small": side_by_side(shapes.get("small"), "ours_whole_step",
+                                                                 "reduce_overhead"),
+        "ours_whole_vs_compile_1b": side_by_side(shapes.get("1b"), "ours_whole_compiled", "compile"),
+        "ours_whole_uncompiled_vs_reduce_overhead_small": side_by_side(shapes.get("small"), "ours_whole",
+                                                                       "reduce_overhead"),
+        "whole_loss_max_rel_err_vs_compile": whole_errs,
+        "tiny_us_per_step": {n: step_us(shapes.get("tiny"), n) for n in ("reduce_overhead", "ours_compiled", *WHOLE)}
+        if shapes.get("tiny") else None,
         "ours_compiled_vs_compile_1b": side_by_side(shapes.get("1b"), "ours_compiled", "compile"),
         "ours_compiled_vs_ours_small": side_by_side(shapes.get("small"), "ours_compiled", "ours"),
         "ours_compiled_vs_compile_small": side_by_side(shapes.get("small"), "ours_compiled", "compile"),

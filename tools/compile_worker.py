@@ -45,7 +45,8 @@ if REPO not in sys.path:  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-VARIANTS = ("eager", "compile", "reduce_overhead", "ours", "ours_compiled_model", "ours_compiled")
+VARIANTS = ("eager", "compile", "reduce_overhead", "ours", "ours_compiled_model", "ours_compiled", "ours_whole",
+            "ours_whole_compiled", "ours_whole_step")
 RECORDED_STEPS = 6  # per-step mean losses kept: steps 1..6, the first included
 DATA_STEPS = 8  # distinct batches, cycled
 ERROR_CHARS = 4000
@@ -69,6 +70,7 @@ SHAPES = {
     "small": Shape(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1376, vocab=8192, micro_batch=2, seq=256),
     "1b": Shape(hidden=2048, layers=16, heads=16, kv_heads=16, intermediate=5504, vocab=32000, micro_batch=1,
                 seq=2048),
+    "tiny": Shape(hidden=128, layers=16, heads=4, kv_heads=2, intermediate=344, vocab=8192, micro_batch=1, seq=32),
 }
 
 APPROACHES = {
@@ -116,6 +118,10 @@ def wrap(model, variant: str):
         graph_layers(model.model.layers, compile=True)
         if variant == "ours_compiled_model":
             return torch.compile(model)  # the graphed blocks are opaque to dynamo: the rest compiles
+    elif variant.startswith("ours_whole"):
+        from paddle_graphpp.torch import graph_model
+
+        graph_model(model, compile=variant != "ours_whole" or None)  # ours_whole_step: inside the step's graph
     return model
 
 
@@ -132,15 +138,25 @@ def make_data(shape: Shape, micro_batches: int) -> list:
 class Trainer:
     """The training loop; ``mark`` and ``clone_inputs`` serve ``reduce_overhead``'s approaches."""
 
-    def __init__(self, model, call, data, *, mark: str = "never", clone_inputs: bool = False):
+    def __init__(self, model, call, data, *, mark: str = "never", clone_inputs: bool = False,
+                 whole_step: bool = False):
         self.model, self.call, self.data = model, call, data
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         self.mark, self.clone_inputs = mark, clone_inputs
         self.steps = 0
+        self._run = self._step
+        if whole_step:  # the whole step, micro-batches and optimizer, as one graph
+            from paddle_graphpp.torch import graph_step
+
+            self._run = graph_step(self._step, optimizers=self.opt)
 
     def step(self) -> list:
         """One optimizer step; returns each micro-batch's loss (a detached clone)."""
         batch = self.data[self.steps % len(self.data)]
+        self.steps += 1
+        return list(self._run(batch))
+
+    def _step(self, batch: list) -> torch.Tensor:
         kept = []
         for i, ids in enumerate(batch):
             if self.mark == "micro-batch" or (self.mark == "step" and i == 0):
@@ -151,8 +167,7 @@ class Trainer:
             (loss / len(batch)).backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.steps += 1
-        return kept
+        return torch.stack(kept)
 
 
 def timed_steps(trainer: Trainer, n: int) -> float:
@@ -233,7 +248,8 @@ def warm(args, memory):
     if args.variant == "reduce_overhead":
         return warm_reduce_overhead(shape, args, memory)
     model = build(shape)
-    trainer = Trainer(model, wrap(model, args.variant), make_data(shape, args.micro_batches))
+    trainer = Trainer(model, wrap(model, args.variant), make_data(shape, args.micro_batches),
+                      whole_step=args.variant == "ours_whole_step")
     return trainer, warm_up(trainer, args.warmup, memory)
 
 

@@ -484,11 +484,24 @@ def test_the_installed_transformers_builds_its_mask_through_a_known_form():
     model = build("llama")
     stage = causal_lm_stage(model, 0, 1, graph=False)
     hidden = torch.zeros(2, SEQ, 32)
-    positions = torch.arange(SEQ).unsqueeze(0)
-    mask = stage._causal_mask(model.config, hidden, positions, torch.arange(SEQ))
+    mask = stage._causal_mask(model.config, hidden, torch.arange(SEQ))
     # sdpa masks causally itself when nothing is padded; an eager attention gets a 4-D mask
     assert mask is None or mask.shape[-2:] == (SEQ, SEQ)
     assert len(hf._MASK_FORMS) == 4
+
+
+def test_block_arguments_are_built_once_per_batch_shape_and_match_the_models_own():
+    model = build("llama")
+    stage = causal_lm_stage(model, 0, 1, graph=False)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    kwargs = stage.block_kwargs(ids)
+    assert stage.block_kwargs(ids.clone()) is kwargs  # kept: no mask code (or host read) per call
+    assert stage.block_kwargs(ids[:1]) is not kwargs  # another batch shape: built anew
+    cos, sin = model.model.rotary_emb(torch.zeros(2, SEQ, 1), torch.arange(SEQ).unsqueeze(0))
+    assert torch.equal(kwargs["position_embeddings"][0], cos) and torch.equal(kwargs["position_embeddings"][1], sin)
+    model.eval()  # no dropout: the two forwards must agree exactly
+    with torch.no_grad():
+        assert torch.equal(stage(ids), model(ids).logits)  # the model's own forward, the same logits
 
 # ------------------------------------------------------------------------- distributed
 @pytest.mark.slow

@@ -65,6 +65,7 @@ from typing import Any, Callable, Optional, Sequence
 from . import collectives as _collectives
 from . import memory as _memory
 from .backward import Backward
+from .scope import layers_inlined
 from .capture import Process, process_for
 from .errors import GraphScheduleError, SignatureError
 from .in_step import InStepCapture
@@ -134,6 +135,8 @@ class GraphedCallable:
         rt = self.runtime
         if not rt.grad_enabled():
             return self.fn(*args, **kwargs)  # inference: no backward will pair with it
+        if layers_inlined() or rt.is_capturing():
+            return self.fn(*args, **kwargs)  # an enclosing graph captures this call's work (core.scope)
         leaves, spec = flatten((args, kwargs))
         tensor_index = [i for i, x in enumerate(leaves) if rt.is_tensor(x)]
         tensors = [leaves[i] for i in tensor_index]

@@ -38,9 +38,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .layers import graph_in_place
+from .graphed import CUDAGraphedModule
+from .layers import check_layer, graph_in_place
 
 __all__ = ["causal_lm_stage", "CausalLMStage"]
+
+_KWARGS_KEPT = 8  # block-argument sets a stage keeps (one per batch shape, dtype and device)
+_SCOPES = ("blocks", "stage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +103,7 @@ def _parameter_names(fn) -> frozenset:
 
 # transformers.masking_utils.create_causal_mask has changed its required arguments twice within
 # the supported range. Each known form, by its required parameters after ``config``; the stage
-# passes exactly those (and ``position_ids`` where taken), so a form not listed here is refused
+# passes exactly those, so a form not listed here is refused
 # when the stage is built instead of losing an argument at the first forward.
 _MASK_FORMS = {
     ("input_embeds", "attention_mask", "cache_position", "past_key_values"): "transformers 5.0-5.1",
@@ -110,9 +114,11 @@ _MASK_FORMS = {
 
 
 def _mask_builder():
-    """``build(config, hidden, position_ids, cache_position)``: the causal mask (or ``None`` where the
-    attention kernel masks causally itself) for an unpadded batch without a cache, through the
-    installed transformers' ``create_causal_mask``."""
+    """``build(config, hidden, cache_position)``: the causal mask (or ``None`` where the attention
+    kernel masks causally itself) for an unpadded batch without a cache, through the installed
+    transformers' ``create_causal_mask``. Position ids are not passed: given them, transformers
+    looks for packed sequences, which reads a device value on the host (5.17) and, traced, builds
+    a full mask; an unpadded batch holds one sequence per row."""
     import transformers
 
     from ..support import SUPPORTED, require
@@ -134,15 +140,11 @@ def _mask_builder():
             f"{support.newest_tested}). Install a transformers in that range, e.g. "
             f"`pip install 'transformers<={support.newest_tested}'`, or build the stage yourself and call "
             f"graph_layers() on its blocks.")
-    takes_positions = "position_ids" in {p.name for p in params}
 
-    def build(config, hidden, position_ids, cache_position):
+    def build(config, hidden, cache_position):
         known = {"input_embeds": hidden, "inputs_embeds": hidden, "attention_mask": None,
                  "cache_position": cache_position, "past_key_values": None, "cache": None}
-        kwargs = {name: known[name] for name in required}
-        if takes_positions:
-            kwargs["position_ids"] = position_ids
-        return create_causal_mask(config, **kwargs)
+        return create_causal_mask(config, **{name: known[name] for name in required})
 
     return build
 
@@ -191,6 +193,7 @@ class CausalLMStage(nn.Module):
         original = getattr(block_cls, "_graphpp_original", block_cls)
         self.__dict__["_block_params"] = _parameter_names(original.forward) if original is not None else frozenset()
         self.__dict__["_causal_mask"] = _mask_builder()
+        self.__dict__["_kwargs_kept"] = {}
 
     @property
     def blocks(self) -> list:
@@ -201,6 +204,14 @@ class CausalLMStage(nn.Module):
         return getattr(self, self._layout.base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kwargs = self.block_kwargs(x)
+        whole = self.__dict__.get("_whole")
+        if whole is not None:  # scope="stage": the whole stage is one graphed call
+            return whole.run((x, kwargs), {})
+        return self.body(x, kwargs)
+
+    def body(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The stage's computation, given the arguments its blocks take (:meth:`block_kwargs`)."""
         layout, part = self._layout, self._part
         if self.is_first:
             hidden = getattr(part, layout.embed)(x)
@@ -211,7 +222,6 @@ class CausalLMStage(nn.Module):
                 hidden = getattr(part, layout.dropout)(hidden)
         else:
             hidden = x
-        kwargs = self._block_kwargs(hidden)
         for block in getattr(part, layout.layers).values():
             hidden = block(hidden, **kwargs)
             if isinstance(hidden, tuple):  # blocks of transformers 4.x return (hidden, ...)
@@ -220,11 +230,45 @@ class CausalLMStage(nn.Module):
             return hidden
         return self.lm_head(getattr(part, layout.norm)(hidden))
 
-    def _block_kwargs(self, hidden: torch.Tensor) -> dict:
-        """What the model's own forward passes its blocks, for an unpadded causal batch."""
+    def block_kwargs(self, x: torch.Tensor) -> dict:
+        """What the model's own forward passes its blocks for an unpadded causal batch of ``x``'s
+        batch size and length: the mask (``None`` where the attention kernel masks causally
+        itself), positions and (Llama) rotary embeddings.
+
+        They depend only on the batch's shape, dtype and device, so they are built once per such
+        key, eagerly, and kept (at most :data:`_KWARGS_KEPT` keys). Built inside a capture, the
+        installed transformers would take its traced path (a full mask, slower attention), so a
+        key first seen inside a capture is refused; the warmup calls build every key first.
+        """
+        dtype = self._hidden_dtype(x)
+        key = (tuple(x.shape[:2]), dtype, x.device, torch.is_autocast_enabled(x.device.type))
+        kwargs = self._kwargs_kept.get(key)
+        if kwargs is not None:
+            return kwargs
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            from ..core.errors import CaptureError
+
+            raise CaptureError(
+                f"CausalLMStage {self.stage_index}: the block arguments (mask, positions) for a batch of shape "
+                f"{list(x.shape[:2])} are first needed inside a capture, where transformers would build them on "
+                f"its traced path (a full mask, no causal attention kernel). Run this shape eagerly once first "
+                f"(num_warmup_steps >= 1).")
+        with torch.no_grad():
+            kwargs = self._build_block_kwargs(torch.empty(*x.shape[:2], 1, dtype=dtype, device=x.device))
+        if len(self._kwargs_kept) >= _KWARGS_KEPT:
+            self._kwargs_kept.clear()
+        self._kwargs_kept[key] = kwargs
+        return kwargs
+
+    def _hidden_dtype(self, x: torch.Tensor) -> torch.dtype:
+        if not self.is_first:
+            return x.dtype
+        return getattr(getattr(self._part, self._layout.embed), "weight").dtype
+
+    def _build_block_kwargs(self, hidden: torch.Tensor) -> dict:
         cache_position = torch.arange(hidden.shape[1], device=hidden.device)
         position_ids = cache_position.unsqueeze(0)
-        mask = self._causal_mask(self.config, hidden, position_ids, cache_position)
+        mask = self._causal_mask(self.config, hidden, cache_position)
         kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=position_ids, use_cache=False)
         if "cache_position" in self._block_params:  # transformers < 5.17 blocks take it
             kwargs["cache_position"] = cache_position
@@ -265,6 +309,7 @@ def causal_lm_stage(
     accumulate_grads: Union[bool, str] = "auto",
     generators: Any = None,
     compile: Any = None,
+    scope: str = "blocks",
 ) -> CausalLMStage:
     """Cut a Hugging Face causal LM into pipeline stage ``stage_index`` of ``num_stages``.
 
@@ -284,6 +329,12 @@ def causal_lm_stage(
         graph: ``False`` builds the same stage with eager blocks (a reference run).
         fallback, memory, accumulate_grads, generators, compile: passed to each block's
             ``CUDAGraphedModule`` (``compile``: see :func:`~paddle_graphpp.torch.layers.graph_layers`).
+        scope: ``"blocks"`` (default) graphs each block in place; ``"stage"`` graphs the whole
+            stage as one :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`, embeddings,
+            final norm and head included: one forward and one backward launch per micro-batch.
+            The blocks stay plain modules then. The mask, positions and rotary tables are built
+            once per batch shape outside the graph (:meth:`CausalLMStage.block_kwargs`), so
+            attention keeps its causal kernel and nothing in the graph reads the device.
 
     Returns:
         A :class:`CausalLMStage`; ``example_io(micro_batch_size, seq_len)`` gives the example
@@ -314,12 +365,46 @@ def causal_lm_stage(
             f"causal_lm_stage(): {type(model).__name__} ties its input embedding to lm_head, which would sit on "
             f"stages 0 and {num_stages - 1} with nothing to reduce the shared weight's gradients. Build the model "
             f"with tie_word_embeddings=False in its config.")
+    if scope not in _SCOPES:
+        raise ValueError(f"causal_lm_stage(): scope must be one of {_SCOPES}, got {scope!r}")
     blocks = getattr(base, layout.layers)
     indices = _split(len(blocks), num_stages, layers_per_stage)[stage_index]
     stage = CausalLMStage(model, layout, stage_index, num_stages, indices)
-    if graph and indices:
+    if graph and scope == "stage":
+        for i in indices:  # a graph inside a graph, or a recomputation inside one, is refused
+            check_layer(f"{layout.base}.{layout.layers}.{i}", blocks[i], check_config=False)
+        stage.__dict__["_whole"] = CUDAGraphedModule(
+            _StageBody(stage), num_warmup_steps, fallback=fallback, memory=memory, accumulate_grads=accumulate_grads,
+            generators=generators, compile=compile, name=f"causal_lm_stage({stage_index}/{num_stages})")
+    elif graph and indices:
         prefix = f"{layout.base}.{layout.layers}"
         graph_in_place([(str(i), blocks[i]) for i in indices], [f"{prefix}.{i}" for i in indices],
                        check_config=False, num_warmup_steps=num_warmup_steps, fallback=fallback, memory=memory,
                        accumulate_grads=accumulate_grads, generators=generators, compile=compile)
     return stage
+
+
+class _StageBody(nn.Module):
+    """What a whole-stage graph runs: :meth:`CausalLMStage.body`, given the block arguments.
+
+    Its one submodule is the stage, so its parameters and the state a replay checks are the
+    stage's; it is held outside the stage's submodules (``stage.__dict__``), so the stage's
+    names and ``state_dict()`` keys stay the model's. Train/eval mode is the stage's.
+    """
+
+    def __init__(self, stage: CausalLMStage):
+        super().__init__()
+        self.stage = stage
+
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        modules = self.__dict__.get("_modules") or {}
+        return modules["stage"].training if "stage" in modules else True
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        pass  # follows the stage
+
+    def forward(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        return self.stage.body(x, kwargs)
+

@@ -267,7 +267,9 @@ def _config_of(layer: nn.Module) -> Any:
     return None
 
 
-def _check_layer(name: str, layer: nn.Module, check_config: bool) -> None:
+def check_layer(name: str, layer: nn.Module, check_config: bool) -> None:
+    """Refuse a block that cannot be graphed: graphed already, checkpointed, or (``check_config``)
+    with a model config that keeps a cache or records attention weights."""
     if isinstance(layer, GraphedLayer):
         raise TypeError(f"{name} is already graphed (graph_layers() was called on it before)")
     if isinstance(layer, CUDAGraphedModule):
@@ -388,7 +390,7 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     (:mod:`paddle_graphpp.torch.hf`). The per-call checks stay.
     """
     for label, (_, module) in zip(names, pairs):
-        _check_layer(label, module, check_config)
+        check_layer(label, module, check_config)
     seen: set = set()
     for label, (_, module) in zip(names, pairs):
         if id(module) in seen:

@@ -19,7 +19,7 @@ from ..optim import GraphedOptimizer
 from .runtime import active_runtime
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
-           "optimizer_state_slots"]
+           "make_capturable", "optimizer_state_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -335,20 +335,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
 
     # -------------------------------------------------------- hyperparameters
     def _make_capturable(self) -> None:
-        self._lrs = []
-        for group in self.optimizer.param_groups:
-            device = group["params"][0].device
-            group["capturable"] = True
-            lr = group["lr"]
-            if not (isinstance(lr, torch.Tensor) and lr.device == device and lr.dtype == torch.float32):
-                lr = torch.tensor(float(lr), dtype=torch.float32, device=device)
-                group["lr"] = lr
-            self._lrs.append(lr)
-            for p in group["params"]:  # step counts taken eagerly before wrapping live on the CPU
-                state = self.optimizer.state.get(p, {})
-                step = state.get("step")
-                if isinstance(step, torch.Tensor) and step.device != p.device:
-                    state["step"] = step.to(device=p.device, dtype=torch.float32)
+        self._lrs = make_capturable(self.optimizer)
 
     def _hyperparameters(self) -> list:
         # Values the capture freezes into the graph. lr is a device tensor read at replay;
@@ -397,6 +384,28 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         if len(present) != len(self._clean):
             return False
         return all(g is c and g._version == v for g, (c, v) in zip(present, self._clean))
+
+
+def make_capturable(optimizer: torch.optim.Optimizer) -> list:
+    """Switch every param group of ``optimizer`` to ``capturable=True`` and make its ``lr`` a 0-d
+    fp32 tensor on the parameters' device (``torch.optim.lr_scheduler`` fills such a tensor in
+    place, so a captured step reads each new value); move step counts kept on the CPU to the
+    device. Returns the lr tensors, one per param group. Idempotent."""
+    lrs = []
+    for group in optimizer.param_groups:
+        device = group["params"][0].device
+        group["capturable"] = True
+        lr = group["lr"]
+        if not (isinstance(lr, torch.Tensor) and lr.device == device and lr.dtype == torch.float32):
+            lr = torch.tensor(float(lr), dtype=torch.float32, device=device)
+            group["lr"] = lr
+        lrs.append(lr)
+        for p in group["params"]:  # step counts taken eagerly before wrapping live on the CPU
+            state = optimizer.state.get(p, {})
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.device != p.device:
+                state["step"] = step.to(device=p.device, dtype=torch.float32)
+    return lrs
 
 
 def optimizer_state_slots(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list:

@@ -233,7 +233,8 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         graph.replay()
 
     def is_capturing(self) -> bool:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        # asked on every graphed call: nothing captures before CUDA is initialised (a cheap test)
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 def _parameter_slots(module) -> dict:
     """``{id(parameter): [name, ...]}``: one name per place the parameter is held (a module and

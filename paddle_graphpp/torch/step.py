@@ -1,0 +1,411 @@
+"""Whole-step graphs: every micro-batch of a training step, the gradient accumulation and the
+optimizer step captured as one CUDA graph and replayed once per step (:func:`graph_step`).
+
+Graphed layers (:func:`~paddle_graphpp.torch.graph_layers`, :func:`~paddle_graphpp.torch.graph_model`)
+launch one forward and one backward graph per micro-batch; what runs between them (the loss
+glue, the optimizer, the host's work per call) still costs launches and host time. A whole
+step has no such gaps: its host cost is one copy of the batch into static buffers and one
+launch. The step is the user's own function::
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+
+    def train_step(micro_batches):
+        for tokens in micro_batches:
+            loss = model(tokens, labels=tokens).loss / len(micro_batches)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    step = graph_step(train_step, optimizers=opt)
+    for micro_batches in loader:
+        loss = step(micro_batches)   # eager for the warmup calls, then one graph launch
+        scheduler.step()             # outside the step: the lr is a device tensor it fills
+
+The life of one signature (the shapes, dtypes and devices of the call's tensors, its other
+arguments by value, autocast): ``num_warmup_steps`` calls run the function eagerly; the next
+call copies its tensors into static buffers allocated then, releases the allocator's cached
+memory, captures the function into a pool of its own (nothing runs during a capture) and
+replays the graph once for this call; later calls copy, check and replay. Graphed layers
+inside the step run their wrapped call directly in the warmup and the capture
+(:mod:`paddle_graphpp.core.scope`): the step's graph holds their work, compiled kernels
+(``compile=``) included, and they keep no graphs of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import linecache
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..core.errors import CaptureError, StateReplacedError
+from ..core.scope import inline_layers
+from ..core.state import StateWatch
+from ..core.tree import flatten, unflatten
+from .optim import make_capturable, optimizer_state_slots
+from .runtime import active_runtime
+
+__all__ = ["graph_step", "GraphedStep"]
+
+logger = logging.getLogger("paddle_graphpp")
+
+_FALLBACKS = ("error", "eager")
+_LIBRARY_DIRS = ("/torch/", "/paddle_graphpp/", "/transformers/utils/", "/contextlib.py", "/functools.py")
+
+
+@dataclass(slots=True)
+class _Captured:
+    """One signature's graph and the tensors it reads and writes."""
+
+    graph: Any
+    static_inputs: list
+    outputs_spec: Any
+    outputs: list  # the output leaves; tensors are the graph's buffers
+    grads: list  # each parameter's .grad after the capture (the graph writes these tensors)
+    watch: StateWatch
+
+
+@dataclass(slots=True)
+class _Signature:
+    warm: int = 0
+    captured: Optional[_Captured] = None
+    eager_reason: Optional[str] = None
+    hyper: list = field(default_factory=list)
+
+
+class GraphedStep:
+    """A training-step function whose calls, after warmup, replay one CUDA graph.
+
+    Made by :func:`graph_step`; see it for the arguments and the contract. Attributes:
+    ``captures`` and ``replays`` count graphs captured and launched; ``eager_reason(*args,
+    **kwargs)`` says why a signature runs eagerly (``None`` when it does not).
+    """
+
+    def __init__(self, fn: Callable, optimizers: Sequence[torch.optim.Optimizer], *, num_warmup_steps: int,
+                 fallback: str, clone_outputs: bool, max_signatures: int, name: str):
+        self.fn = fn
+        self.name = name
+        self.optimizers = list(optimizers)
+        self.num_warmup_steps = num_warmup_steps
+        self.fallback = fallback
+        self.clone_outputs = clone_outputs
+        self.max_signatures = max_signatures
+        self.runtime = active_runtime()
+        self.params = _unique(p for opt in self.optimizers for g in opt.param_groups for p in g["params"])
+        self._signatures: dict = {}
+        self._warned: set = set()
+        self.captures = 0
+        self.replays = 0
+        self._unavailable = self.runtime.graphs_unavailable_reason(self.params)
+        if self._unavailable is None:
+            for opt in self.optimizers:
+                make_capturable(opt)
+
+    # ------------------------------------------------------------------ calls
+    def __call__(self, *args, **kwargs) -> Any:
+        leaves, spec = flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        reason = self._unavailable or self.runtime.graphs_unavailable_reason(tensors)
+        if reason is not None:
+            self._warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); the step runs eagerly.")
+            return self.fn(*args, **kwargs)
+        if self.runtime.is_capturing():
+            return self.fn(*args, **kwargs)  # an enclosing capture takes the step's work
+        sig = self._signature(leaves, spec)
+        if sig.eager_reason is not None:
+            self._warn_once(sig.eager_reason, f"{self.name}: {sig.eager_reason}; the step runs eagerly.")
+            return self.fn(*args, **kwargs)
+        if sig.captured is not None:
+            return self._replay(sig, tensors)
+        if sig.warm < self.num_warmup_steps:
+            sig.warm += 1
+            with inline_layers():
+                return self.fn(*args, **kwargs)
+        return self._capture_and_replay(sig, leaves, spec, tensors)
+
+    def eager_reason(self, *args, **kwargs) -> Optional[str]:
+        """Why a call with these arguments runs eagerly, or ``None`` when it is (or will be) graphed."""
+        leaves, spec = flatten((args, kwargs))
+        if self._unavailable is not None:
+            return self._unavailable
+        sig = self._signatures.get(self._key(leaves, spec))
+        return None if sig is None else sig.eager_reason
+
+    # ---------------------------------------------------------------- replay
+    def _replay(self, sig: _Signature, tensors: list) -> Any:
+        done = sig.captured
+        self._check(sig, done)
+        if tensors:
+            torch._foreach_copy_(done.static_inputs, tensors)
+        self.runtime.replay_graph(done.graph)
+        self.replays += 1
+        for p, g in zip(self.params, done.grads):
+            if p.grad is not g:  # set to None (or replaced) outside the step: the graph wrote these
+                p.grad = g
+        return self._hand_out(done)
+
+    def _check(self, sig: _Signature, done: _Captured) -> None:
+        what = done.watch.changed()
+        if what is not None:
+            raise StateReplacedError(
+                f"{self.name}: {what} since the step was captured; replaying it would train the old memory, so "
+                f"the step is refused. Change parameters and optimizer state in place (copy_, load_state_dict "
+                f"of the module), or build a new graph_step after replacing them.")
+        hyper = _hyperparameters(self.optimizers)
+        if hyper != sig.hyper:
+            raise CaptureError(
+                f"{self.name}: an optimizer hyperparameter other than lr changed since the step was captured "
+                f"({_first_change(sig.hyper, hyper)}); the graph holds the old value. Keep them fixed, or build a "
+                f"new graph_step after changing them.")
+
+    def _hand_out(self, done: _Captured) -> Any:
+        leaves = [x.clone() if self.clone_outputs and isinstance(x, torch.Tensor) else x for x in done.outputs]
+        return unflatten(done.outputs_spec, leaves)
+
+    # ---------------------------------------------------------------- capture
+    def _capture_and_replay(self, sig: _Signature, leaves: list, spec: Any, tensors: list) -> Any:
+        rt = self.runtime
+        static = [t.detach().clone() for t in tensors]
+        it = iter(static)
+        args, kwargs = unflatten(spec, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
+        grads_before = [p.grad for p in self.params]
+        torch.cuda.synchronize()  # the warmup's work is done before its cache is released
+        rt.release_cached_memory()  # what the warmup cached would sit beside the graph's pool
+        graph = rt.create_graph()
+        try:
+            with inline_layers(), _schedulers_refused(self.name), _traced_masks_refused(), rt.capture_to_graph(graph):
+                result = self.fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, memory released
+            for p, g in zip(self.params, grads_before):
+                p.grad = g
+            graph = static = args = kwargs = None  # the failed capture's memory goes with them
+            rt.release_cached_memory()
+            reason = f"capturing the step failed ({_what_failed(exc)})"
+            sig.eager_reason = reason
+            then = " (fallback='eager')" if self.fallback == "eager" else ""
+            error = CaptureError(
+                f"{self.name}: {reason}. A whole-step graph must not synchronise with the host: no .item(), "
+                f".cpu(), print(tensor) or Python branch on a tensor value inside the step (return the values "
+                f"and read them after the call), no optimizer without a capturable mode (pass every optimizer "
+                f"the step uses to graph_step(optimizers=...)). Nothing of the step ran; the step runs eagerly "
+                f"from now on{then}.")
+            if self.fallback == "eager":
+                logger.warning("%s", error)
+                return self._eager_after_failure(leaves, spec)
+            raise error from exc
+        out_leaves, out_spec = flatten(result)
+        watch = StateWatch(rt, _state_slots(self.params, self.optimizers))
+        sig.captured = _Captured(graph, static, out_spec, out_leaves, [p.grad for p in self.params], watch)
+        sig.hyper = _hyperparameters(self.optimizers)
+        self.captures += 1
+        logger.info("%s: captured the step (%d input tensors, %d parameters)", self.name, len(static),
+                    len(self.params))
+        return self._replay(sig, tensors)
+
+    def _eager_after_failure(self, leaves: list, spec: Any) -> Any:
+        args, kwargs = unflatten(spec, leaves)
+        return self.fn(*args, **kwargs)
+
+    # ----------------------------------------------------------- signatures
+    def _key(self, leaves: list, spec: Any) -> tuple:
+        parts = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                parts.append((tuple(x.shape), x.dtype, x.device, x.stride()))
+            elif x is None or isinstance(x, (bool, int, float, str, bytes)):
+                parts.append(("value", type(x), x))
+            else:
+                parts.append(("object", id(x)))
+        autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
+        return spec, tuple(parts), autocast, torch.is_grad_enabled()
+
+    def _signature(self, leaves: list, spec: Any) -> _Signature:
+        key = self._key(leaves, spec)
+        sig = self._signatures.get(key)
+        if sig is None:
+            sig = self._signatures[key] = _Signature()
+            graphed = sum(1 for s in self._signatures.values() if s.eager_reason is None) - 1
+            if graphed >= self.max_signatures:
+                sig.eager_reason = (f"a new call signature past max_signatures={self.max_signatures} (each one "
+                                    f"is captured with its own memory)")
+        return sig
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("%s", message)
+
+
+def graph_step(fn: Callable, *, optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+               num_warmup_steps: int = 2, fallback: str = "error", clone_outputs: bool = True,
+               max_signatures: int = 2, name: Optional[str] = None) -> GraphedStep:
+    """Graph a whole training step: all its micro-batches, the accumulation and the optimizer step.
+
+    Args:
+        fn: the step. It takes the step's data (tensors, also in lists, tuples and dicts, and
+            other values) and returns what the loop needs (a loss, a norm): tensors and plain
+            values. Its device work must depend only on its tensor arguments and on tensors
+            that stay where they are (parameters, buffers, optimizer state, gradients).
+        optimizers: every optimizer the step steps (one or a sequence). Each is switched to its
+            capturable mode, and a float ``lr`` becomes a 0-d device tensor that
+            ``torch.optim.lr_scheduler`` schedules fill in place; this happens here, so the
+            warmup steps run the same arithmetic as the replays.
+        num_warmup_steps: eager calls of each signature before it is captured (at least 1:
+            lazily created state, such as optimizer moments and gradients, must exist first).
+        fallback: ``"error"`` raises :class:`~paddle_graphpp.CaptureError` when the capture
+            fails, ``"eager"`` logs it and runs the step eagerly; either way the signature then
+            runs eagerly.
+        clone_outputs: return copies of the graph's output tensors (default). ``False``
+            returns the buffers themselves, which the next call overwrites.
+        max_signatures: signatures captured at most; each has a pool of its own. Calls of
+            another signature run eagerly, with one warning.
+        name: how messages name the step (default: the function's qualified name).
+
+    Returns:
+        A :class:`GraphedStep`: call it as you would call ``fn``.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or an optimizer is not a ``torch.optim.Optimizer``
+            with a capturable mode.
+        ValueError: a bad ``num_warmup_steps``, ``fallback`` or ``max_signatures``.
+        CaptureError: (from a call) the capture failed, with the module that was running and
+            the line that synchronised; an optimizer hyperparameter other than ``lr`` changed
+            after the capture.
+        StateReplacedError: (from a call) a parameter or optimizer state tensor was replaced
+            after the capture.
+
+    Warnings:
+        * Python side effects of ``fn`` (appending to a list, counters, logging, a scheduler
+          step) happen in the warmup calls and at the capture, never in a replay. Step LR
+          schedules outside the step; one stepped inside the capture is refused.
+        * A capture runs nothing: the call that captures replays the graph for its results.
+        * Gradients: the graph writes the ``.grad`` tensors it saw at its capture; a replay
+          puts them back on the parameters if code outside the step replaced them.
+        * Each call copies its tensors into the static buffers (one launch); a data loader that
+          yields new shapes or dtypes makes new signatures, each captured anew.
+        * ``torch.cuda.amp.GradScaler`` reads a device value on the host and cannot be
+          captured; bf16 autocast needs no scaler.
+        * Without CUDA, every call runs ``fn`` eagerly.
+    """
+    if not callable(fn):
+        raise TypeError(f"graph_step() takes the step function first, got {type(fn).__name__}")
+    label = name or f"graph_step({getattr(fn, '__qualname__', None) or type(fn).__name__})"
+    opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+    for opt in opts:
+        opt = getattr(opt, "optimizer", opt) if not isinstance(opt, torch.optim.Optimizer) else opt
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"{label}: optimizers must be torch.optim.Optimizer objects, got {type(opt).__name__}")
+        if "capturable" not in opt.defaults:
+            raise TypeError(f"{label}: torch.optim.{type(opt).__name__} has no capturable mode, so its step reads "
+                            f"device values on the host; use an optimizer with one (Adam, AdamW, SGD...), or step "
+                            f"it outside the graphed step.")
+    opts = [getattr(o, "optimizer", o) for o in opts]
+    if not isinstance(num_warmup_steps, int) or num_warmup_steps < 1:
+        raise ValueError(f"{label}: num_warmup_steps must be an int >= 1, got {num_warmup_steps!r}")
+    if fallback not in _FALLBACKS:
+        raise ValueError(f"{label}: fallback must be one of {_FALLBACKS}, got {fallback!r}")
+    if not isinstance(max_signatures, int) or max_signatures < 1:
+        raise ValueError(f"{label}: max_signatures must be an int >= 1, got {max_signatures!r}")
+    return GraphedStep(fn, opts, num_warmup_steps=num_warmup_steps, fallback=fallback,
+                       clone_outputs=bool(clone_outputs), max_signatures=max_signatures, name=label)
+
+
+# ------------------------------------------------------------------ helpers
+def _unique(items) -> list:
+    seen, out = set(), []
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def _state_slots(params: list, optimizers: list) -> list:
+    held = dict(enumerate(params))
+    slots = [(held, i, f"parameter {i} of the step's optimizers") for i in held]
+    for opt in optimizers:
+        slots += optimizer_state_slots(opt, [p for g in opt.param_groups for p in g["params"]])
+    return slots
+
+
+def _hyperparameters(optimizers: list) -> list:
+    # Python values the capture froze into the graph; lr is a device tensor the graph reads.
+    return [[{k: (("tensor", id(v)) if isinstance(v, torch.Tensor) else v) for k, v in group.items()
+              if k not in ("params", "lr", "initial_lr")} for group in opt.param_groups] for opt in optimizers]
+
+
+def _first_change(old: list, new: list) -> str:
+    for i, (a, b) in enumerate(zip(old, new)):
+        for j, (ga, gb) in enumerate(zip(a, b)):
+            for k in sorted(set(ga) | set(gb)):
+                if ga.get(k) != gb.get(k):
+                    return f"optimizer {i}, param group {j}: {k} {ga.get(k)!r} -> {gb.get(k)!r}"
+    return "the param groups changed"
+
+
+@contextlib.contextmanager
+def _schedulers_refused(name: str):
+    """An LR schedule stepped inside the capture would fill its value once, at capture: refuse it."""
+    from torch.optim import lr_scheduler
+
+    original = lr_scheduler.LRScheduler.step
+
+    def refused(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__name__}.step() was called inside the graphed step; its new lr would be "
+                           f"frozen into the graph. Call it after {name}(...) returns")
+
+    lr_scheduler.LRScheduler.step = refused
+    try:
+        yield
+    finally:
+        lr_scheduler.LRScheduler.step = original
+
+
+@contextlib.contextmanager
+def _traced_masks_refused():
+    """transformers builds attention masks on its traced path inside a capture (it counts stream
+    capture as tracing): a full mask, so attention loses its causal kernel, and with dropout it
+    draws other random numbers than eagerly. Silently slower and different: refuse it, naming
+    the way round (graph_model builds the mask outside the graph)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "_preprocess_mask_arguments", None)
+    if original is None:
+        yield
+        return
+
+    def refused(*args, **kwargs):
+        raise RuntimeError(
+            "transformers built an attention mask inside the capture, where it takes its traced path (a "
+            "materialised mask: no causal attention kernel, other dropout draws). Graph the model with "
+            "paddle_graphpp.torch.graph_model(model) before graph_step (it builds the mask once per shape, "
+            "outside the graph)")
+
+    masking._preprocess_mask_arguments = refused
+    try:
+        yield
+    finally:
+        masking._preprocess_mask_arguments = original
+
+
+def _what_failed(exc: BaseException) -> str:
+    """The error, the innermost module whose code was running, and the line outside torch and this
+    library where it was raised (the host read, as a rule)."""
+    module, where, tb = None, "", exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module):
+            module = type(owner).__name__
+        path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        if not any(d in path for d in _LIBRARY_DIRS):
+            line = (linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno) or "").strip()
+            where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}: {line}"
+        tb = tb.tb_next
+    inside = f" in {module}" if module else ""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}{inside}{where}"

@@ -1,0 +1,213 @@
+"""Whole-model graphs for Hugging Face causal LMs: :func:`graph_model`.
+
+:func:`~paddle_graphpp.torch.graph_layers` graphs a model's decoder blocks; the embedding, the
+rotary tables, the mask, the final norm, the head and the loss still run eagerly for every
+micro-batch, and at small shapes their launches cost as much as the blocks. :func:`graph_model`
+graphs everything from the token ids to the loss as one
+:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`: one forward and one backward launch
+per micro-batch, with the engine's FIFO, shared pool, RNG registration and replay checks::
+
+    from paddle_graphpp.torch import graph_model
+
+    graph_model(model)                          # in place; returns the model
+    loss = model(input_ids, labels=labels).loss  # the training loop is unchanged
+    loss.backward()
+
+The model keeps its class, names, ``state_dict()`` keys and hooks; only its ``forward`` is
+replaced, on the instance (:func:`ungraph_model` gives the original back). The graphed forward
+runs what the model's own forward runs for an unpadded causal batch without a cache, built from
+the model's own modules (:class:`~paddle_graphpp.torch.hf.CausalLMStage`, one stage), and the
+model's own ``loss_function``. The mask, positions and rotary tables are built once per batch
+shape, eagerly and outside the graph, so attention keeps its causal kernel and nothing inside
+the graph reads a device value on the host (transformers' mask code would, once per call).
+
+Calls the graph does not cover take the model's own forward: under ``torch.no_grad()``
+(evaluation, ``generate()`` with its cache) silently, and, with one warning naming the
+argument, calls that pass a padding ``attention_mask``, ``inputs_embeds``, ``position_ids``, a
+cache, ``use_cache=True``, ``output_attentions`` / ``output_hidden_states`` or
+``logits_to_keep``. With ``labels`` the graph returns the loss and the logits; the logits come
+back detached (the backward graph differentiates the loss).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from .graphed import CUDAGraphedModule
+from .hf import CausalLMStage, _layout_of
+from .layers import check_layer
+
+__all__ = ["graph_model", "ungraph_model", "GraphedCausalLM"]
+
+logger = logging.getLogger("paddle_graphpp")
+
+_SLOT = "_graphpp_whole"
+# Arguments the graphed forward takes, and the values with which it still covers a call.
+_NEUTRAL = {"attention_mask": None, "position_ids": None, "past_key_values": None, "inputs_embeds": None,
+            "cache_position": None, "use_cache": (None, False), "output_attentions": (None, False),
+            "output_hidden_states": (None, False), "logits_to_keep": (0,), "token_type_ids": None}
+_LOSS_KWARGS = ("num_items_in_batch",)
+
+
+class _LMBody(nn.Module):
+    """What the whole-model graph runs: the one-stage body, then the model's loss."""
+
+    def __init__(self, stage: CausalLMStage, model: nn.Module):
+        super().__init__()
+        self.stage = stage
+        self.__dict__["_model"] = model  # for its loss_function and config; not a submodule
+
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        model = self.__dict__.get("_model")
+        return model.training if model is not None else True  # the model's mode keys the graphs
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        pass  # follows the model (model.train() / model.eval())
+
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor], kwargs: dict, loss_kwargs: dict):
+        logits = self.stage.body(input_ids, kwargs)
+        if labels is None:
+            return logits
+        model = self._model
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
+        return loss, logits.detach()
+
+
+class GraphedCausalLM:
+    """What :func:`graph_model` keeps on the model (``model._graphpp_whole``).
+
+    Attributes:
+        stage: the one-stage :class:`~paddle_graphpp.torch.hf.CausalLMStage` over the model's modules.
+        graphed: the :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` that runs it.
+        original_forward: the model's own forward (bound), taken for calls the graph does not cover.
+    """
+
+    def __init__(self, model: nn.Module, stage: CausalLMStage, graphed: CUDAGraphedModule):
+        self.stage, self.graphed = stage, graphed
+        self.original_forward = model.forward
+        self.name = graphed._engine.name if hasattr(graphed, "_engine") else type(model).__name__
+        self._warned: set = set()
+
+    def forward(self, *args, **kwargs):
+        why = self._not_covered(args, kwargs)
+        if why is not None:
+            if why != "no grad" and why not in self._warned:
+                self._warned.add(why)
+                logger.warning("%s: %s; this call runs the model's own forward (no whole-model graph)", self.name, why)
+            return self.original_forward(*args, **kwargs)
+        input_ids = args[0] if args else kwargs.pop("input_ids")
+        labels, return_dict = kwargs.pop("labels", None), kwargs.pop("return_dict", None)
+        loss_kwargs = {k: kwargs[k] for k in _LOSS_KWARGS if kwargs.get(k) is not None}
+        block_kwargs = self.stage.block_kwargs(input_ids)
+        out = self.graphed.run((input_ids, labels, block_kwargs, loss_kwargs), {})
+        loss, logits = out if labels is not None else (None, out)
+        if loss is not None:
+            # The loss is the graph's output buffer, which later graphs of the step may reuse once
+            # the engine sees the handed-out tensor die; a loop keeps loss.detach() (a view it
+            # cannot see) for logging. One scalar copy keeps what the caller holds its own.
+            loss = loss.clone()
+        if return_dict is False:
+            return (loss, logits) if loss is not None else (logits,)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def _not_covered(self, args: tuple, kwargs: dict) -> Optional[str]:
+        if not torch.is_grad_enabled():
+            return "no grad"
+        if len(args) > 1:
+            return "arguments after input_ids are passed by position (pass them by name)"
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            return "input_ids is not a (batch, sequence) tensor"
+        for arg, value in kwargs.items():
+            if arg in _LOSS_KWARGS or arg in ("input_ids", "labels", "return_dict"):
+                continue
+            if arg not in _NEUTRAL:
+                return f"the argument {arg!r} is not one the whole-model graph takes"
+            neutral = _NEUTRAL[arg]
+            if (value is not None) if neutral is None else (value not in neutral):
+                return (f"{arg}={_short(value)} is given; the whole-model graph covers unpadded causal batches "
+                        f"without a cache (pass no {arg} to graph the call)")
+        return None
+
+
+def graph_model(
+    model: nn.Module,
+    num_warmup_steps: int = 3,
+    *,
+    fallback: str = "error",
+    memory: str = "shared",
+    accumulate_grads: Union[bool, str] = "auto",
+    generators: Any = None,
+    compile: Any = None,
+) -> nn.Module:
+    """Graph a Hugging Face causal LM whole, from the token ids to the loss, in place.
+
+    Args:
+        model: a ``transformers`` causal LM with the Llama or GPT-2 layout (see
+            :func:`~paddle_graphpp.torch.hf.causal_lm_stage`), with its blocks not graphed and
+            gradient checkpointing off.
+        num_warmup_steps: eager calls before a signature is captured (at least 1: the block
+            arguments of each batch shape are built in an eager call).
+        fallback, memory, accumulate_grads, generators, compile: as for
+            :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` (``compile=True``:
+            Inductor kernels inside the graph).
+
+    Returns:
+        ``model``, whose ``forward`` now runs the graph for the calls it covers.
+
+    Raises:
+        TypeError: the model has neither known layout, is graphed already (by this function or
+            by ``graph_layers()`` on its blocks: a graph inside a graph), or ``num_warmup_steps``
+            is not an int >= 1.
+        ValueError: a block has gradient checkpointing on.
+
+    Warnings:
+        * Each micro-batch shape is a signature of its own, captured anew (``max_signatures``
+          of ``CUDAGraphedModule``).
+        * The calls the graph does not cover run the model's own forward (see the module
+          docstring); a warning names each kind once.
+        * The logits come back detached when ``labels`` is given. They are the graph's output
+          buffer: keep the tensor itself (the engine then moves it before reusing the memory)
+          or a clone, not a view of it, past the next micro-batch. The loss is a copy.
+    """
+    if _SLOT in model.__dict__:
+        raise TypeError(f"graph_model(): {type(model).__name__} is graphed already; call ungraph_model() first")
+    if not isinstance(num_warmup_steps, int) or num_warmup_steps < 1:
+        raise TypeError(f"graph_model(): num_warmup_steps must be an int >= 1 (the block arguments are built in an "
+                        f"eager call), got {num_warmup_steps!r}")
+    layout = _layout_of(model)
+    blocks = getattr(getattr(model, layout.base), layout.layers)
+    for i, block in enumerate(blocks):
+        check_layer(f"{layout.base}.{layout.layers}.{i}", block, check_config=False)
+    stage = CausalLMStage(model, layout, 0, 1, range(len(blocks)))
+    graphed = CUDAGraphedModule(_LMBody(stage, model), num_warmup_steps, fallback=fallback, memory=memory,
+                                accumulate_grads=accumulate_grads, generators=generators, compile=compile,
+                                name=f"graph_model({type(model).__name__})")
+    whole = GraphedCausalLM(model, stage, graphed)
+    model.__dict__[_SLOT] = whole
+    model.forward = types.MethodType(lambda self, *a, **k: whole.forward(*a, **k), model)
+    return model
+
+
+def ungraph_model(model: nn.Module) -> nn.Module:
+    """Undo :func:`graph_model`: the model's own forward again, its graphs released."""
+    whole = model.__dict__.pop(_SLOT, None)
+    if whole is None:
+        raise TypeError(f"ungraph_model(): {type(model).__name__} is not graphed by graph_model()")
+    model.__dict__.pop("forward", None)
+    return model
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    return repr(value)[:40]
