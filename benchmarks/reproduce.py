@@ -62,7 +62,9 @@ STEPS = [
      "--profile eager_fused,graphed_foreach,graphed_fused,graphed_foreach_compiled", "optimizer-<device>.json"),
     ("hf", 1, "python tools/bench_hf.py", "hf-<device>.json"),
     ("memory", 1, "python tools/bench_memory.py", "memory-<device>.json"),
-    ("compile", 1, "python tools/bench_compile.py --groups one", "compile-<device>.json"),
+    ("compile", 1, "python tools/bench_compile.py --shapes tiny,small,1b --variants compile,reduce_overhead,"
+     "ours_compiled,ours_whole,ours_whole_compiled,ours_whole_step --groups one --profile-steps 0",
+     "compile-<device>.json"),
     ("zero-bubble-split", 1, "python tools/bench_zero_bubble.py --single-gpu", "zero-bubble-split-<device>.json"),
     ("peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --profile", "peer-megatron-pp1-<device>.json"),
     ("gpu-suite", 1, "python tools/gpu_suite.py", "gpu-suite-<device>.json"),

@@ -65,7 +65,7 @@ def test_dry_run_by_default_splits_1b_in_two_groups_each_with_compile(capsys):
     out = capsys.readouterr().out
     headers = [l for l in out.splitlines() if l.startswith("#")]
     assert headers == ["# small, group 1: " + ", ".join(VARIANTS),
-                       "# 1b, group 1: compile, ours_compiled, ours",
+                       "# 1b, group 1: compile, ours_compiled, ours, ours_whole, ours_whole_compiled, ours_whole_step",
                        "# 1b, group 2: compile, eager, reduce_overhead, ours_compiled_model"]
     assert out.count("--variant compile --shape 1b") == 2
 
@@ -108,13 +108,33 @@ def test_summary_ratios_loss_error_and_reduce_overhead():
     }
     s = bench_compile.summarize(shapes)
     assert set(s) == {"ours_compiled_vs_compile_1b", "ours_compiled_vs_ours_small", "ours_compiled_vs_compile_small",
-                      "loss_max_rel_err_vs_compile", "reduce_overhead"}
+                      "loss_max_rel_err_vs_compile", "reduce_overhead", "ours_whole_vs_reduce_overhead_small",
+                      "ours_whole_step_vs_reduce_overhead_small", "ours_whole_vs_compile_1b",
+                      "ours_whole_uncompiled_vs_reduce_overhead_small", "whole_loss_max_rel_err_vs_compile",
+                      "tiny_us_per_step"}
     assert s["ours_compiled_vs_compile_1b"] == pytest.approx(1.2)
     assert s["ours_compiled_vs_ours_small"] == pytest.approx(4 / 3)
     assert s["ours_compiled_vs_compile_small"] == pytest.approx(2.0)
     assert s["loss_max_rel_err_vs_compile"] == pytest.approx(0.1)  # 1b's second step: |1.1 - 1| / 1
     assert s["reduce_overhead"]["small"] == {"error": "RuntimeError: overwritten"}
     assert s["reduce_overhead"]["1b"] == {"tokens_per_s": 48.0, "approach": "b", "vs_compile": pytest.approx(1.2)}
+
+
+def test_summary_of_the_whole_scopes_against_reduce_overhead_and_compile():
+    shapes = {
+        "small": {"groups": [{"compile": _ok(100.0, [5.0, 4.0]), "reduce_overhead": _ok(200.0),
+                              "ours_whole": _ok(240.0), "ours_whole_compiled": _ok(300.0, [5.0, 4.2]),
+                              "ours_whole_step": _ok(400.0)}]},
+        "1b": {"groups": [{"compile": _ok(50.0), "ours_whole_compiled": _ok(60.0)}]},
+        "tiny": {"groups": [{"reduce_overhead": _ok(10.0, median_s_per_step=0.02), "ours_whole_step": {"error": "CaptureError: x"}}]},
+    }
+    s = bench_compile.summarize(shapes)
+    assert s["ours_whole_vs_reduce_overhead_small"] == pytest.approx(1.5)  # the compiled whole model
+    assert s["ours_whole_uncompiled_vs_reduce_overhead_small"] == pytest.approx(1.2)
+    assert s["ours_whole_step_vs_reduce_overhead_small"] == pytest.approx(2.0)
+    assert s["ours_whole_vs_compile_1b"] == pytest.approx(1.2)
+    assert s["whole_loss_max_rel_err_vs_compile"]["ours_whole_compiled"] == pytest.approx(0.05)
+    assert s["tiny_us_per_step"]["ours_whole_step"] is None and s["tiny_us_per_step"]["reduce_overhead"] == 20000.0
 
 
 def test_summary_is_null_where_a_variant_failed_or_did_not_run():
