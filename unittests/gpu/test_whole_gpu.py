@@ -141,8 +141,9 @@ def eager_spread(base, steps):
     return ref_losses, ref_params, spread
 
 
-def test_whole_step_over_graph_model_equals_eager_steps():
-    base = build("llama")
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_whole_step_over_graph_model_equals_eager_steps(kind):
+    base = build(kind)
     steps = data()
     ref_losses, ref_params, spread = eager_spread(base, steps)
     model = graph_model(copy.deepcopy(base))

@@ -189,6 +189,11 @@ class PoolLender:
             return  # traced by torch.compile: the hooks' effects would not be balanced at run time
         self.abandon_step()  # a previous step that raised never reached _post
         pool = self._pool
+        if _has_closure(args, kwargs):
+            # step(closure) runs the closure (a forward and backward, as Lightning's last
+            # micro-batch of a window) between these hooks: its eager work would land in pool
+            # memory that the graphs it replays overwrite. The temporaries stay in the default cache.
+            return
         if (pool is None or self.disabled or not self._is_idle()
                 or torch.cuda.is_current_stream_capturing() or not _state_complete(optimizer)):
             return
@@ -250,6 +255,11 @@ class PoolLender:
             self._active = None
             stack.close()
             caller.wait_stream(stream)
+
+
+def _has_closure(args: tuple, kwargs: dict) -> bool:
+    """Whether ``optimizer.step`` was called with a closure (positionally or by name)."""
+    return (bool(args) and args[0] is not None) or kwargs.get("closure") is not None
 
 
 def _state_complete(optimizer: torch.optim.Optimizer) -> bool:
