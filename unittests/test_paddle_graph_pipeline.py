@@ -295,6 +295,29 @@ def test_install_refuses_autocudagraph_layers_too(fleet_state):
         build(layers=with_layer(LayerDesc(AutoGraphedBlock)))
 
 
+# ---------------------------------------------------------------- fleet_cpu in the caller's order
+def test_cpu_adjustment_before_fleet_init_names_the_call_and_where_it_goes(monkeypatch):
+    from paddle.distributed import fleet
+    from paddle.distributed.parallel import ParallelEnv
+
+    from paddle_graphpp.paddle import fleet_cpu
+
+    monkeypatch.setattr(fleet.fleet, "_user_defined_strategy", None, raising=False)  # no fleet.init yet
+    monkeypatch.delattr(ParallelEnv, "_device_id", raising=False)
+    with pytest.raises(RuntimeError, match=r"^paddle_graphpp\.paddle\.fleet_cpu\.adjust_for_cpu\(\) was called before "
+                                           r"fleet\.init.*after TrainingArguments\(\.\.\.\), whose __post_init__ calls "
+                                           r"fleet\.init"):
+        fleet_cpu.adjust_for_cpu()
+    assert not hasattr(ParallelEnv, "_device_id")  # nothing changed
+    with pytest.raises(RuntimeError, match=r"^paddle_graphpp\.PipelineLayer\(\.\.\.\) was called before fleet\.init"):
+        build(cls=paddle_graphpp.PipelineLayer)
+    strategy = fleet.DistributedStrategy()
+    monkeypatch.setattr(fleet.fleet, "_user_defined_strategy", strategy)
+    assert strategy.hybrid_configs["pp_configs"].use_batch_p2p_comm
+    assert fleet_cpu.adjust_for_cpu() is True  # after fleet.init: what fleet's pipeline needs on CPU
+    assert not strategy.hybrid_configs["pp_configs"].use_batch_p2p_comm and ParallelEnv._device_id == 0
+
+
 def test_paddle_graphpp_pipeline_layer_is_graph_pipeline(fleet_state):
     model = build(cls=paddle_graphpp.PipelineLayer, use_cudagraph=True)
     graphs = GraphedPipeline.of(model)

@@ -563,7 +563,9 @@ class PipelineLayer(_FleetPipelineLayer):
         _check_configuration(layers, num_stages=num_stages, topology=topology, seg_method=seg_method,
                              vpp=vpp, use_cudagraph=use_cudagraph, use_dualpipev=use_dualpipev,
                              recompute_interval=recompute_interval)
-        on_cpu = fleet_cpu.adjust_for_cpu()
+        name = type(self).__name__
+        on_cpu = fleet_cpu._adjust("paddle_graphpp.PipelineLayer(...)" if type(self) is PipelineLayer
+                                   else f"{name}(...) (a paddle_graphpp.PipelineLayer)")
         # use_cudagraph=False: upstream's own wrapping is never taken, so layers are built,
         # seeded and named exactly as without graphs (also under paddle_graphpp.install()).
         super().__init__(layers, num_stages=num_stages, topology=topology, loss_fn=loss_fn,
