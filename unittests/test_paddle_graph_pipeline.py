@@ -295,6 +295,19 @@ def test_install_refuses_autocudagraph_layers_too(fleet_state):
         build(layers=with_layer(LayerDesc(AutoGraphedBlock)))
 
 
+def test_a_paddleformers_config_that_recomputes_is_refused():
+    # PaddleFormers' pipe models recompute inside their layers when config.recompute_granularity
+    # is set (fleet's recompute_interval stays 0); the Trainer's argument of that name sets it too
+    model = build()
+    model.config = types.SimpleNamespace(recompute_granularity="full")
+    with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\) cannot recompute "
+                                         r"\(config.recompute_granularity='full'\).*recompute_granularity=None"):
+        graph_pipeline(model)
+    assert GraphedPipeline.of(model) is None
+    model.config.recompute_granularity = None
+    assert graph_pipeline(model) is not None
+
+
 # ---------------------------------------------------------------- fleet_cpu in the caller's order
 def test_cpu_adjustment_before_fleet_init_names_the_call_and_where_it_goes(monkeypatch):
     from paddle.distributed import fleet

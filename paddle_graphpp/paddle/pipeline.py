@@ -204,8 +204,9 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             names the version).
         ValueError: ``model`` was built with upstream's ``use_cudagraph=True`` (its layers sit
             in Paddle's own ``CUDAGraphedLayer``), holds a layer or callable graphed already by
-            PaddleFormers' ``autocudagraph`` decorator (no graph inside a graph), recomputes (``recompute_interval > 0``), or
-            the strategy declares dynamic shapes; ``graph_loss`` with several loss functions
+            PaddleFormers' ``autocudagraph`` decorator (no graph inside a graph), recomputes
+            (``recompute_interval > 0``, or a PaddleFormers config's ``recompute_granularity``),
+            or the strategy declares dynamic shapes; ``graph_loss`` with several loss functions
             or a loss with trainable parameters. Nothing is changed then.
         TypeError, ValueError: an invalid ``to_static`` (not a bool or dict, an unknown key or
             backend, ``input_spec`` without ``full_graph=True``, SOT without the PIR API), or
@@ -236,6 +237,7 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             "paddle_graphpp.install()); graph each model once")
     containers = _entry_lists(model)
     _check_graphable(f"graph_pipeline({name})", recompute_interval=getattr(model, "_recompute_interval", 0))
+    _refuse_config_recompute(model, name)
     _refuse_upstream_graphs(model, containers)
     _refuse_autocudagraph(model, containers)
     loss_fn = _loss_to_graph(model, name) if graph_loss else None
@@ -348,6 +350,18 @@ def _refuse_upstream_graphs(model, containers):
                 f"graph_pipeline({type(model).__name__}): the model was built with use_cudagraph=True, so "
                 "Paddle's own CUDAGraphedLayer already wraps its layers; build it with use_cudagraph=False "
                 "and then call graph_pipeline, or call paddle_graphpp.install() before building it")
+
+
+def _refuse_config_recompute(model, name):
+    """PaddleFormers' pipe models recompute inside their decoder layers when their config asks for
+    it (``recompute_granularity``), not through fleet's ``recompute_interval``."""
+    granularity = getattr(getattr(model, "config", None), "recompute_granularity", None)
+    if granularity is not None:
+        raise ValueError(
+            f"graph_pipeline({name}) cannot recompute (config.recompute_granularity={granularity!r}): a "
+            "recomputed forward inside a graphed run's backward would replay out of the schedule's order. "
+            "Set recompute_granularity=None in the model's config and in TrainingArguments, or train "
+            "without graph_pipeline")
 
 
 # What PaddleFormers' ``paddleformers.fleet.cudagraph.autocudagraph`` leaves on the function it
