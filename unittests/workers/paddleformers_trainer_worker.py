@@ -1,7 +1,8 @@
-"""One rank of PaddleFormers' ``Trainer`` training a tiny ``LlamaForCausalLMPipe`` at pp=2,
-launched by unittests/test_paddleformers_trainer.py.
+"""One rank of PaddleFormers' ``Trainer`` training a tiny tied ``LlamaForCausalLMPipe`` with
+pipeline parallelism, launched by unittests/test_paddleformers_trainer.py.
 
-Run with ``python -m paddle.distributed.launch --nproc_per_node 2`` (gloo on CPU). The script is
+Run with ``python -m paddle.distributed.launch --nproc_per_node N`` (gloo on CPU), N = ``--pp``
+(2 by default; ``--vpp`` virtual stages per rank, ``--layers`` decoder layers). The script is
 written as a user's would be, in the Trainer's order: ``TrainingArguments(...)`` (whose
 ``__post_init__`` calls ``fleet.init``), then ``fleet_cpu.adjust_for_cpu()``, then per route the
 model, the switch, ``Trainer(...)`` and ``train()``. Routes, same seeds and data:
@@ -26,6 +27,7 @@ import os
 
 import numpy as np
 import paddle
+from paddle.distributed import fleet
 
 import paddle_graphpp
 from fleet_ranks import FLEET_READY, count_calls, finish
@@ -35,13 +37,14 @@ from paddleformers_cpu import work_around_trainer_defects
 VOCAB, HIDDEN, SEQ = 96, 64, 8
 
 
-def llama_config():
+def llama_config(args):
     from paddleformers.transformers import LlamaConfig
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64, tie_word_embeddings=True)
     config.fuse_rms_norm = False  # the fused RMSNorm kernel has no CPU build
+    config.virtual_pipeline_model_parallel_size = args.vpp
     return config
 
 
@@ -58,17 +61,17 @@ class RandomTokens(paddle.io.Dataset):
         return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
 
 
-def build(route, seed):
+def build(route, args):
     from paddleformers.transformers import LlamaForCausalLMPipe
 
-    paddle.seed(seed)
+    paddle.seed(args.seed)
     if route == "install":
         paddle_graphpp.install(default_use_cudagraph=True)
         try:
-            return LlamaForCausalLMPipe(llama_config())
+            return LlamaForCausalLMPipe(llama_config(args))
         finally:
             paddle_graphpp.uninstall()
-    model = LlamaForCausalLMPipe(llama_config())
+    model = LlamaForCausalLMPipe(llama_config(args))
     if route == "graph_pipeline":
         paddle_graphpp.graph_pipeline(model)  # the one switch: after building, before Trainer(...)
     return model
@@ -99,7 +102,7 @@ def logged_steps():
 def train(route, args, training_args, dataset, output_dir, resume_from=None):
     from paddleformers.trainer import Trainer
 
-    model = build(route, args.seed)
+    model = build(route, args)
     training_args.output_dir = output_dir
     graphs = paddle_graphpp.GraphedPipeline.of(model)
     calls = count_calls(graphs.graphed_layers() if graphs else [])
@@ -118,14 +121,14 @@ def train(route, args, training_args, dataset, output_dir, resume_from=None):
     }
 
 
-def load_into_ungraphed(checkpoint, seed):
+def load_into_ungraphed(checkpoint, args):
     """A fresh ungraphed model with the weights of ``checkpoint``, loaded the way the Trainer
     loads its flex checkpoints (``paddle.distributed.load_state_dict`` over the model's
     ``sharded_state_dict()``); their digests."""
     from paddleformers.transformers import LlamaForCausalLMPipe
 
-    paddle.seed(seed + 1)  # other initial weights: only the checkpoint can make them equal
-    model = LlamaForCausalLMPipe(llama_config())
+    paddle.seed(args.seed + 1)  # other initial weights: only the checkpoint can make them equal
+    model = LlamaForCausalLMPipe(llama_config(args))
     assert paddle_graphpp.GraphedPipeline.of(model) is None
     paddle.distributed.load_state_dict(model.sharded_state_dict(), os.path.join(checkpoint, "model_state"))
     return digests(model)
@@ -133,6 +136,9 @@ def load_into_ungraphed(checkpoint, seed):
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--accumulation", type=int, default=4)
     parser.add_argument("--save-steps", type=int, default=2)
@@ -144,7 +150,7 @@ def main():
     from paddleformers.trainer import TrainingArguments
 
     training_args = TrainingArguments(
-        output_dir=os.path.join(args.out, "unused"), pipeline_model_parallel_size=2,
+        output_dir=os.path.join(args.out, "unused"), pipeline_model_parallel_size=args.pp,
         per_device_train_batch_size=1, gradient_accumulation_steps=args.accumulation,
         max_steps=args.steps, learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=1,
         max_grad_norm=1.0, save_steps=args.save_steps, logging_steps=1, seed=args.seed,
@@ -154,10 +160,11 @@ def main():
     print(FLEET_READY, flush=True)
     paddle.distributed.barrier()
     fleet_cpu.adjust_for_cpu()  # after TrainingArguments(...), before Trainer.train()
+    uses_hop_groups = fleet_cpu.use_hop_groups(fleet.get_hybrid_communicate_group())  # gloo with pp > 2
     work_around_trainer_defects()
 
     dataset = RandomTokens(args.steps * args.accumulation, args.seed)
-    result = {"rank": rank}
+    result = {"rank": rank, "uses_hop_groups": uses_hop_groups}
     for route in args.routes.split(","):
         out = os.path.join(args.out, route)
         first_save = os.path.join(out, f"checkpoint-{args.save_steps}")
@@ -166,7 +173,7 @@ def main():
         if route != "eager":  # the graphed run's checkpoints in an ungraphed model
             result[route]["eager_resumed"] = train("eager", args, training_args, dataset, out + "-eager-resumed",
                                                    resume_from=first_save)
-            result[route]["loaded"] = load_into_ungraphed(os.path.join(out, f"checkpoint-{args.steps}"), args.seed)
+            result[route]["loaded"] = load_into_ungraphed(os.path.join(out, f"checkpoint-{args.steps}"), args)
     finish(args.out, rank, result)
 
 
