@@ -230,6 +230,107 @@ def test_unknown_layout_names_the_paddle_version():
         graph_pipeline(model)
 
 
+# ---------------------------------------------------------------- no graph inside a graph
+def autocudagraph_stand_in(func):
+    """A stand-in for PaddleFormers' ``paddleformers.fleet.cudagraph.autocudagraph(...)`` decorator
+    (not in PaddleFormers 1.2.0, and it captures CUDA graphs, which a CPU build cannot): it runs
+    ``func`` eagerly and leaves on its wrapper what autocudagraph leaves there, a ``state_registry``
+    dict of graphs by dispatch key and a ``clear_cache()`` that empties it. That marker is what
+    graph_pipeline recognises."""
+    registry = {}
+
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    wrapper.state_registry = registry
+    wrapper.clear_cache = registry.clear
+    return wrapper
+
+
+class AutoGraphedBlock(Block):
+    forward = autocudagraph_stand_in(Block.forward)  # what `@autocudagraph()` over `def forward` gives
+
+
+class Pair(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.inner = Block()
+        self.outer = Block()
+
+    def forward(self, x):
+        return self.outer(self.inner(x))
+
+
+def with_layer(desc, at=2):
+    layers = descs()
+    layers[at] = desc
+    return layers
+
+
+def test_a_model_graphed_by_autocudagraph_is_refused_and_left_unchanged():
+    model = build(layers=with_layer(LayerDesc(AutoGraphedBlock)))
+    before = list(model.run_function)
+    with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\): layers\[2\] \(AutoGraphedBlock\) is "
+                                         r"already CUDA-graphed by PaddleFormers' autocudagraph.*forward of "
+                                         r"AutoGraphedBlock.*remove @autocudagraph"):
+        graph_pipeline(model)
+    assert list(model.run_function) == before and GraphedPipeline.of(model) is None
+    assert model(paddle.to_tensor([[1, 2, 3]])).shape == [1, 3, VOCAB]  # still trains eagerly
+
+
+def test_autocudagraph_on_a_sublayers_instance_method_is_refused():
+    model = build(layers=with_layer(LayerDesc(Pair), at=3))
+    pair = model.run_function[3]
+    pair.inner.forward = autocudagraph_stand_in(pair.inner.forward)  # decorating one instance
+    with pytest.raises(ValueError, match=r"layers\[3\] \(Pair\).*inner\.forward of Block"):
+        graph_pipeline(model)
+    plain = build(layers=with_layer(LayerDesc(Pair), at=3))
+    plain.run_function[3].inner.forward.__func__.state_registry = None  # not the decorator's marker
+    assert GraphedPipeline.of(plain) is None and graph_pipeline(plain) is not None
+
+
+def test_install_refuses_autocudagraph_layers_too(fleet_state):
+    paddle_graphpp.install(default_use_cudagraph=True)
+    with pytest.raises(ValueError, match=r"AutoGraphedBlock\) is already CUDA-graphed by PaddleFormers' autocudagraph"):
+        build(layers=with_layer(LayerDesc(AutoGraphedBlock)))
+
+
+def test_a_paddleformers_config_that_recomputes_is_refused():
+    # PaddleFormers' pipe models recompute inside their layers when config.recompute_granularity
+    # is set (fleet's recompute_interval stays 0); the Trainer's argument of that name sets it too
+    model = build()
+    model.config = types.SimpleNamespace(recompute_granularity="full")
+    with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\) cannot recompute "
+                                         r"\(config.recompute_granularity='full'\).*recompute_granularity=None"):
+        graph_pipeline(model)
+    assert GraphedPipeline.of(model) is None
+    model.config.recompute_granularity = None
+    assert graph_pipeline(model) is not None
+
+
+# ---------------------------------------------------------------- fleet_cpu in the caller's order
+def test_cpu_adjustment_before_fleet_init_names_the_call_and_where_it_goes(monkeypatch):
+    from paddle.distributed import fleet
+    from paddle.distributed.parallel import ParallelEnv
+
+    from paddle_graphpp.paddle import fleet_cpu
+
+    monkeypatch.setattr(fleet.fleet, "_user_defined_strategy", None, raising=False)  # no fleet.init yet
+    monkeypatch.delattr(ParallelEnv, "_device_id", raising=False)
+    with pytest.raises(RuntimeError, match=r"^paddle_graphpp\.paddle\.fleet_cpu\.adjust_for_cpu\(\) was called before "
+                                           r"fleet\.init.*after TrainingArguments\(\.\.\.\), whose __post_init__ calls "
+                                           r"fleet\.init"):
+        fleet_cpu.adjust_for_cpu()
+    assert not hasattr(ParallelEnv, "_device_id")  # nothing changed
+    with pytest.raises(RuntimeError, match=r"^paddle_graphpp\.PipelineLayer\(\.\.\.\) was called before fleet\.init"):
+        build(cls=paddle_graphpp.PipelineLayer)
+    strategy = fleet.DistributedStrategy()
+    monkeypatch.setattr(fleet.fleet, "_user_defined_strategy", strategy)
+    assert strategy.hybrid_configs["pp_configs"].use_batch_p2p_comm
+    assert fleet_cpu.adjust_for_cpu() is True  # after fleet.init: what fleet's pipeline needs on CPU
+    assert not strategy.hybrid_configs["pp_configs"].use_batch_p2p_comm and ParallelEnv._device_id == 0
+
+
 def test_paddle_graphpp_pipeline_layer_is_graph_pipeline(fleet_state):
     model = build(cls=paddle_graphpp.PipelineLayer, use_cudagraph=True)
     graphs = GraphedPipeline.of(model)

@@ -57,24 +57,32 @@ def adjust_for_cpu() -> bool:
     """Make fleet's pipeline runnable on CPU ranks; a no-op (returning False) on device builds.
 
     Sets ``ParallelEnv._device_id`` to 0 where the build left it unset, and turns
-    ``pp_configs.use_batch_p2p_comm`` off in the strategy given to ``fleet.init``.
-    Call it after ``fleet.init`` and before ``fleet.distributed_model``.
+    ``pp_configs.use_batch_p2p_comm`` off in the strategy given to ``fleet.init``. Call it after
+    ``fleet.init`` and before the model is wrapped (``fleet.distributed_model``). With
+    PaddleFormers' ``Trainer``, ``TrainingArguments(...)`` is what calls ``fleet.init``: call this
+    after it, before ``Trainer.train()``.
 
     Raises:
-        RuntimeError: ``fleet.init`` has not been called.
+        RuntimeError: ``fleet.init`` has not been called yet (nothing is changed then).
     """
+    return _adjust("paddle_graphpp.paddle.fleet_cpu.adjust_for_cpu()")
+
+
+def _adjust(caller: str) -> bool:
+    """:func:`adjust_for_cpu`, its error naming ``caller`` (the call the user made)."""
     if not is_cpu_build():
         return False
     from paddle.distributed.parallel import ParallelEnv
 
-    if not hasattr(ParallelEnv, "_device_id"):
-        # A class-level default: instances made before and after this see 0.
-        ParallelEnv._device_id = 0
     strategy = getattr(fleet.fleet, "_user_defined_strategy", None)
     if strategy is None:
         raise RuntimeError(
-            "paddle_graphpp.PipelineLayer must be built after fleet.init(is_collective=True, strategy=...)"
-        )
+            f"{caller} was called before fleet.init(is_collective=True, strategy=...): call it after "
+            "fleet.init (with PaddleFormers' Trainer, after TrainingArguments(...), whose __post_init__ "
+            "calls fleet.init) and before the model is wrapped by fleet.distributed_model or Trainer.train()")
+    if not hasattr(ParallelEnv, "_device_id"):
+        # A class-level default: instances made before and after this see 0.
+        ParallelEnv._device_id = 0
     strategy.strategy.hybrid_configs.pp_configs.use_batch_p2p_comm = False
     _patch_dualpipev()
     return True

@@ -203,8 +203,10 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             ``PipelineLayer`` does not keep its layers in ``run_function`` lists (the error
             names the version).
         ValueError: ``model`` was built with upstream's ``use_cudagraph=True`` (its layers sit
-            in Paddle's own ``CUDAGraphedLayer``), recomputes (``recompute_interval > 0``), or
-            the strategy declares dynamic shapes; ``graph_loss`` with several loss functions
+            in Paddle's own ``CUDAGraphedLayer``), holds a layer or callable graphed already by
+            PaddleFormers' ``autocudagraph`` decorator (no graph inside a graph), recomputes
+            (``recompute_interval > 0``, or a PaddleFormers config's ``recompute_granularity``),
+            or the strategy declares dynamic shapes; ``graph_loss`` with several loss functions
             or a loss with trainable parameters. Nothing is changed then.
         TypeError, ValueError: an invalid ``to_static`` (not a bool or dict, an unknown key or
             backend, ``input_spec`` without ``full_graph=True``, SOT without the PIR API), or
@@ -235,7 +237,9 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             "paddle_graphpp.install()); graph each model once")
     containers = _entry_lists(model)
     _check_graphable(f"graph_pipeline({name})", recompute_interval=getattr(model, "_recompute_interval", 0))
+    _refuse_config_recompute(model, name)
     _refuse_upstream_graphs(model, containers)
+    _refuse_autocudagraph(model, containers)
     loss_fn = _loss_to_graph(model, name) if graph_loss else None
     to_static_options(to_static, f"graph_pipeline({name}, to_static=...)")
 
@@ -346,6 +350,65 @@ def _refuse_upstream_graphs(model, containers):
                 f"graph_pipeline({type(model).__name__}): the model was built with use_cudagraph=True, so "
                 "Paddle's own CUDAGraphedLayer already wraps its layers; build it with use_cudagraph=False "
                 "and then call graph_pipeline, or call paddle_graphpp.install() before building it")
+
+
+def _refuse_config_recompute(model, name):
+    """PaddleFormers' pipe models recompute inside their decoder layers when their config asks for
+    it (``recompute_granularity``), not through fleet's ``recompute_interval``."""
+    granularity = getattr(getattr(model, "config", None), "recompute_granularity", None)
+    if granularity is not None:
+        raise ValueError(
+            f"graph_pipeline({name}) cannot recompute (config.recompute_granularity={granularity!r}): a "
+            "recomputed forward inside a graphed run's backward would replay out of the schedule's order. "
+            "Set recompute_granularity=None in the model's config and in TrainingArguments, or train "
+            "without graph_pipeline")
+
+
+# What PaddleFormers' ``paddleformers.fleet.cudagraph.autocudagraph`` leaves on the function it
+# wraps (newer sources than 1.2.0): its per-key graph registry and the method that empties it.
+_AUTOCUDAGRAPH_MARKS = ("state_registry", "clear_cache")
+
+
+def _wrapped_by_autocudagraph(fn) -> bool:
+    fn = getattr(fn, "__func__", fn)  # a bound method: the function it binds
+    return (isinstance(getattr(fn, "state_registry", None), dict)
+            and callable(getattr(fn, "clear_cache", None)))
+
+
+def _autocudagraph_methods(layer):
+    """Names of ``layer``'s methods wrapped by autocudagraph, its own assignments first, then its
+    classes' up to ``nn.Layer`` (whose methods are Paddle's)."""
+    found = {}
+    for klass in type(layer).__mro__:
+        if klass is nn.Layer or klass is object:
+            break
+        for attr, value in vars(klass).items():
+            found.setdefault(attr, value)
+    found.update({attr: value for attr, value in vars(layer).items() if callable(value)})
+    return sorted(attr for attr, value in found.items() if _wrapped_by_autocudagraph(value))
+
+
+def _refuse_autocudagraph(model, containers):
+    """No graph inside a graph: a layer (or callable) of the model already graphed by autocudagraph."""
+    name = type(model).__name__
+    for _, start, run_function in containers:
+        for offset, obj in enumerate(run_function):
+            target = obj.func if isinstance(obj, functools.partial) else obj
+            where = f"layers[{start + offset}] ({type(target).__name__})"
+            wrapped = []
+            if _wrapped_by_autocudagraph(target):
+                wrapped.append(getattr(target, "__name__", type(target).__name__))
+            if isinstance(target, nn.Layer):
+                for path, layer in target.named_sublayers(include_self=True):
+                    prefix = f"{path}." if path else ""
+                    wrapped += [f"{prefix}{method} of {type(layer).__name__}" for method in _autocudagraph_methods(layer)]
+            if wrapped:
+                raise ValueError(
+                    f"graph_pipeline({name}): {where} is already CUDA-graphed by PaddleFormers' autocudagraph "
+                    f"decorator ({', '.join(wrapped)} carries its state_registry and clear_cache), and a graph "
+                    "cannot be captured inside another graph. Use one of the two: remove @autocudagraph from "
+                    "those methods and let graph_pipeline graph the layers, or train without graph_pipeline "
+                    "and install()")
 
 
 def _classify(index, obj, shared_keys):
@@ -514,7 +577,9 @@ class PipelineLayer(_FleetPipelineLayer):
         _check_configuration(layers, num_stages=num_stages, topology=topology, seg_method=seg_method,
                              vpp=vpp, use_cudagraph=use_cudagraph, use_dualpipev=use_dualpipev,
                              recompute_interval=recompute_interval)
-        on_cpu = fleet_cpu.adjust_for_cpu()
+        name = type(self).__name__
+        on_cpu = fleet_cpu._adjust("paddle_graphpp.PipelineLayer(...)" if type(self) is PipelineLayer
+                                   else f"{name}(...) (a paddle_graphpp.PipelineLayer)")
         # use_cudagraph=False: upstream's own wrapping is never taken, so layers are built,
         # seeded and named exactly as without graphs (also under paddle_graphpp.install()).
         super().__init__(layers, num_stages=num_stages, topology=topology, loss_fn=loss_fn,
