@@ -36,6 +36,7 @@ inside the step run their wrapped call directly in the warmup and the capture
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import linecache
 import sys
@@ -175,6 +176,10 @@ class GraphedStep:
         it = iter(static)
         args, kwargs = unflatten(spec, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
         grads_before = [p.grad for p in self.params]
+        # Autograd graphs of the warmup steps that only a reference cycle still holds keep their
+        # gradient-accumulation nodes, made on the warmup's stream; collected, the capture makes
+        # its own on the capture stream.
+        gc.collect()
         torch.cuda.synchronize()  # the warmup's work is done before its cache is released
         rt.release_cached_memory()  # what the warmup cached would sit beside the graph's pool
         graph = rt.create_graph()
@@ -408,4 +413,8 @@ def _what_failed(exc: BaseException) -> str:
         tb = tb.tb_next
     inside = f" in {module}" if module else ""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first}{inside}{where}"
+    hint = ""
+    if "legacy stream" in first:
+        hint = ("; a tensor kept from a warmup step with its autograd graph (a loss not .detach()ed) makes "
+                "the capture's backward accumulate gradients on the default stream: keep detached values")
+    return f"{type(exc).__name__}: {first}{inside}{where}{hint}"
