@@ -2,6 +2,8 @@
 (``graph_step``) scopes on CPU: validation, and the eager path every one of them takes without
 CUDA, which must train exactly as the plain model. That capture works is the GPU tests' claim
 (``unittests/gpu/test_whole_gpu.py``)."""
+import copy
+import inspect
 import logging
 
 import pytest
@@ -36,6 +38,8 @@ def test_graph_model_trains_like_the_model_and_keeps_its_names(kind):
     ref, model = build(kind), build(kind)
     graph_model(model)
     assert list(model.state_dict()) == list(ref.state_dict())
+    # trainers read the columns a model takes from its forward's signature
+    assert inspect.signature(model.forward) == inspect.signature(ref.forward)
     assert type(model) is type(ref)
     for m in (ref, model):
         torch.manual_seed(5)  # dropout draws the same
@@ -73,6 +77,8 @@ def test_graph_model_refuses_a_graph_inside_a_graph_and_bad_options():
     model = graph_model(build())
     with pytest.raises(TypeError, match="graphed already.*ungraph_model"):
         graph_model(model)
+    with pytest.raises(TypeError, match="cannot be copied.*before graph_model"):
+        copy.deepcopy(model)
     ungraph_model(model)
     assert "forward" not in model.__dict__
     with pytest.raises(TypeError, match="num_warmup_steps"):

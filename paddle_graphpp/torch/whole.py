@@ -31,6 +31,7 @@ back detached (the backward graph differentiates the loss).
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from typing import Any, Optional, Union
@@ -94,6 +95,10 @@ class GraphedCausalLM:
         self.original_forward = model.forward
         self.name = graphed._engine.name if hasattr(graphed, "_engine") else type(model).__name__
         self._warned: set = set()
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"{self.name}: a model graphed by graph_model() cannot be copied (its graphs read the "
+                        f"original's memory); copy the model before graph_model(), or call ungraph_model() first")
 
     def forward(self, *args, **kwargs):
         why = self._not_covered(args, kwargs)
@@ -193,8 +198,13 @@ def graph_model(
                                 accumulate_grads=accumulate_grads, generators=generators, compile=compile,
                                 name=f"graph_model({type(model).__name__})")
     whole = GraphedCausalLM(model, stage, graphed)
+
+    def forward(self, *args, **kwargs):
+        return self.__dict__[_SLOT].forward(*args, **kwargs)
+
+    functools.update_wrapper(forward, type(model).forward)  # its signature: trainers read the columns it takes
     model.__dict__[_SLOT] = whole
-    model.forward = types.MethodType(lambda self, *a, **k: whole.forward(*a, **k), model)
+    model.forward = types.MethodType(forward, model)  # on the instance: found before the class's
     return model
 
 
