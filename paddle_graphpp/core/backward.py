@@ -200,34 +200,34 @@ class Backward:
         """Record a backward: a full one (``half=None``), or the ``"input"`` or ``"weight"``
         half of a split one. The static buffers of the position are released when its backward
         is complete: the weight half still reads the inputs and the incoming gradients."""
-        rt, proc = self.rt, self.layer.process
         rec = sig.recordings.get(call.position)
         if rec is None:
             return
+        rt, recording = self.rt, self.layer.process.recorder()
         reuse = self.layer.memory_mode is not _memory.MemoryMode.PER_GRAPH
         if half != "weight":
             specs = tuple(rt.spec(g) for g in diff_grads)
-            grad_slots = tuple((proc.link_of("grad", g) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
+            grad_slots = tuple((recording.link_of("grad", g) if reuse else None) or recording.buffer_slot(s, reuse=reuse)
                                for g, s in zip(diff_grads, specs))
             rec = sig.recordings[call.position] = dataclasses.replace(
                 rec, grad_slots=grad_slots, grad_specs=specs)
             if reuse:
-                proc.note_produced(self.layer.capture, call.key, call.position, "grad", input_grads)
-                proc.watch_grads(self.layer.capture, call.key, call.position, input_grads, diff_grads)
+                recording.note_produced(self.layer.capture, call.key, call.position, "grad", input_grads)
+                recording.watch_grads(self.layer.capture, call.key, call.position, input_grads, diff_grads)
         if reuse and half != "input":
             # Positions recorded after this backward may take these buffers over: the inputs
             # are read by nothing after this backward, the gradients by nothing outside it.
             for slot in rec.input_slots + rec.grad_slots:
                 if isinstance(slot, int):
-                    proc.release_slot(slot)
-        proc.record(self.layer.capture, call.key, call.position, forward=False, half=half)
+                    recording.release_slot(slot)
+        recording.record(self.layer.capture, call.key, call.position, forward=False, half=half)
 
     # ----------------------------------------------------------------- replay
     def _prepare(self, call: Call, position: Position, graph: Any, kind: str, *, finishes: bool = True) -> None:
         """Before a backward graph replays: held outputs moved off memory it overwrites, the
         pool's capture order checked (raises before anything changed), collectives checked."""
         layer = self.layer
-        layer.process.before_replay(layer.capture, call.key, call.position, kind)
+        layer.process.outputs.before_replay(layer.capture, call.key, call.position, kind)
         layer.plan.note_replay(position.generation, id(graph), False, layer.name, finishes=finishes)
         _collectives.check_replay(graph)
 

@@ -70,7 +70,7 @@ from .errors import GraphScheduleError, SignatureError
 from .in_step import InStepCapture
 from .layer_capture import LayerCapture
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
-from .records import (Call, CallShape, Launched, Outputs, Phase, Position, RanEager, Recording, Replayed, Signature,
+from .records import (Call, CallShape, Launched, Outputs, Phase, Position, PositionRecord, RanEager, Replayed, Signature,
                       SignatureKey, describe, signature_key_parts)
 from .runtime import GraphRuntime, capabilities, runtime_for
 from .schedule import InFlightQueue
@@ -156,7 +156,7 @@ class GraphedCallable:
             self.warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); running eagerly.")
         else:
             proc = self.process
-            proc.check_watchdog()  # a replay that never completed, or a peer's failed capture
+            proc.replay_watch.check()  # a replay that never completed, or a peer's failed capture
             proc.capture_if_due()  # a recorded episode is captured before the next one starts
         if sig is not None:
             shape = sig.shape
@@ -234,7 +234,7 @@ class GraphedCallable:
         # A parameter's .grad can be one layer's buffer only: a weight shared with a layer that
         # already accumulates in its graph (a tied embedding in two stage modules of one rank)
         # gets its gradient through autograd here, which adds into that buffer in place.
-        other = next((o for o in map(self.process.graph_accumulator_of, params) if o not in (None, self.capture)),
+        other = next((o for o in map(self.process.grad_owners.owner_of, params) if o not in (None, self.capture)),
                      None)
         if other is not None:
             if choice is True:
@@ -245,7 +245,7 @@ class GraphedCallable:
             logger.info("%s: shares parameters with %s, which accumulates them in its graphs; this layer's "
                         "gradients go through autograd", self.name, other.name)
             return False
-        self.process.accumulate_in_graphs(self.capture, params)
+        self.process.grad_owners.claim(self.capture, params)
         return True
 
     def accumulates_in_graphs(self, param: Any) -> bool:
@@ -269,15 +269,15 @@ class GraphedCallable:
         """Keep what capturing this position needs: the slots of its static input buffers
         (taken over from positions whose backward has run, see core.memory), or links to the
         recorded layers whose outputs the inputs are, and its output structure."""
-        proc, run = self.process, call.run
+        rec, run = self.process.recorder(), call.run
         reuse = self.memory_mode is not _memory.MemoryMode.PER_GRAPH
-        slots = tuple((proc.link_of("out", t) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
+        slots = tuple((rec.link_of("out", t) if reuse else None) or rec.buffer_slot(s, reuse=reuse)
                       for t, s in zip(call.tensors, call.shape.specs))
-        sig.recordings[call.position] = Recording(slots, call.outputs)
-        proc.record(self.capture, call.key, call.position, forward=True)
+        sig.recordings[call.position] = PositionRecord(slots, call.outputs)
+        rec.record(self.capture, call.key, call.position, forward=True)
         if reuse:
-            proc.note_produced(self.capture, call.key, call.position, "out", run.outputs)
-            proc.watch_outputs(self.capture, call.key, call.position, run.outputs, [*run.inputs, *run.params])
+            rec.note_produced(self.capture, call.key, call.position, "out", run.outputs)
+            rec.watch_outputs(self.capture, call.key, call.position, run.outputs, [*run.inputs, *run.params])
         call.run = dataclasses.replace(run, recorded=True)
 
     def _inputs_in_place(self, call: Call, done: Position) -> bool:
@@ -295,7 +295,7 @@ class GraphedCallable:
         return True
 
     def _replay_forward(self, call: Call, done: Position) -> list:
-        self.process.before_replay(self.capture, call.key, call.position, "forward")
+        self.process.outputs.before_replay(self.capture, call.key, call.position, "forward")
         if done.state is not None:
             self.state.check(done.state, self.queue.episode)
         self.plan.note_replay(done.generation, id(done.fwd_graph), True, self.name)
@@ -309,26 +309,26 @@ class GraphedCallable:
     def unreplayed(self, call: Call, sig: Optional[Signature], kind: str) -> None:
         """A captured position's graph runs eagerly this time (its inputs are not where the graph
         reads them): the graphs after it still overwrite what was released before it, so the
-        outputs held past their release point move as before a replay (:meth:`Process.before_replay`)."""
+        outputs held past their release point move as before a replay (:meth:`~paddle_graphpp.core.handout.HandedOutputs.before_replay`)."""
         if sig is None or call.position not in sig.positions:
             return
         kinds = ("backward", "input", "weight") if kind == "backward" else (kind,)  # a full backward of split graphs
         for k in kinds:
-            self.process.before_replay(self.capture, call.key, call.position, k)
+            self.process.outputs.before_replay(self.capture, call.key, call.position, k)
 
     def launch(self, call: Call, graph: Any, kind: str) -> None:
         """Launch one of the call's graphs (``kind`` names it in the watchdog's message:
         ``"forward"``, ``"backward"``, ``"backward (input half)"``, ``"backward (weight half)"``);
         the replay watchdog follows it."""
         self.runtime.replay_graph(graph)
-        self.process.launched(self.capture, call.position, kind, graph)
+        self.process.replay_watch.launched(self.capture, call.position, kind, graph)
         self.replays += 1
 
     def hand_out(self, call: Call, static_outputs: Sequence[Any]) -> list:
         """Aliases of a launched forward's output buffers for the caller, remembered weakly:
         the position's next launch overwrites them (see :meth:`keep_held_outputs`)."""
         outs = [self.runtime.detach(o) for o in static_outputs]
-        self.process.handed_out(self.capture, call.key, call.position, outs)
+        self.process.outputs.handed_out(self.capture, call.key, call.position, outs)
         return outs
 
     def keep_held_outputs(self, call: Call) -> None:
@@ -337,7 +337,7 @@ class GraphedCallable:
         schedule keeps the last stage's outputs until the step ends, to return them merged,
         and on the last stage of a 1F1B pipeline every micro-batch replays the same position;
         eagerly each output is its own tensor, and so it stays here (copied only when held)."""
-        if not self.process.move_held(self.capture, call.key, call.position):
+        if not self.process.outputs.move_held(self.capture, call.key, call.position):
             self.warn_once("held", (
                 f"{self.name}: outputs of an earlier micro-batch are still referenced when the same micro-batch "
                 f"position replays and overwrites them, and the {self.runtime.name} runtime cannot move them to "

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from .runtime import TensorSpec
 from .tree import unflatten
 
-__all__ = ["Phase", "Tree", "CallShape", "Outputs", "Recording", "Position", "Live", "InputHalf", "Signature",
+__all__ = ["Phase", "Tree", "CallShape", "Outputs", "PositionRecord", "Position", "Live", "InputHalf", "Signature",
            "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "describe",
            "signature_key_parts", "SignatureKey", "with_layer"]
 
@@ -65,11 +65,12 @@ class Outputs(Tree):
 
 
 @dataclass(frozen=True, slots=True)
-class Recording:
+class PositionRecord:
     """What capturing one recorded position needs, kept without the eager tensors: its static
-    buffers as slots of the recording and its output structure."""
+    buffers as slots of the episode's :class:`~paddle_graphpp.core.recording.Recording` and its
+    output structure."""
 
-    input_slots: tuple  # a slot index, or a capture.Link to the tensor's producer
+    input_slots: tuple  # a slot index, or a recording.Link to the tensor's producer
     outputs: Outputs
     grad_slots: Optional[tuple] = None  # set when its backward is recorded
     grad_specs: Optional[tuple] = None
@@ -156,7 +157,7 @@ class Signature:
         self.params: Optional[tuple] = None  # fixed when the signature leaves warmup
         self.accumulate = False
         self.positions: dict[int, Position] = {}
-        self.recordings: dict[int, Recording] = {}
+        self.recordings: dict[int, PositionRecord] = {}
         self.busy: set = set()  # per_graph mode: slots whose backward has not run
 
     def free_slot(self) -> int:
