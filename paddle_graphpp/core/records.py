@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .runtime import TensorSpec
 from .tree import unflatten
+
+if TYPE_CHECKING:  # the engine imports this module
+    from .engine import GraphedCallable
 
 __all__ = ["Phase", "Tree", "CallShape", "Outputs", "PositionRecord", "Position", "Live", "InputHalf", "Signature",
            "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "describe",
@@ -30,7 +33,7 @@ class Phase(enum.Enum):
     WARMUP = "warmup"
     RECORD = "record"
     READY = "ready"
-    EAGER = "eager"  # the layer went eager for good (a failed capture with fallback="eager")
+    EAGER = "eager"  # the layer went eager for good (LayerPhases.eager_reason); never a signature's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +146,8 @@ class InputHalf:
 
 
 class Signature:
-    """One input signature of a layer: its phase, parameters and captured positions."""
+    """One input signature of a layer: its phase, parameters and captured positions (its phase
+    changes only through :class:`~paddle_graphpp.core.phases.LayerPhases`)."""
 
     __slots__ = ("key", "describe", "shape", "phase", "warm", "params", "accumulate", "positions",
                  "recordings", "busy")
@@ -167,14 +171,15 @@ class Signature:
             slot += 1
         return slot
 
-    def reset(self, phase: Phase = Phase.WARMUP) -> None:
-        """Forget graphs and recordings; warm up again (after a failed capture), or stay eager."""
-        self.phase, self.warm = phase, 0
+    def reset(self) -> None:
+        """Forget graphs and recordings and warm up again (see :class:`~paddle_graphpp.core.phases.LayerPhases`)."""
+        self.phase, self.warm = Phase.WARMUP, 0
         self.positions.clear()
         self.recordings.clear()
 
-    def view(self) -> "SignatureView":
-        return SignatureView(self.key, self.describe, self.phase, self.accumulate, dict(self.positions))
+    def view(self, phase: Phase) -> "SignatureView":
+        """A copy for inspection, showing ``phase`` (the layer's ``EAGER`` overrides the signature's own)."""
+        return SignatureView(self.key, self.describe, phase, self.accumulate, dict(self.positions))
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +231,8 @@ class Call:
 
     __slots__ = ("engine", "key", "shape", "tensors", "params", "force_eager", "position", "run", "outputs", "anchor")
 
-    def __init__(self, engine: Any, key: Any, shape: CallShape, tensors: list, params: tuple, force_eager: bool):
+    def __init__(self, engine: GraphedCallable, key: Any, shape: CallShape, tensors: list, params: tuple,
+                 force_eager: bool):
         self.engine = engine
         self.key = key
         self.shape = shape
@@ -247,7 +253,7 @@ class Call:
         return isinstance(self.run, RanEager) and self.run.recorded
 
     def forward(self) -> list:
-        return self.engine._forward(self)
+        return self.engine.forward(self)
 
     def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
         return self.engine.backward.run(self, grads, weights_wanted)
