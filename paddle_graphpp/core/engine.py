@@ -11,7 +11,8 @@ these phases (:class:`Phase`):
     From the next *episode* start (a moment when no micro-batch is in flight in any graphed
     layer of the process) the episode runs eagerly, and each call is recorded with its
     *position* (its index among this layer's calls of the signature in the episode) and the
-    static buffers that position will use (:mod:`paddle_graphpp.core.capture`).
+    static buffers that position will use, in the episode's
+    :class:`~paddle_graphpp.core.recording.Recording`.
 ``READY``
     At the start of the following episode, every recorded position of every layer is
     captured, in the order the step ran them, into one pool generation; no eager pass runs
@@ -27,7 +28,8 @@ captured and launched in the step it first runs in (its launch gives that step's
 
 A new signature is warmed up and captured anew, up to ``max_signatures``; past that it runs
 eagerly with one warning. A signature is never replayed into another's graph. A layer whose
-capture failed with ``fallback="eager"`` is in phase ``EAGER`` for good.
+capture failed with ``fallback="eager"`` is in phase ``EAGER`` for good. Every transition
+is one of :class:`~paddle_graphpp.core.phases.LayerPhases`'s.
 
 Backwards pair with forwards through the layer's FIFO (:mod:`paddle_graphpp.core.schedule`),
 so 1F1B and interleaved schedules work. Memory modes are described in

@@ -7,17 +7,17 @@ and the layer as a whole may be ``EAGER`` for good (a failed capture with ``fall
 held once, as :attr:`LayerPhases.eager_reason`. :class:`LayerPhases` holds the table and moves a
 signature only through its named transitions:
 
-=====================  ==============================  =========================================
-transition             from -> to                      asked by
-=====================  ==============================  =========================================
-:meth:`leave_warmup`   WARMUP -> RECORD (READY under   the engine, at the first forward of an
-                       the stream-ordered allocator)   episode once warmup is done
-:meth:`captured`       RECORD -> READY                 the episode's Recording, after its batch
-:meth:`dropped`        RECORD (recording forgotten)    the Recording, when the runtime waits
-:meth:`capture_failed` any -> WARMUP                   the layer's capture, on a failure
-:meth:`fall_back`      all -> EAGER (the layer)        the layer's capture, ``fallback="eager"``
-:meth:`reset`          all forgotten                   ``reset_graphs``
-=====================  ==============================  =========================================
+========================  ==============================  =========================================
+transition                from -> to                      asked by
+========================  ==============================  =========================================
+:meth:`leave_warmup`      WARMUP -> RECORD (READY under   the engine, at the first forward of an
+                          the stream-ordered allocator)   episode once warmup is done
+:meth:`captured`          RECORD -> READY                 the episode's Recording, after its batch
+:meth:`dropped`           RECORD (recording forgotten)    the Recording, when the runtime waits
+:meth:`capture_failed`    any -> WARMUP                   the layer's capture, on a failure
+:meth:`fall_back`         all -> EAGER (the layer)        the layer's capture, ``fallback="eager"``
+:meth:`reset`             all forgotten                   ``reset_graphs``
+========================  ==============================  =========================================
 """
 
 from __future__ import annotations
