@@ -212,7 +212,8 @@ class Backward:
         reuse = self.layer.memory_mode is not _memory.MemoryMode.PER_GRAPH
         if half != "weight":
             specs = tuple(rt.spec(g) for g in diff_grads)
-            grad_slots = tuple((recording.link_of("grad", g) if reuse else None) or recording.buffer_slot(s, reuse=reuse)
+            grad_slots = tuple((recording.link_of("grad", g) if reuse else None)
+                               or recording.buffer_slot(s, reuse=reuse)
                                for g, s in zip(diff_grads, specs))
             rec = sig.recordings[call.position] = dataclasses.replace(
                 rec, grad_slots=grad_slots, grad_specs=specs)

@@ -127,7 +127,8 @@ class CaptureBatch:
         after it)."""
         return Link(id(participant), key, position, index, "out") in self.dying
 
-    def own_output(self, participant: CaptureParticipant, key: Hashable, position: int, index: int, owners: list) -> None:
+    def own_output(self, participant: CaptureParticipant, key: Hashable, position: int, index: int,
+                   owners: list) -> None:
         """``owners[index]`` holds the memory of that output until its release point."""
         self.owners[Link(id(participant), key, position, index, "out")] = (owners, index)
 

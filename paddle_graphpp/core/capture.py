@@ -15,7 +15,8 @@ Every graphed layer of a process reports to one :class:`Process` per runtime. It
   layer accumulates a shared parameter's gradient), and the capture agreement between ranks.
 
 At the start of the next episode (the first graphed forward that finds nothing in flight
-calls :meth:`Process.capture_if_due`), :meth:`Process.capture_recorded` captures the recording, unless the runtime asks to wait
+calls :meth:`Process.capture_if_due`), :meth:`Process.capture_recorded` captures the recording,
+unless the runtime asks to wait
 (:meth:`~paddle_graphpp.core.runtime.PoolLending.defer_capture`, with its reason; for
 example, a runtime may wait for an optimizer's first step, which creates the optimizer state
 beside a pool captured before it). Then the recording is dropped and the episode starting now is

@@ -42,9 +42,9 @@ class GradientMoves:
     def hand_over(self, params: Sequence[Any], totals: Sequence[Any]) -> list:
         """For the schedule's weight pass, which puts the gradients it gets into ``.grad``
         (assigned where ``.grad`` is unset, added otherwise; only then is this called, see
-        :meth:`~paddle_graphpp.core.runtime.SplitBackward.weight_pass_refills_grad`): each parameter's ``.grad``, already
-        holding the sum (``totals``), is unset and handed over whole, so the sum returns to
-        ``.grad`` without a copy."""
+        :meth:`~paddle_graphpp.core.runtime.SplitBackward.weight_pass_refills_grad`): each
+        parameter's ``.grad``, already holding the sum (``totals``), is unset and handed over
+        whole, so the sum returns to ``.grad`` without a copy."""
         for p, total in zip(params, totals):
             if total is not None:
                 self.accumulation.set_grad(p, None)

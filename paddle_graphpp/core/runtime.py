@@ -524,8 +524,9 @@ class Capabilities:
         return self.modes.mode_context(key)
 
 
-_FIELDS = {"state": StateSlots, "gradients": GradientOps, "modes": AutocastModes, "split": SplitBackward, "accumulation": InGraphAccumulation,
-           "release": OutputRelease, "lending": PoolLending, "stream_ordered": StreamOrderedAllocator,
+_FIELDS = {"state": StateSlots, "gradients": GradientOps, "modes": AutocastModes, "split": SplitBackward,
+           "accumulation": InGraphAccumulation, "release": OutputRelease, "lending": PoolLending,
+           "stream_ordered": StreamOrderedAllocator,
            "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree, "events": ReplayEvents}
 _CAPABILITIES: "weakref.WeakKeyDictionary[GraphRuntime, Capabilities]" = weakref.WeakKeyDictionary()
 
