@@ -629,7 +629,7 @@ def test_an_output_the_recorded_step_freed_gives_its_memory_back_where_it_was_fr
     assert done[1].owned[0] is None  # dropped after b2, before b3's graph
     assert done[2].owned == [None]  # dropped after the last graph: never watched to a release point
     proc = layer.engine.process
-    checks = {k[2:]: [link.position for link in links] for k, links in proc._checks.items()}
+    checks = {k[2:]: [link.position for link in links] for k, links in proc.outputs.checks.items()}
     assert checks == {(2, "forward"): [0], (2, "backward"): [1]}
 
 
@@ -654,7 +654,7 @@ def test_outputs_alive_to_the_end_of_the_recorded_step_or_sharing_memory_stay_ow
     for _ in range(3):
         run_dropping(layer, "f1 f2 b1 f3 b2 b3", hold=(1, 2, 3))
     assert all(p.owned == [None] and not p.static_outputs[0] is None for p in positions_of(layer).values())
-    assert layer.engine.process._checks == {}
+    assert layer.engine.process.outputs.checks == {}
 
     class Passthrough(torch.nn.Module):  # returns a view of its input: its memory is the input's
         def __init__(self):
@@ -687,7 +687,7 @@ def test_a_capture_batch_that_raises_early_leaves_no_output_marked_to_go_back(rt
     run_dropping(layer, order)
     run_dropping(layer, order)  # recorded: outputs 1 and 2 die within the episode
     proc = layer.engine.process
-    assert proc._deaths
+    assert proc.recording.deaths
     original = rt.static_buffers
 
     def no_memory(specs):
@@ -697,7 +697,7 @@ def test_a_capture_batch_that_raises_early_leaves_no_output_marked_to_go_back(rt
     with pytest.raises(RuntimeError, match="simulated"):
         run_dropping(layer, order)
     rt.static_buffers = original
-    assert proc._deaths == {}  # the recording is gone with the batch that failed; nothing carries over
+    assert proc.recording is None  # the recording is gone with the batch that failed; nothing carries over
     run_dropping(layer, order)  # recorded again
     run_dropping(layer, order)  # captured from this recording only, then replayed
     assert layer.engine.captures == 6 and layer.engine.replays > 0

@@ -129,15 +129,15 @@ def test_the_flag_configures_the_process_watchdog(rt, monkeypatch):
 
     proc = process_for(rt)
     monkeypatch.setenv("FLAGS_graphpp_replay_timeout", "12")
-    dog = proc.watch()
+    dog = proc.replay_watch.watch()
     assert dog is not None and dog.timeout == 12.0 and dog.peer_failure is None  # one process: no peers
     monkeypatch.setenv("FLAGS_graphpp_replay_timeout", "0")
-    assert proc.watch() is None  # off
+    assert proc.replay_watch.watch() is None  # off
     monkeypatch.setenv("FLAGS_graphpp_replay_timeout", "soon")
     with pytest.raises(ValueError, match="FLAGS_graphpp_replay_timeout='soon'"):
-        proc.watch()
+        proc.replay_watch.watch()
     monkeypatch.delenv("FLAGS_graphpp_replay_timeout")
-    assert proc.watch() is None  # no process group of several ranks: no default timeout
+    assert proc.replay_watch.watch() is None  # no process group of several ranks: no default timeout
 
 
 def test_watch_replays_validates_its_arguments():

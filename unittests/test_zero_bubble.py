@@ -644,7 +644,7 @@ def test_an_output_dropped_after_its_input_pass_gives_its_memory_back_before_the
         _dropping_step(lambda x: b(a(x)), params)
     names = {id(a.engine.capture): "a", id(b.engine.capture): "b"}
     checks = {(names[k[0]], k[2], k[3]): [(names[link.layer], link.position) for link in links]
-              for k, links in a.engine.process._checks.items()}
+              for k, links in a.engine.process.outputs.checks.items()}
     assert checks[("b", 1, "input")] == [("b", 0)]  # right after b's input pass of micro-batch 0
     assert ("b", 0) not in [o for (layer, _, kind), outs in checks.items() if kind == "weight" for o in outs]
     released = [o for outs in checks.values() for o in outs]
@@ -812,26 +812,29 @@ class AddP(torch.nn.Module):
         return h + self.p
 
 
-def _counting(rt, proc):
+def _counting(rt, monkeypatch):
     """Record the events in order, count the graphs made and note each release to the pool
     with the number of graphs made before it."""
-    order, graphs, released = [], [0], []
-    record, create = proc.record, rt.create_graph
+    from paddle_graphpp.core.recording import Recording
 
-    def rec(layer, key, pos, forward, half=None):
+    order, graphs, released = [], [0], []
+    record, create = Recording.record, rt.create_graph
+
+    def rec(self, layer, key, pos, forward, half=None):
         order.append((layer, pos, forward, half))
-        record(layer, key, pos, forward, half=half)
+        record(self, layer, key, pos, forward, half=half)
 
     def made():
         graphs[0] += 1
         return create()
 
-    proc.record, rt.create_graph = rec, made
+    monkeypatch.setattr(Recording, "record", rec)
+    rt.create_graph = made
     rt.release_to_pool = lambda t: released.append((t, graphs[0]))
     return order, graphs, released
 
 
-def test_a_gradient_an_eager_junction_saved_is_not_given_back_before_its_weight_pass(rt):
+def test_a_gradient_an_eager_junction_saved_is_not_given_back_before_its_weight_pass(rt, monkeypatch):
     # x -> a (graphed) -> h + p (eager) -> c (graphed) -> d (graphed). c's input gradient g
     # reaches a unchanged (a link) and the add's junction saves it for p's eager weight pass,
     # which the pipelining weight pass runs last here (groups in parameter order: c, a, d, p).
@@ -842,7 +845,7 @@ def test_a_gradient_an_eager_junction_saved_is_not_given_back_before_its_weight_
     c = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     d = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     params = [*c.parameters(), *a.parameters(), *d.parameters(), *mid.parameters()]
-    order, graphs, released = _counting(rt, a.engine.process)
+    order, graphs, released = _counting(rt, monkeypatch)
     reads = []
     mid.p.register_hook(lambda g: reads.append(len(order)))
     for step in range(2):  # recorded, then captured at the start of the next step
@@ -857,7 +860,7 @@ def test_a_gradient_an_eager_junction_saved_is_not_given_back_before_its_weight_
         assert len(after) == 1 and after[0] >= read_at[pos], (pos, after, read_at[pos])  # given back, after
 
 
-def test_a_gradient_another_reader_copies_is_not_given_back_before_that_copy(rt):
+def test_a_gradient_another_reader_copies_is_not_given_back_before_that_copy(rt, monkeypatch):
     # s = A(tanh(A0(x))) + B(y).view(2, 4); loss = P(s). P's input gradient g reaches A
     # unchanged (a link) and B as a view of another shape (no link: B copies it into a
     # buffer of its own when its backward replays). g waits for that copy.
@@ -865,7 +868,7 @@ def test_a_gradient_another_reader_copies_is_not_given_back_before_that_copy(rt)
     a0 = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     a = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     p_layer = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
-    order, graphs, released = _counting(rt, a.engine.process)
+    order, graphs, released = _counting(rt, monkeypatch)
     for step in range(2):  # recorded, then captured at the start of the next step
         if step == 1:
             recorded = list(order)
@@ -912,7 +915,7 @@ def test_nothing_of_a_capture_batch_that_escapes_reaches_the_next(rt):
             step()  # captured at its first forward: d's failure warning escapes
     # The batch was the capture's own object: the next steps record and capture afresh, and the
     # layers that captured replay.
-    assert proc._deaths == {} and not proc._watches
+    assert proc.recording is None  # nothing of the failed batch's recording carries over
     for _ in range(3):
         step()
     assert a.engine.replays > 0 and c.engine.replays > 0

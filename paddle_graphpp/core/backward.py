@@ -17,13 +17,17 @@ graphs (:class:`~paddle_graphpp.core.runtime.InGraphAccumulation`) parameter gra
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import collectives as _collectives
 from . import memory as _memory
 from .errors import GraphScheduleError
+from .grad_moves import GradientMoves
 from .records import Call, Launched, Position, RanEager, Replayed, Signature
 from .runtime import clone_many
+
+if TYPE_CHECKING:
+    from .engine import GraphedCallable
 
 __all__ = ["Backward"]
 
@@ -31,11 +35,12 @@ __all__ = ["Backward"]
 class Backward:
     """The backward paths of one :class:`~paddle_graphpp.core.engine.GraphedCallable`."""
 
-    def __init__(self, layer: Any):
+    def __init__(self, layer: GraphedCallable):
         self.layer = layer
         self.rt = layer.runtime
         self.split = layer.caps.split
         self.accumulation = layer.caps.accumulation
+        self.moves = GradientMoves(layer.runtime, layer.caps.accumulation)
 
     # ---------------------------------------------------------------- dispatch
     def run(self, call: Call, grads: Sequence[Any], weights_wanted: bool = True) -> list:
@@ -52,7 +57,7 @@ class Backward:
         sig = layer.signature(call.key)
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
         if isinstance(call.run, RanEager) and not call.run.recorded:
-            layer.unreplayed(call, sig, "input" if split else "backward")
+            layer.replay.unreplayed(call, sig, "input" if split else "backward")
         if split:
             try:
                 return self._input_half(call, sig, diff_grads)
@@ -130,7 +135,7 @@ class Backward:
         """The weight half of a split backward. Without accumulation: the parameter gradients
         it produces, handed to autograd (the schedule's weight pass adds them into ``.grad``).
         With it (``accumulate_grads``): the gradients go into ``.grad`` and the weight pass gets
-        the sums (see :meth:`_hand_over`)."""
+        the sums (see :meth:`~paddle_graphpp.core.grad_moves.GradientMoves.hand_over`)."""
         layer = self.layer
         sig = layer.signature(call.key)
         run = call.run
@@ -148,7 +153,7 @@ class Backward:
         layer.queue.pop_weight(call)
         self._leave_flight(call, sig)
         if isinstance(run, RanEager) and not run.recorded:
-            layer.unreplayed(call, sig, "weight")
+            layer.replay.unreplayed(call, sig, "weight")
         n_inputs = len(call.shape.specs)
         try:
             if isinstance(run, Replayed):
@@ -168,13 +173,13 @@ class Backward:
         if run.weight_state is not None:
             for index, got in self.split.backward_weight(run.weight_state, run.params):
                 if accumulates:
-                    self._add_into_grads([call.params[i] for i in index], got)
+                    self.moves.add_into_grads([call.params[i] for i in index], got)
                     got = [self.accumulation.grad_of(call.params[i]) for i in index]
                 for i, g in zip(index, got):
                     grads[i] = g
         if accumulates:
             self.layer.process.grad_writes += 1  # .grad changed outside autograd (see Process.grad_writes)
-            grads = self._hand_over(call.params, grads)
+            grads = self.moves.hand_over(call.params, grads)
         return grads
 
     # ------------------------------------------------------------------ eager
@@ -200,34 +205,35 @@ class Backward:
         """Record a backward: a full one (``half=None``), or the ``"input"`` or ``"weight"``
         half of a split one. The static buffers of the position are released when its backward
         is complete: the weight half still reads the inputs and the incoming gradients."""
-        rt, proc = self.rt, self.layer.process
         rec = sig.recordings.get(call.position)
         if rec is None:
             return
+        rt, recording = self.rt, self.layer.process.recorder()
         reuse = self.layer.memory_mode is not _memory.MemoryMode.PER_GRAPH
         if half != "weight":
             specs = tuple(rt.spec(g) for g in diff_grads)
-            grad_slots = tuple((proc.link_of("grad", g) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
+            grad_slots = tuple((recording.link_of("grad", g) if reuse else None)
+                               or recording.buffer_slot(s, reuse=reuse)
                                for g, s in zip(diff_grads, specs))
             rec = sig.recordings[call.position] = dataclasses.replace(
                 rec, grad_slots=grad_slots, grad_specs=specs)
             if reuse:
-                proc.note_produced(self.layer.capture, call.key, call.position, "grad", input_grads)
-                proc.watch_grads(self.layer.capture, call.key, call.position, input_grads, diff_grads)
+                recording.note_produced(self.layer.capture, call.key, call.position, "grad", input_grads)
+                recording.watch_grads(self.layer.capture, call.key, call.position, input_grads, diff_grads)
         if reuse and half != "input":
             # Positions recorded after this backward may take these buffers over: the inputs
             # are read by nothing after this backward, the gradients by nothing outside it.
             for slot in rec.input_slots + rec.grad_slots:
                 if isinstance(slot, int):
-                    proc.release_slot(slot)
-        proc.record(self.layer.capture, call.key, call.position, forward=False, half=half)
+                    recording.release_slot(slot)
+        recording.record(self.layer.capture, call.key, call.position, forward=False, half=half)
 
     # ----------------------------------------------------------------- replay
     def _prepare(self, call: Call, position: Position, graph: Any, kind: str, *, finishes: bool = True) -> None:
         """Before a backward graph replays: held outputs moved off memory it overwrites, the
         pool's capture order checked (raises before anything changed), collectives checked."""
         layer = self.layer
-        layer.process.before_replay(layer.capture, call.key, call.position, kind)
+        layer.process.outputs.before_replay(layer.capture, call.key, call.position, kind)
         layer.plan.note_replay(position.generation, id(graph), False, layer.name, finishes=finishes)
         _collectives.check_replay(graph)
 
@@ -236,31 +242,31 @@ class Backward:
         if position.weight_graph is not None:  # captured as two halves; this step wants both at once
             n = len(call.shape.specs)
             first = self.replay_input(call, position, diff_grads)
-            return first[:n] + self._sum_grads(first[n:], self.replay_weight(call, position))
+            return first[:n] + self.moves.sum_grads(first[n:], self.replay_weight(call, position))
         self._prepare(call, position, position.bwd_graph, "backward")
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
         buffers = self.layer.param_grad_buffers
         if position.accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
             used = [(p, b) for p, b, u in zip(call.params, buffers, position.param_grad_used) if u]
-            self._bind_grads([p for p, _ in used], [b for _, b in used])
-        self.layer.launch(call, position.bwd_graph, "backward")
+            self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
+        self.layer.replay.launch(call, position.bwd_graph, "backward")
         if position.accumulate:
             self.layer.process.grad_writes += 1  # .grad changed without a version bump
             param_grads = [None] * len(call.params)
         else:
             param_grads = [b if u else None for b, u in zip(buffers, position.param_grad_used)]
-        return self._hand_off(list(call.tensors) + list(call.params),
+        return self.moves.hand_off(list(call.tensors) + list(call.params),
                               list(position.static_grad_inputs) + param_grads)
 
     def replay_input(self, call: Call, position: Position, diff_grads: list) -> list:
         self._prepare(call, position, position.bwd_graph, "input", finishes=False)
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
-        self.layer.launch(call, position.bwd_graph, "backward (input half)")
+        self.layer.replay.launch(call, position.bwd_graph, "backward (input half)")
         used = position.input_param_used or (False,) * len(call.params)
         buffers = self.layer.param_grad_buffers if any(used) else [None] * len(call.params)
-        return self._hand_off(list(call.tensors) + list(call.params),
+        return self.moves.hand_off(list(call.tensors) + list(call.params),
                               list(position.static_grad_inputs) + [b if u else None for b, u in zip(buffers, used)])
 
     def replay_weight(self, call: Call, position: Position, hand_over: bool = False) -> list:
@@ -269,88 +275,19 @@ class Backward:
         gradient it gets its ``.grad``, as the zero-bubble weight pass does, and the next replay
         would overwrite it). With accumulation the graph adds them into the layer's gradient
         buffers, bound as ``.grad`` first; a schedule's weight pass (``hand_over``) is handed
-        each parameter's whole sum with ``.grad`` unset (:meth:`_hand_over`)."""
+        each parameter's whole sum with ``.grad`` unset
+        (:meth:`~paddle_graphpp.core.grad_moves.GradientMoves.hand_over`)."""
         self._prepare(call, position, position.weight_graph, "weight")  # may raise: nothing changed yet
         if position.accumulate:
             used = [(p, b) for p, b, u in zip(call.params, position.weight_buffers, position.param_grad_used) if u]
-            self._bind_grads([p for p, _ in used], [b for _, b in used])
-        self.layer.launch(call, position.weight_graph, "backward (weight half)")
+            self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
+        self.layer.replay.launch(call, position.weight_graph, "backward (weight half)")
         grads = [b if u else None for b, u in zip(position.weight_buffers, position.param_grad_used)]
         if position.accumulate:
             self.layer.process.grad_writes += 1  # .grad changed without a version bump
-            return self._hand_over(call.params, grads) if hand_over else [None] * len(call.params)
+            return self.moves.hand_over(call.params, grads) if hand_over else [None] * len(call.params)
         fresh = [i for i in self.rt.leaves_without_grad(call.params) if grads[i] is not None]
         if fresh:
             for i, c in zip(fresh, clone_many(self.rt, [grads[i] for i in fresh])):
                 grads[i] = c
         return grads
-
-    # ---------------------------------------------------------- gradient moves
-    def _add_into_grads(self, params: Sequence[Any], grads: Sequence[Any]) -> None:
-        """``.grad += grad`` for each parameter; an unset ``.grad`` adopts the gradient."""
-        acc = self.accumulation
-        dst, src = [], []
-        for p, g in zip(params, grads):
-            have = acc.grad_of(p)
-            if have is None:
-                acc.set_grad(p, g)
-            else:
-                dst.append(have)
-                src.append(g)
-        if dst:
-            self.rt.add_many(dst, src)
-
-    def _hand_over(self, params: Sequence[Any], totals: Sequence[Any]) -> list:
-        """For the schedule's weight pass, which puts the gradients it gets into ``.grad``
-        (assigned where ``.grad`` is unset, added otherwise; only then is this called, see
-        :meth:`SplitBackward.weight_pass_refills_grad`): each parameter's ``.grad``, already
-        holding the sum (``totals``), is unset and handed over whole, so the sum returns to
-        ``.grad`` without a copy."""
-        for p, total in zip(params, totals):
-            if total is not None:
-                self.accumulation.set_grad(p, None)
-        return list(totals)
-
-    def _hand_off(self, targets: list, grads: list) -> list:
-        """Give autograd gradients it may keep. A leaf with no gradient yet may adopt the tensor
-        it is handed, and a static buffer would then be overwritten by the next replay. Where
-        the framework adopts only tensors nobody else holds (PyTorch), handing over the held
-        buffers themselves is safe; elsewhere (Paddle) such leaves get copies."""
-        rt = self.rt
-        if not rt.adopts_held_gradients:
-            return grads
-        adopt = [i for i in rt.leaves_without_grad(targets) if grads[i] is not None]
-        if adopt:
-            for i, c in zip(adopt, clone_many(rt, [grads[i] for i in adopt])):
-                grads[i] = c
-        return grads
-
-    def _sum_grads(self, first: list, second: list) -> list:
-        """Per parameter, the sum of two optional gradients (new tensors where both exist)."""
-        both = [i for i, (a, b) in enumerate(zip(first, second)) if a is not None and b is not None]
-        out = [a if a is not None else b for a, b in zip(first, second)]
-        if both:
-            sums = clone_many(self.rt, [first[i] for i in both])
-            self.rt.add_many(sums, [second[i] for i in both])
-            for i, total in zip(both, sums):
-                out[i] = total
-        return out
-
-    def _bind_grads(self, params: list, buffers: list) -> None:
-        """Make each buffer its parameter's ``.grad``, keeping the gradient's value: an unset
-        ``.grad`` becomes the zeroed buffer, another tensor is copied into it."""
-        acc = self.accumulation
-        unset, dst, src = [], [], []
-        for p, b in zip(params, buffers):
-            g = acc.grad_of(p)
-            if g is b:
-                continue
-            if g is None:
-                unset.append(b)
-            else:
-                dst.append(b)
-                src.append(g)
-            acc.set_grad(p, b)
-        if unset:
-            acc.zero_many(unset)
-        self.rt.copy_many(dst, src)

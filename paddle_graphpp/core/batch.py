@@ -1,7 +1,9 @@
 """One batch of captures: every position recorded in an episode, captured in the recorded order.
 
 A :class:`CaptureBatch` is created by :meth:`paddle_graphpp.core.capture.Process.capture_recorded`
-for one recorded episode and discarded after it. It holds what is valid during the batch only:
+for one recorded episode (it consumes that episode's
+:class:`~paddle_graphpp.core.recording.Recording`) and discarded after it. It holds what is
+valid during the batch only:
 the static buffers of the recording's slots (allocated at its start, in one block), the static
 tensors captured so far (so that a link — layer ``i + 1`` reading layer ``i``'s output, or a
 gradient one graph hands another — resolves to the producer's captured tensor itself), the
@@ -16,20 +18,12 @@ position's forward, then its backward (whole, or in two halves), and hands a fai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Hashable, Optional, Protocol, Sequence
 
-__all__ = ["Link", "CaptureParticipant", "CaptureBatch"]
+from .recording import Link, Recording
+from .runtime import GraphRuntime, OutputRelease
 
-
-class Link(NamedTuple):
-    """Where a recorded input came from: output ``index`` (``kind="out"``) or input gradient
-    ``index`` (``kind="grad"``) of ``layer``'s ``position`` under signature ``key``."""
-
-    layer: int
-    key: Hashable
-    position: int
-    index: int
-    kind: str
+__all__ = ["CaptureParticipant", "CaptureBatch"]
 
 
 class CaptureParticipant(Protocol):
@@ -89,22 +83,20 @@ class CaptureBatch:
     """The captures of one recorded episode (see the module docstring).
 
     Args:
-        runtime: the runtime (static buffers; outputs given back to the pool through its
-            :class:`~paddle_graphpp.core.runtime.OutputRelease`, where it has that capability).
-        events: ``(participant, key, position, forward, half)`` in recorded order.
-        specs: the spec of each static buffer slot of the recording.
-        deaths: per event index, the links found dead before it (outputs and gradients).
-        grad_watched: the gradient links whose memory the recording watched.
+        runtime: the runtime (static buffers).
+        release: its :class:`~paddle_graphpp.core.runtime.OutputRelease`, or ``None`` (then
+            every output and gradient keeps its memory).
+        recording: the episode's recording: its events in recorded order, its slots' specs, per
+            event index the links found dead before it, the gradient links whose memory it watched.
     """
 
-    def __init__(self, runtime: Any, release: Any, events: list, specs: Sequence[Any], deaths: dict,
-                 grad_watched: set):
+    def __init__(self, runtime: GraphRuntime, release: Optional[OutputRelease], recording: Recording):
         self.runtime = runtime
         self.release = release
-        self.events = events
-        self.buffers = runtime.static_buffers(specs) if specs else []
-        self.deaths = deaths
-        self.grad_watched = grad_watched
+        self.events = recording.events
+        self.buffers = runtime.static_buffers(recording.specs) if recording.specs else []
+        self.deaths = recording.deaths
+        self.grad_watched = recording.grad_watched
         self.produced: dict[Link, Any] = {}  # captured static tensors, by link
         self.live: dict[tuple, Any] = {}  # positions whose forward is captured and backward is not
         self.pending: set = set()  # positions whose backward may still be captured
@@ -130,16 +122,18 @@ class CaptureBatch:
         """Whether the static tensor of ``slot`` is another captured graph's tensor (read in place)."""
         return isinstance(slot, Link) and slot in self.produced
 
-    def dies_in_episode(self, participant: Any, key: Hashable, position: int, index: int) -> bool:
+    def dies_in_episode(self, participant: CaptureParticipant, key: Hashable, position: int, index: int) -> bool:
         """The recorded output gives its memory back (it was found dead before a graph captured
         after it)."""
         return Link(id(participant), key, position, index, "out") in self.dying
 
-    def own_output(self, participant: Any, key: Hashable, position: int, index: int, owners: list) -> None:
+    def own_output(self, participant: CaptureParticipant, key: Hashable, position: int, index: int,
+                   owners: list) -> None:
         """``owners[index]`` holds the memory of that output until its release point."""
         self.owners[Link(id(participant), key, position, index, "out")] = (owners, index)
 
-    def captured(self, participant: Any, key: Hashable, position: int, kind: str, tensors: Sequence[Any]) -> None:
+    def captured(self, participant: CaptureParticipant, key: Hashable, position: int, kind: str,
+                 tensors: Sequence[Any]) -> None:
         """``tensors`` are the static outputs (or input gradients) of a position just captured,
         for the links recorded to them.
 
@@ -266,7 +260,7 @@ class CaptureBatch:
             self._failed(participant, key, slot, exc)
             return False
 
-    def _failed(self, participant: Any, key: Any, slot: tuple, exc: BaseException) -> None:
+    def _failed(self, participant: CaptureParticipant, key: Any, slot: tuple, exc: BaseException) -> None:
         self.failed.add((id(participant), key))
         self.live.pop(slot, None)
         self._complete(slot)

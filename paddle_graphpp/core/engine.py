@@ -11,7 +11,8 @@ these phases (:class:`Phase`):
     From the next *episode* start (a moment when no micro-batch is in flight in any graphed
     layer of the process) the episode runs eagerly, and each call is recorded with its
     *position* (its index among this layer's calls of the signature in the episode) and the
-    static buffers that position will use (:mod:`paddle_graphpp.core.capture`).
+    static buffers that position will use, in the episode's
+    :class:`~paddle_graphpp.core.recording.Recording`.
 ``READY``
     At the start of the following episode, every recorded position of every layer is
     captured, in the order the step ran them, into one pool generation; no eager pass runs
@@ -27,7 +28,8 @@ captured and launched in the step it first runs in (its launch gives that step's
 
 A new signature is warmed up and captured anew, up to ``max_signatures``; past that it runs
 eagerly with one warning. A signature is never replayed into another's graph. A layer whose
-capture failed with ``fallback="eager"`` is in phase ``EAGER`` for good.
+capture failed with ``fallback="eager"`` is in phase ``EAGER`` for good. Every transition
+is one of :class:`~paddle_graphpp.core.phases.LayerPhases`'s.
 
 Backwards pair with forwards through the layer's FIFO (:mod:`paddle_graphpp.core.schedule`),
 so 1F1B and interleaved schedules work. Memory modes are described in
@@ -36,9 +38,9 @@ so 1F1B and interleaved schedules work. Memory modes are described in
 One micro-batch's path through a layer, top to bottom: :meth:`GraphedCallable.__call__` keys
 the call by signature, lets the process capture a recorded episode that is due
 (:meth:`~paddle_graphpp.core.capture.Process.capture_if_due`), and enters the runtime's custom
-autograd function, which runs :meth:`GraphedCallable._forward`: warm up or run eagerly
+autograd function, which runs :meth:`GraphedCallable.forward`: warm up or run eagerly
 (:meth:`run_eager`, recording the position when the signature is armed), or replay the
-position's forward graph; under the stream-ordered allocator capture and launch it
+position's forward graph (:mod:`.replay`); under the stream-ordered allocator capture and launch it
 (:mod:`.in_step`). The call waits in the layer's FIFO; its backward
 (:mod:`.backward`) replays the position's backward graph, or runs autograd (and records it).
 A recorded episode is captured by a :class:`~paddle_graphpp.core.batch.CaptureBatch`, which
@@ -62,7 +64,6 @@ import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
-from . import collectives as _collectives
 from . import memory as _memory
 from .backward import Backward
 from .scope import layers_inlined
@@ -70,10 +71,12 @@ from .capture import Process, process_for
 from .errors import GraphScheduleError, SignatureError
 from .in_step import InStepCapture
 from .layer_capture import LayerCapture
+from .phases import LayerPhases
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
-from .records import (Call, CallShape, Launched, Outputs, Phase, Position, RanEager, Recording, Replayed, Signature,
-                      SignatureKey, describe, signature_key_parts)
+from .records import (Call, CallShape, Launched, Outputs, Phase, PositionRecord, RanEager, Replayed, Signature,
+                      SignatureKey, signature_key_parts)
 from .runtime import GraphRuntime, capabilities, runtime_for
+from .replay import Replays
 from .schedule import InFlightQueue
 from .state import LayerStateCheck
 from .tree import flatten
@@ -110,10 +113,9 @@ class GraphedCallable:
                              "leave it 'auto' or False (gradients then reach .grad through autograd).")
         self.queue = InFlightQueue(name, options.max_in_flight)
         _LIVE_ENGINES.add(self)
-        self._signatures: dict[Any, Signature] = {}
+        self.phases = LayerPhases(name, options.max_signatures)  # its signatures; the only code moving them
         self._param_grad_buffers: Optional[list] = None
         self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
-        self._eager_reason: Optional[str] = None  # set with Phase.EAGER: why the layer went eager for good
         self._warned: set = set()
         self.state = LayerStateCheck(runtime, fn, name)  # replays refuse replaced parameters and buffers
         self.replays = 0  # forward + backward graph replays, for tests and telemetry
@@ -121,6 +123,7 @@ class GraphedCallable:
         self.backward = Backward(self)
         self.capture = LayerCapture(self)
         self.in_step = InStepCapture(self)
+        self.replay = Replays(self)
 
     @property
     def process(self) -> Process:
@@ -143,7 +146,7 @@ class GraphedCallable:
         specs = tuple(rt.spec(t) for t in tensors)
         consts, structure = signature_key_parts(leaves, tensor_index, spec)
         key = SignatureKey((specs, consts, structure, (getattr(self.fn, "training", None), self.caps.mode_key())))
-        sig = self._signatures.get(key)
+        sig = self.phases.get(key)
         if sig is not None:
             key = sig.key  # hashed once; the tables keyed by it find it by identity
         # Parameters are read while a signature warms up; its graphs keep the tuple they were
@@ -154,12 +157,12 @@ class GraphedCallable:
             return self.fn(*args, **kwargs)  # nothing to differentiate
         if self.caps.lending is not None:
             self.caps.lending.end_borrowed_work()  # before any capture: no eager work routed into a pool
-        reason = self._eager_reason or rt.graphs_unavailable_reason(tensors)
+        reason = self.phases.eager_reason or rt.graphs_unavailable_reason(tensors)
         if reason is not None:
             self.warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); running eagerly.")
         else:
             proc = self.process
-            proc.check_watchdog()  # a replay that never completed, or a peer's failed capture
+            proc.replay_watch.check()  # a replay that never completed, or a peer's failed capture
             proc.capture_if_due()  # a recorded episode is captured before the next one starts
         if sig is not None:
             shape = sig.shape
@@ -172,10 +175,12 @@ class GraphedCallable:
         return call.outputs.rebuild(outputs)
 
     # --------------------------------------------------------------- forward
-    def _forward(self, call: Call) -> list:
+    def forward(self, call: Call) -> list:
+        """The forward of ``call`` inside the runtime's autograd function (see :meth:`Call.forward`):
+        its FIFO position, then the run its signature's phase asks for."""
         self.process.poll_watches()
         clock = self.process.clock
-        sig = None if call.force_eager else self._signature_for(call)
+        sig = None if call.force_eager else self.phases.add(call, self.warn_once)
         episode = clock.forward_started()
         first_in_episode = self.queue.episode != episode
         try:
@@ -204,10 +209,10 @@ class GraphedCallable:
             return self.run_eager(call)
         done = sig.positions.get(call.position)
         if done is not None:
-            if done.linked and not self._inputs_in_place(call, done):
-                self.unreplayed(call, sig, "forward")
+            if done.linked and not self.replay.inputs_in_place(call, done):
+                self.replay.unreplayed(call, sig, "forward")
                 return self.run_eager(call)
-            return self._replay_forward(call, done)
+            return self.replay.forward(call, done)
         if self.plan.async_allocator:
             return self.in_step.forward(call, sig)
         outputs = self.run_eager(call)  # a position not captured yet: run it, record it
@@ -217,45 +222,15 @@ class GraphedCallable:
     def _leave_warmup(self, sig: Signature, call: Call) -> None:
         """Fix the signature's parameters and gradient path; record from this episode on
         (or capture in step under the stream-ordered allocator)."""
-        sig.params = tuple(call.params)
-        sig.accumulate = self._accumulates(sig.params)
-        sig.phase = Phase.READY if self.plan.async_allocator else Phase.RECORD
-
-    def _accumulates(self, params: tuple) -> bool:
-        choice = self.options.accumulate_grads
-        acc = self.caps.accumulation
-        if choice is False or acc is None:
-            return False
-        hooked = acc.params_with_grad_hooks(params)
-        if hooked and choice is True:
-            raise ValueError(
-                f"{self.name}: accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
-                f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); pass "
-                f"accumulate_grads='auto' or False for this layer")
-        if hooked:
-            return False
-        # A parameter's .grad can be one layer's buffer only: a weight shared with a layer that
-        # already accumulates in its graph (a tied embedding in two stage modules of one rank)
-        # gets its gradient through autograd here, which adds into that buffer in place.
-        other = next((o for o in map(self.process.graph_accumulator_of, params) if o not in (None, self.capture)),
-                     None)
-        if other is not None:
-            if choice is True:
-                raise ValueError(
-                    f"{self.name}: accumulate_grads=True, but a parameter of this layer is also one of "
-                    f"{other.name}'s, whose graphs already accumulate its gradient; pass accumulate_grads='auto' "
-                    f"(this layer then leaves that parameter's accumulation to autograd) or False")
-            logger.info("%s: shares parameters with %s, which accumulates them in its graphs; this layer's "
-                        "gradients go through autograd", self.name, other.name)
-            return False
-        self.process.accumulate_in_graphs(self.capture, params)
-        return True
+        params = tuple(call.params)
+        accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
+                                                     self.caps.accumulation)
+        self.phases.leave_warmup(sig, params, accumulate, in_step=self.plan.async_allocator)
 
     def accumulates_in_graphs(self, param: Any) -> bool:
         """Whether this layer's graphs add ``param``'s gradient into ``.grad`` (a signature past
         warmup that accumulates and holds ``param``, and the layer not turned eager)."""
-        return self._eager_reason is None and any(
-            sig.accumulate and any(q is param for q in sig.params or ()) for sig in self._signatures.values())
+        return self.phases.accumulates(param)
 
     def run_eager(self, call: Call) -> list:
         """Run the call eagerly, keeping its autograd graph for the backward."""
@@ -272,79 +247,16 @@ class GraphedCallable:
         """Keep what capturing this position needs: the slots of its static input buffers
         (taken over from positions whose backward has run, see core.memory), or links to the
         recorded layers whose outputs the inputs are, and its output structure."""
-        proc, run = self.process, call.run
+        rec, run = self.process.recorder(), call.run
         reuse = self.memory_mode is not _memory.MemoryMode.PER_GRAPH
-        slots = tuple((proc.link_of("out", t) if reuse else None) or proc.buffer_slot(s, reuse=reuse)
+        slots = tuple((rec.link_of("out", t) if reuse else None) or rec.buffer_slot(s, reuse=reuse)
                       for t, s in zip(call.tensors, call.shape.specs))
-        sig.recordings[call.position] = Recording(slots, call.outputs)
-        proc.record(self.capture, call.key, call.position, forward=True)
+        sig.recordings[call.position] = PositionRecord(slots, call.outputs)
+        rec.record(self.capture, call.key, call.position, forward=True)
         if reuse:
-            proc.note_produced(self.capture, call.key, call.position, "out", run.outputs)
-            proc.watch_outputs(self.capture, call.key, call.position, run.outputs, [*run.inputs, *run.params])
+            rec.note_produced(self.capture, call.key, call.position, "out", run.outputs)
+            rec.watch_outputs(self.capture, call.key, call.position, run.outputs, [*run.inputs, *run.params])
         call.run = dataclasses.replace(run, recorded=True)
-
-    def _inputs_in_place(self, call: Call, done: Position) -> bool:
-        """The linked inputs are the tensors the graph reads. If not (the data flow between
-        layers differs from the captured step's), copying into them would overwrite another
-        position's outputs: the call runs eagerly instead."""
-        rt = self.runtime
-        for index, key in done.linked:
-            if rt.alias_key(call.tensors[index]) != key:
-                self.warn_once("linked", (
-                    f"{self.name}: input {index} is not the tensor the previous graphed layer returned, as it was "
-                    f"in the captured step; such calls run eagerly (correct, without the graphs' speed). Pass "
-                    f"the previous layer's output unchanged, or give the layer a copy in every step."))
-                return False
-        return True
-
-    def _replay_forward(self, call: Call, done: Position) -> list:
-        self.process.before_replay(self.capture, call.key, call.position, "forward")
-        if done.state is not None:
-            self.state.check(done.state, self.queue.episode)
-        self.plan.note_replay(done.generation, id(done.fwd_graph), True, self.name)
-        _collectives.check_replay(done.fwd_graph)
-        self.keep_held_outputs(call)
-        self.runtime.copy_many(done.static_inputs, call.tensors)
-        self.launch(call, done.fwd_graph, "forward")
-        call.run, call.outputs = Replayed(done), done.outputs
-        return self.hand_out(call, done.static_outputs)
-
-    def unreplayed(self, call: Call, sig: Optional[Signature], kind: str) -> None:
-        """A captured position's graph runs eagerly this time (its inputs are not where the graph
-        reads them): the graphs after it still overwrite what was released before it, so the
-        outputs held past their release point move as before a replay (:meth:`Process.before_replay`)."""
-        if sig is None or call.position not in sig.positions:
-            return
-        kinds = ("backward", "input", "weight") if kind == "backward" else (kind,)  # a full backward of split graphs
-        for k in kinds:
-            self.process.before_replay(self.capture, call.key, call.position, k)
-
-    def launch(self, call: Call, graph: Any, kind: str) -> None:
-        """Launch one of the call's graphs (``kind`` names it in the watchdog's message:
-        ``"forward"``, ``"backward"``, ``"backward (input half)"``, ``"backward (weight half)"``);
-        the replay watchdog follows it."""
-        self.runtime.replay_graph(graph)
-        self.process.launched(self.capture, call.position, kind, graph)
-        self.replays += 1
-
-    def hand_out(self, call: Call, static_outputs: Sequence[Any]) -> list:
-        """Aliases of a launched forward's output buffers for the caller, remembered weakly:
-        the position's next launch overwrites them (see :meth:`keep_held_outputs`)."""
-        outs = [self.runtime.detach(o) for o in static_outputs]
-        self.process.handed_out(self.capture, call.key, call.position, outs)
-        return outs
-
-    def keep_held_outputs(self, call: Call) -> None:
-        """Before a launch overwrites the position's output buffers: outputs of its last launch
-        that someone still holds get their values moved to memory of their own. A pipeline
-        schedule keeps the last stage's outputs until the step ends, to return them merged,
-        and on the last stage of a 1F1B pipeline every micro-batch replays the same position;
-        eagerly each output is its own tensor, and so it stays here (copied only when held)."""
-        if not self.process.move_held(self.capture, call.key, call.position):
-            self.warn_once("held", (
-                f"{self.name}: outputs of an earlier micro-batch are still referenced when the same micro-batch "
-                f"position replays and overwrites them, and the {self.runtime.name} runtime cannot move them to "
-                f"memory of their own: they now hold the new values. Clone an output you keep."))
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> None:
@@ -361,17 +273,10 @@ class GraphedCallable:
                 f"{self.name}: reset with {self.in_flight} micro-batch(es) in flight; run their "
                 f"backwards first (reset between steps).")
         self.process.forget(self.capture)
-        self._signatures.clear()
+        self.phases.reset()
         self._param_grad_buffers = self._weight_grad_buffers = None
-        self._eager_reason = None
         self._warned.clear()
         self.state.reset()
-
-    def fall_back(self, reason: str) -> None:
-        """Run eagerly from now on (phase ``EAGER``): a capture failed with ``fallback="eager"``."""
-        self._eager_reason = reason
-        for sig in self._signatures.values():
-            sig.reset(Phase.EAGER)
 
     # ----------------------------------------------------------------- helpers
     def outputs_of(self, result: Any) -> tuple:
@@ -406,23 +311,6 @@ class GraphedCallable:
             self._weight_grad_buffers = [self.runtime.static_like(p) for p in params]
         return self._weight_grad_buffers
 
-    def _signature_for(self, call: Call) -> Optional[Signature]:
-        sig = self._signatures.get(call.key)
-        if sig is not None:
-            return sig
-        if len(self._signatures) >= self.options.max_signatures:
-            self.warn_once(("full", call.key),
-                           f"{self.name}: input signature {describe(call.shape.specs)} is new and "
-                           f"{self.options.max_signatures} signatures are already captured "
-                           f"(max_signatures); it runs eagerly. Pad inputs to a few fixed shapes, or "
-                           f"raise max_signatures.")
-            return None
-        if self._signatures:
-            logger.info("%s: new input signature %s; it will be warmed up and captured anew",
-                        self.name, describe(call.shape.specs))
-        sig = self._signatures[call.key] = Signature(call.key, describe(call.shape.specs), call.shape)
-        return sig
-
     def warn_once(self, key, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -431,20 +319,17 @@ class GraphedCallable:
     # ------------------------------------------------------------ inspection
     def signature(self, key: Any) -> Optional[Signature]:
         """The signature ``key``, or ``None`` (the engine's own record, for its parts)."""
-        return self._signatures.get(key)
-
-    def all_signatures(self) -> list:
-        return list(self._signatures.values())
+        return self.phases.get(key)
 
     def signatures(self) -> dict:
         """``{key: SignatureView}``: each input signature's phase, accumulation and captured
         positions (copies, for inspection)."""
-        return {key: sig.view() for key, sig in self._signatures.items()}
+        return self.phases.views()
 
     def positions(self) -> list:
         """Every captured :class:`~paddle_graphpp.core.records.Position` of the layer, by signature
         in the order they were first seen, then by position."""
-        return [sig.positions[p] for sig in self._signatures.values() for p in sorted(sig.positions)]
+        return self.phases.positions()
 
     @property
     def param_grad_buffers(self) -> Optional[list]:
@@ -473,14 +358,7 @@ class GraphedCallable:
     def phase(self, key: Any = None) -> Optional[Phase]:
         """The phase of signature ``key`` (default: the only signature), or ``None``; ``EAGER``
         once the layer went eager for good."""
-        if self._eager_reason is not None and (key is None or key in self._signatures):
-            return Phase.EAGER
-        if key is None:
-            if len(self._signatures) != 1:
-                return None
-            return next(iter(self._signatures.values())).phase
-        sig = self._signatures.get(key)
-        return sig.phase if sig is not None else None
+        return self.phases.phase(key)
 
 
 def node_forward(ctx: Any, call: Call) -> tuple:
@@ -558,7 +436,7 @@ def _drop_engine_in_flight(engine: GraphedCallable) -> int:
     for call in dropped:
         call.anchor = None
         call.end()  # it keeps no tensor (its outputs, if still held, keep their own memory)
-        run, sig = call.run, engine._signatures.get(call.key)
+        run, sig = call.run, engine.phases.get(call.key)
         if isinstance(run, Replayed):
             gen = run.position.generation
         elif isinstance(run, Launched):

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import CaptureError
 from .records import Call, Launched, Signature
 from .runtime import clone_many
+
+if TYPE_CHECKING:
+    from .engine import GraphedCallable
 
 __all__ = ["InStepCapture"]
 
@@ -22,7 +25,7 @@ __all__ = ["InStepCapture"]
 class InStepCapture:
     """The stream-ordered allocator's path of one :class:`~paddle_graphpp.core.engine.GraphedCallable`."""
 
-    def __init__(self, layer: Any):
+    def __init__(self, layer: GraphedCallable):
         self.layer = layer
 
     def forward(self, call: Call, sig: Signature) -> list:
@@ -38,10 +41,10 @@ class InStepCapture:
             return layer.run_eager(call)  # fallback="eager"
         call.outputs = live.outputs_shape
         layer.plan.note_replay(live.generation, id(live.graph), True, layer.name)
-        layer.keep_held_outputs(call)
-        layer.launch(call, live.graph, "forward")
+        layer.replay.keep_held_outputs(call)
+        layer.replay.launch(call, live.graph, "forward")
         call.run = Launched(live)
-        return layer.hand_out(call, live.outputs)
+        return layer.replay.hand_out(call, live.outputs)
 
     def backward(self, call: Call, sig: Signature, diff_grads: list) -> list:
         """Capture the backward of the forward launched this step, then replay it."""

@@ -15,14 +15,18 @@ import contextlib
 import dataclasses
 import logging
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import collectives as _collectives
 from . import guards as _guards
 from . import memory as _memory
 from .errors import CaptureError, GraphedLayerError, StateReplacedError, release_frames
-from .records import CaptureFailed, InputHalf, Live, Outputs, Phase, Position, Signature, UserError, with_layer
+from .records import CaptureFailed, InputHalf, Live, Outputs, Position, Signature, UserError, with_layer
 from .runtime import CaptureHints, backward_into
+
+if TYPE_CHECKING:
+    from .batch import CaptureBatch
+    from .engine import GraphedCallable
 
 __all__ = ["LayerCapture"]
 
@@ -32,7 +36,7 @@ logger = logging.getLogger("paddle_graphpp")
 class LayerCapture:
     """The capture side of one :class:`~paddle_graphpp.core.engine.GraphedCallable`."""
 
-    def __init__(self, layer: Any):
+    def __init__(self, layer: GraphedCallable):
         self.layer = layer
         self.rt = layer.runtime
         self.caps = layer.caps
@@ -46,7 +50,7 @@ class LayerCapture:
         return self.layer.memory_mode
 
     # ---------------------------------------------------- the batch's protocol
-    def forward(self, key: Any, position: int, batch: Any) -> Optional[Live]:
+    def forward(self, key: Any, position: int, batch: "CaptureBatch") -> Optional[Live]:
         """Capture the forward of recorded ``position``; its autograd graph stays live for the
         backward. ``None``: the layer's train/eval mode changed since the recording (the
         position is recorded again when it next runs)."""
@@ -75,7 +79,7 @@ class LayerCapture:
         batch.captured(self, key, position, "out", live.static_outputs)
         return live
 
-    def backward(self, key: Any, position: int, live: Live, batch: Any) -> None:
+    def backward(self, key: Any, position: int, live: Live, batch: "CaptureBatch") -> None:
         """Capture the whole backward of ``position``, completing it."""
         sig = self.layer.signature(key)
         rec = sig.recordings.pop(position)
@@ -84,7 +88,7 @@ class LayerCapture:
         batch.captured(self, key, position, "grad", done.static_grad_inputs)
         batch.consumed(rec.grad_slots)
 
-    def backward_input(self, key: Any, position: int, live: Live, batch: Any) -> InputHalf:
+    def backward_input(self, key: Any, position: int, live: Live, batch: "CaptureBatch") -> InputHalf:
         """Capture the input half of ``position``'s split backward."""
         sig = self.layer.signature(key)
         rec = sig.recordings[position]
@@ -93,7 +97,7 @@ class LayerCapture:
         batch.captured(self, key, position, "grad", half.static_grad_inputs)
         return half
 
-    def backward_weight(self, key: Any, position: int, half: InputHalf, batch: Any) -> None:
+    def backward_weight(self, key: Any, position: int, half: InputHalf, batch: "CaptureBatch") -> None:
         """Capture the weight half, completing ``position``."""
         sig = self.layer.signature(key)
         rec = sig.recordings.pop(position)
@@ -109,21 +113,15 @@ class LayerCapture:
     def recording_dropped(self) -> None:
         """The recorded episode is not captured (the runtime asked to wait): the next one is
         recorded instead."""
-        for sig in self.layer.all_signatures():
-            sig.recordings.clear()
+        self.layer.phases.dropped()
 
     def recording_captured(self) -> None:
         """The capture batch is over: recorded signatures replay from now on."""
-        for sig in self.layer.all_signatures():
-            sig.recordings.clear()
-            if sig.phase is Phase.RECORD:
-                sig.phase = Phase.READY
+        self.layer.phases.captured()
 
     def drop_generation(self, gen: Any) -> None:
         """Forget the positions captured into ``gen`` (they are recorded again when they run)."""
-        for sig in self.layer.all_signatures():
-            for pos in [p for p, done in sig.positions.items() if done.generation is gen]:
-                del sig.positions[pos]
+        self.layer.phases.drop_generation(gen)
 
     def accumulates_in_graphs(self, param: Any) -> bool:
         return self.layer.accumulates_in_graphs(param)
@@ -285,9 +283,7 @@ class LayerCapture:
         raise, or ``None`` when ``fallback="eager"`` turned the layer eager."""
         layer = self.layer
         release_frames(exc)  # the frames below the capture hold its buffers and outputs
-        sig = layer.signature(key)
-        if sig is not None:
-            sig.reset()
+        layer.phases.capture_failed(key)
         if isinstance(exc, CaptureFailed):
             layer.plan.note_aborted(exc.generation)
         if isinstance(exc, UserError):
@@ -301,7 +297,7 @@ class LayerCapture:
             "data-dependent shapes such as nonzero/masked_select) or CPU work. Move it out of the "
             "layer, or pass fallback='eager'.")
         if layer.options.fallback == "eager":
-            layer.fall_back(f"capturing the {exc.phase} failed: {cause}")
+            layer.phases.fall_back(f"capturing the {exc.phase} failed: {cause}")
             layer.warn_once("fallback", f"{layer.name}: capturing the {exc.phase} failed ({cause}); the layer "
                                         f"runs eagerly from now on (fallback='eager'). {hint}")
             return None

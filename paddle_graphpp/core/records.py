@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .runtime import TensorSpec
 from .tree import unflatten
 
-__all__ = ["Phase", "Tree", "CallShape", "Outputs", "Recording", "Position", "Live", "InputHalf", "Signature",
+if TYPE_CHECKING:  # the engine imports this module
+    from .engine import GraphedCallable
+
+__all__ = ["Phase", "Tree", "CallShape", "Outputs", "PositionRecord", "Position", "Live", "InputHalf", "Signature",
            "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "describe",
            "signature_key_parts", "SignatureKey", "with_layer"]
 
@@ -30,7 +33,7 @@ class Phase(enum.Enum):
     WARMUP = "warmup"
     RECORD = "record"
     READY = "ready"
-    EAGER = "eager"  # the layer went eager for good (a failed capture with fallback="eager")
+    EAGER = "eager"  # the layer went eager for good (LayerPhases.eager_reason); never a signature's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +68,12 @@ class Outputs(Tree):
 
 
 @dataclass(frozen=True, slots=True)
-class Recording:
+class PositionRecord:
     """What capturing one recorded position needs, kept without the eager tensors: its static
-    buffers as slots of the recording and its output structure."""
+    buffers as slots of the episode's :class:`~paddle_graphpp.core.recording.Recording` and its
+    output structure."""
 
-    input_slots: tuple  # a slot index, or a capture.Link to the tensor's producer
+    input_slots: tuple  # a slot index, or a recording.Link to the tensor's producer
     outputs: Outputs
     grad_slots: Optional[tuple] = None  # set when its backward is recorded
     grad_specs: Optional[tuple] = None
@@ -142,7 +146,8 @@ class InputHalf:
 
 
 class Signature:
-    """One input signature of a layer: its phase, parameters and captured positions."""
+    """One input signature of a layer: its phase, parameters and captured positions (its phase
+    changes only through :class:`~paddle_graphpp.core.phases.LayerPhases`)."""
 
     __slots__ = ("key", "describe", "shape", "phase", "warm", "params", "accumulate", "positions",
                  "recordings", "busy")
@@ -156,7 +161,7 @@ class Signature:
         self.params: Optional[tuple] = None  # fixed when the signature leaves warmup
         self.accumulate = False
         self.positions: dict[int, Position] = {}
-        self.recordings: dict[int, Recording] = {}
+        self.recordings: dict[int, PositionRecord] = {}
         self.busy: set = set()  # per_graph mode: slots whose backward has not run
 
     def free_slot(self) -> int:
@@ -166,14 +171,15 @@ class Signature:
             slot += 1
         return slot
 
-    def reset(self, phase: Phase = Phase.WARMUP) -> None:
-        """Forget graphs and recordings; warm up again (after a failed capture), or stay eager."""
-        self.phase, self.warm = phase, 0
+    def reset(self) -> None:
+        """Forget graphs and recordings and warm up again (see :class:`~paddle_graphpp.core.phases.LayerPhases`)."""
+        self.phase, self.warm = Phase.WARMUP, 0
         self.positions.clear()
         self.recordings.clear()
 
-    def view(self) -> "SignatureView":
-        return SignatureView(self.key, self.describe, self.phase, self.accumulate, dict(self.positions))
+    def view(self, phase: Phase) -> "SignatureView":
+        """A copy for inspection, showing ``phase`` (the layer's ``EAGER`` overrides the signature's own)."""
+        return SignatureView(self.key, self.describe, phase, self.accumulate, dict(self.positions))
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +231,8 @@ class Call:
 
     __slots__ = ("engine", "key", "shape", "tensors", "params", "force_eager", "position", "run", "outputs", "anchor")
 
-    def __init__(self, engine: Any, key: Any, shape: CallShape, tensors: list, params: tuple, force_eager: bool):
+    def __init__(self, engine: GraphedCallable, key: Any, shape: CallShape, tensors: list, params: tuple,
+                 force_eager: bool):
         self.engine = engine
         self.key = key
         self.shape = shape
@@ -246,7 +253,7 @@ class Call:
         return isinstance(self.run, RanEager) and self.run.recorded
 
     def forward(self) -> list:
-        return self.engine._forward(self)
+        return self.engine.forward(self)
 
     def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
         return self.engine.backward.run(self, grads, weights_wanted)

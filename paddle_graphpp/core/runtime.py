@@ -7,9 +7,12 @@ framework), its ``optim`` module holds the graph-safe optimizer steps, and its `
 module the stream-ordered allocator switch (which must work before the framework is
 imported, so that module imports no framework at import time).
 
-:class:`GraphRuntime` is what every runtime must do (25 members, each with its contract).
-Everything else is a capability a runtime has or has not, one protocol each:
-:class:`AutocastModes`, :class:`SplitBackward`, :class:`InGraphAccumulation`,
+:class:`GraphRuntime` is what every runtime must do (15 required members, each with its
+contract), plus five members with a default a runtime may override (:meth:`~GraphRuntime.static_like`,
+:meth:`~GraphRuntime.call_with_param_aliases`, :meth:`~GraphRuntime.replay_graph`,
+:meth:`~GraphRuntime.new_pool`, :meth:`~GraphRuntime.release_cached_memory`). Everything else is
+a capability a runtime has or has not, one protocol each: :class:`StateSlots`,
+:class:`GradientOps`, :class:`AutocastModes`, :class:`SplitBackward`, :class:`InGraphAccumulation`,
 :class:`OutputRelease`, :class:`PoolLending`, :class:`StreamOrderedAllocator`,
 :class:`MemoryTelemetry`, :class:`CaptureHints`, :class:`ModelTree`, :class:`ReplayEvents`. A
 runtime declares one by
@@ -37,6 +40,8 @@ __all__ = [
     "FRAMEWORKS",
     "GraphRuntime",
     "TensorSpec",
+    "StateSlots",
+    "GradientOps",
     "AutocastModes",
     "SplitBackward",
     "InGraphAccumulation",
@@ -86,18 +91,19 @@ class TensorSpec(NamedTuple):
 class GraphRuntime(abc.ABC):
     """Adapter from the framework-neutral engine to one framework: what every runtime does.
 
-    Members, by concern (25; each documented with its contract below):
+    Required members, by concern (15; each documented with its contract below):
 
-    * identity: :attr:`name`, :attr:`adopts_held_gradients`;
-    * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`alias_key`, :meth:`static_like`,
-      :meth:`static_buffers`, :meth:`copy_many`, :meth:`add_many`, :meth:`detach`;
-    * framework state: :meth:`graphs_unavailable_reason`, :meth:`state_slots`,
-      :meth:`storage_addresses`;
-    * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`call_with_param_aliases`,
-      :meth:`autograd_grad`, :meth:`apply_graphed_function`, :meth:`leaves_without_grad`;
-    * graphs: :meth:`create_graph`, :meth:`new_pool`, :meth:`capture_to_graph`,
-      :meth:`replay_graph`, :meth:`is_capturing`;
-    * memory: :meth:`release_cached_memory`.
+    * identity: :attr:`name`;
+    * tensors: :meth:`is_tensor`, :meth:`spec`, :meth:`alias_key`, :meth:`static_buffers`,
+      :meth:`copy_many`, :meth:`detach`;
+    * framework state: :meth:`graphs_unavailable_reason`;
+    * autograd: :meth:`grad_enabled`, :meth:`enable_grad`, :meth:`autograd_grad`,
+      :meth:`apply_graphed_function`;
+    * graphs: :meth:`create_graph`, :meth:`capture_to_graph`, :meth:`is_capturing`.
+
+    With a default a runtime may override: :attr:`adopts_held_gradients`, :meth:`static_like`,
+    :meth:`call_with_param_aliases`, :meth:`replay_graph`, :meth:`new_pool`,
+    :meth:`release_cached_memory`.
 
     What a runtime may do besides is a capability (the module docstring). A runtime holds no
     state the engine reads or writes (counters belong to the process, see
@@ -109,7 +115,8 @@ class GraphRuntime(abc.ABC):
     name: str = "abstract"
 
     #: True when autograd may make a tensor that others still hold a leaf's ``.grad`` (Paddle
-    #: shares it); False when it copies any gradient it does not own outright (PyTorch).
+    #: shares it; the engine then hands such leaves copies, which needs :class:`GradientOps`);
+    #: False when it copies any gradient it does not own outright (PyTorch).
     adopts_held_gradients: bool = True
 
     # ----------------------------------------------------------------- tensors
@@ -126,9 +133,10 @@ class GraphRuntime(abc.ABC):
         """Equal for two tensors exactly when they hold the same elements at the same
         addresses (address, shape, strides, dtype, device): one is the other's alias."""
 
-    @abc.abstractmethod
     def static_like(self, tensor: Any) -> Any:
-        """A new, uninitialised tensor with the same shape, dtype and device, not tracked by autograd."""
+        """A new, uninitialised tensor with the same shape, dtype and device, not tracked by
+        autograd. Default: one of :meth:`static_buffers`."""
+        return self.static_buffers([self.spec(tensor)])[0]
 
     @abc.abstractmethod
     def static_buffers(self, specs: Sequence[TensorSpec]) -> list:
@@ -142,10 +150,6 @@ class GraphRuntime(abc.ABC):
         few kernel launches as the framework allows; a pair that already shares memory is skipped."""
 
     @abc.abstractmethod
-    def add_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
-        """``dst += src`` for each pair, in place, capturable."""
-
-    @abc.abstractmethod
     def detach(self, tensor: Any, requires_grad: bool = False) -> Any:
         """An alias of ``tensor`` cut from autograd, tracked again (as a new leaf) if ``requires_grad``."""
 
@@ -157,17 +161,6 @@ class GraphRuntime(abc.ABC):
         Typical reasons: a CPU build of the framework, no visible GPU, a CPU tensor.
         """
 
-    @abc.abstractmethod
-    def state_slots(self, layer: Any) -> list:
-        """Where ``layer``'s parameters and buffers live, for the replay-time check that they
-        still hold the tensors a capture read (:class:`paddle_graphpp.core.state.StateWatch`):
-        ``(holder, key, name)`` triples, ``holder[key]`` being the tensor and ``name`` saying
-        which it is (``"parameter 'fc.weight'"``); ``[]`` checks nothing."""
-
-    @abc.abstractmethod
-    def storage_addresses(self, tensors: Sequence[Any]) -> list:
-        """The device address of each tensor's first element (called at every check: keep it
-        to one attribute read per tensor)."""
 
     # ---------------------------------------------------------------- autograd
     @abc.abstractmethod
@@ -178,16 +171,18 @@ class GraphRuntime(abc.ABC):
     def enable_grad(self) -> ContextManager:
         """Context in which autograd records, even inside a custom function's forward."""
 
-    @abc.abstractmethod
     def call_with_param_aliases(self, fn: Any, params: Sequence[Any], args: tuple, kwargs: dict) -> tuple:
         """Call ``fn(*args, **kwargs)`` with ``params`` replaced by fresh autograd leaves.
 
         Returns ``(result, aliases)``: ``aliases[i]`` shares memory with ``params[i]``, so graphs
         read the real weights, but the engine's inner autograd graphs differentiate against the
         aliases. The user's parameters (their hooks, their gradient accumulators, the stream
-        these were created on) are touched only by the outer autograd node. A framework without
-        a functional call may return the parameters themselves as their aliases.
+        these were created on) are touched only by the outer autograd node. Default, for a
+        framework without a functional call over a layer's parameters (Paddle): the parameters
+        themselves are their aliases, and the inner graphs differentiate against them (their
+        hooks fire at capture too).
         """
+        return fn(*args, **kwargs), list(params)
 
     @abc.abstractmethod
     def autograd_grad(self, outputs: Sequence[Any], grad_outputs: Sequence[Any],
@@ -207,18 +202,15 @@ class GraphRuntime(abc.ABC):
         parameter gradient. Returns the output tensors as a tuple.
         """
 
-    @abc.abstractmethod
-    def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
-        """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
-
     # --------------------------------------------------------- graph operations
     @abc.abstractmethod
     def create_graph(self) -> Any:
         """A new, empty graph object."""
 
-    @abc.abstractmethod
     def new_pool(self) -> Any:
-        """A handle to a new private memory pool that graphs can share."""
+        """A handle to a new private memory pool that graphs can share. Default ``None``: graphs
+        allocate from the framework's default pool (a framework without private pools)."""
+        return None
 
     @abc.abstractmethod
     def capture_to_graph(self, graph: Any, pool: Any = None, stream: Any = None,
@@ -234,22 +226,53 @@ class GraphRuntime(abc.ABC):
         re-raises the body's exception.
         """
 
-    @abc.abstractmethod
     def replay_graph(self, graph: Any) -> None:
-        """Launch a captured graph on the current stream."""
+        """Launch a captured graph on the current stream. Default: ``graph.replay()`` (the graph
+        objects of PyTorch and Paddle)."""
+        graph.replay()
 
     @abc.abstractmethod
     def is_capturing(self) -> bool:
         """True when the current stream is capturing a graph."""
 
     # ------------------------------------------------------------------ memory
-    @abc.abstractmethod
     def release_cached_memory(self) -> None:
         """Return cached, unused device memory to the driver (before a batch of captures, and
-        after a failed one)."""
+        after a failed one). Default: nothing is cached."""
 
 
 # ------------------------------------------------------------------ capabilities
+class StateSlots(abc.ABC):
+    """The replay-time check that a layer's parameters and buffers are still the tensors (and
+    addresses) its graphs read (:mod:`paddle_graphpp.core.state`); without it nothing is checked."""
+
+    @abc.abstractmethod
+    def state_slots(self, layer: Any) -> list:
+        """Where ``layer``'s parameters and buffers live, for the replay-time check that they
+        still hold the tensors a capture read (:class:`paddle_graphpp.core.state.StateWatch`):
+        ``(holder, key, name)`` triples, ``holder[key]`` being the tensor and ``name`` saying
+        which it is (``"parameter 'fc.weight'"``); ``[]`` checks nothing."""
+
+    @abc.abstractmethod
+    def storage_addresses(self, tensors: Sequence[Any]) -> list:
+        """The device address of each tensor's first element (called at every check: keep it
+        to one attribute read per tensor)."""
+
+
+class GradientOps(abc.ABC):
+    """Gradient arithmetic the engine needs where it moves parameter gradients itself: split
+    backwards, accumulation inside graphs, and autograd that adopts held gradients
+    (:attr:`GraphRuntime.adopts_held_gradients`)."""
+
+    @abc.abstractmethod
+    def add_many(self, dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+        """``dst += src`` for each pair, in place, capturable."""
+
+    @abc.abstractmethod
+    def leaves_without_grad(self, tensors: Sequence[Any]) -> list:
+        """Indices of the leaves requiring grad whose ``.grad`` is still unset."""
+
+
 class AutocastModes(abc.ABC):
     """Mixed-precision state that a capture bakes in (without it: one plain state)."""
 
@@ -264,7 +287,7 @@ class AutocastModes(abc.ABC):
         call recorded under it can be captured later; inside it, ``mode_key() == key``."""
 
 
-class SplitBackward(abc.ABC):
+class SplitBackward(GradientOps):
     """Backwards in two halves, as zero-bubble schedules run them: the runtime's custom function
     tells the engine whether a backward asks for parameter gradients
     (``call.backward(grads, weights_wanted=...)``)."""
@@ -297,7 +320,7 @@ class SplitBackward(abc.ABC):
         accumulates inside its graphs hand it the whole sum with ``.grad`` unset."""
 
 
-class InGraphAccumulation(abc.ABC):
+class InGraphAccumulation(GradientOps):
     """Parameter gradients added into ``.grad`` inside backward graphs (``accumulate_grads``)."""
 
     @abc.abstractmethod
@@ -479,6 +502,8 @@ class Capabilities:
     """The optional capabilities of one runtime: each field is the runtime itself where it
     declares that capability, else ``None``."""
 
+    state: Optional[StateSlots]
+    gradients: Optional[GradientOps]
     modes: Optional[AutocastModes]
     split: Optional[SplitBackward]
     accumulation: Optional[InGraphAccumulation]
@@ -499,18 +524,29 @@ class Capabilities:
         return self.modes.mode_context(key)
 
 
-_FIELDS = {"modes": AutocastModes, "split": SplitBackward, "accumulation": InGraphAccumulation,
-           "release": OutputRelease, "lending": PoolLending, "stream_ordered": StreamOrderedAllocator,
+_FIELDS = {"state": StateSlots, "gradients": GradientOps, "modes": AutocastModes, "split": SplitBackward,
+           "accumulation": InGraphAccumulation, "release": OutputRelease, "lending": PoolLending,
+           "stream_ordered": StreamOrderedAllocator,
            "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree, "events": ReplayEvents}
 _CAPABILITIES: "weakref.WeakKeyDictionary[GraphRuntime, Capabilities]" = weakref.WeakKeyDictionary()
 
 
 def capabilities(runtime: GraphRuntime) -> Capabilities:
-    """The capabilities ``runtime`` declares (found once per runtime object)."""
+    """The capabilities ``runtime`` declares (found once per runtime object).
+
+    Raises:
+        TypeError: ``runtime`` says its autograd adopts held gradients but lacks
+            :class:`GradientOps`, which the engine needs to hand such leaves copies.
+    """
     found = _CAPABILITIES.get(runtime)
     if found is None:
-        found = _CAPABILITIES[runtime] = Capabilities(
+        found = Capabilities(
             **{field: runtime if isinstance(runtime, proto) else None for field, proto in _FIELDS.items()})
+        if runtime.adopts_held_gradients and found.gradients is None:
+            raise TypeError(f"the {runtime.name} runtime sets adopts_held_gradients but does not declare "
+                            f"GradientOps: derive it from paddle_graphpp.core.runtime.GradientOps (add_many, "
+                            f"leaves_without_grad), or set adopts_held_gradients = False")
+        _CAPABILITIES[runtime] = found
     return found
 
 

@@ -24,6 +24,7 @@ import operator
 from typing import Any, Hashable, Optional, Sequence
 
 from .errors import StateReplacedError
+from .runtime import capabilities
 
 __all__ = ["StateWatch", "LayerStateCheck", "module_state_slots"]
 
@@ -34,7 +35,8 @@ class StateWatch:
 
     Args:
         runtime: the framework's :class:`~paddle_graphpp.core.runtime.GraphRuntime`
-            (:meth:`~paddle_graphpp.core.runtime.GraphRuntime.storage_addresses`).
+            with :class:`~paddle_graphpp.core.runtime.StateSlots`
+            (:meth:`~paddle_graphpp.core.runtime.StateSlots.storage_addresses`).
         slots: ``(holder, key, name)`` triples: ``holder[key]`` is the object the graph read,
             ``holder`` a ``dict`` (or a subclass: a module's ``OrderedDict``, an optimizer's
             ``defaultdict``, read without creating entries) and ``name`` describes it in
@@ -105,7 +107,7 @@ class LayerStateCheck:
 
     def __init__(self, runtime: Any, layer: Any, name: str):
         self.runtime = runtime
-        self.layer = layer  # what runtime.state_slots reads (the wrapped module or layer)
+        self.layer = layer  # what StateSlots.state_slots reads (the wrapped module or layer)
         self.name = name
         self._watch: Optional[StateWatch] = None  # parameters and buffers as the newest capture read them
         self._checked: Optional[tuple] = None  # (episode, watch) last found unchanged
@@ -114,7 +116,8 @@ class LayerStateCheck:
         """The watch a new capture records: the current one while nothing was replaced, else a new one."""
         watch = self._watch
         if watch is None or watch.changed() is not None:
-            slots = self.runtime.state_slots(self.layer)
+            state = capabilities(self.runtime).state  # a runtime without StateSlots checks nothing
+            slots = state.state_slots(self.layer) if state is not None else []
             watch = self._watch = StateWatch(self.runtime, slots) if slots else None
         return watch
 

@@ -23,7 +23,7 @@ from paddle.autograd import PyLayer
 from .. import support as _support
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, MemoryTelemetry, ModelTree, SplitBackward,
-                            StreamOrderedAllocator, TensorSpec, get_runtime)
+                            StateSlots, StreamOrderedAllocator, TensorSpec, get_runtime)
 from ..core.state import module_state_slots
 from . import split_backward as _split
 from .memory.allocator import async_allocator_active as _async_allocator_active
@@ -60,8 +60,8 @@ def _weight_pass(ctx) -> None:
     _split.accumulate(call.params, got[len(call.shape.specs):])
 
 
-class PaddleRuntime(GraphRuntime, AutocastModes, SplitBackward, StreamOrderedAllocator, MemoryTelemetry, CaptureHints,
-                    ModelTree):
+class PaddleRuntime(GraphRuntime, StateSlots, AutocastModes, SplitBackward, StreamOrderedAllocator, MemoryTelemetry,
+                    CaptureHints, ModelTree):
     name = "paddle"
 
     def __init__(self):
@@ -161,10 +161,8 @@ class PaddleRuntime(GraphRuntime, AutocastModes, SplitBackward, StreamOrderedAll
     def enable_grad(self):
         return paddle.enable_grad()
 
-    def call_with_param_aliases(self, fn, params, args, kwargs):
-        # Paddle has no functional call over a layer's parameters; the inner graphs
-        # differentiate against the parameters themselves (their hooks fire at capture too).
-        return fn(*args, **kwargs), list(params)
+    # call_with_param_aliases: the seam's default (Paddle has no functional call over a
+    # layer's parameters; the inner graphs differentiate against the parameters themselves)
 
     def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:

@@ -2,8 +2,8 @@
 member's contract).
 
 :class:`TorchRuntime` implements the required protocol (tensors, framework state, autograd,
-graph operations) and declares every optional capability: autocast modes, capture hints and
-model walking here; split backward and accumulation inside graphs in :mod:`.autograd`; output
+graph operations) and declares every optional capability: the state check, autocast modes,
+capture hints and model walking here; gradient operations, split backward and accumulation inside graphs in :mod:`.autograd`; output
 release, pool lending, the stream-ordered allocator and memory figures in
 :mod:`.memory.capabilities`; replay events for the watchdog in :mod:`.collectives.watch`.
 """
@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import support as _support
-from ..core.runtime import AutocastModes, CaptureHints, GraphRuntime, ModelTree, TensorSpec, get_runtime
+from ..core.runtime import AutocastModes, CaptureHints, GraphRuntime, ModelTree, StateSlots, TensorSpec, get_runtime
 from ..core.state import module_state_slots
 from . import autograd as _autograd
 from . import compile as _compile
@@ -35,8 +35,8 @@ _DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in vars(torch).values() if
 _DEVICE_NAMES: dict = {}
 
 
-class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, GraphRuntime, AutocastModes, CaptureHints,
-                   ModelTree):
+class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, GraphRuntime, StateSlots, AutocastModes,
+                   CaptureHints, ModelTree):
     name = "torch"
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.

@@ -95,20 +95,20 @@ def timed_calls(trainer, model, steps: int, detail: bool = False) -> dict:
     timers.wrap("engine forward", GraphedCallable, "__call__")
     timers.wrap("graphed backward", graphed_autograd._GraphedFunction, "backward")
     if detail:  # the forward's parts
-        from paddle_graphpp.core import capture, engine, state
+        from paddle_graphpp.core import engine, replay, replay_watch, state
         from paddle_graphpp.torch import runtime
 
         for label, owner, attr in (
                 ("forward: autograd function apply", graphed_autograd, "apply_graphed_function"),
-                ("forward: engine _forward", engine.GraphedCallable, "_forward"),
-                ("forward: replay (all of it)", engine.GraphedCallable, "_replay_forward"),
+                ("forward: engine forward", engine.GraphedCallable, "forward"),
+                ("forward: replay (all of it)", replay.Replays, "forward"),
                 ("replay: copy inputs", runtime.TorchRuntime, "copy_many"),
                 ("replay: graph launch", runtime.TorchRuntime, "replay_graph"),
-                ("replay: watchdog note", capture.Process, "launched"),
-                ("replay: hand out", engine.GraphedCallable, "hand_out"),
-                ("replay: held outputs", engine.GraphedCallable, "keep_held_outputs"),
+                ("replay: watchdog note", replay_watch.ReplayWatch, "launched"),
+                ("replay: hand out", replay.Replays, "hand_out"),
+                ("replay: held outputs", replay.Replays, "keep_held_outputs"),
                 ("replay: state check", state.LayerStateCheck, "check"),
-                ("call: watchdog check", capture.Process, "check_watchdog"),
+                ("call: watchdog check", replay_watch.ReplayWatch, "check"),
                 ("call: flatten", engine, "flatten"),
                 ("call: unavailable reason", runtime.TorchRuntime, "graphs_unavailable_reason")):
             timers.wrap(label, owner, attr)

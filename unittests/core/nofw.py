@@ -32,7 +32,8 @@ import numpy as np
 
 from fake_graphs import FakeGraphs
 from paddle_graphpp.core.engine import EngineOptions, GraphedCallable, node_backward, node_forward
-from paddle_graphpp.core.runtime import GraphRuntime, InGraphAccumulation, PoolLending, SplitBackward, TensorSpec
+from paddle_graphpp.core.runtime import (GradientOps, GraphRuntime, InGraphAccumulation, PoolLending, SplitBackward,
+                                         StateSlots, TensorSpec)
 from paddle_graphpp.core.state import module_state_slots
 
 __all__ = ["Tensor", "Parameter", "Module", "Linear", "ones", "randn", "manual_seed",
@@ -492,8 +493,10 @@ class _GraphedNode(Node):
         pass  # the call stays: a second backward must reach the engine's FIFO check and fail there
 
 
-class PlainRuntime(FakeGraphs, GraphRuntime):
-    """The required protocol only, over :class:`Tensor`, with fake graphs (no capability)."""
+class PlainRuntime(FakeGraphs, GraphRuntime, StateSlots, GradientOps):
+    """The required protocol over :class:`Tensor`, with fake graphs, and the two capabilities
+    every runtime of a real framework has: the state check and gradient operations (the latter
+    needed since its autograd adopts held gradients)."""
 
     name = "nofw"
     # A leaf adopts a gradient it is handed alone (see the module docstring): the engine hands

@@ -181,7 +181,7 @@ def test_after_a_failed_capture_the_other_layers_are_captured_into_a_new_pool(rt
     for _ in range(2):
         nofw.backward(c(b(a(x))).sum())  # a (recorded in the step above) captured into a third pool
     assert a.engine.graph_count() == 2 and a.engine.replays == 4 and b.engine.phase() is Phase.EAGER
-    pools = {pos.generation.pool for layer in (a, c) for sig in layer.engine.all_signatures()
+    pools = {pos.generation.pool for layer in (a, c) for sig in layer.engine.phases.all()
              for pos in sig.positions.values()}
     assert len(pools) == 2 and not pools & set(rt.poisoned)
 

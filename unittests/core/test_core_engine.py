@@ -511,7 +511,7 @@ def test_a_custom_all_reduce_that_gave_up_raises_at_the_next_graphed_call_withou
     step(layer, "f1 b1")
     step(layer, "f1 b1")
     replays = layer.engine.replays
-    assert replays > 0 and layer.engine.process.watchdog is None  # one process: no watchdog
+    assert replays > 0 and layer.engine.process.replay_watch.watchdog is None  # one process: no watchdog
     dispatcher = C.AllReduceDispatcher(GaveUp())
     try:
         with pytest.raises(CollectiveTimeoutError, match="for rank 1 and gave up"):

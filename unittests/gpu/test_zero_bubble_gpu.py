@@ -254,7 +254,7 @@ def test_outputs_the_step_frees_give_their_memory_back_and_stay_exact():
         if hold is not None:
             assert rel(kg, ke) <= TOLERANCE  # the held output kept its micro-batch's values
     proc = graphed[1].engine.process
-    released = {link.position for links in proc._checks.values() for link in links
+    released = {link.position for links in proc.outputs.checks.values() for link in links
                 if link.layer == id(graphed[1].engine.capture)}  # links name the layer's capture participant
     assert len(released) >= 3  # b's outputs of (at least) the first three micro-batches went back
     assert graphed[0].engine.replays and graphed[1].engine.replays

@@ -152,4 +152,4 @@ def watch_replays(timeout: Optional[float], *, grace: float = 30.0) -> None:
         raise ValueError(f"watch_replays: grace must be > 0 seconds, got {grace!r}")
     from ..runtime import active_runtime
 
-    process_for(active_runtime()).watch(0 if timeout is None else timeout, grace=grace)
+    process_for(active_runtime()).replay_watch.watch(0 if timeout is None else timeout, grace=grace)
