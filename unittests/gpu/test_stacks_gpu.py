@@ -1,4 +1,5 @@
-"""Graphed blocks inside the training stacks users run, on one GPU: Lightning's closure.
+"""Graphed blocks inside the training stacks users run, on one GPU: Lightning's closure, the Hugging
+Face Trainer and accelerate (the recipes of docs/pytorch.md), each equal to its eager run.
 
 Lightning runs the last micro-batch of each accumulation window inside
 ``optimizer.step(closure)``. The optimizer's pre-step hook used to lend the graph pool to the
@@ -115,6 +116,85 @@ def test_lightning_trainer_graphed_equals_eager(tmp_path):
     spread = max((again_losses - ref_losses).abs().max().item(), max_diff(again_params, ref_params))
     model = copy.deepcopy(base)
     graph_layers(model.model.layers)
+    losses, params = fit(model)
+    assert model.model.layers[0].graphed._engine.replays > 0
+    loss_diff, param_diff = (losses - ref_losses).abs().max().item(), max_diff(params, ref_params)
+    assert loss_diff <= spread and param_diff <= spread, (loss_diff, param_diff, spread)
+
+
+@pytest.mark.parametrize("route", ["graph_layers", "graph_model"])
+def test_hf_trainer_graphed_equals_eager(route, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from paddle_graphpp.torch import graph_model
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(1)
+            self.ids = torch.randint(0, VOCAB, (STEPS * MICRO * MBS, SEQ), generator=g)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def fit(model):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=MBS,
+                                 gradient_accumulation_steps=MICRO, max_steps=STEPS, bf16=True, max_grad_norm=1.0,
+                                 learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1,
+                                 report_to=[], save_strategy="no", seed=3, dataloader_num_workers=0)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        torch.cuda.synchronize()
+        return torch.tensor(losses), [p.detach().clone() for p in model.parameters()]
+
+    base = build()
+    ref_losses, ref_params = fit(copy.deepcopy(base))
+    again_losses, again_params = fit(copy.deepcopy(base))
+    spread = max((again_losses - ref_losses).abs().max().item(), max_diff(again_params, ref_params))
+    model = copy.deepcopy(base)
+    if route == "graph_layers":
+        graph_layers(model.model.layers)
+        engine = model.model.layers[0].graphed._engine
+    else:
+        graph_model(model)
+        engine = model._graphpp_whole.graphed._engine
+    losses, params = fit(model)
+    assert engine.replays > 0 and len(losses) == STEPS
+    loss_diff, param_diff = (losses - ref_losses).abs().max().item(), max_diff(params, ref_params)
+    assert loss_diff <= spread and param_diff <= spread, (loss_diff, param_diff, spread)
+
+
+def test_accelerate_graphed_equals_eager():
+    accelerate = pytest.importorskip("accelerate")
+
+    def fit(model):
+        accelerator = accelerate.Accelerator(mixed_precision="bf16", gradient_accumulation_steps=MICRO)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = accelerator.prepare(model, opt)
+        losses = []
+        torch.manual_seed(3)
+        for tokens in batches(STEPS * MICRO):
+            with accelerator.accumulate(model):
+                loss = model(tokens, labels=tokens).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.detach().float())
+        torch.cuda.synchronize()
+        accelerator.free_memory()
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+    base = build()
+    ref_losses, ref_params = fit(copy.deepcopy(base))
+    again_losses, again_params = fit(copy.deepcopy(base))
+    spread = max((again_losses - ref_losses).abs().max().item(), max_diff(again_params, ref_params))
+    model = copy.deepcopy(base)
+    graph_layers(model.model.layers)  # before accelerator.prepare()
     losses, params = fit(model)
     assert model.model.layers[0].graphed._engine.replays > 0
     loss_diff, param_diff = (losses - ref_losses).abs().max().item(), max_diff(params, ref_params)
