@@ -71,17 +71,28 @@ def max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def test_lightnings_closure_order_graphed_equals_eager():
-    base, data = build(), batches(STEPS * MICRO)
-    ref_losses, ref_params = lightning_order(copy.deepcopy(base), data)
-    again_losses, again_params = lightning_order(copy.deepcopy(base), data)
+def graph_layers_of(model):
+    graph_layers(model.model.layers)
+
+
+def graphed_equals_eager(fit, base, graph=graph_layers_of):
+    """``fit`` twice eagerly (their spread is the tolerance), then on a copy graphed by ``graph``."""
+    ref_losses, ref_params = fit(copy.deepcopy(base))
+    again_losses, again_params = fit(copy.deepcopy(base))
     spread = max((again_losses - ref_losses).abs().max().item(), max_diff(again_params, ref_params))
     model = copy.deepcopy(base)
-    graph_layers(model.model.layers)
-    losses, params = lightning_order(model, data)
-    assert model.model.layers[0].graphed._engine.replays > 0
+    graph(model)
+    losses, params = fit(model)
+    engine = (model._graphpp_whole.graphed if "_graphpp_whole" in model.__dict__
+              else model.model.layers[0].graphed)._engine
+    assert engine.replays > 0 and len(losses) == len(ref_losses)
     loss_diff, param_diff = (losses - ref_losses).abs().max().item(), max_diff(params, ref_params)
     assert loss_diff <= spread and param_diff <= spread, (loss_diff, param_diff, spread)
+
+
+def test_lightnings_closure_order_graphed_equals_eager():
+    data = batches(STEPS * MICRO)
+    graphed_equals_eager(lambda model: lightning_order(model, data), build())
 
 
 def test_lightning_trainer_graphed_equals_eager(tmp_path):
@@ -110,16 +121,7 @@ def test_lightning_trainer_graphed_equals_eager(tmp_path):
         torch.cuda.synchronize()
         return torch.stack(module.losses), [p.detach().clone() for p in model.parameters()]
 
-    base = build().float()
-    ref_losses, ref_params = fit(copy.deepcopy(base))
-    again_losses, again_params = fit(copy.deepcopy(base))
-    spread = max((again_losses - ref_losses).abs().max().item(), max_diff(again_params, ref_params))
-    model = copy.deepcopy(base)
-    graph_layers(model.model.layers)
-    losses, params = fit(model)
-    assert model.model.layers[0].graphed._engine.replays > 0
-    loss_diff, param_diff = (losses - ref_losses).abs().max().item(), max_diff(params, ref_params)
-    assert loss_diff <= spread and param_diff <= spread, (loss_diff, param_diff, spread)
+    graphed_equals_eager(fit, build())
 
 
 @pytest.mark.parametrize("route", ["graph_layers", "graph_model"])
@@ -150,21 +152,7 @@ def test_hf_trainer_graphed_equals_eager(route, tmp_path):
         torch.cuda.synchronize()
         return torch.tensor(losses), [p.detach().clone() for p in model.parameters()]
 
-    base = build()
-    ref_losses, ref_params = fit(copy.deepcopy(base))
-    again_losses, again_params = fit(copy.deepcopy(base))
-    spread = max((again_losses - ref_losses).abs().max().item(), max_diff(again_params, ref_params))
-    model = copy.deepcopy(base)
-    if route == "graph_layers":
-        graph_layers(model.model.layers)
-        engine = model.model.layers[0].graphed._engine
-    else:
-        graph_model(model)
-        engine = model._graphpp_whole.graphed._engine
-    losses, params = fit(model)
-    assert engine.replays > 0 and len(losses) == STEPS
-    loss_diff, param_diff = (losses - ref_losses).abs().max().item(), max_diff(params, ref_params)
-    assert loss_diff <= spread and param_diff <= spread, (loss_diff, param_diff, spread)
+    graphed_equals_eager(fit, build(), graph_layers_of if route == "graph_layers" else graph_model)
 
 
 def test_accelerate_graphed_equals_eager():
@@ -189,13 +177,4 @@ def test_accelerate_graphed_equals_eager():
         accelerator.free_memory()
         return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
 
-    base = build()
-    ref_losses, ref_params = fit(copy.deepcopy(base))
-    again_losses, again_params = fit(copy.deepcopy(base))
-    spread = max((again_losses - ref_losses).abs().max().item(), max_diff(again_params, ref_params))
-    model = copy.deepcopy(base)
-    graph_layers(model.model.layers)  # before accelerator.prepare()
-    losses, params = fit(model)
-    assert model.model.layers[0].graphed._engine.replays > 0
-    loss_diff, param_diff = (losses - ref_losses).abs().max().item(), max_diff(params, ref_params)
-    assert loss_diff <= spread and param_diff <= spread, (loss_diff, param_diff, spread)
+    graphed_equals_eager(fit, build())  # graph_layers before accelerator.prepare()
