@@ -1,6 +1,7 @@
-"""Puts the repository root first on ``sys.path``: the tests import ``paddle_graphpp`` and the
-shared helpers of ``tools`` (``tools.launch``, ``tools.gpt_torch``, ...) from this checkout,
-whichever way pytest was started."""
+"""Puts the repository root first on ``sys.path``: the tests import ``paddle_graphpp``, the test
+support package ``testing`` (``testing.launch``, ``testing.parity``) and the tools they test
+(``tools.train_gpt``, the benchmarks) or run (``tools.gpt_torch``, the trainer's model) from
+this checkout, whichever way pytest was started."""
 import os
 import sys
 

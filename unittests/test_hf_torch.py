@@ -24,7 +24,7 @@ from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig,
 from paddle_graphpp.torch import CUDAGraphedModule, graph_layers, ungraph_layers  # noqa: E402
 from paddle_graphpp.torch.hf import CausalLMStage, causal_lm_stage  # noqa: E402
 from paddle_graphpp.torch.layers import _OwnParameter, is_graphed_layer  # noqa: E402
-from tools import launch  # noqa: E402
+from testing import launch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
