@@ -53,8 +53,7 @@ def _option(default: Any, doc: str) -> Any:
 
 @dataclass(kw_only=True, slots=True)
 class EngineOptions:
-    """Settings of one graphed layer (checked when the layer is built; see :func:`options_doc`
-    for each field)."""
+    """Settings of one graphed layer, checked when the layer is built (each field below)."""
 
     num_warmup_steps: int = _option(3, """
         Eager calls per input signature before it is recorded (recording also waits for an
@@ -167,6 +166,8 @@ def options_doc(*, refused: Sequence[str] = (), notes: Mapping[str, str] | None 
                                      subsequent_indent=" " * (indent + 4)))
     return "\n".join(entries) + "\n"
 
+
+EngineOptions.__doc__ += "\n\n    Attributes:\n" + options_doc(indent=8)
 
 #: The documentation of both frameworks' graphed layer classes (formatted per framework).
 GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and backward replay CUDA graphs.
