@@ -9,6 +9,10 @@ which it cannot, and a capture that draws from them fails ("Attempt to increase 
 CUDA generator not in capture mode"). :data:`TRACKER` is what the PyTorch runtime registers and
 names in that failure's hint (:data:`paddle_graphpp.torch.runtime.RNG_TRACKERS`).
 
+Megatron-Core's ``DistributedDataParallel`` also hooks each parameter's gradient accumulation
+from Python, where no hook attribute shows it: :func:`accumulation_hooked` tells the runtime
+(``accumulate_grads="auto"`` then leaves accumulation to autograd).
+
 Megatron is read from ``sys.modules`` when it is imported already; this module does not import it.
 """
 
@@ -20,7 +24,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["RngTracker", "TRACKER", "tracker_states"]
+__all__ = ["RngTracker", "TRACKER", "tracker_states", "accumulation_hooked"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +57,11 @@ def tracker_states() -> tuple:
 
 TRACKER = RngTracker("Megatron-Core's RNG tracker", tracker_states,
                      "model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)")
+
+
+def accumulation_hooked(param: torch.Tensor) -> bool:
+    """Whether Megatron-Core's ``DistributedDataParallel`` hooks ``param``'s gradient accumulation:
+    it registers the hook on the accumulator node (``grad_fn.next_functions[0][0].register_hook``),
+    which no attribute of the parameter shows, and gives the parameter a ``main_grad`` buffer,
+    which does."""
+    return hasattr(param, "main_grad")
