@@ -109,7 +109,7 @@ def engine_options(owner: str, door: Callable, positional: Sequence[Any], keywor
                    refused: Mapping[str, str] | None = None) -> EngineOptions:
     """The engine options a front door was called with: ``options`` (default: the defaults) with
     the keyword arguments ``keywords`` in place of its fields, and ``positional`` (at most one
-    value, the form ``CUDAGraphedLayer(layer, 5)``) as ``num_warmup_steps``.
+    value, given right after the wrapped object) as ``num_warmup_steps``.
 
     Args:
         owner: the front door's name in messages (``"graph_layers()"``).
