@@ -291,7 +291,8 @@ def causal_lm_stage(
 
     Raises:
         TypeError: the model has neither known layout, or the installed transformers has a
-            ``create_causal_mask`` signature this version does not know.
+            ``create_causal_mask`` signature this version does not know; a keyword that is not
+            an option (the message lists the valid names).
         UnsupportedVersionError: transformers is older than the supported range (5.0).
         ValueError: a bad ``stage_index`` or split; embeddings tied to the head across stages
             (the message says to build the model with ``tie_word_embeddings=False``); a block

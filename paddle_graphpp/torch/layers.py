@@ -242,7 +242,8 @@ def graph_layers(
         The graphed blocks, in order (the same objects as in ``layers``).
 
     Raises:
-        TypeError: ``layers`` is not a container of modules, or a block is already graphed.
+        TypeError: ``layers`` is not a container of modules, or a block is already graphed; a
+            keyword that is not an option (the message lists the valid names).
         ValueError: the model's config has ``use_cache`` or ``output_attentions`` on, or a
             block has gradient checkpointing on (the message names the block and the fix);
             an invalid option; a block compiled with Inductor's own CUDA graphs

@@ -217,7 +217,8 @@ def graph_stage_module(
         test runs and NCCL GPU runs.
 
     Raises:
-        TypeError: ``stage`` is not an ordered list of modules/callables, or is already graphed.
+        TypeError: ``stage`` is not an ordered list of modules/callables, or is already graphed;
+            a keyword that is not an option (the message lists the valid names).
         ValueError: the stage is empty, or a ``shared`` module is not part of it.
 
     Warning:
@@ -326,7 +327,8 @@ def graph_loss(loss_fn: Callable, *warmup: int, compile: Any = None, name: Optio
         A :class:`GraphedLoss`. On CPU tensors it computes eagerly.
 
     Raises:
-        TypeError: ``loss_fn`` is not callable, is graphed already, or has trainable parameters
+        TypeError: a keyword that is not an option, or ``accumulate_grads``; ``loss_fn`` is not
+            callable, is graphed already, or has trainable parameters
             (the schedules give those no gradient in a zero-bubble input pass, and their weight
             pass covers the stage's parameters only: keep such a loss eager, or move its
             parameters into the stage); ``compile`` is neither a bool nor a dict.
