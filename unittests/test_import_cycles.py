@@ -131,6 +131,17 @@ def test_no_import_cycle_in_the_package():
     assert not cycles, "import cycles in paddle_graphpp:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+def test_the_package_imports_neither_the_tools_nor_the_test_support():
+    """``tools/`` (the lab) and ``testing/`` (test support) import the package, never the reverse."""
+    found = []
+    for name, path in _modules().items():
+        for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module or ""] if node.level == 0 else [])
+            found += [(name, t) for t in targets if t.split(".")[0] in ("tools", "testing", "unittests")]
+    assert not found, found
+
+
 def test_the_checker_finds_a_function_level_cycle():
     graph = import_graph()
     assert "paddle_graphpp.core.options" in graph["paddle_graphpp.core.engine"]  # edges are read
