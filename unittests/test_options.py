@@ -65,7 +65,8 @@ def test_options_are_documented_once():
                 doc = ast.get_docstring(node) or ""
                 found += [(path.name, node.name, m.group(1)) for m in entry.finditer(doc)
                           if (path.relative_to(ROOT).as_posix(), node.name, m.group(1)) not in CONSUMERS]
-    assert found == [("schedule.py", "InFlightQueue", "max_in_flight")], found  # the FIFO's own limit
+    found = [f for f in found if f != ("schedule.py", "InFlightQueue", "max_in_flight")]  # the FIFO's own limit
+    assert not found, f"engine options documented outside core/options.py: {found}"
 
 
 def test_options_doc_renders_every_field_with_notes():
