@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from tools import launch  # noqa: E402
+from testing import launch  # noqa: E402
 
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")  # a step's setting before its command
 STOP_GRACE_S = 30.0  # a multi-rank tool stops its ranks one by one, a few seconds each

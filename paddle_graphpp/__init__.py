@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # importing the package stays free of framework imports.
 _LAZY = {
     **_PADDLE_API,  # the Paddle API, re-exported (paddle_graphpp.paddle imports no framework)
+    "EngineOptions": "paddle_graphpp.core.options",
     "mark_not_capturable": "paddle_graphpp.core.segment",
     "memory_report": "paddle_graphpp.core.memory",
     "MemoryMode": "paddle_graphpp.core.memory",

@@ -5,7 +5,7 @@ One command, two (or ``--ranks`` 4 or 8) GPUs of one host (run blind on nvidia-h
     python tools/bench_allreduce.py            # writes benchmarks/results/allreduce-<device>.json
     python tools/bench_allreduce.py --ranks 4  # writes benchmarks/results/allreduce-4r-<device>.json
 
-It launches its own ranks (this script again, through tools/launch.py) under a hard timeout
+It launches its own ranks (this script again, through testing/launch.py) under a hard timeout
 and stops them if they hang or one fails. Rank 0 writes its results after each section, so a
 timeout still leaves data.
 
@@ -49,7 +49,8 @@ os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
-from tools import benchlib, launch  # noqa: E402
+from testing import launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 DEFAULT_SIZES = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10,
                  512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]

@@ -42,7 +42,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
-from tools import bench_hf, benchlib, launch  # noqa: E402
+from testing import launch  # noqa: E402
+from tools import bench_hf, benchlib  # noqa: E402
 
 WORKER = os.path.join(REPO, "tools", "hf_stage_worker.py")
 RECORD = "hf-pipeline-pp2"

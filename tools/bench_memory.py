@@ -46,7 +46,8 @@ REPO = str(Path(__file__).resolve().parents[1])
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from paddle_graphpp.core.driver_memory import GraphMemory  # noqa: E402
-from tools import benchlib, launch  # noqa: E402
+from testing import launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 MODES = ("eager", "per_graph", "shared", "async")
 GRAPHED = ("per_graph", "shared", "async")

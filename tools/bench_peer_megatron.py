@@ -63,7 +63,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
-from tools import benchlib, launch  # noqa: E402
+from testing import launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 WORKER = os.path.join(REPO, "tools", "peer_megatron_worker.py")
 SEQS = (512, 2048)

@@ -32,7 +32,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
-from tools import benchlib, launch  # noqa: E402
+from testing import launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 from tools.gpt_shape import GPT3_1P3B, train_gpt_flags  # noqa: E402
 
 TRAIN = os.path.join(REPO, "tools", "train_gpt.py")
@@ -69,7 +70,7 @@ def run_one(args: list, timeout: float, extra_env: Optional[dict] = None) -> dic
     ``extra_env``: variables added to the run's environment (recorded with the command).
 
     A run whose rendezvous port was taken between the trainer's pick and the ranks' bind (another
-    job on the host, see :func:`tools.launch.free_port`) starts once more, on a new port, within
+    job on the host, see :func:`testing.launch.free_port`) starts once more, on a new port, within
     what is left of ``timeout``; ``port_retries`` in the record counts it."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", **(extra_env or {}))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):

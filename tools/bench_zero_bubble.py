@@ -61,7 +61,7 @@ if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from tools import benchlib  # noqa: E402
 from tools.bench_pipeline import run_one  # noqa: E402
-from tools.engine_parity import run_order  # noqa: E402
+from testing.parity import run_order  # noqa: E402
 
 BUDGET_S = 3600
 LOSS_RTOL = 1e-3  # bf16: two eager runs already differ by ~1e-6; a wrong gradient shows far above this

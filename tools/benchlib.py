@@ -85,14 +85,16 @@ def code_version() -> str:
 
 
 def code_digest(root: Path | None = None) -> str:
-    """A digest (12 hex digits) of the Python files under ``paddle_graphpp/`` and ``tools/`` of
-    ``root`` (default: this checkout): their paths and contents, in path order. To find the
-    commit of a record that says ``files:<digest>``, compute it on candidate checkouts."""
+    """A digest (12 hex digits) of the Python files under ``paddle_graphpp/``, ``tools/`` and
+    ``testing/`` (the launcher and parity check the tools run) of ``root`` (default: this
+    checkout): their paths and contents, in path order. To find the commit of a record that says
+    ``files:<digest>``, compute it on candidate checkouts (one without ``testing/``, older than
+    it, digests as before)."""
     import hashlib
 
     root = Path(root or ROOT)
     digest = hashlib.sha256()
-    for path in sorted(p for top in ("paddle_graphpp", "tools") for p in (root / top).rglob("*.py")):
+    for path in sorted(p for top in ("paddle_graphpp", "tools", "testing") for p in (root / top).rglob("*.py")):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 

@@ -24,7 +24,8 @@ from pathlib import Path
 REPO = str(Path(__file__).resolve().parents[1])
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
-from tools import benchlib, launch  # noqa: E402
+from testing import launch  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 ROOT = benchlib.ROOT
 ONE_F_ONE_B = "f1 f2 f3 f4 b1 f5 b2 f6 b3 f7 b4 f8 b5 b6 b7 b8"  # 4 in flight, 8 micro-batches
@@ -135,7 +136,7 @@ def bench_pools() -> dict:
 def parity() -> float:
     import torch
 
-    from tools.engine_parity import check_parity
+    from testing.parity import check_parity
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

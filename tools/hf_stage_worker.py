@@ -3,7 +3,7 @@
 ``causal_lm_stage``, trained under ``torch.distributed.pipelining``'s ``Schedule1F1B``.
 
 Started once per rank by the benchmark (``RANK``/``WORLD_SIZE``/``MASTER_*`` from
-``tools.launch.rank_envs``; the pipeline has ``WORLD_SIZE`` stages, one per GPU). Every rank
+``testing.launch.rank_envs``; the pipeline has ``WORLD_SIZE`` stages, one per GPU). Every rank
 builds the whole model from a config with ``tools/bench_hf.make_model`` (seeded: the same
 weights everywhere; dropout off, input embedding untied from the head, which sit on different
 ranks) and keeps its stage, as the README's ``hf_pipe.py`` does:

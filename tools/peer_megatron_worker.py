@@ -3,7 +3,7 @@ layer spec, no TransformerEngine) trained through Megatron's own schedule, ``--t
 pipeline stage (tensor parallel) and ``--pp`` stages.
 
 Started by the benchmark, ``tp * pp`` processes, one per rank (``RANK``/``WORLD_SIZE``/``MASTER_PORT``
-from ``tools.launch.rank_envs``); Megatron's default rank order puts a stage's tensor-parallel
+from ``testing.launch.rank_envs``); Megatron's default rank order puts a stage's tensor-parallel
 ranks next to each other (ranks 0..tp-1 are the first stage). Every rank makes the same
 micro-batches, so the ranks of a tensor-parallel group feed the same data. Prints ONE JSON line as
 its last output: this rank's figures, or ``{"error": ..., "traceback": ...}`` with exit status 1.
@@ -115,7 +115,7 @@ def init_distributed(opts, rank: int):
         os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        from tools.launch import free_port
+        from testing.launch import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("nccl" if opts.device == "cuda" else "gloo", rank=rank, world_size=world,

@@ -52,7 +52,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
-from tools import launch  # noqa: E402
+from testing import launch  # noqa: E402
 
 # Eager micro-batches each graphed run sees before it captures (the engine's default).
 NUM_WARMUP_STEPS = 3

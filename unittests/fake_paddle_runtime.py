@@ -9,7 +9,7 @@ import sys
 
 import paddle
 
-from paddle_graphpp.core.engine import graphed_engine, graphed_label
+from paddle_graphpp.core.engine import EngineOptions, graphed_engine, graphed_label
 from paddle_graphpp.paddle.runtime import PaddleRuntime
 from fake_graphs import FakeGraphs
 
@@ -55,7 +55,8 @@ class FakeGraphedLayer(paddle.nn.Layer):
         super().__init__()
         self.layer = layer
         self.engine = graphed_engine(layer, runtime, lambda: [p for p in layer.parameters() if not p.stop_gradient],
-                                     name=graphed_label("FakeGraphedLayer", layer, None), **options)
+                                     name=graphed_label("FakeGraphedLayer", layer, None),
+                                     options=EngineOptions(**options))
 
     def forward(self, *args, **kwargs):
         return self.engine(args, kwargs)

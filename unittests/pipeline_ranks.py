@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-from tools import launch
+from testing import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -34,7 +34,7 @@ def graphed_against_eager(results):
     step, graphed against eager, as ``(error, rank, step, name)``."""
     import torch
 
-    from tools.engine_parity import rel
+    from testing.parity import rel
 
     last = [data for data in results.values() if data["eager"]["losses"]]
     assert len(last) == 1, "exactly one rank holds the last stage"

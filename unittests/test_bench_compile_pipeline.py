@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tools import bench_compile_pipeline as bench
-from tools import launch
+from testing import launch
 from tools.benchlib import BF16_LOSS_RTOL
 from tools.train_gpt import parse_args, validate
 

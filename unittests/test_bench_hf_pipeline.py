@@ -10,7 +10,8 @@ import uuid
 import pytest
 
 from tools import bench_hf_pipeline as bhp
-from tools import benchlib, hf_stage_worker, launch
+from testing import launch
+from tools import benchlib, hf_stage_worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tools", "bench_hf_pipeline.py")

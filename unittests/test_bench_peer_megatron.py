@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tools import bench_peer_megatron, launch, peer_megatron_worker
+from testing import launch
+from tools import bench_peer_megatron, peer_megatron_worker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tools", "bench_peer_megatron.py")

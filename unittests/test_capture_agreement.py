@@ -2,7 +2,7 @@
 
 The ranks use the fake graph runtime (CPU tensors; its capture runs the code, so a layer can
 fail "capture" the way a host sync fails a real one). Each case starts its ranks in a new session
-under a timeout (tools/launch.py) and kills them afterwards. This file is also the rank worker:
+under a timeout (testing/launch.py) and kills them afterwards. This file is also the rank worker:
 ``python test_capture_agreement.py MODE RANK PORT OUT_DIR``.
 """
 import json
@@ -22,7 +22,7 @@ AGREEMENT_TIMEOUT = 4.0
 
 # ------------------------------------------------------------------------- the tests
 def _run(mode, tmp_path):
-    from tools import launch
+    from testing import launch
 
     port = str(launch.free_port())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(HERE),

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tools import launch
+from testing import launch
 
 pytestmark = pytest.mark.slow  # every case starts two ranks
 

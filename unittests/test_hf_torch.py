@@ -21,10 +21,11 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from paddle_graphpp import EngineOptions  # noqa: E402
 from paddle_graphpp.torch import CUDAGraphedModule, graph_layers, ungraph_layers  # noqa: E402
 from paddle_graphpp.torch.hf import CausalLMStage, causal_lm_stage  # noqa: E402
 from paddle_graphpp.torch.layers import _OwnParameter, is_graphed_layer  # noqa: E402
-from tools import launch  # noqa: E402
+from testing import launch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -457,6 +458,17 @@ def test_stage_errors_say_what_to_do():
         causal_lm_stage(build("llama"), 0, 5)
     with pytest.raises(TypeError, match="Llama layout.*graph_layers"):
         causal_lm_stage(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0, 1)
+    with pytest.raises(TypeError, match=r"causal_lm_stage\(\) got unexpected keyword argument\(s\) \['max_inflight'\]; "
+                                        r"it takes \['model', 'stage_index', 'num_stages', 'layers_per_stage', 'graph', "
+                                        r"'compile', 'scope', 'options'\] and the engine options \[.*'max_in_flight'"):
+        causal_lm_stage(build("llama"), 0, 2, max_inflight=8)
+
+
+def test_stage_blocks_take_the_engine_options():
+    stage = causal_lm_stage(build("llama"), 1, 2, 2, options=EngineOptions(fallback="eager"), max_signatures=1)
+    chosen = {(b.engine.options.num_warmup_steps, b.engine.options.fallback, b.engine.options.max_signatures)
+              for b in stage.blocks}
+    assert chosen == {(2, "eager", 1)}
 
 
 

@@ -9,7 +9,7 @@ the decoder layers graphed and the tied embedding/head eager. The graphed runs e
 on CPU, so this checks the wiring (segmentation, names, schedule), not graph replay.
 
 Needs ``pip install --no-deps -r requirements-paddleformers.txt``; skipped without it. Each
-launch runs in its own session under a time limit (tools/launch.py), and is retried when
+launch runs in its own session under a time limit (testing/launch.py), and is retried when
 gloo fails to connect inside ``fleet.init`` (before any code under test runs).
 """
 

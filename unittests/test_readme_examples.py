@@ -5,7 +5,7 @@ Each ``python`` block there opens with a comment holding the command that runs i
 hf_llama.py``, ``# torchrun --nproc_per_node 2 hf_pipe.py``, ``# python -m
 paddle.distributed.launch --nproc_per_node 2 llama_pipe.py``). The test writes the block to that
 file in a fresh directory and runs the command there, in its own session under a time limit
-(``tools/launch.py``): it must exit 0, and the README's must print a loss for each step. The demo
+(``testing/launch.py``): it must exit 0, and the README's must print a loss for each step. The demo
 trainer's fleet launch line in the same section is run the same way. In docs/*.md every
 ``python`` block whose first line is such a command is run; the other blocks are illustrative.
 
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from tools import launch
+from testing import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "## Using it with your model"

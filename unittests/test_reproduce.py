@@ -86,9 +86,12 @@ def test_without_git_a_record_names_the_code_by_a_digest_of_its_files(tmp_path, 
 
     from tools import benchlib
 
-    for top in ("paddle_graphpp", "tools"):
+    for top in ("paddle_graphpp", "tools", "testing"):
         shutil.copytree(os.path.join(REPO, top), tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
     assert benchlib.code_digest(tmp_path) == benchlib.code_digest(REPO)  # the same files: the same digest
+    (tmp_path / "testing" / "launch.py").write_text((tmp_path / "testing" / "launch.py").read_text() + "\n# x\n")
+    assert benchlib.code_digest(tmp_path) != benchlib.code_digest(REPO)  # the launcher the tools run counts
+    shutil.copy(os.path.join(REPO, "testing", "launch.py"), tmp_path / "testing" / "launch.py")
     (tmp_path / "tools" / "benchlib.py").write_text((tmp_path / "tools" / "benchlib.py").read_text() + "\n# x\n")
     assert benchlib.code_digest(tmp_path) != benchlib.code_digest(REPO)
     monkeypatch.delenv("GRAPHPP_CODE_VERSION", raising=False)

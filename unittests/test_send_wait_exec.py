@@ -6,7 +6,7 @@ import sys
 import pytest
 from static_pass_utils.runner import ROOT, legacy_env, run_script
 
-from tools import launch
+from testing import launch
 
 pytest.importorskip("paddle")
 pytestmark = pytest.mark.slow  # each case runs programs in fresh interpreters, one on two ranks

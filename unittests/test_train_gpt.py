@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tools import launch
+from testing import launch
 from tools.benchlib import last_json_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))

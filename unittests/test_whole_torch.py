@@ -136,3 +136,8 @@ def test_graph_step_checks_its_arguments():
         graph_step(lambda: None, optimizers=opt, num_warmup_steps=0)
     with pytest.raises(ValueError, match="fallback"):
         graph_step(lambda: None, optimizers=opt, fallback="ignore")
+    with pytest.raises(TypeError, match="takes no memory: each signature"):
+        graph_step(lambda: None, optimizers=opt, memory="per_graph")
+    with pytest.raises(TypeError, match="unexpected keyword.*max_inflight"):
+        graph_step(lambda: None, optimizers=opt, max_inflight=2)
+    assert graph_step(lambda: None, 5, optimizers=opt).num_warmup_steps == 5

@@ -24,8 +24,8 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from paddle_graphpp.core.errors import GraphScheduleError
 from paddle_graphpp.torch import CUDAGraphedModule
 from pipeline_ranks import run_pipeline_ranks
-from tools import launch
-from tools.engine_parity import Scale, run_order
+from testing import launch
+from testing.parity import Scale, run_order
 from fake_runtime import Graphed
 
 HERE = os.path.dirname(os.path.abspath(__file__))

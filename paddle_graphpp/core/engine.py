@@ -386,9 +386,10 @@ def graphed_label(kind: str, module: Any, name: Optional[str]) -> str:
 
 
 def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, name: str,
-                   **options: Any) -> GraphedCallable:
-    """The engine behind a framework's graphed layer class, named ``name`` (:func:`graphed_label`)."""
-    return GraphedCallable(wrapped, runtime, trainable, name=name, options=EngineOptions(**options))
+                   options: EngineOptions) -> GraphedCallable:
+    """The engine behind a framework's graphed layer class, named ``name`` (:func:`graphed_label`),
+    with the ``options`` its front door gathered (:func:`~paddle_graphpp.core.options.engine_options`)."""
+    return GraphedCallable(wrapped, runtime, trainable, name=name, options=options)
 
 
 class HoldsEngine:

@@ -13,10 +13,17 @@ from __future__ import annotations
 import paddle
 
 from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.options import EngineOptions, engine_options
 from .runtime import active_runtime
 from .compile import StaticLayer, opaque, to_static_options
 
-__all__ = ["CUDAGraphedLayer"]
+__all__ = ["CUDAGraphedLayer", "PADDLE_REFUSED_OPTIONS", "paddle_engine_options"]
+
+#: Engine options the Paddle runtime has no use for, each with the reason (refused, not ignored).
+PADDLE_REFUSED_OPTIONS = {
+    "accumulate_grads": "the Paddle runtime cannot add gradients inside backward graphs; autograd accumulates them",
+    "generators": "every Paddle generator a kernel draws from while a stream captures registers itself with the graph",
+}
 
 _TO_STATIC_DOC = """        to_static: ``True`` or a dict of ``paddle.jit.to_static`` keyword arguments
             (``full_graph``, ``backend``, ``build_strategy``, ``input_spec``): the layer runs
@@ -33,31 +40,41 @@ _TO_STATIC_DOC = """        to_static: ``True`` or a dict of ``paddle.jit.to_sta
             instances).
 """
 
+_PADDLE_NOTES = {"memory": "``per_graph`` is upstream Paddle's own design."}
+
+_WARNINGS_DOC = """    .. warning:: ``paddle.jit.to_static`` of a model holding graphed layers: SOT (the default,
+       ``full_graph=False``) converts the code around them and calls each graphed layer as it
+       is (a graph break); the AST converter (``full_graph=True``) cannot, and a graphed layer
+       called while it builds its program raises ``RuntimeError``.
+"""
+
+
+def paddle_engine_options(owner: str, door, positional: tuple, keywords: dict,
+                          options: EngineOptions | None) -> EngineOptions:
+    """:func:`~paddle_graphpp.core.options.engine_options` for a Paddle front door: the options
+    of :data:`PADDLE_REFUSED_OPTIONS` refused."""
+    return engine_options(owner, door, positional, keywords, options=options, refused=PADDLE_REFUSED_OPTIONS)
+
 
 @opaque  # paddle.jit.to_static (SOT) around a model calls its graphed layers as they are (see .to_static)
 class CUDAGraphedLayer(HoldsEngine, paddle.nn.Layer):
     __doc__ = graphed_layer_doc(arg="layer", base="paddle.nn.Layer", no_grad="paddle.no_grad()",
-                                accumulate_grads=False, generators=False, extra_args=_TO_STATIC_DOC).rstrip() + """
-    .. warning:: ``paddle.jit.to_static`` of a model holding graphed layers: SOT (the default,
-       ``full_graph=False``) converts the code around them and calls each graphed layer as it
-       is (a graph break); the AST converter (``full_graph=True``) cannot, and a graphed layer
-       called while it builds its program raises ``RuntimeError``.
-    """
+                                outputs="Outputs are then overwritten: clone what you keep.",
+                                refused=tuple(PADDLE_REFUSED_OPTIONS), notes=_PADDLE_NOTES,
+                                extra_args=_TO_STATIC_DOC, warnings=_WARNINGS_DOC)
 
-    def __init__(self, layer: paddle.nn.Layer, num_warmup_steps: int = 3, *, fallback: str = "error",
-                 memory: str = "shared", max_in_flight: int = 64, max_signatures: int = 4, to_static=False,
-                 name: str | None = None):
+    def __init__(self, layer: paddle.nn.Layer, *warmup: int, to_static=False, name: str | None = None,
+                 options: EngineOptions | None = None, **engine_kwargs: object):
         super().__init__()
         if not isinstance(layer, paddle.nn.Layer):
             raise TypeError(f"CUDAGraphedLayer wraps a paddle.nn.Layer, got {type(layer).__name__}")
         label = graphed_label("CUDAGraphedLayer", layer, name)
-        options = to_static_options(to_static, label)
-        run = layer if options is None else StaticLayer(layer, options, label)
+        chosen = paddle_engine_options(label, CUDAGraphedLayer.__init__, warmup, engine_kwargs, options)
+        compiled = to_static_options(to_static, label)
+        run = layer if compiled is None else StaticLayer(layer, compiled, label)
         self.layer = layer
-        self._engine = graphed_engine(
-            run, active_runtime(), lambda: [p for p in layer.parameters() if not p.stop_gradient],
-            name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
-            memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures)
+        self._engine = graphed_engine(run, active_runtime(), lambda: [p for p in layer.parameters() if not p.stop_gradient],
+                                      name=label, options=chosen)
 
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)

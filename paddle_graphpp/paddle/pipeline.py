@@ -50,7 +50,9 @@ from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipeli
 from paddle_graphpp.support import require
 from paddle_graphpp.core.segment import classify, describe_runs, split_into_runs
 from paddle_graphpp.paddle import fleet_cpu
+from paddle_graphpp.core.options import EngineOptions
 from paddle_graphpp.paddle.compile import to_static_options
+from paddle_graphpp.paddle.graphed import CUDAGraphedLayer, paddle_engine_options
 
 __all__ = ["graph_pipeline", "GraphedPipeline", "PipelineLayer"]
 
@@ -171,7 +173,8 @@ def _unwrap(model):
     return model
 
 
-def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False, to_static=False) -> GraphedPipeline:
+def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options: Optional[EngineOptions] = None,
+                   **engine_kwargs) -> GraphedPipeline:
     """Graph an already-built fleet pipeline model in place; returns its :class:`GraphedPipeline`.
 
     Args:
@@ -179,7 +182,6 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             subclass (PaddleFormers' ``LlamaForCausalLMPipe``, ...), 1F1B, interleaved or DualPipeV, built
             with ``use_cudagraph=False``; or its ``fleet.distributed_model`` wrapper. Call it
             on every rank, before the first training step.
-        num_warmup_steps: eager calls each graphed run takes before capture.
         graph_loss: graph the model's loss function too (the last stage's), so that its
             temporaries share the graphs' pool instead of memory of their own (docs/memory.md has
             the measured effect on a last stage). Each call returns its
@@ -192,6 +194,9 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
             converted already (``paddle.jit.to_static(layer)`` in the layer list) run converted
             without this option; with it they need ``{"full_graph": True}`` (Paddle 3.3.1's SOT
             fails on code that calls a converted layer, so that is refused here).
+        options, **engine_kwargs: the engine options of every graphed run (and the graphed
+            loss): an :class:`paddle_graphpp.EngineOptions`, or its fields by keyword, as
+            :class:`paddle_graphpp.CUDAGraphedLayer` takes them.
 
     Parameter names, ``state_dict()`` keys and parameters are unchanged, so an optimizer
     built before the call stays valid. ``GraphedPipeline.of(model)`` returns the result again.
@@ -221,6 +226,7 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
         * ``run_function`` holds graphed runs, not single layers, afterwards: code that looks
           for a layer there must do so inside ``GraphedPipeline.eager_view()``.
     """
+    chosen = paddle_engine_options("graph_pipeline()", graph_pipeline, (), engine_kwargs, options)
     model = _unwrap(model)
     name = type(model).__name__
     if type(model).__module__.startswith("paddleformers."):
@@ -243,8 +249,6 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
     loss_fn = _loss_to_graph(model, name) if graph_loss else None
     to_static_options(to_static, f"graph_pipeline({name}, to_static=...)")
 
-    from paddle_graphpp.paddle.graphed import CUDAGraphedLayer
-
     shared_keys = {id(layer): key for key, layer in model.shared_layers.items()}
     chunks, graphed_layers = [], []
     for chunk_id, start, run_function in containers:
@@ -257,14 +261,14 @@ def graph_pipeline(model, *, num_warmup_steps: int = 3, graph_loss: bool = False
                 continue
             label = (f"stage{model._stage_id}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
                      + f".layers[{run.start}:{run.stop}]")
-            layer = CUDAGraphedLayer(_RunBody(run.objects()), num_warmup_steps, name=label, to_static=to_static)
+            layer = CUDAGraphedLayer(_RunBody(run.objects()), name=label, to_static=to_static, options=chosen)
             graphed_layers.append(layer)
             graphed.append(_GraphedRunCall(layer, run, label))
         chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
     for chunk in chunks:  # every run built (and its options checked) before fleet's lists change
         chunk.run_function[:] = chunk.graphed
 
-    graphed_loss = None if loss_fn is None else _graph_loss(model, loss_fn, num_warmup_steps)
+    graphed_loss = None if loss_fn is None else _graph_loss(model, loss_fn, chosen)
     graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss)
     setattr(model, _GRAPHS_ATTR, graphs)
     for method in ("save_state_dict", "set_state_dir"):
@@ -318,11 +322,9 @@ def _loss_to_graph(model, name):
     return loss_fn
 
 
-def _graph_loss(model, loss_fn, num_warmup_steps):
-    from paddle_graphpp.paddle.graphed import CUDAGraphedLayer
-
+def _graph_loss(model, loss_fn, options: EngineOptions):
     layer = loss_fn if isinstance(loss_fn, nn.Layer) else _LossLayer(loss_fn)
-    graphed = _GraphedLoss(CUDAGraphedLayer(layer, num_warmup_steps, name=f"stage{model._stage_id}.loss"), loss_fn)
+    graphed = _GraphedLoss(CUDAGraphedLayer(layer, name=f"stage{model._stage_id}.loss", options=options), loss_fn)
     model._loss_fn[model._loss_fn.index(loss_fn)] = graphed
     return graphed
 
@@ -543,12 +545,13 @@ class PipelineLayer(_FleetPipelineLayer):
         num_virtual_pipeline_stages, use_dualpipev: as for fleet's ``PipelineLayer``.
         use_cudagraph: build the model eagerly, then :func:`graph_pipeline` it. Without CUDA
             the runs execute eagerly (one warning).
-        num_warmup_steps: eager steps each graphed run takes before capture.
         graph_loss: with ``use_cudagraph``, graph the loss function too (see
             :func:`graph_pipeline`).
         to_static: with ``use_cudagraph``, ``True`` or a dict of ``paddle.jit.to_static``
             keyword arguments: each graphed run's layers run converted inside its graphs (see
             :func:`graph_pipeline`).
+        options, **engine_kwargs: with ``use_cudagraph``, the engine options of the graphed
+            runs (see :func:`graph_pipeline`); checked first in any case.
 
     Build it after ``fleet.init(is_collective=True, strategy=...)`` and on every rank
     (it may create communication groups), then wrap it with ``fleet.distributed_model``.
@@ -569,8 +572,9 @@ class PipelineLayer(_FleetPipelineLayer):
 
     def __init__(self, layers, num_stages=None, topology=None, loss_fn=None, seg_method="uniform",
                  recompute_interval=0, recompute_ctx=None, num_virtual_pipeline_stages=None,
-                 use_cudagraph=False, use_dualpipev=False, *, num_warmup_steps=3, graph_loss=False,
-                 to_static=False):
+                 use_cudagraph=False, use_dualpipev=False, *, graph_loss=False, to_static=False,
+                 options: Optional[EngineOptions] = None, **engine_kwargs):
+        chosen = paddle_engine_options(f"{type(self).__name__}()", PipelineLayer.__init__, (), engine_kwargs, options)
         layers = list(layers)
         vpp = num_virtual_pipeline_stages or 1
         _check_to_static(to_static, use_cudagraph)
@@ -589,7 +593,7 @@ class PipelineLayer(_FleetPipelineLayer):
         self.uses_hop_groups = bool(on_cpu and fleet_cpu.use_hop_groups(fleet.get_hybrid_communicate_group()))
         self.use_cudagraph = bool(use_cudagraph)
         if self.use_cudagraph:
-            graph_pipeline(self, num_warmup_steps=num_warmup_steps, graph_loss=graph_loss, to_static=to_static)
+            graph_pipeline(self, graph_loss=graph_loss, to_static=to_static, options=chosen)
 
     def segmentation_report(self) -> str:
         """How this rank's chunks were split: one line per graphed or eager run."""

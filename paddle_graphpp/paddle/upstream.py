@@ -27,6 +27,8 @@ from typing import Optional
 import paddle
 from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipelineLayer
 
+from paddle_graphpp.core.options import EngineOptions
+from paddle_graphpp.paddle.graphed import paddle_engine_options
 from paddle_graphpp.paddle.pipeline import _check_graphable, graph_pipeline
 
 __all__ = ["install", "uninstall"]
@@ -35,7 +37,7 @@ __all__ = ["install", "uninstall"]
 @dataclass(frozen=True, slots=True)
 class _Settings:
     default_use_cudagraph: bool
-    num_warmup_steps: int
+    options: EngineOptions
 
 
 _SETTINGS: Optional[_Settings] = None
@@ -43,7 +45,7 @@ _ORIGINAL_INIT = None  # fleet's own PipelineLayer.__init__ while installed
 _WRAPPER = None  # what install() put in its place
 
 
-def install(*, default_use_cudagraph: bool = False, num_warmup_steps: int = 3) -> None:
+def install(*, default_use_cudagraph: bool = False, options: Optional[EngineOptions] = None, **engine_kwargs) -> None:
     """Make fleet's ``PipelineLayer(..., use_cudagraph=True)`` graph with this project's engine.
 
     Affects pipeline models built after the call, of fleet's class and every subclass; call
@@ -54,7 +56,9 @@ def install(*, default_use_cudagraph: bool = False, num_warmup_steps: int = 3) -
         default_use_cudagraph: graph models whose constructor call does not pass
             ``use_cudagraph`` (model libraries such as PaddleFormers never do); an explicit
             ``use_cudagraph=False`` still builds an eager model.
-        num_warmup_steps: eager calls each graphed run takes before capture.
+        options, **engine_kwargs: the engine options of the graphed runs (an
+            :class:`paddle_graphpp.EngineOptions`, or its fields by keyword, as
+            :class:`paddle_graphpp.CUDAGraphedLayer` takes them).
 
     Raises:
         RuntimeError: this Paddle's fleet ``PipelineLayer`` has no ``use_cudagraph`` argument
@@ -71,7 +75,8 @@ def install(*, default_use_cudagraph: bool = False, num_warmup_steps: int = 3) -
             f"paddle_graphpp.install(): fleet's PipelineLayer in Paddle {paddle.__version__} has no "
             "use_cudagraph argument, so there is no flag to redirect. Build the model as usual and call "
             "paddle_graphpp.graph_pipeline(model) on it, on every rank")
-    _SETTINGS = _Settings(bool(default_use_cudagraph), int(num_warmup_steps))
+    chosen = paddle_engine_options("paddle_graphpp.install()", install, (), engine_kwargs, options)
+    _SETTINGS = _Settings(bool(default_use_cudagraph), chosen)
     if _WRAPPER is None:
         _ORIGINAL_INIT = _FleetPipelineLayer.__init__
         _WRAPPER = _FleetPipelineLayer.__init__ = _graphing_init(_ORIGINAL_INIT)
@@ -112,6 +117,6 @@ def _graphing_init(original):
         _check_graphable(f"{type(self).__name__}(use_cudagraph=True)", recompute_interval=bound.arguments.get("recompute_interval", 0))
         bound.arguments["use_cudagraph"] = False
         original(*bound.args, **bound.kwargs)
-        graph_pipeline(self, num_warmup_steps=settings.num_warmup_steps)
+        graph_pipeline(self, options=settings.options)
 
     return __init__

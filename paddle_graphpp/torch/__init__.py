@@ -19,7 +19,7 @@ _LAZY = {
     "ColumnParallelLinear": "paddle_graphpp.torch.collectives.tensor_parallel",
     "RowParallelLinear": "paddle_graphpp.torch.collectives.tensor_parallel",
     "agree_on_captures": "paddle_graphpp.torch.collectives.agreement",
-    "watch_replays": "paddle_graphpp.torch.collectives.watch",
+    "watch_replays": "paddle_graphpp.torch.watchdog",
 }
 
 __all__ = sorted(_LAZY)

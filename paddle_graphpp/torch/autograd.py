@@ -12,6 +12,7 @@ from torch.autograd.function import once_differentiable
 from ..core.engine import node_backward, node_forward
 from ..core.runtime import InGraphAccumulation, SplitBackward
 from . import split_backward as _split
+from .integrations import megatron as _megatron
 
 __all__ = ["TorchGradients", "apply_graphed_function"]
 
@@ -189,12 +190,9 @@ class TorchGradients(SplitBackward, InGraphAccumulation):
         # invisible from Python: inside its forward, every parameter counts as hooked.
         if _inside_ddp_forward():
             return list(range(len(params)))
-        # Megatron-Core's DistributedDataParallel hooks the accumulator node from Python
-        # (``grad_fn.next_functions[0][0].register_hook``), which no attribute of the parameter
-        # shows; the ``main_grad`` buffer it gives each parameter does.
         return [i for i, p in enumerate(params)
                 if getattr(p, "_post_accumulate_grad_hooks", None) or getattr(p, "_backward_hooks", None)
-                or hasattr(p, "main_grad")]
+                or _megatron.accumulation_hooked(p)]
 
 
 def _backward_hooked(outputs, grad_outputs, inputs, aliases, on_grad, *, preset=None, retain_graph=False) -> list:

@@ -5,10 +5,20 @@ from __future__ import annotations
 import torch
 
 from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.options import EngineOptions, engine_options
 from .compile import CompiledModule, opaque, options_for
-from .runtime import _registered_generators, active_runtime
+from .runtime import registered_generators, active_runtime
 
-__all__ = ["CUDAGraphedModule"]
+__all__ = ["CUDAGraphedModule", "TORCH_OPTION_NOTES"]
+
+#: What the PyTorch runtime adds to the engine options' documentation (every torch front door).
+TORCH_OPTION_NOTES = {
+    "accumulate_grads": """On PyTorch the hooks that keep ``"auto"`` off are Python
+        gradient-accumulation hooks, and a DistributedDataParallel forward around the layer.""",
+    "generators": """On PyTorch: ``torch.Generator(device="cuda")`` objects (checked when the
+        layer is built); the graph-safe states of Megatron-Core's RNG tracker are found and
+        registered without this (:mod:`paddle_graphpp.torch.integrations.megatron`).""",
+}
 
 _COMPILE_DOC = """        compile: ``True`` or a dict of ``torch.compile`` keyword arguments: the module runs
             compiled (Inductor) inside the graphs. It compiles in the warmup calls and the
@@ -19,31 +29,53 @@ _COMPILE_DOC = """        compile: ``True`` or a dict of ``torch.compile`` keywo
             Without CUDA the module runs compiled and eagerly.
 """
 
+_OUTPUTS_DOC = """An output object still referenced then is first moved to memory
+       of its own, so the outputs themselves keep their values when kept (a schedule keeping them
+       to return them merged), at the cost of a copy; tensors made from them without a copy
+       (``out.detach()``, a slice, a view) are not moved and are overwritten: clone those (or
+       keep them in the recorded step too, which keeps the memory)."""
+
+_WARNINGS_DOC = """    .. warning:: A backward that asks for input gradients only (``torch.autograd.grad``
+       w.r.t. the inputs, as zero-bubble schedules' input pass does) runs the input half; the
+       micro-batch stays in flight until a backward asks for the parameters' gradients (the
+       weight pass), which receives them as autograd would (the schedule adds them into ``.grad``).
+       With ``accumulate_grads`` (default ``"auto"``) the weight graph adds them into ``.grad``
+       itself and ``torch.distributed.pipelining``'s weight pass is handed each parameter's
+       whole sum with ``.grad`` unset, which it puts back into ``.grad``; per-micro-batch
+       parameter gradients do not exist then, and any other weight pass raises
+       :class:`paddle_graphpp.GraphScheduleError` (pass ``accumulate_grads=False`` for it).
+"""
+
+
+def torch_engine_options(owner: str, door, positional: tuple, keywords: dict, options, **refused: str) -> EngineOptions:
+    """:func:`~paddle_graphpp.core.options.engine_options` for a torch front door, with the
+    ``generators`` given as a list checked now (not at the first capture)."""
+    chosen = engine_options(owner, door, positional, keywords, options=options, refused=refused)
+    if isinstance(chosen.generators, (list, tuple)):
+        try:
+            registered_generators(chosen.generators)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{owner}: {exc}") from None
+    return chosen
+
 
 class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
     __doc__ = graphed_layer_doc(arg="module", base="torch.nn.Module", no_grad="torch.no_grad()",
-                                accumulate_grads=True, generators=True, extra_args=_COMPILE_DOC)
+                                outputs=_OUTPUTS_DOC, notes=TORCH_OPTION_NOTES, extra_args=_COMPILE_DOC,
+                                warnings=_WARNINGS_DOC)
 
-    def __init__(self, module: torch.nn.Module, num_warmup_steps: int = 3, *, fallback: str = "error",
-                 memory: str = "shared", max_in_flight: int = 64, max_signatures: int = 4,
-                 accumulate_grads: bool | str = "auto", generators=None, compile=None, name: str | None = None):
+    def __init__(self, module: torch.nn.Module, *warmup: int, compile=None, name: str | None = None,
+                 options: EngineOptions | None = None, **engine_kwargs: object):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"CUDAGraphedModule wraps a torch.nn.Module, got {type(module).__name__}")
         label = graphed_label("CUDAGraphedModule", module, name)
         self.module = module
-        if isinstance(generators, (list, tuple)):
-            try:
-                _registered_generators(generators)  # check now, not at the first capture
-            except (TypeError, ValueError) as exc:
-                raise type(exc)(f"{label}: {exc}") from None
-        options = options_for(module, compile, label)
-        run = module if options is None else CompiledModule(module, options)
-        self._engine = graphed_engine(
-            run, active_runtime(), lambda: [p for p in module.parameters() if p.requires_grad],
-            name=label, num_warmup_steps=num_warmup_steps, fallback=fallback,
-            memory=memory, max_in_flight=max_in_flight, max_signatures=max_signatures,
-            accumulate_grads=accumulate_grads, generators=generators)
+        chosen = torch_engine_options(label, CUDAGraphedModule.__init__, warmup, engine_kwargs, options)
+        compiled = options_for(module, compile, label)
+        run = module if compiled is None else CompiledModule(module, compiled)
+        self._engine = graphed_engine(run, active_runtime(), lambda: [p for p in module.parameters() if p.requires_grad],
+                                      name=label, options=chosen)
 
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):

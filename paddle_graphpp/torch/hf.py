@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .graphed import CUDAGraphedModule
+from ..core.options import EngineOptions
+from .graphed import CUDAGraphedModule, torch_engine_options
 from .layers import check_layer, graph_in_place
 
 __all__ = ["causal_lm_stage", "CausalLMStage"]
@@ -300,16 +301,13 @@ def causal_lm_stage(
     model: nn.Module,
     stage_index: int,
     num_stages: int,
-    num_warmup_steps: int = 3,
-    *,
+    *warmup: int,
     layers_per_stage: Optional[Sequence[int]] = None,
     graph: bool = True,
-    fallback: str = "error",
-    memory: str = "shared",
-    accumulate_grads: Union[bool, str] = "auto",
-    generators: Any = None,
     compile: Any = None,
     scope: str = "blocks",
+    options: Optional[EngineOptions] = None,
+    **engine_kwargs: Any,
 ) -> CausalLMStage:
     """Cut a Hugging Face causal LM into pipeline stage ``stage_index`` of ``num_stages``.
 
@@ -324,11 +322,12 @@ def causal_lm_stage(
         model: a ``transformers`` causal LM with the Llama or GPT-2 layout (see the module
             docstring), built the same way on every rank.
         stage_index, num_stages: which stage to build, of how many.
-        num_warmup_steps: eager calls before each block captures (see ``CUDAGraphedModule``).
         layers_per_stage: blocks per stage, ``num_stages`` counts adding up to the model's.
         graph: ``False`` builds the same stage with eager blocks (a reference run).
-        fallback, memory, accumulate_grads, generators, compile: passed to each block's
-            ``CUDAGraphedModule`` (``compile``: see :func:`~paddle_graphpp.torch.layers.graph_layers`).
+        compile: see :func:`~paddle_graphpp.torch.layers.graph_layers`.
+        options, **engine_kwargs: the engine options of each block's ``CUDAGraphedModule`` (an
+            :class:`paddle_graphpp.EngineOptions`, or its fields by keyword, ``num_warmup_steps``
+            also positionally after ``num_stages``).
         scope: ``"blocks"`` (default) graphs each block in place; ``"stage"`` graphs the whole
             stage as one :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`, embeddings,
             final norm and head included: one forward and one backward launch per micro-batch.
@@ -342,7 +341,8 @@ def causal_lm_stage(
 
     Raises:
         TypeError: the model has neither known layout, or the installed transformers has a
-            ``create_causal_mask`` signature this version does not know.
+            ``create_causal_mask`` signature this version does not know; a keyword that is not
+            an option (the message lists the valid names).
         UnsupportedVersionError: transformers is older than the supported range (5.0).
         ValueError: a bad ``stage_index`` or split; embeddings tied to the head across stages
             (the message says to build the model with ``tie_word_embeddings=False``); a block
@@ -353,6 +353,7 @@ def causal_lm_stage(
         so a model that ties them (GPT-2's default) is refused: nothing here would reduce the
         tied weight's gradients across ranks. Build it with ``tie_word_embeddings=False``.
     """
+    chosen = torch_engine_options("causal_lm_stage()", causal_lm_stage, warmup, engine_kwargs, options)
     layout = _layout_of(model)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"causal_lm_stage(): num_stages must be an int >= 1, got {num_stages!r}")
@@ -373,14 +374,12 @@ def causal_lm_stage(
     if graph and scope == "stage":
         for i in indices:  # a graph inside a graph, or a recomputation inside one, is refused
             check_layer(f"{layout.base}.{layout.layers}.{i}", blocks[i], check_config=False)
-        stage.__dict__["_whole"] = CUDAGraphedModule(
-            _StageBody(stage), num_warmup_steps, fallback=fallback, memory=memory, accumulate_grads=accumulate_grads,
-            generators=generators, compile=compile, name=f"causal_lm_stage({stage_index}/{num_stages})")
+        stage.__dict__["_whole"] = CUDAGraphedModule(_StageBody(stage), compile=compile, options=chosen,
+                                                     name=f"causal_lm_stage({stage_index}/{num_stages})")
     elif graph and indices:
         prefix = f"{layout.base}.{layout.layers}"
         graph_in_place([(str(i), blocks[i]) for i in indices], [f"{prefix}.{i}" for i in indices],
-                       check_config=False, num_warmup_steps=num_warmup_steps, fallback=fallback, memory=memory,
-                       accumulate_grads=accumulate_grads, generators=generators, compile=compile)
+                       check_config=False, compile=compile, options=chosen)
     return stage
 
 

@@ -22,35 +22,26 @@ and hooks registered on it (``transformers``' output recording) are all as befor
 submodules, so it adds no names; the block runs it without a module call (``run``), so hooks
 belong on the block, not on ``layer.graphed``.
 
-A graphed block cannot update a key/value cache: the update is Python-side state that would
-happen once, at capture, and never at replay. :func:`graph_layers` refuses a model whose
-config has ``use_cache`` on, and a graphed block refuses a call with grad enabled that passes
-``use_cache=True``, a cache object, or ``output_attentions=True`` (attention weights are
-recorded by hooks inside the block, which replays do not run). Under ``torch.no_grad()``
-(evaluation, ``generate()``) a graphed block runs its original forward eagerly, so caches work
-there.
+What a graphed block refuses because a graph cannot replay it (key/value caches, recorded
+attention weights, gradient checkpointing in transformers' blocks) is checked by
+:mod:`paddle_graphpp.torch.integrations.transformers`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-import sys
 from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import nn
 
+from ..core.options import EngineOptions
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
-from .graphed import CUDAGraphedModule
+from .graphed import CUDAGraphedModule, torch_engine_options
+from .integrations import transformers as _transformers
 
 __all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
-
-# Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
-# the names transformers' decoder blocks use for them (``cache`` from transformers 5.24 on).
-_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-_FLAG_ARGS = ("use_cache", "output_attentions")
 
 _GRAPHED_CLASSES: dict = {}
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
@@ -135,7 +126,7 @@ class GraphedLayer(nn.Module):
     @opaque  # torch.compile around the model calls the graphed block as it is (see .compile)
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
-            self._graphpp_check_call(args, kwargs)
+            _transformers.check_call(self.__dict__[_NAME], self, self._graphpp_positions, args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
         return self.__dict__[_SLOT].run(args, kwargs)  # its forward, without a second module call
 
@@ -159,64 +150,6 @@ class GraphedLayer(nn.Module):
             f"deep-copied (it holds CUDA graphs). Save model.state_dict() (its keys are the ungraphed model's), "
             f"copy the model before graph_layers(), or call paddle_graphpp.torch.ungraph_layers() first.")
 
-    def _graphpp_check_call(self, args: tuple, kwargs: dict) -> None:
-        positions = self._graphpp_positions
-        name = self.__dict__[_NAME]
-
-        def given(arg):
-            if arg in kwargs:
-                return kwargs[arg]
-            index = positions.get(arg)
-            return args[index] if index is not None and index < len(args) else None
-
-        if getattr(self, "gradient_checkpointing", False) and self.training:
-            raise ValueError(
-                f"{name} has gradient checkpointing on (enabled after graph_layers()); its recomputation cannot "
-                f"run inside a graph. Call model.gradient_checkpointing_disable() (graphed layers keep their "
-                f"activations in the graph pool instead).")
-        if given("use_cache"):
-            raise ValueError(
-                f"{name}: use_cache=True reached a graphed layer, which cannot update a key/value cache (the "
-                f"update would happen at capture only). For training set `model.config.use_cache = False` or "
-                f"pass use_cache=False to the model's forward; under torch.no_grad() (generate()) the layer runs "
-                f"eagerly and the cache works.")
-        for arg in _CACHE_ARGS:
-            cache = given(arg)
-            if cache is not None:
-                raise ValueError(
-                    f"{name}: a cache object ({type(cache).__name__}, argument {arg}) reached a graphed layer, "
-                    f"which cannot update it (the update would happen at capture only). For training set "
-                    f"`model.config.use_cache = False` or pass use_cache=False (and no cache object) to the "
-                    f"model's forward; under torch.no_grad() the layer runs eagerly and caches work.")
-        if given("output_attentions") or "attentions" in _recorded_outputs():
-            raise ValueError(
-                f"{name}: output_attentions=True with a graphed layer: attention weights are recorded by hooks "
-                f"inside the layer, which graph replays do not run. Pass output_attentions=False (and leave "
-                f"model.config.output_attentions off) while training with graphs.")
-
-
-def _recorded_outputs() -> Any:
-    """What ``transformers``' output recording collects in the current forward (its hooks feed a
-    context variable); empty when transformers is not loaded or records nothing."""
-    capturing = sys.modules.get("transformers.utils.output_capturing")
-    collector = getattr(capturing, "_active_collector", None)
-    try:
-        found = collector.get() if collector is not None else None
-    except LookupError:  # a context variable without a default, never set
-        found = None
-    return found if isinstance(found, dict) else {}
-
-
-def _arg_positions(forward) -> dict:
-    """Positional indices (``self`` excluded) of the cache and flag arguments of ``forward``."""
-    try:
-        params = list(inspect.signature(forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return {}
-    positional = [p.name for p in params
-                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    return {n: positional.index(n) for n in (*_CACHE_ARGS, *_FLAG_ARGS) if n in positional}
-
 
 def _graphed_class(cls: type) -> type:
     graphed = _GRAPHED_CLASSES.get(cls)
@@ -224,7 +157,7 @@ def _graphed_class(cls: type) -> type:
         graphed = type(f"Graphed{cls.__name__}", (GraphedLayer, cls), {
             "__module__": __name__,
             "__doc__": f"{cls.__name__} graphed in place by paddle_graphpp.torch.graph_layers().",
-            "_graphpp_positions": _arg_positions(cls.forward),
+            "_graphpp_positions": _transformers.arg_positions(cls.forward),
             "_graphpp_original": cls,
         })
         _GRAPHED_CLASSES[cls] = graphed
@@ -258,15 +191,6 @@ def _entries(layers: Any) -> list:
     return pairs
 
 
-def _config_of(layer: nn.Module) -> Any:
-    """The model config a block's submodules hold (transformers' attention modules keep one)."""
-    for module in layer.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "use_cache"):
-            return config
-    return None
-
-
 def check_layer(name: str, layer: nn.Module, check_config: bool) -> None:
     """Refuse a block that cannot be graphed: graphed already, checkpointed, or (``check_config``)
     with a model config that keeps a cache or records attention weights."""
@@ -274,36 +198,16 @@ def check_layer(name: str, layer: nn.Module, check_config: bool) -> None:
         raise TypeError(f"{name} is already graphed (graph_layers() was called on it before)")
     if isinstance(layer, CUDAGraphedModule):
         raise TypeError(f"{name} is already a CUDAGraphedModule; pass the plain block to graph_layers()")
-    if getattr(layer, "gradient_checkpointing", False):
-        raise ValueError(
-            f"{name} has gradient checkpointing on; its recomputation cannot run inside a graph. Call "
-            f"model.gradient_checkpointing_disable() before graph_layers() (graphed layers keep their "
-            f"activations in the graph pool instead).")
-    config = _config_of(layer) if check_config else None
-    if config is not None and getattr(config, "use_cache", False):
-        raise ValueError(
-            f"{name}: the model's config has use_cache=True, and a graphed layer cannot update a key/value cache "
-            f"(the update would happen at capture only). Set `model.config.use_cache = False` before "
-            f"graph_layers() (and pass use_cache=False to forward if you set it there); generate() under "
-            f"torch.no_grad() still runs the layers eagerly and may use the cache.")
-    if config is not None and getattr(config, "output_attentions", False):
-        raise ValueError(
-            f"{name}: the model's config has output_attentions=True; attention weights are recorded by hooks "
-            f"inside the layer, which graph replays do not run. Set `model.config.output_attentions = False`.")
+    _transformers.check_block(name, layer, check_config)
 
 
 def graph_layers(
     layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, Iterable[nn.Module]],
-    num_warmup_steps: int = 3,
-    *,
+    *warmup: int,
     name: Optional[str] = None,
-    fallback: str = "error",
-    memory: str = "shared",
-    max_in_flight: int = 64,
-    max_signatures: int = 4,
-    accumulate_grads: Union[bool, str] = "auto",
-    generators: Any = None,
     compile: Any = None,
+    options: Optional[EngineOptions] = None,
+    **engine_kwargs: Any,
 ) -> list:
     """Graph each block of a model's list of repeated blocks in place, keeping every name.
 
@@ -324,30 +228,24 @@ def graph_layers(
     Args:
         layers: the blocks: ``nn.ModuleList`` (``model.model.layers``, ``model.transformer.h``),
             ``nn.ModuleDict``, ``nn.Sequential`` or a list of modules. Graphed in place.
-        num_warmup_steps: eager calls per input signature before each block records and
-            captures (passed to ``CUDAGraphedModule``, as are the options below).
         name: prefix of the blocks' names in messages: ``f"{name}.{key}"`` (key: the index, or
             the ``ModuleDict`` key); default ``f"{Class}[{key}]"``.
-        fallback: ``"error"`` (default) raises when capture fails; ``"eager"`` warns once and
-            keeps that block eager.
-        memory: ``"shared"`` (default, one pool for all graphs) or ``"per_graph"``.
-        max_in_flight: micro-batches a block may hold awaiting their backward.
-        max_signatures: input signatures captured per block.
-        accumulate_grads: ``"auto"`` (default), ``True`` or ``False``; see ``CUDAGraphedModule``.
-        generators: extra random generators the blocks draw from (the default CUDA generator
-            is always registered, so dropout works without this).
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments: each block's forward
             runs compiled (Inductor) inside its graphs, compiled in the warmup and captured
             (blocks of one class share the compiled code). A block compiled with
             ``block.compile()`` before this call is compiled this way too (with these options,
             or torch.compile's defaults: its own options are not recoverable), and
             ``mode="reduce-overhead"`` is refused. See ``CUDAGraphedModule``.
+        options, **engine_kwargs: the engine options of every block (an
+            :class:`paddle_graphpp.EngineOptions`, or its fields by keyword, ``num_warmup_steps``
+            also positionally), documented on ``CUDAGraphedModule``.
 
     Returns:
         The graphed blocks, in order (the same objects as in ``layers``).
 
     Raises:
-        TypeError: ``layers`` is not a container of modules, or a block is already graphed.
+        TypeError: ``layers`` is not a container of modules, or a block is already graphed; a
+            keyword that is not an option (the message lists the valid names).
         ValueError: the model's config has ``use_cache`` or ``output_attentions`` on, or a
             block has gradient checkpointing on (the message names the block and the fix);
             an invalid option; a block compiled with Inductor's own CUDA graphs
@@ -374,16 +272,15 @@ def graph_layers(
         parameters afterwards (``param.data = ...``): graphs read fixed addresses. A graphed
         model cannot be pickled or deep-copied; save its ``state_dict()``.
     """
+    chosen = torch_engine_options("graph_layers()", graph_layers, warmup, engine_kwargs, options)
     pairs = _entries(layers)
     names = [f"{name}.{key}" if name else f"{type(m).__name__}[{key}]" for key, m in pairs]
-    return graph_in_place(pairs, names, check_config=True, num_warmup_steps=num_warmup_steps,
-                          fallback=fallback, memory=memory, max_in_flight=max_in_flight,
-                          max_signatures=max_signatures, accumulate_grads=accumulate_grads, generators=generators,
-                          compile=compile)
+    return graph_in_place(pairs, names, check_config=True, compile=compile, options=chosen)
 
 
-def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any = None, **options: Any) -> list:
-    """The work of :func:`graph_layers` on ``(key, block)`` pairs named ``names``.
+def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any, options: EngineOptions) -> list:
+    """The work of :func:`graph_layers` on ``(key, block)`` pairs named ``names``, each block's
+    engine with ``options``.
 
     ``check_config=False`` skips the model-config checks (``use_cache``, ``output_attentions``):
     for callers that call the blocks themselves with ``use_cache=False``
@@ -400,7 +297,7 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     user_compiled = [refuse_inner_graphs(layer, label) is not None for label, (_, layer) in zip(names, pairs)]
     if compiled is None and any(user_compiled):
         compiled = {}  # block.compile(): compiled inside the graphs, with torch.compile's defaults
-    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled)), name=label, **options)
+    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled)), name=label, options=options)
                for label, (_, layer) in zip(names, pairs)]  # every option checked before any block changes
     graphed = []
     for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):

@@ -38,13 +38,16 @@ graph, the deferred weight pass a weight-gradient graph (see ``paddle_graphpp.co
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
-from paddle_graphpp.core import segment
-
-from .compile import compile_options, compiled_module
+from ..core import segment
+from ..core.options import EngineOptions
+from .compile import compile_options, compiled_module, options_for
+from .graphed import CUDAGraphedModule, torch_engine_options
 
 __all__ = ["graph_stage_module", "graph_loss", "GraphedLoss", "GraphedStage"]
 
@@ -179,14 +182,12 @@ def _tied_entries(items: list, shared: Iterable[nn.Module]) -> set:
 
 def graph_stage_module(
     stage: Any,
-    num_warmup_steps: int = 3,
-    *,
+    *warmup: int,
     shared: Iterable[nn.Module] = (),
-    fallback: str = "error",
-    memory: str = "shared",
-    accumulate_grads: Union[bool, str] = "auto",
     name: Optional[str] = None,
     compile: Any = None,
+    options: Optional[EngineOptions] = None,
+    **engine_kwargs: Any,
 ) -> GraphedStage:
     """Split a pipeline stage into runs of capturable modules, each captured as CUDA graphs.
 
@@ -194,8 +195,6 @@ def graph_stage_module(
         stage: the stage as ``nn.Sequential``, or a list of modules and plain callables, in
             execution order. Each entry takes the previous entry's output (a tuple is unpacked
             into positional arguments).
-        num_warmup_steps: eager micro-batches each graphed run sees before it captures
-            (passed to ``CUDAGraphedModule``).
         shared: modules to keep eager between the graphs. A weight tied to another stage (a
             tied embedding or output head) need not be listed: graphed, its gradient is added
             into ``.grad`` within each backward, as eagerly, and the reduction across stages
@@ -203,19 +202,14 @@ def graph_stage_module(
             memory instead of adding to it (docs/memory.md). List it to keep it eager, for
             example when a hook reduces its gradient during the backward. Weights used by two
             entries of this stage are detected and kept eager without being listed.
-        fallback: what a graphed run does when capture fails: ``"error"`` raises,
-            ``"eager"`` warns once and keeps running eagerly (passed to ``CUDAGraphedModule``).
-        memory: the graphs' memory mode, ``"shared"`` or ``"per_graph"``
-            (passed to ``CUDAGraphedModule``).
-        accumulate_grads: ``"auto"`` (default) accumulates the graphed runs' parameter
-            gradients into ``.grad`` inside their backward graphs, except for parameters whose
-            accumulation runs hooks (DDP); ``True`` forces it, ``False`` turns it off (passed
-            to ``CUDAGraphedModule``).
         name: prefix of the graphed runs' names in logs and errors (``"stage"`` by default).
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments: each module of a
             graphed run runs compiled (Inductor) inside the run's graphs, compiled in the warmup
             and captured; modules of one class share the compiled code. Eager entries stay
             uncompiled. See ``CUDAGraphedModule``.
+        options, **engine_kwargs: the engine options of each graphed run's ``CUDAGraphedModule``
+            (an :class:`paddle_graphpp.EngineOptions`, or its fields by keyword,
+            ``num_warmup_steps`` also positionally).
 
     Returns:
         A :class:`GraphedStage` sharing the stage's parameters. On CPU tensors the graphed
@@ -223,7 +217,8 @@ def graph_stage_module(
         test runs and NCCL GPU runs.
 
     Raises:
-        TypeError: ``stage`` is not an ordered list of modules/callables, or is already graphed.
+        TypeError: ``stage`` is not an ordered list of modules/callables, or is already graphed;
+            a keyword that is not an option (the message lists the valid names).
         ValueError: the stage is empty, or a ``shared`` module is not part of it.
 
     Warning:
@@ -240,9 +235,9 @@ def graph_stage_module(
         their own cannot be replayed faithfully: mark them with
         ``paddle_graphpp.mark_not_capturable(module)`` so they stay eager.
     """
-    from paddle_graphpp.torch.graphed import CUDAGraphedModule
-
-    compiled = compile_options(compile, f"graph_stage_module({name or 'stage'})")
+    owner = f"graph_stage_module({name or 'stage'})"
+    chosen = torch_engine_options(owner, graph_stage_module, warmup, engine_kwargs, options)
+    compiled = compile_options(compile, owner)
     items = _stage_items(stage)
     tied = _tied_entries(items, shared)
     entries = [
@@ -261,8 +256,7 @@ def graph_stage_module(
     for run in runs:
         if run.graphed:
             run_name = f"{prefix}[{run.start}:{run.stop}]"
-            steps.append(CUDAGraphedModule(_Run(run.objects(), compiled), num_warmup_steps, fallback=fallback,
-                                           memory=memory, accumulate_grads=accumulate_grads, name=run_name))
+            steps.append(CUDAGraphedModule(_Run(run.objects(), compiled), name=run_name, options=chosen))
         else:
             entry = run.entries[0]
             steps.append(entry.obj if isinstance(entry.obj, nn.Module) else _Call(entry.obj, entry.name))
@@ -302,15 +296,12 @@ class GraphedLoss(nn.Module):
         return self.graphed.engine
 
     def forward(self, *args, **kwargs):
-        import torch
-        from torch.utils._pytree import tree_map
-
         out = self.graphed(*args, **kwargs)
         return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
 
 
-def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = "error", memory: str = "shared",
-               compile: Any = None, name: Optional[str] = None) -> GraphedLoss:
+def graph_loss(loss_fn: Callable, *warmup: int, compile: Any = None, name: Optional[str] = None,
+               options: Optional[EngineOptions] = None, **engine_kwargs: Any) -> GraphedLoss:
     """The last stage's loss function, captured as CUDA graphs with the stage's graphs.
 
     Pass the result as the schedule's ``loss_fn``. Each micro-batch position's loss (forward
@@ -323,18 +314,21 @@ def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = 
             without trainable parameters). It must keep shapes fixed (a graph replays the shapes
             it captured); a loss that reads a Python value per call (a changing scale) must take
             it as a tensor.
-        num_warmup_steps, fallback, memory: as for :func:`graph_stage_module`.
         compile: ``True`` or a dict of ``torch.compile`` keyword arguments: the loss runs
             compiled (Inductor: the vocabulary-sized softmax, its reduction and their backward
             fused) inside its graphs, as the stage's modules do with ``graph_stage_module(...,
             compile=...)``. Without CUDA it runs compiled and eagerly.
         name: its name in logs and errors (``"loss"`` by default).
+        options, **engine_kwargs: the engine options of the loss's ``CUDAGraphedModule``, as for
+            :func:`graph_stage_module`, but ``accumulate_grads`` (the loss has no trainable
+            parameters).
 
     Returns:
         A :class:`GraphedLoss`. On CPU tensors it computes eagerly.
 
     Raises:
-        TypeError: ``loss_fn`` is not callable, is graphed already, or has trainable parameters
+        TypeError: a keyword that is not an option, or ``accumulate_grads``; ``loss_fn`` is not
+            callable, is graphed already, or has trainable parameters
             (the schedules give those no gradient in a zero-bubble input pass, and their weight
             pass covers the stage's parameters only: keep such a loss eager, or move its
             parameters into the stage); ``compile`` is neither a bool nor a dict.
@@ -342,8 +336,9 @@ def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = 
             Inductor's CUDA graphs (``mode="reduce-overhead"``), which cannot run inside a
             capture; or a loss compiled already is given ``compile=`` as well.
     """
-    from paddle_graphpp.torch.graphed import CUDAGraphedModule
-
+    owner = f"graph_loss({name or 'loss'})"
+    chosen = torch_engine_options(owner, graph_loss, warmup, engine_kwargs, options,
+                                  accumulate_grads="a graphed loss has no trainable parameters")
     if not callable(loss_fn):
         raise TypeError(f"graph_loss() needs the loss function, got {loss_fn!r}")
     if isinstance(loss_fn, (CUDAGraphedModule, GraphedLoss)):
@@ -357,9 +352,6 @@ def graph_loss(loss_fn: Callable, num_warmup_steps: int = 3, *, fallback: str = 
     if isinstance(loss_fn, nn.Module):
         module = loss_fn
     else:  # CUDAGraphedModule checks the module it gets: the function inside the wrapper is checked here
-        from .compile import options_for
-
-        options_for(loss_fn, compile, f"graph_loss({name or 'loss'})")
+        options_for(loss_fn, compile, owner)
         module = _Loss(loss_fn)
-    return GraphedLoss(CUDAGraphedModule(module, num_warmup_steps, fallback=fallback, memory=memory,
-                                         compile=compile, name=name or "loss"))
+    return GraphedLoss(CUDAGraphedModule(module, compile=compile, name=name or "loss", options=chosen))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from typing import Any, Optional, Sequence
 
 import torch
@@ -25,9 +24,15 @@ from . import compile as _compile
 from .memory import pool_segments as _pool_segments
 from .collectives.watch import TorchReplayEvents, noting_collectives
 from .graphs import capturing, empty_capture
+from .integrations import megatron as _megatron
 from .memory.capabilities import TorchMemory, _pool_id
 
-__all__ = ["TorchRuntime", "RUNTIME", "active_runtime"]
+__all__ = ["TorchRuntime", "RUNTIME", "RNG_TRACKERS", "active_runtime", "registered_generators"]
+
+#: The hook for libraries' RNG trackers: each capture registers their graph-safe generators, and a
+#: capture that drew from one of their other states is told how to seed it (one entry per library,
+#: in :mod:`paddle_graphpp.torch.integrations`).
+RNG_TRACKERS: tuple = (_megatron.TRACKER,)
 
 _ALIGN = 512  # bytes between buffers carved from one block (the caching allocator's own rounding)
 # names in TensorSpec, looked up rather than formatted: every graphed call makes specs of its inputs
@@ -184,7 +189,7 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         stream = stream if stream is not None else self.capture_stream()
         current = torch.cuda.current_stream()
         stream.wait_stream(current)
-        for gen in _registered_generators(generators):
+        for gen in registered_generators(generators):
             graph.register_generator_state(gen)
         # compiled code runs only what it compiled in the warmup (see .compile)
         with torch.cuda.stream(stream), _pool_segments.pool_allocations(), \
@@ -214,14 +219,14 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
                     "and the autocast and train/eval mode it had in the warmup.")
         if "generator not in capture mode" not in str(error):
             return None
-        tracker, unsafe = _megatron_tracker_states()
-        if unsafe:
-            return (f"The layer draws random numbers from Megatron-Core's RNG tracker (states {sorted(unsafe)}), "
-                    f"whose states are not graph-safe. Seed it with "
-                    f"model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True).")
         known = ["the default CUDA generator"]
-        if tracker:
-            known.append(f"Megatron-Core's RNG tracker states {sorted(tracker)}")
+        for tracker in RNG_TRACKERS:
+            safe, unsafe = tracker.states()
+            if unsafe:
+                return (f"The layer draws random numbers from {tracker.name} (states {sorted(unsafe)}), whose states "
+                        f"are not graph-safe. Seed it with {tracker.fix}.")
+            if safe:
+                known.append(f"{tracker.name} states {sorted(safe)}")
         if generators:
             known.append(f"{len(generators)} generator(s) passed as generators=")
         return (f"The layer draws random numbers from a CUDA generator this capture did not register "
@@ -251,23 +256,16 @@ def _parameter_slots(module) -> dict:
     return places
 
 
-def _megatron_tracker_states() -> tuple:
-    """The states of Megatron-Core's CUDA RNG tracker when Megatron is imported and the tracker
-    set up: ``({name: generator} of graph-safe states, [names of states that are not])``."""
-    random = sys.modules.get("megatron.core.tensor_parallel.random")
-    tracker = getattr(random, "_CUDA_RNG_STATE_TRACKER", None) if random is not None else None
-    states = getattr(tracker, "states_", None)
-    if not isinstance(states, dict):
-        return {}, []
-    safe = {name: s for name, s in states.items() if isinstance(s, torch.Generator)}
-    return safe, [name for name in states if name not in safe]
-
-
-def _registered_generators(extra) -> list:
+def registered_generators(extra) -> list:
     """The generators a capture registers besides the default one: ``extra`` and the graph-safe
-    states of recognised RNG trackers, each once, on CUDA."""
+    states of the :data:`RNG_TRACKERS`, each once, on CUDA.
+
+    Raises:
+        TypeError, ValueError: an entry of ``extra`` is not a CUDA ``torch.Generator``.
+    """
+    tracked = [gen for tracker in RNG_TRACKERS for gen in tracker.states()[0].values()]
     found, seen = [], set()
-    for gen in [*extra, *_megatron_tracker_states()[0].values()]:
+    for gen in [*extra, *tracked]:
         if not isinstance(gen, torch.Generator):
             raise TypeError(f"generators: expected torch.Generator objects, got {type(gen).__name__}")
         if gen.device.type != "cuda":

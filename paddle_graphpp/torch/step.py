@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..core.errors import CaptureError, StateReplacedError
+from ..core.options import EngineOptions, engine_options
 from ..core.scope import inline_layers
 from ..core.state import StateWatch
 from ..core.tree import flatten, unflatten
@@ -57,6 +58,12 @@ __all__ = ["graph_step", "GraphedStep"]
 logger = logging.getLogger("paddle_graphpp")
 
 _FALLBACKS = ("error", "eager")
+_REFUSED = {  # engine options that have no meaning for one graph of a whole step
+    "memory": "each signature of a step is captured into a pool of its own",
+    "max_in_flight": "a step holds no micro-batches in flight between calls",
+    "accumulate_grads": "the step's own backward accumulates into .grad inside its graph",
+    "generators": "the step's capture registers the default CUDA generator only",
+}
 _LIBRARY_DIRS = ("/torch/", "/paddle_graphpp/", "/transformers/utils/", "/contextlib.py", "/functools.py")
 
 
@@ -88,15 +95,15 @@ class GraphedStep:
     **kwargs)`` says why a signature runs eagerly (``None`` when it does not).
     """
 
-    def __init__(self, fn: Callable, optimizers: Sequence[torch.optim.Optimizer], *, num_warmup_steps: int,
-                 fallback: str, clone_outputs: bool, max_signatures: int, name: str):
+    def __init__(self, fn: Callable, optimizers: Sequence[torch.optim.Optimizer], *, options: EngineOptions,
+                 clone_outputs: bool, name: str):
         self.fn = fn
         self.name = name
         self.optimizers = list(optimizers)
-        self.num_warmup_steps = num_warmup_steps
-        self.fallback = fallback
+        self.num_warmup_steps = options.num_warmup_steps
+        self.fallback = options.fallback
         self.clone_outputs = clone_outputs
-        self.max_signatures = max_signatures
+        self.max_signatures = options.max_signatures
         self.runtime = active_runtime()
         self.params = _unique(p for opt in self.optimizers for g in opt.param_groups for p in g["params"])
         self._signatures: dict = {}
@@ -247,9 +254,10 @@ class GraphedStep:
             logger.warning("%s", message)
 
 
-def graph_step(fn: Callable, *, optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
-               num_warmup_steps: int = 2, fallback: str = "error", clone_outputs: bool = True,
-               max_signatures: int = 2, name: Optional[str] = None) -> GraphedStep:
+def graph_step(fn: Callable, *warmup: int,
+               optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+               clone_outputs: bool = True, name: Optional[str] = None, options: Optional[EngineOptions] = None,
+               **engine_kwargs: Any) -> GraphedStep:
     """Graph a whole training step: all its micro-batches, the accumulation and the optimizer step.
 
     Args:
@@ -261,23 +269,24 @@ def graph_step(fn: Callable, *, optimizers: Union[torch.optim.Optimizer, Sequenc
             capturable mode, and a float ``lr`` becomes a 0-d device tensor that
             ``torch.optim.lr_scheduler`` schedules fill in place; this happens here, so the
             warmup steps run the same arithmetic as the replays.
-        num_warmup_steps: eager calls of each signature before it is captured (at least 1:
-            lazily created state, such as optimizer moments and gradients, must exist first).
-        fallback: ``"error"`` raises :class:`~paddle_graphpp.CaptureError` when the capture
-            fails, ``"eager"`` logs it and runs the step eagerly; either way the signature then
-            runs eagerly.
         clone_outputs: return copies of the graph's output tensors (default). ``False``
             returns the buffers themselves, which the next call overwrites.
-        max_signatures: signatures captured at most; each has a pool of its own. Calls of
-            another signature run eagerly, with one warning.
         name: how messages name the step (default: the function's qualified name).
+        options, **engine_kwargs: of the engine options (:class:`paddle_graphpp.EngineOptions`,
+            or its fields by keyword), a step takes three: ``num_warmup_steps`` (eager calls of
+            each signature before its capture, at least 1: lazily created state such as
+            optimizer moments and gradients must exist first; also positionally after ``fn``),
+            ``fallback`` (``"error"`` raises :class:`~paddle_graphpp.CaptureError` when the
+            capture fails, ``"eager"`` logs it and runs the step eagerly; either way the
+            signature then runs eagerly) and ``max_signatures`` (signatures captured at most,
+            each with a pool of its own; calls of another run eagerly, with one warning).
 
     Returns:
         A :class:`GraphedStep`: call it as you would call ``fn``.
 
     Raises:
-        TypeError: ``fn`` is not callable, or an optimizer is not a ``torch.optim.Optimizer``
-            with a capturable mode.
+        TypeError: ``fn`` is not callable, an optimizer is not a ``torch.optim.Optimizer``
+            with a capturable mode, or an engine option a step does not take.
         ValueError: a bad ``num_warmup_steps``, ``fallback`` or ``max_signatures``.
         CaptureError: (from a call) the capture failed, with the module that was running and
             the line that synchronised; an optimizer hyperparameter other than ``lr`` changed
@@ -311,14 +320,14 @@ def graph_step(fn: Callable, *, optimizers: Union[torch.optim.Optimizer, Sequenc
                             f"device values on the host; use an optimizer with one (Adam, AdamW, SGD...), or step "
                             f"it outside the graphed step.")
     opts = [getattr(o, "optimizer", o) for o in opts]
-    if not isinstance(num_warmup_steps, int) or num_warmup_steps < 1:
-        raise ValueError(f"{label}: num_warmup_steps must be an int >= 1, got {num_warmup_steps!r}")
-    if fallback not in _FALLBACKS:
-        raise ValueError(f"{label}: fallback must be one of {_FALLBACKS}, got {fallback!r}")
-    if not isinstance(max_signatures, int) or max_signatures < 1:
-        raise ValueError(f"{label}: max_signatures must be an int >= 1, got {max_signatures!r}")
-    return GraphedStep(fn, opts, num_warmup_steps=num_warmup_steps, fallback=fallback,
-                       clone_outputs=bool(clone_outputs), max_signatures=max_signatures, name=label)
+    chosen = engine_options(f"{label}", graph_step, warmup, engine_kwargs, options=options, refused=_REFUSED)
+    if not isinstance(chosen.num_warmup_steps, int) or chosen.num_warmup_steps < 1:
+        raise ValueError(f"{label}: num_warmup_steps must be an int >= 1, got {chosen.num_warmup_steps!r}")
+    if chosen.fallback not in _FALLBACKS:
+        raise ValueError(f"{label}: fallback must be one of {_FALLBACKS}, got {chosen.fallback!r}")
+    if not isinstance(chosen.max_signatures, int) or chosen.max_signatures < 1:
+        raise ValueError(f"{label}: max_signatures must be an int >= 1, got {chosen.max_signatures!r}")
+    return GraphedStep(fn, opts, options=chosen, clone_outputs=bool(clone_outputs), name=label)
 
 
 # ------------------------------------------------------------------ helpers

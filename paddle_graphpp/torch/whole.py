@@ -34,12 +34,13 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from .graphed import CUDAGraphedModule
+from ..core.options import EngineOptions
+from .graphed import CUDAGraphedModule, torch_engine_options
 from .hf import CausalLMStage, _layout_of
 from .layers import check_layer
 
@@ -144,35 +145,28 @@ class GraphedCausalLM:
         return None
 
 
-def graph_model(
-    model: nn.Module,
-    num_warmup_steps: int = 3,
-    *,
-    fallback: str = "error",
-    memory: str = "shared",
-    accumulate_grads: Union[bool, str] = "auto",
-    generators: Any = None,
-    compile: Any = None,
-) -> nn.Module:
+def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Optional[EngineOptions] = None,
+                **engine_kwargs: Any) -> nn.Module:
     """Graph a Hugging Face causal LM whole, from the token ids to the loss, in place.
 
     Args:
         model: a ``transformers`` causal LM with the Llama or GPT-2 layout (see
             :func:`~paddle_graphpp.torch.hf.causal_lm_stage`), with its blocks not graphed and
             gradient checkpointing off.
-        num_warmup_steps: eager calls before a signature is captured (at least 1: the block
-            arguments of each batch shape are built in an eager call).
-        fallback, memory, accumulate_grads, generators, compile: as for
-            :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` (``compile=True``:
+        compile: as for :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` (``True``:
             Inductor kernels inside the graph).
+        options, **engine_kwargs: the engine options of the whole-model ``CUDAGraphedModule``
+            (an :class:`paddle_graphpp.EngineOptions`, or its fields by keyword,
+            ``num_warmup_steps`` also positionally after the model); ``num_warmup_steps`` must
+            be at least 1 here (the block arguments of each batch shape are built in an eager call).
 
     Returns:
         ``model``, whose ``forward`` now runs the graph for the calls it covers.
 
     Raises:
         TypeError: the model has neither known layout, is graphed already (by this function or
-            by ``graph_layers()`` on its blocks: a graph inside a graph), or ``num_warmup_steps``
-            is not an int >= 1.
+            by ``graph_layers()`` on its blocks: a graph inside a graph), ``num_warmup_steps``
+            is not an int >= 1, or a keyword is not an engine option.
         ValueError: a block has gradient checkpointing on.
 
     Warnings:
@@ -184,18 +178,18 @@ def graph_model(
           buffer: keep the tensor itself (the engine then moves it before reusing the memory)
           or a clone, not a view of it, past the next micro-batch. The loss is a copy.
     """
+    chosen = torch_engine_options("graph_model()", graph_model, warmup, engine_kwargs, options)
     if _SLOT in model.__dict__:
         raise TypeError(f"graph_model(): {type(model).__name__} is graphed already; call ungraph_model() first")
-    if not isinstance(num_warmup_steps, int) or num_warmup_steps < 1:
+    if not isinstance(chosen.num_warmup_steps, int) or chosen.num_warmup_steps < 1:
         raise TypeError(f"graph_model(): num_warmup_steps must be an int >= 1 (the block arguments are built in an "
-                        f"eager call), got {num_warmup_steps!r}")
+                        f"eager call), got {chosen.num_warmup_steps!r}")
     layout = _layout_of(model)
     blocks = getattr(getattr(model, layout.base), layout.layers)
     for i, block in enumerate(blocks):
         check_layer(f"{layout.base}.{layout.layers}.{i}", block, check_config=False)
     stage = CausalLMStage(model, layout, 0, 1, range(len(blocks)))
-    graphed = CUDAGraphedModule(_LMBody(stage, model), num_warmup_steps, fallback=fallback, memory=memory,
-                                accumulate_grads=accumulate_grads, generators=generators, compile=compile,
+    graphed = CUDAGraphedModule(_LMBody(stage, model), compile=compile, options=chosen,
                                 name=f"graph_model({type(model).__name__})")
     whole = GraphedCausalLM(model, stage, graphed)
 

@@ -25,8 +25,8 @@ allocator's rules (PyTorch 2.x, ``expandable_segments`` off, ``max_split_size_mb
 
 Requests are matched to frees by a key of the caller's choice (an address in a recorded
 history, a counter in a plan). Measured against 12 recorded runs (GPT-3 1.3B ``zbv`` and
-``dualpipev`` stages, three layouts, 2026-11-26; the record is in git history, see
-``benchmarks/NOTES.md``, fifth session): with
+``dualpipev`` stages, three layouts, 2026-11-26; the record and the notes of the fifth
+session are in git history, ``git show 32ce9ec:benchmarks/NOTES.md``): with
 its segments at the run's addresses the model gives each run's pool exactly; from another
 layout's run it gives the runs with a reserve (block or segments) within 4 MiB, while without
 a reserve the outcome depends on the order of the addresses the driver hands out (between free

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = str(Path(__file__).resolve().parents[2])
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from tools import launch  # noqa: E402
+from testing import launch  # noqa: E402
 from tools.benchlib import DeviceMemory, last_json_line  # noqa: E402
 
 VARIANTS = {  # graph_stage_module options per variant (None: eager)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tools import launch
+from testing import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

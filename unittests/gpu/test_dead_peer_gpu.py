@@ -133,7 +133,7 @@ def _events(path):
 def _run_pair(tmp_path, mode):
     """Both ranks to their end (or 200 s) in ``mode`` ("nccl" or "custom"): (processes, the tails
     of their outputs, when they ended, when rank 1 was killed, rank 0's "end" events)."""
-    from tools.launch import free_port
+    from testing.launch import free_port
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

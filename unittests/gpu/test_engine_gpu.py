@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires 
 
 from paddle_graphpp.core.errors import CaptureError  # noqa: E402
 from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
-from tools.engine_parity import ORDER, Stack, check_parity, rel, run_step, twins  # noqa: E402
+from testing.parity import ORDER, Stack, check_parity, rel, run_step, twins  # noqa: E402
 
 DEV = "cuda"
 
@@ -311,7 +311,7 @@ def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monk
 
     from paddle_graphpp.torch.memory import pool_lending
     from paddle_graphpp.torch.runtime import RUNTIME
-    from tools.engine_parity import SEQ
+    from testing.parity import SEQ
 
     monkeypatch.setattr(pool_lending, "_ANY_STEPPED", False)  # as in a fresh process
     monkeypatch.setattr(pool_lending, "_FOUND", weakref.WeakSet())

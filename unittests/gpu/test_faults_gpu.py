@@ -332,7 +332,7 @@ def test_two_ranks_both_raise_when_one_capture_fails(tmp_path):
     import os
     import sys
 
-    from tools import launch
+    from testing import launch
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     worker = os.path.join(repo, "unittests", "test_capture_agreement.py")

@@ -140,7 +140,7 @@ def test_megatron_tracker_found_without_arguments():
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from tools.launch import free_port
+    from testing.launch import free_port
 
     def new_tracker():
         tensor_parallel.model_parallel_cuda_manual_seed(123, use_cudagraphable_rng=True, force_reset_rng=True)

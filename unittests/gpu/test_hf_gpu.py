@@ -6,7 +6,7 @@ GPT-2 and Llama built from small configs (no download), fp32 with TF32 off, drop
 * One GPU: ``graph_layers`` on a copy of the model; 6 steps of 4 micro-batches in a 1F1B-like
   order, then AdamW, side by side with the eager model from the same seeds. Losses, logits,
   parameter gradients and the final weights must match eager to 1e-6 (relative), as the
-  engine's own parity check (``tools/engine_parity.py``) requires; the graphs must have been
+  engine's own parity check (``testing/parity.py``) requires; the graphs must have been
   captured once per micro-batch position and replayed in every step after the capture.
   Both attention implementations: ``sdpa`` (the default; its dropout runs inside the fused
   kernel) and ``eager``.
@@ -32,8 +32,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from paddle_graphpp.torch import graph_layers  # noqa: E402
-from tools import launch  # noqa: E402
-from tools.engine_parity import rel  # noqa: E402
+from testing import launch  # noqa: E402
+from testing.parity import rel  # noqa: E402
 
 DEV = "cuda"
 HERE = os.path.dirname(os.path.abspath(__file__))

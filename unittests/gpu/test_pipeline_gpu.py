@@ -59,7 +59,7 @@ def test_graphed_stages_stay_equal_to_eager_through_a_new_signature_and_a_failed
     gradient of every step as the plain stages' (benchmarks/results/gpu-tests-h200x4.json).
     Each fault under one schedule (the failed capture under the interleaved one, which has a
     chunk per graph on rank 1): the whole suite on two GPUs must fit one 10-minute device call."""
-    from tools.engine_parity import TOLERANCE, rel
+    from testing.parity import TOLERANCE, rel
     from unittests.pipeline_ranks import graphed_against_eager, run_pipeline_ranks
 
     steps = 8

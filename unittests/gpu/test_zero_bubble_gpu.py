@@ -1,6 +1,6 @@
 """Zero-bubble schedules on real GPUs: a graphed layer's backward as input and weight graphs.
 
-One GPU: the GPT stack of tools/engine_parity.py (dropout 0.1, two differentiable outputs)
+One GPU: the GPT stack of testing/parity.py (dropout 0.1, two differentiable outputs)
 runs micro-batches the way a zero-bubble stage does, through torch.distributed.pipelining's
 own input and weight passes (``stage_backward_input`` / ``stage_backward_weight``), eagerly
 and graphed side by side; losses, input gradients, parameter gradients and AdamW weights
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires 
 import torch.distributed.pipelining as pipelining  # noqa: E402
 
 from paddle_graphpp.torch import CUDAGraphedModule  # noqa: E402
-from tools.engine_parity import SEQ, TOLERANCE, Scale, Stack, rel, run_order, twins  # noqa: E402
+from testing.parity import SEQ, TOLERANCE, Scale, Stack, rel, run_order, twins  # noqa: E402
 from unittests.pipeline_ranks import graphed_against_eager, run_pipeline_ranks  # noqa: E402
 
 DEV = "cuda"

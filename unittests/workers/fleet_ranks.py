@@ -4,7 +4,7 @@ A worker (``paddle_pipeline_worker.py``, ``paddleformers_worker.py``) calls :fun
 trains (:func:`train_on_random_tokens`, :func:`count_calls`), and ends with :func:`finish`,
 which writes ``rank<N>.json`` into ``--out``. A test calls
 :func:`launch_workers`, which runs the worker under ``python -m paddle.distributed.launch`` in
-its own session under a time limit (``tools/launch.py``) and reads the results back.
+its own session under a time limit (``testing/launch.py``) and reads the results back.
 
 Paddle's own gloo setup inside ``fleet.init`` often fails on a 2-core machine ("connection
 refused"; about 6 of 10 launches with 4 ranks, measured). It fails before any code under test
@@ -112,7 +112,7 @@ def worker_logs(log_dir: str) -> str:
 
 
 def _launch_once(worker, nproc, args, out, timeout):
-    from tools import launch
+    from testing import launch
 
     log_dir = os.path.join(out, "log")
     os.makedirs(log_dir, exist_ok=True)

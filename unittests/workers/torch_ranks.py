@@ -1,4 +1,4 @@
-"""Process-group setup shared by the torch rank workers (started under ``tools/launch.py``)."""
+"""Process-group setup shared by the torch rank workers (started under ``testing/launch.py``)."""
 import datetime
 import os
 

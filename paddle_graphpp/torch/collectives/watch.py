@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ...core import collectives as _collectives
-from ...core.capture import process_for
 from ...core.runtime import ReplayEvents
 
-__all__ = ["TorchReplayEvents", "watch_replays", "noting_collectives", "group_timeout"]
+__all__ = ["TorchReplayEvents", "noting_collectives", "group_timeout"]
 
 _FAILED_KEY = "paddle_graphpp/capture_failed"
 _COUNT_KEY = "paddle_graphpp/capture_failures"
@@ -132,24 +131,3 @@ def noting_collectives() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-
-
-def watch_replays(timeout: Optional[float], *, grace: float = 30.0) -> None:
-    """Time every graph replay of this process: one that has not completed ``timeout`` seconds
-    after its launch raises :class:`paddle_graphpp.ReplayTimeoutError` at the next graphed call;
-    ``grace`` seconds later the process groups are aborted, and ``grace`` seconds after that the
-    process exits (code :data:`paddle_graphpp.core.watchdog.EXIT_CODE`) if it is still stuck.
-
-    By default (without this call) replays are timed with the default process group's timeout
-    where a group of several ranks exists (``FLAGS_graphpp_replay_timeout`` overrides it; 0 turns
-    it off). ``timeout=None`` or ``0`` turns timing off here (a peer's failed capture is still
-    reported where several ranks exist, unless ``FLAGS_graphpp_capture_agreement=0``).
-
-    Raises:
-        ValueError: a negative or non-numeric ``timeout``, or ``grace`` not > 0.
-    """
-    if not grace > 0:
-        raise ValueError(f"watch_replays: grace must be > 0 seconds, got {grace!r}")
-    from ..runtime import active_runtime
-
-    process_for(active_runtime()).replay_watch.watch(0 if timeout is None else timeout, grace=grace)

@@ -2,7 +2,7 @@
 
 The one launcher of the trainer, the benchmarks, the GPU check and the distributed tests::
 
-    from tools import launch
+    from testing import launch
 
     port = launch.free_port()
     envs = launch.rank_envs(2, port=port)                 # RANK, WORLD_SIZE, MASTER_PORT, ...

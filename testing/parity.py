@@ -1,7 +1,8 @@
 """Graphed against eager on a small GPT stack: the engine's parity check on a GPU (PyTorch).
 
-Shared by ``unittests/gpu/test_engine_gpu.py`` (which runs it as a test) and
-``tools/gpu_check.py`` (which records the worst error it saw). The stack is three blocks of the
+Shared by the GPU tests (``unittests/gpu/test_engine_gpu.py`` runs it as a test; the zero-bubble,
+compile, pipeline and Hugging Face tests use its stack, orders and ``rel``) and by
+``tools/gpu_check.py`` (which records the worst error it saw) and ``tools/bench_zero_bubble.py``. The stack is three blocks of the
 trainer's GPT (``tools/gpt_torch.py``, explicit attention, dropout 0.1) with two differentiable
 outputs (the hidden state and an auxiliary head); each step runs four micro-batches in an
 interleaved pipeline order, then an AdamW step.

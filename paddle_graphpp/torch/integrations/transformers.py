@@ -1,0 +1,129 @@
+"""Hugging Face ``transformers`` decoder blocks under :func:`~paddle_graphpp.torch.layers.graph_layers`.
+
+A graphed block cannot update a key/value cache: the update is Python-side state that would
+happen once, at capture, and never at replay. Nor can it record attention weights
+(``output_attentions``: transformers records them with hooks inside the block, which replays do
+not run), or recompute activations (gradient checkpointing). :func:`check_block` refuses a
+block whose model config asks for any of these when it is graphed; :func:`check_call` refuses a
+call with grad enabled that passes ``use_cache=True``, a cache object or
+``output_attentions=True``, or that transformers' output recording asks attention weights of.
+Under ``torch.no_grad()`` (evaluation, ``generate()``) a graphed block runs eagerly, and
+caches work.
+
+The argument names are the ones transformers' decoder blocks use; the output recording is read
+from transformers' ``output_capturing`` module when transformers is loaded (this module does not
+import it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, Mapping
+
+from torch import nn
+
+__all__ = ["arg_positions", "check_block", "check_call", "recorded_outputs"]
+
+# Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
+# the names transformers' decoder blocks use for them (``cache`` from transformers 5.24 on).
+CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+FLAG_ARGS = ("use_cache", "output_attentions")
+
+
+def arg_positions(forward) -> dict:
+    """Positional indices (``self`` excluded) of the cache and flag arguments of a block's ``forward``."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return {}
+    positional = [p.name for p in params
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    return {n: positional.index(n) for n in (*CACHE_ARGS, *FLAG_ARGS) if n in positional}
+
+
+def _config_of(layer: nn.Module) -> Any:
+    """The model config a block's submodules hold (transformers' attention modules keep one)."""
+    for module in layer.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "use_cache"):
+            return config
+    return None
+
+
+def check_block(name: str, layer: nn.Module, check_config: bool) -> None:
+    """Refuse to graph ``layer`` (named ``name``) with gradient checkpointing on, or, with
+    ``check_config``, under a model config with ``use_cache`` or ``output_attentions`` on.
+
+    Raises:
+        ValueError: naming the block and the setting to change.
+    """
+    if getattr(layer, "gradient_checkpointing", False):
+        raise ValueError(
+            f"{name} has gradient checkpointing on; its recomputation cannot run inside a graph. Call "
+            f"model.gradient_checkpointing_disable() before graph_layers() (graphed layers keep their "
+            f"activations in the graph pool instead).")
+    config = _config_of(layer) if check_config else None
+    if config is not None and getattr(config, "use_cache", False):
+        raise ValueError(
+            f"{name}: the model's config has use_cache=True, and a graphed layer cannot update a key/value cache "
+            f"(the update would happen at capture only). Set `model.config.use_cache = False` before "
+            f"graph_layers() (and pass use_cache=False to forward if you set it there); generate() under "
+            f"torch.no_grad() still runs the layers eagerly and may use the cache.")
+    if config is not None and getattr(config, "output_attentions", False):
+        raise ValueError(
+            f"{name}: the model's config has output_attentions=True; attention weights are recorded by hooks "
+            f"inside the layer, which graph replays do not run. Set `model.config.output_attentions = False`.")
+
+
+def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: tuple, kwargs: dict) -> None:
+    """Refuse a call of the graphed block ``layer`` (with grad enabled) that a graph cannot
+    replay: ``positions`` are :func:`arg_positions` of its class's forward.
+
+    Raises:
+        ValueError: gradient checkpointing turned on after graphing, ``use_cache=True``, a cache
+            object, or attention weights asked for (the message names the block and the fix).
+    """
+    def given(arg):
+        if arg in kwargs:
+            return kwargs[arg]
+        index = positions.get(arg)
+        return args[index] if index is not None and index < len(args) else None
+
+    if getattr(layer, "gradient_checkpointing", False) and layer.training:
+        raise ValueError(
+            f"{name} has gradient checkpointing on (enabled after graph_layers()); its recomputation cannot "
+            f"run inside a graph. Call model.gradient_checkpointing_disable() (graphed layers keep their "
+            f"activations in the graph pool instead).")
+    if given("use_cache"):
+        raise ValueError(
+            f"{name}: use_cache=True reached a graphed layer, which cannot update a key/value cache (the "
+            f"update would happen at capture only). For training set `model.config.use_cache = False` or "
+            f"pass use_cache=False to the model's forward; under torch.no_grad() (generate()) the layer runs "
+            f"eagerly and the cache works.")
+    for arg in CACHE_ARGS:
+        cache = given(arg)
+        if cache is not None:
+            raise ValueError(
+                f"{name}: a cache object ({type(cache).__name__}, argument {arg}) reached a graphed layer, "
+                f"which cannot update it (the update would happen at capture only). For training set "
+                f"`model.config.use_cache = False` or pass use_cache=False (and no cache object) to the "
+                f"model's forward; under torch.no_grad() the layer runs eagerly and caches work.")
+    if given("output_attentions") or "attentions" in recorded_outputs():
+        raise ValueError(
+            f"{name}: output_attentions=True with a graphed layer: attention weights are recorded by hooks "
+            f"inside the layer, which graph replays do not run. Pass output_attentions=False (and leave "
+            f"model.config.output_attentions off) while training with graphs.")
+
+
+def recorded_outputs() -> Any:
+    """What ``transformers``' output recording collects in the current forward (its hooks feed a
+    context variable, ``transformers.utils.output_capturing._active_collector``, a private name:
+    read defensively); empty when transformers is not loaded or records nothing."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    collector = getattr(capturing, "_active_collector", None)
+    try:
+        found = collector.get() if collector is not None else None
+    except LookupError:  # a context variable without a default, never set
+        found = None
+    return found if isinstance(found, dict) else {}
