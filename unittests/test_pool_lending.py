@@ -263,7 +263,8 @@ def _give_back_and_release():
 def test_a_step_with_a_closure_never_borrows_the_pool():
     # step(closure) runs a forward and backward between the step's hooks (Lightning's last
     # micro-batch of a window): the closure's eager tensors must not land in graph memory.
-    assert pool_lending._has_closure((lambda: 0,), {})
-    assert pool_lending._has_closure((), {"closure": lambda: 0})
-    assert not pool_lending._has_closure((), {})
-    assert not pool_lending._has_closure((None,), {"closure": None})
+    opt = object()  # the hooks get the step's arguments with the optimizer first
+    assert pool_lending._has_closure((opt, lambda: 0), {})
+    assert pool_lending._has_closure((opt,), {"closure": lambda: 0})
+    assert not pool_lending._has_closure((opt,), {})
+    assert not pool_lending._has_closure((opt, None), {"closure": None})

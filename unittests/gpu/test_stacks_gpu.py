@@ -117,7 +117,8 @@ def test_lightning_trainer_graphed_equals_eager(tmp_path):
                              gradient_clip_val=1.0, max_steps=STEPS, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
         torch.manual_seed(3)
-        trainer.fit(module, train_dataloaders=[t for t in batches(STEPS * MICRO)])
+        tokens = torch.cat([b.cpu() for b in batches(STEPS * MICRO)])
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(tokens, batch_size=MBS))
         torch.cuda.synchronize()
         return torch.stack(module.losses), [p.detach().clone() for p in model.parameters()]
 

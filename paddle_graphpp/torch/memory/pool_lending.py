@@ -258,8 +258,9 @@ class PoolLender:
 
 
 def _has_closure(args: tuple, kwargs: dict) -> bool:
-    """Whether ``optimizer.step`` was called with a closure (positionally or by name)."""
-    return (bool(args) and args[0] is not None) or kwargs.get("closure") is not None
+    """Whether ``optimizer.step`` was called with a closure, positionally or by name (the step
+    hooks get the step's arguments with the optimizer itself first)."""
+    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
 
 
 def _state_complete(optimizer: torch.optim.Optimizer) -> bool:
