@@ -2,7 +2,9 @@
 
 The report lists the frameworks and libraries found (against their supported ranges), the GPU
 and its driver, whether a small CUDA graph captures and replays here (PyTorch), the allocator
-settings in force, and which optional features are available or would fall back. Without a GPU
+settings in force, and which optional features are available or would fall back; a feature that
+cannot apply here (the GPU features on a machine without a working capture) is not listed, and
+neither is advice for it. Also installed as the console script ``paddle-graphpp-report``. Without a GPU
 (no ``/dev/nvidia*`` device and no ``nvidia-smi``) no framework is imported, so the report takes
 a fraction of a second on a CPU machine.
 """
@@ -81,20 +83,41 @@ def _flag(name: str, default: bool) -> bool:
         return default
 
 
-def _features(torch_found: Optional[dict]) -> dict:
-    """Optional features: available here, or what they fall back to."""
-    on_gpu = bool(torch_found and torch_found.get("capture") == "works")
-    n = len(torch_found.get("devices", [])) if torch_found else 0
-    async_on = bool(torch_found and torch_found.get("allocator_backend") == "cudaMallocAsync") or \
+_GPU_FEATURES = "custom all-reduce, expandable graph pools, stream-ordered allocator, capture agreement, watchdog"
+
+
+def _features(torch_found: Optional[dict], *, gpu_visible: bool) -> dict:
+    """The optional features that apply on this machine: available, or what they fall back to.
+
+    ``cuda_graphs`` is always there; the GPU features are listed only where a graph captured
+    here (PyTorch), since none of them does anything elsewhere, and the advice on enabling the
+    custom all-reduce only where it could run (2 GPUs or more)."""
+    if torch_found is None:
+        if not gpu_visible:
+            return {"cuda_graphs": f"falls back to eager (no GPU visible); the GPU features ({_GPU_FEATURES}) "
+                                   f"do not apply"}
+        found = {"cuda_graphs": "not checked (the report tries a capture through PyTorch where it is installed, "
+                                "without --no-device)"}
+        if _flag("FLAGS_use_cuda_malloc_async_allocator", False):
+            found["stream_ordered_allocator"] = "asked for (FLAGS_use_cuda_malloc_async_allocator)"
+        return found
+    if torch_found.get("capture") != "works":
+        return {"cuda_graphs": f"falls back to eager ({torch_found.get('capture')})"}
+    n = len(torch_found.get("devices", []))
+    async_on = torch_found.get("allocator_backend") == "cudaMallocAsync" or \
         _flag("FLAGS_use_cuda_malloc_async_allocator", False)
     multicast_off = os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") == "1"
+    if n < 2:
+        all_reduce = f"falls back to NCCL/the framework's all-reduce (needs 2 or 4 GPUs; {n} here)"
+    elif multicast_off:
+        all_reduce = "available for groups of 2 or 4 ranks"
+    else:
+        all_reduce = ("falls back to NCCL/the framework's all-reduce (set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and "
+                      "NCCL_NVLS_ENABLE=0 for it)")
     expandable = _flag("FLAGS_graphpp_pool_expandable", True)
     return {
-        "cuda_graphs": "available" if on_gpu else "falls back to eager (no working capture here)",
-        "custom_all_reduce": ("available for groups of 2 or 4 ranks" if on_gpu and n >= 2 and multicast_off else
-                              "falls back to NCCL/the framework's all-reduce" + (
-                                  "" if multicast_off else " (set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and "
-                                                           "NCCL_NVLS_ENABLE=0 for it)")),
+        "cuda_graphs": "available",
+        "custom_all_reduce": all_reduce,
         "expandable_graph_pools": ("on" if expandable and not async_on else
                                    "off" + (" (stream-ordered allocator)" if async_on else
                                             " (FLAGS_graphpp_pool_expandable=0)")),
@@ -110,14 +133,15 @@ def environment_report(*, check_device: Optional[bool] = None) -> dict:
     capture (default: when a GPU is visible and PyTorch is installed)."""
     versions = support_report()
     gpus = _nvidia_smi()
+    gpu_visible = _gpu_visible()
     if check_device is None:
-        check_device = _gpu_visible() and versions["torch"]["installed"] is not None
+        check_device = gpu_visible and versions["torch"]["installed"] is not None
     torch_found = _torch_checks() if check_device else None
     settings = {name: os.environ[name] for name in _SETTINGS if name in os.environ}
     from . import __version__
 
     return {"paddle_graphpp": __version__, "integrations": versions, "gpus": gpus, "torch": torch_found,
-            "settings": settings, "features": _features(torch_found)}
+            "settings": settings, "features": _features(torch_found, gpu_visible=gpu_visible)}
 
 
 def format_report(report: dict) -> str:

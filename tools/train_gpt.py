@@ -857,7 +857,8 @@ def run_paddle(cfg: Config) -> None:
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": cfg.pp, "sharding_degree": 1}
     strategy.pipeline_configs = {"accumulate_steps": cfg.micro_batches, "micro_batch_size": cfg.micro_batch_size}
-    fleet.init(is_collective=True, strategy=strategy)
+    # at INFO fleet logs its topology and every layer it builds: the losses would drown in it
+    fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
     rank = dist.get_rank()
 
     from tools.gpt_paddle import Block, EmbeddingPipe, LossPipe, head_forward
@@ -957,9 +958,10 @@ def spawn_ranks(cfg: Config, argv: list) -> int:
     log_dir = None
     if cfg.framework == "paddle":
         log_dir = tempfile.mkdtemp(prefix="train_gpt_paddle_")
-        # paddle's launcher prints rank 0's output and stops every rank when one fails
+        # paddle's launcher prints rank 0's output and stops every rank when one fails; at WARNING
+        # it leaves out its configuration dump and keeps its errors and the failed rank's log tail
         cmds = [[sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(cfg.pp),
-                 "--log_dir", log_dir, script, *argv]]
+                 "--log_dir", log_dir, "--log_level", "WARNING", script, *argv]]
         envs = [env]
     else:
         cmds = [[sys.executable, script, *argv]] * (cfg.pp * cfg.tp)

@@ -8,23 +8,21 @@ trains the same tiny Llama eagerly, after ``paddle_graphpp.graph_pipeline(model)
 the decoder layers graphed and the tied embedding/head eager. The graphed runs execute eagerly
 on CPU, so this checks the wiring (segmentation, names, schedule), not graph replay.
 
-Needs ``pip install --no-deps -r requirements-paddleformers.txt``; skipped without it. Each
+Needs ``pip install --no-deps paddleformers==1.2.0`` (after the test requirements; see
+requirements-examples.txt); skipped without it, quoting that line. Each
 launch runs in its own session under a time limit (testing/launch.py), and is retried when
 gloo fails to connect inside ``fleet.init`` (before any code under test runs).
 """
 
-import importlib.util
 import math
 import os
 
 import pytest
 
+from installs import skip_without_paddleformers
+
 pytest.importorskip("paddle")
-# Checked without importing it: importing paddleformers switches transformers' PyTorch support
-# off for the whole process (it sets transformers' is_torch_available to False).
-if importlib.util.find_spec("paddleformers") is None:
-    pytest.skip("paddleformers is not installed: pip install --no-deps -r requirements-paddleformers.txt",
-                allow_module_level=True)
+skip_without_paddleformers(allow_module_level=True)
 
 from workers.fleet_ranks import launch_workers  # noqa: E402
 

@@ -14,22 +14,20 @@ checks the wiring under the Trainer (its micro-batch buffering, ``forward_backwa
 its optimizer step, clipping, scheduler and checkpoints), not graph replay.
 
 PaddleFormers 1.2.0's own fp32/CPU defects are worked around in test support
-(unittests/workers/paddleformers_cpu.py). Needs ``pip install --no-deps -r
-requirements-paddleformers.txt``; skipped without it. The launch runs in its own session under a
+(unittests/workers/paddleformers_cpu.py). Needs ``pip install --no-deps paddleformers==1.2.0``
+(after the test requirements; see requirements-examples.txt); skipped without it, quoting that line. The launch runs in its own session under a
 time limit and is retried when gloo fails to connect inside ``fleet.init``.
 """
 
-import importlib.util
 import math
 import os
 
 import pytest
 
+from installs import skip_without_paddleformers
+
 pytest.importorskip("paddle")
-# Checked without importing it: importing paddleformers switches transformers' PyTorch support off.
-if importlib.util.find_spec("paddleformers") is None:
-    pytest.skip("paddleformers is not installed: pip install --no-deps -r requirements-paddleformers.txt",
-                allow_module_level=True)
+skip_without_paddleformers(allow_module_level=True)
 
 from workers.fleet_ranks import launch_workers  # noqa: E402
 

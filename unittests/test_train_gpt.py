@@ -61,6 +61,8 @@ def test_default_command_trains_paddle_pp2_within_a_minute():
     assert record["loss_last"] < record["loss_first"]
     assert record["tokens_per_s"] > 0 and record["peak_mem_mib"] > 0
     assert sum(line.startswith("step ") for line in out.splitlines()) == record["steps"]
+    # the losses and the summary, not the launcher's configuration dump or fleet's INFO log
+    assert "LAUNCH INFO" not in out and "pp_layers.py" not in out and "topology.py" not in out, out[-4000:]
 
 
 @pytest.mark.slow
