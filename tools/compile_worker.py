@@ -121,7 +121,8 @@ def wrap(model, variant: str):
     elif variant.startswith("ours_whole"):
         from paddle_graphpp.torch import graph_model
 
-        graph_model(model, compile=variant != "ours_whole" or None)  # ours_whole_step: inside the step's graph
+        # ours_whole_compiled, and ours_whole_step (that compiled model inside the step's graph)
+        graph_model(model, compile=True if variant in ("ours_whole_compiled", "ours_whole_step") else None)
     return model
 
 

@@ -81,10 +81,15 @@ def test_graph_model_refuses_a_graph_inside_a_graph_and_bad_options():
         copy.deepcopy(model)
     ungraph_model(model)
     assert "forward" not in model.__dict__
-    with pytest.raises(TypeError, match="num_warmup_steps"):
+    with pytest.raises(ValueError, match="num_warmup_steps"):
         graph_model(build(), num_warmup_steps=0)
     with pytest.raises(TypeError, match="Llama layout"):
         graph_model(torch.nn.Linear(2, 2))
+    from transformers import MistralConfig, MistralForCausalLM  # the Llama layout, its own sliding window
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(TypeError, match="model_type 'mistral'.*graph_layers"):
+        graph_model(mistral)
 
 
 def test_whole_stage_scope_equals_the_eager_stage():
@@ -141,3 +146,26 @@ def test_graph_step_checks_its_arguments():
     with pytest.raises(TypeError, match="unexpected keyword.*max_inflight"):
         graph_step(lambda: None, optimizers=opt, max_inflight=2)
     assert graph_step(lambda: None, 5, optimizers=opt).num_warmup_steps == 5
+    graph_step(lambda: None, optimizers=torch.optim.SGD(model.parameters(), lr=0.1))  # no host reads: taken
+
+
+def test_graph_step_refuses_arguments_whose_tensors_it_would_not_copy():
+    from collections import UserDict
+
+    from paddle_graphpp.core.tree import flatten
+    from paddle_graphpp.torch.step import _unsupported_leaf
+
+    ok, _ = flatten(((dict(ids=torch.zeros(2)), [torch.ones(1), 3, None], "x"), {}))
+    assert _unsupported_leaf(ok) is None
+    held, _ = flatten(((UserDict(input_ids=torch.zeros(2, 3)),), {}))  # a BatchEncoding is one too
+    assert "UserDict" in _unsupported_leaf(held) and "dict(batch)" in _unsupported_leaf(held)
+
+
+def test_block_arguments_follow_the_attention_kernel():
+    model = build()
+    stage = causal_lm_stage(model, 0, 1, graph=False)
+    ids = tokens(1)[0]
+    sdpa = stage.block_kwargs(ids)
+    model.config._attn_implementation = "eager"
+    eager = stage.block_kwargs(ids)
+    assert eager is not sdpa and eager["attention_mask"] is not None  # eager attention needs the mask

@@ -138,8 +138,10 @@ class GraphedCallable:
         rt = self.runtime
         if not rt.grad_enabled():
             return self.fn(*args, **kwargs)  # inference: no backward will pair with it
-        if layers_inlined() or rt.is_capturing():
-            return self.fn(*args, **kwargs)  # an enclosing graph captures this call's work (core.scope)
+        if layers_inlined() or rt.is_capturing():  # an enclosing graph captures this call's work (core.scope)
+            if self.caps.lending is not None:
+                self.caps.lending.end_borrowed_work()  # no eager work routed into a pool (see below)
+            return self.fn(*args, **kwargs)
         leaves, spec = flatten((args, kwargs))
         tensor_index = [i for i, x in enumerate(leaves) if rt.is_tensor(x)]
         tensors = [leaves[i] for i in tensor_index]

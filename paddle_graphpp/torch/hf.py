@@ -32,6 +32,7 @@ full model's keys for the parts this stage holds, with the same tensors.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -44,7 +45,7 @@ from .layers import check_layer, graph_in_place
 
 __all__ = ["causal_lm_stage", "CausalLMStage"]
 
-_KWARGS_KEPT = 8  # block-argument sets a stage keeps (one per batch shape, dtype and device)
+_KWARGS_KEPT = 8  # block-argument sets (one per batch shape, dtype, device) past which a stage warns
 _SCOPES = ("blocks", "stage")
 
 
@@ -68,7 +69,8 @@ _LAYOUTS = (
 )
 
 
-def _layout_of(model: nn.Module) -> _Layout:
+def layout_of(model: nn.Module) -> _Layout:
+    """The known layout ``model`` has (Llama's or GPT-2's); ``TypeError`` naming both otherwise."""
     for layout in _LAYOUTS:
         base = getattr(model, layout.base, None)
         wanted = [layout.embed, layout.layers, layout.norm, layout.position_embed, layout.rotary]
@@ -237,12 +239,15 @@ class CausalLMStage(nn.Module):
         itself), positions and (Llama) rotary embeddings.
 
         They depend only on the batch's shape, dtype and device, so they are built once per such
-        key, eagerly, and kept (at most :data:`_KWARGS_KEPT` keys). Built inside a capture, the
+        key (and attention kernel), eagerly, and kept for good (graphs read them where they are; a
+        warning past :data:`_KWARGS_KEPT` keys). Built inside a capture, the
         installed transformers would take its traced path (a full mask, slower attention), so a
         key first seen inside a capture is refused; the warmup calls build every key first.
         """
         dtype = self._hidden_dtype(x)
-        key = (tuple(x.shape[:2]), dtype, x.device, torch.is_autocast_enabled(x.device.type))
+        config = self.config  # the attention kernel decides whether a mask is materialised
+        key = (tuple(x.shape[:2]), dtype, x.device, torch.is_autocast_enabled(x.device.type),
+               getattr(config, "_attn_implementation", None), getattr(config, "sliding_window", None))
         kwargs = self._kwargs_kept.get(key)
         if kwargs is not None:
             return kwargs
@@ -256,8 +261,11 @@ class CausalLMStage(nn.Module):
                 f"(num_warmup_steps >= 1).")
         with torch.no_grad():
             kwargs = self._build_block_kwargs(torch.empty(*x.shape[:2], 1, dtype=dtype, device=x.device))
-        if len(self._kwargs_kept) >= _KWARGS_KEPT:
-            self._kwargs_kept.clear()
+        # Never dropped: a whole-step graph reads these tensors where they are.
+        if len(self._kwargs_kept) == _KWARGS_KEPT:
+            warnings.warn(f"CausalLMStage {self.stage_index}: block arguments for {_KWARGS_KEPT + 1} batch shapes "
+                          f"are kept now (one set per shape, never dropped); pad batches to a few fixed shapes",
+                          RuntimeWarning, stacklevel=3)
         self._kwargs_kept[key] = kwargs
         return kwargs
 
@@ -354,7 +362,7 @@ def causal_lm_stage(
         tied weight's gradients across ranks. Build it with ``tie_word_embeddings=False``.
     """
     chosen = torch_engine_options("causal_lm_stage()", causal_lm_stage, warmup, engine_kwargs, options)
-    layout = _layout_of(model)
+    layout = layout_of(model)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"causal_lm_stage(): num_stages must be an int >= 1, got {num_stages!r}")
     if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:

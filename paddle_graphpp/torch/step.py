@@ -39,7 +39,9 @@ import contextlib
 import gc
 import logging
 import linecache
+import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -58,13 +60,15 @@ __all__ = ["graph_step", "GraphedStep"]
 logger = logging.getLogger("paddle_graphpp")
 
 _FALLBACKS = ("error", "eager")
+_CAPTURABLE_AS_IS = (torch.optim.SGD,)  # no host reads in its step, and no capturable flag to set
 _REFUSED = {  # engine options that have no meaning for one graph of a whole step
     "memory": "each signature of a step is captured into a pool of its own",
     "max_in_flight": "a step holds no micro-batches in flight between calls",
     "accumulate_grads": "the step's own backward accumulates into .grad inside its graph",
     "generators": "the step's capture registers the default CUDA generator only",
 }
-_LIBRARY_DIRS = ("/torch/", "/paddle_graphpp/", "/transformers/utils/", "/contextlib.py", "/functools.py")
+_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # torch, the standard library, ours
 
 
 @dataclass(slots=True)
@@ -75,6 +79,7 @@ class _Captured:
     static_inputs: list
     outputs_spec: Any
     outputs: list  # the output leaves; tensors are the graph's buffers
+    grads_in: list  # each parameter's .grad when the capture began (a step that accumulates reads it)
     grads: list  # each parameter's .grad after the capture (the graph writes these tensors)
     watch: StateWatch
 
@@ -111,9 +116,9 @@ class GraphedStep:
         self.captures = 0
         self.replays = 0
         self._unavailable = self.runtime.graphs_unavailable_reason(self.params)
+        self._lrs: list = []  # per optimizer, per param group: the lr tensor the graphs read
         if self._unavailable is None:
-            for opt in self.optimizers:
-                make_capturable(opt)
+            self._lrs = [make_capturable(opt) for opt in self.optimizers]
 
     # ------------------------------------------------------------------ calls
     def __call__(self, *args, **kwargs) -> Any:
@@ -126,6 +131,8 @@ class GraphedStep:
         if self.runtime.is_capturing():
             return self.fn(*args, **kwargs)  # an enclosing capture takes the step's work
         sig = self._signature(leaves, spec)
+        if sig.eager_reason is None and sig.captured is None:
+            sig.eager_reason = _unsupported_leaf(leaves)
         if sig.eager_reason is not None:
             self._warn_once(sig.eager_reason, f"{self.name}: {sig.eager_reason}; the step runs eagerly.")
             return self.fn(*args, **kwargs)
@@ -148,15 +155,38 @@ class GraphedStep:
     # ---------------------------------------------------------------- replay
     def _replay(self, sig: _Signature, tensors: list) -> Any:
         done = sig.captured
+        self._sync_lrs()
         self._check(sig, done)
         if tensors:
             torch._foreach_copy_(done.static_inputs, tensors)
+        self._grads_in_place(done)
         self.runtime.replay_graph(done.graph)
         self.replays += 1
         for p, g in zip(self.params, done.grads):
-            if p.grad is not g:  # set to None (or replaced) outside the step: the graph wrote these
+            if p.grad is not g:  # what the step left in .grad at its capture: the graph writes these
                 p.grad = g
         return self._hand_out(done)
+
+    def _sync_lrs(self) -> None:
+        """An lr assigned to a param group (``group["lr"] = 3e-4``, a hand-written schedule) goes
+        into the tensor the graphs read; that tensor goes back into the group."""
+        for opt, lrs in zip(self.optimizers, self._lrs):
+            for group, lr in zip(opt.param_groups, lrs):
+                value = group["lr"]
+                if value is not lr:
+                    lr.copy_(value) if isinstance(value, torch.Tensor) else lr.fill_(float(value))
+                    group["lr"] = lr
+
+    def _grads_in_place(self, done: _Captured) -> None:
+        """A step that accumulates into the gradients it found (no zeroing to None inside it) reads
+        them: one set to None outside the step becomes zeros, one replaced becomes its values."""
+        for p, before, after in zip(self.params, done.grads_in, done.grads):
+            if before is None or after is not before or p.grad is before:
+                continue
+            if p.grad is None:
+                before.zero_()
+            else:
+                before.copy_(p.grad)
 
     def _check(self, sig: _Signature, done: _Captured) -> None:
         what = done.watch.changed()
@@ -179,6 +209,10 @@ class GraphedStep:
     # ---------------------------------------------------------------- capture
     def _capture_and_replay(self, sig: _Signature, leaves: list, spec: Any, tensors: list) -> Any:
         rt = self.runtime
+        if not tensors:
+            self._warn_once("no inputs", f"{self.name}: the step takes no tensors; its graph replays the same "
+                                         f"device work every call (a batch read inside the step is read once).")
+        self._sync_lrs()
         static = [t.detach().clone() for t in tensors]
         it = iter(static)
         args, kwargs = unflatten(spec, [next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
@@ -188,37 +222,48 @@ class GraphedStep:
         # its own on the capture stream.
         gc.collect()
         torch.cuda.synchronize()  # the warmup's work is done before its cache is released
-        rt.release_cached_memory()  # what the warmup cached would sit beside the graph's pool
+        rt.release_cached_memory()
         graph = rt.create_graph()
+        failure = None
         try:
             with inline_layers(), _schedulers_refused(self.name), _traced_masks_refused(), rt.capture_to_graph(graph):
                 result = self.fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported, memory released
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, its memory released
             for p, g in zip(self.params, grads_before):
                 p.grad = g
-            graph = static = args = kwargs = None  # the failed capture's memory goes with them
-            rt.release_cached_memory()
-            reason = f"capturing the step failed ({_what_failed(exc)})"
-            sig.eager_reason = reason
-            then = " (fallback='eager')" if self.fallback == "eager" else ""
-            error = CaptureError(
-                f"{self.name}: {reason}. A whole-step graph must not synchronise with the host: no .item(), "
-                f".cpu(), print(tensor) or Python branch on a tensor value inside the step (return the values "
-                f"and read them after the call), no optimizer without a capturable mode (pass every optimizer "
-                f"the step uses to graph_step(optimizers=...)). Nothing of the step ran; the step runs eagerly "
-                f"from now on{then}.")
-            if self.fallback == "eager":
-                logger.warning("%s", error)
-                return self._eager_after_failure(leaves, spec)
-            raise error from exc
+            if not isinstance(exc, Exception):
+                raise  # an interrupt: the gradients are back, nothing else to undo
+            failure = exc
+            traceback.clear_frames(exc.__traceback__)  # the failed capture's frames hold its graph
+        if failure is not None:
+            graph = static = args = kwargs = None
+            gc.collect()
+            rt.release_cached_memory()  # before the eager run: the failed graph's pool is gone
+            return self._capture_failed(sig, failure, leaves, spec)
         out_leaves, out_spec = flatten(result)
         watch = StateWatch(rt, _state_slots(self.params, self.optimizers))
-        sig.captured = _Captured(graph, static, out_spec, out_leaves, [p.grad for p in self.params], watch)
+        sig.captured = _Captured(graph, static, out_spec, out_leaves, grads_before, [p.grad for p in self.params],
+                                 watch)
         sig.hyper = _hyperparameters(self.optimizers)
         self.captures += 1
         logger.info("%s: captured the step (%d input tensors, %d parameters)", self.name, len(static),
                     len(self.params))
         return self._replay(sig, tensors)
+
+    def _capture_failed(self, sig: _Signature, exc: Exception, leaves: list, spec: Any) -> Any:
+        reason = f"capturing the step failed ({_what_failed(exc)})"
+        sig.eager_reason = reason
+        then = " (fallback='eager')" if self.fallback == "eager" else ""
+        error = CaptureError(
+            f"{self.name}: {reason}. A whole-step graph must not synchronise with the host: no .item(), "
+            f".cpu(), print(tensor) or Python branch on a tensor value inside the step (return the values "
+            f"and read them after the call), no optimizer without a capturable mode (pass every optimizer "
+            f"the step uses to graph_step(optimizers=...)). Nothing of the step ran; the step runs eagerly "
+            f"from now on{then}.")
+        if self.fallback == "eager":
+            logger.warning("%s", error)
+            return self._eager_after_failure(leaves, spec)
+        raise error from exc
 
     def _eager_after_failure(self, leaves: list, spec: Any) -> Any:
         args, kwargs = unflatten(spec, leaves)
@@ -235,7 +280,8 @@ class GraphedStep:
             else:
                 parts.append(("object", id(x)))
         autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
-        return spec, tuple(parts), autocast, torch.is_grad_enabled()
+        trainable = tuple(p.requires_grad for p in self.params)  # frozen or unfrozen parameters: captured anew
+        return spec, tuple(parts), autocast, torch.is_grad_enabled(), trainable
 
     def _signature(self, leaves: list, spec: Any) -> _Signature:
         key = self._key(leaves, spec)
@@ -315,10 +361,10 @@ def graph_step(fn: Callable, *warmup: int,
         opt = getattr(opt, "optimizer", opt) if not isinstance(opt, torch.optim.Optimizer) else opt
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"{label}: optimizers must be torch.optim.Optimizer objects, got {type(opt).__name__}")
-        if "capturable" not in opt.defaults:
-            raise TypeError(f"{label}: torch.optim.{type(opt).__name__} has no capturable mode, so its step reads "
-                            f"device values on the host; use an optimizer with one (Adam, AdamW, SGD...), or step "
-                            f"it outside the graphed step.")
+        if "capturable" not in opt.defaults and not isinstance(opt, _CAPTURABLE_AS_IS):
+            raise TypeError(f"{label}: torch.optim.{type(opt).__name__} has no capturable mode, so its step may read "
+                            f"device values on the host; use one with a capturable mode (Adam, AdamW, ...) or SGD, "
+                            f"or step it outside the graphed step.")
     opts = [getattr(o, "optimizer", o) for o in opts]
     chosen = engine_options(f"{label}", graph_step, warmup, engine_kwargs, options=options, refused=_REFUSED)
     if not isinstance(chosen.num_warmup_steps, int) or chosen.num_warmup_steps < 1:
@@ -348,6 +394,18 @@ def _state_slots(params: list, optimizers: list) -> list:
     return slots
 
 
+def _unsupported_leaf(leaves: list) -> Optional[str]:
+    """Why an argument cannot be graphed: an object other than a tensor or a plain value may hold
+    tensors the step reads (a ``BatchEncoding``, a dataclass), which would not be copied into the
+    graph's buffers; ``None`` when every leaf is fine."""
+    for i, x in enumerate(leaves):
+        if not (isinstance(x, torch.Tensor) or x is None or isinstance(x, (bool, int, float, str, bytes))):
+            return (f"argument leaf {i} is a {type(x).__name__}: a whole step copies the tensors it finds in "
+                    f"tuples, lists and dicts into its graph's buffers, and reads nothing else; pass the tensors "
+                    f"(for a mapping, dict(batch))")
+    return None
+
+
 def _hyperparameters(optimizers: list) -> list:
     # Python values the capture froze into the graph; lr is a device tensor the graph reads.
     return [[{k: (("tensor", id(v)) if isinstance(v, torch.Tensor) else v) for k, v in group.items()
@@ -368,17 +426,22 @@ def _schedulers_refused(name: str):
     """An LR schedule stepped inside the capture would fill its value once, at capture: refuse it."""
     from torch.optim import lr_scheduler
 
+    def refuse(what: str):
+        raise RuntimeError(f"{what} was called inside the graphed step; its new lr would be frozen into the "
+                           f"graph. Step the schedule after {name}(...) returns")
+
     original = lr_scheduler.LRScheduler.step
-
-    def refused(self, *args, **kwargs):
-        raise RuntimeError(f"{type(self).__name__}.step() was called inside the graphed step; its new lr would be "
-                           f"frozen into the graph. Call it after {name}(...) returns")
-
-    lr_scheduler.LRScheduler.step = refused
+    # Schedules that override step() (warm restarts, on plateau) still write through this helper.
+    helper = getattr(lr_scheduler, "_update_param_group_val", None)
+    lr_scheduler.LRScheduler.step = lambda self, *args, **kwargs: refuse(f"{type(self).__name__}.step()")
+    if helper is not None:
+        lr_scheduler._update_param_group_val = lambda *args, **kwargs: refuse("an LR schedule's update")
     try:
         yield
     finally:
         lr_scheduler.LRScheduler.step = original
+        if helper is not None:
+            lr_scheduler._update_param_group_val = helper
 
 
 @contextlib.contextmanager
@@ -415,8 +478,8 @@ def _what_failed(exc: BaseException) -> str:
         owner = tb.tb_frame.f_locals.get("self")
         if isinstance(owner, torch.nn.Module):
             module = type(owner).__name__
-        path = tb.tb_frame.f_code.co_filename.replace("\\", "/")
-        if not any(d in path for d in _LIBRARY_DIRS):
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not path.startswith(_LIBRARY_DIRS):
             line = (linecache.getline(tb.tb_frame.f_code.co_filename, tb.tb_lineno) or "").strip()
             where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}: {line}"
         tb = tb.tb_next

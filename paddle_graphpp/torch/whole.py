@@ -23,9 +23,11 @@ the graph reads a device value on the host (transformers' mask code would, once 
 
 Calls the graph does not cover take the model's own forward: under ``torch.no_grad()``
 (evaluation, ``generate()`` with its cache) silently, and, with one warning naming the
-argument, calls that pass a padding ``attention_mask``, ``inputs_embeds``, ``position_ids``, a
-cache, ``use_cache=True``, ``output_attentions`` / ``output_hidden_states`` or
-``logits_to_keep``. With ``labels`` the graph returns the loss and the logits; the logits come
+argument, calls that pass any ``attention_mask`` (even all ones: a tokenizer's or collator's
+column must be dropped for unpadded batches), ``inputs_embeds``, ``position_ids``, a cache,
+``use_cache=True``, ``output_attentions`` / ``output_hidden_states`` or ``logits_to_keep``.
+``num_items_in_batch`` (the Hugging Face Trainer's) is passed to the loss; as a Python number
+each value is a signature of its own. With ``labels`` the graph returns the loss and the logits; the logits come
 back detached (the backward graph differentiates the loss).
 """
 
@@ -41,7 +43,7 @@ from torch import nn
 
 from ..core.options import EngineOptions
 from .graphed import CUDAGraphedModule, torch_engine_options
-from .hf import CausalLMStage, _layout_of
+from .hf import CausalLMStage, layout_of
 from .layers import check_layer
 
 __all__ = ["graph_model", "ungraph_model", "GraphedCausalLM"]
@@ -54,6 +56,9 @@ _NEUTRAL = {"attention_mask": None, "position_ids": None, "past_key_values": Non
             "cache_position": None, "use_cache": (None, False), "output_attentions": (None, False),
             "output_hidden_states": (None, False), "logits_to_keep": (0,), "token_type_ids": None}
 _LOSS_KWARGS = ("num_items_in_batch",)
+# Model types whose own forward is, for an unpadded causal batch without a cache, exactly what
+# CausalLMStage.body and the model's loss_function run (read from their forwards).
+_MODEL_TYPES = frozenset({"llama", "gpt2"})
 
 
 class _LMBody(nn.Module):
@@ -119,6 +124,8 @@ class GraphedCausalLM:
             # the engine sees the handed-out tensor die; a loop keeps loss.detach() (a view it
             # cannot see) for logging. One scalar copy keeps what the caller holds its own.
             loss = loss.clone()
+        if return_dict is None:
+            return_dict = getattr(self.stage.config, "use_return_dict", True)
         if return_dict is False:
             return (loss, logits) if loss is not None else (logits,)
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -164,10 +171,11 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
         ``model``, whose ``forward`` now runs the graph for the calls it covers.
 
     Raises:
-        TypeError: the model has neither known layout, is graphed already (by this function or
-            by ``graph_layers()`` on its blocks: a graph inside a graph), ``num_warmup_steps``
-            is not an int >= 1, or a keyword is not an engine option.
-        ValueError: a block has gradient checkpointing on.
+        TypeError: the model is not a Llama or GPT-2 model (others of the same layout scale
+            embeddings, cap logits or use sliding windows in their forward), is graphed already (by
+            this function or by ``graph_layers()`` on its blocks: a graph inside a graph), or a
+            keyword is not an engine option.
+        ValueError: a block has gradient checkpointing on, or ``num_warmup_steps`` is not an int >= 1.
 
     Warnings:
         * Each micro-batch shape is a signature of its own, captured anew (``max_signatures``
@@ -182,9 +190,16 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
     if _SLOT in model.__dict__:
         raise TypeError(f"graph_model(): {type(model).__name__} is graphed already; call ungraph_model() first")
     if not isinstance(chosen.num_warmup_steps, int) or chosen.num_warmup_steps < 1:
-        raise TypeError(f"graph_model(): num_warmup_steps must be an int >= 1 (the block arguments are built in an "
-                        f"eager call), got {chosen.num_warmup_steps!r}")
-    layout = _layout_of(model)
+        raise ValueError(f"graph_model(): num_warmup_steps must be an int >= 1 (the block arguments are built in an "
+                         f"eager call), got {chosen.num_warmup_steps!r}")
+    layout = layout_of(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _MODEL_TYPES:
+        raise TypeError(
+            f"graph_model(): {type(model).__name__} (model_type {model_type!r}) is not one whose forward the whole-"
+            f"model graph reproduces ({', '.join(sorted(_MODEL_TYPES))}): models of the same layout scale "
+            f"embeddings, cap logits or use sliding windows in their own forward. Graph its blocks with "
+            f"graph_layers(model.model.layers) instead.")
     blocks = getattr(getattr(model, layout.base), layout.layers)
     for i, block in enumerate(blocks):
         check_layer(f"{layout.base}.{layout.layers}.{i}", block, check_config=False)
