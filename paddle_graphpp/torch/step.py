@@ -224,7 +224,7 @@ class GraphedStep:
         torch.cuda.synchronize()  # the warmup's work is done before its cache is released
         rt.release_cached_memory()
         graph = rt.create_graph()
-        failure = None
+        failure, what = None, ""
         try:
             with inline_layers(), _schedulers_refused(self.name), _traced_masks_refused(), rt.capture_to_graph(graph):
                 result = self.fn(*args, **kwargs)
@@ -233,13 +233,13 @@ class GraphedStep:
                 p.grad = g
             if not isinstance(exc, Exception):
                 raise  # an interrupt: the gradients are back, nothing else to undo
-            failure = exc
+            failure, what = exc, _what_failed(exc)  # read the frames before they are cleared
             traceback.clear_frames(exc.__traceback__)  # the failed capture's frames hold its graph
         if failure is not None:
             graph = static = args = kwargs = None
             gc.collect()
             rt.release_cached_memory()  # before the eager run: the failed graph's pool is gone
-            return self._capture_failed(sig, failure, leaves, spec)
+            return self._capture_failed(sig, failure, what, leaves, spec)
         out_leaves, out_spec = flatten(result)
         watch = StateWatch(rt, _state_slots(self.params, self.optimizers))
         sig.captured = _Captured(graph, static, out_spec, out_leaves, grads_before, [p.grad for p in self.params],
@@ -250,8 +250,8 @@ class GraphedStep:
                     len(self.params))
         return self._replay(sig, tensors)
 
-    def _capture_failed(self, sig: _Signature, exc: Exception, leaves: list, spec: Any) -> Any:
-        reason = f"capturing the step failed ({_what_failed(exc)})"
+    def _capture_failed(self, sig: _Signature, exc: Exception, what: str, leaves: list, spec: Any) -> Any:
+        reason = f"capturing the step failed ({what})"
         sig.eager_reason = reason
         then = " (fallback='eager')" if self.fallback == "eager" else ""
         error = CaptureError(
