@@ -36,6 +36,7 @@ inside the step run their wrapped call directly in the warmup and the capture
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import linecache
@@ -67,8 +68,10 @@ _REFUSED = {  # engine options that have no meaning for one graph of a whole ste
     "accumulate_grads": "the step's own backward accumulates into .grad inside its graph",
     "generators": "the step's capture registers the default CUDA generator only",
 }
-_LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # torch, the standard library, ours
+# Frames a failure is not reported in: torch's, this package's, and the context managers between.
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                 os.path.abspath(contextlib.__file__), os.path.abspath(functools.__file__))
 
 
 @dataclass(slots=True)
