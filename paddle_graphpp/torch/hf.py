@@ -391,26 +391,35 @@ def causal_lm_stage(
     return stage
 
 
-class _StageBody(nn.Module):
-    """What a whole-stage graph runs: :meth:`CausalLMStage.body`, given the block arguments.
+class GraphBody(nn.Module):
+    """A module a whole-stage or whole-model graph runs, over modules it does not own.
 
     Its one submodule is the stage, so its parameters and the state a replay checks are the
-    stage's; it is held outside the stage's submodules (``stage.__dict__``), so the stage's
-    names and ``state_dict()`` keys stay the model's. Train/eval mode is the stage's.
+    stage's; it is held outside the stage's and the model's submodules (their ``__dict__``), so
+    their names and ``state_dict()`` keys stay the model's. Its train/eval mode (which keys the
+    engine's signatures) is that of ``mode_of``: ``model.train()`` and ``model.eval()`` reach it.
     """
 
-    def __init__(self, stage: CausalLMStage):
+    def __init__(self, stage: CausalLMStage, mode_of: nn.Module):
         super().__init__()
         self.stage = stage
+        self.__dict__["_mode_of"] = mode_of
 
     @property
     def training(self) -> bool:  # type: ignore[override]
-        modules = self.__dict__.get("_modules") or {}
-        return modules["stage"].training if "stage" in modules else True
+        owner = self.__dict__.get("_mode_of")
+        return owner.training if owner is not None else True
 
     @training.setter
     def training(self, value: bool) -> None:
-        pass  # follows the stage
+        pass  # follows mode_of
+
+
+class _StageBody(GraphBody):
+    """What a whole-stage graph runs: :meth:`CausalLMStage.body`, given the block arguments."""
+
+    def __init__(self, stage: CausalLMStage):
+        super().__init__(stage, stage)
 
     def forward(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
         return self.stage.body(x, kwargs)

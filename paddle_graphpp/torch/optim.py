@@ -19,7 +19,7 @@ from ..optim import GraphedOptimizer
 from .runtime import active_runtime
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
-           "make_capturable", "optimizer_state_slots"]
+           "make_capturable", "frozen_hyperparameters", "optimizer_state_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -340,8 +340,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
     def _hyperparameters(self) -> list:
         # Values the capture freezes into the graph. lr is a device tensor read at replay;
         # initial_lr is the schedulers' bookkeeping. Tensors compare by identity (no host sync).
-        return [{k: _frozen(v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
-                for group in self.optimizer.param_groups]
+        return frozen_hyperparameters(self.optimizer)
 
     def _sync_hyperparameters(self) -> None:
         if self.graphed:
@@ -421,6 +420,14 @@ def optimizer_state_slots(optimizer: torch.optim.Optimizer, params: Sequence[tor
             slots += [(entry, key, f"optimizer state '{key}' of parameter {i}")
                       for key, value in entry.items() if isinstance(value, torch.Tensor)]
     return slots
+
+
+def frozen_hyperparameters(optimizer: torch.optim.Optimizer) -> list:
+    """Per param group, the values a capture of ``optimizer``'s step freezes into the graph: every
+    entry but ``params``, ``lr`` (a device tensor the graph reads) and ``initial_lr`` (the
+    schedulers' bookkeeping); tensors by identity (no host sync)."""
+    return [{k: _frozen(v) for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+            for group in optimizer.param_groups]
 
 
 def _frozen(value):

@@ -53,14 +53,13 @@ from ..core.options import EngineOptions, engine_options
 from ..core.scope import inline_layers
 from ..core.state import StateWatch
 from ..core.tree import flatten, unflatten
-from .optim import make_capturable, optimizer_state_slots
+from .optim import frozen_hyperparameters, make_capturable, optimizer_state_slots
 from .runtime import active_runtime
 
 __all__ = ["graph_step", "GraphedStep"]
 
 logger = logging.getLogger("paddle_graphpp")
 
-_FALLBACKS = ("error", "eager")
 _CAPTURABLE_AS_IS = (torch.optim.SGD,)  # no host reads in its step, and no capturable flag to set
 _REFUSED = {  # engine options that have no meaning for one graph of a whole step
     "memory": "each signature of a step is captured into a pool of its own",
@@ -370,12 +369,9 @@ def graph_step(fn: Callable, *warmup: int,
                             f"or step it outside the graphed step.")
     opts = [getattr(o, "optimizer", o) for o in opts]
     chosen = engine_options(f"{label}", graph_step, warmup, engine_kwargs, options=options, refused=_REFUSED)
-    if not isinstance(chosen.num_warmup_steps, int) or chosen.num_warmup_steps < 1:
+    chosen.validate(label)
+    if chosen.num_warmup_steps < 1:  # lazily made state (moments, gradients) must exist before a capture
         raise ValueError(f"{label}: num_warmup_steps must be an int >= 1, got {chosen.num_warmup_steps!r}")
-    if chosen.fallback not in _FALLBACKS:
-        raise ValueError(f"{label}: fallback must be one of {_FALLBACKS}, got {chosen.fallback!r}")
-    if not isinstance(chosen.max_signatures, int) or chosen.max_signatures < 1:
-        raise ValueError(f"{label}: max_signatures must be an int >= 1, got {chosen.max_signatures!r}")
     return GraphedStep(fn, opts, options=chosen, clone_outputs=bool(clone_outputs), name=label)
 
 
@@ -410,9 +406,7 @@ def _unsupported_leaf(leaves: list) -> Optional[str]:
 
 
 def _hyperparameters(optimizers: list) -> list:
-    # Python values the capture froze into the graph; lr is a device tensor the graph reads.
-    return [[{k: (("tensor", id(v)) if isinstance(v, torch.Tensor) else v) for k, v in group.items()
-              if k not in ("params", "lr", "initial_lr")} for group in opt.param_groups] for opt in optimizers]
+    return [frozen_hyperparameters(opt) for opt in optimizers]
 
 
 def _first_change(old: list, new: list) -> str:

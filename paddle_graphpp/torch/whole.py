@@ -43,7 +43,7 @@ from torch import nn
 
 from ..core.options import EngineOptions
 from .graphed import CUDAGraphedModule, torch_engine_options
-from .hf import CausalLMStage, layout_of
+from .hf import CausalLMStage, GraphBody, layout_of
 from .layers import check_layer
 
 __all__ = ["graph_model", "ungraph_model", "GraphedCausalLM"]
@@ -61,22 +61,12 @@ _LOSS_KWARGS = ("num_items_in_batch",)
 _MODEL_TYPES = frozenset({"llama", "gpt2"})
 
 
-class _LMBody(nn.Module):
+class _LMBody(GraphBody):
     """What the whole-model graph runs: the one-stage body, then the model's loss."""
 
     def __init__(self, stage: CausalLMStage, model: nn.Module):
-        super().__init__()
-        self.stage = stage
+        super().__init__(stage, model)
         self.__dict__["_model"] = model  # for its loss_function and config; not a submodule
-
-    @property
-    def training(self) -> bool:  # type: ignore[override]
-        model = self.__dict__.get("_model")
-        return model.training if model is not None else True  # the model's mode keys the graphs
-
-    @training.setter
-    def training(self, value: bool) -> None:
-        pass  # follows the model (model.train() / model.eval())
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor], kwargs: dict, loss_kwargs: dict):
         logits = self.stage.body(input_ids, kwargs)
@@ -99,7 +89,7 @@ class GraphedCausalLM:
     def __init__(self, model: nn.Module, stage: CausalLMStage, graphed: CUDAGraphedModule):
         self.stage, self.graphed = stage, graphed
         self.original_forward = model.forward
-        self.name = graphed._engine.name if hasattr(graphed, "_engine") else type(model).__name__
+        self.name = graphed._engine.name
         self._warned: set = set()
 
     def __deepcopy__(self, memo):
