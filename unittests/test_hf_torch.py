@@ -271,17 +271,11 @@ def test_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match="fallback"):
         graph_layers(model.model.layers, fallback="sometimes")
     assert not any(is_graphed_layer(b) for b in model.model.layers)
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match=r"LlamaDecoderLayer\[0\] has gradient checkpointing on.*disable"):
-        graph_layers(model.model.layers)
-    model.gradient_checkpointing_disable()
+    with pytest.raises(ValueError, match="recompute must be a bool"):
+        graph_layers(model.model.layers, recompute="yes")
     graph_layers(model.model.layers)
     with pytest.raises(TypeError, match="already graphed"):
         graph_layers(model.model.layers)
-    model.gradient_checkpointing_enable()  # after graphing: refused at the first training forward
-    x = torch.randint(0, VOCAB, (2, SEQ))
-    with pytest.raises(ValueError, match=r"LlamaDecoderLayer\[0\] has gradient checkpointing on.*disable"):
-        model(x, labels=x)
     with pytest.raises(TypeError, match="cannot be pickled or deep-copied"):
         copy.deepcopy(model)
 
@@ -534,3 +528,33 @@ def test_pipeline_over_two_gloo_ranks_trains_like_eager_stages(kind, vpp, tmp_pa
         assert r["grads_compared"] >= 4 * 10 and r["grad_mismatches"] == []  # every step, tensor by tensor
         assert len(r["graphed"]["blocks"]) == 2 and all(b.startswith("Graphed") for b in r["graphed"]["blocks"])
         assert r["graphed"]["state_dict_keys"] == r["eager"]["state_dict_keys"]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_gradient_checkpointing_recomputes_through_the_engine(when):
+    """``gradient_checkpointing_enable()`` before or after graph_layers: each block's call goes to
+    the engine once (transformers' own checkpoint would call it twice), which recomputes it: where
+    it runs eagerly (here: no CUDA) under torch.utils.checkpoint, so its forward runs again in the
+    backward. Losses and gradients equal the eager checkpointed model's."""
+    ref, model = build("llama"), build("llama")
+    ref.gradient_checkpointing_enable()
+    if when == "before":
+        model.gradient_checkpointing_enable()
+    graph_layers(model.model.layers)
+    if when == "after":
+        model.gradient_checkpointing_enable()
+    ref.train(), model.train()
+    runs = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *a: runs.append(torch.is_grad_enabled()))
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    for m in (ref, model):
+        torch.manual_seed(1)
+        m(x, labels=x).loss.backward()
+    assert len(runs) == 2, runs  # the forward under checkpoint, then its recomputation in the backward
+    assert model.model.layers[0].engine.recompute_when()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    model.gradient_checkpointing_disable()
+    runs.clear()
+    model(x, labels=x).loss.backward()
+    assert runs == [True] and not model.model.layers[0].engine.recompute_when()

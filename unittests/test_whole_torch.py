@@ -92,6 +92,26 @@ def test_graph_model_refuses_a_graph_inside_a_graph_and_bad_options():
         graph_model(mistral)
 
 
+def test_whole_graphs_refuse_gradient_checkpointing_before_and_after():
+    """One graph over every block does not recompute: refused when graphing and at a training call
+    once turned on after; graph_layers is the way named."""
+    model = build()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"layers.0 has gradient checkpointing on.*graph_model\(\).*graph_layers"):
+        graph_model(model)
+    with pytest.raises(ValueError, match=r"checkpointing on.*causal_lm_stage\(scope='stage'\)"):
+        causal_lm_stage(model, 0, 1, scope="stage")
+    model = graph_model(build())
+    model.gradient_checkpointing_enable()
+    model.train()
+    x = tokens(1)[0]
+    with pytest.raises(ValueError, match="checkpointing on.*graph_model"):
+        model(x, labels=x)
+    model.eval()
+    with torch.no_grad():
+        model(x, labels=x)  # evaluation does not recompute: it runs
+
+
 def test_whole_stage_scope_equals_the_eager_stage():
     ref = causal_lm_stage(build(), 0, 1, graph=False)
     whole = causal_lm_stage(build(), 0, 1, scope="stage")

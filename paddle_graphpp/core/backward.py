@@ -75,6 +75,12 @@ class Backward:
 
     def _check_split(self, call: Call) -> None:
         name = self.layer.name
+        if call.key.recompute:
+            raise GraphScheduleError(
+                f"{name}: a backward asked for input gradients only (a zero-bubble schedule's input pass) of a "
+                f"layer that recomputes its forward (activation checkpointing), which graphed layers do not split. "
+                f"Turn checkpointing off for graphed layers under zero-bubble schedules, or use 1F1B or "
+                f"interleaved 1F1B.")
         if isinstance(call.run, Launched):
             raise GraphScheduleError(
                 f"{name}: a backward asked for input gradients only (a zero-bubble schedule's input pass), "
@@ -243,6 +249,8 @@ class Backward:
             n = len(call.shape.specs)
             first = self.replay_input(call, position, diff_grads)
             return first[:n] + self.moves.sum_grads(first[n:], self.replay_weight(call, position))
+        if position.state is not None:  # the parameters may be set anew between forward and backward (FSDP2)
+            self.layer.state.check(position.state, self.layer.queue.episode, "backward")
         self._prepare(call, position, position.bwd_graph, "backward")
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
@@ -250,6 +258,8 @@ class Backward:
         if position.accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
             used = [(p, b) for p, b, u in zip(call.params, buffers, position.param_grad_used) if u]
             self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
+        if position.recomputes:
+            self.layer.rng_mirror().restore(call.run.rng)
         self.layer.replay.launch(call, position.bwd_graph, "backward")
         if position.accumulate:
             self.layer.process.grad_writes += 1  # .grad changed without a version bump

@@ -58,6 +58,7 @@ adds into ``.grad`` as it does eagerly. A backward that asks for everything stay
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -118,6 +119,13 @@ class GraphedCallable:
         self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
         self._warned: set = set()
         self.state = LayerStateCheck(runtime, fn, name)  # replays refuse replaced parameters and buffers
+        #: Whether a call recomputes its forward in the backward (``recompute``): the option, or
+        #: what the front door reads per call (a Hugging Face block's gradient checkpointing).
+        self.recompute_when: Callable[[], bool] = lambda: options.recompute
+        self._mirror: Any = None  # recompute: the RNG mirrors its backward graphs draw from
+        #: Entered around each capture of the layer: the layer as its graphs read it (a front door
+        #: sets it where the layer's parameters are swapped out between calls, as FSDP2 does).
+        self.capture_view: Callable[[], Any] = contextlib.nullcontext
         self.replays = 0  # forward + backward graph replays, for tests and telemetry
         self.captures = 0
         self.backward = Backward(self)
@@ -147,7 +155,8 @@ class GraphedCallable:
         tensors = [leaves[i] for i in tensor_index]
         specs = tuple(rt.spec(t) for t in tensors)
         consts, structure = signature_key_parts(leaves, tensor_index, spec)
-        key = SignatureKey((specs, consts, structure, (getattr(self.fn, "training", None), self.caps.mode_key())))
+        key = SignatureKey((specs, consts, structure, (getattr(self.fn, "training", None), self.caps.mode_key()),
+                            self.recompute_when()))
         sig = self.phases.get(key)
         if sig is not None:
             key = sig.key  # hashed once; the tables keyed by it find it by identity
@@ -225,6 +234,11 @@ class GraphedCallable:
         """Fix the signature's parameters and gradient path; record from this episode on
         (or capture in step under the stream-ordered allocator)."""
         params = tuple(call.params)
+        if sig.key.recompute and self.plan.async_allocator:
+            raise GraphScheduleError(
+                f"{self.name}: recompute (activation checkpointing) is not supported under the stream-ordered "
+                f"allocator (use_cuda_malloc_async_allocator), which captures within the step. Use the default "
+                f"caching allocator, or turn checkpointing off for graphed layers.")
         accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
                                                      self.caps.accumulation)
         self.phases.leave_warmup(sig, params, accumulate, in_step=self.plan.async_allocator)
@@ -240,7 +254,9 @@ class GraphedCallable:
         with rt.enable_grad():
             inner = [rt.detach(t, s.requires_grad) for t, s in zip(call.tensors, call.shape.specs)]
             args, kwargs = call.shape.rebuild(inner)
-            result, inner_params = rt.call_with_param_aliases(self.fn, call.params, args, kwargs)
+            recompute = self.caps.recomputation if call.key.recompute else None
+            run = recompute.call_checkpointed if recompute is not None else rt.call_with_param_aliases
+            result, inner_params = run(self.fn, call.params, args, kwargs)
         call.outputs, outs = self.outputs_of(result)
         call.run = RanEager(inner, outs, inner_params)
         return [rt.detach(o) for o in outs]
@@ -276,7 +292,7 @@ class GraphedCallable:
                 f"backwards first (reset between steps).")
         self.process.forget(self.capture)
         self.phases.reset()
-        self._param_grad_buffers = self._weight_grad_buffers = None
+        self._param_grad_buffers = self._weight_grad_buffers = self._mirror = None
         self._warned.clear()
         self.state.reset()
 
@@ -300,6 +316,13 @@ class GraphedCallable:
         if chosen is None:
             return ()
         return tuple(chosen() if callable(chosen) else chosen)
+
+    def rng_mirror(self) -> Any:
+        """The RNG mirrors of a recomputing layer (:class:`~paddle_graphpp.core.runtime.RngMirror`),
+        made at its first backward capture over the generators registered then."""
+        if self._mirror is None:
+            self._mirror = self.caps.recomputation.rng_mirror(self.generators())
+        return self._mirror
 
     def param_buffers(self, params: Sequence[Any]) -> list:
         """The layer's parameter-gradient buffers (made at its first capture)."""

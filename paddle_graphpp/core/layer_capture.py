@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
 
 from . import collectives as _collectives
 from . import guards as _guards
@@ -61,7 +61,7 @@ class LayerCapture:
         if getattr(layer.fn, "training", None) != training:
             return None
         static_inputs = tuple(batch.static_for(slot, spec) for slot, spec in zip(rec.input_slots, sig.shape.specs))
-        with self.caps.mode_context(mode):
+        with self.caps.mode_context(mode), layer.capture_view():
             live = self.capture_forward(sig, static_inputs, rec.outputs)
         # Inputs read in place from another graph's output; one whose producer was not captured got
         # a buffer of its own and is copied into at replay like any other.
@@ -84,7 +84,8 @@ class LayerCapture:
         sig = self.layer.signature(key)
         rec = sig.recordings.pop(position)
         static_grads = tuple(batch.static_for(slot, spec) for slot, spec in zip(rec.grad_slots, rec.grad_specs))
-        done = sig.positions[position] = self.capture_backward(sig, live, static_grads)
+        with self.layer.capture_view():
+            done = sig.positions[position] = self.capture_backward(sig, live, static_grads)
         batch.captured(self, key, position, "grad", done.static_grad_inputs)
         batch.consumed(rec.grad_slots)
 
@@ -93,7 +94,8 @@ class LayerCapture:
         sig = self.layer.signature(key)
         rec = sig.recordings[position]
         static_grads = tuple(batch.static_for(slot, spec) for slot, spec in zip(rec.grad_slots, rec.grad_specs))
-        half = self._capture_input_half(sig, live, static_grads)
+        with self.layer.capture_view():
+            half = self._capture_input_half(sig, live, static_grads)
         batch.captured(self, key, position, "grad", half.static_grad_inputs)
         return half
 
@@ -101,7 +103,8 @@ class LayerCapture:
         """Capture the weight half, completing ``position``."""
         sig = self.layer.signature(key)
         rec = sig.recordings.pop(position)
-        sig.positions[position] = self._capture_weight_half(sig, half)
+        with self.layer.capture_view():
+            sig.positions[position] = self._capture_weight_half(sig, half)
         batch.consumed(rec.grad_slots)  # the weight half may read them too (saved at a junction)
 
     def grad_slots(self, key: Any, position: int) -> tuple:
@@ -134,8 +137,11 @@ class LayerCapture:
         layer, rt, plan = self.layer, self.rt, self.layer.plan
         self._check_params(sig)
         gen = plan.generation_for_capture(layer.memory_mode)
+        # recompute: no autograd graph, so the forward's activations go back to the pool inside
+        # the capture; the backward capture runs the forward again (see capture_backward)
+        recompute = sig.key.recompute and self.caps.recomputation is not None
         with self._captured(gen, "forward") as graph:
-            with rt.enable_grad():
+            with self.caps.recomputation.no_grad() if recompute else rt.enable_grad():
                 inputs = [rt.detach(b, s.requires_grad) for b, s in zip(static_inputs, sig.shape.specs)]
                 args, kwargs = sig.shape.rebuild(inputs)
                 result, params = rt.call_with_param_aliases(layer.fn, sig.params, args, kwargs)
@@ -145,7 +151,8 @@ class LayerCapture:
                 raise CaptureError(f"{layer.name}: the captured forward returned a different structure than the "
                                    f"eager run; a graphed layer must return the same structure every call.")
         return Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured,
-                    state=layer.state.watch(), static_outputs=tuple(rt.detach(o) for o in outs))
+                    state=layer.state.watch(), static_outputs=tuple(rt.detach(o) for o in outs),
+                    recomputes=recompute)
 
     def _check_params(self, sig: Signature) -> None:
         """The parameters fixed when ``sig`` left warmup must still be the layer's: a graph
@@ -163,9 +170,12 @@ class LayerCapture:
         layer, rt, plan = self.layer, self.rt, self.layer.plan
         param_buffers = layer.param_buffers(sig.params)
         shape = live.outputs_shape
-        outs = [o for o, d in zip(live.outputs, shape.differentiable) if d]
-        wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad]
-        with self._captured(live.generation, "backward") as graph:
+        mirror = layer.rng_mirror() if live.recomputes else None
+        with self._captured(live.generation, "backward", around=mirror.swapped() if mirror else None) as graph:
+            if live.recomputes:  # the forward again, drawing what the forward graph drew (the mirrors)
+                live = self._recomputed(sig, live)
+            outs = [o for o, d in zip(live.outputs, shape.differentiable) if d]
+            wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad]
             # Parameter gradients go into the layer's buffers as autograd produces them (added:
             # the buffers are the parameters' .grad at replay; or copied), so the graph holds one
             # parameter's gradient at a time, as eager autograd does. Under the stream-ordered
@@ -185,7 +195,18 @@ class LayerCapture:
             static_outputs=live.static_outputs, static_grad_outputs=tuple(static_grads),
             static_grad_inputs=tuple(next(it) if s.requires_grad else None for s in sig.shape.specs),
             param_grad_used=param_used, outputs=shape, accumulate=sig.accumulate, linked=live.linked,
-            state=live.state, owned=live.owned)
+            state=live.state, owned=live.owned, recomputes=mirror is not None)
+
+    def _recomputed(self, sig: Signature, live: Live) -> Live:
+        """``live`` with the autograd graph of the forward run again over its static inputs (inside
+        the backward capture, under the forward's autocast mode)."""
+        layer, rt = self.layer, self.rt
+        with self.caps.mode_context(sig.key[3][1]), rt.enable_grad():
+            inputs = [rt.detach(b, s.requires_grad) for b, s in zip(live.static_inputs, sig.shape.specs)]
+            args, kwargs = sig.shape.rebuild(inputs)
+            result, params = rt.call_with_param_aliases(layer.fn, sig.params, args, kwargs)
+        _, outs = layer.outputs_of(result)
+        return dataclasses.replace(live, inputs=inputs, outputs=outs, params=list(params))
 
     def _capture_input_half(self, sig: Signature, live: Live, static_grads: Sequence[Any]) -> InputHalf:
         """Capture the input half of ``live``'s backward; its autograd graph stays live for
@@ -241,12 +262,13 @@ class LayerCapture:
             weight_buffers=buffers, state=live.state, input_param_used=half.param_used, owned=live.owned)
 
     @contextlib.contextmanager
-    def _captured(self, gen: Any, phase: str):
+    def _captured(self, gen: Any, phase: str, around: Optional[ContextManager] = None):
         """One capture into pool generation ``gen``: a new graph (yielded) captured inside the
-        block (see :meth:`_capturing`), then noted with its duration and counted."""
+        block (see :meth:`_capturing`), then noted with its duration and counted. ``around``:
+        entered before the capture begins (the RNG mirrors the graph registers)."""
         graph = self.rt.create_graph()
         start = _memory.now()
-        with self._capturing(graph, gen, phase):
+        with around or contextlib.nullcontext(), self._capturing(graph, gen, phase):
             yield graph
         self.layer.plan.note_capture(gen, id(graph), _memory.now() - start)
         self.layer.captures += 1

@@ -82,6 +82,13 @@ class EngineOptions:
         Random generators the layer draws from besides the framework's default one (always
         registered): a list or tuple, or a callable returning one at each capture. Each capture
         registers them, so every replay draws fresh numbers from them.""")
+    recompute: bool = _option(False, """
+        Recompute the forward inside the backward graph (activation checkpointing): the forward
+        graph keeps no activations, only the static inputs, and the backward graph runs the
+        forward again before its backward, drawing the same random numbers as the forward did.
+        Eager calls (warmup, the recorded step, a fallback) run under the framework's own
+        checkpointing. Not with the stream-ordered allocator, nor with a zero-bubble schedule's
+        split backward.""")
 
     def validate(self, owner: str) -> "_memory.MemoryMode":
         if not isinstance(self.num_warmup_steps, int) or self.num_warmup_steps < 0:
@@ -98,6 +105,8 @@ class EngineOptions:
                 or isinstance(self.generators, (list, tuple))):
             raise ValueError(f"{owner}: generators must be a list or tuple of generators, or a callable returning "
                              f"one, got {type(self.generators).__name__}")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"{owner}: recompute must be a bool, got {self.recompute!r}")
         return _memory.MemoryMode.parse(self.memory, owner)
 
 

@@ -110,6 +110,9 @@ class Position:
     # (an output the recorded step freed within the episode), until its release point in the
     # capture order sets it to None (core.batch); None where static_outputs owns it
     owned: Any = ()
+    # recompute=True: the forward graph kept no activations; the backward graph runs the forward
+    # again, drawing from the layer's RNG mirrors (set from the forward replay's note first)
+    recomputes: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,7 @@ class Live:
     state: Any = None  # see Position.state
     static_outputs: tuple = ()  # see Position.static_outputs
     owned: Any = ()  # see Position.owned
+    recomputes: bool = False  # see Position.recomputes: ``inputs``/``outputs`` carry no autograd graph
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,9 +214,11 @@ class RanEager:
 
 @dataclass(frozen=True, slots=True)
 class Replayed:
-    """The call replayed ``position``'s forward graph."""
+    """The call replayed ``position``'s forward graph; ``rng``: where the generators stood for
+    it, when the position recomputes (:meth:`~paddle_graphpp.core.runtime.RngMirror.note`)."""
 
     position: Position
+    rng: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +328,11 @@ class SignatureKey(tuple):
 
     def __reduce__(self):  # hashed anew where it is loaded (string hashes differ per process)
         return SignatureKey, (tuple(self),)
+
+    @property
+    def recompute(self) -> bool:
+        """Whether the signature's calls recompute their forward in the backward (its fifth part)."""
+        return len(self) > 4 and bool(self[4])
 
 
 def _const_key(x):

@@ -52,6 +52,8 @@ __all__ = [
     "CaptureHints",
     "ModelTree",
     "ReplayEvents",
+    "Recompute",
+    "RngMirror",
     "Capabilities",
     "capabilities",
     "clone_many",
@@ -497,6 +499,44 @@ class ReplayEvents(abc.ABC):
         network: the watchdog's thread asks about once a second)."""
 
 
+class Recompute(abc.ABC):
+    """Layers that recompute their forward inside the backward (``recompute=True``: activation
+    checkpointing). The forward graph keeps no activations; the backward graph runs the forward
+    again over the static inputs, then its backward. Its random draws must repeat the forward
+    graph's: the backward graph draws from *mirrors* of the generators the forward draws from,
+    set before each backward replay to where the forward's replay read them."""
+
+    @abc.abstractmethod
+    def no_grad(self) -> ContextManager:
+        """Autograd off (the recomputing layer's forward graph records no autograd graph)."""
+
+    @abc.abstractmethod
+    def call_checkpointed(self, fn: Any, params: Sequence[Any], args: tuple, kwargs: dict) -> tuple:
+        """:meth:`GraphRuntime.call_with_param_aliases` under the framework's own activation
+        checkpointing (the eager runs of a recomputing layer: warmup, recording, fallback): its
+        autograd graph keeps the inputs only and recomputes the rest in the backward."""
+
+    @abc.abstractmethod
+    def rng_mirror(self, generators: Sequence[Any]) -> "RngMirror":
+        """The mirrors of the default generator and ``generators`` (those the layer registers)."""
+
+
+class RngMirror(abc.ABC):
+    """One recomputing layer's random-number mirrors (see :class:`Recompute`)."""
+
+    @abc.abstractmethod
+    def swapped(self) -> ContextManager:
+        """Around a backward capture: the generators draw from (and the graph registers) the mirrors."""
+
+    @abc.abstractmethod
+    def note(self) -> Any:
+        """Right before a forward replay: where the generators stand (what the forward draws from)."""
+
+    @abc.abstractmethod
+    def restore(self, noted: Any) -> None:
+        """Right before the matching backward replay: set the mirrors to ``noted``."""
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """The optional capabilities of one runtime: each field is the runtime itself where it
@@ -514,6 +554,7 @@ class Capabilities:
     hints: Optional[CaptureHints]
     tree: Optional[ModelTree]
     events: Optional[ReplayEvents]
+    recomputation: Optional[Recompute]
 
     def mode_key(self) -> Any:
         return self.modes.mode_key() if self.modes is not None else None
@@ -527,7 +568,8 @@ class Capabilities:
 _FIELDS = {"state": StateSlots, "gradients": GradientOps, "modes": AutocastModes, "split": SplitBackward,
            "accumulation": InGraphAccumulation, "release": OutputRelease, "lending": PoolLending,
            "stream_ordered": StreamOrderedAllocator,
-           "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree, "events": ReplayEvents}
+           "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree, "events": ReplayEvents,
+           "recomputation": Recompute}
 _CAPABILITIES: "weakref.WeakKeyDictionary[GraphRuntime, Capabilities]" = weakref.WeakKeyDictionary()
 
 

@@ -110,7 +110,7 @@ class LayerStateCheck:
         self.layer = layer  # what StateSlots.state_slots reads (the wrapped module or layer)
         self.name = name
         self._watch: Optional[StateWatch] = None  # parameters and buffers as the newest capture read them
-        self._checked: Optional[tuple] = None  # (episode, watch) last found unchanged
+        self._checked: dict = {}  # per kind of replay: (episode, watch) last found unchanged
 
     def watch(self) -> Optional[StateWatch]:
         """The watch a new capture records: the current one while nothing was replaced, else a new one."""
@@ -121,11 +121,13 @@ class LayerStateCheck:
             watch = self._watch = StateWatch(self.runtime, slots) if slots else None
         return watch
 
-    def check(self, watch: StateWatch, episode: int) -> None:
+    def check(self, watch: StateWatch, episode: int, kind: str = "forward") -> None:
         """Raise :class:`~paddle_graphpp.StateReplacedError` when ``watch`` saw a replacement.
-        Checked once per episode and watch: replacing a parameter between the micro-batches of
-        one step is not something a training loop does."""
-        checked = self._checked
+        Checked once per episode, watch and ``kind`` of replay (``"forward"``, ``"backward"``:
+        a hook that swaps parameters between a forward and its backward, as FSDP2 does, must
+        put back the same memory): replacing a parameter between the micro-batches of one step
+        is not something a training loop does."""
+        checked = self._checked.get(kind)
         if checked is not None and checked[0] == episode and checked[1] is watch:
             return
         what = watch.changed()
@@ -138,7 +140,8 @@ class LayerStateCheck:
                 f"loader that rebinds tensors), call paddle_graphpp.reset_graphs(model) between steps: it makes "
                 f"every graphed layer of the model forget its graphs and capture them anew, against the new "
                 f"tensors, after warmup.")
-        self._checked = (episode, watch)
+        self._checked[kind] = (episode, watch)
 
     def reset(self) -> None:
-        self._watch = self._checked = None
+        self._watch = None
+        self._checked = {}

@@ -6,7 +6,8 @@ import torch
 
 from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
 from ..core.options import EngineOptions, engine_options
-from .compile import CompiledModule, opaque, options_for
+from .compile import CompiledModule, RunsInPlaceOf, opaque, options_for
+from .integrations import fsdp as _fsdp
 from .runtime import registered_generators, active_runtime
 
 __all__ = ["CUDAGraphedModule", "TORCH_OPTION_NOTES"]
@@ -70,6 +71,8 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"CUDAGraphedModule wraps a torch.nn.Module, got {type(module).__name__}")
         label = graphed_label("CUDAGraphedModule", module, name)
+        if not isinstance(module, RunsInPlaceOf):  # graph_layers' blocks handle FSDP2 themselves (.layers)
+            _fsdp.check_wrapped(label, module)
         self.module = module
         chosen = torch_engine_options(label, CUDAGraphedModule.__init__, warmup, engine_kwargs, options)
         compiled = options_for(module, compile, label)
@@ -79,6 +82,9 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
 
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):
+        if "_graphpp_called" not in self.__dict__:  # fully_shard(CUDAGraphedModule(...)) shards this module
+            self.__dict__["_graphpp_called"] = True
+            _fsdp.prepare(self, self._engine)
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict):

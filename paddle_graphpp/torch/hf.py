@@ -41,6 +41,7 @@ from torch import nn
 
 from ..core.options import EngineOptions
 from .graphed import CUDAGraphedModule, torch_engine_options
+from .integrations import transformers as _transformers
 from .layers import check_layer, graph_in_place
 
 __all__ = ["causal_lm_stage", "CausalLMStage"]
@@ -382,6 +383,8 @@ def causal_lm_stage(
     if graph and scope == "stage":
         for i in indices:  # a graph inside a graph, or a recomputation inside one, is refused
             check_layer(f"{layout.base}.{layout.layers}.{i}", blocks[i], check_config=False)
+            _transformers.refuse_checkpointing(f"{layout.base}.{layout.layers}.{i}", blocks[i],
+                                               "causal_lm_stage(scope='stage')")
         stage.__dict__["_whole"] = CUDAGraphedModule(_StageBody(stage), compile=compile, options=chosen,
                                                      name=f"causal_lm_stage({stage_index}/{num_stages})")
     elif graph and indices:
@@ -414,6 +417,13 @@ class GraphBody(nn.Module):
     def training(self, value: bool) -> None:
         pass  # follows mode_of
 
+    def refuse_checkpointing(self, door: str) -> None:
+        """Refuse a call while a block has gradient checkpointing on (turned on after graphing):
+        the one graph does not recompute (see integrations.transformers.refuse_checkpointing)."""
+        if self.training:
+            for block in self.stage.blocks:
+                _transformers.refuse_checkpointing(type(block).__name__, block, door)
+
 
 class _StageBody(GraphBody):
     """What a whole-stage graph runs: :meth:`CausalLMStage.body`, given the block arguments."""
@@ -422,5 +432,6 @@ class _StageBody(GraphBody):
         super().__init__(stage, stage)
 
     def forward(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        self.refuse_checkpointing("causal_lm_stage(scope='stage')")
         return self.stage.body(x, kwargs)
 

@@ -23,8 +23,10 @@ submodules, so it adds no names; the block runs it without a module call (``run`
 belong on the block, not on ``layer.graphed``.
 
 What a graphed block refuses because a graph cannot replay it (key/value caches, recorded
-attention weights, gradient checkpointing in transformers' blocks) is checked by
-:mod:`paddle_graphpp.torch.integrations.transformers`.
+attention weights) is checked by :mod:`paddle_graphpp.torch.integrations.transformers`. A block
+with transformers' gradient checkpointing on recomputes inside its own graphs (the engine's
+``recompute``): its forward graph keeps no activations and its backward graph runs the forward
+again, drawing the same dropout masks.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch import nn
 from ..core.options import EngineOptions
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
 from .graphed import CUDAGraphedModule, torch_engine_options
+from .integrations import fsdp as _fsdp
 from .integrations import transformers as _transformers
 
 __all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
@@ -47,6 +50,7 @@ _GRAPHED_CLASSES: dict = {}
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
 _NAME = "_graphpp_name"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
+_CALLED = "_graphpp_called"  # set at the first call (FSDP2 is looked for then: it may be applied after graphing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +127,18 @@ class GraphedLayer(nn.Module):
     _graphpp_positions: dict = {}
     _graphpp_original: type = nn.Module
 
+    def __call__(self, *args, **kwargs):
+        if _transformers.checkpointing(self) and torch.is_grad_enabled():
+            # transformers' checkpoint would call the graphed forward twice (forward, then recompute
+            # in the backward); the block's graphs recompute instead (engine.recompute_when)
+            return nn.Module.__call__(self, *args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
     @opaque  # torch.compile around the model calls the graphed block as it is (see .compile)
     def forward(self, *args, **kwargs):
+        if _CALLED not in self.__dict__:
+            self.__dict__[_CALLED] = True
+            _fsdp.prepare(self, self.__dict__[_SLOT].engine)
         if torch.is_grad_enabled():
             _transformers.check_call(self.__dict__[_NAME], self, self._graphpp_positions, args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
@@ -192,13 +206,14 @@ def _entries(layers: Any) -> list:
 
 
 def check_layer(name: str, layer: nn.Module, check_config: bool) -> None:
-    """Refuse a block that cannot be graphed: graphed already, checkpointed, or (``check_config``)
-    with a model config that keeps a cache or records attention weights."""
+    """Refuse a block that cannot be graphed: graphed already, or (``check_config``) with a model
+    config that keeps a cache or records attention weights."""
     if isinstance(layer, GraphedLayer):
         raise TypeError(f"{name} is already graphed (graph_layers() was called on it before)")
     if isinstance(layer, CUDAGraphedModule):
         raise TypeError(f"{name} is already a CUDAGraphedModule; pass the plain block to graph_layers()")
     _transformers.check_block(name, layer, check_config)
+    _fsdp.check_block(name, layer)
 
 
 def graph_layers(
@@ -246,10 +261,15 @@ def graph_layers(
     Raises:
         TypeError: ``layers`` is not a container of modules, or a block is already graphed; a
             keyword that is not an option (the message lists the valid names).
-        ValueError: the model's config has ``use_cache`` or ``output_attentions`` on, or a
-            block has gradient checkpointing on (the message names the block and the fix);
-            an invalid option; a block compiled with Inductor's own CUDA graphs
-            (``mode="reduce-overhead"``).
+        ValueError: the model's config has ``use_cache`` or ``output_attentions`` on (the
+            message names the block and the fix); an invalid option; a block compiled with
+            Inductor's own CUDA graphs (``mode="reduce-overhead"``).
+
+    Gradient checkpointing (``model.gradient_checkpointing_enable()``, before or after this
+    call) is honoured inside the graphs: a checkpointed block's forward graph keeps only its
+    inputs, and its backward graph recomputes the forward (the same dropout masks) before the
+    backward, so memory drops as under eager checkpointing. ``recompute=True`` does the same for
+    blocks without transformers' switch.
 
     Warning:
         Set ``model.config.use_cache = False`` for training. A graphed block called with grad
@@ -302,6 +322,7 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     graphed = []
     for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
+        runner.engine.recompute_when = functools.partial(_recomputes, layer, options.recompute)
         layer.__dict__[_NAME] = label
         if own:  # its call would trace the graphed block: the compiled code runs inside the graphs instead
             layer.__dict__[_USER_COMPILED] = layer._compiled_call_impl
@@ -309,6 +330,12 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
         layer.__class__ = _graphed_class(type(layer))
         graphed.append(layer)
     return graphed
+
+
+def _recomputes(layer: nn.Module, always: bool) -> bool:
+    """Whether a call of the graphed block recomputes: ``recompute=True``, or transformers'
+    gradient checkpointing on while it trains (read per call: it may be turned on later)."""
+    return always or _transformers.checkpointing(layer)
 
 
 def _forward_of(cls: type, compiled: Optional[dict]):
@@ -328,6 +355,7 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
             layer.__class__ = type(layer)._graphpp_original
             layer.__dict__.pop(_SLOT, None)
             layer.__dict__.pop(_NAME, None)
+            layer.__dict__.pop(_CALLED, None)
             if _USER_COMPILED in layer.__dict__:
                 layer._compiled_call_impl = layer.__dict__.pop(_USER_COMPILED)
         out.append(layer)

@@ -17,10 +17,12 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import support as _support
-from ..core.runtime import AutocastModes, CaptureHints, GraphRuntime, ModelTree, StateSlots, TensorSpec, get_runtime
+from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, ModelTree, Recompute, StateSlots, TensorSpec,
+                            get_runtime)
 from ..core.state import module_state_slots
 from . import autograd as _autograd
 from . import compile as _compile
+from . import recompute as _recompute
 from .memory import pool_segments as _pool_segments
 from .collectives.watch import TorchReplayEvents, noting_collectives
 from .graphs import capturing, empty_capture
@@ -41,7 +43,7 @@ _DEVICE_NAMES: dict = {}
 
 
 class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, GraphRuntime, StateSlots, AutocastModes,
-                   CaptureHints, ModelTree):
+                   CaptureHints, ModelTree, Recompute):
     name = "torch"
     # AccumulateGrad adopts a gradient only when no other reference to it exists; the engine
     # hands back buffers it keeps referencing, so autograd copies them where it must.
@@ -149,13 +151,22 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
     def call_with_param_aliases(self, fn, params, args, kwargs):
         if not params:
             return fn(*args, **kwargs), []
-        slots = _parameter_slots(fn)  # the engine checked that every one is still fn's (core.layer_capture)
-        aliases = [p.detach().requires_grad_(True) for p in params]
-        mapping = {name: a for p, a in zip(params, aliases) for name in slots[id(p)]}
+        aliases, mapping = _aliases(fn, params)
         # Every place a parameter is held gets its alias, each place once: functional_call's
         # own tying would swap a module held under two names twice, and its restore then leaves
         # new parameter objects in the module (torch 2.11, 2.13).
         return torch.func.functional_call(fn, mapping, args, kwargs, strict=False, tie_weights=False), aliases
+
+    # recompute (activation checkpointing, see .recompute)
+    def no_grad(self):
+        return torch.no_grad()
+
+    def call_checkpointed(self, fn, params, args, kwargs):
+        aliases, mapping = _aliases(fn, params) if params else ([], {})
+        return _recompute.checkpointed(fn, mapping, args, kwargs), aliases
+
+    def rng_mirror(self, generators):
+        return _recompute.Mirrors(registered_generators(generators))
 
     def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:
@@ -240,6 +251,13 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
     def is_capturing(self) -> bool:
         # asked on every graphed call: nothing captures before CUDA is initialised (a cheap test)
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+def _aliases(fn, params) -> tuple:
+    """Aliases of ``params`` that require grad, and ``{name: alias}`` for every place ``fn`` holds each."""
+    slots = _parameter_slots(fn)  # the engine checked that every one is still fn's (core.layer_capture)
+    aliases = [p.detach().requires_grad_(True) for p in params]
+    return aliases, {name: a for p, a in zip(params, aliases) for name in slots[id(p)]}
+
 
 def _parameter_slots(module) -> dict:
     """``{id(parameter): [name, ...]}``: one name per place the parameter is held (a module and

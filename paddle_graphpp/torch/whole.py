@@ -44,6 +44,7 @@ from torch import nn
 from ..core.options import EngineOptions
 from .graphed import CUDAGraphedModule, torch_engine_options
 from .hf import CausalLMStage, GraphBody, layout_of
+from .integrations import transformers as _transformers
 from .layers import check_layer
 
 __all__ = ["graph_model", "ungraph_model", "GraphedCausalLM"]
@@ -69,6 +70,7 @@ class _LMBody(GraphBody):
         self.__dict__["_model"] = model  # for its loss_function and config; not a submodule
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor], kwargs: dict, loss_kwargs: dict):
+        self.refuse_checkpointing("graph_model()")
         logits = self.stage.body(input_ids, kwargs)
         if labels is None:
             return logits
@@ -193,6 +195,7 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
     blocks = getattr(getattr(model, layout.base), layout.layers)
     for i, block in enumerate(blocks):
         check_layer(f"{layout.base}.{layout.layers}.{i}", block, check_config=False)
+        _transformers.refuse_checkpointing(f"{layout.base}.{layout.layers}.{i}", block, "graph_model()")
     stage = CausalLMStage(model, layout, 0, 1, range(len(blocks)))
     graphed = CUDAGraphedModule(_LMBody(stage, model), compile=compile, options=chosen,
                                 name=f"graph_model({type(model).__name__})")

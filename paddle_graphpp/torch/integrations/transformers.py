@@ -3,10 +3,15 @@
 A graphed block cannot update a key/value cache: the update is Python-side state that would
 happen once, at capture, and never at replay. Nor can it record attention weights
 (``output_attentions``: transformers records them with hooks inside the block, which replays do
-not run), or recompute activations (gradient checkpointing). :func:`check_block` refuses a
-block whose model config asks for any of these when it is graphed; :func:`check_call` refuses a
-call with grad enabled that passes ``use_cache=True``, a cache object or
-``output_attentions=True``, or that transformers' output recording asks attention weights of.
+not run). :func:`check_block` refuses a block whose model config asks for either when it is
+graphed; :func:`check_call` refuses a call with grad enabled that passes ``use_cache=True``, a
+cache object or ``output_attentions=True``, or that transformers' output recording asks
+attention weights of.
+
+Gradient checkpointing (``model.gradient_checkpointing_enable()``, before or after graphing) is
+recomputation inside the block's own graphs (:func:`checkpointing` turns the engine's
+``recompute`` on per call); the whole-model and whole-stage graphs do not recompute, and
+:func:`refuse_checkpointing` says so.
 Under ``torch.no_grad()`` (evaluation, ``generate()``) a graphed block runs eagerly, and
 caches work.
 
@@ -23,7 +28,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
-__all__ = ["arg_positions", "check_block", "check_call", "recorded_outputs"]
+__all__ = ["arg_positions", "check_block", "check_call", "checkpointing", "refuse_checkpointing", "recorded_outputs"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
 # the names transformers' decoder blocks use for them (``cache`` from transformers 5.24 on).
@@ -51,18 +56,33 @@ def _config_of(layer: nn.Module) -> Any:
     return None
 
 
+def checkpointing(layer: nn.Module) -> bool:
+    """Whether transformers' gradient checkpointing is on for ``layer`` and it is training (its
+    ``GradientCheckpointingLayer.__call__`` would then recompute it)."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+
+
+def refuse_checkpointing(name: str, layer: nn.Module, door: str) -> None:
+    """Refuse ``layer`` (named ``name``) with gradient checkpointing on inside a graph of ``door``
+    (a whole-model or whole-stage graph, which does not recompute).
+
+    Raises:
+        ValueError: naming the block, the door and the two ways on.
+    """
+    if getattr(layer, "gradient_checkpointing", False):
+        raise ValueError(
+            f"{name} has gradient checkpointing on, which {door} does not recompute (its one graph keeps every "
+            f"activation). Call model.gradient_checkpointing_disable(), or graph the blocks with "
+            f"graph_layers(), whose graphs recompute checkpointed blocks inside their backward graphs.")
+
+
 def check_block(name: str, layer: nn.Module, check_config: bool) -> None:
-    """Refuse to graph ``layer`` (named ``name``) with gradient checkpointing on, or, with
-    ``check_config``, under a model config with ``use_cache`` or ``output_attentions`` on.
+    """Refuse to graph ``layer`` (named ``name``), with ``check_config``, under a model config
+    with ``use_cache`` or ``output_attentions`` on.
 
     Raises:
         ValueError: naming the block and the setting to change.
     """
-    if getattr(layer, "gradient_checkpointing", False):
-        raise ValueError(
-            f"{name} has gradient checkpointing on; its recomputation cannot run inside a graph. Call "
-            f"model.gradient_checkpointing_disable() before graph_layers() (graphed layers keep their "
-            f"activations in the graph pool instead).")
     config = _config_of(layer) if check_config else None
     if config is not None and getattr(config, "use_cache", False):
         raise ValueError(
@@ -81,8 +101,8 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
     replay: ``positions`` are :func:`arg_positions` of its class's forward.
 
     Raises:
-        ValueError: gradient checkpointing turned on after graphing, ``use_cache=True``, a cache
-            object, or attention weights asked for (the message names the block and the fix).
+        ValueError: ``use_cache=True``, a cache object, or attention weights asked for (the
+            message names the block and the fix).
     """
     def given(arg):
         if arg in kwargs:
@@ -90,11 +110,6 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
         index = positions.get(arg)
         return args[index] if index is not None and index < len(args) else None
 
-    if getattr(layer, "gradient_checkpointing", False) and layer.training:
-        raise ValueError(
-            f"{name} has gradient checkpointing on (enabled after graph_layers()); its recomputation cannot "
-            f"run inside a graph. Call model.gradient_checkpointing_disable() (graphed layers keep their "
-            f"activations in the graph pool instead).")
     if given("use_cache"):
         raise ValueError(
             f"{name}: use_cache=True reached a graphed layer, which cannot update a key/value cache (the "

@@ -1,0 +1,69 @@
+"""Activation checkpointing in graphed layers (``recompute=True``), the PyTorch side.
+
+A recomputing layer's forward graph runs without autograd and keeps no activations; its backward
+graph runs the forward again over the static inputs, then the backward (``core.layer_capture``).
+Dropout in the recomputation must draw what the forward drew. A CUDA graph reads its
+generator's seed and offset when it is replayed, and advances the generator past what it draws,
+so the backward graph cannot draw from the generator the forward graph did. It draws from
+*mirrors* instead: clones of each generator's state (``Generator.clone_state``), swapped in
+(``graphsafe_set_state``) while the backward is captured, so the graph registers them. Before
+a forward replay :meth:`Mirrors.note` reads where each generator stands; before the backward
+replay :meth:`Mirrors.restore` sets the mirrors there. The forward graph and the recomputation
+start their draws at the same point within their graphs (the layer's forward comes first in
+both), so they draw the same numbers; the generators themselves advance by the forward's draws
+only, as under eager ``torch.utils.checkpoint``.
+
+Eager calls of such a layer (warmup, the recorded step, fallbacks) run under
+``torch.utils.checkpoint`` (non-reentrant, the RNG state preserved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+import torch.utils.checkpoint
+
+from ..core.runtime import RngMirror
+
+__all__ = ["Mirrors", "checkpointed"]
+
+
+class Mirrors(RngMirror):
+    """The mirrors of the current device's default CUDA generator and of ``generators``."""
+
+    def __init__(self, generators: Sequence[torch.Generator]):
+        default = torch.cuda.default_generators[torch.cuda.current_device()]
+        self.generators = [default, *(g for g in generators if g is not default)]
+        self.mirrors = [g.clone_state() for g in self.generators]
+
+    @contextlib.contextmanager
+    def swapped(self):
+        before = [g.graphsafe_get_state() for g in self.generators]
+        for g, m in zip(self.generators, self.mirrors):
+            g.graphsafe_set_state(m)
+        try:
+            yield
+        finally:
+            for g, state in zip(self.generators, before):
+                g.graphsafe_set_state(state)
+
+    def note(self) -> tuple:
+        return tuple((g.initial_seed(), g.get_offset()) for g in self.generators)
+
+    def restore(self, noted: tuple) -> None:
+        for m, (seed, offset) in zip(self.mirrors, noted):
+            if m.initial_seed() != seed:  # reseeded since (manual_seed): the mirror follows
+                m.manual_seed(seed)
+            m.set_offset(offset)
+
+
+def checkpointed(fn, mapping: dict, args: tuple, kwargs: dict):
+    """``fn(*args, **kwargs)`` with its parameters replaced by ``mapping`` (name -> tensor, as
+    :func:`torch.func.functional_call` takes it) under non-reentrant ``torch.utils.checkpoint``:
+    the recomputation in the backward uses the same replacements."""
+    def run(*a, **k):
+        return torch.func.functional_call(fn, mapping, a, k, strict=False, tie_weights=False)
+
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
