@@ -67,6 +67,19 @@ def test_the_command_line():
             bench_stacks.parse_args(bad)
 
 
+def test_the_reproduce_step_runs_this_tool_on_one_gpu():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "reproduce.py")
+    spec = importlib.util.spec_from_file_location("reproduce", path)
+    reproduce = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reproduce)
+    (name, gpus, command, record), = [s for s in reproduce.STEPS if s[0] == "stacks"]
+    assert gpus == 1 and record == "stacks-<device>.json" and command.startswith("python tools/bench_stacks.py")
+    bench_stacks.parse_args(command.split()[2:])  # its options parse
+
+
 def test_timing_leaves_the_warm_steps_out():
     stamps = [10.0, 12.0, 13.0, 14.0, 14.5, 15.0, 15.5]  # start, then 6 step ends
     t = bench_stacks.timing(stamps, warm=3, tokens_per_step=1000)
