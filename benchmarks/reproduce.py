@@ -65,6 +65,7 @@ STEPS = [
     ("compile", 1, "python tools/bench_compile.py --shapes tiny,small,1b --variants compile,reduce_overhead,"
      "ours_compiled,ours_whole,ours_whole_compiled,ours_whole_step --groups one --profile-steps 0",
      "compile-<device>.json"),
+    ("stacks", 1, "python tools/bench_stacks.py", "stacks-<device>.json"),
     ("zero-bubble-split", 1, "python tools/bench_zero_bubble.py --single-gpu", "zero-bubble-split-<device>.json"),
     ("peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --profile", "peer-megatron-pp1-<device>.json"),
     ("gpu-suite", 1, "python tools/gpu_suite.py", "gpu-suite-<device>.json"),
