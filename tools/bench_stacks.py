@@ -23,11 +23,10 @@ training, as a user adds it: ``graph_layers(model.model.layers)``. The stacks:
   ``graph_layers`` in the module's ``__init__``. Skipped, with the reason, where neither is installed.
 * ``checkpoint``: the plain loop with ``model.gradient_checkpointing_enable()`` (non-reentrant)
   and attention dropout 0.1 (so the recomputation must replay the same masks); three variants:
-  ``eager`` and ``graphed`` checkpointed, and ``graphed_no_checkpoint``. Until the library
-  recomputes inside its backward graphs, ``graph_layers`` refuses a checkpointed block
-  (``ValueError``): that text is the ``graphed`` variant's result.
+  ``eager`` and ``graphed`` checkpointed (the graphs recompute inside their backward graphs),
+  and ``graphed_no_checkpoint``.
 * ``fsdp2``: the plain loop over a one-rank NCCL group, ``fully_shard`` on every decoder block and
-  on the root (``graph_layers`` before it). A failure of the graphed variant is its result.
+  on the root (``graph_layers`` before it).
 
 Method: every run is its own process (``--worker STACK VARIANT``; allocator statistics and
 the process group are per process) under ``--worker-timeout``; a run that fails or times out
@@ -619,7 +618,7 @@ def run_checkpoint(variant: str, clock: Clock, steps: int):
     model = build("checkpoint")
     if variant != "graphed_no_checkpoint":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    graph_if(model, variant)  # checkpointed: refused (ValueError) until recomputation in graphs lands
+    graph_if(model, variant)
     train_loop(model, clock, steps)
     return model, {"gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False))}
 
