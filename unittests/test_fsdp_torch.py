@@ -1,0 +1,116 @@
+"""Graphed blocks under FSDP2 (``fully_shard``) on CPU: one gloo rank, the blocks running eagerly
+(no CUDA), so what is checked here is the bookkeeping; that the graphs replay under FSDP2, equal
+to FSDP2 eager, is unittests/gpu/test_fsdp_gpu.py.
+
+* Graphed blocks (graphed before or after sharding) keep their unsharded storage from their first
+  call on, and train exactly like the same FSDP2 model without graphs.
+* ``unsharded_view`` sets the unsharded parameters where FSDP2 has the sharded ones, and puts
+  those back.
+* Layouts that cannot work are refused, naming the one that does.
+"""
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):
+    pytest.skip("this torch has no torch.distributed.fsdp.fully_shard", allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from paddle_graphpp.torch import CUDAGraphedModule, graph_layers  # noqa: E402
+from paddle_graphpp.torch.integrations import fsdp as graphs_fsdp  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+VOCAB = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def build():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1, use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def train(model, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    torch.manual_seed(2)
+    for _ in range(steps):
+        for _ in range(2):
+            x = torch.randint(0, VOCAB, (2, 16), generator=g)
+            loss = model(x, labels=x).loss
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("order", ["graph_then_shard", "shard_then_graph"])
+def test_graphed_blocks_under_fsdp2_keep_their_storage_and_train_like_fsdp2(order):
+    ref = build()
+    for block in ref.model.layers:
+        fully_shard(block)
+    fully_shard(ref)
+    model = build()
+    if order == "graph_then_shard":
+        graph_layers(model.model.layers)
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    if order == "shard_then_graph":
+        graph_layers(model.model.layers)
+    with pytest.warns(RuntimeWarning, match="CUDA graphs are not used"):
+        assert train(model) == train(ref)
+    for block in model.model.layers:
+        records = graphs_fsdp.fsdp_params(block)
+        assert records and all(fp.free_unsharded_param is graphs_fsdp._keep_storage for fp in records)
+        # resharded between steps, its unsharded storage still allocated
+        assert type(block.self_attn.q_proj.weight).__name__ == "DTensor"
+        assert all(fp._unsharded_param.untyped_storage().size() > 0 for fp in records)
+    for block in ref.model.layers:
+        assert all("free_unsharded_param" not in vars(fp) for fp in graphs_fsdp.fsdp_params(block))
+
+
+def test_unsharded_view_sets_and_restores_the_parameters():
+    model = build()
+    graph_layers(model.model.layers)
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    with pytest.warns(RuntimeWarning):
+        train(model, steps=1)
+    block = model.model.layers[0]
+    sharded = block.mlp.up_proj.weight
+    unsharded = {id(fp._unsharded_param) for fp in graphs_fsdp.fsdp_params(block)}
+    with graphs_fsdp.unsharded_view(block):
+        assert {id(p) for p in block.parameters()} == unsharded
+    assert block.mlp.up_proj.weight is sharded
+    assert block.engine.capture_view is not None and block.engine.capture_view() is not None
+
+
+def test_layouts_that_cannot_work_are_refused():
+    model = build()
+    fully_shard(model)  # the root only: the blocks hold the root's sharded parameters
+    with pytest.raises(TypeError, match=r"sharded by an enclosing fully_shard\(\).*fully_shard\(\) on each graphed block"):
+        graph_layers(model.model.layers)
+    block = build().model.layers[0]
+    fully_shard(block)
+    with pytest.raises(TypeError, match="is an FSDP2 module.*Graph first, then shard"):
+        CUDAGraphedModule(block)
