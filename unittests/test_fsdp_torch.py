@@ -114,3 +114,37 @@ def test_layouts_that_cannot_work_are_refused():
     fully_shard(block)
     with pytest.raises(TypeError, match="is an FSDP2 module.*Graph first, then shard"):
         CUDAGraphedModule(block)
+
+
+def test_fsdp2_inside_a_block_or_only_around_it_is_refused_in_either_order():
+    model = build()
+    fully_shard(model.model.layers[0].mlp)  # an FSDP module inside the block
+    with pytest.raises(TypeError, match=r"submodule mlp is an FSDP2 module.*on the graphed block itself"):
+        graph_layers(model.model.layers)
+    model = build()
+    graph_layers(model.model.layers)
+    fully_shard(model)  # only the root, after graphing: refused at the first call
+    x = torch.randint(0, VOCAB, (2, 16))
+    with pytest.raises(TypeError, match=r"sharded by an enclosing fully_shard\(\)"):
+        model(x, labels=x)
+
+
+def test_ungraph_layers_gives_fsdp2_its_storage_back_or_refuses():
+    model = build()
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    graph_layers(model.model.layers)
+    with pytest.warns(RuntimeWarning):
+        train(model, steps=1)
+    from paddle_graphpp.torch import ungraph_layers
+    ungraph_layers(model.model.layers)
+    assert all("free_unsharded_param" not in vars(fp)
+               for block in model.model.layers for fp in graphs_fsdp.fsdp_params(block))
+    assert all(type(b).__name__.startswith("FSDP") for b in model.model.layers)
+    other = build()
+    graph_layers(other.model.layers)
+    for block in other.model.layers:
+        fully_shard(block)
+    with pytest.raises(TypeError, match="wrapped again after graph_layers"):
+        ungraph_layers(other.model.layers)

@@ -558,3 +558,21 @@ def test_gradient_checkpointing_recomputes_through_the_engine(when):
     runs.clear()
     model(x, labels=x).loss.backward()
     assert runs == [True] and not model.model.layers[0].engine.recompute_when()
+
+
+def test_recompute_refuses_what_its_graphs_cannot_do():
+    """compile= with checkpointing (the compiled forward would compile anew for a capture without
+    autograd), and generators the eager recomputation would not replay, are refused naming the fix."""
+    model = build("llama")
+    graph_layers(model.model.layers, compile=True)
+    model.gradient_checkpointing_enable()
+    model.train()
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(ValueError, match=r"LlamaDecoderLayer\[0\]: gradient checkpointing \(recompute\) with compile="):
+        model(x, labels=x)
+    from paddle_graphpp.torch import CUDAGraphedModule
+    with pytest.raises(ValueError, match="recompute=True with compile= is not supported"):
+        CUDAGraphedModule(torch.nn.Linear(4, 4), recompute=True, compile=True)
+    from paddle_graphpp.torch.runtime import RUNTIME
+    with pytest.raises(ValueError, match=r"default CUDA generator only.*generators= \(1\)"):
+        RUNTIME.rng_mirror([torch.Generator()])

@@ -234,14 +234,30 @@ class GraphedCallable:
         """Fix the signature's parameters and gradient path; record from this episode on
         (or capture in step under the stream-ordered allocator)."""
         params = tuple(call.params)
-        if sig.key.recompute and self.plan.async_allocator:
+        if sig.key.recompute:
+            self._check_recompute()
+        accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
+                                                     self.caps.accumulation)
+        self.phases.leave_warmup(sig, params, accumulate, in_step=self.plan.async_allocator)
+
+    def _check_recompute(self) -> None:
+        """A recomputing signature leaves warmup: refuse what its graphs cannot do; make its RNG
+        mirrors now, over the generators its captures register (the runtime refuses what it
+        cannot mirror)."""
+        if self.plan.async_allocator:
             raise GraphScheduleError(
                 f"{self.name}: recompute (activation checkpointing) is not supported under the stream-ordered "
                 f"allocator (use_cuda_malloc_async_allocator), which captures within the step. Use the default "
                 f"caching allocator, or turn checkpointing off for graphed layers.")
-        accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
-                                                     self.caps.accumulation)
-        self.phases.leave_warmup(sig, params, accumulate, in_step=self.plan.async_allocator)
+        if callable(self.options.generators):
+            raise GraphScheduleError(
+                f"{self.name}: recompute (activation checkpointing) with generators= given as a callable: the "
+                f"generators its graphs draw from must be known when it leaves warmup. Pass a list.")
+        if self.caps.recomputation is not None:
+            try:
+                self.rng_mirror()
+            except ValueError as exc:
+                raise GraphScheduleError(f"{self.name}: {exc}") from None
 
     def accumulates_in_graphs(self, param: Any) -> bool:
         """Whether this layer's graphs add ``param``'s gradient into ``.grad`` (a signature past

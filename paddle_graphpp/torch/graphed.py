@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
@@ -76,15 +78,19 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
         self.module = module
         chosen = torch_engine_options(label, CUDAGraphedModule.__init__, warmup, engine_kwargs, options)
         compiled = options_for(module, compile, label)
+        if chosen.recompute and compiled is not None:
+            raise ValueError(f"{label}: recompute=True with compile= is not supported: the compiled forward would "
+                             f"compile anew for the capture without autograd. Pass one of them.")
         run = module if compiled is None else CompiledModule(module, compiled)
         self._engine = graphed_engine(run, active_runtime(), lambda: [p for p in module.parameters() if p.requires_grad],
                                       name=label, options=chosen)
+        self._engine.capture_view = functools.partial(_fsdp.capture_view, self, label)
 
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):
         if "_graphpp_called" not in self.__dict__:  # fully_shard(CUDAGraphedModule(...)) shards this module
+            _fsdp.prepare(self, self._engine.name)
             self.__dict__["_graphpp_called"] = True
-            _fsdp.prepare(self, self._engine)
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict):

@@ -211,6 +211,7 @@ class CausalLMStage(nn.Module):
         kwargs = self.block_kwargs(x)
         whole = self.__dict__.get("_whole")
         if whole is not None:  # scope="stage": the whole stage is one graphed call
+            whole.module.refuse_checkpointing("causal_lm_stage(scope='stage')")  # turned on after graphing
             return whole.run((x, kwargs), {})
         return self.body(x, kwargs)
 
@@ -418,11 +419,12 @@ class GraphBody(nn.Module):
         pass  # follows mode_of
 
     def refuse_checkpointing(self, door: str) -> None:
-        """Refuse a call while a block has gradient checkpointing on (turned on after graphing):
-        the one graph does not recompute (see integrations.transformers.refuse_checkpointing)."""
-        if self.training:
-            for block in self.stage.blocks:
-                _transformers.refuse_checkpointing(type(block).__name__, block, door)
+        """Refuse a training call while a block has gradient checkpointing on (turned on after
+        graphing): the one graph does not recompute (see integrations.transformers.refuse_checkpointing)."""
+        if self.training and torch.is_grad_enabled():
+            stage = self.stage
+            for i, block in zip(stage.layer_indices, stage.blocks):
+                _transformers.refuse_checkpointing(f"{stage._layout.base}.{stage._layout.layers}.{i}", block, door)
 
 
 class _StageBody(GraphBody):
@@ -432,6 +434,5 @@ class _StageBody(GraphBody):
         super().__init__(stage, stage)
 
     def forward(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        self.refuse_checkpointing("causal_lm_stage(scope='stage')")
         return self.stage.body(x, kwargs)
 

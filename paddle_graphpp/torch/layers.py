@@ -136,9 +136,9 @@ class GraphedLayer(nn.Module):
 
     @opaque  # torch.compile around the model calls the graphed block as it is (see .compile)
     def forward(self, *args, **kwargs):
-        if _CALLED not in self.__dict__:
+        if _CALLED not in self.__dict__:  # FSDP2 may shard the block after graph_layers()
+            _fsdp.prepare(self, self.__dict__[_NAME])
             self.__dict__[_CALLED] = True
-            _fsdp.prepare(self, self.__dict__[_SLOT].engine)
         if torch.is_grad_enabled():
             _transformers.check_call(self.__dict__[_NAME], self, self._graphpp_positions, args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
@@ -322,7 +322,8 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     graphed = []
     for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
-        runner.engine.recompute_when = functools.partial(_recomputes, layer, options.recompute)
+        runner.engine.recompute_when = functools.partial(_recomputes, layer, options.recompute, compiled is not None)
+        runner.engine.capture_view = functools.partial(_fsdp.capture_view, layer, label)
         layer.__dict__[_NAME] = label
         if own:  # its call would trace the graphed block: the compiled code runs inside the graphs instead
             layer.__dict__[_USER_COMPILED] = layer._compiled_call_impl
@@ -332,10 +333,21 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     return graphed
 
 
-def _recomputes(layer: nn.Module, always: bool) -> bool:
+def _recomputes(layer: nn.Module, always: bool, compiled: bool) -> bool:
     """Whether a call of the graphed block recomputes: ``recompute=True``, or transformers'
-    gradient checkpointing on while it trains (read per call: it may be turned on later)."""
-    return always or _transformers.checkpointing(layer)
+    gradient checkpointing on while it trains (read per call: it may be turned on later).
+
+    Raises:
+        ValueError: it would, and the block runs compiled (``compile=``): the compiled forward is
+            not captured without autograd, as a recomputing forward graph is.
+    """
+    recompute = always or _transformers.checkpointing(layer)
+    if recompute and compiled:
+        raise ValueError(
+            f"{layer.__dict__.get(_NAME, type(layer).__name__)}: gradient checkpointing (recompute) with compile= "
+            f"is not supported: the compiled forward would compile anew for the capture without autograd. Graph "
+            f"the blocks without compile=, or turn checkpointing off (model.gradient_checkpointing_disable()).")
+    return recompute
 
 
 def _forward_of(cls: type, compiled: Optional[dict]):
@@ -350,8 +362,15 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
     (their memory is freed once nothing else holds them). Blocks that are not graphed are left
     as they are. Returns the blocks, in order."""
     out = []
+    for key, layer in _entries(layers):
+        if isinstance(layer, GraphedLayer) and type(layer) is not _GRAPHED_CLASSES.get(type(layer)._graphpp_original):
+            raise TypeError(
+                f"ungraph_layers(): block {key} ({type(layer).__name__}) was wrapped again after graph_layers() "
+                f"(fully_shard, say), which its class would lose. Build the model anew without graph_layers(), or "
+                f"ungraph before wrapping.")
     for _, layer in _entries(layers):
         if isinstance(layer, GraphedLayer):
+            _fsdp.release(layer)
             layer.__class__ = type(layer)._graphpp_original
             layer.__dict__.pop(_SLOT, None)
             layer.__dict__.pop(_NAME, None)

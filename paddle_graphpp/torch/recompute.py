@@ -14,7 +14,9 @@ both), so they draw the same numbers; the generators themselves advance by the f
 only, as under eager ``torch.utils.checkpoint``.
 
 Eager calls of such a layer (warmup, the recorded step, fallbacks) run under
-``torch.utils.checkpoint`` (non-reentrant, the RNG state preserved).
+``torch.utils.checkpoint`` (non-reentrant, the RNG state preserved, the current CUDA device's
+too). Layers that draw from other generators (``generators=``, Megatron-Core's tracker) are
+refused: eager checkpointing would not repeat their draws.
 """
 
 from __future__ import annotations
@@ -59,11 +61,31 @@ class Mirrors(RngMirror):
             m.set_offset(offset)
 
 
+def _cuda_rng_contexts():
+    """``torch.utils.checkpoint``'s ``context_fn``: the recomputation starts from the current CUDA
+    device's RNG state as the forward found it, and leaves the state as it was. Checkpoint's own
+    ``preserve_rng_state`` covers only the devices of positional tensor arguments; a block may
+    be given its tensors by keyword."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    device = torch.cuda.current_device()
+    state = torch.cuda.get_rng_state(device)
+
+    @contextlib.contextmanager
+    def recompute():
+        with torch.random.fork_rng(devices=[device]):
+            torch.cuda.set_rng_state(state, device)
+            yield
+
+    return contextlib.nullcontext(), recompute()
+
+
 def checkpointed(fn, mapping: dict, args: tuple, kwargs: dict):
     """``fn(*args, **kwargs)`` with its parameters replaced by ``mapping`` (name -> tensor, as
     :func:`torch.func.functional_call` takes it) under non-reentrant ``torch.utils.checkpoint``:
-    the recomputation in the backward uses the same replacements."""
+    the recomputation in the backward uses the same replacements and the forward's random state."""
     def run(*a, **k):
         return torch.func.functional_call(fn, mapping, a, k, strict=False, tie_weights=False)
 
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                                             context_fn=_cuda_rng_contexts, **kwargs)

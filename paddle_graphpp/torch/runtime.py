@@ -166,7 +166,15 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         return _recompute.checkpointed(fn, mapping, args, kwargs), aliases
 
     def rng_mirror(self, generators):
-        return _recompute.Mirrors(registered_generators(generators))
+        # Eager recomputation (torch.utils.checkpoint) repeats the default generators' draws only,
+        # so a layer drawing from others would recompute other masks there: refused for now.
+        tracked = [t.name for t in RNG_TRACKERS if any(t.states())]
+        if list(generators) or tracked:
+            what = f"generators= ({len(list(generators))})" if list(generators) else tracked[0]
+            raise ValueError(f"recompute (activation checkpointing) in graphs draws from the default CUDA generator "
+                             f"only; this layer also draws from {what}. Turn recompute (checkpointing) off for "
+                             f"this layer.")
+        return _recompute.Mirrors([])
 
     def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:

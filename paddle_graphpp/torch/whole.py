@@ -70,7 +70,6 @@ class _LMBody(GraphBody):
         self.__dict__["_model"] = model  # for its loss_function and config; not a submodule
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor], kwargs: dict, loss_kwargs: dict):
-        self.refuse_checkpointing("graph_model()")
         logits = self.stage.body(input_ids, kwargs)
         if labels is None:
             return logits
@@ -105,6 +104,7 @@ class GraphedCausalLM:
                 self._warned.add(why)
                 logger.warning("%s: %s; this call runs the model's own forward (no whole-model graph)", self.name, why)
             return self.original_forward(*args, **kwargs)
+        self.graphed.module.refuse_checkpointing("graph_model()")  # turned on after graphing
         input_ids = args[0] if args else kwargs.pop("input_ids")
         labels, return_dict = kwargs.pop("labels", None), kwargs.pop("return_dict", None)
         loss_kwargs = {k: kwargs[k] for k in _LOSS_KWARGS if kwargs.get(k) is not None}

@@ -19,28 +19,39 @@ So a graphed block that FSDP2 manages (``fully_shard(block)``, before or after
   capture of a recorded step may run while FSDP2 has the sharded ones set.
 
 Each graphed block must be an FSDP module itself (``fully_shard(block)`` for every block, then
-``fully_shard(model)``, the layout torchtitan uses); a block whose parameters only the root
-shards is refused at its first call, naming the fix. This reads FSDP2's parameter records
-(``FSDPParam``: its module, parameter name and unsharded parameter), checked on torch 2.11 and 2.13.
+``fully_shard(model)``, the layout torchtitan uses), with no FSDP module inside it. A block whose
+parameters an enclosing ``fully_shard`` manages, or that holds an FSDP module, is refused (when
+graphed, at its first call and at each capture: ``fully_shard`` may come after graphing), naming
+the layout that works. This reads FSDP2's records (``FSDPParam``: its module, parameter name and
+unsharded parameter; the process's table of composable states), checked on torch 2.11 and 2.13.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 from torch import nn
 
-__all__ = ["fsdp_params", "keep_unsharded", "unsharded_view", "prepare", "check_block", "check_wrapped"]
+__all__ = ["fsdp_params", "keep_unsharded", "unsharded_view", "prepare", "capture_view", "release", "check_block",
+           "check_wrapped"]
+
+
+def _groups(state: Any) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13: a list (per-parameter meshes)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return groups
 
 
 def fsdp_params(module: nn.Module) -> list:
-    """The FSDP2 parameter records of ``module``'s own ``fully_shard`` group (empty: not an FSDP2 module)."""
+    """The FSDP2 parameter records of ``module``'s own ``fully_shard`` groups (empty: not an FSDP2 module)."""
     get = getattr(module, "_get_fsdp_state", None)
     if get is None:
         return []
-    group = getattr(get(), "_fsdp_param_group", None)
-    return list(group.fsdp_params) if group is not None else []
+    return [fp for group in _groups(get()) for fp in group.fsdp_params]
 
 
 def _keep_storage() -> None:
@@ -54,6 +65,12 @@ def keep_unsharded(module: nn.Module) -> int:
     for fp in params:
         fp.free_unsharded_param = _keep_storage  # on the instance: found before the class's
     return len(params)
+
+
+def release(module: nn.Module) -> None:
+    """Undo :func:`keep_unsharded` (FSDP2 frees the unsharded storage after use again)."""
+    for fp in fsdp_params(module):
+        vars(fp).pop("free_unsharded_param", None)
 
 
 def _places(fp: Any) -> list:
@@ -82,24 +99,59 @@ def unsharded_view(module: nn.Module):
             owner._parameters[name] = held
 
 
-def prepare(block: nn.Module, engine: Any) -> None:
-    """At a graphed block's first call: under FSDP2, keep its unsharded storage and let its
-    captures see the unsharded parameters (``engine.capture_view``)."""
-    if keep_unsharded(block):
-        engine.capture_view = lambda: unsharded_view(block)
+def prepare(block: nn.Module, name: str) -> None:
+    """A graphed block's first call, and each of its captures: refuse a layout that cannot work
+    (:func:`check_block`); under FSDP2, keep its unsharded storage."""
+    check_block(name, block)
+    keep_unsharded(block)
+
+
+def capture_view(block: nn.Module, name: str):
+    """What a graphed block's engine enters around each capture (``engine.capture_view``): the
+    checks and the kept storage of :func:`prepare`, then :func:`unsharded_view`."""
+    prepare(block, name)
+    return unsharded_view(block)
+
+
+def _managed_from_outside(block: nn.Module) -> Optional[str]:
+    """The name of a parameter of ``block`` that an FSDP2 state of another module manages."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # no composable states in this torch: nothing manages it
+        return None
+    inside = {id(m): prefix for prefix, m in block.named_modules()}
+    for owner, state in list(_module_state_mapping.items()):
+        state = state() if isinstance(state, weakref.ref) else state  # held weakly (torch 2.13)
+        if owner is block or not hasattr(state, "_fsdp_param_groups") and not hasattr(state, "_fsdp_param_group"):
+            continue
+        for group in _groups(state):
+            for fp in group.fsdp_params:
+                prefix = inside.get(id(fp._module_info.module))
+                if prefix is not None:
+                    return f"{prefix}.{fp._module_info.param_name}" if prefix else fp._module_info.param_name
+    return None
 
 
 def check_block(name: str, block: nn.Module) -> None:
     """Refuse to graph ``block`` (named ``name``) whose parameters an enclosing ``fully_shard``
-    shards (DTensors) while the block is no FSDP module of its own.
+    manages, or that holds an FSDP2 module of its own below it.
 
     Raises:
         TypeError: naming the block and the layout that works.
     """
-    sharded = [n for n, p in block.named_parameters() if type(p).__name__ == "DTensor"]
-    if sharded and getattr(block, "_get_fsdp_state", None) is None:
+    inner = [n for n, m in block.named_modules() if n and hasattr(m, "_get_fsdp_state")]
+    if inner:
         raise TypeError(
-            f"{name}: its parameters ({sharded[0]}, ...) are sharded by an enclosing fully_shard(), which "
+            f"{name}: its submodule {inner[0]} is an FSDP2 module (fully_shard), whose all-gathers would run "
+            f"inside the block's graphs and whose gradient reduction would not run at their replay. Call "
+            f"fully_shard() on the graphed block itself, not inside it.")
+    outside = _managed_from_outside(block)
+    if outside is None and getattr(block, "_get_fsdp_state", None) is None:
+        sharded = [n for n, p in block.named_parameters() if type(p).__name__ == "DTensor"]
+        outside = sharded[0] if sharded else None
+    if outside is not None:
+        raise TypeError(
+            f"{name}: its parameters ({outside}, ...) are sharded by an enclosing fully_shard(), which "
             f"frees and re-allocates them around every use, where its graphs read fixed addresses. Call "
             f"fully_shard() on each graphed block (for block in model.model.layers: fully_shard(block)), "
             f"then on the model.")
