@@ -146,9 +146,6 @@ def check_block(name: str, block: nn.Module) -> None:
             f"inside the block's graphs and whose gradient reduction would not run at their replay. Call "
             f"fully_shard() on the graphed block itself, not inside it.")
     outside = _managed_from_outside(block)
-    if outside is None and getattr(block, "_get_fsdp_state", None) is None:
-        sharded = [n for n, p in block.named_parameters() if type(p).__name__ == "DTensor"]
-        outside = sharded[0] if sharded else None
     if outside is not None:
         raise TypeError(
             f"{name}: its parameters ({outside}, ...) are sharded by an enclosing fully_shard(), which "
