@@ -134,8 +134,9 @@ def test_configuration_errors_name_the_fix(strategy):
         _check(_descs(8), num_stages=2)
     with pytest.raises(ValueError, match="cannot split into pp\\*vpp"):
         _check(_descs(2), seg_method="uniform", vpp=1)
-    with pytest.raises(ValueError, match="recompute_interval=0"):
-        _check(_descs(8), recompute_interval=1)
+    _check(_descs(8), recompute_interval=1, recompute_ctx={"offload": False})  # graphed runs recompute
+    with pytest.raises(ValueError, match=r"recompute_ctx offload/partition=True.*Set offload and partition to False"):
+        _check(_descs(8), recompute_interval=1, recompute_ctx={"offload": True, "partition": True})
     # DualPipeV: 2*pp chunks, the strategy must ask for it, 2*pp micro-batches
     with pytest.raises(ValueError, match=r"use_dualpipev=True needs the strategy.*\['use_dualpipev'\] = True"):
         _check(_descs(8), vpp=1, use_dualpipev=True)
