@@ -50,6 +50,17 @@ def halve(x):
     return x * 0.5
 
 
+class WeightedProbe(HostProbe):
+    """An eager layer (marked, as HostProbe) with a weight: fleet's recompute recomputes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = self.create_parameter([HIDDEN], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        return x * self.scale
+
+
 def descs(blocks=4, probe=False, callable_at=None):
     layers = [SharedLayerDesc("embed", nn.Embedding, None, "weight", VOCAB, HIDDEN)]
     for i in range(blocks):
@@ -57,7 +68,7 @@ def descs(blocks=4, probe=False, callable_at=None):
         if i == callable_at:
             layers.append(halve)
         if probe and i == blocks // 2 - 1:
-            layers.append(LayerDesc(HostProbe))
+            layers.append(LayerDesc(probe if isinstance(probe, type) else HostProbe))
     layers.append(SharedLayerDesc("embed", nn.Embedding, tied_head, "weight", VOCAB, HIDDEN))
     return layers
 
@@ -319,10 +330,10 @@ RECOMPUTE_CTX = {"mp_group": object(), "offload": False, "partition": False}  # 
 
 
 def counting_forwards(model):
-    """``{sublayer name: forwards}`` of the model's Blocks, counted by forward pre-hooks."""
+    """``{sublayer name: forwards}`` of the model's Blocks and weighted probes, counted by forward pre-hooks."""
     counts = {}
     for name, layer in model.named_sublayers():
-        if isinstance(layer, Block):
+        if isinstance(layer, (Block, WeightedProbe)):
             counts[name] = 0
             layer.register_forward_pre_hook(lambda _l, _i, name=name: counts.__setitem__(name, counts[name] + 1))
     return counts
@@ -334,7 +345,7 @@ def test_recompute_interval_recomputes_what_fleet_does_with_each_run_called_once
     from paddle_graphpp.paddle import fleet_cpu
 
     fleet_cpu.adjust_for_cpu()  # fleet's recompute_hybrid asserts a device; on CPU fleet's generic recompute
-    layers = descs(blocks=4, probe=True, callable_at=2)
+    layers = descs(blocks=4, probe=WeightedProbe, callable_at=2)  # an eager layer that fleet recomputes
     eager = build(vpp, layers=layers, recompute_interval=interval, recompute_ctx=RECOMPUTE_CTX)
     graphed = build(vpp, layers=layers, recompute_interval=interval, recompute_ctx=RECOMPUTE_CTX)
     graphs = graph_pipeline(graphed)
@@ -363,7 +374,18 @@ def test_recompute_interval_recomputes_what_fleet_does_with_each_run_called_once
     assert (out_e == out_g).all() and all((a == b).all() for a, b in zip(grads_e, grads_g))
     assert fwd_g == fwd_e, "the graphed model recomputed other layers than fleet does"
     assert 4 in fwd_e.values(), "nothing was recomputed"  # 2 forwards, each recomputed once
+    probe = [name for name, layer in eager.named_sublayers() if isinstance(layer, WeightedProbe)]
+    assert [fwd_e[name] for name in probe] == [4], "fleet did not recompute the eager layer"
     assert set(run_calls.values()) == {2}, "a graphed run was called other than once per forward"
+
+
+def test_fleets_own_recompute_on_cpu_ranks_refuses_offload_naming_the_fix(fleet_state):
+    from paddle_graphpp.paddle import fleet_cpu
+
+    fleet_cpu.adjust_for_cpu()
+    model = build(recompute_interval=1, recompute_ctx={"mp_group": object(), "offload": True, "partition": False})
+    with pytest.raises(ValueError, match=r"offload=True or partition=True needs a device.*set both to False on CPU"):
+        model(paddle.to_tensor([[1, 2, 3]]))
 
 
 def test_recompute_interval_with_dualpipev_is_refused_before_building():

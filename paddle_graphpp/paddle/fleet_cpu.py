@@ -26,9 +26,11 @@ pipeline was written for device builds. Measured on Paddle 3.3.1 (CPU wheel):
   through ``recompute_hybrid``, which asserts a GPU, XPU or custom device (``Recompute with RNG
   is not support current device: cpu``): only its offload and partition options need one.
   :func:`adjust_for_cpu` points ``PipelineLayer``'s ``recompute_hybrid`` at fleet's generic
-  ``paddle.distributed.fleet.recompute.recompute`` (reentrant, the RNG state preserved, as
-  ``recompute_hybrid`` is), refusing offload and partition, and marking non-float outputs as
-  ``recompute_hybrid`` does.
+  ``paddle.distributed.fleet.recompute.recompute`` (the RNG state preserved, as
+  ``recompute_hybrid`` does), refusing offload and partition. It uses the non-reentrant form
+  (saved-tensor hooks): the reentrant one, a ``PyLayer``, marks every float output of a group as
+  needing a gradient, and with PaddleFormers' Llama pipe (whose layers pass position embeddings
+  along) the two stages then disagreed on the gradients sent back and the pipe hung.
 
 ``paddle_graphpp.PipelineLayer`` calls :func:`adjust_for_cpu` and :func:`use_hop_groups`
 itself; nothing here is needed on a CUDA build, where both are no-ops.
@@ -106,7 +108,6 @@ def _patch_recompute() -> None:
         return
 
     def recompute_hybrid_on_cpu(ctx, function, *args, **kwargs):
-        from paddle.distributed.fleet.meta_parallel.pp_utils import utils
         from paddle.distributed.fleet.recompute.recompute import recompute
 
         if ctx.get("mp_group") is None:
@@ -115,13 +116,7 @@ def _patch_recompute() -> None:
             raise ValueError(
                 "recompute_ctx offload=True or partition=True needs a device (it moves or splits activations "
                 "there); set both to False on CPU ranks")
-        out = recompute(function, *args, preserve_rng_state=True, use_reentrant=True, **kwargs)
-        if isinstance(out, (tuple, list)):
-            for tensor in out:
-                if paddle.is_tensor(tensor) and not utils.is_float_tensor(tensor):
-                    tensor.stop_gradient = True
-            return tuple(out)
-        return out
+        return recompute(function, *args, preserve_rng_state=True, use_reentrant=False, **kwargs)
 
     recompute_hybrid_on_cpu._paddle_graphpp_cpu = True
     pp_layers.recompute_hybrid = recompute_hybrid_on_cpu
