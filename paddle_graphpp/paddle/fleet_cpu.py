@@ -28,9 +28,10 @@ pipeline was written for device builds. Measured on Paddle 3.3.1 (CPU wheel):
   :func:`adjust_for_cpu` points ``PipelineLayer``'s ``recompute_hybrid`` at fleet's generic
   ``paddle.distributed.fleet.recompute.recompute`` (the RNG state preserved, as
   ``recompute_hybrid`` does), refusing offload and partition. It uses the non-reentrant form
-  (saved-tensor hooks): the reentrant one, a ``PyLayer``, marks every float output of a group as
-  needing a gradient, and with PaddleFormers' Llama pipe (whose layers pass position embeddings
-  along) the two stages then disagreed on the gradients sent back and the pipe hung.
+  (saved-tensor hooks): with the reentrant one (a ``PyLayer``, which marks every float output of
+  a group as needing a gradient) PaddleFormers' Llama pipe hung at pp=2, the first stage waiting
+  for a gradient and the second for the next activation. The non-reentrant form runs a group again
+  only where its backward needs what it saved.
 
 ``paddle_graphpp.PipelineLayer`` calls :func:`adjust_for_cpu` and :func:`use_hop_groups`
 itself; nothing here is needed on a CUDA build, where both are no-ops.
