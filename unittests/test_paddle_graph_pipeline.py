@@ -359,7 +359,8 @@ def test_recompute_interval_recomputes_what_fleet_does_with_each_run_called_once
     assert graphed._recompute_interval == 0
     with graphs.eager_view():
         assert graphed._recompute_interval == interval
-    assert f"recompute_interval={interval}: graphed runs recompute inside their own graphs" in graphs.segmentation_report()
+    report = graphs.segmentation_report()
+    assert f"recompute_interval={interval}: graphed runs recompute inside their own graphs" in report
 
     tokens = paddle.to_tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     results = []

@@ -278,7 +278,8 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
             "paddle_graphpp.install()); graph each model once")
     containers = _entry_lists(model)
     interval = getattr(model, "_recompute_interval", 0)
-    _check_graphable(f"graph_pipeline({name})", recompute_interval=interval, recompute_ctx=getattr(model, "recompute_ctx", None),
+    _check_graphable(f"graph_pipeline({name})", recompute_interval=interval,
+                     recompute_ctx=getattr(model, "recompute_ctx", None),
                      use_dualpipev=getattr(model, "_use_dualpipev", False))
     _refuse_config_recompute(model, name)
     _refuse_upstream_graphs(model, containers)
@@ -404,8 +405,9 @@ def _refuse_config_recompute(model, name):
         raise ValueError(
             f"graph_pipeline({name}) cannot take over config.recompute_granularity={granularity!r}: PaddleFormers "
             "recomputes inside each decoder layer's forward (fleet's recompute around the layer, or around its "
-            "attention and MLP), that is inside a graphed run, where the recomputation would run eagerly in the "
-            "run's backward graph and add the weight gradients into .grad behind it. Set "
+            "attention and MLP), that is inside a graphed run, whose backward graph would then capture that "
+            "recompute's own backward, which adds the weight gradients into .grad behind the graph and restores "
+            "the RNG state on the host only. Set "
             "recompute_granularity=None in the model's config and in TrainingArguments; to recompute with graphs, "
             "set model._recompute_interval = 1 before graph_pipeline (each decoder layer then recomputes inside "
             "its own graphs), or train without graph_pipeline")

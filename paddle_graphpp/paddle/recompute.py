@@ -44,8 +44,6 @@ out of recomputing graphed layers.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
-
 import paddle
 from paddle.base import core
 
@@ -90,10 +88,9 @@ class Mirrors(RngMirror):
     """The mirrors of the states one recomputing layer draws from: the generator's current state
     when it is made, and each named state of fleet's RNG tracker (see the module docstring)."""
 
-    def __init__(self, generator: Optional[Any] = None, device: Optional[int] = None):
-        if generator is None:
-            generator, device = current_generator()
-        self.generator, self.device = generator, device or 0
+    def __init__(self):
+        generator, self.device = current_generator()
+        self.generator = generator
         tracker = _tracker_states()
         self.names = list(tracker)
         current = generator.get_state_index()

@@ -115,7 +115,8 @@ def _graphing_init(original):
         if not use_graphs:
             return original(self, *args, **kwargs)
         given = bound.arguments
-        _check_graphable(f"{type(self).__name__}(use_cudagraph=True)", recompute_interval=given.get("recompute_interval", 0),
+        _check_graphable(f"{type(self).__name__}(use_cudagraph=True)",
+                         recompute_interval=given.get("recompute_interval", 0),
                          recompute_ctx=given.get("recompute_ctx"), use_dualpipev=given.get("use_dualpipev", False))
         bound.arguments["use_cudagraph"] = False
         original(*bound.args, **bound.kwargs)
