@@ -28,6 +28,7 @@ CONSUMERS = {
     ("torch/runtime.py", "capture_to_graph", "generators"), ("torch/runtime.py", "capture_failure_hint", "generators"),
     ("core/schedule.py", "__init__", "max_in_flight"), ("core/phases.py", "__init__", "max_signatures"),
     ("core/runtime.py", "rng_mirror", "generators"), ("torch/runtime.py", "rng_mirror", "generators"),
+    ("paddle/runtime.py", "rng_mirror", "generators"),
     ("torch/recompute.py", "__init__", "generators"),
 }
 

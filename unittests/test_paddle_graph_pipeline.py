@@ -21,7 +21,7 @@ from paddle.distributed.fleet.meta_parallel import PipelineLayer as FleetPipelin
 
 import paddle_graphpp  # noqa: E402
 from paddle_graphpp import GraphedPipeline, graph_pipeline  # noqa: E402
-from paddle_graphpp.paddle import upstream  # noqa: E402
+from paddle_graphpp.paddle import pipeline, upstream  # noqa: E402
 
 VOCAB, HIDDEN = 11, 8
 
@@ -50,6 +50,17 @@ def halve(x):
     return x * 0.5
 
 
+class WeightedProbe(HostProbe):
+    """An eager layer (marked, as HostProbe) with a weight: fleet's recompute recomputes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = self.create_parameter([HIDDEN], default_initializer=nn.initializer.Constant(1.0))
+
+    def forward(self, x):
+        return x * self.scale
+
+
 def descs(blocks=4, probe=False, callable_at=None):
     layers = [SharedLayerDesc("embed", nn.Embedding, None, "weight", VOCAB, HIDDEN)]
     for i in range(blocks):
@@ -57,7 +68,7 @@ def descs(blocks=4, probe=False, callable_at=None):
         if i == callable_at:
             layers.append(halve)
         if probe and i == blocks // 2 - 1:
-            layers.append(LayerDesc(HostProbe))
+            layers.append(LayerDesc(probe if isinstance(probe, type) else HostProbe))
     layers.append(SharedLayerDesc("embed", nn.Embedding, tied_head, "weight", VOCAB, HIDDEN))
     return layers
 
@@ -217,10 +228,14 @@ def test_errors_name_the_model_and_the_fix():
         graph_pipeline(model)
     with pytest.raises(ValueError, match="built with use_cudagraph=True.*paddle_graphpp.install"):
         graph_pipeline(build(use_cudagraph=True))
-    recomputing = build(recompute_interval=1, recompute_ctx={"mp_group": None, "offload": False, "partition": False})
-    with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\) cannot recompute.*recompute_interval=0"):
-        graph_pipeline(recomputing)
-    assert GraphedPipeline.of(recomputing) is None
+    offloading = build(recompute_interval=1, recompute_ctx={"mp_group": object(), "offload": True, "partition": False})
+    before = entries(offloading)
+    with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\): recompute_ctx offload=True moves or splits "
+                                         r".*static buffers.*Set offload to False in recompute_ctx, or set "
+                                         r"use_cudagraph=False"):
+        graph_pipeline(offloading)
+    assert GraphedPipeline.of(offloading) is None and entries(offloading) == before
+    assert offloading._recompute_interval == 1
 
 
 def test_unknown_layout_names_the_paddle_version():
@@ -300,12 +315,85 @@ def test_a_paddleformers_config_that_recomputes_is_refused():
     # is set (fleet's recompute_interval stays 0); the Trainer's argument of that name sets it too
     model = build()
     model.config = types.SimpleNamespace(recompute_granularity="full")
-    with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\) cannot recompute "
-                                         r"\(config.recompute_granularity='full'\).*recompute_granularity=None"):
+    with pytest.raises(ValueError, match=r"graph_pipeline\(PipelineLayer\) cannot take over "
+                                         r"config.recompute_granularity='full': PaddleFormers recomputes inside each "
+                                         r"decoder layer's forward.*Set recompute_granularity=None.*"
+                                         r"model._recompute_interval = 1 before graph_pipeline"):
         graph_pipeline(model)
     assert GraphedPipeline.of(model) is None
     model.config.recompute_granularity = None
     assert graph_pipeline(model) is not None
+
+
+# ---------------------------------------------------------------- recompute_interval
+RECOMPUTE_CTX = {"mp_group": object(), "offload": False, "partition": False}  # fleet asserts an mp_group
+
+
+def counting_forwards(model):
+    """``{sublayer name: forwards}`` of the model's Blocks and weighted probes, counted by forward pre-hooks."""
+    counts = {}
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, (Block, WeightedProbe)):
+            counts[name] = 0
+            layer.register_forward_pre_hook(lambda _l, _i, name=name: counts.__setitem__(name, counts[name] + 1))
+    return counts
+
+
+@pytest.mark.parametrize("vpp", [None, 2], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize("interval", [1, 2])
+def test_recompute_interval_recomputes_what_fleet_does_with_each_run_called_once(fleet_state, interval, vpp):
+    from paddle_graphpp.paddle import fleet_cpu
+
+    fleet_cpu.adjust_for_cpu()  # fleet's recompute_hybrid asserts a device; on CPU fleet's generic recompute
+    layers = descs(blocks=4, probe=WeightedProbe, callable_at=2)  # an eager layer that fleet recomputes
+    eager = build(vpp, layers=layers, recompute_interval=interval, recompute_ctx=RECOMPUTE_CTX)
+    graphed = build(vpp, layers=layers, recompute_interval=interval, recompute_ctx=RECOMPUTE_CTX)
+    graphs = graph_pipeline(graphed)
+    runs = [layer for layer in graphs.graphed_layers()]
+    run_calls = {id(layer): 0 for layer in runs}
+    for layer in runs:
+        layer.register_forward_pre_hook(lambda _l, _i, key=id(layer): run_calls.__setitem__(key, run_calls[key] + 1))
+    # no graphed run spans two of fleet's groups; fleet's own interval shows in the eager view only
+    assert all(len({(e.index - c.runs[0].start) // interval for e in run.entries}) == 1
+               for c in graphs._chunks for run in c.runs if run.graphed)
+    assert graphed._recompute_interval == 0
+    with graphs.eager_view():
+        assert graphed._recompute_interval == interval
+    report = graphs.segmentation_report()
+    assert f"recompute_interval={interval}: graphed runs recompute inside their own graphs" in report
+
+    tokens = paddle.to_tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    results = []
+    for model in (eager, graphed):
+        forwards = counting_forwards(model)
+        paddle.seed(11)
+        for _ in range(2):
+            out = run(model, tokens)
+            out.sum().backward()
+        results.append((out.numpy(), [p.grad.numpy() for p in model.parameters()], forwards))
+    (out_e, grads_e, fwd_e), (out_g, grads_g, fwd_g) = results
+    assert (out_e == out_g).all() and all((a == b).all() for a, b in zip(grads_e, grads_g))
+    assert fwd_g == fwd_e, "the graphed model recomputed other layers than fleet does"
+    assert 4 in fwd_e.values(), "nothing was recomputed"  # 2 forwards, each recomputed once
+    probe = [name for name, layer in eager.named_sublayers() if isinstance(layer, WeightedProbe)]
+    assert [fwd_e[name] for name in probe] == [4], "fleet did not recompute the eager layer"
+    assert set(run_calls.values()) == {2}, "a graphed run was called other than once per forward"
+
+
+def test_fleets_own_recompute_on_cpu_ranks_refuses_offload_naming_the_fix(fleet_state):
+    from paddle_graphpp.paddle import fleet_cpu
+
+    fleet_cpu.adjust_for_cpu()
+    model = build(recompute_interval=1, recompute_ctx={"mp_group": object(), "offload": True, "partition": False})
+    with pytest.raises(ValueError, match=r"offload=True or partition=True needs a device.*set both to False on CPU"):
+        model(paddle.to_tensor([[1, 2, 3]]))
+
+
+def test_recompute_interval_with_dualpipev_is_refused_before_building():
+    with pytest.raises(ValueError, match=r"recompute_interval=1 with use_dualpipev=True: DualPipeV splits backwards "
+                                         r"into input and weight halves.*Set recompute_interval=0, or use the 1F1B"):
+        pipeline._check_graphable("PipelineLayer(use_cudagraph=True)", recompute_interval=1,
+                                  recompute_ctx=RECOMPUTE_CTX, use_dualpipev=True)
 
 
 # ---------------------------------------------------------------- fleet_cpu in the caller's order
@@ -378,8 +466,9 @@ def test_install_checks_before_building_and_uninstall_restores():
     paddle_graphpp.install()
     paddle_graphpp.install()  # again: settings only, one wrapper
     assert FleetPipelineLayer.__init__.__wrapped__ is original
-    with pytest.raises(ValueError, match=r"PipelineLayer\(use_cudagraph=True\) cannot recompute"):
-        build(use_cudagraph=True, recompute_interval=1, recompute_ctx={})
+    with pytest.raises(ValueError, match=r"PipelineLayer\(use_cudagraph=True\): recompute_ctx partition=True"):
+        build(use_cudagraph=True, recompute_interval=1, recompute_ctx={"mp_group": object(), "partition": True})
+    assert GraphedPipeline.of(build(use_cudagraph=True, recompute_interval=1, recompute_ctx=RECOMPUTE_CTX)) is not None
     paddle_graphpp.uninstall()
     assert FleetPipelineLayer.__init__ is original
     assert upstream_graphed(build(use_cudagraph=True))  # upstream's own path again

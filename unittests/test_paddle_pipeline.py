@@ -60,6 +60,30 @@ def test_pp2_1f1b_tied_embedding_identical_losses(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("interval", [1, 2])
+def test_pp2_1f1b_recompute_interval_trains_like_eager(tmp_path, interval):
+    # fleet's recompute_interval on both models (dropout 0.1): the graphed runs recompute inside
+    # their own graphs (eager on CPU: under fleet's recompute), fleet recomputes the eager model
+    steps, micro = 4, 4
+    rc, seconds, logs, results = launch(
+        2, ["--pp", "2", "--steps", str(steps), "--micro-batches", str(micro), "--recompute-interval", str(interval)],
+        tmp_path, timeout=150)
+    assert rc == 0, f"launch failed (rc={rc}, {seconds:.0f}s)\n{logs[-6000:]}"
+    check_identical_losses(results, 2, steps)
+    recomputed = 0
+    for rank, data in results.items():
+        eager, graphed = data["eager"], data["graphed"]
+        assert f"recompute_interval={interval}: graphed runs recompute" in graphed["report"]
+        # the same layers ran forward as often (recomputations included) as under fleet's recompute
+        assert graphed["forwards"] == eager["forwards"], f"rank {rank}: {graphed['forwards']} != {eager['forwards']}"
+        recomputed += sum(n == 2 * steps * micro for n in eager["forwards"].values())
+        # and every graphed run was called once per micro-batch of every step
+        assert set(graphed["graphed_calls"].values()) == {steps * micro}
+    assert recomputed >= 4, "fleet recomputed almost nothing: the test would not show much"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_pp4_vpp2_interleaved_on_4_cpu_ranks(tmp_path):
     steps, micro = 5, 8
@@ -134,8 +158,9 @@ def test_configuration_errors_name_the_fix(strategy):
         _check(_descs(8), num_stages=2)
     with pytest.raises(ValueError, match="cannot split into pp\\*vpp"):
         _check(_descs(2), seg_method="uniform", vpp=1)
-    with pytest.raises(ValueError, match="recompute_interval=0"):
-        _check(_descs(8), recompute_interval=1)
+    _check(_descs(8), recompute_interval=1, recompute_ctx={"offload": False})  # graphed runs recompute
+    with pytest.raises(ValueError, match=r"recompute_ctx offload/partition=True.*Set offload and partition to False"):
+        _check(_descs(8), recompute_interval=1, recompute_ctx={"offload": True, "partition": True})
     # DualPipeV: 2*pp chunks, the strategy must ask for it, 2*pp micro-batches
     with pytest.raises(ValueError, match=r"use_dualpipev=True needs the strategy.*\['use_dualpipev'\] = True"):
         _check(_descs(8), vpp=1, use_dualpipev=True)

@@ -84,6 +84,33 @@ def test_llama_pipe_pp2_1f1b_identical_losses(tmp_path, tie):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_llama_pipe_pp2_recompute_interval_with_graph_pipeline(tmp_path):
+    # PaddleFormers builds its pipe models with recompute_interval=0 and a recompute_ctx; the
+    # worker sets fleet's _recompute_interval = 1 before graph_pipeline (what graph_pipeline's
+    # refusal of recompute_granularity suggests). The install route is graphed in its
+    # constructor and does not recompute: recomputing changes no loss.
+    steps, micro = 3, 4
+    rc, seconds, logs, results = run_workers(
+        2, ["--pp", "2", "--steps", str(steps), "--micro-batches", str(micro), "--recompute-interval", "1"],
+        tmp_path, timeout=240)
+    assert rc == 0, f"launch failed (rc={rc}, {seconds:.0f}s)\n{logs[-6000:]}"
+    assert sorted(results) == [0, 1]
+    reference = results[0]["eager"]["losses"]
+    for rank, data in results.items():
+        for route in ROUTES:
+            assert data[route]["losses"] == reference, f"rank {rank} {route}: {data[route]['losses']} != {reference}"
+        eager, graphed = data["eager"], data["graph_pipeline"]
+        assert set(eager["forwards"].values()) == {2 * steps * micro}  # fleet recomputes every decoder layer
+        assert graphed["forwards"] == eager["forwards"]  # and so do the graphed runs, inside their graphs
+        assert set(data["install"]["forwards"].values()) == {steps * micro}
+        assert set(graphed["graphed_calls"].values()) == {steps * micro}  # each called once per micro-batch
+        lines = [line.strip() for line in graphed["report"].splitlines()]
+        assert "recompute_interval=1: graphed runs recompute inside their own graphs" in lines[-1]
+        assert sum(line.startswith("graphed") for line in lines) == 2 + rank  # one run per layer (and the norm)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_llama_pipe_pp4_vpp2_interleaved_identical_losses(tmp_path):
     # Fleet's interleaved schedule needs pp > 2; gloo needs one 2-rank group per hop then

@@ -10,6 +10,7 @@ from paddle_graphpp.core.segment import (
     EntryKind,
     LayerEntry,
     classify,
+    cut_runs,
     describe_runs,
     mark_not_capturable,
     not_capturable_reason,
@@ -104,6 +105,20 @@ def test_every_entry_exactly_once():
     flat = [e.index for run in runs for e in run.entries]
     assert flat == list(range(len(items)))
     assert all(len(run.entries) == 1 for run in runs if not run.graphed)
+
+
+def test_cut_runs_at_recompute_group_boundaries():
+    # entries 3..10 of a stage starting at 3, groups of 2: [3,5) [5,7) [7,9) [9,11)
+    items = [Layer("embed"), Layer("b0"), Layer("b1"), Layer("b2"), print, Layer("b3"), Layer("b4"), Layer("b5")]
+    entries = [LayerEntry(3 + e.index, e.obj, e.kind, e.name, e.reason)
+               for e in entries_for(items, shared=(items[0],))]
+    runs = cut_runs(split_into_runs(entries), 2, start=3)
+    assert layout(runs) == [("E", ["embed"]), ("G", ["b0"]), ("G", ["b1", "b2"]), ("E", ["print"]),
+                            ("G", ["b3"]), ("G", ["b4", "b5"])]
+    assert [e.index for run in runs for e in run.entries] == list(range(3, 11))
+    assert layout(cut_runs(runs, 1, start=3))[1:3] == [("G", ["b0"]), ("G", ["b1"])]
+    with pytest.raises(ValueError, match="positive group size"):
+        cut_runs(runs, 0)
 
 
 def test_empty_stage_and_bad_input():

@@ -30,6 +30,7 @@ __all__ = [
     "Run",
     "classify",
     "split_into_runs",
+    "cut_runs",
     "describe_runs",
 ]
 
@@ -222,6 +223,33 @@ def split_into_runs(entries: Sequence[LayerEntry]) -> list:
     if pending:
         runs.append(Run(True, tuple(pending)))
     return runs
+
+
+def cut_runs(runs: Sequence[Run], every: int, start: int = 0) -> list:
+    """Cut the graphed runs of ``runs`` where a new group of ``every`` entries begins.
+
+    Groups are counted from index ``start`` (``[start, start+every)``, ``[start+every, ...)``):
+    fleet's ``recompute_interval`` recomputes a stage's entries in such groups, and a graphed
+    run that recomputes must not span two of them. Eager runs hold one entry and stay as they are.
+
+    Raises:
+        ValueError: ``every`` is not a positive int.
+    """
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"cut_runs() needs a positive group size, got {every!r}")
+    out: list = []
+    for run in runs:
+        if not run.graphed:
+            out.append(run)
+            continue
+        piece: list = []
+        for entry in run.entries:
+            if piece and (entry.index - start) % every == 0:
+                out.append(Run(True, tuple(piece)))
+                piece = []
+            piece.append(entry)
+        out.append(Run(True, tuple(piece)))
+    return out
 
 
 def describe_runs(runs: Sequence[Run]) -> str:

@@ -22,6 +22,17 @@ pipeline was written for device builds. Measured on Paddle 3.3.1 (CPU wheel):
   pair of ranks, lower rank's sends first) and waits for them, on two ranks (``pp=2``; more
   stages under DualPipeV on gloo are untried).
 
+* ``recompute_interval > 0``: fleet's ``PipelineLayer.forward`` recomputes each group of layers
+  through ``recompute_hybrid``, which asserts a GPU, XPU or custom device (``Recompute with RNG
+  is not support current device: cpu``): only its offload and partition options need one.
+  :func:`adjust_for_cpu` points ``PipelineLayer``'s ``recompute_hybrid`` at fleet's generic
+  ``paddle.distributed.fleet.recompute.recompute`` (the RNG state preserved, as
+  ``recompute_hybrid`` does), refusing offload and partition. It uses the non-reentrant form
+  (saved-tensor hooks): with the reentrant one (a ``PyLayer``, which marks every float output of
+  a group as needing a gradient) PaddleFormers' Llama pipe hung at pp=2, the first stage waiting
+  for a gradient and the second for the next activation. The non-reentrant form runs a group again
+  only where its backward needs what it saved.
+
 ``paddle_graphpp.PipelineLayer`` calls :func:`adjust_for_cpu` and :func:`use_hop_groups`
 itself; nothing here is needed on a CUDA build, where both are no-ops.
 """
@@ -56,8 +67,9 @@ def is_cpu_build() -> bool:
 def adjust_for_cpu() -> bool:
     """Make fleet's pipeline runnable on CPU ranks; a no-op (returning False) on device builds.
 
-    Sets ``ParallelEnv._device_id`` to 0 where the build left it unset, and turns
-    ``pp_configs.use_batch_p2p_comm`` off in the strategy given to ``fleet.init``. Call it after
+    Sets ``ParallelEnv._device_id`` to 0 where the build left it unset, turns
+    ``pp_configs.use_batch_p2p_comm`` off in the strategy given to ``fleet.init``, and lets
+    ``recompute_interval`` recompute on CPU (module docstring). Call it after
     ``fleet.init`` and before the model is wrapped (``fleet.distributed_model``). With
     PaddleFormers' ``Trainer``, ``TrainingArguments(...)`` is what calls ``fleet.init``: call this
     after it, before ``Trainer.train()``.
@@ -85,7 +97,30 @@ def _adjust(caller: str) -> bool:
         ParallelEnv._device_id = 0
     strategy.strategy.hybrid_configs.pp_configs.use_batch_p2p_comm = False
     _patch_dualpipev()
+    _patch_recompute()
     return True
+
+
+def _patch_recompute() -> None:
+    """Make ``PipelineLayer``'s recompute groups run on CPU (module docstring)."""
+    from paddle.distributed.fleet.meta_parallel.parallel_layers import pp_layers
+
+    if getattr(pp_layers.recompute_hybrid, "_paddle_graphpp_cpu", False):
+        return
+
+    def recompute_hybrid_on_cpu(ctx, function, *args, **kwargs):
+        from paddle.distributed.fleet.recompute.recompute import recompute
+
+        if ctx.get("mp_group") is None:
+            raise ValueError("recompute_ctx must hold an mp_group (fleet's recompute_hybrid asserts it too)")
+        if ctx.get("offload", False) or ctx.get("partition", False):
+            raise ValueError(
+                "recompute_ctx offload=True or partition=True needs a device (it moves or splits activations "
+                "there); set both to False on CPU ranks")
+        return recompute(function, *args, preserve_rng_state=True, use_reentrant=False, **kwargs)
+
+    recompute_hybrid_on_cpu._paddle_graphpp_cpu = True
+    pp_layers.recompute_hybrid = recompute_hybrid_on_cpu
 
 
 def _patch_dualpipev() -> None:

@@ -23,7 +23,9 @@ schedule (1F1B, interleaved or DualPipeV) calls every chunk's runs in its own or
 FIFOs follow it. Under DualPipeV (``use_dualpipev=True``), a backward the schedule runs
 zero-bubble (fleet's ``WeightGradStore`` enabled) runs each graphed run's input half and queues
 its weight half into the store, which runs it in the schedule's weight pass
-(:mod:`paddle_graphpp.paddle.split_backward`).
+(:mod:`paddle_graphpp.paddle.split_backward`). With fleet's ``recompute_interval > 0`` the
+graphed runs are cut at fleet's recompute groups and recompute inside their own backward graphs;
+eager entries keep fleet's recompute (:mod:`paddle_graphpp.paddle.pipeline_recompute`).
 
 :class:`PipelineLayer` is fleet's class that checks its configuration before any process
 communicates, makes fleet's CPU adjustments (:mod:`paddle_graphpp.paddle.fleet_cpu`) and,
@@ -48,8 +50,9 @@ from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipelineLayer
 
 from paddle_graphpp.support import require
-from paddle_graphpp.core.segment import classify, describe_runs, split_into_runs
+from paddle_graphpp.core.segment import classify, cut_runs, describe_runs, split_into_runs
 from paddle_graphpp.paddle import fleet_cpu
+from paddle_graphpp.paddle import pipeline_recompute as _recompute
 from paddle_graphpp.core.options import EngineOptions
 from paddle_graphpp.paddle.compile import to_static_options
 from paddle_graphpp.paddle.graphed import CUDAGraphedLayer, paddle_engine_options
@@ -94,14 +97,25 @@ class _GraphedRunCall:
 
     Deliberately not an ``nn.Layer``: the run's layers stay registered under their upstream
     names only, so ``state_dict()`` keys and optimizer parameter lists are unchanged.
+
+    With ``recompute_interval > 0`` it belongs to one of fleet's recompute groups (``group``,
+    set by :func:`.pipeline_recompute.in_groups`; ``opens``: it is the group's first entry) and
+    its call recomputes when the group does (``recomputes``, read by the engine per call).
     """
 
     def __init__(self, graphed, run, name):
         self.graphed = graphed
         self.run = run
         self.name = name
+        self.group = None
+        self.opens = False
+        self.recomputes = False
+        engine, always = graphed.engine, graphed.engine.options.recompute
+        engine.recompute_when = lambda: always or self.recomputes
 
     def __call__(self, x):
+        if self.group is not None:
+            self.recomputes = self.group.enter(x) if self.opens else self.group.active
         return self.graphed(*x) if isinstance(x, tuple) else self.graphed(x)
 
     def __repr__(self):
@@ -122,11 +136,14 @@ class _Chunk:
 class GraphedPipeline:
     """The graphed runs :func:`graph_pipeline` made of one pipeline model (on this rank)."""
 
-    def __init__(self, model, chunks, graphed_layers, graphed_loss=None):
+    def __init__(self, model, chunks, graphed_layers, graphed_loss=None, recompute_interval=0):
         self.model = model
         self._chunks = chunks
         self._graphed_layers = graphed_layers
         self.graphed_loss = graphed_loss  # the _GraphedLoss in fleet's loss list, or None
+        #: fleet's ``recompute_interval`` of the model as built (its ``_recompute_interval`` is 0
+        #: outside :meth:`eager_view`: the graphed entries recompute themselves)
+        self.recompute_interval = recompute_interval
 
     @staticmethod
     def of(model) -> Optional["GraphedPipeline"]:
@@ -141,6 +158,9 @@ class GraphedPipeline:
         for chunk in self._chunks:
             lines.append(f"stage {stage}" + (f" chunk {chunk.chunk_id}" if chunk.chunk_id is not None else "") + ":")
             lines.extend("  " + line for line in describe_runs(chunk.runs).splitlines())
+        if self.recompute_interval:
+            lines.append(f"recompute_interval={self.recompute_interval}: graphed runs recompute inside their own "
+                         f"graphs, eager entries under fleet's recompute_hybrid")
         if self.graphed_loss is not None:
             lines.append(f"loss: graphed ({self.graphed_loss.graphed.engine.name})")
         return "\n".join(lines)
@@ -151,18 +171,21 @@ class GraphedPipeline:
 
     @contextlib.contextmanager
     def eager_view(self):
-        """Show fleet's per-layer ``run_function`` lists inside the block (graphs otherwise).
+        """Show fleet's per-layer ``run_function`` lists inside the block (graphs otherwise), and
+        its ``_recompute_interval`` as built.
 
         ``save_state_dict`` / ``set_state_dir`` of the model use it already; code that searches
         ``run_function`` for a layer of some type needs it too.
         """
         for chunk in self._chunks:
             chunk.run_function[:] = chunk.eager
+        self.model._recompute_interval = self.recompute_interval
         try:
             yield
         finally:
             for chunk in self._chunks:
                 chunk.run_function[:] = chunk.graphed
+            self.model._recompute_interval = 0
 
 
 def _unwrap(model):
@@ -201,6 +224,16 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
     Parameter names, ``state_dict()`` keys and parameters are unchanged, so an optimizer
     built before the call stays valid. ``GraphedPipeline.of(model)`` returns the result again.
 
+    Recompute: with fleet's ``recompute_interval > 0`` each graphed run is cut where one of fleet's
+    recompute groups begins and recomputes inside its own graphs when fleet would recompute its
+    group (the engine's ``recompute``: the forward graph keeps no activations, the backward graph
+    runs the forward again, drawing the forward's random numbers); eager entries of a group run
+    under fleet's ``recompute_hybrid``. Each graphed run is called once per micro-batch forward,
+    as without recompute. The model's ``_recompute_interval`` reads 0 afterwards (the entries
+    recompute themselves), fleet's value inside ``GraphedPipeline.eager_view()``; set it before
+    this call (PaddleFormers' pipe models build with 0 and a ``recompute_ctx``). ``recompute=True``
+    makes every graphed run recompute.
+
     Raises:
         TypeError: ``model`` is not a fleet pipeline model.
         RuntimeError: ``model`` is graphed already (by this function, by
@@ -209,10 +242,12 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
             names the version).
         ValueError: ``model`` was built with upstream's ``use_cudagraph=True`` (its layers sit
             in Paddle's own ``CUDAGraphedLayer``), holds a layer or callable graphed already by
-            PaddleFormers' ``autocudagraph`` decorator (no graph inside a graph), recomputes
-            (``recompute_interval > 0``, or a PaddleFormers config's ``recompute_granularity``),
-            or the strategy declares dynamic shapes; ``graph_loss`` with several loss functions
-            or a loss with trainable parameters. Nothing is changed then.
+            PaddleFormers' ``autocudagraph`` decorator (no graph inside a graph), recomputes in a
+            way graphed runs cannot take over (a PaddleFormers config's
+            ``recompute_granularity``; ``recompute_interval > 0`` with ``use_dualpipev`` or with
+            ``recompute_ctx`` offload or partition), or the strategy declares dynamic shapes;
+            ``graph_loss`` with several loss functions or a loss with trainable parameters.
+            Nothing is changed then.
         TypeError, ValueError: an invalid ``to_static`` (not a bool or dict, an unknown key or
             backend, ``input_spec`` without ``full_graph=True``, SOT without the PIR API), or
             with SOT a graphed run holding a layer converted already; the message names the
@@ -242,7 +277,10 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
             "paddle_graphpp.PipelineLayer(use_cudagraph=True) or a use_cudagraph flag after "
             "paddle_graphpp.install()); graph each model once")
     containers = _entry_lists(model)
-    _check_graphable(f"graph_pipeline({name})", recompute_interval=getattr(model, "_recompute_interval", 0))
+    interval = getattr(model, "_recompute_interval", 0)
+    _check_graphable(f"graph_pipeline({name})", recompute_interval=interval,
+                     recompute_ctx=getattr(model, "recompute_ctx", None),
+                     use_dualpipev=getattr(model, "_use_dualpipev", False))
     _refuse_config_recompute(model, name)
     _refuse_upstream_graphs(model, containers)
     _refuse_autocudagraph(model, containers)
@@ -254,6 +292,8 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
     for chunk_id, start, run_function in containers:
         eager = list(run_function)
         runs = split_into_runs([_classify(start + i, obj, shared_keys) for i, obj in enumerate(eager)])
+        if interval > 0:  # no graphed run across two of fleet's recompute groups
+            runs = cut_runs(runs, interval, start)
         graphed = []
         for run in runs:
             if not run.graphed:
@@ -264,12 +304,15 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
             layer = CUDAGraphedLayer(_RunBody(run.objects()), name=label, to_static=to_static, options=chosen)
             graphed_layers.append(layer)
             graphed.append(_GraphedRunCall(layer, run, label))
+        if interval > 0:
+            graphed = _recompute.in_groups(model, runs, graphed, start, interval)
         chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
     for chunk in chunks:  # every run built (and its options checked) before fleet's lists change
         chunk.run_function[:] = chunk.graphed
+    model._recompute_interval = 0  # the entries recompute themselves (pipeline_recompute)
 
     graphed_loss = None if loss_fn is None else _graph_loss(model, loss_fn, chosen)
-    graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss)
+    graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss, interval)
     setattr(model, _GRAPHS_ATTR, graphs)
     for method in ("save_state_dict", "set_state_dir"):
         _with_eager_view(model, method, graphs)
@@ -360,10 +403,14 @@ def _refuse_config_recompute(model, name):
     granularity = getattr(getattr(model, "config", None), "recompute_granularity", None)
     if granularity is not None:
         raise ValueError(
-            f"graph_pipeline({name}) cannot recompute (config.recompute_granularity={granularity!r}): a "
-            "recomputed forward inside a graphed run's backward would replay out of the schedule's order. "
-            "Set recompute_granularity=None in the model's config and in TrainingArguments, or train "
-            "without graph_pipeline")
+            f"graph_pipeline({name}) cannot take over config.recompute_granularity={granularity!r}: PaddleFormers "
+            "recomputes inside each decoder layer's forward (fleet's recompute around the layer, or around its "
+            "attention and MLP), that is inside a graphed run, whose backward graph would then capture that "
+            "recompute's own backward, which adds the weight gradients into .grad behind the graph and restores "
+            "the RNG state on the host only. Set "
+            "recompute_granularity=None in the model's config and in TrainingArguments; to recompute with graphs, "
+            "set model._recompute_interval = 1 before graph_pipeline (each decoder layer then recomputes inside "
+            "its own graphs), or train without graph_pipeline")
 
 
 # What PaddleFormers' ``paddleformers.fleet.cudagraph.autocudagraph`` leaves on the function it
@@ -437,13 +484,20 @@ def _with_eager_view(model, method_name, graphs):
 
 
 # ---------------------------------------------------------------- configuration checks
-def _check_graphable(subject, *, recompute_interval):
+def _check_graphable(subject, *, recompute_interval, recompute_ctx, use_dualpipev):
     """Reject what graphed runs cannot do, naming ``subject`` (the call or class) and the fix."""
     if recompute_interval > 0:
-        raise ValueError(
-            f"{subject} cannot recompute (recompute_interval={recompute_interval}): "
-            "a recomputed forward would replay a graph out of the schedule's order. "
-            "Set recompute_interval=0, or mark the layers to recompute with mark_not_capturable")
+        if use_dualpipev:
+            raise ValueError(
+                f"{subject}: recompute_interval={recompute_interval} with use_dualpipev=True: DualPipeV splits "
+                "backwards into input and weight halves, which a recomputing graphed run does not do. Set "
+                "recompute_interval=0, or use the 1F1B or interleaved schedule")
+        moved = [key for key in ("offload", "partition") if (recompute_ctx or {}).get(key, False)]
+        if moved:
+            raise ValueError(
+                f"{subject}: recompute_ctx {'/'.join(moved)}=True moves or splits the recomputed groups' inputs, but a "
+                "graphed run keeps its inputs in the static buffers of its graphs, on the device. Set "
+                f"{' and '.join(moved)} to False in recompute_ctx, or set use_cudagraph=False")
     strategy = getattr(fleet.fleet, "_user_defined_strategy", None)
     if strategy is None:
         return
@@ -486,13 +540,14 @@ def _desc_name(desc):
 
 
 def _check_configuration(layers, *, num_stages, topology, seg_method, vpp, use_cudagraph,
-                         use_dualpipev, recompute_interval):
+                         use_dualpipev, recompute_interval, recompute_ctx=None):
     """Reject, on every rank and before any communication, configurations that cannot run."""
     pp = _pipe_degree(num_stages, topology)
     if pp is None:
         raise ValueError("PipelineLayer needs num_stages or topology")
     if use_cudagraph:
-        _check_graphable("PipelineLayer(use_cudagraph=True)", recompute_interval=recompute_interval)
+        _check_graphable("PipelineLayer(use_cudagraph=True)", recompute_interval=recompute_interval,
+                         recompute_ctx=recompute_ctx, use_dualpipev=use_dualpipev)
     chunks = 2 if use_dualpipev else vpp  # DualPipeV: two chunks per rank, in a V
     parts = pp * chunks
     split = f"2*pp = 2*{pp}" if use_dualpipev else f"pp*vpp = {pp}*{vpp}"
@@ -542,7 +597,9 @@ class PipelineLayer(_FleetPipelineLayer):
         layers: the model as a list of ``LayerDesc`` / ``SharedLayerDesc`` / layers /
             callables, exactly as for fleet's ``PipelineLayer``.
         num_stages, topology, loss_fn, seg_method, recompute_interval, recompute_ctx,
-        num_virtual_pipeline_stages, use_dualpipev: as for fleet's ``PipelineLayer``.
+        num_virtual_pipeline_stages, use_dualpipev: as for fleet's ``PipelineLayer``; with
+            ``use_cudagraph`` and ``recompute_interval > 0`` the graphed runs recompute inside
+            their own graphs (see :func:`graph_pipeline`).
         use_cudagraph: build the model eagerly, then :func:`graph_pipeline` it. Without CUDA
             the runs execute eagerly (one warning).
         graph_loss: with ``use_cudagraph``, graph the loss function too (see
@@ -563,7 +620,8 @@ class PipelineLayer(_FleetPipelineLayer):
             micro-batches or with a ``seg_method`` that does not split into ``pp*vpp``
             chunks; ``use_dualpipev`` without the strategy's ``pp_configs['use_dualpipev']``
             or with fewer than ``2*pp`` micro-batches; ``use_cudagraph`` with dynamic shapes
-            declared in the strategy or with recomputation; ``to_static`` without
+            declared in the strategy, or with ``recompute_interval > 0`` under ``use_dualpipev``
+            or with ``recompute_ctx`` offload or partition; ``to_static`` without
             ``use_cudagraph``, or an invalid one (an unknown key or backend, ...).
         TypeError: ``to_static`` is neither a bool nor a dict (or a value in it has the wrong type).
 
@@ -580,7 +638,7 @@ class PipelineLayer(_FleetPipelineLayer):
         _check_to_static(to_static, use_cudagraph)
         _check_configuration(layers, num_stages=num_stages, topology=topology, seg_method=seg_method,
                              vpp=vpp, use_cudagraph=use_cudagraph, use_dualpipev=use_dualpipev,
-                             recompute_interval=recompute_interval)
+                             recompute_interval=recompute_interval, recompute_ctx=recompute_ctx)
         name = type(self).__name__
         on_cpu = fleet_cpu._adjust("paddle_graphpp.PipelineLayer(...)" if type(self) is PipelineLayer
                                    else f"{name}(...) (a paddle_graphpp.PipelineLayer)")

@@ -1,10 +1,13 @@
 """PaddlePaddle adapter for the graph engine (see :mod:`paddle_graphpp.core.runtime`).
 
-RNG: Paddle's random GPU kernels (dropout among them) read their seed and offset through the
-generator, which, while a stream is capturing, registers a per-replay callback on the graph
-(``CUDAGraph::RecordRandomSeedSetter`` in Paddle's C++), so each replay draws a fresh mask.
-Nothing needs registering from Python; the torch runtime's counterpart is the default
-generator registration that ``CUDAGraph.capture_begin`` performs.
+RNG: Paddle's dropout kernel, launched while a stream captures, records the generator's current
+state index and registers a parameter setter with the graph (``CUDAGraphNodeLauncher`` in
+Paddle 3.3.1's C++), which takes a fresh seed and offset from that state at each replay, so each
+replay draws a fresh mask. Nothing needs registering from Python; the torch runtime's counterpart
+is the default generator registration that ``CUDAGraph.capture_begin`` performs. The setter
+leaves that state current: each replay puts the state current before it back
+(:func:`.recompute.keeping_state_index`). Recomputing layers draw from mirrors of those states
+(:mod:`.recompute`).
 
 This runtime is exercised on CPU only here (eager fallback): no Paddle wheel with GPU kernels
 runs on the Hopper GPUs we test on. The graph code paths mirror the PyTorch runtime's. See
@@ -22,9 +25,10 @@ from paddle.autograd import PyLayer
 
 from .. import support as _support
 from ..core.engine import node_backward, node_forward
-from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, MemoryTelemetry, ModelTree, SplitBackward,
-                            StateSlots, StreamOrderedAllocator, TensorSpec, get_runtime)
+from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, MemoryTelemetry, ModelTree, Recompute,
+                            SplitBackward, StateSlots, StreamOrderedAllocator, TensorSpec, get_runtime)
 from ..core.state import module_state_slots
+from . import recompute as _recompute
 from . import split_backward as _split
 from .memory.allocator import async_allocator_active as _async_allocator_active
 
@@ -61,7 +65,7 @@ def _weight_pass(ctx) -> None:
 
 
 class PaddleRuntime(GraphRuntime, StateSlots, AutocastModes, SplitBackward, StreamOrderedAllocator, MemoryTelemetry,
-                    CaptureHints, ModelTree):
+                    CaptureHints, ModelTree, Recompute):
     name = "paddle"
 
     def __init__(self):
@@ -164,6 +168,20 @@ class PaddleRuntime(GraphRuntime, StateSlots, AutocastModes, SplitBackward, Stre
     # call_with_param_aliases: the seam's default (Paddle has no functional call over a
     # layer's parameters; the inner graphs differentiate against the parameters themselves)
 
+    # recompute (activation checkpointing, see .recompute)
+    def no_grad(self):
+        return paddle.no_grad()
+
+    def call_checkpointed(self, fn, params, args, kwargs):
+        # as call_with_param_aliases: the parameters are their own aliases, and the engine's
+        # paddle.grad reaches them through the recompute's saved-tensor hooks
+        return _recompute.checkpointed(fn, args, kwargs), list(params)
+
+    def rng_mirror(self, generators):
+        # ``generators`` is always empty: the Paddle front doors refuse the option (every state a
+        # kernel draws from is a state of the place's generator, mirrored by Mirrors)
+        return _recompute.Mirrors()
+
     def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:
             return []
@@ -237,7 +255,8 @@ class PaddleRuntime(GraphRuntime, StateSlots, AutocastModes, SplitBackward, Stre
         current.wait_stream(stream)
 
     def replay_graph(self, graph) -> None:
-        graph.replay()
+        with _recompute.keeping_state_index():  # the graph's RNG setters switch the generator's state
+            graph.replay()
 
     def is_capture_failure(self, error) -> bool:
         # Paddle raises CUDA's errors as OSError ("(External) ...") and running out of memory as

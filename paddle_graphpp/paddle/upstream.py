@@ -66,7 +66,7 @@ def install(*, default_use_cudagraph: bool = False, options: Optional[EngineOpti
             :func:`paddle_graphpp.graph_pipeline` on it instead.
 
     A model graphed this way fails its constructor (before building anything) with the errors
-    of :func:`paddle_graphpp.graph_pipeline`: recomputation, dynamic shapes.
+    of :func:`paddle_graphpp.graph_pipeline`: recomputation it cannot take over, dynamic shapes.
     ``paddle_graphpp.GraphedPipeline.of(model)`` returns its graphs and segmentation report.
     """
     global _SETTINGS, _ORIGINAL_INIT, _WRAPPER
@@ -114,7 +114,10 @@ def _graphing_init(original):
             settings.default_use_cudagraph if requested is None else bool(requested))
         if not use_graphs:
             return original(self, *args, **kwargs)
-        _check_graphable(f"{type(self).__name__}(use_cudagraph=True)", recompute_interval=bound.arguments.get("recompute_interval", 0))
+        given = bound.arguments
+        _check_graphable(f"{type(self).__name__}(use_cudagraph=True)",
+                         recompute_interval=given.get("recompute_interval", 0),
+                         recompute_ctx=given.get("recompute_ctx"), use_dualpipev=given.get("use_dualpipev", False))
         bound.arguments["use_cudagraph"] = False
         original(*bound.args, **bound.kwargs)
         graph_pipeline(self, options=settings.options)

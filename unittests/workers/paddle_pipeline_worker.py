@@ -14,6 +14,10 @@ ranks fail instead of hanging).
 (``paddle.jit.to_static`` on each instance); ``--to-static option`` builds it with
 ``PipelineLayer(to_static=True)``. The eager run stays plain, and the JSON then also holds how
 many converted programs the graphed run executed. ``--dropout`` sets the blocks' dropout.
+
+``--recompute-interval N`` builds both models with fleet's ``recompute_interval=N``; the JSON then
+also holds how often each block and the opted-out layer ran forward (``forwards``, by layer
+index), recomputations included.
 """
 
 import argparse
@@ -66,11 +70,16 @@ class UserStaticBlock(Block):
 
 @paddle_graphpp.mark_not_capturable
 class HostSyncProbe(nn.Layer):
-    """Stands for a layer that must stay eager (it reads a value on the host)."""
+    """Stands for a layer that must stay eager (it reads a value on the host); it has a weight of its
+    own, so that fleet's recompute_interval recomputes it in its group."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = self.create_parameter([HIDDEN], default_initializer=nn.initializer.Constant(1.0))
 
     def forward(self, x):
         self.last_mean = float(x.mean())
-        return x
+        return x * self.scale
 
 
 def scale_residual(x):
@@ -107,8 +116,25 @@ def count_converted_runs():
     return counter
 
 
+def count_forwards(model):
+    """``{layer index: forwards}`` of the model's blocks and opted-out layers on this rank."""
+    counts = {}
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, (Block, HostSyncProbe)) and "." not in name:
+            counts[name] = 0
+            layer.register_forward_pre_hook(lambda _l, _i, name=name: counts.__setitem__(name, counts[name] + 1))
+    return counts
+
+
 def train(args, use_cudagraph):
     converted = use_cudagraph and args.to_static != "none"
+    recompute = {}
+    if args.recompute_interval:
+        from paddle.distributed import fleet
+
+        recompute = dict(recompute_interval=args.recompute_interval, recompute_ctx={
+            "mp_group": fleet.get_hybrid_communicate_group().get_model_parallel_group(),
+            "offload": False, "partition": False})
     paddle.seed(args.seed)
     model = PipelineLayer(
         layer_descs(args.blocks, UserStaticBlock if converted and args.to_static == "user" else Block, args.dropout),
@@ -116,12 +142,14 @@ def train(args, use_cudagraph):
         seg_method="layer:Block" if args.vpp > 1 else "uniform",
         num_virtual_pipeline_stages=args.vpp if args.vpp > 1 else None,
         use_cudagraph=use_cudagraph, graph_loss=use_cudagraph, to_static=converted and args.to_static == "option",
+        **recompute,
     )
     calls = count_calls(model.graphed_layers())
+    forwards = count_forwards(model)
     programs = count_converted_runs() if converted else None
     model, losses = train_on_random_tokens(model, args, VOCAB, SEQ, die_rank=args.die_rank)
     inner = model._layers
-    return {"losses": losses, "report": inner.segmentation_report(), "graphed_calls": calls,
+    return {"losses": losses, "report": inner.segmentation_report(), "graphed_calls": calls, "forwards": forwards,
             "uses_hop_groups": inner.uses_hop_groups, "converted_runs": programs and programs["runs"],
             "run_function_types": sorted({type(f).__name__ for f in
                                           (inner.run_function if args.vpp == 1 else
@@ -140,6 +168,7 @@ def main():
     parser.add_argument("--die-rank", type=int, default=-1)
     parser.add_argument("--to-static", choices=["none", "user", "option"], default="none")
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--recompute-interval", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.to_static != "none":

@@ -13,6 +13,11 @@ CPU build) is built and trained three times with the same seeds and data, throug
 
 Writes per-rank JSON to ``--out``: per-step losses, segmentation reports, state_dict keys,
 parameter names before and after graphing, and how often each graphed run was called.
+
+``--recompute-interval N`` sets fleet's ``_recompute_interval`` of the ``eager`` and
+``graph_pipeline`` models to N after building them (PaddleFormers builds with 0 and a
+``recompute_ctx``), before graphing; the ``install`` model is graphed inside its constructor and
+keeps 0. The JSON then also holds how often each decoder layer ran forward (``forwards``).
 """
 
 import argparse
@@ -50,6 +55,7 @@ def build(args, route):
             paddle_graphpp.uninstall()
         return model, None
     model = LlamaForCausalLMPipe(llama_config(args))
+    model._recompute_interval = args.recompute_interval
     if route == "eager":
         return model, None
     names = [p.name for p in model.parameters()]
@@ -61,6 +67,11 @@ def train(args, route):
     model, names_before = build(args, route)
     graphs = paddle_graphpp.GraphedPipeline.of(model)
     calls = count_calls(graphs.graphed_layers() if graphs else [])
+    forwards = {}
+    for name, layer in model.named_sublayers():
+        if type(layer).__name__ == "LlamaDecoderLayerPipe" or type(layer).__name__.endswith("DecoderLayerPipe"):
+            forwards[name] = 0
+            layer.register_forward_pre_hook(lambda _l, _i, name=name: forwards.__setitem__(name, forwards[name] + 1))
     record = {
         "report": graphs.segmentation_report() if graphs else None,
         "state_dict_keys": list(model.state_dict().keys()),
@@ -68,7 +79,7 @@ def train(args, route):
         "names_after": [p.name for p in model.parameters()],
     }
     _, losses = train_on_random_tokens(model, args, VOCAB, SEQ)
-    record.update(losses=losses, graphed_calls=calls)
+    record.update(losses=losses, graphed_calls=calls, forwards=forwards)
     return record
 
 
@@ -82,6 +93,7 @@ def main():
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--recompute-interval", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
