@@ -551,13 +551,13 @@ def test_gradient_checkpointing_recomputes_through_the_engine(when):
         torch.manual_seed(1)
         m(x, labels=x).loss.backward()
     assert len(runs) == 2, runs  # the forward under checkpoint, then its recomputation in the backward
-    assert model.model.layers[0].engine.recompute_when()
+    assert model.model.layers[0].engine.recomputing.when()
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), name
     model.gradient_checkpointing_disable()
     runs.clear()
     model(x, labels=x).loss.backward()
-    assert runs == [True] and not model.model.layers[0].engine.recompute_when()
+    assert runs == [True] and not model.model.layers[0].engine.recomputing.when()
 
 
 def test_recompute_refuses_what_its_graphs_cannot_do():

@@ -259,7 +259,7 @@ class Backward:
             used = [(p, b) for p, b, u in zip(call.params, buffers, position.param_grad_used) if u]
             self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
         if position.recomputes:
-            self.layer.rng_mirror().restore(call.run.rng)
+            self.layer.recomputing.mirror().restore(call.run.rng)
         self.layer.replay.launch(call, position.bwd_graph, "backward")
         if position.accumulate:
             self.layer.process.grad_writes += 1  # .grad changed without a version bump

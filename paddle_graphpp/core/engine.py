@@ -74,6 +74,7 @@ from .in_step import InStepCapture
 from .layer_capture import LayerCapture
 from .phases import LayerPhases
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
+from .recompute import LayerRecompute
 from .records import (Call, CallShape, Launched, Outputs, Phase, PositionRecord, RanEager, Replayed, Signature,
                       SignatureKey, signature_key_parts)
 from .runtime import GraphRuntime, capabilities, runtime_for
@@ -119,10 +120,7 @@ class GraphedCallable:
         self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
         self._warned: set = set()
         self.state = LayerStateCheck(runtime, fn, name)  # replays refuse replaced parameters and buffers
-        #: Whether a call recomputes its forward in the backward (``recompute``): the option, or
-        #: what the front door reads per call (a Hugging Face block's gradient checkpointing).
-        self.recompute_when: Callable[[], bool] = lambda: options.recompute
-        self._mirror: Any = None  # recompute: the RNG mirrors its backward graphs draw from
+        self.recomputing = LayerRecompute(self)  # whether calls recompute; the RNG mirrors
         #: Entered around each capture of the layer: the layer as its graphs read it (a front door
         #: sets it where the layer's parameters are swapped out between calls, as FSDP2 does).
         self.capture_view: Callable[[], Any] = contextlib.nullcontext
@@ -156,7 +154,7 @@ class GraphedCallable:
         specs = tuple(rt.spec(t) for t in tensors)
         consts, structure = signature_key_parts(leaves, tensor_index, spec)
         key = SignatureKey((specs, consts, structure, (getattr(self.fn, "training", None), self.caps.mode_key()),
-                            self.recompute_when()))
+                            self.recomputing.when()))
         sig = self.phases.get(key)
         if sig is not None:
             key = sig.key  # hashed once; the tables keyed by it find it by identity
@@ -235,29 +233,10 @@ class GraphedCallable:
         (or capture in step under the stream-ordered allocator)."""
         params = tuple(call.params)
         if sig.key.recompute:
-            self._check_recompute()
+            self.recomputing.check()
         accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
                                                      self.caps.accumulation)
         self.phases.leave_warmup(sig, params, accumulate, in_step=self.plan.async_allocator)
-
-    def _check_recompute(self) -> None:
-        """A recomputing signature leaves warmup: refuse what its graphs cannot do; make its RNG
-        mirrors now, over the generators its captures register (the runtime refuses what it
-        cannot mirror)."""
-        if self.plan.async_allocator:
-            raise GraphScheduleError(
-                f"{self.name}: recompute (activation checkpointing) is not supported under the stream-ordered "
-                f"allocator (use_cuda_malloc_async_allocator), which captures within the step. Use the default "
-                f"caching allocator, or turn checkpointing off for graphed layers.")
-        if callable(self.options.generators):
-            raise GraphScheduleError(
-                f"{self.name}: recompute (activation checkpointing) with generators= given as a callable: the "
-                f"generators its graphs draw from must be known when it leaves warmup. Pass a list.")
-        if self.caps.recomputation is not None:
-            try:
-                self.rng_mirror()
-            except ValueError as exc:
-                raise GraphScheduleError(f"{self.name}: {exc}") from None
 
     def accumulates_in_graphs(self, param: Any) -> bool:
         """Whether this layer's graphs add ``param``'s gradient into ``.grad`` (a signature past
@@ -308,7 +287,8 @@ class GraphedCallable:
                 f"backwards first (reset between steps).")
         self.process.forget(self.capture)
         self.phases.reset()
-        self._param_grad_buffers = self._weight_grad_buffers = self._mirror = None
+        self._param_grad_buffers = self._weight_grad_buffers = None
+        self.recomputing.reset()
         self._warned.clear()
         self.state.reset()
 
@@ -332,13 +312,6 @@ class GraphedCallable:
         if chosen is None:
             return ()
         return tuple(chosen() if callable(chosen) else chosen)
-
-    def rng_mirror(self) -> Any:
-        """The RNG mirrors of a recomputing layer (:class:`~paddle_graphpp.core.runtime.RngMirror`),
-        made at its first backward capture over the generators registered then."""
-        if self._mirror is None:
-            self._mirror = self.caps.recomputation.rng_mirror(self.generators())
-        return self._mirror
 
     def param_buffers(self, params: Sequence[Any]) -> list:
         """The layer's parameter-gradient buffers (made at its first capture)."""

@@ -170,7 +170,7 @@ class LayerCapture:
         layer, rt, plan = self.layer, self.rt, self.layer.plan
         param_buffers = layer.param_buffers(sig.params)
         shape = live.outputs_shape
-        mirror = layer.rng_mirror() if live.recomputes else None
+        mirror = layer.recomputing.mirror() if live.recomputes else None
         with self._captured(live.generation, "backward", around=mirror.swapped() if mirror else None) as graph:
             if live.recomputes:  # the forward again, drawing what the forward graph drew (the mirrors)
                 live = self._recomputed(sig, live)

@@ -53,7 +53,7 @@ class Replays:
         _collectives.check_replay(done.fwd_graph)
         self.keep_held_outputs(call)
         layer.runtime.copy_many(done.static_inputs, call.tensors)
-        rng = layer.rng_mirror().note() if done.recomputes else None  # what the backward's recompute redraws
+        rng = layer.recomputing.mirror().note() if done.recomputes else None  # what the backward's recompute redraws
         self.launch(call, done.fwd_graph, "forward")
         call.run, call.outputs = Replayed(done, rng), done.outputs
         return self.hand_out(call, done.static_outputs)

@@ -111,7 +111,7 @@ class _GraphedRunCall:
         self.opens = False
         self.recomputes = False
         engine, always = graphed.engine, graphed.engine.options.recompute
-        engine.recompute_when = lambda: always or self.recomputes
+        engine.recomputing.when = lambda: always or self.recomputes
 
     def __call__(self, x):
         if self.group is not None:

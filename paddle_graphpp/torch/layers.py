@@ -130,7 +130,7 @@ class GraphedLayer(nn.Module):
     def __call__(self, *args, **kwargs):
         if _transformers.checkpointing(self) and torch.is_grad_enabled():
             # transformers' checkpoint would call the graphed forward twice (forward, then recompute
-            # in the backward); the block's graphs recompute instead (engine.recompute_when)
+            # in the backward); the block's graphs recompute instead (engine.recomputing.when)
             return nn.Module.__call__(self, *args, **kwargs)
         return super().__call__(*args, **kwargs)
 
@@ -322,7 +322,7 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     graphed = []
     for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
-        runner.engine.recompute_when = functools.partial(_recomputes, layer, options.recompute, compiled is not None)
+        runner.engine.recomputing.when = functools.partial(_recomputes, layer, options.recompute, compiled is not None)
         runner.engine.capture_view = functools.partial(_fsdp.capture_view, layer, label)
         layer.__dict__[_NAME] = label
         if own:  # its call would trace the graphed block: the compiled code runs inside the graphs instead
