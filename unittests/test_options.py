@@ -29,7 +29,6 @@ CONSUMERS = {
     ("core/schedule.py", "__init__", "max_in_flight"), ("core/phases.py", "__init__", "max_signatures"),
     ("core/runtime.py", "rng_mirror", "generators"), ("torch/runtime.py", "rng_mirror", "generators"),
     ("paddle/runtime.py", "rng_mirror", "generators"),
-    ("torch/recompute.py", "__init__", "generators"),
 }
 
 

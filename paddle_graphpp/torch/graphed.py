@@ -88,9 +88,7 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
 
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):
-        if "_graphpp_called" not in self.__dict__:  # fully_shard(CUDAGraphedModule(...)) shards this module
-            _fsdp.prepare(self, self._engine.name)
-            self.__dict__["_graphpp_called"] = True
+        _fsdp.prepare_once(self, self._engine.name)  # fully_shard(CUDAGraphedModule(...)) shards this module
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict):

@@ -50,7 +50,6 @@ _GRAPHED_CLASSES: dict = {}
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
 _NAME = "_graphpp_name"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
-_CALLED = "_graphpp_called"  # set at the first call (FSDP2 is looked for then: it may be applied after graphing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +135,7 @@ class GraphedLayer(nn.Module):
 
     @opaque  # torch.compile around the model calls the graphed block as it is (see .compile)
     def forward(self, *args, **kwargs):
-        if _CALLED not in self.__dict__:  # FSDP2 may shard the block after graph_layers()
-            _fsdp.prepare(self, self.__dict__[_NAME])
-            self.__dict__[_CALLED] = True
+        _fsdp.prepare_once(self, self.__dict__[_NAME])
         if torch.is_grad_enabled():
             _transformers.check_call(self.__dict__[_NAME], self, self._graphpp_positions, args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
@@ -374,7 +371,6 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
             layer.__class__ = type(layer)._graphpp_original
             layer.__dict__.pop(_SLOT, None)
             layer.__dict__.pop(_NAME, None)
-            layer.__dict__.pop(_CALLED, None)
             if _USER_COMPILED in layer.__dict__:
                 layer._compiled_call_impl = layer.__dict__.pop(_USER_COMPILED)
         out.append(layer)

@@ -22,8 +22,6 @@ refused: eager checkpointing would not repeat their draws.
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
-
 import torch
 import torch.utils.checkpoint
 
@@ -33,11 +31,11 @@ __all__ = ["Mirrors", "checkpointed"]
 
 
 class Mirrors(RngMirror):
-    """The mirrors of the current device's default CUDA generator and of ``generators``."""
+    """The mirror of the current device's default CUDA generator (the one generator a recomputing
+    layer may draw from: the runtime refuses others, see ``TorchRuntime.rng_mirror``)."""
 
-    def __init__(self, generators: Sequence[torch.Generator]):
-        default = torch.cuda.default_generators[torch.cuda.current_device()]
-        self.generators = [default, *(g for g in generators if g is not default)]
+    def __init__(self):
+        self.generators = [torch.cuda.default_generators[torch.cuda.current_device()]]
         self.mirrors = [g.clone_state() for g in self.generators]
 
     @contextlib.contextmanager

@@ -168,13 +168,14 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
     def rng_mirror(self, generators):
         # Eager recomputation (torch.utils.checkpoint) repeats the default generators' draws only,
         # so a layer drawing from others would recompute other masks there: refused for now.
+        extra = list(generators)
         tracked = [t.name for t in RNG_TRACKERS if any(t.states())]
-        if list(generators) or tracked:
-            what = f"generators= ({len(list(generators))})" if list(generators) else tracked[0]
+        if extra or tracked:
+            what = f"generators= ({len(extra)})" if extra else tracked[0]
             raise ValueError(f"recompute (activation checkpointing) in graphs draws from the default CUDA generator "
                              f"only; this layer also draws from {what}. Turn recompute (checkpointing) off for "
                              f"this layer.")
-        return _recompute.Mirrors([])
+        return _recompute.Mirrors()
 
     def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:
         if not inputs:

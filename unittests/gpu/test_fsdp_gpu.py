@@ -21,7 +21,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
 transformers = pytest.importorskip("transformers")
 
-VOCAB, MICRO, STEPS = 256, 4, 6
+STEPS = 6
 
 
 def _free_port() -> int:
@@ -57,20 +57,12 @@ def test_fsdp2_layouts_that_cannot_work_are_refused():
 
 
 # ------------------------------------------------------------------------------------- the worker
-def _build():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=320, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1, use_cache=False)
-    return LlamaForCausalLM(config).cuda()
-
-
 def _worker(mode: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from paddle_graphpp.torch import CUDAGraphedModule, graph_layers
+    from test_recompute_gpu import build as _build, train  # this folder: the same model and loop
 
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
     model = _build()
@@ -96,21 +88,10 @@ def _worker(mode: str) -> dict:
     fully_shard(model)
     if mode == "shard_then_graph":
         graph_layers(blocks)
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, VOCAB, (2, 64), generator=g).cuda() for _ in range(STEPS * MICRO)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    torch.manual_seed(3)
-    for step in range(STEPS):
-        for tokens in data[step * MICRO:(step + 1) * MICRO]:
-            loss = model(tokens, labels=tokens).loss / MICRO
-            loss.backward()
-            losses.append(loss.detach())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    losses, _ = train(model, STEPS)
     weights = [float(p.full_tensor().double().sum()) for p in model.parameters()]
     replays = blocks[0].engine.replays if mode.startswith(("graph", "shard")) else 0
-    return {"losses": [float(v) for v in torch.stack(losses).cpu()], "weights": weights, "replays": replays}
+    return {"losses": [float(v) for v in losses], "weights": weights, "replays": replays}
 
 
 if __name__ == "__main__":

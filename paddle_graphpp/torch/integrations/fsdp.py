@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-__all__ = ["fsdp_params", "keep_unsharded", "unsharded_view", "prepare", "capture_view", "release", "check_block",
-           "check_wrapped"]
+__all__ = ["fsdp_params", "keep_unsharded", "unsharded_view", "prepare", "prepare_once", "capture_view", "release",
+           "check_block", "check_wrapped"]
 
 
 def _groups(state: Any) -> list:
@@ -68,9 +68,11 @@ def keep_unsharded(module: nn.Module) -> int:
 
 
 def release(module: nn.Module) -> None:
-    """Undo :func:`keep_unsharded` (FSDP2 frees the unsharded storage after use again)."""
+    """Undo :func:`keep_unsharded` and :func:`prepare_once` (FSDP2 frees the unsharded storage
+    after use again)."""
     for fp in fsdp_params(module):
         vars(fp).pop("free_unsharded_param", None)
+    module.__dict__.pop(_PREPARED, None)
 
 
 def _places(fp: Any) -> list:
@@ -97,6 +99,18 @@ def unsharded_view(module: nn.Module):
     finally:
         for owner, name, held in reversed(swapped):
             owner._parameters[name] = held
+
+
+_PREPARED = "_graphpp_fsdp_prepared"  # in a graphed module's __dict__ after its first call
+
+
+def prepare_once(block: nn.Module, name: str) -> None:
+    """At a graphed module's first call (FSDP2 may shard it after graphing): :func:`prepare`. Its
+    storage is kept from then on, so the captures find every graphed block's unsharded
+    parameters allocated, not only the one running."""
+    if _PREPARED not in block.__dict__:
+        prepare(block, name)
+        block.__dict__[_PREPARED] = True
 
 
 def prepare(block: nn.Module, name: str) -> None:
@@ -132,6 +146,11 @@ def _managed_from_outside(block: nn.Module) -> Optional[str]:
     return None
 
 
+def _fsdp_modules(module: nn.Module) -> list:
+    """The names (``""``: ``module`` itself) of the FSDP2 modules in ``module``."""
+    return [n for n, m in module.named_modules() if hasattr(m, "_get_fsdp_state")]
+
+
 def check_block(name: str, block: nn.Module) -> None:
     """Refuse to graph ``block`` (named ``name``) whose parameters an enclosing ``fully_shard``
     manages, or that holds an FSDP2 module of its own below it.
@@ -139,7 +158,7 @@ def check_block(name: str, block: nn.Module) -> None:
     Raises:
         TypeError: naming the block and the layout that works.
     """
-    inner = [n for n, m in block.named_modules() if n and hasattr(m, "_get_fsdp_state")]
+    inner = [n for n in _fsdp_modules(block) if n]
     if inner:
         raise TypeError(
             f"{name}: its submodule {inner[0]} is an FSDP2 module (fully_shard), whose all-gathers would run "
@@ -161,7 +180,7 @@ def check_wrapped(name: str, module: nn.Module) -> None:
     Raises:
         TypeError: naming the module and the order that works.
     """
-    inner = [n or type(module).__name__ for n, m in module.named_modules() if hasattr(m, "_get_fsdp_state")]
+    inner = [n or type(module).__name__ for n in _fsdp_modules(module)]
     if inner:
         raise TypeError(
             f"{name}: {inner[0]} is an FSDP2 module (fully_shard), whose all-gathers would run inside the "
