@@ -450,7 +450,7 @@ def test_stage_errors_say_what_to_do():
         causal_lm_stage(build("llama"), 0, 2, layers_per_stage=[1, 2])
     with pytest.raises(ValueError, match="cannot fill 5 stages"):
         causal_lm_stage(build("llama"), 0, 5)
-    with pytest.raises(TypeError, match="Llama layout.*graph_layers"):
+    with pytest.raises(TypeError, match="not a transformers causal LM.*graph_layers"):
         causal_lm_stage(torch.nn.Sequential(torch.nn.Linear(2, 2)), 0, 1)
     with pytest.raises(TypeError, match=r"causal_lm_stage\(\) got unexpected keyword argument\(s\) \['max_inflight'\]; "
                                         r"it takes \['model', 'stage_index', 'num_stages', 'layers_per_stage', 'graph', "
@@ -466,48 +466,73 @@ def test_stage_blocks_take_the_engine_options():
 
 
 
-def test_a_mask_helper_of_unknown_shape_or_an_old_transformers_is_refused_at_build(monkeypatch):
-    import transformers.masking_utils as masking
-
-    def create_causal_mask(config, inputs_embeds, attention_mask, cache, sequence_offsets, position_ids=None):
-        raise AssertionError("never called")
-
-    monkeypatch.setattr(masking, "create_causal_mask", create_causal_mask)
-    with pytest.raises(TypeError, match=r"transformers .* has a create_causal_mask\(config, inputs_embeds, "
-                                        r"attention_mask, cache, sequence_offsets\).*known: transformers 5\.0 to "
-                                        r"5\.24.*pip install"):
-        causal_lm_stage(build("llama"), 0, 2)
-    monkeypatch.undo()
+def test_an_old_transformers_is_refused_at_build(monkeypatch):
     model = build("gpt2")  # first: transformers' lazy imports may set __version__ again
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.6")  # the module imported now
     with pytest.raises(ImportError, match=r"transformers >= 5\.0 .* 4\.57\.6 is installed"):
         causal_lm_stage(model, 0, 1)
 
 
-def test_the_installed_transformers_builds_its_mask_through_a_known_form():
-    from paddle_graphpp.torch import hf
-
-    model = build("llama")
-    stage = causal_lm_stage(model, 0, 1, graph=False)
-    hidden = torch.zeros(2, SEQ, 32)
-    mask = stage._causal_mask(model.config, hidden, torch.arange(SEQ))
-    # sdpa masks causally itself when nothing is padded; an eager attention gets a 4-D mask
-    assert mask is None or mask.shape[-2:] == (SEQ, SEQ)
-    assert len(hf._MASK_FORMS) == 4
-
-
-def test_block_arguments_are_built_once_per_batch_shape_and_match_the_models_own():
+def test_masks_are_the_models_own_built_once_per_batch_shape():
     model = build("llama")
     stage = causal_lm_stage(model, 0, 1, graph=False)
     ids = torch.randint(0, VOCAB, (2, SEQ))
-    kwargs = stage.block_kwargs(ids)
-    assert stage.block_kwargs(ids.clone()) is kwargs  # kept: no mask code (or host read) per call
-    assert stage.block_kwargs(ids[:1]) is not kwargs  # another batch shape: built anew
-    cos, sin = model.model.rotary_emb(torch.zeros(2, SEQ, 1), torch.arange(SEQ).unsqueeze(0))
-    assert torch.equal(kwargs["position_embeddings"][0], cos) and torch.equal(kwargs["position_embeddings"][1], sin)
+    masks = stage.masks(ids)
+    assert [name for name, _ in masks] == ["create_causal_mask"]  # what LlamaModel.forward calls
+    assert stage.masks(ids.clone()) is masks  # kept: no mask code (or host read) per call
+    assert stage.masks(ids[:1]) is not masks  # another batch shape: built anew
     model.eval()  # no dropout: the two forwards must agree exactly
     with torch.no_grad():
         assert torch.equal(stage(ids), model(ids).logits)  # the model's own forward, the same logits
+
+
+def test_recording_the_masks_draws_no_random_numbers():
+    model = build("llama")
+    stage = causal_lm_stage(model, 0, 1, graph=False)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    before = torch.get_rng_state()
+    stage.masks(ids)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_forward_that_asks_for_other_masks_than_recorded_is_refused():
+    model = build("llama")
+    stage = causal_lm_stage(model, 0, 1, graph=False)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    masks = [("create_sliding_window_causal_mask", None)]
+    with pytest.raises(RuntimeError, match="asked for the mask create_causal_mask where it asked for "
+                                           "create_sliding_window_causal_mask.*graph_layers"):
+        stage.body(ids, masks)
+
+
+def test_a_cut_that_does_not_reproduce_the_model_is_refused_at_build():
+    model = build("llama")
+    real = type(model).forward
+
+    def scaled(self, *args, **kwargs):  # a head transform the base model's forward does not show
+        out = real(self, *args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+    model.forward = scaled.__get__(model)
+    # the last stage runs the class's forward, the check compares with the class's too: equal
+    causal_lm_stage(model, 0, 2, graph=False)
+    original = model.model.__class__.forward
+
+    class Other(type(model.model)):
+        def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            out = original(self, inputs_embeds=inputs_embeds, **kwargs)
+            # the embedding again after the blocks: a later stage has only its own input
+            out.last_hidden_state = out.last_hidden_state + inputs_embeds
+            return out
+
+    other = build("llama")
+    other.model.__class__ = Other
+    with pytest.raises(TypeError, match=r"cut into 2 stages computes other logits than its own forward.*graph_layers"):
+        causal_lm_stage(other, 0, 2, graph=False)
+
 
 # ------------------------------------------------------------------------- distributed
 @pytest.mark.slow

@@ -83,13 +83,27 @@ def test_graph_model_refuses_a_graph_inside_a_graph_and_bad_options():
     assert "forward" not in model.__dict__
     with pytest.raises(ValueError, match="num_warmup_steps"):
         graph_model(build(), num_warmup_steps=0)
-    with pytest.raises(TypeError, match="Llama layout"):
+    with pytest.raises(TypeError, match="not a transformers causal LM.*graph_layers"):
         graph_model(torch.nn.Linear(2, 2))
-    from transformers import MistralConfig, MistralForCausalLM  # the Llama layout, its own sliding window
+
+
+def test_graph_model_runs_the_models_own_forward_with_a_sliding_window():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
     mistral = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(TypeError, match="model_type 'mistral'.*graph_layers"):
-        graph_model(mistral)
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               sliding_window=4, use_cache=False))
+    ref = copy.deepcopy(mistral)
+    graph_model(mistral)
+    ids = tokens(1)[0]
+    assert ids.shape[1] > 4  # the window matters
+    out, own = mistral(ids, labels=ids), ref(ids, labels=ids)
+    assert torch.equal(out.logits, own.logits) and torch.equal(out.loss, own.loss)
+    out.loss.backward()
+    own.loss.backward()
+    for (name, p), q in zip(mistral.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
 
 
 def test_whole_graphs_refuse_gradient_checkpointing_before_and_after():
@@ -185,7 +199,7 @@ def test_block_arguments_follow_the_attention_kernel():
     model = build()
     stage = causal_lm_stage(model, 0, 1, graph=False)
     ids = tokens(1)[0]
-    sdpa = stage.block_kwargs(ids)
+    sdpa = stage.masks(ids)
     model.config._attn_implementation = "eager"
-    eager = stage.block_kwargs(ids)
-    assert eager is not sdpa and eager["attention_mask"] is not None  # eager attention needs the mask
+    eager = stage.masks(ids)
+    assert eager is not sdpa and eager[0][1] is not None  # eager attention needs the mask

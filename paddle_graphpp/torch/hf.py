@@ -1,37 +1,31 @@
 """Hugging Face causal LMs cut into pipeline stages for ``torch.distributed.pipelining``.
 
-A ``transformers`` causal LM is not an ``nn.Sequential``: its forward builds the attention mask,
-position ids and (Llama) rotary embeddings before the blocks, and the head comes after the
-final norm. :func:`causal_lm_stage` cuts such a model into the stage of one pipeline rank: the
-first stage takes token ids through the embeddings and its blocks, middle stages take hidden
-states through their blocks, the last adds the final norm and the head and returns logits.
-Each stage rebuilds the mask and position inputs itself, calls its blocks the way the model
-calls them (``use_cache=False``), and graphs them in place with
-:func:`~paddle_graphpp.torch.layers.graph_layers`' machinery::
+:func:`causal_lm_stage` cuts a ``transformers`` causal LM into the stage of one pipeline rank:
+the first stage takes token ids, the others the hidden state entering their first block; the
+last returns logits. A stage computes with the model's own code: it runs the model's own
+forward (the base model's, or the causal LM's on the last stage, so embedding scales, masks per
+layer type, rotary tables per layer type, the final norm and the head's transforms such as
+logit softcapping are the model's), with the block list seen through stand-ins for the blocks
+other stages hold: the block before the stage hands on the stage's input, the block after it
+ends the call with the hidden state that reaches it. The masks are the model's own, built once
+per batch shape outside any graph (:class:`~paddle_graphpp.torch.integrations.transformers.MaskCalls`).
+When the stages are built, their chain is checked against the model's own forward on a short
+batch; a model they do not reproduce exactly is refused then, with the reason::
 
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from paddle_graphpp.torch.hf import causal_lm_stage
-
-    model = LlamaForCausalLM(config)                 # the same seed on every rank, or load weights
+    model = AutoModelForCausalLM.from_config(config)   # the same seed on every rank, or load weights
     stage_mod = causal_lm_stage(model, rank, world).to(device)
     x, y = stage_mod.example_io(micro_batch_size, seq_len)
     stage = PipelineStage(stage_mod, rank, world, device, input_args=(x,), output_args=(y,))
-    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)   # loss_fn(logits, targets)
-
-Two layouts are known: Llama's (``model.model.embed_tokens / layers / norm / rotary_emb``,
-``model.lm_head``; Mistral-style models share it) and GPT-2's (``model.transformer.wte / wpe
-/ drop / h / ln_f``, ``model.lm_head``). Supported: ``transformers`` 5.0 to 5.24 (see
-:data:`paddle_graphpp.support.SUPPORTED`); the causal mask is built through the installed
-version's ``create_causal_mask``, whose known signatures are listed in ``_MASK_FORMS``.
 
 The stage holds the model's own modules under the model's own attribute names (the blocks in an
-``nn.ModuleDict`` keyed by their index in the model), so ``stage.state_dict()`` keys are the
-full model's keys for the parts this stage holds, with the same tensors.
+``nn.ModuleDict`` keyed by their index), so ``stage.state_dict()`` keys are the full model's
+keys for the parts this stage holds, with the same tensors. Supported: ``transformers`` 5.0 on
+(:data:`paddle_graphpp.support.SUPPORTED`).
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -46,42 +40,58 @@ from .layers import check_layer, graph_in_place
 
 __all__ = ["causal_lm_stage", "CausalLMStage"]
 
-_KWARGS_KEPT = 8  # block-argument sets (one per batch shape, dtype, device) past which a stage warns
+_KWARGS_KEPT = 8  # mask sets (one per batch shape, dtype, device) past which a stage warns
 _SCOPES = ("blocks", "stage")
+_PROBE_TOKENS = 8  # the length of the batch the stages' chain is checked on when they are built
 
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """Where a model family keeps its parts (attribute names)."""
+    """Where a causal LM keeps its parts (attribute names), read from its module tree."""
 
-    family: str
-    base: str  # the base model on the causal LM
-    embed: str
-    layers: str
-    norm: str
-    position_embed: Optional[str] = None  # learned absolute positions (GPT-2)
-    dropout: Optional[str] = None  # dropout after the embeddings (GPT-2)
-    rotary: Optional[str] = None  # rotary embeddings shared by all blocks (Llama)
+    base: str  # the base model on the causal LM (its ``base_model_prefix``)
+    layers: str  # the list of decoder blocks on the base model
+    first: tuple  # base children with parameters or dropout registered before the blocks: the first stage's
+    last: tuple  # base children with parameters or dropout registered after the blocks: the last stage's
+    shared: tuple  # other base children (rotary tables): every stage's
+    head: tuple  # causal-LM children besides the base (``lm_head``): the last stage's
+
+    @property
+    def family(self) -> str:
+        return f"{self.base}.{self.layers}"
 
 
-_LAYOUTS = (
-    _Layout("llama", base="model", embed="embed_tokens", layers="layers", norm="norm", rotary="rotary_emb"),
-    _Layout("gpt2", base="transformer", embed="wte", layers="h", norm="ln_f", position_embed="wpe", dropout="drop"),
-)
+def _staged(module: nn.Module) -> bool:
+    """Whether a base child belongs to one end of the model (weights, or random draws that a
+    later stage must not repeat) rather than to every stage (a rotary table)."""
+    return isinstance(module, nn.Dropout) or next(module.parameters(), None) is not None
 
 
 def layout_of(model: nn.Module) -> _Layout:
-    """The known layout ``model`` has (Llama's or GPT-2's); ``TypeError`` naming both otherwise."""
-    for layout in _LAYOUTS:
-        base = getattr(model, layout.base, None)
-        wanted = [layout.embed, layout.layers, layout.norm, layout.position_embed, layout.rotary]
-        if isinstance(base, nn.Module) and isinstance(getattr(model, "lm_head", None), nn.Module) and all(
-                isinstance(getattr(base, a, None), nn.Module) for a in wanted if a is not None):
-            return layout
-    raise TypeError(
-        f"causal_lm_stage() knows the Llama layout (model.model.embed_tokens/layers/norm/rotary_emb, model.lm_head) "
-        f"and GPT-2's (model.transformer.wte/wpe/drop/h/ln_f, model.lm_head); {type(model).__name__} has neither. "
-        f"For another model, build each stage as your own module and call graph_layers() on its blocks.")
+    """The layout of ``model``: a base model under its ``base_model_prefix`` holding one list of
+    ``config.num_hidden_layers`` decoder blocks; ``TypeError`` naming what is missing otherwise."""
+    name = type(model).__name__
+    prefix = getattr(model, "base_model_prefix", None)
+    base = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
+    if not isinstance(base, nn.Module) or base is model:
+        raise TypeError(f"{name} is not a transformers causal LM with a base model under its base_model_prefix "
+                        f"({prefix!r}); build each stage as your own module and call graph_layers() on its blocks.")
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    count = getattr(text, "num_hidden_layers", None)
+    lists = [n for n, m in base.named_children() if isinstance(m, nn.ModuleList) and len(m) == count and count]
+    if len(lists) != 1:
+        raise TypeError(f"{name}: its base model {type(base).__name__} holds {len(lists)} lists of "
+                        f"num_hidden_layers={count} blocks ({lists}), where the stage cut needs exactly one. Build each "
+                        f"stage as your own module and call graph_layers() on its blocks.")
+    layers = lists[0]
+    children = list(base.named_children())
+    at = [n for n, _ in children].index(layers)
+    first = tuple(n for n, m in children[:at] if _staged(m))
+    last = tuple(n for n, m in children[at + 1:] if _staged(m))
+    shared = tuple(n for n, m in children if n != layers and not _staged(m))
+    head = tuple(n for n, m in model.named_children() if n != prefix)
+    return _Layout(prefix, layers, first, last, shared, head)
 
 
 def _split(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence[int]]) -> list:
@@ -98,59 +108,64 @@ def _split(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence
     return [list(range(start, start + count)) for start, count in zip(starts, counts)]
 
 
-def _parameter_names(fn) -> frozenset:
-    try:
-        return frozenset(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
+# ----------------------------------------------------------------------------- stand-ins
+class _StageEnd(Exception):
+    """Raised by the stand-in after a stage's last block: carries the hidden state reaching it."""
+
+    def __init__(self, hidden):
+        super().__init__("stage end")
+        self.hidden = hidden
 
 
-# transformers.masking_utils.create_causal_mask has changed its required arguments twice within
-# the supported range. Each known form, by its required parameters after ``config``; the stage
-# passes exactly those, so a form not listed here is refused
-# when the stage is built instead of losing an argument at the first forward.
-_MASK_FORMS = {
-    ("input_embeds", "attention_mask", "cache_position", "past_key_values"): "transformers 5.0-5.1",
-    ("inputs_embeds", "attention_mask", "cache_position", "past_key_values"): "transformers 5.2-5.3",
-    ("inputs_embeds", "attention_mask", "past_key_values"): "transformers 5.4-5.23",
-    ("inputs_embeds", "attention_mask", "cache"): "transformers 5.24",
-}
+class _StandIn(nn.Module):
+    """Takes a block's place in the model's block list during a stage's call; attributes the
+    model's forward reads from its blocks (``attention_type``) are the block's. ``role``: ``"pass"``
+    hands its hidden input on (a block before the stage), ``"enter"`` runs the block on the
+    stage's input instead (the stage's first block), ``"inject"`` hands the stage's input on (a
+    stage without blocks), ``"end"`` ends the stage's call with the hidden input."""
+
+    def __init__(self, block: nn.Module, role: str, stage_input: Optional[list] = None):
+        super().__init__()
+        self.__dict__.update(_block=block, _role=role, _input=stage_input)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_block"], name)
+
+    def forward(self, hidden, *args, **kwargs):
+        role = self._role
+        if role == "end":
+            raise _StageEnd(hidden)
+        if role == "enter":
+            return self._block(self._input[0], *args, **kwargs)
+        return self._input[0] if role == "inject" else hidden
 
 
-def _mask_builder():
-    """``build(config, hidden, cache_position)``: the causal mask (or ``None`` where the attention
-    kernel masks causally itself) for an unpadded batch without a cache, through the installed
-    transformers' ``create_causal_mask``. Position ids are not passed: given them, transformers
-    looks for packed sequences, which reads a device value on the host (5.17) and, traced, builds
-    a full mask; an unpadded batch holds one sequence per row."""
-    import transformers
+class _Absent(nn.Module):
+    """Takes the place of a module another stage holds (a position embedding before the blocks)
+    whose result is dead in this stage's call (the stage's input replaces what it feeds): zeros
+    of its result's shape and dtype, found on the meta device."""
 
-    from ..support import SUPPORTED, require
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.__dict__["_module"] = module
 
-    version = require("transformers", transformers.__version__)
-    try:
-        from transformers.masking_utils import create_causal_mask
-    except ImportError as exc:
-        raise ImportError(f"causal_lm_stage() needs transformers.masking_utils, which transformers {version} "
-                          f"lacks: {exc}") from exc
-    params = list(inspect.signature(create_causal_mask).parameters.values())
-    required = tuple(p.name for p in params[1:] if p.default is inspect.Parameter.empty
-                     and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-    if required not in _MASK_FORMS:
-        support = SUPPORTED["transformers"]
-        raise TypeError(
-            f"causal_lm_stage(): transformers {version} has a create_causal_mask(config, {', '.join(required)}) "
-            f"this version of paddle_graphpp does not know (known: transformers {support.oldest} to "
-            f"{support.newest_tested}). Install a transformers in that range, e.g. "
-            f"`pip install 'transformers<={support.newest_tested}'`, or build the stage yourself and call "
-            f"graph_layers() on its blocks.")
+    def forward(self, *args, **kwargs):
+        module = self.__dict__["_module"]
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        meta = {n: torch.empty_like(t, device="meta") for n, t in (*module.named_parameters(), *module.named_buffers())}
 
-    def build(config, hidden, cache_position):
-        known = {"input_embeds": hidden, "inputs_embeds": hidden, "attention_mask": None,
-                 "cache_position": cache_position, "past_key_values": None, "cache": None}
-        return create_causal_mask(config, **{name: known[name] for name in required})
+        def to_meta(x):
+            return x.to("meta") if isinstance(x, torch.Tensor) else x
 
-    return build
+        out = torch.func.functional_call(module, meta, tuple(map(to_meta, args)),
+                                         {k: to_meta(v) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor):
+            return torch.zeros(out.shape, dtype=out.dtype, device=device)
+        raise TypeError(f"{type(module).__name__} returns {type(out).__name__}; the stage cut stands in for tensors only")
 
 
 class _Part(nn.Module):
@@ -162,8 +177,8 @@ class CausalLMStage(nn.Module):
 
     ``forward(x)``: on the first stage ``x`` is token ids ``(batch, seq)``, elsewhere the hidden
     state ``(batch, seq, hidden)``; the last stage returns logits ``(batch, seq, vocab)``, the
-    others the hidden state. Sequences are taken as unpadded (a causal mask, positions
-    ``0..seq-1``), as pipeline training on packed sequences feeds them.
+    others the hidden state. Sequences are taken as unpadded (the model's causal masks for
+    positions ``0..seq-1``), as pipeline training on packed sequences feeds them.
 
     Attributes:
         stage_index, num_stages: this stage's place in the pipeline.
@@ -173,30 +188,36 @@ class CausalLMStage(nn.Module):
     """
 
     def __init__(self, model: nn.Module, layout: _Layout, stage_index: int, num_stages: int,
-                 layer_indices: Sequence[int]):
+                 layer_indices: Sequence[int], start: int):
         super().__init__()
         base = getattr(model, layout.base)
         blocks = getattr(base, layout.layers)
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.layer_indices = list(layer_indices)
+        self.__dict__["_start"] = start  # the index of the model's block this stage's input enters
         self.__dict__["config"] = model.config
         self.__dict__["_layout"] = layout
+        self.__dict__["_model"] = model  # the whole model, whose forward the stage runs; not a submodule
         part = _Part()
-        for attr in [layout.embed, layout.position_embed, layout.dropout] if self.is_first else []:
-            if attr is not None:
-                setattr(part, attr, getattr(base, attr))
+        held = set(layout.shared) | (set(layout.first) if self.is_first else set()) | (
+            set(layout.last) if self.is_last else set())
+        for attr, module in base.named_children():
+            if attr in held:
+                setattr(part, attr, module)
         setattr(part, layout.layers, nn.ModuleDict({str(i): blocks[i] for i in self.layer_indices}))
-        for attr in [layout.rotary] + ([layout.norm] if self.is_last else []):
-            if attr is not None:
-                setattr(part, attr, getattr(base, attr))
         setattr(self, layout.base, part)
         if self.is_last:
-            self.lm_head = model.lm_head
-        block_cls = type(blocks[0]) if len(blocks) else None
-        original = getattr(block_cls, "_graphpp_original", block_cls)
-        self.__dict__["_block_params"] = _parameter_names(original.forward) if original is not None else frozenset()
-        self.__dict__["_causal_mask"] = _mask_builder()
+            for attr in layout.head:
+                setattr(self, attr, getattr(model, attr))
+        absent = [a for a in layout.first if a not in held]
+        self.__dict__["_absent"] = {a: nn.Identity() if isinstance(getattr(base, a), nn.Dropout)
+                                    else _Absent(getattr(base, a)) for a in absent}
+        # A stage before the last that ends after the model's last block ends where the model's
+        # forward reaches what comes after its blocks (the final norm).
+        self.__dict__["_ends_at_last"] = {} if self.is_last else {
+            a: _StandIn(getattr(base, a), "end") for a in layout.last}
+        self.__dict__["_masks"] = _transformers.MaskCalls(f"CausalLMStage {stage_index}", model, base)
         self.__dict__["_kwargs_kept"] = {}
 
     @property
@@ -208,103 +229,165 @@ class CausalLMStage(nn.Module):
         return getattr(self, self._layout.base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kwargs = self.block_kwargs(x)
+        masks = self.masks(x)
         whole = self.__dict__.get("_whole")
         if whole is not None:  # scope="stage": the whole stage is one graphed call
             whole.module.refuse_checkpointing("causal_lm_stage(scope='stage')")  # turned on after graphing
-            return whole.run((x, kwargs), {})
-        return self.body(x, kwargs)
+            return whole.run((x, masks), {})
+        return self.body(x, masks)
 
-    def body(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        """The stage's computation, given the arguments its blocks take (:meth:`block_kwargs`)."""
-        layout, part = self._layout, self._part
-        if self.is_first:
-            hidden = getattr(part, layout.embed)(x)
-            if layout.position_embed is not None:
-                positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-                hidden = hidden + getattr(part, layout.position_embed)(positions)
-            if layout.dropout is not None:
-                hidden = getattr(part, layout.dropout)(hidden)
-        else:
-            hidden = x
-        for block in getattr(part, layout.layers).values():
-            hidden = block(hidden, **kwargs)
-            if isinstance(hidden, tuple):  # blocks of transformers 4.x return (hidden, ...)
-                hidden = hidden[0]
-        if not self.is_last:
-            return hidden
-        return self.lm_head(getattr(part, layout.norm)(hidden))
+    def body(self, x: torch.Tensor, masks: list) -> torch.Tensor:
+        """The stage's computation: the model's own forward over this stage's blocks, with the
+        masks :meth:`masks` recorded for ``x``'s batch key."""
+        with self._masks.replaying(masks):
+            return self._run(x)
 
-    def block_kwargs(self, x: torch.Tensor) -> dict:
-        """What the model's own forward passes its blocks for an unpadded causal batch of ``x``'s
-        batch size and length: the mask (``None`` where the attention kernel masks causally
-        itself), positions and (Llama) rotary embeddings.
+    def _run(self, x: torch.Tensor, end_at: Optional[int] = None) -> torch.Tensor:
+        """The model's own forward with the block list cut to this stage (or ended before block
+        ``end_at``): the base model's for a stage before the last, the causal LM's on the last."""
+        model, layout = self._model, self._layout
+        base = getattr(model, layout.base)
+        blocks = getattr(base, layout.layers)
+        start = self._start
+        stop = start + len(self.layer_indices) if end_at is None else end_at
+        if not self.is_first and not self.is_last and start == stop and end_at is None:
+            return x  # a middle stage without blocks
+        stage_input = [x]
 
-        They depend only on the batch's shape, dtype and device, so they are built once per such
-        key (and attention kernel), eagerly, and kept for good (graphs read them where they are; a
-        warning past :data:`_KWARGS_KEPT` keys). Built inside a capture, the
-        installed transformers would take its traced path (a full mask, slower attention), so a
-        key first seen inside a capture is refused; the warmup calls build every key first.
+        def role(i, block):
+            if i >= stop:
+                return _StandIn(block, "end")
+            if self.is_first or i > start:
+                return block
+            if i == start:
+                return _StandIn(block, "enter", stage_input)
+            if start == stop == len(blocks) and i == start - 1:  # a last stage without blocks
+                return _StandIn(block, "inject", stage_input)
+            return _StandIn(block, "pass")
+
+        cut = [role(i, b) for i, b in enumerate(blocks)]
+        inputs = dict(input_ids=x) if self.is_first else dict(inputs_embeds=x.detach())
+        swaps = {layout.layers: nn.ModuleList(cut), **self._absent, **self._ends_at_last}
+        with _swapped(base, swaps):
+            try:
+                if self.is_last and end_at is None:
+                    return model.__class__.forward(model, **inputs, use_cache=False, return_dict=True).logits
+                out = base(**inputs, use_cache=False, return_dict=True)
+            except _StageEnd as end:
+                return end.hidden
+        return out.last_hidden_state
+
+    def masks(self, x: torch.Tensor) -> list:
+        """The masks the model's own forward builds for an unpadded batch of ``x``'s batch size and
+        length, as ``(function name, result)`` in call order (results are ``None`` where the
+        attention kernel masks causally itself).
+
+        They depend only on the batch's shape, dtype and device and the attention kernel, so they
+        are built once per such key, eagerly, by the model's own forward up to its first block
+        (the random state is put back afterwards), and kept for good (graphs read them where they
+        are; a warning past :data:`_KWARGS_KEPT` keys). A key first seen inside a capture is
+        refused: transformers would build the masks on its traced path there.
         """
         dtype = self._hidden_dtype(x)
-        config = self.config  # the attention kernel decides whether a mask is materialised
+        config = self.config
         key = (tuple(x.shape[:2]), dtype, x.device, torch.is_autocast_enabled(x.device.type),
-               getattr(config, "_attn_implementation", None), getattr(config, "sliding_window", None))
-        kwargs = self._kwargs_kept.get(key)
-        if kwargs is not None:
-            return kwargs
+               getattr(config, "_attn_implementation", None))
+        kept = self._kwargs_kept.get(key)
+        if kept is not None:
+            return kept
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             from ..core.errors import CaptureError
 
             raise CaptureError(
-                f"CausalLMStage {self.stage_index}: the block arguments (mask, positions) for a batch of shape "
-                f"{list(x.shape[:2])} are first needed inside a capture, where transformers would build them on "
-                f"its traced path (a full mask, no causal attention kernel). Run this shape eagerly once first "
-                f"(num_warmup_steps >= 1).")
-        with torch.no_grad():
-            kwargs = self._build_block_kwargs(torch.empty(*x.shape[:2], 1, dtype=dtype, device=x.device))
+                f"CausalLMStage {self.stage_index}: the masks for a batch of shape {list(x.shape[:2])} are first "
+                f"needed inside a capture, where transformers would build them on its traced path (a full mask, no "
+                f"causal attention kernel). Run this shape eagerly once first (num_warmup_steps >= 1).")
+        recorded: list = []
+        sample = x if self.is_first else torch.zeros(x.shape, dtype=dtype, device=x.device)
+        devices = [x.device] if x.is_cuda else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), self._masks.recording(recorded):
+            self._run(sample, end_at=self._start)
         # Never dropped: a whole-step graph reads these tensors where they are.
         if len(self._kwargs_kept) == _KWARGS_KEPT:
-            warnings.warn(f"CausalLMStage {self.stage_index}: block arguments for {_KWARGS_KEPT + 1} batch shapes "
-                          f"are kept now (one set per shape, never dropped); pad batches to a few fixed shapes",
+            warnings.warn(f"CausalLMStage {self.stage_index}: masks for {_KWARGS_KEPT + 1} batch shapes are kept now "
+                          f"(one set per shape, never dropped); pad batches to a few fixed shapes",
                           RuntimeWarning, stacklevel=3)
-        self._kwargs_kept[key] = kwargs
-        return kwargs
+        self._kwargs_kept[key] = recorded
+        return recorded
 
     def _hidden_dtype(self, x: torch.Tensor) -> torch.dtype:
         if not self.is_first:
             return x.dtype
-        return getattr(getattr(self._part, self._layout.embed), "weight").dtype
-
-    def _build_block_kwargs(self, hidden: torch.Tensor) -> dict:
-        cache_position = torch.arange(hidden.shape[1], device=hidden.device)
-        position_ids = cache_position.unsqueeze(0)
-        mask = self._causal_mask(self.config, hidden, cache_position)
-        kwargs: dict[str, Any] = dict(attention_mask=mask, position_ids=position_ids, use_cache=False)
-        if "cache_position" in self._block_params:  # transformers < 5.17 blocks take it
-            kwargs["cache_position"] = cache_position
-        if self._layout.rotary is not None:
-            kwargs["position_embeddings"] = getattr(self._part, self._layout.rotary)(hidden, position_ids)
-        return kwargs
+        embed = self._model.get_input_embeddings()
+        return embed.weight.dtype
 
     def example_io(self, micro_batch_size: int, seq_len: int) -> tuple:
         """Example ``(input, output)`` tensors of one micro-batch, for ``PipelineStage``'s
         ``input_args``/``output_args``, on the stage's device and in its dtype. Hidden-state
         inputs require grad (the stage sends their gradient back), as do outputs."""
         param = next(self.parameters())
-        hidden = self.config.hidden_size
+        hidden = self.config.get_text_config().hidden_size
         if self.is_first:
             x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device=param.device)
         else:
             x = torch.zeros(micro_batch_size, seq_len, hidden, dtype=param.dtype, device=param.device,
                             requires_grad=True)
-        width = self.lm_head.out_features if self.is_last else hidden
+        head = self._model.get_output_embeddings() if self.is_last else None
+        width = getattr(head, "out_features", None) or self.config.get_text_config().vocab_size if self.is_last \
+            else hidden
         y = torch.zeros(micro_batch_size, seq_len, width, dtype=param.dtype, device=param.device, requires_grad=True)
         return x, y
 
     def extra_repr(self) -> str:
-        return (f"family={self._layout.family}, stage={self.stage_index}/{self.num_stages}, "
+        return (f"model={type(self._model).__name__}, stage={self.stage_index}/{self.num_stages}, "
                 f"blocks={self.layer_indices}")
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, children: dict):
+    """``module``'s children ``children`` (name -> stand-in) in place of its own, for the call."""
+    own = {name: module._modules[name] for name in children}
+    module._modules.update(children)
+    try:
+        yield
+    finally:
+        module._modules.update(own)
+
+
+def _check_cut(model: nn.Module, stages: list) -> None:
+    """Refuse a cut whose chain of stages computes other logits than the model's own forward, on
+    a short batch, eagerly (before any graphing), on the device the model sits on. A model on
+    the meta device or spread over devices is not checked (the cut is the model's own code but
+    for the stand-ins, which the check covers on every model it can run)."""
+    params = list(model.parameters())
+    devices = {p.device for p in params}
+    if len(devices) != 1 or next(iter(devices)).type == "meta":
+        return
+    device = next(iter(devices))
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.arange(_PROBE_TOKENS, device=device).remainder(vocab).unsqueeze(0)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            try:
+                own = model.__class__.forward(model, input_ids=ids, use_cache=False, return_dict=True).logits
+                out = ids
+                for stage in stages:
+                    out = stage(out)
+            except Exception as exc:  # noqa: BLE001 - any failure of the cut is the refusal's reason
+                raise TypeError(
+                    f"causal_lm_stage(): {type(model).__name__} cannot be cut into {len(stages)} stages that run its own "
+                    f"forward ({type(exc).__name__}: {exc}). Build each stage as your own module and call "
+                    f"graph_layers() on its blocks.") from exc
+    finally:
+        model.train(was_training)
+    if out.shape != own.shape or not torch.equal(out, own):
+        diff = (out.float() - own.float()).abs().max().item() if out.shape == own.shape else "shapes differ"
+        raise TypeError(
+            f"causal_lm_stage(): {type(model).__name__} cut into {len(stages)} stages computes other logits than its "
+            f"own forward (max difference {diff}): its forward does more between or around its blocks than the "
+            f"stage cut can reproduce. Build each stage as your own module and call graph_layers() on its blocks.")
 
 
 def causal_lm_stage(
@@ -321,16 +404,16 @@ def causal_lm_stage(
 ) -> CausalLMStage:
     """Cut a Hugging Face causal LM into pipeline stage ``stage_index`` of ``num_stages``.
 
-    The first stage holds the embeddings, the last the final norm and ``lm_head``; the blocks
-    are split evenly (earlier stages take one more when they do not divide) unless
+    The first stage holds the embeddings, the last the final norm and the head; the blocks are
+    split evenly (earlier stages take one more when they do not divide) unless
     ``layers_per_stage`` says otherwise. The stage shares the model's modules (no copies):
     move it with ``.to(device)`` and build the optimizer on ``stage.parameters()``. Its blocks
     are graphed in place (see :func:`~paddle_graphpp.torch.layers.graph_layers`), which also
     changes them in ``model``.
 
     Args:
-        model: a ``transformers`` causal LM with the Llama or GPT-2 layout (see the module
-            docstring), built the same way on every rank.
+        model: a ``transformers`` causal LM (a base model under its ``base_model_prefix`` with
+            one list of decoder blocks), built the same way on every rank.
         stage_index, num_stages: which stage to build, of how many.
         layers_per_stage: blocks per stage, ``num_stages`` counts adding up to the model's.
         graph: ``False`` builds the same stage with eager blocks (a reference run).
@@ -341,56 +424,69 @@ def causal_lm_stage(
         scope: ``"blocks"`` (default) graphs each block in place; ``"stage"`` graphs the whole
             stage as one :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`, embeddings,
             final norm and head included: one forward and one backward launch per micro-batch.
-            The blocks stay plain modules then. The mask, positions and rotary tables are built
-            once per batch shape outside the graph (:meth:`CausalLMStage.block_kwargs`), so
-            attention keeps its causal kernel and nothing in the graph reads the device.
+            The blocks stay plain modules then. The masks are built once per batch shape outside
+            the graph (:meth:`CausalLMStage.masks`), so attention keeps its causal kernel and
+            nothing in the graph reads the device.
 
     Returns:
         A :class:`CausalLMStage`; ``example_io(micro_batch_size, seq_len)`` gives the example
         tensors ``PipelineStage`` wants.
 
     Raises:
-        TypeError: the model has neither known layout, or the installed transformers has a
-            ``create_causal_mask`` signature this version does not know; a keyword that is not
-            an option (the message lists the valid names).
+        TypeError: the model has no base model with one block list, or its stages' chain does
+            not compute its own logits on a short batch (checked here, before graphing: the
+            message gives the difference or the failure); a keyword that is not an option.
         UnsupportedVersionError: transformers is older than the supported range (5.0).
         ValueError: a bad ``stage_index`` or split; embeddings tied to the head across stages
-            (the message says to build the model with ``tie_word_embeddings=False``); a block
+            (the message says to build the model with ``tie_word_embeddings=False``); the
+            model records router logits (a load-balancing loss needs every stage's); a block
             already graphed or with gradient checkpointing on.
 
     Warning:
-        With more than one stage, the input embedding and ``lm_head`` live on different ranks,
+        With more than one stage, the input embedding and the head live on different ranks,
         so a model that ties them (GPT-2's default) is refused: nothing here would reduce the
         tied weight's gradients across ranks. Build it with ``tie_word_embeddings=False``.
     """
+    import transformers
+
+    from ..support import require
+
     chosen = torch_engine_options("causal_lm_stage()", causal_lm_stage, warmup, engine_kwargs, options)
+    require("transformers", transformers.__version__)
     layout = layout_of(model)
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"causal_lm_stage(): num_stages must be an int >= 1, got {num_stages!r}")
     if not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
         raise ValueError(f"causal_lm_stage(): stage_index must be in [0, {num_stages}), got {stage_index!r}")
-    base = getattr(model, layout.base)
-    embed_weight = getattr(getattr(base, layout.embed), "weight", None)
-    if num_stages > 1 and embed_weight is not None and getattr(model.lm_head, "weight", None) is embed_weight:
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embed_weight = getattr(embed, "weight", None)
+    if num_stages > 1 and embed_weight is not None and getattr(head, "weight", None) is embed_weight:
         raise ValueError(
-            f"causal_lm_stage(): {type(model).__name__} ties its input embedding to lm_head, which would sit on "
+            f"causal_lm_stage(): {type(model).__name__} ties its input embedding to its head, which would sit on "
             f"stages 0 and {num_stages - 1} with nothing to reduce the shared weight's gradients. Build the model "
             f"with tie_word_embeddings=False in its config.")
+    if num_stages > 1 and getattr(model.config.get_text_config(), "output_router_logits", False):
+        raise ValueError(
+            f"causal_lm_stage(): {type(model).__name__} has output_router_logits=True: its load-balancing loss needs "
+            f"the router logits of every stage, which a stage's output does not carry. Set "
+            f"model.config.output_router_logits = False for pipeline training.")
     if scope not in _SCOPES:
         raise ValueError(f"causal_lm_stage(): scope must be one of {_SCOPES}, got {scope!r}")
-    blocks = getattr(base, layout.layers)
-    indices = _split(len(blocks), num_stages, layers_per_stage)[stage_index]
-    stage = CausalLMStage(model, layout, stage_index, num_stages, indices)
+    blocks = getattr(getattr(model, layout.base), layout.layers)
+    split = _split(len(blocks), num_stages, layers_per_stage)
+    for i in split[stage_index]:  # a graph inside a graph is refused before the check runs the blocks
+        check_layer(f"{layout.family}.{i}", blocks[i], check_config=False)
+    starts = [sum(len(s) for s in split[:i]) for i in range(num_stages)]
+    _check_cut(model, [CausalLMStage(model, layout, s, num_stages, split[s], starts[s]) for s in range(num_stages)])
+    indices = split[stage_index]
+    stage = CausalLMStage(model, layout, stage_index, num_stages, indices, starts[stage_index])
     if graph and scope == "stage":
-        for i in indices:  # a graph inside a graph, or a recomputation inside one, is refused
-            check_layer(f"{layout.base}.{layout.layers}.{i}", blocks[i], check_config=False)
-            _transformers.refuse_checkpointing(f"{layout.base}.{layout.layers}.{i}", blocks[i],
-                                               "causal_lm_stage(scope='stage')")
+        for i in indices:  # a recomputation inside one graph is refused
+            _transformers.refuse_checkpointing(f"{layout.family}.{i}", blocks[i], "causal_lm_stage(scope='stage')")
         stage.__dict__["_whole"] = CUDAGraphedModule(_StageBody(stage), compile=compile, options=chosen,
                                                      name=f"causal_lm_stage({stage_index}/{num_stages})")
     elif graph and indices:
-        prefix = f"{layout.base}.{layout.layers}"
-        graph_in_place([(str(i), blocks[i]) for i in indices], [f"{prefix}.{i}" for i in indices],
+        graph_in_place([(str(i), blocks[i]) for i in indices], [f"{layout.family}.{i}" for i in indices],
                        check_config=False, compile=compile, options=chosen)
     return stage
 
@@ -398,13 +494,14 @@ def causal_lm_stage(
 class GraphBody(nn.Module):
     """A module a whole-stage or whole-model graph runs, over modules it does not own.
 
-    Its one submodule is the stage, so its parameters and the state a replay checks are the
-    stage's; it is held outside the stage's and the model's submodules (their ``__dict__``), so
-    their names and ``state_dict()`` keys stay the model's. Its train/eval mode (which keys the
-    engine's signatures) is that of ``mode_of``: ``model.train()`` and ``model.eval()`` reach it.
+    Its one submodule is the stage (or the model's parts), so its parameters and the state a
+    replay checks are theirs; it is held outside the stage's and the model's submodules (their
+    ``__dict__``), so their names and ``state_dict()`` keys stay the model's. Its train/eval mode
+    (which keys the engine's signatures) is that of ``mode_of``: ``model.train()`` and
+    ``model.eval()`` reach it.
     """
 
-    def __init__(self, stage: CausalLMStage, mode_of: nn.Module):
+    def __init__(self, stage: nn.Module, mode_of: nn.Module):
         super().__init__()
         self.stage = stage
         self.__dict__["_mode_of"] = mode_of
@@ -418,21 +515,24 @@ class GraphBody(nn.Module):
     def training(self, value: bool) -> None:
         pass  # follows mode_of
 
+    def blocks(self) -> list:
+        """``(name, block)`` of the blocks this graph runs."""
+        stage = self.stage
+        return [(f"{stage._layout.family}.{i}", b) for i, b in zip(stage.layer_indices, stage.blocks)]
+
     def refuse_checkpointing(self, door: str) -> None:
         """Refuse a training call while a block has gradient checkpointing on (turned on after
         graphing): the one graph does not recompute (see integrations.transformers.refuse_checkpointing)."""
         if self.training and torch.is_grad_enabled():
-            stage = self.stage
-            for i, block in zip(stage.layer_indices, stage.blocks):
-                _transformers.refuse_checkpointing(f"{stage._layout.base}.{stage._layout.layers}.{i}", block, door)
+            for name, block in self.blocks():
+                _transformers.refuse_checkpointing(name, block, door)
 
 
 class _StageBody(GraphBody):
-    """What a whole-stage graph runs: :meth:`CausalLMStage.body`, given the block arguments."""
+    """What a whole-stage graph runs: :meth:`CausalLMStage.body`, given the recorded masks."""
 
     def __init__(self, stage: CausalLMStage):
         super().__init__(stage, stage)
 
-    def forward(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        return self.stage.body(x, kwargs)
-
+    def forward(self, x: torch.Tensor, masks: list) -> torch.Tensor:
+        return self.stage.body(x, masks)

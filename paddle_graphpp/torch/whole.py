@@ -56,26 +56,37 @@ _SLOT = "_graphpp_whole"
 _NEUTRAL = {"attention_mask": None, "position_ids": None, "past_key_values": None, "inputs_embeds": None,
             "cache_position": None, "use_cache": (None, False), "output_attentions": (None, False),
             "output_hidden_states": (None, False), "logits_to_keep": (0,), "token_type_ids": None}
-_LOSS_KWARGS = ("num_items_in_batch",)
-# Model types whose own forward is, for an unpadded causal batch without a cache, exactly what
-# CausalLMStage.body and the model's loss_function run (read from their forwards).
-_MODEL_TYPES = frozenset({"llama", "gpt2"})
+# Arguments handed on to the model's own forward inside the graph (a Python value is part of the
+# signature): the Hugging Face Trainer's loss normaliser, and the router outputs of mixtures of
+# experts (their load-balancing loss is computed inside the graph from outputs it produces).
+_MODEL_KWARGS = ("num_items_in_batch", "output_router_logits")
 
 
 class _LMBody(GraphBody):
-    """What the whole-model graph runs: the one-stage body, then the model's loss."""
+    """What the whole-model graph runs: the model's own forward (its loss included), with the
+    masks recorded for the batch, returning the loss attached and every other output detached
+    (the backward graph differentiates the loss), or the logits attached without labels."""
 
     def __init__(self, stage: CausalLMStage, model: nn.Module):
         super().__init__(stage, model)
-        self.__dict__["_model"] = model  # for its loss_function and config; not a submodule
+        self.__dict__["_model"] = model  # its class's forward runs; not a submodule
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor], kwargs: dict, loss_kwargs: dict):
-        logits = self.stage.body(input_ids, kwargs)
-        if labels is None:
-            return logits
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor], masks: list, model_kwargs: dict):
         model = self._model
-        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size, **loss_kwargs)
-        return loss, logits.detach()
+        with self.stage._masks.replaying(masks):
+            out = model.__class__.forward(model, input_ids=input_ids, labels=labels, use_cache=False,
+                                          return_dict=True, **model_kwargs)
+        self.__dict__["output_class"] = type(out)
+        kept = "loss" if labels is not None else "logits"
+        return {k: (v if k == kept else _detached(v)) for k, v in out.items() if v is not None}
+
+
+def _detached(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    return value
 
 
 class GraphedCausalLM:
@@ -107,22 +118,18 @@ class GraphedCausalLM:
         self.graphed.module.refuse_checkpointing("graph_model()")  # turned on after graphing
         input_ids = args[0] if args else kwargs.pop("input_ids")
         labels, return_dict = kwargs.pop("labels", None), kwargs.pop("return_dict", None)
-        loss_kwargs = {k: kwargs[k] for k in _LOSS_KWARGS if kwargs.get(k) is not None}
-        block_kwargs = self.stage.block_kwargs(input_ids)
-        out = self.graphed.run((input_ids, labels, block_kwargs, loss_kwargs), {})
-        loss, logits = out if labels is not None else (None, out)
-        if loss is not None:
+        model_kwargs = {k: kwargs[k] for k in _MODEL_KWARGS if kwargs.get(k) is not None}
+        masks = self.stage.masks(input_ids)
+        out = self.graphed.run((input_ids, labels, masks, model_kwargs), {})
+        if out.get("loss") is not None:
             # The loss is the graph's output buffer, which later graphs of the step may reuse once
             # the engine sees the handed-out tensor die; a loop keeps loss.detach() (a view it
             # cannot see) for logging. One scalar copy keeps what the caller holds its own.
-            loss = loss.clone()
+            out["loss"] = out["loss"].clone()
+        output = self.graphed.module.output_class(**out)
         if return_dict is None:
             return_dict = getattr(self.stage.config, "use_return_dict", True)
-        if return_dict is False:
-            return (loss, logits) if loss is not None else (logits,)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return output if return_dict is not False else output.to_tuple()
 
     def _not_covered(self, args: tuple, kwargs: dict) -> Optional[str]:
         if not torch.is_grad_enabled():
@@ -133,7 +140,7 @@ class GraphedCausalLM:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             return "input_ids is not a (batch, sequence) tensor"
         for arg, value in kwargs.items():
-            if arg in _LOSS_KWARGS or arg in ("input_ids", "labels", "return_dict"):
+            if arg in _MODEL_KWARGS or arg in ("input_ids", "labels", "return_dict"):
                 continue
             if arg not in _NEUTRAL:
                 return f"the argument {arg!r} is not one the whole-model graph takes"
@@ -185,18 +192,11 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
         raise ValueError(f"graph_model(): num_warmup_steps must be an int >= 1 (the block arguments are built in an "
                          f"eager call), got {chosen.num_warmup_steps!r}")
     layout = layout_of(model)
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in _MODEL_TYPES:
-        raise TypeError(
-            f"graph_model(): {type(model).__name__} (model_type {model_type!r}) is not one whose forward the whole-"
-            f"model graph reproduces ({', '.join(sorted(_MODEL_TYPES))}): models of the same layout scale "
-            f"embeddings, cap logits or use sliding windows in their own forward. Graph its blocks with "
-            f"graph_layers(model.model.layers) instead.")
     blocks = getattr(getattr(model, layout.base), layout.layers)
     for i, block in enumerate(blocks):
         check_layer(f"{layout.base}.{layout.layers}.{i}", block, check_config=False)
         _transformers.refuse_checkpointing(f"{layout.base}.{layout.layers}.{i}", block, "graph_model()")
-    stage = CausalLMStage(model, layout, 0, 1, range(len(blocks)))
+    stage = CausalLMStage(model, layout, 0, 1, range(len(blocks)), 0)
     graphed = CUDAGraphedModule(_LMBody(stage, model), compile=compile, options=chosen,
                                 name=f"graph_model({type(model).__name__})")
     whole = GraphedCausalLM(model, stage, graphed)

@@ -129,8 +129,8 @@ def test_whole_model_keeps_the_causal_attention_kernel_and_never_reads_the_host(
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert model._graphpp_whole.graphed._engine.replays >= 2 * 2 * MICRO
-    kwargs = model._graphpp_whole.stage.block_kwargs(steps[0][0])
-    assert kwargs["attention_mask"] is None  # sdpa masks causally itself: no materialised mask
+    masks = model._graphpp_whole.stage.masks(steps[0][0])
+    assert masks[0][1] is None  # sdpa masks causally itself: no materialised mask
 
 
 def eager_spread(base, steps):

@@ -142,3 +142,81 @@ def recorded_outputs() -> Any:
     except LookupError:  # a context variable without a default, never set
         found = None
     return found if isinstance(found, dict) else {}
+
+
+class MaskCalls:
+    """The mask functions a model's own forward calls, run eagerly once per batch key and handed
+    back by value inside graphs.
+
+    Transformers' mask helpers (``transformers.masking_utils.create_*``: causal, sliding-window,
+    chunked, per layer type) read a device value on the host when run eagerly (packed-sequence
+    detection) and take a slower traced path (a full mask, no causal attention kernel) when run
+    inside a stream capture. The whole-model and stage bodies run the model's own forward; around
+    it, the ``create_*`` names that the model's modeling modules imported from
+    ``masking_utils`` are swapped for the duration of the call: :meth:`recording` runs them and
+    keeps their results in call order, :meth:`replaying` hands those results back in the same
+    order. For an unpadded batch without a cache the masks depend only on the batch's shape,
+    dtype, device and the attention kernel, which key the recordings.
+
+    Raises (from :meth:`replaying`): ``RuntimeError`` when the forward asks for other masks
+    than it did when recorded (a model that builds masks from the values of its inputs).
+    """
+
+    def __init__(self, owner: str, *models: nn.Module):
+        self.owner = owner
+        self._swaps = []  # (module, global name, original function)
+        seen = set()
+        for model in models:
+            module = sys.modules.get(type(model).__module__)
+            if module is None or id(module) in seen:
+                continue
+            seen.add(id(module))
+            for name, value in vars(module).items():
+                if (name.startswith("create_") and callable(value)
+                        and getattr(value, "__module__", None) == "transformers.masking_utils"):
+                    self._swaps.append((module, name, value))
+
+    @property
+    def names(self) -> tuple:
+        """The mask functions swapped, as ``module.name``."""
+        return tuple(f"{m.__name__}.{n}" for m, n, _ in self._swaps)
+
+    def recording(self, into: list):
+        """Context: the model's mask functions run and append ``(name, result)`` to ``into``."""
+        def wrap(name, fn):
+            def record(*args, **kwargs):
+                result = fn(*args, **kwargs)
+                into.append((name, result))
+                return result
+            return record
+        return self._swapped(wrap)
+
+    def replaying(self, recorded: list):
+        """Context: the model's mask functions hand back ``recorded``'s results in order."""
+        calls = iter(recorded)
+
+        def wrap(name, fn):
+            def replay(*args, **kwargs):
+                made = next(calls, None)
+                if made is None or made[0] != name:
+                    raise RuntimeError(
+                        f"{self.owner}: the model's forward asked for the mask {name} where it asked for "
+                        f"{made[0] if made else 'no further mask'} when its masks were recorded; its masks depend "
+                        f"on more than the batch's shape. Graph its blocks with graph_layers() instead.")
+                return made[1]
+            return replay
+        return self._swapped(wrap)
+
+    def _swapped(self, wrap):
+        import contextlib
+
+        @contextlib.contextmanager
+        def swapped():
+            for module, name, fn in self._swaps:
+                setattr(module, name, wrap(name, fn))
+            try:
+                yield
+            finally:
+                for module, name, fn in self._swaps:
+                    setattr(module, name, fn)
+        return swapped()
