@@ -601,3 +601,45 @@ def test_recompute_refuses_what_its_graphs_cannot_do():
     from paddle_graphpp.torch.runtime import RUNTIME
     with pytest.raises(ValueError, match=r"default CUDA generator only.*generators= \(1\)"):
         RUNTIME.rng_mirror([torch.Generator()])
+
+
+# ------------------------------------------------------------------- recorded outputs
+def _moe(**overrides):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                            num_experts_per_tok=2, max_position_embeddings=64, use_cache=False, **overrides)
+    return Qwen3MoeForCausalLM(config)
+
+
+def test_router_logits_recorded_inside_graphed_blocks_are_refused():
+    model = _moe(output_router_logits=True)
+    with pytest.raises(ValueError, match=r"\[0\]: .*output_router_logits=True.*graph_model\(\)"):
+        graph_layers(model.model.layers)
+    model = _moe()
+    graph_layers(model.model.layers)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    model(ids, labels=ids)  # nothing recorded inside: fine
+    with pytest.raises(ValueError, match=r"records .*router_logits|mlp.gate.* with hooks inside a graphed layer"):
+        model(ids, labels=ids, output_router_logits=True)
+
+
+def test_graph_model_computes_router_logits_and_the_aux_loss_in_its_graph():
+    import copy
+
+    from paddle_graphpp.torch import graph_model
+
+    model = _moe(output_router_logits=True, router_aux_loss_coef=0.01)
+    ref = copy.deepcopy(model)
+    graph_model(model)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    out, own = model(ids, labels=ids), ref(ids, labels=ids)
+    assert own.aux_loss is not None and torch.equal(out.aux_loss, own.aux_loss)
+    assert torch.equal(out.loss, own.loss)  # the loss includes the weighted aux loss
+    assert len(out.router_logits) == 2 and all(torch.equal(a, b) for a, b in zip(out.router_logits, own.router_logits))
+    out.loss.backward()
+    own.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -43,6 +43,7 @@ __all__ = ["causal_lm_stage", "CausalLMStage"]
 _KWARGS_KEPT = 8  # mask sets (one per batch shape, dtype, device) past which a stage warns
 _SCOPES = ("blocks", "stage")
 _PROBE_TOKENS = 8  # the length of the batch the stages' chain is checked on when they are built
+_RECORDED = ("output_attentions", "output_hidden_states", "output_router_logits")  # outputs hooks record
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +141,16 @@ class _StandIn(nn.Module):
             raise _StageEnd(hidden)
         if role == "enter":
             return self._block(self._input[0], *args, **kwargs)
-        return self._input[0] if role == "inject" else hidden
+        out = self._input[0] if role == "inject" else hidden
+        return (out,) if _returns_tuple(self._block) else out
+
+
+def _returns_tuple(block: nn.Module) -> bool:
+    """Whether a block returns ``(hidden, ...)`` (transformers before 5.x for some models, by its
+    forward's annotation); the stage check at build covers a wrong guess."""
+    forward = getattr(type(block), "_graphpp_original", type(block)).forward
+    annotation = getattr(forward, "__annotations__", {}).get("return")
+    return str(annotation).lower().startswith(("tuple", "typing.tuple"))
 
 
 class _Absent(nn.Module):
@@ -267,6 +277,10 @@ class CausalLMStage(nn.Module):
 
         cut = [role(i, b) for i, b in enumerate(blocks)]
         inputs = dict(input_ids=x) if self.is_first else dict(inputs_embeds=x.detach())
+        # Nothing recorded through hooks while blocks are stood in for: transformers installs its
+        # recording hooks once, at the first call that records, on the modules it finds then.
+        text = self.config.get_text_config()
+        inputs.update({k: False for k in _RECORDED if getattr(text, k, False)})
         swaps = {layout.layers: nn.ModuleList(cut), **self._absent, **self._ends_at_last}
         with _swapped(base, swaps):
             try:
@@ -365,7 +379,8 @@ def _check_cut(model: nn.Module, stages: list) -> None:
         return
     device = next(iter(devices))
     vocab = model.config.get_text_config().vocab_size
-    ids = torch.arange(_PROBE_TOKENS, device=device).remainder(vocab).unsqueeze(0)
+    # two rows: an indexing slip between batch and row shows
+    ids = torch.arange(2 * _PROBE_TOKENS, device=device).remainder(vocab).view(2, _PROBE_TOKENS)
     was_training = model.training
     model.eval()
     try:

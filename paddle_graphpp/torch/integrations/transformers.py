@@ -3,10 +3,11 @@
 A graphed block cannot update a key/value cache: the update is Python-side state that would
 happen once, at capture, and never at replay. Nor can it record attention weights
 (``output_attentions``: transformers records them with hooks inside the block, which replays do
-not run). :func:`check_block` refuses a block whose model config asks for either when it is
+not run), nor router logits (``output_router_logits``, recorded the same way).
+:func:`check_block` refuses a block whose model config asks for any of these when it is
 graphed; :func:`check_call` refuses a call with grad enabled that passes ``use_cache=True``, a
 cache object or ``output_attentions=True``, or that transformers' output recording asks
-attention weights of.
+anything of from inside the block.
 
 Gradient checkpointing (``model.gradient_checkpointing_enable()``, before or after graphing) is
 recomputation inside the block's own graphs (:func:`checkpointing` turns the engine's
@@ -28,7 +29,8 @@ from typing import Any, Mapping
 
 from torch import nn
 
-__all__ = ["arg_positions", "check_block", "check_call", "checkpointing", "refuse_checkpointing", "recorded_outputs"]
+__all__ = ["MaskCalls", "arg_positions", "check_block", "check_call", "checkpointing", "refuse_checkpointing",
+           "recorded_outputs"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
 # the names transformers' decoder blocks use for them (``cache`` from transformers 5.24 on).
@@ -94,6 +96,12 @@ def check_block(name: str, layer: nn.Module, check_config: bool) -> None:
         raise ValueError(
             f"{name}: the model's config has output_attentions=True; attention weights are recorded by hooks "
             f"inside the layer, which graph replays do not run. Set `model.config.output_attentions = False`.")
+    if config is not None and getattr(config, "output_router_logits", False):
+        raise ValueError(
+            f"{name}: the model's config has output_router_logits=True; router logits (and the load-balancing "
+            f"loss made of them) are recorded by hooks inside the layer, which graph replays do not run. Set "
+            f"`model.config.output_router_logits = False`, or graph the whole model with graph_model(), whose "
+            f"graph computes them.")
 
 
 def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: tuple, kwargs: dict) -> None:
@@ -101,7 +109,8 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
     replay: ``positions`` are :func:`arg_positions` of its class's forward.
 
     Raises:
-        ValueError: ``use_cache=True``, a cache object, or attention weights asked for (the
+        ValueError: ``use_cache=True``, a cache object, attention weights asked for, or any
+            output transformers records with hooks inside the block (router logits) (the
             message names the block and the fix).
     """
     def given(arg):
@@ -129,6 +138,17 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
             f"{name}: output_attentions=True with a graphed layer: attention weights are recorded by hooks "
             f"inside the layer, which graph replays do not run. Pass output_attentions=False (and leave "
             f"model.config.output_attentions off) while training with graphs.")
+    # The block's own output (hidden_states) is recorded by a hook on the block, which runs; any
+    # other recorded output comes from hooks inside it.
+    inside = sorted(k for k in recorded_outputs() if k != "hidden_states" and not k.startswith("_"))
+    # transformers < 5.4 records by replacing the forward of the modules it records, per call
+    inside += [f"the outputs of {n}" for n, m in layer.named_modules() if n and "forward" in m.__dict__]
+    if inside:
+        raise ValueError(
+            f"{name}: the model's forward records {', '.join(inside)} with hooks inside a graphed layer, which "
+            f"graph replays do not run (a load-balancing loss made of router logits would be wrong). Pass "
+            f"output_router_logits=False (and leave it off in the config) while training with graphed layers, or "
+            f"graph the whole model with graph_model(), whose graph computes them.")
 
 
 def recorded_outputs() -> Any:
