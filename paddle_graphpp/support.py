@@ -48,7 +48,7 @@ SUPPORTED = {
     # torch: 2.11 on the GPU machines; in CI 2.13.0 (pinned) and the newest that installs on its Python
     "torch": Support("torch", "2.11", "2.14", "the PyTorch runtime"),
     "paddle": Support("paddlepaddle", "3.3", "3.3.1", "the Paddle runtime and fleet pipelines"),
-    "transformers": Support("transformers", "5.0", "5.24", "causal_lm_stage() (transformers' masking helpers)"),
+    "transformers": Support("transformers", "5.0", "5.25", "causal_lm_stage() and graph_model() (transformers' model forwards and mask helpers)"),
     "paddleformers": Support("paddleformers", "1.2", "1.2.0", "PaddleFormers pipe models in graph_pipeline()"),
     "megatron-core": Support("megatron-core", "0.19", "0.19.2", "the Megatron-Core peer benchmark"),
 }

@@ -14,21 +14,22 @@ per micro-batch, with the engine's FIFO, shared pool, RNG registration and repla
     loss.backward()
 
 The model keeps its class, names, ``state_dict()`` keys and hooks; only its ``forward`` is
-replaced, on the instance (:func:`ungraph_model` gives the original back). The graphed forward
-runs what the model's own forward runs for an unpadded causal batch without a cache, built from
-the model's own modules (:class:`~paddle_graphpp.torch.hf.CausalLMStage`, one stage), and the
-model's own ``loss_function``. The mask, positions and rotary tables are built once per batch
-shape, eagerly and outside the graph, so attention keeps its causal kernel and nothing inside
-the graph reads a device value on the host (transformers' mask code would, once per call).
+replaced, on the instance (:func:`ungraph_model` gives the original back). The graph runs the
+model's own forward (its class's), loss and router losses included, for an unpadded causal
+batch without a cache. Its masks are the model's own mask calls, recorded once per batch shape,
+eagerly and outside the graph (:meth:`~paddle_graphpp.torch.hf.CausalLMStage.masks`), so
+attention keeps its causal kernel and nothing inside the graph reads a device value on the host
+(transformers' mask code would, once per call).
 
 Calls the graph does not cover take the model's own forward: under ``torch.no_grad()``
 (evaluation, ``generate()`` with its cache) silently, and, with one warning naming the
 argument, calls that pass any ``attention_mask`` (even all ones: a tokenizer's or collator's
 column must be dropped for unpadded batches), ``inputs_embeds``, ``position_ids``, a cache,
 ``use_cache=True``, ``output_attentions`` / ``output_hidden_states`` or ``logits_to_keep``.
-``num_items_in_batch`` (the Hugging Face Trainer's) is passed to the loss; as a Python number
-each value is a signature of its own. With ``labels`` the graph returns the loss and the logits; the logits come
-back detached (the backward graph differentiates the loss).
+``num_items_in_batch`` (the Hugging Face Trainer's) and ``output_router_logits`` are passed
+on; as Python values each is a signature of its own. With ``labels`` the graph returns the
+model's outputs with the loss attached and the others (logits, ``aux_loss``, router logits)
+detached: the backward graph differentiates the loss.
 """
 
 from __future__ import annotations
@@ -156,22 +157,21 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
     """Graph a Hugging Face causal LM whole, from the token ids to the loss, in place.
 
     Args:
-        model: a ``transformers`` causal LM with the Llama or GPT-2 layout (see
-            :func:`~paddle_graphpp.torch.hf.causal_lm_stage`), with its blocks not graphed and
-            gradient checkpointing off.
+        model: a ``transformers`` causal LM (a base model under its ``base_model_prefix``
+            with one list of decoder blocks), with its blocks not graphed and gradient
+            checkpointing off.
         compile: as for :class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` (``True``:
             Inductor kernels inside the graph).
         options, **engine_kwargs: the engine options of the whole-model ``CUDAGraphedModule``
             (an :class:`paddle_graphpp.EngineOptions`, or its fields by keyword,
             ``num_warmup_steps`` also positionally after the model); ``num_warmup_steps`` must
-            be at least 1 here (the block arguments of each batch shape are built in an eager call).
+            be at least 1 here (the masks of each batch shape are recorded in an eager call).
 
     Returns:
         ``model``, whose ``forward`` now runs the graph for the calls it covers.
 
     Raises:
-        TypeError: the model is not a Llama or GPT-2 model (others of the same layout scale
-            embeddings, cap logits or use sliding windows in their forward), is graphed already (by
+        TypeError: the model has no base model with one list of blocks, is graphed already (by
             this function or by ``graph_layers()`` on its blocks: a graph inside a graph), or a
             keyword is not an engine option.
         ValueError: a block has gradient checkpointing on, or ``num_warmup_steps`` is not an int >= 1.
