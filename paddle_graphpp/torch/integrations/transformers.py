@@ -140,9 +140,10 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
             f"model.config.output_attentions off) while training with graphs.")
     # The block's own output (hidden_states) is recorded by a hook on the block, which runs; any
     # other recorded output comes from hooks inside it.
-    inside = sorted(k for k in recorded_outputs() if k != "hidden_states" and not k.startswith("_"))
-    # transformers < 5.4 records by replacing the forward of the modules it records, per call
-    inside += [f"the outputs of {n}" for n, m in layer.named_modules() if n and "forward" in m.__dict__]
+    if "transformers.utils.output_capturing" in sys.modules:
+        inside = sorted(k for k in recorded_outputs() if k != "hidden_states" and not k.startswith("_"))
+    else:  # older transformers record by replacing the forward of the modules they record, per call
+        inside = [f"the outputs of {n}" for n, m in layer.named_modules() if n and "forward" in m.__dict__]
     if inside:
         raise ValueError(
             f"{name}: the model's forward records {', '.join(inside)} with hooks inside a graphed layer, which "
