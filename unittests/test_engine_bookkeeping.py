@@ -657,16 +657,24 @@ def test_an_output_held_longer_than_in_the_recorded_step_moves_before_its_memory
 
 
 # ------------------------- tensors sharing a handed-out output's memory (watched per storage)
-# The fake replay writes nothing: each test writes the graph's output buffer itself where a
-# real replay would, after the engine moved what was still in use.
+# The fake replay writes nothing (and its capture ran over uninitialised buffers): each test
+# writes the graph's output buffer itself where a real replay would (``replayed``).
+def replayed(static):
+    """Write what a replay would into the output buffer ``static`` (distinct values)."""
+    static.copy_(torch.randn(static.shape))
+
+
 def kept_views(out):
     """What a training loop keeps of an output without copying it."""
     return {"detach": out.detach(), "slice": out[:, 1:], "view": out.view(-1), "row": out[0]}
 
 
 def assert_kept(views, expected):
-    for name, v in kept_views(expected).items():
-        assert torch.equal(views[name], v), name
+    """Each of ``views`` (by :func:`kept_views` name; any other name: the whole output) equals
+    the same view of ``expected``."""
+    refs = kept_views(expected)
+    for name, v in views.items():
+        assert torch.equal(v, refs.get(name, expected)), name
 
 
 @pytest.mark.skipif(not handout_mod.views_keep_values(), reason="this torch cannot re-point a storage")
@@ -677,12 +685,13 @@ def test_views_of_an_output_keep_their_values_when_its_position_replays_again(rt
     for _ in range(3):
         step(layer, "f1 b1")
     (static,) = positions_of(layer)[0].static_outputs
-    out = step(layer, "f1 b1")[1]  # replayed
-    expected, views = out.detach().clone(), kept_views(out)
+    out = step(layer, "f1 b1")[1]
+    replayed(static)
+    expected, views = out.detach().clone(), {**kept_views(out), "hook": hooked[-1]}
     del out  # only tensors made from it are left: the object itself is gone
     hooked.clear()
     step(layer, "f1 b1")
-    static.fill_(-1.0)  # what the replay wrote
+    replayed(static)
     assert_kept(views, expected)
     assert all(v.data_ptr() != static.data_ptr() for v in views.values())
     assert hooked[0].data_ptr() == static.data_ptr()  # the newest output still aliases the buffer
@@ -720,8 +729,10 @@ def test_a_view_held_past_its_release_point_keeps_its_values(rt):
         n = int(tok[1:])
         if tok[0] == "f":
             outs[n] = layer(torch.randn(2, 4, requires_grad=True))
+            if n == 1:
+                replayed(static)
             if n == 3:
-                static.fill_(-1.0)  # f3's graph wrote over micro-batch 1's released output
+                replayed(static)  # f3's graph wrote over micro-batch 1's released output
         else:
             out = outs.pop(n)
             out.sum().backward()
@@ -743,10 +754,11 @@ def test_without_a_storage_swap_the_output_moves_and_its_views_raise_when_read(r
         step(layer, "f1 b1")
     (static,) = positions_of(layer)[0].static_outputs
     out = step(layer, "f1 b1")[1]
+    replayed(static)
     expected, view = out.detach().clone(), out[0]
     storage = view.untyped_storage()._cdata
     step(layer, "f1 b1")
-    static.fill_(-1.0)
+    replayed(static)
     assert torch.equal(out, expected) and out.data_ptr() != static.data_ptr()
     assert [cdata for cdata, _ in poisoned] == [storage]
     assert "test:Linear" in poisoned[0][1] and "clone" in poisoned[0][1]
@@ -771,9 +783,10 @@ def test_an_output_dlpack_cannot_carry_is_watched_as_the_object(rt):
     (static,) = positions_of(layer)[0].static_outputs
     out = step(layer, "f1 b1")[1]
     assert type(out) is Tagged and out.data_ptr() == static.data_ptr()
+    replayed(static)
     expected = out.detach().clone()
     step(layer, "f1 b1")
-    static.fill_(-1.0)
+    replayed(static)
     assert torch.equal(out.detach(), expected)
 
 
