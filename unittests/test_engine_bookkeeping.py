@@ -16,6 +16,7 @@ from fake_runtime import FakeGraphRuntime, Graphed
 from paddle_graphpp.core import memory as memory_mod
 from paddle_graphpp.core.engine import EngineOptions, Phase
 from paddle_graphpp.core.errors import CaptureError
+from paddle_graphpp.torch.memory import handout as handout_mod
 
 
 def step(layer, order, shape=(2, 4)):
@@ -566,12 +567,18 @@ def test_an_output_held_when_its_position_replays_again_moves_to_memory_of_its_o
     # nothing held: nothing moved
     moved = []
     original = rt.move_to_copies
-    rt.move_to_copies = lambda tensors: moved.append(len(tensors)) or original(tensors)
+    rt.move_to_copies = lambda held, message: moved.append(len(held)) or original(held, message)
     for _ in range(3):
         step(layer, "f1 b1")
     kept.clear()
     step(layer, "f1 b1")
     assert moved == [1]  # only the last of the kept ones was still held at the first replay
+
+
+def same_storage(held, tensor):
+    """Whether what a watch found (a :class:`~paddle_graphpp.torch.memory.handout.Held`) is
+    ``tensor``'s memory: the storage handed out with it."""
+    return held.storage._cdata == tensor.untyped_storage()._cdata
 
 
 def test_holding_the_last_layers_output_does_not_hold_the_earlier_layers_outputs(rt):
@@ -581,7 +588,7 @@ def test_holding_the_last_layers_output_does_not_hold_the_earlier_layers_outputs
     b = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     moved = []
     original = rt.move_to_copies
-    rt.move_to_copies = lambda tensors: moved.append(tensors) or original(tensors)
+    rt.move_to_copies = lambda held, message: moved.append(held) or original(held, message)
     kept = []
     for _ in range(5):
         x = torch.randn(2, 4, requires_grad=True)
@@ -589,7 +596,7 @@ def test_holding_the_last_layers_output_does_not_hold_the_earlier_layers_outputs
         out.sum().backward()
         kept.append(out)  # with its grad_fn: the node and its call stay alive
     assert a.engine.replays and b.engine.replays
-    assert moved and all(any(t is k for k in kept) for ts in moved for t in ts)
+    assert moved and all(any(same_storage(h, k) for k in kept) for hs in moved for h in hs)
     assert sum(len(ts) for ts in moved) == len(moved)  # one tensor each time: b's output, never a's
 
 
@@ -640,13 +647,147 @@ def test_an_output_held_longer_than_in_the_recorded_step_moves_before_its_memory
         run_dropping(layer, order)
     moved = []
     original = rt.move_to_copies
-    rt.move_to_copies = lambda tensors: moved.append(list(tensors)) or original(tensors)
+    rt.move_to_copies = lambda held, message: moved.append(list(held)) or original(held, message)
     run_dropping(layer, order)
     assert moved == []  # dropped as in the recorded step: nothing to move
     static = positions_of(layer)[0].static_outputs[0]
     held = run_dropping(layer, order, hold=(1,))
-    assert len(moved) == 1 and moved[0][0] is held[1]  # before f3's replay
+    assert len(moved) == 1 and same_storage(moved[0][0], held[1])  # before f3's replay
     assert held[1].data_ptr() != static.data_ptr()  # its values now live in memory of its own
+
+
+# ------------------------- tensors sharing a handed-out output's memory (watched per storage)
+# The fake replay writes nothing (and its capture ran over uninitialised buffers): each test
+# writes the graph's output buffer itself where a real replay would (``replayed``).
+def replayed(static):
+    """Write what a replay would into the output buffer ``static`` (distinct values)."""
+    static.copy_(torch.randn(static.shape))
+
+
+def kept_views(out):
+    """What a training loop keeps of an output without copying it."""
+    return {"detach": out.detach(), "slice": out[:, 1:], "view": out.view(-1), "row": out[0]}
+
+
+def assert_kept(views, expected):
+    """Each of ``views`` (by :func:`kept_views` name; any other name: the whole output) equals
+    the same view of ``expected``."""
+    refs = kept_views(expected)
+    for name, v in views.items():
+        assert torch.equal(v, refs.get(name, expected)), name
+
+
+@pytest.mark.skipif(not handout_mod.views_keep_values(), reason="this torch cannot re-point a storage")
+def test_views_of_an_output_keep_their_values_when_its_position_replays_again(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    hooked = []
+    layer.register_forward_hook(lambda module, args, output: hooked.append(output.detach()))
+    for _ in range(3):
+        step(layer, "f1 b1")
+    (static,) = positions_of(layer)[0].static_outputs
+    out = step(layer, "f1 b1")[1]
+    replayed(static)
+    expected, views = out.detach().clone(), {**kept_views(out), "hook": hooked[-1]}
+    del out  # only tensors made from it are left: the object itself is gone
+    hooked.clear()
+    step(layer, "f1 b1")
+    replayed(static)
+    assert_kept(views, expected)
+    assert all(v.data_ptr() != static.data_ptr() for v in views.values())
+    assert hooked[0].data_ptr() == static.data_ptr()  # the newest output still aliases the buffer
+
+
+def test_nothing_is_moved_once_every_tensor_over_an_output_is_gone(rt):
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    moved = []
+    original = rt.move_to_copies
+    rt.move_to_copies = lambda held, message: moved.append(message) or original(held, message)
+    out = step(layer, "f1 b1")[1]
+    view = out[0]
+    del out
+    step(layer, "f1 b1")
+    assert len(moved) == 1 and "test:Linear" in moved[0] and "clone" in moved[0]  # the view held it
+    del view
+    step(layer, "f1 b1")
+    step(layer, "f1 b1")
+    assert len(moved) == 1  # each newest output was dropped with all its views
+
+
+@pytest.mark.skipif(not handout_mod.views_keep_values(), reason="this torch cannot re-point a storage")
+def test_a_view_held_past_its_release_point_keeps_its_values(rt):
+    # f1 f2 b1 f3 b2 b3: micro-batch 1's output dies after b1 in the recorded step, so f3's graph
+    # may take its memory; a loop that keeps a view of it (a logged loss.detach()) keeps values.
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    order = "f1 f2 b1 f3 b2 b3"
+    for _ in range(3):
+        run_dropping(layer, order)
+    static = positions_of(layer)[0].static_outputs[0]
+    outs, views, expected = {}, None, None
+    for tok in order.split():
+        n = int(tok[1:])
+        if tok[0] == "f":
+            outs[n] = layer(torch.randn(2, 4, requires_grad=True))
+            if n == 1:
+                replayed(static)
+            if n == 3:
+                replayed(static)  # f3's graph wrote over micro-batch 1's released output
+        else:
+            out = outs.pop(n)
+            out.sum().backward()
+            if n == 1:
+                expected, views = out.detach().clone(), kept_views(out)
+            del out
+    assert_kept(views, expected)
+
+
+def test_without_a_storage_swap_the_output_moves_and_its_views_raise_when_read(rt, monkeypatch):
+    # torch 2.11 cannot re-point a storage: the handed-out object keeps its values (moved, as
+    # the object it is), and the storage its views share is marked to raise the engine's message
+    # when read (torch's own call, recorded here: a CPU build lacks it).
+    poisoned = []
+    monkeypatch.setattr(handout_mod, "_SWAP", False)
+    monkeypatch.setattr(handout_mod, "_POISON", lambda cdata, message: poisoned.append((cdata, message)))
+    layer = Graphed(torch.nn.Linear(4, 3), rt, num_warmup_steps=1)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    (static,) = positions_of(layer)[0].static_outputs
+    out = step(layer, "f1 b1")[1]
+    replayed(static)
+    expected, view = out.detach().clone(), out[0]
+    storage = view.untyped_storage()._cdata
+    step(layer, "f1 b1")
+    replayed(static)
+    assert torch.equal(out, expected) and out.data_ptr() != static.data_ptr()
+    assert [cdata for cdata, _ in poisoned] == [storage]
+    assert "test:Linear" in poisoned[0][1] and "clone" in poisoned[0][1]
+
+
+def test_an_output_dlpack_cannot_carry_is_watched_as_the_object(rt):
+    # (a tensor subclass: handed out as a detached alias of the graph's buffer, moved when held)
+    class Tagged(torch.Tensor):
+        pass
+
+    class Tags(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x).as_subclass(Tagged)
+
+    layer = Graphed(Tags(), rt, num_warmup_steps=1)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    (static,) = positions_of(layer)[0].static_outputs
+    out = step(layer, "f1 b1")[1]
+    assert type(out) is Tagged and out.data_ptr() == static.data_ptr()
+    replayed(static)
+    expected = out.detach().clone()
+    step(layer, "f1 b1")
+    replayed(static)
+    assert torch.equal(out.detach(), expected)
 
 
 def test_outputs_alive_to_the_end_of_the_recorded_step_or_sharing_memory_stay_owned(rt):

@@ -5,10 +5,17 @@ overwrite that memory: the next launch of the same position, and, for an output 
 its memory back to the pool at a point of the capture order (see
 :class:`~paddle_graphpp.core.batch.CaptureBatch`), the graphs captured after that point. A
 schedule that holds an output longer than the recorded step did (a pipeline's last stage
-returning its outputs merged) would read other values. :class:`HandedOutputs` remembers, weakly,
-what each position's last forward launch handed out, and before such an overwrite moves what
-someone still holds to memory of its own (the runtime's
-:meth:`~paddle_graphpp.core.runtime.OutputRelease.move_to_copies`).
+returning its outputs merged), a loop that logs ``loss.detach()``, a hook that stores a view:
+each would read other values. :class:`HandedOutputs` remembers, weakly, what each position's
+last forward launch handed out, and before such an overwrite has the runtime move what is
+still in use to memory of its own.
+
+Liveness is per memory, not per tensor object, where the runtime has
+:class:`~paddle_graphpp.core.runtime.OutputRelease`: its watches see every tensor made from an
+output without a copy (:meth:`~paddle_graphpp.core.runtime.OutputRelease.hand_out`), and what it
+cannot move raises when read (:meth:`~paddle_graphpp.core.runtime.OutputRelease.move_to_copies`).
+Without that capability only the handed-out objects are watched, and one still held when its
+memory is overwritten is named in a warning.
 """
 
 from __future__ import annotations
@@ -35,61 +42,83 @@ class HandedOutputs:
         # per (participant id, key, position, kind) of a captured graph, the outputs whose memory
         # later graphs may take once it has run (checked before it replays)
         self.checks: dict[tuple, tuple] = {}
-        # per (participant id, key, position), weak references to what its last forward launch handed out
-        self._handed: dict[tuple, list] = {}
+        # per (participant id, key, position): the participant's name and, per output its last
+        # forward launch handed out, a watch (a function returning what to move, or None)
+        self._handed: dict[tuple, tuple[str, list]] = {}
 
     def forget(self, participant: "CaptureParticipant") -> None:
         """``participant`` was reset: its graphs are gone."""
         mine = id(participant)
         self.checks = {k: links for k, links in self.checks.items() if k[0] != mine}
-        self._handed = {k: refs for k, refs in self._handed.items() if k[0] != mine}
+        self._handed = {k: entry for k, entry in self._handed.items() if k[0] != mine}
 
-    def handed_out(self, participant: "CaptureParticipant", key: Hashable, position: int,
-                   outputs: Sequence[Any]) -> None:
-        """A launch of ``participant``'s forward at ``position`` handed out ``outputs`` (aliases
-        of its static outputs), remembered weakly: memory they alias is overwritten by the
+    def hand_out(self, participant: "CaptureParticipant", key: Hashable, position: int,
+                 static_outputs: Sequence[Any]) -> list:
+        """A launch of ``participant``'s forward at ``position`` wrote ``static_outputs``: the
+        aliases of them the caller gets, watched weakly. Memory they alias is overwritten by the
         position's next launch, and, for an output given back to the pool, by the graphs after
         its release point (see :meth:`move_held`, :meth:`before_replay`)."""
-        try:
-            self._handed[(id(participant), key, position)] = [weakref.ref(t) for t in outputs]
-        except TypeError:  # a tensor type without weak references: nothing is tracked
-            self._handed.pop((id(participant), key, position), None)
+        if self.release is not None:
+            outs, watches = self.release.hand_out(static_outputs)
+        else:
+            outs = [self.runtime.detach(o) for o in static_outputs]
+            watches = _object_watches(outs)
+        self._handed[(id(participant), key, position)] = (participant.name, watches)
+        return outs
 
     def move_held(self, participant: "CaptureParticipant", key: Hashable, position: int) -> bool:
         """Before a launch of ``participant``'s forward at ``position`` overwrites its output
-        buffers: the outputs of its last launch that someone still holds get their values moved
-        to memory of their own. False when some were held and the runtime cannot move them."""
-        refs = self._handed.pop((id(participant), key, position), None)
-        return self._move_refs(refs or [], None)
+        buffers: what still uses the outputs of its last launch gets their values moved to
+        memory of its own. False when some were held and the runtime cannot move them."""
+        entry = self._handed.pop((id(participant), key, position), None)
+        return entry is None or self._move(entry, None)
 
     def before_replay(self, participant: "CaptureParticipant", key: Hashable, position: int, kind: str) -> None:
         """Before a graph replays: outputs whose memory was given back to the pool at this point
-        of the capture order, if someone still holds what their last replay handed out (a
+        of the capture order, if something still uses what their last replay handed out (a
         schedule that keeps outputs longer than in the recorded step), get their values moved to
         memory of their own first: the graphs from here on may overwrite that memory."""
         by_position: dict = {}
         for link in self.checks.get((id(participant), key, position, kind), ()):
             by_position.setdefault(link[:3], []).append(link.index)
         for (layer_id, k, pos), indices in by_position.items():
-            refs = self._handed.get((layer_id, k, pos))
-            if refs is not None and not self._move_refs(refs, indices):
-                warnings.warn(f"paddle_graphpp: an output of an earlier micro-batch is still referenced where "
-                              f"the recorded step had freed it, and the {self.runtime.name} runtime cannot move "
-                              f"it to memory of its own: it may now hold other values. Clone an output you "
-                              f"keep.", RuntimeWarning, stacklevel=3)
+            entry = self._handed.get((layer_id, k, pos))
+            if entry is not None and not self._move(entry, indices):
+                warnings.warn(f"paddle_graphpp: {entry[0]}: an output of an earlier micro-batch is still "
+                              f"referenced where the recorded step had freed it, and the {self.runtime.name} "
+                              f"runtime cannot move it to memory of its own: it may now hold other values. Clone "
+                              f"an output you keep.", RuntimeWarning, stacklevel=3)
 
-    def _move_refs(self, refs: list, indices: Optional[Sequence[int]]) -> bool:
-        """Move what ``refs[i]`` (``i`` in ``indices``, default all) still reference to memory of
-        its own, forgetting those references; False if some were held and could not be moved."""
+    def _move(self, entry: tuple[str, list], indices: Optional[Sequence[int]]) -> bool:
+        """Move what the watches ``entry[1][i]`` (``i`` in ``indices``, default all) still see to
+        memory of its own, forgetting those watches; False if something was held and the runtime
+        cannot move it."""
+        name, watches = entry
         held = []
-        for i in (range(len(refs)) if indices is None else indices):
-            t = refs[i]() if refs[i] is not None else None
-            refs[i] = None
-            if t is not None:
-                held.append(t)
+        for i in (range(len(watches)) if indices is None else indices):
+            found = watches[i]() if watches[i] is not None else None
+            watches[i] = None
+            if found is not None:
+                held.append(found)
         if not held:
             return True
         if self.release is None:
             return False
-        self.release.move_to_copies(held)
+        self.release.move_to_copies(held, _overwritten(name))
         return True
+
+
+def _object_watches(outs: Sequence[Any]) -> list:
+    """Watches over the handed-out objects themselves (a runtime without
+    :class:`~paddle_graphpp.core.runtime.OutputRelease`): tensors made from them are not seen."""
+    try:
+        return [weakref.ref(t) for t in outs]
+    except TypeError:  # a tensor type without weak references: nothing is watched
+        return [None] * len(outs)
+
+
+def _overwritten(name: str) -> str:
+    return (f"paddle_graphpp: {name}: this tensor shares memory with an output that a CUDA graph replay of the "
+            f"layer handed out, and a later graph replay has overwritten that memory. Clone what you keep "
+            f"of a graphed layer's outputs past its next micro-batch (out.detach().clone(), not .detach() or a "
+            f"view).")

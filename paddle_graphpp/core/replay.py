@@ -78,18 +78,18 @@ class Replays:
         self.layer.replays += 1
 
     def hand_out(self, call: Call, static_outputs: Sequence[Any]) -> list:
-        """Aliases of a launched forward's output buffers for the caller, remembered weakly:
-        the position's next launch overwrites them (see :meth:`keep_held_outputs`)."""
-        outs = [self.layer.runtime.detach(o) for o in static_outputs]
-        self.layer.process.outputs.handed_out(self.layer.capture, call.key, call.position, outs)
-        return outs
+        """Aliases of a launched forward's output buffers for the caller, watched weakly: the
+        position's next launch overwrites them (see :meth:`keep_held_outputs`)."""
+        return self.layer.process.outputs.hand_out(self.layer.capture, call.key, call.position, static_outputs)
 
     def keep_held_outputs(self, call: Call) -> None:
-        """Before a launch overwrites the position's output buffers: outputs of its last launch
-        that someone still holds get their values moved to memory of their own. A pipeline
-        schedule keeps the last stage's outputs until the step ends, to return them merged,
-        and on the last stage of a 1F1B pipeline every micro-batch replays the same position;
-        eagerly each output is its own tensor, and so it stays here (copied only when held)."""
+        """Before a launch overwrites the position's output buffers: what still uses the outputs
+        of its last launch (the tensors handed out, or, with the runtime's
+        :class:`~paddle_graphpp.core.runtime.OutputRelease`, any tensor sharing their memory)
+        gets their values moved to memory of its own. A pipeline schedule keeps the last stage's
+        outputs until the step ends, to return them merged, and on the last stage of a 1F1B
+        pipeline every micro-batch replays the same position; eagerly each output is its own
+        tensor, and so it stays here (copied only when held)."""
         if not self.layer.process.outputs.move_held(self.layer.capture, call.key, call.position):
             self.layer.warn_once("held", (
                 f"{self.layer.name}: outputs of an earlier micro-batch are still referenced when the same "

@@ -360,8 +360,9 @@ class InGraphAccumulation(GradientOps):
 
 class OutputRelease(abc.ABC):
     """Outputs that the recorded step freed within the step give their memory back to the pool
-    at the same point of the capture order, and outputs still held when their position replays
-    move to memory of their own."""
+    at the same point of the capture order, and what replays handed out is watched per memory
+    (not per tensor object): whatever still uses an output's memory when a later replay is about
+    to overwrite it keeps its values, or, where the runtime cannot move it, raises when read."""
 
     @abc.abstractmethod
     def memory_watches(self, tensors: Sequence[Any], others: Sequence[Any]) -> Optional[list]:
@@ -382,10 +383,21 @@ class OutputRelease(abc.ABC):
         it, or ``None`` where it cannot make one for this tensor."""
 
     @abc.abstractmethod
-    def move_to_copies(self, tensors: Sequence[Any]) -> None:
-        """Give each tensor (an output handed out earlier, whose graph buffer the next replay
-        overwrites) its current values in new memory of its own, the tensor objects staying
-        the same."""
+    def hand_out(self, tensors: Sequence[Any]) -> tuple[list, list]:
+        """After a replay: aliases of its output buffers ``tensors`` for the caller, and per alias
+        a *watch*, a function that returns ``None`` once nothing uses the alias's memory any more
+        (neither the alias nor any tensor made from it without a copy: a detached alias, a slice,
+        a view, one autograd saved), else a handle for :meth:`move_to_copies`. Neither the
+        watches nor the runtime hold the aliases."""
+
+    @abc.abstractmethod
+    def move_to_copies(self, held: Sequence[Any], overwritten: str) -> None:
+        """Before a replay overwrites the memory of outputs handed out earlier: every tensor over
+        the memory that ``held`` (what watches returned) stands for gets its current values in
+        new memory of its own, the tensor objects staying the same. Where the runtime cannot do
+        that for every such tensor, the handed-out alias itself keeps its values and the others
+        raise an error with the message ``overwritten`` when read (never silently read the new
+        values)."""
 
 
 class PoolLending(abc.ABC):

@@ -9,6 +9,12 @@ leaves that state current: each replay puts the state current before it back
 (:func:`.recompute.keeping_state_index`). Recomputing layers draw from mirrors of those states
 (:mod:`.recompute`).
 
+Outputs a replay hands out are watched per object, not per memory: this runtime has no
+:class:`~paddle_graphpp.core.runtime.OutputRelease` (nothing here watches the users of a Paddle
+allocation or moves them). A handed-out output still referenced when its memory is overwritten
+is named in a warning and reads the new values; tensors made from it without a copy
+(``detach()``, slices) are not seen at all. Clone what you keep.
+
 This runtime is exercised on CPU only here (eager fallback): no Paddle wheel with GPU kernels
 runs on the Hopper GPUs we test on. The graph code paths mirror the PyTorch runtime's. See
 :mod:`paddle_graphpp.core.runtime` for each member's contract.

@@ -32,11 +32,12 @@ _COMPILE_DOC = """        compile: ``True`` or a dict of ``torch.compile`` keywo
             Without CUDA the module runs compiled and eagerly.
 """
 
-_OUTPUTS_DOC = """An output object still referenced then is first moved to memory
-       of its own, so the outputs themselves keep their values when kept (a schedule keeping them
-       to return them merged), at the cost of a copy; tensors made from them without a copy
-       (``out.detach()``, a slice, a view) are not moved and are overwritten: clone those (or
-       keep them in the recorded step too, which keeps the memory)."""
+_OUTPUTS_DOC = """Whatever still uses an output's memory then (the output, its
+       ``.detach()``, a slice, a view, what a hook stored) is first moved to memory of its own,
+       at the cost of a copy, and keeps its values. On a torch that cannot re-point a storage
+       (``UntypedStorage._swap_data_ptr_``: 2.13 has it, 2.11 does not) only the output object
+       moves; tensors made from it without a copy raise an error naming the layer when read
+       after the overwrite: clone those."""
 
 _WARNINGS_DOC = """    .. warning:: A backward that asks for input gradients only (``torch.autograd.grad``
        w.r.t. the inputs, as zero-bubble schedules' input pass does) runs the input half; the

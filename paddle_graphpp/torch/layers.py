@@ -280,9 +280,11 @@ def graph_layers(
     Warning:
         Outputs alias graph memory until the same micro-batch position replays again (or,
         for an output the recorded step freed within the step, until the graphs captured after
-        that point run); an output object still referenced then (``output_hidden_states=True``
-        hands them out) is first moved to memory of its own (a copy); tensors made from it
-        without a copy (``.detach()``, slices, views) are not: clone those if you keep them.
+        that point run); whatever still uses an output's memory then (the output, which
+        ``output_hidden_states=True`` hands out, its ``.detach()``, slices, views) is first moved
+        to memory of its own (a copy). On a torch without ``UntypedStorage._swap_data_ptr_``
+        (2.11) only the output object moves, and tensors made from it without a copy raise when
+        read after the overwrite: clone those if you keep them.
 
     Warning:
         Move the model to its GPU and dtype before the first step, and do not rebind

@@ -1,6 +1,7 @@
 """The PyTorch runtime's memory capabilities: graph pools (made, anchored, released), outputs
-that give their memory back to the pool, optimizer steps that borrow it, the stream-ordered
-allocator, and memory figures."""
+that give their memory back to the pool, outputs handed out and watched per storage
+(:mod:`.handout`), optimizer steps that borrow the pool, the stream-ordered allocator, and
+memory figures."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Optional
 import torch
 
 from ...allocator import env_flag_value
-from ...core.runtime import MemoryTelemetry, OutputRelease, PoolLending, StreamOrderedAllocator, clone_many
+from ...core.runtime import MemoryTelemetry, OutputRelease, PoolLending, StreamOrderedAllocator
 from ..graphs import anchor_graph
+from . import handout as _handout
 from .allocator import async_allocator_active as _async_allocator_active
 
 logger = logging.getLogger(__name__)
@@ -65,11 +67,11 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
             out.set_(_unowned_storage(tensor), tensor.storage_offset(), tensor.shape, tensor.stride())
         return out
 
-    def move_to_copies(self, tensors) -> None:
-        # ``.data`` swaps the tensor's storage for the copy's, keeping the object (and the
-        # references others hold to it); autograd is unaffected: the call's backward is over.
-        for t, copy in zip(tensors, clone_many(self, [t.detach() for t in tensors])):
-            t.data = copy
+    def hand_out(self, tensors):
+        return _handout.hand_out(tensors)
+
+    def move_to_copies(self, held, overwritten) -> None:
+        _handout.move_to_copies(self, held, overwritten)
 
     def new_pool(self):
         # A MemPool (not a bare handle): eager work can then be routed into it (lend_pool). Its
