@@ -47,6 +47,7 @@ from .graphed import CUDAGraphedModule, torch_engine_options
 from .hf import CausalLMStage, GraphBody, layout_of
 from .integrations import transformers as _transformers
 from .layers import check_layer
+from .memory.handout import views_keep_values
 
 __all__ = ["graph_model", "ungraph_model", "GraphedCausalLM"]
 
@@ -122,10 +123,10 @@ class GraphedCausalLM:
         model_kwargs = {k: kwargs[k] for k in _MODEL_KWARGS if kwargs.get(k) is not None}
         masks = self.stage.masks(input_ids)
         out = self.graphed.run((input_ids, labels, masks, model_kwargs), {})
-        if out.get("loss") is not None:
-            # The loss is the graph's output buffer, which later graphs of the step may reuse once
-            # the engine sees the handed-out tensor die; a loop keeps loss.detach() (a view it
-            # cannot see) for logging. One scalar copy keeps what the caller holds its own.
+        if out.get("loss") is not None and not views_keep_values():
+            # A torch that cannot re-point a storage keeps only the handed-out loss itself; a
+            # loop logs loss.detach(), which would then raise when read after the next launch.
+            # One scalar copy keeps what the caller holds its own.
             out["loss"] = out["loss"].clone()
         output = self.graphed.module.output_class(**out)
         if return_dict is None:
@@ -182,8 +183,10 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
         * The calls the graph does not cover run the model's own forward (see the module
           docstring); a warning names each kind once.
         * The logits come back detached when ``labels`` is given. They are the graph's output
-          buffer: keep the tensor itself (the engine then moves it before reusing the memory)
-          or a clone, not a view of it, past the next micro-batch. The loss is a copy.
+          buffer: the engine watches its memory, and before a later replay overwrites it, what
+          still uses it keeps its values (torch with ``UntypedStorage._swap_data_ptr_``) or, on
+          older torch, the tensor itself keeps them and a view or ``.detach()`` of it raises
+          when read (clone what you keep there). The loss is a copy on older torch.
     """
     chosen = torch_engine_options("graph_model()", graph_model, warmup, engine_kwargs, options)
     if _SLOT in model.__dict__:
