@@ -33,13 +33,13 @@ def test_versions_compare_by_their_leading_numbers(version, bound, at_least, at_
 
 def test_an_older_version_raises_with_the_range_and_the_fix():
     with pytest.raises(UnsupportedVersionError, match=r"causal_lm_stage\(\).*transformers >= 5\.0 \(tested 5\.0 "
-                                                      r"to 5\.24\); 4\.57\.6 is installed.*pip install"):
+                                                      r"to 5\.25\); 4\.57\.6 is installed.*pip install"):
         require("transformers", "4.57.6")
     assert issubclass(UnsupportedVersionError, ImportError)
 
 
 def test_a_newer_version_warns_once_and_goes_on():
-    with pytest.warns(UserWarning, match=r"transformers 5\.30\.0 is newer than the newest version .* \(5\.24\)"):
+    with pytest.warns(UserWarning, match=r"transformers 5\.30\.0 is newer than the newest version .* \(5\.25\)"):
         assert require("transformers", "5.30.0") == "5.30.0"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
