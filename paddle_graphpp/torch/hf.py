@@ -387,6 +387,7 @@ def _check_cut(model: nn.Module, stages: list) -> None:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             try:
                 own = model.__class__.forward(model, input_ids=ids, use_cache=False, return_dict=True).logits
+                again = model.__class__.forward(model, input_ids=ids, use_cache=False, return_dict=True).logits
                 out = ids
                 for stage in stages:
                     out = stage(out)
@@ -397,12 +398,17 @@ def _check_cut(model: nn.Module, stages: list) -> None:
                     f"graph_layers() on its blocks.") from exc
     finally:
         model.train(was_training)
-    if out.shape != own.shape or not torch.equal(out, own):
-        diff = (out.float() - own.float()).abs().max().item() if out.shape == own.shape else "shapes differ"
+    # Kernels with atomics (an expert scatter on a GPU) differ between two runs of the model's own
+    # forward; a cut that loses a transform differs by far more than that.
+    spread = (own.float() - again.float()).abs().max().item()
+    diff = (out.float() - own.float()).abs().max().item() if out.shape == own.shape else float("inf")
+    if diff > 10 * spread:
+        shown = diff if out.shape == own.shape else f"shapes {list(out.shape)} and {list(own.shape)}"
         raise TypeError(
             f"causal_lm_stage(): {type(model).__name__} cut into {len(stages)} stages computes other logits than its "
-            f"own forward (max difference {diff}): its forward does more between or around its blocks than the "
-            f"stage cut can reproduce. Build each stage as your own module and call graph_layers() on its blocks.")
+            f"own forward (max difference {shown}, where two runs of its forward differ by {spread}): its forward "
+            f"does more between or around its blocks than the stage cut can reproduce. Build each stage as your "
+            f"own module and call graph_layers() on its blocks.")
 
 
 def causal_lm_stage(
