@@ -111,11 +111,7 @@ def _split(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence
 
 # ----------------------------------------------------------------------------- stand-ins
 class _StageEnd(Exception):
-    """Raised by the stand-in after a stage's last block: carries the hidden state reaching it."""
-
-    def __init__(self, hidden):
-        super().__init__("stage end")
-        self.hidden = hidden
+    """Raised by the stand-in after a stage's last block: ``args[0]`` is the hidden state reaching it."""
 
 
 class _StandIn(nn.Module):
@@ -228,6 +224,8 @@ class CausalLMStage(nn.Module):
         self.__dict__["_ends_at_last"] = {} if self.is_last else {
             a: _StandIn(getattr(base, a), "end") for a in layout.last}
         self.__dict__["_masks"] = _transformers.MaskCalls(f"CausalLMStage {stage_index}", model, base)
+        self.__dict__["_stage_input"] = [None]  # what the stand-ins hand on, during a call
+        self.__dict__["_cut"] = self._cut_before(start + len(self.layer_indices))
         self.__dict__["_kwargs_kept"] = {}
 
     @property
@@ -257,12 +255,31 @@ class CausalLMStage(nn.Module):
         ``end_at``): the base model's for a stage before the last, the causal LM's on the last."""
         model, layout = self._model, self._layout
         base = getattr(model, layout.base)
-        blocks = getattr(base, layout.layers)
-        start = self._start
-        stop = start + len(self.layer_indices) if end_at is None else end_at
-        if not self.is_first and not self.is_last and start == stop and end_at is None:
+        if not self.is_first and not self.is_last and not self.layer_indices and end_at is None:
             return x  # a middle stage without blocks
-        stage_input = [x]
+        self._stage_input[0] = x
+        cut = self._cut if end_at is None else self._cut_before(end_at)
+        inputs = dict(input_ids=x) if self.is_first else dict(inputs_embeds=x.detach())
+        # Nothing recorded through hooks while blocks are stood in for: transformers installs its
+        # recording hooks once, at the first call that records, on the modules it finds then.
+        text = self.config.get_text_config()
+        inputs.update({k: False for k in _RECORDED if getattr(text, k, False)})
+        swaps = {layout.layers: cut, **self._absent, **self._ends_at_last}
+        with _swapped(base, swaps):
+            try:
+                if self.is_last and end_at is None:
+                    return model.__class__.forward(model, **inputs, use_cache=False, return_dict=True).logits
+                out = base(**inputs, use_cache=False, return_dict=True)
+            except _StageEnd as end:
+                return end.args[0]
+            finally:
+                self._stage_input[0] = None
+        return out.last_hidden_state
+
+    def _cut_before(self, stop: int) -> nn.ModuleList:
+        """The model's block list as this stage's call sees it, ending before block ``stop``."""
+        blocks = getattr(getattr(self._model, self._layout.base), self._layout.layers)
+        start, box = self._start, self._stage_input
 
         def role(i, block):
             if i >= stop:
@@ -270,26 +287,12 @@ class CausalLMStage(nn.Module):
             if self.is_first or i > start:
                 return block
             if i == start:
-                return _StandIn(block, "enter", stage_input)
+                return _StandIn(block, "enter", box)
             if start == stop == len(blocks) and i == start - 1:  # a last stage without blocks
-                return _StandIn(block, "inject", stage_input)
+                return _StandIn(block, "inject", box)
             return _StandIn(block, "pass")
 
-        cut = [role(i, b) for i, b in enumerate(blocks)]
-        inputs = dict(input_ids=x) if self.is_first else dict(inputs_embeds=x.detach())
-        # Nothing recorded through hooks while blocks are stood in for: transformers installs its
-        # recording hooks once, at the first call that records, on the modules it finds then.
-        text = self.config.get_text_config()
-        inputs.update({k: False for k in _RECORDED if getattr(text, k, False)})
-        swaps = {layout.layers: nn.ModuleList(cut), **self._absent, **self._ends_at_last}
-        with _swapped(base, swaps):
-            try:
-                if self.is_last and end_at is None:
-                    return model.__class__.forward(model, **inputs, use_cache=False, return_dict=True).logits
-                out = base(**inputs, use_cache=False, return_dict=True)
-            except _StageEnd as end:
-                return end.hidden
-        return out.last_hidden_state
+        return nn.ModuleList([role(i, b) for i, b in enumerate(blocks)])
 
     def masks(self, x: torch.Tensor) -> list:
         """The masks the model's own forward builds for an unpadded batch of ``x``'s batch size and

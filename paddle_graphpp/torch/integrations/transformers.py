@@ -214,11 +214,12 @@ class MaskCalls:
 
     def replaying(self, recorded: list):
         """Context: the model's mask functions hand back ``recorded``'s results in order."""
-        calls = iter(recorded)
+        done = [0]  # an index, not an iterator: torch.compile traces list indexing
 
         def wrap(name, fn):
             def replay(*args, **kwargs):
-                made = next(calls, None)
+                made = recorded[done[0]] if done[0] < len(recorded) else None
+                done[0] += 1
                 if made is None or made[0] != name:
                     raise RuntimeError(
                         f"{self.owner}: the model's forward asked for the mask {name} where it asked for "
