@@ -34,13 +34,37 @@ OVERRIDES: dict[str, dict] = {
 KERNELS = ("sdpa", "eager")
 
 
+# Other names configs give the same sizes, set where a class's default config has them.
+ALIASES = dict(n_embd=64, n_layer=4, n_head=4, n_positions=128, n_inner=64, d_model=64, num_layers=4,
+               ffn_dim=64, ffn_hidden_size=64, num_experts=4, num_local_experts=4, n_routed_experts=4,
+               moe_num_experts=4, num_experts_per_tok=2, moe_k=2, moe_intermediate_size=32,
+               expert_intermediate_size=32, shared_expert_intermediate_size=32, moe_num_shared_experts=1,
+               n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+               v_head_dim=16, rotary_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1, num_kv_heads=2, n_kv_heads=2)
+# Dropped one by one, in this order, where a config refuses them.
+OPTIONAL = ("pad_token_id", "bos_token_id", "eos_token_id", "head_dim", "num_key_value_heads", "num_kv_heads",
+            "n_kv_heads", "intermediate_size")
+
+
 def config(model_type: str, **overrides: Any):
     """The tiny config of ``model_type`` (every float ``*dropout*``/``*pdrop`` field 0)."""
     from transformers import AutoConfig
 
-    kwargs = {**SMALL, **OVERRIDES.get(model_type, {}), **overrides}
+    defaults = AutoConfig.for_model(model_type)
+    aliases = {k: v for k, v in ALIASES.items() if k in vars(defaults) and k not in SMALL}
+    kwargs = {**SMALL, **aliases, **OVERRIDES.get(model_type, {}), **overrides}
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k.endswith("_token_id")}
-    made = AutoConfig.for_model(model_type, **kwargs)
+    dropped = list(OPTIONAL)
+    while True:
+        try:
+            made = AutoConfig.for_model(model_type, **kwargs)
+            break
+        except Exception:  # noqa: BLE001 - a value this config refuses: build without it
+            while dropped and dropped[0] not in kwargs:
+                dropped.pop(0)
+            if not dropped:
+                raise
+            kwargs.pop(dropped.pop(0))
     for name, value in list(vars(made).items()):
         if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop")):
             setattr(made, name, 0.0)
@@ -70,3 +94,238 @@ def blocks_of(model):
 
     layout = layout_of(model)
     return getattr(getattr(model, layout.base), layout.layers)
+
+
+# ----------------------------------------------------------------------------- the check
+DOORS = ("graph_layers", "graph_model", "causal_lm_stage", "graph_step")
+BATCH, SEQ, MICRO, STEPS = 2, 16, 2, 2  # the sequence is longer than WINDOW
+MAX_PARAMETERS = 2_000_000  # a config the shrinking did not reach is skipped, not trained
+
+
+class Outcome:
+    """What one door did with one class: ``exact``, ``spread`` (within the model's own eager
+    run-to-run difference), ``refused`` (at build, with the message; or, for blocks the model
+    calls in an order no graph schedule replays, such as a loop over them, at the first backward
+    with the engine's ``GraphScheduleError``), ``skipped`` (the class does not build tiny, or the
+    door does not apply), ``mismatch`` or ``error`` (failures)."""
+
+    FAILURES = ("mismatch", "error")
+
+    def __init__(self, kind: str, detail: str = ""):
+        self.kind, self.detail = kind, detail
+
+    @property
+    def failed(self) -> bool:
+        return self.kind in self.FAILURES
+
+    def __repr__(self) -> str:
+        return f"{self.kind}: {self.detail}" if self.detail else self.kind
+
+
+def tiny(model_type: str):
+    """The tiny model of ``model_type``, or an :class:`Outcome` saying why there is none."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            probe = build(model_type)
+        count = sum(p.numel() for p in probe.parameters())
+        if count > MAX_PARAMETERS:
+            return Outcome("skipped", f"its tiny config still has {count / 1e6:.1f}M parameters")
+        model = build(model_type)
+    except Exception as exc:  # noqa: BLE001 - any class that does not build tiny is skipped, with why
+        return Outcome("skipped", f"does not build from its shrunk config ({type(exc).__name__}: {_short(exc)})")
+    needs = [n for n in ("pixel_values", "input_features", "decoder_input_ids") if n in _forward_params(model)]
+    if needs or model.config.is_encoder_decoder:
+        return Outcome("skipped", f"not a decoder-only text model (takes {needs or 'decoder inputs'})")
+    return model
+
+
+def _forward_params(model) -> set:
+    import inspect
+
+    try:
+        return set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _short(exc: BaseException, n: int = 160) -> str:
+    return " ".join(str(exc).split())[:n]
+
+
+def _batches(vocab: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    return [[torch.randint(0, vocab, (BATCH, SEQ), generator=gen) for _ in range(MICRO)] for _ in range(STEPS)]
+
+
+def _train(model, forward, data, *, step_wrapper=None):
+    """Losses per micro-batch, the first forward's logits, the first step's gradients and the
+    parameters after the last step, training with ``forward(ids) -> (logits, loss)``."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    record = {"losses": [], "logits": None, "grads": None}
+
+    def step(batch):
+        for ids in batch:
+            logits, loss = forward(ids)
+            if record["logits"] is None:
+                record["logits"] = logits.detach().clone()
+            loss.backward()
+            record["losses"].append(loss.detach().clone())
+        if record["grads"] is None:
+            record["grads"] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    run = step_wrapper(step, opt) if step_wrapper else step
+    for batch in data:
+        run(batch)
+    record["params"] = [p.detach().clone() for p in model.parameters()]
+    return record
+
+
+def _difference(a: dict, b: dict) -> float:
+    """The largest difference between two training records (inf where shapes or presence differ)."""
+    import torch
+
+    pairs = [(a["logits"], b["logits"]), *zip(a["losses"], b["losses"]), *zip(a["grads"], b["grads"]),
+             *zip(a["params"], b["params"])]
+    worst = 0.0
+    for x, y in pairs:
+        if x is None or y is None:
+            if x is not y:
+                return float("inf")
+            continue
+        if x.shape != y.shape:
+            return float("inf")
+        if not torch.equal(x, y):
+            worst = max(worst, (x.double() - y.double()).abs().max().item())
+    return worst
+
+
+def _own(model):
+    def forward(ids):
+        out = model(ids, labels=ids)
+        return out.logits, out.loss
+    return forward
+
+
+def check(model_type: str, doors=DOORS) -> dict:
+    """``{door: Outcome}`` for ``model_type``: each door's training run against the model's own."""
+    import copy
+
+    base = tiny(model_type)
+    if isinstance(base, Outcome):
+        return {door: base for door in doors}
+    vocab = base.config.get_text_config().vocab_size
+    data = _batches(vocab)
+    try:
+        first = copy.deepcopy(base)
+        reference = _train(first, _own(first), data)
+    except Exception as exc:  # noqa: BLE001 - the model's own training fails: nothing to compare with
+        return {door: Outcome("skipped", f"its own training fails ({type(exc).__name__}: {_short(exc)})")
+                for door in doors}
+    spread = []  # the model's own run-to-run difference, measured when a door differs at all
+
+    def own_spread() -> float:
+        if not spread:
+            second = copy.deepcopy(base)
+            spread.append(_difference(reference, _train(second, _own(second), data)))
+        return spread[0]
+
+    return {door: _door(door, base, data, reference, own_spread) for door in doors}
+
+
+def _door(door: str, base, data, reference: dict, own_spread) -> Outcome:
+    import copy
+
+    from paddle_graphpp import GraphScheduleError
+    from paddle_graphpp.torch import causal_lm_stage, graph_layers, graph_model, graph_step
+    from paddle_graphpp.torch.hf import layout_of
+
+    model = copy.deepcopy(base)
+    wrapper = None
+    try:  # building: what raises here is a refusal
+        if door == "graph_layers":
+            try:
+                layout = layout_of(model)
+            except TypeError as exc:
+                return Outcome("skipped", f"no block list to pass ({_short(exc, 80)})")
+            graph_layers(getattr(getattr(model, layout.base), layout.layers))
+            forward = _own(model)
+        elif door in ("graph_model", "graph_step"):
+            graph_model(model)
+            forward = _own(model)
+            if door == "graph_step":
+                def wrapper(step, opt):
+                    return graph_step(step, optimizers=opt)
+        else:
+            stages = [causal_lm_stage(model, s, 2) for s in range(2)]
+            vocab = model.config.get_text_config().vocab_size
+
+            def forward(ids):
+                logits = stages[1](stages[0](ids))
+                return logits, model.loss_function(logits=logits, labels=ids, vocab_size=vocab)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        return Outcome("refused", _short(exc))
+    try:
+        record = _train(model, forward, data, step_wrapper=wrapper)
+    except GraphScheduleError as exc:  # blocks called in an order no schedule of graphs can replay
+        return Outcome("refused", f"at the first backward: {_short(exc)}")
+    except Exception as exc:  # noqa: BLE001 - a failure after building is the worst kind: recorded
+        return Outcome("error", f"{type(exc).__name__}: {_short(exc)}")
+    diff = _difference(reference, record)
+    if diff == 0.0:
+        return Outcome("exact")
+    spread = own_spread()
+    if diff <= spread:
+        return Outcome("spread", f"{diff:.1e} <= eager's own {spread:.1e}")
+    return Outcome("mismatch", f"max difference {diff:.3g} (eager's own {spread:.1e})")
+
+
+def model_types() -> list:
+    """The causal-LM model types of the installed transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def markdown(results: dict) -> str:
+    """The table ``results`` (``{model_type: {door: Outcome}}``) as markdown."""
+    import transformers
+
+    doors = list(next(iter(results.values())))
+    lines = [f"transformers {transformers.__version__}; fp32, dropout 0, sequence {SEQ}, sliding windows of {WINDOW}; "
+             f"{STEPS} AdamW steps of {MICRO} micro-batches against the model's own forward and backward.", "",
+             "| model type | " + " | ".join(f"`{d}`" for d in doors) + " |", "|---" * (len(doors) + 1) + "|"]
+    for name, row in results.items():
+        lines.append(f"| {name} | " + " | ".join(repr(row[d]).replace("|", "/") for d in doors) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    import argparse
+    import warnings
+
+    p = argparse.ArgumentParser(description="The zoo: every causal LM of the installed transformers, per door.")
+    p.add_argument("--markdown", help="write the table there")
+    p.add_argument("types", nargs="*", help="model types (default: all)")
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    results = {}
+    for name in args.types or model_types():
+        results[name] = check(name)
+        print(name, results[name], flush=True)
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(markdown(results))
+    return int(any(o.failed for row in results.values() for o in row.values()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
