@@ -13,11 +13,11 @@ someone still holds to memory of its own (the runtime's
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence
 
 from .runtime import GraphRuntime, OutputRelease
+from .warn import warn
 
 if TYPE_CHECKING:
     from .batch import CaptureParticipant
@@ -73,10 +73,10 @@ class HandedOutputs:
         for (layer_id, k, pos), indices in by_position.items():
             refs = self._handed.get((layer_id, k, pos))
             if refs is not None and not self._move_refs(refs, indices):
-                warnings.warn(f"paddle_graphpp: an output of an earlier micro-batch is still referenced where "
+                warn(f"paddle_graphpp: an output of an earlier micro-batch is still referenced where "
                               f"the recorded step had freed it, and the {self.runtime.name} runtime cannot move "
                               f"it to memory of its own: it may now hold other values. Clone an output you "
-                              f"keep.", RuntimeWarning, stacklevel=3)
+                              f"keep.")
 
     def _move_refs(self, refs: list, indices: Optional[Sequence[int]]) -> bool:
         """Move what ``refs[i]`` (``i`` in ``indices``, default all) still reference to memory of

@@ -32,7 +32,6 @@ full model's keys for the parts this stage holds, with the same tensors.
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -40,6 +39,7 @@ import torch
 from torch import nn
 
 from ..core.options import EngineOptions
+from ..core.warn import warn
 from .graphed import CUDAGraphedModule, torch_engine_options
 from .integrations import transformers as _transformers
 from .layers import check_layer, graph_in_place
@@ -265,9 +265,8 @@ class CausalLMStage(nn.Module):
             kwargs = self._build_block_kwargs(torch.empty(*x.shape[:2], 1, dtype=dtype, device=x.device))
         # Never dropped: a whole-step graph reads these tensors where they are.
         if len(self._kwargs_kept) == _KWARGS_KEPT:
-            warnings.warn(f"CausalLMStage {self.stage_index}: block arguments for {_KWARGS_KEPT + 1} batch shapes "
-                          f"are kept now (one set per shape, never dropped); pad batches to a few fixed shapes",
-                          RuntimeWarning, stacklevel=3)
+            warn(f"CausalLMStage {self.stage_index}: block arguments for {_KWARGS_KEPT + 1} batch shapes "
+                          f"are kept now (one set per shape, never dropped); pad batches to a few fixed shapes")
         self._kwargs_kept[key] = kwargs
         return kwargs
 
