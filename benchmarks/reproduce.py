@@ -14,8 +14,9 @@
 
 Each step is one tool command from the repository root (settings written before it,
 ``NAME=VALUE`` as in a shell, go into its environment), run in its own process with
-``NCCL_NVLS_ENABLE=0`` (NVLink multicast off). Its output goes to ``<log-dir>/<step>.log``; a
-failed step is reported and the others go on. Each tool writes its record to
+``NCCL_NVLS_ENABLE=0`` (NVLink multicast off). Its output goes to ``<log-dir>/<step>.log``, and
+every 30 s a line says how long it has run and what it last logged; a failed step is reported and
+the others go on. Each tool writes its record to
 ``benchmarks/results/<name>-<device>.json``. With ``--budget`` the steps share that many seconds:
 each runs under what is left (stopped at its end), the ones after it are skipped, and the
 summary still prints (a machine that allows 10 minutes a command: ``--budget 570``). With
@@ -54,6 +55,8 @@ from testing import launch  # noqa: E402
 
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")  # a step's setting before its command
 STOP_GRACE_S = 30.0  # a multi-rank tool stops its ranks one by one, a few seconds each
+PROGRESS_S = 30.0  # a running step reports its time (and its log's last line) this often
+STARTED = time.monotonic()
 
 # (name, GPUs, command, the record it writes: <device> is this machine's)
 STEPS = [
@@ -194,14 +197,26 @@ class Runner:
                     return "not started", time.monotonic() - start, log
                 self._running.add(proc)
             try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                code = "timeout"
+                code = self._wait(proc, name, log, start, timeout)
             finally:  # the step's own clean-up gets SIGTERM and time to stop its ranks
                 launch.stop(proc, grace=STOP_GRACE_S)
                 with self._lock:
                     self._running.discard(proc)
         return code if not self.stopping.is_set() or code == 0 else "stopped", time.monotonic() - start, log
+
+    @staticmethod
+    def _wait(proc, name: str, log: Path, start: float, timeout: float):
+        """``proc``'s exit code, or ``"timeout"``; every :data:`PROGRESS_S` seconds a line with the
+        step's time, the run's, and the last line the step wrote to its log."""
+        while True:
+            left = start + timeout - time.monotonic()
+            try:
+                return proc.wait(timeout=max(0.0, min(PROGRESS_S, left)))
+            except subprocess.TimeoutExpired:
+                if left <= PROGRESS_S:
+                    return "timeout"
+            now = time.monotonic()
+            print(f"    {name}: {now - start:.0f} s (run {elapsed()}){last_line(log)}", flush=True)
 
     def stop_all(self) -> None:
         """No new step starts; every running one gets SIGTERM at once, then SIGKILL after the
@@ -214,6 +229,24 @@ class Runner:
         deadline = time.monotonic() + STOP_GRACE_S
         for proc in procs:
             launch.stop(proc, grace=max(0.0, deadline - time.monotonic()))
+
+
+def elapsed() -> str:
+    """The time since this run started, as ``12 min 5 s``."""
+    minutes, seconds = divmod(int(time.monotonic() - STARTED), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def last_line(log: Path, width: int = 100) -> str:
+    """``": <the log's last non-empty line>"`` (cut to ``width``), or nothing."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = [line.strip() for line in f.read().decode(errors="replace").replace("\r", "\n").splitlines()]
+    except OSError:
+        return ""
+    lines = [line for line in lines if line]
+    return f": {lines[-1][:width]}" if lines else ""
 
 
 def visible_ids(gpus: list) -> list:
@@ -235,8 +268,8 @@ def run_lane(runner: Runner, steps: list, gpus: list | None, args, end: float | 
             rows.append((name, "skipped", 0.0, record))
             continue
         checkout = args.baseline if name.endswith(BASELINE) else REPO
-        print(f"[{i}/{len(steps)}]{where} {name}: {command}" + (f" (in {checkout})" if checkout != REPO else ""),
-              flush=True)
+        print(f"[{i}/{len(steps)}]{where} {name} (run {elapsed()}): {command}"
+              + (f" (in {checkout})" if checkout != REPO else ""), flush=True)
         code, seconds, log = runner.run_step(name, command, args.log_dir, left,
                                              gpus if gpus is not None else list(range(need)), checkout=checkout)
         print(f"    {name}: {'ok' if code == 0 else f'FAILED ({code})'} in {seconds:.0f} s, log {log}", flush=True)
@@ -294,6 +327,7 @@ def main(argv=None) -> int:
         for name, gpus, command, record in steps:
             print(f"{name:<20} {gpus} GPU  {command}  -> benchmarks/results/{record}")
         return 0
+    print(f"reproduce.py: {len(steps)} step(s): {', '.join(s[0] for s in steps)}; logs in {args.log_dir}", flush=True)
     have, need = gpu_count(), max(s[1] for s in steps)
     lanes = parse_lanes(args.lanes, have) if args.lanes else []
     if have < need:
@@ -307,7 +341,7 @@ def main(argv=None) -> int:
             rows = run_lane(runner, steps, None, args, end) if not lanes else run_lanes(runner, lanes, args, end)
     finally:
         runner.stop_all()
-    print(f"\n{'step':<20} {'result':<16} {'seconds':>8}  record")
+    print(f"\n{'step':<20} {'result':<16} {'seconds':>8}  record  (run {elapsed()})")
     for name, result, seconds, record in rows:
         where = f"{args.baseline}/benchmarks/results" if name.endswith(BASELINE) else "benchmarks/results"
         print(f"{name:<20} {result:<16} {seconds:>8.0f}  {where}/{record}")

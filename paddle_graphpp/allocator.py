@@ -23,11 +23,11 @@ a program that would fail on a GPU fails on CPU too.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Callable, Optional, Sequence
 
 from .core import flags as _flags
 from .core.runtime import FRAMEWORKS, framework_module
+from .core.warn import warn
 
 __all__ = [
     "AllocatorSwitchError",
@@ -111,8 +111,8 @@ def apply_env_switch() -> Optional[dict]:
             return None
         return use_cuda_malloc_async_allocator()
     except (AllocatorSwitchError, ValueError) as exc:
-        warnings.warn(f"paddle_graphpp: {ENV_FLAG} is set but the stream-ordered allocator could not be "
-                      f"switched on: {exc}", RuntimeWarning, stacklevel=2)
+        warn(f"paddle_graphpp: {ENV_FLAG} is set but the stream-ordered allocator could not be "
+                      f"switched on: {exc}")
         return None
 
 

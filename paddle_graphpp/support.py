@@ -17,10 +17,11 @@ Imports no framework: versions are read from the installed distributions' metada
 from __future__ import annotations
 
 import re
-import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Optional
+
+from .core.warn import warn
 
 __all__ = ["SUPPORTED", "Support", "UnsupportedVersionError", "installed_version", "require", "report"]
 
@@ -109,10 +110,10 @@ def require(name: str, version: Optional[str] = None) -> Optional[str]:
             f"`pip install '{support.distribution}>={support.oldest}'`.")
     if not _at_most(version, support.newest_tested) and name not in _warned:
         _warned.add(name)
-        warnings.warn(
+        warn(
             f"{support.distribution} {version} is newer than the newest version paddle_graphpp was tested with "
             f"({support.newest_tested}) for {support.used_for}; if it fails, pin "
-            f"'{support.distribution}<={support.newest_tested}' and report the error.", stacklevel=2)
+            f"'{support.distribution}<={support.newest_tested}' and report the error.", UserWarning)
     return version
 
 

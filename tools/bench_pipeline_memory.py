@@ -40,17 +40,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from tools import benchlib  # noqa: E402
-from tools.bench_pipeline import run_one  # noqa: E402
+from tools.bench_pipeline import RECORD_LR, run_one  # noqa: E402
 
 GPT_1_3B = ["--hidden", "2048", "--layers", "24", "--heads", "16", "--vocab", "50304", "--micro-batch-size", "1",
             "--micro-batches", "8", "--dtype", "bfloat16", "--attention", "sdpa", "--dropout", "0.1", "--steps", "10",
-            "--seed", "1234", "--timeout", "120"]
+            "--seed", "1234", "--timeout", "120", *RECORD_LR]
 PRESETS = {
     "gpt1.3b": ["--framework", "torch", "--pp", "2", *GPT_1_3B],
     "gpt1.3b-pp4": ["--framework", "torch", "--pp", "4", *GPT_1_3B],
     "small": ["--framework", "torch", "--pp", "2", "--vpp", "2", "--hidden", "2048", "--layers", "4",
               "--micro-batch-size", "4", "--micro-batches", "8", "--steps", "12", "--seed", "1234",
-              "--timeout", "120"],
+              "--timeout", "120", *RECORD_LR],
 }
 SEQ = {"gpt1.3b": (2048, 512), "gpt1.3b-pp4": (2048,), "small": (512,)}
 GPUS = {"gpt1.3b": 2, "gpt1.3b-pp4": 4, "small": 2}

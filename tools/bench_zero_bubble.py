@@ -60,15 +60,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from tools import benchlib  # noqa: E402
-from tools.bench_pipeline import run_one  # noqa: E402
+from tools.bench_pipeline import RECORD_LR, run_one  # noqa: E402
 from testing.parity import run_order  # noqa: E402
 
 BUDGET_S = 3600
 LOSS_RTOL = 1e-3  # bf16: two eager runs already differ by ~1e-6; a wrong gradient shows far above this
 SHAPE_ARGS = ["--hidden", "2048", "--layers", "24", "--heads", "16", "--vocab", "50304", "--micro-batch-size", "1",
-              "--dtype", "bfloat16", "--attention", "sdpa", "--dropout", "0.1"]
+              "--dtype", "bfloat16", "--attention", "sdpa", "--dropout", "0.1", *RECORD_LR]
 SMOKE_SHAPE_ARGS = ["--hidden", "64", "--layers", "4", "--heads", "2", "--vocab", "256", "--micro-batch-size", "2",
-                    "--dropout", "0.1"]
+                    "--dropout", "0.1", *RECORD_LR]
 ZERO_BUBBLE = {"interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
                "dualpipev": "ScheduleDualPipeV"}
 TARGET_ZB_OVER_1F1B = 1.10

@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -71,6 +72,13 @@ SCHEDULES = {
     "dualpipev": ("ScheduleDualPipeV", True),
 }
 VOCAB_SIZE = 256  # byte-level tokens: any text file works without a tokenizer
+# When the run started (seconds since the epoch): the step lines count from it. The process that
+# starts the ranks hands its own start to them, so the time includes the ranks' start-up.
+STARTED_ENV = "TRAIN_GPT_STARTED"
+STARTED = float(os.environ.get(STARTED_ENV, time.time()))
+# Notes that Paddle's import and the launcher print on every machine without ccache or with
+# setuptools' distutils shim; they say nothing about this run (PYTHONWARNINGS syntax).
+QUIET_WARNINGS = ("ignore:No ccache found", "ignore:Setuptools is replacing distutils")
 
 
 class ConfigError(ValueError):
@@ -127,8 +135,9 @@ class Config:
     """A text file to train on (bytes are tokens); empty for the built-in synthetic corpus."""
     dropout: float = 0.1
     """Dropout probability in the embeddings and blocks."""
-    lr: float = 3e-4
-    """AdamW learning rate (the peak, after ``--lr-warmup``)."""
+    lr: float = 5e-3
+    """AdamW learning rate (the peak, after ``--lr-warmup``). The default is the demo's: the loss
+    falls clearly within its 8 steps (by about 40%). The benchmarks pass their own rate."""
     lr_warmup: int = 0
     """Steps of linear learning-rate warmup: step ``s`` (from 0) trains at ``lr * (s + 1) / N``
     for ``s < N``, then at ``lr`` (torch ``LambdaLR``, Paddle ``LambdaDecay``, the same factor).
@@ -416,7 +425,8 @@ class Reporter:
         self.losses.append(loss)
         if not self.enabled:
             return
-        line = f"step {step + 1}/{self.cfg.steps} loss {loss:.6f} ({seconds * 1e3:.1f} ms)"
+        line = (f"step {step + 1}/{self.cfg.steps} loss {loss:.6f} ({seconds * 1e3:.1f} ms, "
+                f"{time.time() - STARTED:.1f} s elapsed)")
         if self.bar is not None and not self.bar.disable:
             self.bar.set_postfix(loss=f"{loss:.4f}")
             self.bar.update(1)
@@ -841,11 +851,13 @@ def _sum_tied_grads(tied: list, group) -> None:
 # ----------------------------------------------------------------------------------- paddle
 def run_paddle(cfg: Config) -> None:
     """One Paddle fleet rank: PipelineLayer with a SharedLayerDesc tie, ``train_batch`` per step."""
+    quiet_paddle()
     import paddle
     import paddle.distributed as dist
     from paddle import nn
     from paddle.distributed import fleet
     from paddle.distributed.fleet.meta_parallel import LayerDesc, SharedLayerDesc
+    from paddle.distributed.fleet.utils import log_util as fleet_log
 
     import paddle_graphpp
 
@@ -854,10 +866,12 @@ def run_paddle(cfg: Config) -> None:
         raise ConfigError(f"started with {world} processes but --pp {cfg.pp}; "
                           f"launch --pp processes (python -m paddle.distributed.launch --nproc_per_node {cfg.pp})")
     os.environ["NCCL_NVLS_ENABLE"] = "0"
+    # at INFO fleet logs its topology and every layer it builds (the strategy logs at once): the
+    # losses would drown in it
+    fleet_log.set_log_level("WARNING")
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": 1, "pp_degree": cfg.pp, "sharding_degree": 1}
     strategy.pipeline_configs = {"accumulate_steps": cfg.micro_batches, "micro_batch_size": cfg.micro_batch_size}
-    # at INFO fleet logs its topology and every layer it builds: the losses would drown in it
     fleet.init(is_collective=True, strategy=strategy, log_level="WARNING")
     rank = dist.get_rank()
 
@@ -915,6 +929,16 @@ def run_paddle(cfg: Config) -> None:
         dist.barrier()
 
 
+def quiet_paddle() -> None:
+    """Before Paddle is imported in this process: leave out the import notes of
+    :data:`QUIET_WARNINGS` and the INFO lines of Paddle's C++ log (its TCP store's "create libuv
+    server", "Successfully connected"); ``GLOG_minloglevel=0`` in the environment keeps them."""
+    for spec in QUIET_WARNINGS:
+        action, message = spec.split(":", 1)
+        warnings.filterwarnings(action, message)
+    os.environ.setdefault("GLOG_minloglevel", "1")
+
+
 def paddle_lr_schedule(cfg: Config):
     """``--lr-warmup`` as Paddle's ``LambdaDecay`` with the torch run's factor (``None`` without
     warmup): step ``s`` trains at ``lr * lr_factor(s)`` in both frameworks."""
@@ -954,10 +978,13 @@ def spawn_ranks(cfg: Config, argv: list) -> int:
     When a rank fails, the others are stopped at once rather than left to time out.
     """
     script = os.path.abspath(__file__)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1", **{STARTED_ENV: repr(STARTED)})
     log_dir = None
     if cfg.framework == "paddle":
         log_dir = tempfile.mkdtemp(prefix="train_gpt_paddle_")
+        # the launcher imports Paddle too: its import notes go the way of the ranks' (quiet_paddle)
+        env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), *QUIET_WARNINGS]))
+        env.setdefault("GLOG_minloglevel", "1")
         # paddle's launcher prints rank 0's output and stops every rank when one fails; at WARNING
         # it leaves out its configuration dump and keeps its errors and the failed rank's log tail
         cmds = [[sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(cfg.pp),
@@ -981,6 +1008,20 @@ def spawn_ranks(cfg: Config, argv: list) -> int:
 
 
 # ------------------------------------------------------------------------------------- main
+def first_rank() -> bool:
+    """Whether this process is rank 0 of its launcher (or started alone)."""
+    return os.environ.get("PADDLE_TRAINER_ID", os.environ.get("RANK", "0")) == "0"
+
+
+def announce(cfg: Config) -> None:
+    """The run's first line, before any framework is imported: what trains, and that the step
+    lines follow once the ranks have imported their framework and built the model."""
+    layout = f"pp={cfg.pp}" + (f" vpp={cfg.vpp}" if cfg.vpp > 1 else "") + (f" tp={cfg.tp}" if cfg.tp > 1 else "")
+    print(f"train_gpt: {cfg.framework} {layout}, {cfg.layers} blocks of width {cfg.hidden}, {cfg.steps} steps of "
+          f"{cfg.tokens_per_step} tokens, CUDA graphs {'on' if cfg.cudagraph else 'off'}; starting "
+          f"{cfg.pp * cfg.tp} rank(s) (the first step follows imports and warmup)", flush=True)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -991,7 +1032,10 @@ def main(argv=None) -> int:
         print(f"train_gpt: error: {exc}", file=sys.stderr)
         return 2
     ranks = cfg.pp * cfg.tp
-    if not under_launcher(cfg.framework) and ranks > 1:
+    spawning = not under_launcher(cfg.framework) and ranks > 1
+    if spawning or (STARTED_ENV not in os.environ and first_rank()):
+        announce(cfg)
+    if spawning:
         # Each rank checks that its GPU exists (run_torch) before it joins the others; this
         # process does not import torch for that (seconds per run, which a test suite of many
         # short runs pays many times).

@@ -292,3 +292,17 @@ def test_a_steps_settings_before_its_command_go_into_its_environment(tmp_path, m
     code = reproduce.main(["--only", "flagged", "--log-dir", str(tmp_path)])
     assert code == 0
     assert "got 0 a=b" in (tmp_path / "flagged.log").read_text()
+
+
+def test_the_run_says_at_once_what_it_runs_and_a_running_step_reports_its_time(tmp_path, monkeypatch, capsys):
+    reproduce = _reproduce_module()
+    monkeypatch.setattr(reproduce, "gpu_count", lambda: 1)
+    monkeypatch.setattr(reproduce, "PROGRESS_S", 0.5)
+    monkeypatch.setattr(reproduce, "STEPS", [
+        ("busy", 1, "python -c \"import time; print('warming up', flush=True); time.sleep(2.5)\"", "busy-<device>.json")])
+    assert reproduce.main(["--only", "busy", "--log-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("reproduce.py: 1 step(s): busy; logs in "), lines
+    assert lines[1].startswith("[1/1] busy (run 0 s): python -c"), lines
+    progress = [line for line in lines if line.startswith("    busy: ") and " s (run " in line]
+    assert len(progress) >= 2 and progress[-1].endswith(": warming up"), lines

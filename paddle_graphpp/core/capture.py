@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -56,6 +55,7 @@ from .recording import Recording
 from .replay_watch import ReplayWatch
 from .runtime import GraphRuntime, capabilities
 from .schedule import EpisodeClock
+from .warn import warn
 
 if TYPE_CHECKING:
     from .batch import CaptureParticipant
@@ -186,7 +186,7 @@ class Process:
             self.replay_watch.publish_failure(batch.errors[0])
         errors = _agree(self.agreement, batch.errors)
         for extra in errors[1:]:
-            warnings.warn(f"another capture failed as well: {extra}", RuntimeWarning, stacklevel=4)
+            warn(f"another capture failed as well: {extra}")
         if errors:
             raise errors[0]
 

@@ -30,12 +30,12 @@ import abc
 import contextlib
 import enum
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from .errors import CaptureError, CollectiveTimeoutError, GraphedLayerError
+from .warn import warn
 
 __all__ = [
     "AllReducePath", "choose_path", "CustomAllReducePolicy", "AllReduceBackend",
@@ -489,10 +489,10 @@ class AllReduceDispatcher:
                 offset = self._arena.reserve(self.backend.buffer_bytes(facts.nbytes))
             if offset is None:
                 if not self._warned_full:
-                    warnings.warn(
+                    warn(
                         f"custom all-reduce ({self.backend.name}): the registered-buffer arena "
                         f"({self._arena.size} bytes) is full; further captured all-reduces use "
-                        f"the framework's all-reduce. Give the backend a larger arena.", stacklevel=2)
+                        f"the framework's all-reduce. Give the backend a larger arena.", UserWarning)
                     self._warned_full = True
                 path = AllReducePath.FALLBACK
             else:

@@ -61,7 +61,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -82,6 +81,7 @@ from .replay import Replays
 from .schedule import InFlightQueue
 from .state import LayerStateCheck
 from .tree import flatten
+from .warn import warn
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine",
            "graphed_label", "HoldsEngine", "node_forward", "node_backward", "reset_graphs", "drop_in_flight"]
@@ -328,7 +328,7 @@ class GraphedCallable:
     def warn_once(self, key, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            warn(message)
 
     # ------------------------------------------------------------ inspection
     def signature(self, key: Any) -> Optional[Signature]:

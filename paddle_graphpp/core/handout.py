@@ -20,11 +20,11 @@ memory is overwritten is named in a warning.
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence
 
 from .runtime import GraphRuntime, OutputRelease
+from .warn import warn
 
 if TYPE_CHECKING:
     from .batch import CaptureParticipant
@@ -84,10 +84,9 @@ class HandedOutputs:
         for (layer_id, k, pos), indices in by_position.items():
             entry = self._handed.get((layer_id, k, pos))
             if entry is not None and not self._move(entry, indices):
-                warnings.warn(f"paddle_graphpp: {entry[0]}: an output of an earlier micro-batch is still "
-                              f"referenced where the recorded step had freed it, and the {self.runtime.name} "
-                              f"runtime cannot move it to memory of its own: it may now hold other values. Clone "
-                              f"an output you keep.", RuntimeWarning, stacklevel=3)
+                warn(f"paddle_graphpp: {entry[0]}: an output of an earlier micro-batch is still referenced where "
+                     f"the recorded step had freed it, and the {self.runtime.name} runtime cannot move it to memory "
+                     f"of its own: it may now hold other values. Clone an output you keep.")
 
     def _move(self, entry: tuple[str, list], indices: Optional[Sequence[int]]) -> bool:
         """Move what the watches ``entry[1][i]`` (``i`` in ``indices``, default all) still see to

@@ -26,7 +26,6 @@ keys for the parts this stage holds, with the same tensors. Supported: ``transfo
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 
 from ..core.options import EngineOptions
+from ..core.warn import warn
 from .graphed import CUDAGraphedModule, torch_engine_options
 from .integrations import transformers as _transformers
 from .layers import check_layer, graph_in_place
@@ -326,9 +326,8 @@ class CausalLMStage(nn.Module):
             self._run(sample, end_at=self._start)
         # Never dropped: a whole-step graph reads these tensors where they are.
         if len(self._kwargs_kept) == _KWARGS_KEPT:
-            warnings.warn(f"CausalLMStage {self.stage_index}: masks for {_KWARGS_KEPT + 1} batch shapes are kept now "
-                          f"(one set per shape, never dropped); pad batches to a few fixed shapes",
-                          RuntimeWarning, stacklevel=3)
+            warn(f"CausalLMStage {self.stage_index}: masks for {_KWARGS_KEPT + 1} batch shapes are kept now "
+                 f"(one set per shape, never dropped); pad batches to a few fixed shapes")
         self._kwargs_kept[key] = recorded
         return recorded
 

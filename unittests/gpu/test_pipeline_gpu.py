@@ -15,7 +15,7 @@ from tools.bench_pipeline import run_one  # noqa: E402
 
 BASE = ["--framework", "torch", "--pp", "2", "--hidden", "256", "--layers", "4", "--heads", "4", "--vocab", "512",
         "--seq-len", "128", "--micro-batch-size", "2", "--micro-batches", "6", "--steps", "8", "--dropout", "0.1",
-        "--seed", "7", "--timeout", "90"]
+        "--seed", "7", "--timeout", "90", "--lr", "3e-4"]
 
 
 def _losses(extra):

@@ -23,7 +23,6 @@ Tensors DLPack cannot carry (subclasses, sparse, quantized, conjugate views) are
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import NamedTuple, Optional, Sequence
 
@@ -32,6 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from ...core.runtime import GraphRuntime, clone_many
+from ...core.warn import warn
 
 __all__ = ["Held", "hand_out", "move_to_copies", "views_keep_values"]
 
@@ -114,8 +114,7 @@ def move_to_copies(runtime: GraphRuntime, held: Sequence[Held], overwritten: str
         if _POISON is not None:
             _POISON(storage._cdata, overwritten)
         elif torch._C._storage_Use_Count(storage._cdata) > 1:  # more than the reference held here
-            warnings.warn(f"{overwritten} (This torch cannot move such tensors: they now read the new values.)",
-                          RuntimeWarning, stacklevel=4)
+            warn(f"{overwritten} (This torch cannot move such tensors: they now read the new values.)")
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -44,12 +44,12 @@ import atexit
 import bisect
 import contextlib
 import logging
-import warnings
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ...core.warn import warn
 from . import pool_segments
 from ..graphs import gc_paused
 
@@ -241,11 +241,11 @@ class PoolLender:
         if after != before:
             self.disabled = True
             self._pool = None
-            warnings.warn(
+            warn(
                 f"paddle_graphpp: an optimizer step ({type(optimizer).__name__}) run between episodes left "
                 f"{after - before} bytes allocated in the graph pool; its graphs are captured anew and optimizer "
                 f"steps no longer borrow graph memory in this process (memory above eager's by their "
-                f"temporaries).", RuntimeWarning, stacklevel=3)
+                f"temporaries).")
             self._on_leak()
 
     def abandon_step(self) -> None:

@@ -34,12 +34,12 @@ import contextlib
 import os
 import re
 import threading
-import warnings
 from typing import Iterator, Optional
 
 import torch
 
 from ...allocator import env_flag_value
+from ...core.warn import warn
 from .allocator import async_allocator_active
 
 __all__ = ["FLAG", "enabled", "pool_allocations", "with_expandable"]
@@ -142,6 +142,5 @@ def _leave(quiet: bool) -> None:
         except Exception as exc:  # noqa: BLE001
             if not quiet:
                 raise
-            warnings.warn(f"paddle_graphpp: could not switch expandable segments back off after a graph pool's "
-                          f"allocations ({type(exc).__name__}: {exc}); the allocator keeps them on", RuntimeWarning,
-                          stacklevel=3)
+            warn(f"paddle_graphpp: could not switch expandable segments back off after a graph pool's "
+                          f"allocations ({type(exc).__name__}: {exc}); the allocator keeps them on")
