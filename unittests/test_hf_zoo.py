@@ -3,7 +3,7 @@
 For each class whose tiny configuration builds (``testing/zoo.py``: fp32, dropout 0, sliding
 windows shorter than the sequence, Gemma's softcapping, small mixtures of experts), each door
 (``graph_layers``, ``graph_model``, ``causal_lm_stage`` as a two-stage chain, ``graph_step``)
-trains two AdamW steps of two micro-batches against the model's own forward and backward: the
+trains an AdamW step of two micro-batches against the model's own forward and backward: the
 first logits, every loss, every gradient and the parameters after the last step must be equal
 bit for bit (or within the model's own eager run-to-run difference, where its kernels differ
 between two runs), or the door must refuse the class when it is built, saying what to do. On
