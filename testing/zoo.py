@@ -41,7 +41,8 @@ ALIASES = dict(n_embd=64, n_layer=4, n_head=4, n_positions=128, n_inner=64, d_mo
                moe_num_experts=4, num_experts_per_tok=2, moe_k=2, moe_intermediate_size=32,
                expert_intermediate_size=32, shared_expert_intermediate_size=32, moe_num_shared_experts=1,
                n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-               v_head_dim=16, rotary_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1, num_kv_heads=2, n_kv_heads=2)
+               v_head_dim=16, rotary_dim=8, first_k_dense_replace=1, mamba_n_heads=4, mamba_d_head=32,
+               mamba_d_state=16, mamba_chunk_size=16, mamba_n_groups=1, state_size=16, chunk_size=16, n_group=1, topk_group=1, num_kv_heads=2, n_kv_heads=2)
 # Dropped one by one, in this order, where a config refuses them.
 OPTIONAL = ("pad_token_id", "bos_token_id", "eos_token_id", "head_dim", "num_key_value_heads", "num_kv_heads",
             "n_kv_heads", "intermediate_size")
