@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from conftest import FRAMEWORK_FREE_ENV
-
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the variable unittests/conftest.py reads (not imported: under a whole-suite run, the module named
+# ``conftest`` may be unittests/gpu's)
+FRAMEWORK_FREE_ENV = "PADDLE_GRAPHPP_FRAMEWORK_FREE"
 
 
 def collect(tmp_path, missing: str, framework_free: bool) -> subprocess.CompletedProcess:
@@ -25,6 +26,11 @@ def collect(tmp_path, missing: str, framework_free: bool) -> subprocess.Complete
         env[FRAMEWORK_FREE_ENV] = "1"
     return subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider",
                            str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_variable_is_the_one_the_conftest_reads():
+    with open(os.path.join(HERE, "conftest.py"), encoding="utf-8") as f:
+        assert f'FRAMEWORK_FREE_ENV = "{FRAMEWORK_FREE_ENV}"' in f.read()
 
 
 @pytest.mark.parametrize("framework", ["torch", "paddle"])
