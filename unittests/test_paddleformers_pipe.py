@@ -25,7 +25,7 @@ pytest.importorskip("paddle")
 skip_without_paddleformers(allow_module_level=True)
 
 from workers.fleet_ranks import launch_workers  # noqa: E402
-from workers.paddleformers_zoo import ROUTES, check_routes_agree  # noqa: E402
+from workers.paddleformers_zoo import ROUTES, SHARED, check_routes_agree  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "unittests", "workers", "paddleformers_worker.py")
@@ -39,8 +39,6 @@ def run_workers(nproc, args, tmp_path, timeout):
 def report_lines(data):
     return [line.strip() for line in data["install"]["report"].splitlines()]
 
-
-SHARED = "shared:model_shared_weight: shared weights (gradients synced across stages)"
 
 
 @pytest.mark.slow

@@ -125,6 +125,8 @@ def case(name: str) -> PipeCase:
 
 # --------------------------------------------------------------------------- test side
 ROUTES = ("eager", "graph_pipeline", "install")
+# How a segmentation report shows PaddleFormers' tied embedding and head (kept eager).
+SHARED = "shared:model_shared_weight: shared weights (gradients synced across stages)"
 
 
 def check_routes_agree(results: dict, nranks: int, steps: int, micro: int) -> None:
