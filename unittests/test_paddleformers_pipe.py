@@ -1,7 +1,8 @@
 """A real client: PaddleFormers' LlamaForCausalLMPipe trained by fleet on CPU ranks (gloo).
 
 PaddleFormers builds its pipe models by subclassing fleet's ``PipelineLayer`` and calling its
-constructor itself, without ``use_cudagraph``. Each case launches
+constructor itself, without ``use_cudagraph``. (test_paddleformers_zoo.py runs the other pipe
+classes the same way, through the same worker and ``check_routes_agree``.) Each case launches
 unittests/workers/paddleformers_worker.py under ``python -m paddle.distributed.launch`` and
 trains the same tiny Llama eagerly, after ``paddle_graphpp.graph_pipeline(model)`` and under
 ``paddle_graphpp.install(default_use_cudagraph=True)``: the per-step losses must be identical,
@@ -14,7 +15,6 @@ launch runs in its own session under a time limit (testing/launch.py), and is re
 gloo fails to connect inside ``fleet.init`` (before any code under test runs).
 """
 
-import math
 import os
 
 import pytest
@@ -25,10 +25,10 @@ pytest.importorskip("paddle")
 skip_without_paddleformers(allow_module_level=True)
 
 from workers.fleet_ranks import launch_workers  # noqa: E402
+from workers.paddleformers_zoo import ROUTES, SHARED, check_routes_agree  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "unittests", "workers", "paddleformers_worker.py")
-ROUTES = ("eager", "graph_pipeline", "install")
 
 
 def run_workers(nproc, args, tmp_path, timeout):
@@ -36,28 +36,9 @@ def run_workers(nproc, args, tmp_path, timeout):
     return launch_workers(WORKER, nproc, args, tmp_path, timeout)
 
 
-def check_routes_agree(results, nranks, steps, micro):
-    assert sorted(results) == list(range(nranks))
-    reference = results[0]["eager"]["losses"]
-    assert len(reference) == steps and not any(math.isnan(loss) for loss in reference)
-    for rank, data in results.items():
-        eager = data["eager"]
-        for route in ROUTES:
-            assert data[route]["losses"] == reference, f"rank {rank} {route}: {data[route]['losses']} != {reference}"
-            assert data[route]["state_dict_keys"] == eager["state_dict_keys"], f"rank {rank} {route}: keys differ"
-        assert data["graph_pipeline"]["names_before"] == data["graph_pipeline"]["names_after"]
-        for route in ROUTES[1:]:
-            calls = data[route]["graphed_calls"]
-            # every graphed run took part in every micro-batch of every step
-            assert calls and set(calls.values()) == {steps * micro}, f"rank {rank} {route}: {calls}"
-            assert data[route]["report"] == data["graph_pipeline"]["report"]
-
-
 def report_lines(data):
     return [line.strip() for line in data["install"]["report"].splitlines()]
 
-
-SHARED = "shared:model_shared_weight: shared weights (gradients synced across stages)"
 
 
 @pytest.mark.slow

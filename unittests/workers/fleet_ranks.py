@@ -57,12 +57,14 @@ def count_calls(layers) -> dict:
     return calls
 
 
-def train_on_random_tokens(model, args, vocab: int, seq: int, *, die_rank: int = -1, before_step=None):
+def train_on_random_tokens(model, args, vocab: int, seq: int, *, die_rank: int = -1, before_step=None,
+                           labels_as_tuple: bool = False):
     """Train ``fleet.distributed_model(model)`` with AdamW(1e-2) for ``args.steps`` steps of
     ``args.micro_batches * args.micro_batch_size`` random token sequences of length ``seq``
     (seeded by ``args.seed``); returns the distributed model and the per-step losses. Rank
     ``die_rank`` exits abruptly (code 3) in the first step instead. ``before_step()`` is called
-    before each optimizer step (the gradients of the step are in place then)."""
+    before each optimizer step (the gradients of the step are in place then). With
+    ``labels_as_tuple`` the labels go in as a one-tensor tuple (a loss that reads ``labels[0]``)."""
     import numpy as np
     import paddle
     from paddle.distributed import fleet
@@ -86,7 +88,7 @@ def train_on_random_tokens(model, args, vocab: int, seq: int, *, die_rank: int =
         x, y = paddle.to_tensor(tokens[:, :-1]), paddle.to_tensor(tokens[:, 1:])
         if die_rank == paddle.distributed.get_rank():
             os._exit(3)
-        loss = model.train_batch([x, y], opt)
+        loss = model.train_batch([x, (y,) if labels_as_tuple else y], opt)
         losses.append(float(np.asarray(loss.numpy()).reshape(-1)[0]))
     return model, losses
 

@@ -1,6 +1,23 @@
-"""Test support: PaddleFormers 1.2.0's ``Trainer`` on CPU ranks, around its own defects.
+"""Test support: PaddleFormers 1.2.0 on CPU ranks, around its own defects.
 
-Not part of paddle_graphpp: the library never changes PaddleFormers. The Trainer test
+Not part of paddle_graphpp: the library never changes PaddleFormers.
+
+:func:`stand_in_for_paddlefleet` (the pipe-model worker, ``paddleformers_worker.py``, calls it
+before importing a pipe class) lets the modules of Qwen2/3, Qwen2/3-MoE, GLM-4-MoE and
+DeepSeek-V3 import without paddlefleet, which the package index does not have:
+
+* ``qwen2``, ``qwen3``, ``qwen2_moe``, ``qwen3_moe`` and ``glm4_moe``'s ``modeling.py`` import
+  ``transformers/gpt_provider.py`` at the top, which raises ``ImportError: paddlefleet is required
+  for gpt_provider``; only their paddlefleet classes (``Qwen2ForCausalLMPipe``, ...) use it, to
+  subclass ``GPTModelProvider``. Stand-in: a ``gpt_provider`` module whose ``GPTModelProvider``
+  (with the empty ``transform_rules`` that ``glm4_moe`` extends) refuses to provide a model, with
+  that message; the ``...PipeDeprecated`` classes never call it.
+* ``qwen3_moe`` and ``deepseek_v3`` reach ``transformers/fused_a2a.py``, which imports
+  ``is_deep_ep_available`` from ``paddlefleet_ops`` (not on the index either). Stand-in: a
+  ``paddlefleet_ops`` whose ``is_deep_ep_available()`` is False, the module's own path without
+  DeepEP.
+
+The Trainer test
 (``unittests/test_paddleformers_trainer.py``, through ``paddleformers_trainer_worker.py``) calls
 :func:`work_around_trainer_defects` once per process before building a ``Trainer``. Each
 work-around is for a defect seen in PaddleFormers 1.2.0 with Paddle 3.3.1 (CPU wheel, gloo, pp=2),
@@ -22,9 +39,38 @@ none of which the project's code causes:
 refuses its own default otherwise (docs/paddle.md lists what a CPU run needs).
 """
 
+import importlib.util
+import sys
+import types
+
 import paddle
 
 _DONE = False
+_PADDLEFLEET = "paddlefleet is required for gpt_provider (PaddleFormers' paddlefleet models); it is not installed"
+
+
+def stand_in_for_paddlefleet() -> None:
+    """Put the two stand-ins above in ``sys.modules`` where paddlefleet is not installed
+    (idempotent; call before importing PaddleFormers' model modules)."""
+    provider_name = "paddleformers.transformers.gpt_provider"
+    if provider_name not in sys.modules and importlib.util.find_spec("paddlefleet") is None:
+        provider = types.ModuleType(provider_name)
+
+        class GPTModelProvider:
+            """Stand-in: the paddlefleet models cannot be built without paddlefleet."""
+
+            transform_rules = {}  # glm4_moe's provider extends it at class definition
+
+            @classmethod
+            def from_config(cls, *args, **kwargs):
+                raise ImportError(_PADDLEFLEET)
+
+        provider.GPTModelProvider = GPTModelProvider
+        sys.modules[provider_name] = provider
+    if "paddlefleet_ops" not in sys.modules and importlib.util.find_spec("paddlefleet_ops") is None:
+        ops = types.ModuleType("paddlefleet_ops")
+        ops.is_deep_ep_available = lambda: False
+        sys.modules["paddlefleet_ops"] = ops
 
 
 def work_around_trainer_defects() -> None:
