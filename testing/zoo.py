@@ -209,8 +209,14 @@ def _difference(a: dict, b: dict) -> float:
     return worst
 
 
-def _own(model):
+def _own(model, loss_function: bool = False):
+    """The model's own forward; with ``loss_function``, its logits under ``model.loss_function``
+    (the loss a pipeline's last stage computes from logits; a model's forward may compute another)."""
     def forward(ids):
+        if loss_function:
+            logits = model(ids).logits
+            return logits, model.loss_function(logits=logits, labels=ids,
+                                               vocab_size=model.config.get_text_config().vocab_size)
         out = model(ids, labels=ids)
         return out.logits, out.loss
     return forward
@@ -239,7 +245,17 @@ def check(model_type: str, doors=DOORS) -> dict:
             spread.append(_difference(reference, _train(second, _own(second), data)))
         return spread[0]
 
-    return {door: _door(door, base, data, reference, own_spread) for door in doors}
+    references = {}
+
+    def reference_for(door: str) -> dict:
+        if door != "causal_lm_stage":
+            return reference
+        if door not in references:
+            own = copy.deepcopy(base)
+            references[door] = _train(own, _own(own, loss_function=True), data)
+        return references[door]
+
+    return {door: _door(door, base, data, reference_for(door), own_spread) for door in doors}
 
 
 def _door(door: str, base, data, reference: dict, own_spread) -> Outcome:
