@@ -170,6 +170,7 @@ def _train(model, forward, data, *, step_wrapper=None):
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     record = {"losses": [], "logits": None, "grads": None}
+    torch.manual_seed(2)  # the same draws in every run (a router's jitter noise, a sampled expert)
 
     def step(batch):
         for ids in batch:
