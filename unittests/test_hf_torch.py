@@ -643,3 +643,14 @@ def test_graph_model_computes_router_logits_and_the_aux_loss_in_its_graph():
     own.loss.backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_layers_that_share_keys_and_values_outside_their_arguments_are_refused():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False))
+    model.config.num_kv_shared_layers = 1  # as Gemma3n's config says it (its last layers read earlier layers' keys)
+    with pytest.raises(ValueError, match=r"num_kv_shared_layers=1.*graph_model\(\)"):
+        graph_layers(model.model.layers)

@@ -96,6 +96,12 @@ def check_block(name: str, layer: nn.Module, check_config: bool) -> None:
         raise ValueError(
             f"{name}: the model's config has output_attentions=True; attention weights are recorded by hooks "
             f"inside the layer, which graph replays do not run. Set `model.config.output_attentions = False`.")
+    if config is not None and (getattr(config, "num_kv_shared_layers", 0) or 0) > 0:
+        raise ValueError(
+            f"{name}: the model's config has num_kv_shared_layers={config.num_kv_shared_layers}: its last layers "
+            f"read keys and values an earlier layer computed, passed outside the layers' arguments, so gradients "
+            f"through them would not reach the graphed layer that made them. Graph the whole model with "
+            f"graph_model() instead.")
     if config is not None and getattr(config, "output_router_logits", False):
         raise ValueError(
             f"{name}: the model's config has output_router_logits=True; router logits (and the load-balancing "
