@@ -224,7 +224,19 @@ def _own(model, loss_function: bool = False):
 
 
 def check(model_type: str, doors=DOORS) -> dict:
-    """``{door: Outcome}`` for ``model_type``: each door's training run against the model's own."""
+    """``{door: Outcome}`` for ``model_type``: each door's training run against the model's own
+    (on one CPU thread: these models are too small to gain from more, and lose much to them)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _check(model_type, doors)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _check(model_type: str, doors) -> dict:
     import copy
 
     base = tiny(model_type)
