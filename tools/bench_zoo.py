@@ -62,7 +62,7 @@ def batches(args, vocab, steps, seed=0):
             for _ in range(steps)]
 
 
-def trainer(model, micro):
+def trainer(model):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(batch):
@@ -77,8 +77,8 @@ def trainer(model, micro):
     return step
 
 
-def train(model, data, micro):
-    step = trainer(model, micro)
+def train(model, data):
+    step = trainer(model)
     losses = [torch.stack(step(b)).tolist() for b in data]
     return losses, [p.detach().clone() for p in model.parameters()]
 
@@ -111,8 +111,8 @@ def measure(name, args, out):
     row["class"] = type(base).__name__
     vocab = base.config.get_text_config().vocab_size
     data = batches(args, vocab, args.steps)
-    eager = train(copy.deepcopy(base), data, args.micro_batches)
-    again = train(copy.deepcopy(base), data, args.micro_batches)
+    eager = train(copy.deepcopy(base), data)
+    again = train(copy.deepcopy(base), data)
     spread = compare(eager, again)
     row["eager_vs_eager"] = {"loss": spread[0], "param": spread[1]}
     copies = {"eager": copy.deepcopy(base)}
@@ -120,7 +120,7 @@ def measure(name, args, out):
         model = copy.deepcopy(base)
         try:
             graph(model)
-            run = train(model, data, args.micro_batches)
+            run = train(model, data)
         except Exception as exc:  # noqa: BLE001 - recorded: a refusal or a capture error, with its message
             row[door] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
             traceback.print_exc(limit=3)
@@ -133,11 +133,11 @@ def measure(name, args, out):
     if time.perf_counter() - out["started"] > args.budget:
         row["timing"] = "skipped: budget"
         return row
-    steps = {door: trainer(m, args.micro_batches) for door, m in copies.items()}
+    steps = {door: trainer(m) for door, m in copies.items()}
     if name in args.compile:
         compiled = copy.deepcopy(base)
         compiled.forward = torch.compile(compiled.forward)
-        steps["compile"] = trainer(compiled, args.micro_batches)
+        steps["compile"] = trainer(compiled)
     data = batches(args, vocab, 1, seed=1)[0]
     variants = {door: (lambda s=s: s(data)) for door, s in steps.items()}
     for fn in variants.values():  # warm up (and capture or compile) outside the clock

@@ -40,7 +40,7 @@ from .layers import check_layer, graph_in_place
 
 __all__ = ["causal_lm_stage", "CausalLMStage"]
 
-_KWARGS_KEPT = 8  # mask sets (one per batch shape, dtype, device) past which a stage warns
+_MASKS_KEPT = 8  # mask sets (one per batch shape, dtype, device) past which a stage warns
 _SCOPES = ("blocks", "stage")
 _PROBE_TOKENS = 8  # the length of the batch the stages' chain is checked on when they are built
 _RECORDED = ("output_attentions", "output_hidden_states", "output_router_logits")  # outputs hooks record
@@ -226,7 +226,7 @@ class CausalLMStage(nn.Module):
         self.__dict__["_masks"] = _transformers.MaskCalls(f"CausalLMStage {stage_index}", model, base)
         self.__dict__["_stage_input"] = [None]  # what the stand-ins hand on, during a call
         self.__dict__["_cut"] = self._cut_before(start + len(self.layer_indices))
-        self.__dict__["_kwargs_kept"] = {}
+        self.__dict__["_masks_kept"] = {}
 
     @property
     def blocks(self) -> list:
@@ -302,14 +302,14 @@ class CausalLMStage(nn.Module):
         They depend only on the batch's shape, dtype and device and the attention kernel, so they
         are built once per such key, eagerly, by the model's own forward up to its first block
         (the random state is put back afterwards), and kept for good (graphs read them where they
-        are; a warning past :data:`_KWARGS_KEPT` keys). A key first seen inside a capture is
+        are; a warning past :data:`_MASKS_KEPT` keys). A key first seen inside a capture is
         refused: transformers would build the masks on its traced path there.
         """
         dtype = self._hidden_dtype(x)
         config = self.config
         key = (tuple(x.shape[:2]), dtype, x.device, torch.is_autocast_enabled(x.device.type),
                getattr(config, "_attn_implementation", None))
-        kept = self._kwargs_kept.get(key)
+        kept = self._masks_kept.get(key)
         if kept is not None:
             return kept
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -325,10 +325,10 @@ class CausalLMStage(nn.Module):
         with torch.no_grad(), torch.random.fork_rng(devices=devices), self._masks.recording(recorded):
             self._run(sample, end_at=self._start)
         # Never dropped: a whole-step graph reads these tensors where they are.
-        if len(self._kwargs_kept) == _KWARGS_KEPT:
-            warn(f"CausalLMStage {self.stage_index}: masks for {_KWARGS_KEPT + 1} batch shapes are kept now "
+        if len(self._masks_kept) == _MASKS_KEPT:
+            warn(f"CausalLMStage {self.stage_index}: masks for {_MASKS_KEPT + 1} batch shapes are kept now "
                  f"(one set per shape, never dropped); pad batches to a few fixed shapes")
-        self._kwargs_kept[key] = recorded
+        self._masks_kept[key] = recorded
         return recorded
 
     def _hidden_dtype(self, x: torch.Tensor) -> torch.dtype:
