@@ -17,6 +17,7 @@ supported transformers range: ``python -m pytest unittests/test_hf_zoo.py -m zoo
 """
 
 import pytest
+import torch  # noqa: F401  (the zoo needs torch; without it this module is skipped, not an error)
 
 from testing import zoo
 
