@@ -53,12 +53,14 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget", type=float, default=480, help="seconds after which the timing is skipped")
+    p.add_argument("--deadline", type=float, default=900, help="seconds after which no further class is started")
+    p.add_argument("--device", default="cuda", help="cpu runs the same code eagerly (a check of the script)")
     return p.parse_args(argv)
 
 
 def batches(args, vocab, steps, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, vocab, (args.batch, args.seq), generator=gen).cuda() for _ in range(args.micro_batches)]
+    return [[torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device) for _ in range(args.micro_batches)]
             for _ in range(steps)]
 
 
@@ -104,7 +106,7 @@ def measure(name, args, out):
 
     row = {"class": None}
     try:
-        base = zoo.build(name, experts_implementation=args.experts).cuda()
+        base = zoo.build(name, experts_implementation=args.experts).to(args.device)
     except Exception as exc:  # noqa: BLE001 - a class that does not build is recorded as such
         row["build"] = f"{type(exc).__name__}: {exc}"[:300]
         return row
@@ -154,6 +156,13 @@ def measure(name, args, out):
     return row
 
 
+def record(args, rows):
+    exact = {d: sorted(n for n, r in rows.items() if r.get(d, {}).get("exact")) for d in ("layers", "model")}
+    payload = {"environment": benchlib.environment(), "settings": vars(args), "models": rows,
+               "summary": {"classes": len(rows), "exact_layers": exact["layers"], "exact_model": exact["model"]}}
+    return benchlib.write_result("zoo", payload)
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -161,12 +170,12 @@ def main(argv=None):
     out = {"started": time.perf_counter()}
     rows = {}
     for name in args.models:
-        rows[name] = measure(name, args, out)
-        print(name, rows[name], flush=True)
-    exact = {d: sorted(n for n, r in rows.items() if r.get(d, {}).get("exact")) for d in ("layers", "model")}
-    payload = {"environment": benchlib.environment(), "settings": vars(args), "models": rows,
-               "summary": {"classes": len(rows), "exact_layers": exact["layers"], "exact_model": exact["model"]}}
-    path = benchlib.write_result("zoo", payload)
+        if time.perf_counter() - out["started"] > args.deadline:
+            rows[name] = {"class": None, "skipped": "deadline"}
+        else:
+            rows[name] = measure(name, args, out)
+        print(f"[{time.perf_counter() - out['started']:5.0f} s] {name}", rows[name], flush=True)
+        path = record(args, rows)  # after every class, so that an interrupted run keeps what it measured
     print(f"\n{'class':14s} {'layers':>14s} {'model':>14s} {'x eager L/M':>12s} {'x compile L/M':>14s}")
     for name, r in rows.items():
         def verdict(d):
