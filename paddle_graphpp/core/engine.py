@@ -29,7 +29,8 @@ captured and launched in the step it first runs in (its launch gives that step's
 A new signature is warmed up and captured anew, up to ``max_signatures``; past that it runs
 eagerly with one warning. A signature is never replayed into another's graph. A layer whose
 capture failed with ``fallback="eager"`` is in phase ``EAGER`` for good. Every transition
-is one of :class:`~paddle_graphpp.core.phases.LayerPhases`'s.
+is one of :class:`~paddle_graphpp.core.lifecycle.Lifecycle`'s, the lifecycle whole steps and
+``graph_process`` slots go through too.
 
 Backwards pair with forwards through the layer's FIFO (:mod:`paddle_graphpp.core.schedule`),
 so 1F1B and interleaved schedules work. Memory modes are described in
@@ -71,17 +72,15 @@ from .capture import Process, process_for
 from .errors import GraphScheduleError, SignatureError
 from .in_step import InStepCapture
 from .layer_capture import LayerCapture
-from .phases import LayerPhases
+from .lifecycle import Lifecycle, signature_key
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
 from .recompute import LayerRecompute
-from .records import (Call, CallShape, Launched, Outputs, Phase, PositionRecord, RanEager, Replayed, Signature,
-                      SignatureKey, signature_key_parts)
+from .records import Call, CallShape, Launched, Outputs, Phase, PositionRecord, RanEager, Replayed, Signature
 from .runtime import GraphRuntime, capabilities, runtime_for
 from .replay import Replays
 from .schedule import InFlightQueue
 from .state import LayerStateCheck
 from .tree import flatten
-from .warn import warn
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine",
            "graphed_label", "HoldsEngine", "node_forward", "node_backward", "reset_graphs", "drop_in_flight"]
@@ -115,17 +114,16 @@ class GraphedCallable:
                              "leave it 'auto' or False (gradients then reach .grad through autograd).")
         self.queue = InFlightQueue(name, options.max_in_flight)
         _LIVE_ENGINES.add(self)
-        self.phases = LayerPhases(name, options.max_signatures)  # its signatures; the only code moving them
+        # Its signatures, the only code moving them, its capture and replay counts and warnings.
+        self.phases = Lifecycle(name, max_signatures=options.max_signatures,
+                                num_warmup_steps=options.num_warmup_steps, fallback=options.fallback)
         self._param_grad_buffers: Optional[list] = None
         self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
-        self._warned: set = set()
         self.state = LayerStateCheck(runtime, fn, name)  # replays refuse replaced parameters and buffers
         self.recomputing = LayerRecompute(self)  # whether calls recompute; the RNG mirrors
         #: Entered around each capture of the layer: the layer as its graphs read it (a front door
         #: sets it where the layer's parameters are swapped out between calls, as FSDP2 does).
         self.capture_view: Callable[[], Any] = contextlib.nullcontext
-        self.replays = 0  # forward + backward graph replays, for tests and telemetry
-        self.captures = 0
         self.backward = Backward(self)
         self.capture = LayerCapture(self)
         self.in_step = InStepCapture(self)
@@ -149,12 +147,10 @@ class GraphedCallable:
                 self.caps.lending.end_borrowed_work()  # no eager work routed into a pool (see below)
             return self.fn(*args, **kwargs)
         leaves, spec = flatten((args, kwargs))
-        tensor_index = [i for i, x in enumerate(leaves) if rt.is_tensor(x)]
+        key, tensor_index, specs = signature_key(
+            rt, leaves, spec, context=((getattr(self.fn, "training", None), self.caps.mode_key()),
+                                       self.recomputing.when()))
         tensors = [leaves[i] for i in tensor_index]
-        specs = tuple(rt.spec(t) for t in tensors)
-        consts, structure = signature_key_parts(leaves, tensor_index, spec)
-        key = SignatureKey((specs, consts, structure, (getattr(self.fn, "training", None), self.caps.mode_key()),
-                            self.recomputing.when()))
         sig = self.phases.get(key)
         if sig is not None:
             key = sig.key  # hashed once; the tables keyed by it find it by identity
@@ -189,12 +185,11 @@ class GraphedCallable:
         its FIFO position, then the run its signature's phase asks for."""
         self.process.poll_watches()
         clock = self.process.clock
-        sig = None if call.force_eager else self.phases.add(call, self.warn_once)
+        sig = None if call.force_eager else self.phases.add(call.key, call.shape)
         episode = clock.forward_started()
         first_in_episode = self.queue.episode != episode
         try:
-            if sig is not None and sig.phase is Phase.WARMUP and first_in_episode \
-                    and sig.warm >= self.options.num_warmup_steps:
+            if sig is not None and sig.phase is Phase.WARMUP and first_in_episode and self.phases.warmed(sig):
                 self._leave_warmup(sig, call)
             call.position = self.queue.push(call, call.key, episode=episode)
             if sig is not None and self.memory_mode is _memory.MemoryMode.PER_GRAPH:
@@ -289,7 +284,6 @@ class GraphedCallable:
         self.phases.reset()
         self._param_grad_buffers = self._weight_grad_buffers = None
         self.recomputing.reset()
-        self._warned.clear()
         self.state.reset()
 
     # ----------------------------------------------------------------- helpers
@@ -326,9 +320,17 @@ class GraphedCallable:
         return self._weight_grad_buffers
 
     def warn_once(self, key, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warn(message)
+        self.phases.warn_once(key, message)
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured (forward and backward counted apart), as every scope counts them."""
+        return self.phases.captures
+
+    @property
+    def replays(self) -> int:
+        """Graph launches (forward and backward counted apart), as every scope counts them."""
+        return self.phases.replays
 
     # ------------------------------------------------------------ inspection
     def signature(self, key: Any) -> Optional[Signature]:

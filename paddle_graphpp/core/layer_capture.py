@@ -271,7 +271,7 @@ class LayerCapture:
         with around or contextlib.nullcontext(), self._capturing(graph, gen, phase):
             yield graph
         self.layer.plan.note_capture(gen, id(graph), _memory.now() - start)
-        self.layer.captures += 1
+        self.layer.phases.captures += 1
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):
@@ -305,25 +305,16 @@ class LayerCapture:
         raise, or ``None`` when ``fallback="eager"`` turned the layer eager."""
         layer = self.layer
         release_frames(exc)  # the frames below the capture hold its buffers and outputs
-        layer.phases.capture_failed(key)
         if isinstance(exc, CaptureFailed):
             layer.plan.note_aborted(exc.generation)
-        if isinstance(exc, UserError):
-            return with_layer(exc.error, f"{layer.name}: raised while capturing the {exc.phase}")
         if not isinstance(exc, CaptureFailed):
+            layer.phases.warm_up_again(key)
+            if isinstance(exc, UserError):  # the layer's own code raised: its error, raised as is
+                return with_layer(exc.error, f"{layer.name}: raised while capturing the {exc.phase}")
             return exc  # the engine's own errors (GraphedLayerError) and interrupts
-        cause = f"{type(exc.error).__name__}: {exc.error}"
         hints = self.caps.hints
         hint = (hints.capture_failure_hint(exc.error, layer.generators()) if hints is not None else None) or (
             "Graphs cannot contain host synchronisation (.item(), .numpy(), printing a tensor, "
             "data-dependent shapes such as nonzero/masked_select) or CPU work. Move it out of the "
             "layer, or pass fallback='eager'.")
-        if layer.options.fallback == "eager":
-            layer.phases.fall_back(f"capturing the {exc.phase} failed: {cause}")
-            layer.warn_once("fallback", f"{layer.name}: capturing the {exc.phase} failed ({cause}); the layer "
-                                        f"runs eagerly from now on (fallback='eager'). {hint}")
-            return None
-        error = CaptureError(f"{layer.name}: capturing the {exc.phase} failed: {cause}. The capture's memory was "
-                             f"released; the layer warms up again. {hint}")
-        error.__cause__ = exc.error
-        return error
+        return layer.phases.capture_failed(key, f"the {exc.phase}", exc.error, hint)

@@ -16,15 +16,13 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from .runtime import TensorSpec
 from .tree import unflatten
 
 if TYPE_CHECKING:  # the engine imports this module
     from .engine import GraphedCallable
 
 __all__ = ["Phase", "Tree", "CallShape", "Outputs", "PositionRecord", "Position", "Live", "InputHalf", "Signature",
-           "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "describe",
-           "signature_key_parts", "SignatureKey", "with_layer"]
+           "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "with_layer"]
 
 
 class Phase(enum.Enum):
@@ -33,7 +31,7 @@ class Phase(enum.Enum):
     WARMUP = "warmup"
     RECORD = "record"
     READY = "ready"
-    EAGER = "eager"  # the layer went eager for good (LayerPhases.eager_reason); never a signature's own
+    EAGER = "eager"  # the scope (Lifecycle.eager_reason) or, in a scope without retry, the signature went eager
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +149,10 @@ class InputHalf:
 
 class Signature:
     """One input signature of a layer: its phase, parameters and captured positions (its phase
-    changes only through :class:`~paddle_graphpp.core.phases.LayerPhases`)."""
+    changes only through :class:`~paddle_graphpp.core.lifecycle.Lifecycle`)."""
 
     __slots__ = ("key", "describe", "shape", "phase", "warm", "params", "accumulate", "positions",
-                 "recordings", "busy")
+                 "recordings", "busy", "graph", "eager_reason")
 
     def __init__(self, key: Any, describe: str, shape: CallShape):
         self.key = key
@@ -167,6 +165,8 @@ class Signature:
         self.positions: dict[int, Position] = {}
         self.recordings: dict[int, PositionRecord] = {}
         self.busy: set = set()  # per_graph mode: slots whose backward has not run
+        self.graph: Any = None  # a scope with one graph per signature (a step, a graph_process slot): that graph
+        self.eager_reason: Optional[str] = None  # a scope without retry: why this signature runs eagerly for good
 
     def free_slot(self) -> int:
         """Lowest slot not in flight: ``per_graph`` recycles a position once its backward ran."""
@@ -176,8 +176,8 @@ class Signature:
         return slot
 
     def reset(self) -> None:
-        """Forget graphs and recordings and warm up again (see :class:`~paddle_graphpp.core.phases.LayerPhases`)."""
-        self.phase, self.warm = Phase.WARMUP, 0
+        """Forget graphs and recordings and warm up again (see :class:`~paddle_graphpp.core.lifecycle.Lifecycle`)."""
+        self.phase, self.warm, self.graph, self.eager_reason = Phase.WARMUP, 0, None, None
         self.positions.clear()
         self.recordings.clear()
 
@@ -308,48 +308,3 @@ def with_layer(error: BaseException, context: str) -> BaseException:
         return error
     new.__cause__ = error
     return new
-
-
-# ------------------------------------------------------------------ signature keys
-class SignatureKey(tuple):
-    """A signature's key: a tuple that hashes its parts once. A graphed call's key goes into
-    several tables on every call (its signature, its queue position, the outputs it handed
-    out); a plain tuple of tensor specs would be hashed anew each time. The engine gives every
-    call of a known signature the signature's own key object, so those lookups also compare
-    by identity."""
-
-    def __new__(cls, parts):
-        self = super().__new__(cls, parts)
-        self._hash = tuple.__hash__(self)
-        return self
-
-    def __hash__(self):
-        return self._hash
-
-    def __reduce__(self):  # hashed anew where it is loaded (string hashes differ per process)
-        return SignatureKey, (tuple(self),)
-
-    @property
-    def recompute(self) -> bool:
-        """Whether the signature's calls recompute their forward in the backward (its fifth part)."""
-        return len(self) > 4 and bool(self[4])
-
-
-def _const_key(x):
-    try:
-        hash(x)
-        return (type(x).__name__, x)
-    except TypeError:
-        return (type(x).__name__, repr(x))
-
-
-def signature_key_parts(leaves, tensor_index, spec) -> tuple:
-    """The non-tensor arguments and the argument structure (``spec``, a tree of tuples), hashable."""
-    tensor_pos = set(tensor_index)
-    consts = tuple(_const_key(x) for i, x in enumerate(leaves) if i not in tensor_pos)
-    return consts, spec
-
-
-def describe(specs: Sequence[TensorSpec]) -> str:
-    return "(" + "; ".join(s.describe() for s in specs) + ")"
-

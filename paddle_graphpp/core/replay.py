@@ -75,7 +75,7 @@ class Replays:
         the replay watchdog follows it."""
         self.layer.runtime.replay_graph(graph)
         self.layer.process.replay_watch.launched(self.layer.capture, call.position, kind, graph)
-        self.layer.replays += 1
+        self.layer.phases.replays += 1
 
     def hand_out(self, call: Call, static_outputs: Sequence[Any]) -> list:
         """Aliases of a launched forward's output buffers for the caller, watched weakly: the
