@@ -144,21 +144,22 @@ class Lifecycle:
 
     def add(self, key: Any, shape: Any) -> Optional[Signature]:
         """The signature ``key`` (its arguments' ``shape``, a
-        :class:`~paddle_graphpp.core.records.CallShape`), new in phase ``WARMUP`` if unseen;
+        :class:`~paddle_graphpp.core.records.CallShape`, or ``None`` for a scope that reads its
+        tensors where they lie), new in phase ``WARMUP`` if unseen;
         ``None`` (with one warning) when ``max_signatures`` are taken."""
         sig = self._table.get(key)
         if sig is not None:
             return sig
+        text = describe(shape.specs) if shape is not None else "(by address)"
         if self.full():
-            self.warn_once(("full", key), f"{self.name}: input signature {describe(shape.specs)} is new and "
+            self.warn_once(("full", key), f"{self.name}: input signature {text} is new and "
                                           f"{self.max_signatures} signatures are already captured "
                                           f"(max_signatures); it runs eagerly. Pad inputs to a few fixed "
                                           f"shapes, or raise max_signatures.")
             return None
         if self._table:
-            logger.info("%s: new input signature %s; it will be warmed up and captured anew",
-                        self.name, describe(shape.specs))
-        sig = self._table[key] = Signature(key, describe(shape.specs), shape)
+            logger.info("%s: new input signature %s; it will be warmed up and captured anew", self.name, text)
+        sig = self._table[key] = Signature(key, text, shape)
         return sig
 
     def full(self) -> bool:
