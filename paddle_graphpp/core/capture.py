@@ -58,7 +58,7 @@ from .schedule import EpisodeClock
 from .warn import warn
 
 if TYPE_CHECKING:
-    from .batch import CaptureParticipant
+    from .participant import CaptureParticipant
 
 __all__ = ["Process", "process_for"]
 
@@ -71,7 +71,7 @@ MAX_DEFERRED_EPISODES = 4096  # recordings dropped in a row at most while the ru
 class Process:
     """Process-wide state of one runtime: episode clock, memory plan, the episode being
     recorded, and the services replays use after a capture. Layers take part as
-    :class:`~paddle_graphpp.core.batch.CaptureParticipant` objects (their ``capture``)."""
+    :class:`~paddle_graphpp.core.participant.CaptureParticipant` objects (their ``capture``)."""
 
     def __init__(self, plan: "_memory.MemoryPlan"):
         self.runtime: GraphRuntime = plan.runtime

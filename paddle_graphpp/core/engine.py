@@ -59,8 +59,8 @@ adds into ``.grad`` as it does eagerly. A backward that asks for everything stay
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import logging
 import weakref
 from typing import Any, Callable, Optional, Sequence
@@ -69,13 +69,14 @@ from . import memory as _memory
 from .backward import Backward
 from .scope import layers_inlined
 from .capture import Process, process_for
-from .errors import GraphScheduleError, SignatureError
+from .errors import GraphScheduleError
 from .in_step import InStepCapture
 from .layer_capture import LayerCapture
+from .layer import EngineHooks, GradBuffers, Layer
 from .lifecycle import Lifecycle, signature_key
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
 from .recompute import LayerRecompute
-from .records import Call, CallShape, Launched, Outputs, Phase, PositionRecord, RanEager, Replayed, Signature
+from .records import Call, CallShape, Launched, Phase, PositionRecord, RanEager, Replayed, Signature
 from .runtime import GraphRuntime, capabilities, runtime_for
 from .replay import Replays
 from .schedule import InFlightQueue
@@ -83,7 +84,8 @@ from .state import LayerStateCheck
 from .tree import flatten
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine",
-           "graphed_label", "HoldsEngine", "node_forward", "node_backward", "reset_graphs", "drop_in_flight"]
+           "graphed_label", "HoldsEngine", "node_forward", "node_backward", "weight_pending", "EngineHooks",
+           "reset_graphs", "drop_in_flight"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -98,10 +100,14 @@ class GraphedCallable:
             its graphs keep the list they were captured against).
         name: the layer's name in messages.
         options: :class:`EngineOptions`.
+        hooks: what the front door adds (:class:`~paddle_graphpp.core.layer.EngineHooks`).
+
+    Its parts are made here and given what each uses: the layer (:class:`~paddle_graphpp.core.layer.Layer`),
+    its lifecycle, FIFO, state check, gradient buffers and each other; none is given the engine.
     """
 
     def __init__(self, fn: Callable, runtime: GraphRuntime, params: Callable[[], list], *,
-                 name: str, options: EngineOptions):
+                 name: str, options: EngineOptions, hooks: Optional[EngineHooks] = None):
         self.fn = fn
         self.runtime = runtime
         self.caps = capabilities(runtime)
@@ -117,17 +123,18 @@ class GraphedCallable:
         # Its signatures, the only code moving them, its capture and replay counts and warnings.
         self.phases = Lifecycle(name, max_signatures=options.max_signatures,
                                 num_warmup_steps=options.num_warmup_steps, fallback=options.fallback)
-        self._param_grad_buffers: Optional[list] = None
-        self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
+        self.layer = layer = Layer(name=name, fn=fn, runtime=runtime, caps=self.caps, options=options,
+                                   memory_mode=self.memory_mode, params=params, hooks=hooks or EngineHooks(),
+                                   process=functools.partial(process_for, runtime))
+        self.buffers = GradBuffers(runtime)  # what the backward graphs write parameter gradients into
         self.state = LayerStateCheck(runtime, fn, name)  # replays refuse replaced parameters and buffers
-        self.recomputing = LayerRecompute(self)  # whether calls recompute; the RNG mirrors
-        #: Entered around each capture of the layer: the layer as its graphs read it (a front door
-        #: sets it where the layer's parameters are swapped out between calls, as FSDP2 does).
-        self.capture_view: Callable[[], Any] = contextlib.nullcontext
-        self.backward = Backward(self)
-        self.capture = LayerCapture(self)
-        self.in_step = InStepCapture(self)
-        self.replay = Replays(self)
+        self.recomputing = LayerRecompute(layer)  # whether calls recompute; the RNG mirrors
+        parts = dict(lifecycle=self.phases, state=self.state, recomputing=self.recomputing)
+        self.capture = LayerCapture(layer, buffers=self.buffers, **parts)
+        self.replay = Replays(layer, queue=self.queue, participant=self.capture, **parts)
+        self.in_step = InStepCapture(layer, capture=self.capture, replay=self.replay)
+        self.backward = Backward(layer, queue=self.queue, buffers=self.buffers, replay=self.replay,
+                                 capture=self.capture, in_step=self.in_step, **parts)
 
     @property
     def process(self) -> Process:
@@ -218,7 +225,8 @@ class GraphedCallable:
                 return self.run_eager(call)
             return self.replay.forward(call, done)
         if self.plan.async_allocator:
-            return self.in_step.forward(call, sig)
+            outputs = self.in_step.forward(call, sig)
+            return outputs if outputs is not None else self.run_eager(call)  # None: it fell back to eager
         outputs = self.run_eager(call)  # a position not captured yet: run it, record it
         self._record_forward(call, sig)
         return outputs
@@ -282,42 +290,18 @@ class GraphedCallable:
                 f"backwards first (reset between steps).")
         self.process.forget(self.capture)
         self.phases.reset()
-        self._param_grad_buffers = self._weight_grad_buffers = None
+        self.buffers.reset()
         self.recomputing.reset()
         self.state.reset()
 
     # ----------------------------------------------------------------- helpers
     def outputs_of(self, result: Any) -> tuple:
         """The output structure of ``result`` and its tensors."""
-        rt = self.runtime
-        leaves, spec = flatten(result)
-        index = tuple(i for i, x in enumerate(leaves) if rt.is_tensor(x))
-        if not index:
-            raise SignatureError(f"{self.name}: the wrapped layer returned no tensor; a graphed layer "
-                                 f"must return at least one tensor.")
-        tensors = [leaves[i] for i in index]
-        shape = Outputs(tuple(None if i in index else x for i, x in enumerate(leaves)), spec, index,
-                        tuple(rt.spec(t).requires_grad for t in tensors))
-        return shape, tensors
+        return self.layer.outputs_of(result)
 
     def generators(self) -> tuple:
         """The generators named by the ``generators`` option, read at each capture."""
-        chosen = self.options.generators
-        if chosen is None:
-            return ()
-        return tuple(chosen() if callable(chosen) else chosen)
-
-    def param_buffers(self, params: Sequence[Any]) -> list:
-        """The layer's parameter-gradient buffers (made at its first capture)."""
-        if self._param_grad_buffers is None or len(self._param_grad_buffers) != len(params):
-            self._param_grad_buffers = [self.runtime.static_like(p) for p in params]
-        return self._param_grad_buffers
-
-    def weight_buffers(self, params: Sequence[Any]) -> list:
-        """The buffers a split backward's weight half writes without accumulation."""
-        if self._weight_grad_buffers is None or len(self._weight_grad_buffers) != len(params):
-            self._weight_grad_buffers = [self.runtime.static_like(p) for p in params]
-        return self._weight_grad_buffers
+        return self.layer.generators()
 
     def warn_once(self, key, message: str) -> None:
         self.phases.warn_once(key, message)
@@ -350,12 +334,12 @@ class GraphedCallable:
     @property
     def param_grad_buffers(self) -> Optional[list]:
         """The buffers the backward graphs write parameter gradients into (``None`` before a capture)."""
-        return self._param_grad_buffers
+        return self.buffers.params
 
     @property
     def weight_grad_buffers(self) -> Optional[list]:
         """The buffers split backwards' weight halves write into without accumulation (or ``None``)."""
-        return self._weight_grad_buffers
+        return self.buffers.weights
 
     @property
     def in_flight(self) -> int:
@@ -380,7 +364,7 @@ class GraphedCallable:
 def node_forward(ctx: Any, call: Call) -> tuple:
     """Body of a runtime's custom autograd function forward: run the call, keep it on ``ctx``,
     and mark the outputs that carry no gradient."""
-    outputs = call.forward()
+    outputs = call.engine.forward(call)
     ctx.call = call  # kept after backward: a second backward must reach the FIFO check and fail there
     frozen = [o for o, d in zip(outputs, call.differentiable) if not d]
     if frozen:
@@ -392,7 +376,12 @@ def node_backward(ctx: Any, grads: Sequence[Any], weights_wanted: bool = True) -
     """Body of the matching backward: one gradient (or ``None``) per tensor input and parameter.
     ``weights_wanted=False`` (the runtime saw that autograd asks for no parameter gradient)
     runs the input half of a split backward; the next backward through ``ctx`` the weight half."""
-    return ctx.call.backward(list(grads), weights_wanted)
+    return ctx.call.engine.backward.run(ctx.call, list(grads), weights_wanted)
+
+
+def weight_pending(call: Call) -> bool:
+    """The input half of ``call``'s backward ran and its weight half has not."""
+    return call.engine.queue.awaits_weight(call)
 
 
 def graphed_label(kind: str, module: Any, name: Optional[str]) -> str:
@@ -402,10 +391,11 @@ def graphed_label(kind: str, module: Any, name: Optional[str]) -> str:
 
 
 def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, name: str,
-                   options: EngineOptions) -> GraphedCallable:
+                   options: EngineOptions, hooks: Optional[EngineHooks] = None) -> GraphedCallable:
     """The engine behind a framework's graphed layer class, named ``name`` (:func:`graphed_label`),
-    with the ``options`` its front door gathered (:func:`~paddle_graphpp.core.options.engine_options`)."""
-    return GraphedCallable(wrapped, runtime, trainable, name=name, options=options)
+    with the ``options`` its front door gathered (:func:`~paddle_graphpp.core.options.engine_options`)
+    and the ``hooks`` it adds (:func:`~paddle_graphpp.core.layer.hooks_for`)."""
+    return GraphedCallable(wrapped, runtime, trainable, name=name, options=options, hooks=hooks)
 
 
 class HoldsEngine:

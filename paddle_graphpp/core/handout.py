@@ -27,7 +27,7 @@ from .runtime import GraphRuntime, OutputRelease
 from .warn import warn
 
 if TYPE_CHECKING:
-    from .batch import CaptureParticipant
+    from .participant import CaptureParticipant
 
 __all__ = ["HandedOutputs"]
 

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
+from .participant import CaptureParticipant
 from .runtime import GraphRuntime, OutputRelease
-
-if TYPE_CHECKING:  # batch imports this module
-    from .batch import CaptureParticipant
 
 __all__ = ["Recording", "Link", "Event"]
 

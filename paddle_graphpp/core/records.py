@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .tree import unflatten
-
-if TYPE_CHECKING:  # the engine imports this module
-    from .engine import GraphedCallable
 
 __all__ = ["Phase", "Tree", "CallShape", "Outputs", "PositionRecord", "Position", "Live", "InputHalf", "Signature",
            "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "with_layer"]
@@ -233,11 +230,13 @@ ENDED = RanEager((), None, ())  # a call whose backward is over keeps no tensor
 
 
 class Call:
-    """One forward call and, later, its backward. Lives in the layer's FIFO in between."""
+    """One forward call and, later, its backward: a record of the call (the engine that made it
+    runs both; see :func:`~paddle_graphpp.core.engine.node_forward`). Lives in the layer's FIFO
+    in between."""
 
     __slots__ = ("engine", "key", "shape", "tensors", "params", "force_eager", "position", "run", "outputs", "anchor")
 
-    def __init__(self, engine: GraphedCallable, key: Any, shape: CallShape, tensors: list, params: tuple,
+    def __init__(self, engine: Any, key: Any, shape: CallShape, tensors: list, params: tuple,
                  force_eager: bool):
         self.engine = engine
         self.key = key
@@ -257,17 +256,6 @@ class Call:
     @property
     def recorded(self) -> bool:
         return isinstance(self.run, RanEager) and self.run.recorded
-
-    def forward(self) -> list:
-        return self.engine.forward(self)
-
-    def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
-        return self.engine.backward.run(self, grads, weights_wanted)
-
-    @property
-    def weight_pending(self) -> bool:
-        """The input half of this call's backward ran and its weight half has not."""
-        return self.engine.queue.awaits_weight(self)
 
     def end(self) -> None:
         """The call's backward is over: it keeps no tensor. (Its autograd node keeps the call,

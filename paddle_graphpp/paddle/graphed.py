@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import paddle
 
-from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.engine import EngineHooks, HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.layer import hooks_for
 from ..core.options import EngineOptions, engine_options
 from .runtime import active_runtime
 from .compile import StaticLayer, opaque, to_static_options
@@ -74,7 +75,7 @@ class CUDAGraphedLayer(HoldsEngine, paddle.nn.Layer):
         run = layer if compiled is None else StaticLayer(layer, compiled, label)
         self.layer = layer
         self._engine = graphed_engine(run, active_runtime(), lambda: [p for p in layer.parameters() if not p.stop_gradient],
-                                      name=label, options=chosen)
+                                      name=label, options=chosen, hooks=hooks_for(layer, label, chosen, EngineHooks()))
 
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)

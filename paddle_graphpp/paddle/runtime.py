@@ -30,7 +30,7 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .. import support as _support
-from ..core.engine import node_backward, node_forward
+from ..core.engine import node_backward, node_forward, weight_pending
 from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, MemoryTelemetry, ModelTree, Recompute,
                             SplitBackward, StateSlots, StreamOrderedAllocator, TensorSpec, get_runtime)
 from ..core.state import module_state_slots
@@ -57,7 +57,7 @@ class _GraphedPyLayer(PyLayer):
         if not _split.split_requested():
             return tuple(node_backward(ctx, grads))
         got = node_backward(ctx, grads, weights_wanted=False)
-        if ctx.call.weight_pending:  # the engine split it (a layer without parameters does not)
+        if weight_pending(ctx.call):  # the engine split it (a layer without parameters does not)
             _split.queue_weight_pass(functools.partial(_weight_pass, ctx))
         return tuple(got)
 

@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.engine import EngineHooks, HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.layer import hooks_for
 from ..core.options import EngineOptions, engine_options
 from .compile import CompiledModule, RunsInPlaceOf, opaque, options_for
 from .integrations import fsdp as _fsdp
@@ -84,8 +85,8 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
                              f"compile anew for the capture without autograd. Pass one of them.")
         run = module if compiled is None else CompiledModule(module, compiled)
         self._engine = graphed_engine(run, active_runtime(), lambda: [p for p in module.parameters() if p.requires_grad],
-                                      name=label, options=chosen)
-        self._engine.capture_view = functools.partial(_fsdp.capture_view, self, label)
+                                      name=label, options=chosen, hooks=hooks_for(module, label, chosen, EngineHooks(
+                                          capture_view=functools.partial(_fsdp.capture_view, self, label))))
 
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):

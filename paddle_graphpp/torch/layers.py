@@ -38,6 +38,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ..core.layer import EngineHooks
 from ..core.options import EngineOptions
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
 from .graphed import CUDAGraphedModule, torch_engine_options
@@ -101,10 +102,17 @@ class _OriginalForward(RunsInPlaceOf):
 
     _wrapped = "layer"
 
-    def __init__(self, layer: nn.Module, forward):
+    def __init__(self, layer: nn.Module, forward, *, compiled: bool):
         super().__init__()
         self.layer = layer
         self._forward = forward
+        self._compiled = compiled
+
+    def graph_engine_hooks(self, name: str, options: EngineOptions) -> EngineHooks:
+        """The engine sees the block itself: FSDP2's unsharded view of it around each capture, and
+        its gradient checkpointing read per call (:func:`_recomputes`)."""
+        return EngineHooks(capture_view=functools.partial(_fsdp.capture_view, self.layer, name),
+                           recomputes=functools.partial(_recomputes, self.layer, options.recompute, self._compiled))
 
     def forward(self, *args, **kwargs):
         def resolve(x):  # the parameter as the block holds it now: inside a capture, its alias
@@ -129,7 +137,7 @@ class GraphedLayer(nn.Module):
     def __call__(self, *args, **kwargs):
         if _transformers.checkpointing(self) and torch.is_grad_enabled():
             # transformers' checkpoint would call the graphed forward twice (forward, then recompute
-            # in the backward); the block's graphs recompute instead (engine.recomputing.when)
+            # in the backward); the block's graphs recompute instead (_OriginalForward.graph_engine_hooks)
             return nn.Module.__call__(self, *args, **kwargs)
         return super().__call__(*args, **kwargs)
 
@@ -316,13 +324,12 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     user_compiled = [refuse_inner_graphs(layer, label) is not None for label, (_, layer) in zip(names, pairs)]
     if compiled is None and any(user_compiled):
         compiled = {}  # block.compile(): compiled inside the graphs, with torch.compile's defaults
-    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled)), name=label, options=options)
+    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled), compiled=compiled is not None),
+                                 name=label, options=options)
                for label, (_, layer) in zip(names, pairs)]  # every option checked before any block changes
     graphed = []
     for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
-        runner.engine.recomputing.when = functools.partial(_recomputes, layer, options.recompute, compiled is not None)
-        runner.engine.capture_view = functools.partial(_fsdp.capture_view, layer, label)
         layer.__dict__[_NAME] = label
         if own:  # its call would trace the graphed block: the compiled code runs inside the graphs instead
             layer.__dict__[_USER_COMPILED] = layer._compiled_call_impl

@@ -121,7 +121,7 @@ def prepare(block: nn.Module, name: str) -> None:
 
 
 def capture_view(block: nn.Module, name: str):
-    """What a graphed block's engine enters around each capture (``engine.capture_view``): the
+    """What a graphed block's engine enters around each capture (``EngineHooks.capture_view``): the
     checks and the kept storage of :func:`prepare`, then :func:`unsharded_view`."""
     prepare(block, name)
     return unsharded_view(block)
