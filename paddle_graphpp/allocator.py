@@ -1,23 +1,14 @@
 """The stream-ordered allocator switch (``cudaMallocAsync``) for Paddle and PyTorch.
 
-Two ways to ask for it, both before the framework allocates:
-
-* ``FLAGS_use_cuda_malloc_async_allocator=1`` in the environment of the process, or
-* :func:`use_cuda_malloc_async_allocator` called before the framework is imported
-  (PyTorch) or before its first allocation (Paddle).
-
-What it does per framework, and what it checks, is in the ``allocator`` module of each
-framework's package: :mod:`paddle_graphpp.paddle.memory.allocator` (Paddle sets the flag
-``FLAGS_use_cuda_malloc_async_allocator`` before its first allocation) and
-:mod:`paddle_graphpp.torch.memory.allocator` (PyTorch gets ``backend:cudaMallocAsync`` in
-``PYTORCH_CUDA_ALLOC_CONF`` before ``import torch``). Neither module, nor this one, imports a
-framework when imported.
-
-Order rules: a call that comes too late raises :class:`AllocatorSwitchError` saying where to
-call it; it never switches silently, and it never half-switches: every framework is checked
-first and nothing is changed unless all of them can switch. On CPU builds there is no device
-allocator and the switch changes nothing there, but the order rule is checked all the same, so
-a program that would fail on a GPU fails on CPU too.
+:func:`use_cuda_malloc_async_allocator`, called before the framework is imported (PyTorch) or
+before its first allocation (Paddle), or ``FLAGS_use_cuda_malloc_async_allocator=1`` in the
+process's environment (:func:`apply_env_switch`), selects it. A call that comes too late, or meets
+a conflicting setting, raises :class:`AllocatorSwitchError` saying where to call it, and changes
+nothing: every framework is checked first, and nothing is switched unless all of them can switch.
+On CPU builds nothing switches, but the order rule is checked all the same. Each framework's side
+is its ``memory.allocator`` module (:mod:`paddle_graphpp.paddle.memory.allocator`,
+:mod:`paddle_graphpp.torch.memory.allocator`); none of them imports a framework when imported.
+What it does, and what it costs: docs/memory.md#the-stream-ordered-allocator-cudamallocasync.
 """
 
 from __future__ import annotations

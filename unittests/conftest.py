@@ -1,6 +1,6 @@
 """Puts the repository root first on ``sys.path``: the tests import ``paddle_graphpp``, the test
-support package ``testing`` (``testing.launch``, ``testing.parity``) and the tools they test
-(``tools.train_gpt``, the benchmarks) or run (``tools.gpt_torch``, the trainer's model) from
+support package ``testing`` (``testing.launch``, ``testing.parity``, ``testing.gpt_torch``: the
+trainer's model) and the tools they test (``tools.train_gpt``, the benchmarks) from
 this checkout, whichever way pytest was started."""
 import os
 import sys

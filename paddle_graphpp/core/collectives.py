@@ -1,27 +1,14 @@
 """Capture-aware all-reduce: which path a call takes, and the buffers graphs keep registered.
 
-A custom all-reduce reads its peers' memory directly, so a captured one bakes buffer
-addresses into the graph. Three paths keep that safe (the traps vLLM and FastDeploy hit):
-
-=====================  ==================  ================================================
-capture phase?         stream capturing?   path
-=====================  ==================  ================================================
-yes                    yes                 ``REGISTERED``: a buffer reserved for this graph,
-                                           checked with all ranks when the phase ends
-yes                    no                  ``ALLOCATION_MIMIC``: warmup run; return an empty
-                                           tensor like the input, as the captured run will
-no                     either              ``COPY_IN``: copy into the communicator's staging
-                                           buffer and reduce there
-=====================  ==================  ================================================
-
-Tensors the custom kernel cannot take (size, dtype, alignment, world size, no peer access)
-go to ``FALLBACK``, the framework's own all-reduce, which NCCL can capture.
-
-The framework parts live behind :class:`AllReduceBackend` (``paddle_graphpp.torch.collectives.allreduce``,
-``paddle_graphpp.paddle.collectives.allreduce``); this module imports neither framework.
-
-The engine tells the registry which graph is being captured with :func:`capturing_graph`
-and checks a graph with :func:`check_replay` before replaying it.
+:class:`AllReduceDispatcher` routes each call: a tensor the custom kernel can take goes to one of
+three paths (:func:`choose_path`: a buffer registered for the graph being captured inside
+:func:`capture_custom_allreduce`, the warmup's allocation mimic, or copy-in to a staging buffer),
+anything else (size, dtype, alignment, world size, no peer access; :class:`CustomAllReducePolicy`)
+to ``FALLBACK``, the framework's own all-reduce, which NCCL can capture. The engine attributes
+registered buffers to the graph being captured (:func:`capturing_graph`) and checks a graph before
+replaying it (:func:`check_replay`: :class:`ReleasedBufferError` once its buffers are gone). The
+framework parts live behind :class:`AllReduceBackend`; this module imports neither framework.
+Paths and rules: docs/collectives.md.
 """
 
 from __future__ import annotations
@@ -59,10 +46,13 @@ class AllReducePath(enum.Enum):
 
 
 def choose_path(capture_phase: bool, stream_capturing: bool) -> AllReducePath:
-    """The custom kernel's path for a call, from the two facts that decide it (see module doc).
-
-    Outside the phase a capturing stream still gets ``COPY_IN``: the staging buffer lives as
-    long as the communicator, and closing the communicator marks such graphs released.
+    """The custom kernel's path for a call, from the two facts that decide it: inside
+    :func:`capture_custom_allreduce` a capturing stream gets ``REGISTERED`` (a buffer reserved for
+    this graph, checked with all ranks when the phase ends) and a stream that does not capture
+    ``ALLOCATION_MIMIC`` (the warmup: an empty tensor like the input, as the captured run will
+    return); outside it, ``COPY_IN`` (copied into the communicator's staging buffer and reduced
+    there). Outside the phase a capturing stream still gets ``COPY_IN``: the staging buffer lives
+    as long as the communicator, and closing the communicator marks such graphs released.
     """
     if capture_phase:
         return AllReducePath.REGISTERED if stream_capturing else AllReducePath.ALLOCATION_MIMIC

@@ -1,28 +1,16 @@
-"""The runtime seam: what the engine needs from a framework, as one required protocol and a
-few optional capabilities.
+"""The runtime seam: what the engine needs from a framework, as one required protocol and a few
+optional capabilities.
 
-The core never imports a framework. Each framework has one package of adapters, named in
-:data:`FRAMEWORKS`: its ``runtime`` module implements :class:`GraphRuntime` (and imports the
-framework), its ``optim`` module holds the graph-safe optimizer steps, and its ``allocator``
-module the stream-ordered allocator switch (which must work before the framework is
-imported, so that module imports no framework at import time).
-
-:class:`GraphRuntime` is what every runtime must do (15 required members, each with its
-contract), plus five members with a default a runtime may override (:meth:`~GraphRuntime.static_like`,
-:meth:`~GraphRuntime.call_with_param_aliases`, :meth:`~GraphRuntime.replay_graph`,
-:meth:`~GraphRuntime.new_pool`, :meth:`~GraphRuntime.release_cached_memory`). Everything else is
-a capability a runtime has or has not, one protocol each: :class:`StateSlots`,
-:class:`GradientOps`, :class:`AutocastModes`, :class:`SplitBackward`, :class:`InGraphAccumulation`,
-:class:`OutputRelease`, :class:`PoolLending`, :class:`StreamOrderedAllocator`,
-:class:`MemoryTelemetry`, :class:`CaptureHints`, :class:`ModelTree`, :class:`ReplayEvents`. A
-runtime declares one by
-deriving from it (and implementing all of it); :func:`capabilities` finds them once per runtime,
-and the engine asks that record, never a runtime for something it did not declare.
-
-Which framework an object belongs to is decided in one place, :func:`framework_of`, from
-the module its type (or a base class) is defined in; :func:`runtime_for` turns that into the
-runtime, :func:`get_runtime` loads a runtime by name, :func:`framework_module` any other part
-of a framework's package. Nothing here imports a framework until one of these is called.
+:class:`GraphRuntime` is what every runtime must do (each member with its contract, some with a
+default a runtime may override). Everything else is a capability a runtime declares by deriving
+from its protocol (:class:`StateSlots`, :class:`GradientOps`, ... :class:`Recompute`) and
+implementing all of it; :func:`capabilities` finds them once per runtime, and the engine asks that
+record, never a runtime for what it did not declare. :func:`framework_of` alone decides which
+framework an object belongs to; :func:`runtime_for`, :func:`get_runtime` and
+:func:`framework_module` load a framework's adapters (named in :data:`FRAMEWORKS`) on first use,
+and nothing here imports a framework before: an unknown name raises ``ValueError``, a framework
+not installed ``ImportError`` saying what to install. The design:
+docs/architecture.md#the-runtime-seam.
 """
 
 from __future__ import annotations

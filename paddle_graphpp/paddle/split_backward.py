@@ -1,22 +1,14 @@
 """A graphed layer's backward in an input half and a weight half, for fleet's DualPipeV.
 
-How Paddle defers weight gradients (3.3.1, ``fleet.meta_parallel.zero_bubble_utils``): only
-layers built from ``SplitBWLinear`` defer anything. Their autograd function's backward, while
-``WeightGradStore.enabled`` is set (DualPipeV sets it around the backwards it runs zero-bubble),
-puts a closure computing ``input^T @ grad`` into ``WeightGradStore.cache`` instead of running it;
-the schedule then ``flush()``es that micro-batch's closures into a FIFO and, in a later bubble,
-``pop()``s the oldest group and runs it, which adds into ``weight.grad`` (or ``main_grad``). With
-the store off the closure runs at once, inside the backward.
-
-A graphed layer follows the same signal (:func:`split_requested`): its autograd node runs the
-input half of its backward (input gradients, and the gradients of parameters no ``SplitBWLinear``
-defers, which go to autograd at once, as eagerly) and puts one closure of its own into the store,
-which runs the weight half (the deferred ``input^T @ grad`` products) and adds them into
-``.grad``.
-Graphed, the halves are two graphs; the store's FIFO runs the weight graphs in the schedule's
-order. Inside a graphed layer's own backward, eager or captured, the ``SplitBWLinear`` closures
-never reach fleet's store or ``.grad`` (:func:`own_weight_closures`): the layer computes those
-products itself, as gradients it hands on like any other, so a capture never rebinds ``.grad``.
+While a schedule runs a zero-bubble backward (:func:`split_requested`: fleet's
+``WeightGradStore.enabled``), a graphed layer's node runs :func:`input_half` (input gradients, and
+the gradients of parameters no ``SplitBWLinear`` defers, to autograd at once) and puts one closure
+of its own into fleet's store (:func:`queue_weight_pass`), which runs :func:`weight_half` and adds
+the deferred ``input^T @ grad`` products into ``.grad`` (or ``main_grad``: :func:`accumulate`).
+Inside a graphed layer's own backward the ``SplitBWLinear`` closures never reach fleet's store or
+``.grad`` (:func:`own_weight_closures`), so a capture never rebinds ``.grad``; a ``SplitBWLinear``
+whose weight belongs to another layer is refused (:class:`ForeignWeightError`). How fleet defers
+weight gradients: docs/paddle.md#dualpipev.
 """
 
 from __future__ import annotations

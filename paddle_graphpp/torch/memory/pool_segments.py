@@ -1,31 +1,12 @@
-"""The graph pool's memory as one expandable range (``FLAGS_graphpp_pool_expandable``).
+"""The graph pool's memory as one expandable range (``FLAGS_graphpp_pool_expandable``: unset or
+true, on; false, off; anything else raises ``ValueError``; see :func:`enabled`).
 
-A graph pool made of ordinary segments cannot merge free space across them: each segment is
-one ``cudaMalloc``, and a request larger than every free block adds a segment of its own
-while the pool may have as much free in pieces (docs/memory.md shows it on a zero-bubble
-stage; ``tools/diagnostics/pool_model.py`` replays such pools). Which layout avoids it depends
-on the order of the addresses the driver hands out.
-
-The caching allocator's expandable segments (``expandable_segments:True``) give a pool one
-range of virtual addresses that grows by mapping pages at its end: a request that fits no free
-block extends the free block at the end by what is missing, instead of adding a whole segment,
-and all blocks of the pool can merge with their neighbours. PyTorch reads the setting at every
-allocation, for every pool: while it is on, new memory is mapped as expandable segments; while
-it is off, free blocks of expandable segments are passed over. So :func:`pool_allocations`
-turns it on while memory is allocated into a graph pool (its reserve, its captures, the
-optimizer steps that borrow it: every allocation into the pool) and back off after, so that the
-default cache keeps the program's setting. The allocator's other settings are passed along
-(PyTorch resets ``max_split_size_mb``, ``roundup_power2_divisions`` and
-``garbage_collection_threshold`` to their defaults when new settings leave them out): the
-settings in force as PyTorch tells them (``torch._C._accelerator_getAllocatorSettings``), or,
-on a torch without that (2.11), as the environment gave them. There, settings a program changes
-at run time through PyTorch's API are replaced by the environment's after each window: set them
-in the environment. The setting is process-wide: memory another thread allocates outside the
-pool while it is on lands in expandable segments of the default cache, which that cache reuses
-only while the setting is on again (or after ``torch.cuda.empty_cache()``).
-
-PyTorch builds that keep graph pools out of expandable segments map nothing differently (a
-pool's ``snapshot()`` segments say ``is_expandable``).
+:func:`pool_allocations` is the window every allocation into a graph pool runs in (its reserve,
+its captures, the optimizer steps that borrow it): inside, PyTorch maps new memory as expandable
+segments; after, the program's own allocator setting is back, the allocator's other settings
+passed along unchanged (on torch 2.11 as the environment gave them: set them there). The setting
+is process-wide while a window is open, so another thread's allocations then land in expandable
+segments of the default cache. Why, and what it saves: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -107,7 +88,7 @@ def _set(settings: str) -> None:
 
 @contextlib.contextmanager
 def pool_allocations() -> Iterator[None]:
-    """Within: new device memory is mapped as expandable segments (see the module's docstring),
+    """Within: new device memory is mapped as expandable segments (docs/memory.md),
     the allocator's other settings kept. A no-op when the flag is off, the allocator is not the
     native one, or the settings in force have expandable segments on already."""
     global _DEPTH, _SAVED
