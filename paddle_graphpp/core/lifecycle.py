@@ -1,34 +1,13 @@
 """A graph per signature: the one lifecycle of every graphed scope, and its one key function.
 
-Every scope that graphs calls — a layer (:class:`~paddle_graphpp.core.engine.GraphedCallable`), a
-whole training step (``GraphedStep``), a :func:`~paddle_graphpp.graph_process` slot — keys each call
-with :func:`signature_key` and keeps one :class:`Lifecycle`: its signatures
-(:class:`~paddle_graphpp.core.records.Signature`), at most ``max_signatures`` of them, each in phase
-``WARMUP``, ``RECORD`` or ``READY`` (:class:`~paddle_graphpp.core.records.Phase`), the scope's one
-``EAGER`` state, its capture and replay counts, and the one way a failed capture is reported
-(:meth:`Lifecycle.capture_failed`). A signature moves only through these transitions:
-
-========================  ==============================  =========================================
-transition                from -> to                      asked by
-========================  ==============================  =========================================
-:meth:`~Lifecycle.add`    (new) -> WARMUP, or refused     the scope, at a call of an unseen
-                          past ``max_signatures``         signature (one warning)
-:meth:`leave_warmup`      WARMUP -> RECORD, or -> READY   the scope, once ``num_warmup_steps``
-                          where it is captured in the     calls ran: a layer records an episode;
-                          call that runs it               a step, a ``graph_process`` slot and a
-                                                          layer under the stream-ordered allocator
-                                                          capture in that call
-:meth:`captured`          RECORD -> READY                 the episode's Recording, after its batch
-:meth:`dropped`           RECORD (recording forgotten)    the Recording, when the runtime waits
-:meth:`capture_failed`    any -> WARMUP (``retry``) or    the scope's capture, on a failure
-                          EAGER; all -> EAGER with
-                          ``fallback="eager"``
-:meth:`warm_up_again`     any -> WARMUP                   the scope's capture, when its own code
-                                                          raised in it
-:meth:`forget`            one signature forgotten         ``graph_process``, when a slot's call
-                                                          no longer matches its graph
-:meth:`reset`             all forgotten                   ``reset_graphs``
-========================  ==============================  =========================================
+Every scope that graphs calls (a layer's :class:`~paddle_graphpp.core.engine.GraphedCallable`, a
+whole step's ``GraphedStep``, a :func:`~paddle_graphpp.graph_process` slot) keys each call with
+:func:`signature_key` and keeps one :class:`Lifecycle`: its signatures, at most ``max_signatures``
+(one warning past that), each in phase ``WARMUP``, ``RECORD`` or ``READY``, the scope's one
+``EAGER`` state, its capture and replay counts, and the one report of a failed capture
+(:class:`~paddle_graphpp.CaptureError`, or ``fallback="eager"`` and one
+:class:`~paddle_graphpp.CaptureFallbackWarning`). A signature changes phase only through the
+lifecycle's transitions; docs/architecture.md has their table.
 """
 
 from __future__ import annotations
