@@ -1,60 +1,15 @@
-"""The graph engine: one graphed layer's life, from warmup to replay.
+"""The graph engine: one graphed layer's life, from warmup to replay (:class:`GraphedCallable`).
 
-One :class:`GraphedCallable` serves one wrapped layer. Calls are grouped by input
-*signature* (tensor shapes, dtypes, devices and requires-grad, non-tensor arguments, the
-argument structure, train/eval mode and mixed precision), and each signature goes through
-these phases (:class:`Phase`):
-
-``WARMUP``
-    The first ``num_warmup_steps`` forwards run eagerly.
-``RECORD``
-    From the next *episode* start (a moment when no micro-batch is in flight in any graphed
-    layer of the process) the episode runs eagerly, and each call is recorded with its
-    *position* (its index among this layer's calls of the signature in the episode) and the
-    static buffers that position will use, in the episode's
-    :class:`~paddle_graphpp.core.recording.Recording`.
-``READY``
-    At the start of the following episode, every recorded position of every layer is
-    captured, in the order the step ran them, into one pool generation; no eager pass runs
-    beside the capture, and nothing is replayed before all of them are captured. From then
-    on a forward copies its inputs into its position's static buffers and replays the
-    forward graph; its backward copies the incoming gradients in and replays the backward
-    graph. A position never seen before runs eagerly and is recorded, to be captured at
-    the next episode start into a new generation.
-
-Under the stream-ordered allocator (cudaMallocAsync) graph memory exists only once a graph
-has run, so a signature goes from ``WARMUP`` straight to ``READY`` and each new position is
-captured and launched in the step it first runs in (its launch gives that step's results).
-
-A new signature is warmed up and captured anew, up to ``max_signatures``; past that it runs
-eagerly with one warning. A signature is never replayed into another's graph. A layer whose
-capture failed with ``fallback="eager"`` is in phase ``EAGER`` for good. Every transition
-is one of :class:`~paddle_graphpp.core.lifecycle.Lifecycle`'s, the lifecycle whole steps and
-``graph_process`` slots go through too.
-
-Backwards pair with forwards through the layer's FIFO (:mod:`paddle_graphpp.core.schedule`),
-so 1F1B and interleaved schedules work. Memory modes are described in
-:mod:`paddle_graphpp.core.memory`.
-
-One micro-batch's path through a layer, top to bottom: :meth:`GraphedCallable.__call__` keys
-the call by signature, lets the process capture a recorded episode that is due
-(:meth:`~paddle_graphpp.core.capture.Process.capture_if_due`), and enters the runtime's custom
-autograd function, which runs :meth:`GraphedCallable.forward`: warm up or run eagerly
-(:meth:`run_eager`, recording the position when the signature is armed), or replay the
-position's forward graph (:mod:`.replay`); under the stream-ordered allocator capture and launch it
-(:mod:`.in_step`). The call waits in the layer's FIFO; its backward
-(:mod:`.backward`) replays the position's backward graph, or runs autograd (and records it).
-A recorded episode is captured by a :class:`~paddle_graphpp.core.batch.CaptureBatch`, which
-asks each layer's :class:`~paddle_graphpp.core.layer_capture.LayerCapture` for its graphs in
-the recorded order.
-
-Zero-bubble schedules run a backward in two halves. Where the runtime can tell (PyTorch: the
-custom function asks autograd whether the parameters' gradients are wanted), a backward that
-asks for input gradients only runs the *input half* (B) and keeps what the *weight half* (W)
-needs; the next backward through the same call (the schedule's weight pass) runs W. A
-position recorded that way is captured as three graphs (forward, B, W) in the order the step
-ran them, into the same pool; W hands the parameter gradients to autograd, which the schedule
-adds into ``.grad`` as it does eagerly. A backward that asks for everything stays one graph.
+Calls are keyed by signature and go through the layer's :class:`~paddle_graphpp.core.lifecycle.Lifecycle`:
+``num_warmup_steps`` eager forwards, one recorded episode, then every recorded position captured
+at the next episode start, in the order the step ran them, into one pool generation, and
+replayed from then on (under the stream-ordered allocator each position is captured in the step
+it first runs in). Backwards pair with forwards through the layer's FIFO, so 1F1B, interleaved
+and zero-bubble schedules (a backward in an input half and a weight half) work. Guarantees: a
+signature is never replayed into another's graph; a position the captured step did not have
+runs eagerly and is captured next; failures are reported as the lifecycle says
+(:class:`~paddle_graphpp.CaptureError`, or ``fallback="eager"``). docs/architecture.md walks one
+micro-batch through every object named here.
 """
 
 from __future__ import annotations

@@ -1,36 +1,15 @@
 """Whole-step graphs: every micro-batch of a training step, the gradient accumulation and the
 optimizer step captured as one CUDA graph and replayed once per step (:func:`graph_step`).
 
-Graphed layers (:func:`~paddle_graphpp.torch.graph_layers`, :func:`~paddle_graphpp.torch.graph_model`)
-launch one forward and one backward graph per micro-batch; what runs between them (the loss
-glue, the optimizer, the host's work per call) still costs launches and host time. A whole
-step has no such gaps: its host cost is one copy of the batch into static buffers and one
-launch. The step is the user's own function::
-
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-
-    def train_step(micro_batches):
-        for tokens in micro_batches:
-            loss = model(tokens, labels=tokens).loss / len(micro_batches)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        return loss.detach()
-
-    step = graph_step(train_step, optimizers=opt)
-    for micro_batches in loader:
-        loss = step(micro_batches)   # eager for the warmup calls, then one graph launch
-        scheduler.step()             # outside the step: the lr is a device tensor it fills
-
-The life of one signature (the shapes, dtypes and devices of the call's tensors, its other
-arguments by value, autocast): ``num_warmup_steps`` calls run the function eagerly; the next
-call copies its tensors into static buffers allocated then, releases the allocator's cached
-memory, captures the function into a pool of its own (nothing runs during a capture) and
-replays the graph once for this call; later calls copy, check and replay. Graphed layers
-inside the step run their wrapped call directly in the warmup and the capture
-(:mod:`paddle_graphpp.core.scope`): the step's graph holds their work, compiled kernels
-(``compile=``) included, and they keep no graphs of their own.
+The step is the user's own function; its host cost becomes one copy of the batch into static
+buffers and one launch. Each call signature goes through the one lifecycle
+(:mod:`paddle_graphpp.core.lifecycle`): ``num_warmup_steps`` eager calls, then a capture into a
+pool of its own (nothing runs during it) and one replay per call. Graphed layers inside the step
+run their wrapped call directly (:mod:`paddle_graphpp.core.scope`): the step's graph holds their
+work. Refused: host reads inside the step (:class:`~paddle_graphpp.CaptureError` naming the line),
+schedulers stepped inside it, replaced parameters or optimizer state
+(:class:`~paddle_graphpp.StateReplacedError`), changed hyperparameters other than the lr.
+docs/scopes.md shows a training loop with it.
 """
 
 from __future__ import annotations
