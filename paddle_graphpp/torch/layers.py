@@ -38,6 +38,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ..core.errors import SignatureError
 from ..core.layer import EngineHooks
 from ..core.options import EngineOptions
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
@@ -146,6 +147,7 @@ class GraphedLayer(nn.Module):
         _fsdp.prepare_once(self, self.__dict__[_NAME])
         if torch.is_grad_enabled():
             _transformers.check_call(self.__dict__[_NAME], self, self._graphpp_positions, args, kwargs)
+            _refuse_second_gradient_input(self.__dict__[_NAME], self._graphpp_positions, args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
         return self.__dict__[_SLOT].run(args, kwargs)  # its forward, without a second module call
 
@@ -168,6 +170,26 @@ class GraphedLayer(nn.Module):
             f"{self.__dict__.get(_NAME, type(self).__name__)} is graphed in place and cannot be pickled or "
             f"deep-copied (it holds CUDA graphs). Save model.state_dict() (its keys are the ungraphed model's), "
             f"copy the model before graph_layers(), or call paddle_graphpp.torch.ungraph_layers() first.")
+
+
+def _refuse_second_gradient_input(name: str, positions: dict, args: tuple, kwargs: dict) -> None:
+    """A block given two or more activations that carry a gradient (the hidden state and, say, the
+    earlier blocks' states, as Inkling2 passes them) hands their gradients to autograd from one
+    node, where eagerly they come from many: the model's shared tensors then sum them in another
+    order, and training differs from eager in the last bits. Refused before anything runs."""
+    def flows(a):  # an activation carrying a gradient (a parameter's gradient goes straight to its .grad)
+        return isinstance(a, torch.Tensor) and a.grad_fn is not None
+
+    flowing = [f"argument {i}" for i, a in enumerate(args) if flows(a)]
+    flowing += [f"{k}=" for k, a in kwargs.items() if flows(a)]
+    if len(flowing) > 1:
+        names = {i: n for n, i in positions.items()}
+        flowing = [names.get(int(f.split()[1]), f) if f.startswith("argument ") else f[:-1] for f in flowing]
+        raise SignatureError(
+            f"{name}: graph_layers() takes blocks whose only input carrying a gradient is the hidden state; this "
+            f"call passes {len(flowing)} ({', '.join(flowing)}). Their gradients would be summed in another order "
+            f"than the model's own backward sums them, so training would differ from eager in the last bits. "
+            f"Graph the whole model instead (graph_model(model)), or un-graph these blocks.")
 
 
 def _graphed_class(cls: type) -> type:
