@@ -1,6 +1,6 @@
 """The recording of one eager episode: what a batch of captures will capture, in which order.
 
-A :class:`Recording` is opened by the process (:meth:`~paddle_graphpp.core.capture.Process.recorder`)
+A :class:`Recording` is opened by the process (:meth:`~paddle_graphpp.core.capture.EpisodeCapture.recorder`)
 when the first call of a signature in phase ``RECORD`` runs, and lives until the next episode
 start, when a :class:`~paddle_graphpp.core.batch.CaptureBatch` consumes it (or the runtime asks
 to wait and it is dropped). It owns

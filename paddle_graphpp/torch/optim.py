@@ -13,7 +13,7 @@ import torch
 
 from ..core.errors import StateReplacedError
 from ..graph_api import graph_process
-from ..core.capture import process_for
+from ..core.capture import capture_for
 from ..core.state import StateWatch
 from ..optim import GraphedOptimizer
 from .runtime import active_runtime
@@ -272,7 +272,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         else:
             norm = self._sequence(self._params, grads, self._generation)
         self._clean = [(g, g._version) for g in grads if g is not None]
-        self._clean_writes = process_for(self._runtime).grad_writes
+        self._clean_writes = capture_for(self._runtime).grad_writes
         return norm
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -377,7 +377,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
 
     def _untouched(self, grads) -> bool:
         # Backward graphs that accumulate in-graph write .grad without bumping its version.
-        if process_for(self._runtime).grad_writes != self._clean_writes:
+        if capture_for(self._runtime).grad_writes != self._clean_writes:
             return False
         present = [g for g in grads if g is not None]
         if len(present) != len(self._clean):
