@@ -16,6 +16,7 @@ from ..graph_api import graph_process
 from ..core.capture import capture_for
 from ..core.state import StateWatch
 from ..optim import GraphedOptimizer
+from .memory import pool_lending as _pool_lending
 from .runtime import active_runtime
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
@@ -206,6 +207,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         if not isinstance(compile, bool):
             raise TypeError(f"GraphedOptimizer: compile must be a bool, got {type(compile).__name__} {compile!r}")
         self.optimizer = optimizer
+        _pool_lending.register_optimizer(optimizer)  # layer captures wait for its first step (its state)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.eps = float(eps)
         self.master_weights = master_weights
