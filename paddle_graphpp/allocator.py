@@ -17,6 +17,7 @@ import os
 from typing import Callable, Optional, Sequence
 
 from .core import flags as _flags
+from .core.process import current_process
 from .core.runtime import FRAMEWORKS, framework_module
 from .core.warn import warn
 
@@ -37,7 +38,12 @@ WHERE = ("call paddle_graphpp.use_cuda_malloc_async_allocator() at the top of th
          "FLAGS_use_cuda_malloc_async_allocator=1 (Paddle) and PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "
          "(PyTorch) in its environment")
 
-_requested = False  # set by a successful call of the switch in this process
+
+class AllocatorSwitch:
+    """Whether the switch ran in this process (a part of the process)."""
+
+    def __init__(self) -> None:
+        self.requested = False  # set by a successful call of use_cuda_malloc_async_allocator
 
 
 class AllocatorSwitchError(RuntimeError):
@@ -77,13 +83,12 @@ def use_cuda_malloc_async_allocator(frameworks: Sequence[str] = _FRAMEWORKS) -> 
        framework: ``memory="per_graph"`` no longer gives each graph its own pool, and
        ``paddle_graphpp.memory_report()`` cannot attribute memory to pools.
     """
-    global _requested
     names = _check_frameworks(frameworks)
     plans = {name: framework_module(name, "memory.allocator").plan() for name in names}  # every check first
     for name in FRAMEWORKS:  # table order, Paddle first: its set_flags is the only step that can fail
         if name in plans:
             plans[name].apply()
-    _requested = True
+    current_process().part(AllocatorSwitch).requested = True
     return {name: plan.status for name, plan in plans.items()}
 
 
@@ -109,10 +114,11 @@ def apply_env_switch() -> Optional[dict]:
 
 def async_allocator_requested() -> bool:
     """True when the switch was called in this process or the environment flag is set."""
+    requested = current_process().part(AllocatorSwitch).requested
     try:
-        return _requested or env_flag_value(os.environ.get(ENV_FLAG))
+        return requested or env_flag_value(os.environ.get(ENV_FLAG))
     except ValueError:
-        return _requested
+        return requested
 
 
 def async_allocator_active(runtime_name: str) -> bool:

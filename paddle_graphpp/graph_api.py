@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager, Hashable, Optional
 
 from .core.errors import CaptureError
 from .core.lifecycle import Lifecycle, signature_key
+from .core.process import current_process
 from .core.runtime import (FRAMEWORKS, GraphRuntime, framework_imported, framework_of, get_runtime,
                            sole_imported_framework)
 from .core.tree import flatten
@@ -64,7 +65,12 @@ class _Entry:
         return sigs[0].graph if sigs else None
 
 
-_CACHE: dict[Hashable, _Entry] = {}
+class GraphCache(dict):
+    """slot -> :class:`_Entry`: the graphs :func:`graph_process` holds (a part of the process)."""
+
+
+def _cache() -> GraphCache:
+    return current_process().part(GraphCache)
 
 
 def graph_process(func: Callable, *args, replay_first_step: bool = False, key: Optional[Hashable] = None,
@@ -114,7 +120,7 @@ def graph_process(func: Callable, *args, replay_first_step: bool = False, key: O
     slot = ("key", key) if key is not None else _identity_slot(func)
     signature, tensor_index, _ = signature_key(runtime, leaves, spec, context=(id(getattr(func, "__func__", func)),),
                                                by_address=True)
-    entry = _CACHE.get(slot)
+    entry = _cache().get(slot)
     if entry is not None:
         same_owner = _owner_is(entry, func)
         if same_owner and entry.signature == signature:
@@ -126,7 +132,7 @@ def graph_process(func: Callable, *args, replay_first_step: bool = False, key: O
         change = (_describe_change(entry.signature, signature) if same_owner
                   else "the slot holds the graph of another function")
         logger.warning("graph_process(%s): %s; re-capturing", _name(func), change)
-        _CACHE.pop(slot, None)
+        _cache().pop(slot, None)
         entry = None  # drop the old graph (and its pool) before capturing the new one
     tensors = [leaves[i] for i in tensor_index]
     life = Lifecycle(f"graph_process({_name(func)})", max_signatures=1, num_warmup_steps=1, fallback="error",
@@ -146,7 +152,7 @@ def graph_process(func: Callable, *args, replay_first_step: bool = False, key: O
 
 def clear_graph_cache() -> None:
     """Forget every graph :func:`graph_process` holds (their memory goes with them)."""
-    _CACHE.clear()
+    _cache().clear()
 
 
 # ------------------------------------------------------------------ the trio
@@ -237,12 +243,13 @@ def _store(slot, func, key, entry: _Entry) -> None:
             weakref.finalize(anchor, _evict, slot, entry)
     except TypeError:  # not weak-referenceable: hold it, so its id cannot be reused
         entry.owner = anchor
-    _CACHE[slot] = entry
+    _cache()[slot] = entry
 
 
 def _evict(slot, entry) -> None:
-    if _CACHE.get(slot) is entry:
-        del _CACHE[slot]
+    cache = _cache()
+    if cache.get(slot) is entry:
+        del cache[slot]
 
 
 def _owner_is(entry: _Entry, func) -> bool:

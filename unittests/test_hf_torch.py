@@ -365,16 +365,13 @@ def fake_runtime():
     graph path (record, capture, replay, links between chained blocks) runs on CPU."""
     from fake_runtime import FakeGraphRuntime, serving
 
-    from paddle_graphpp.core import capture as capture_mod
-    from paddle_graphpp.core import memory as memory_mod
+    from paddle_graphpp.core.process import current_process
 
     rt = FakeGraphRuntime()
-    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-        table.pop(rt.name, None)
+    current_process().reset(rt.name)
     with serving(rt):
         yield rt
-    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-        table.pop(rt.name, None)
+    current_process().reset(rt.name)
 
 
 @KINDS

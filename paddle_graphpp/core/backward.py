@@ -201,7 +201,7 @@ class Backward:
                 for i, g in zip(index, got):
                     grads[i] = g
         if accumulates:
-            self.layer.process().grad_writes += 1  # .grad changed outside autograd (see Process.grad_writes)
+            self.layer.process().grad_writes += 1  # .grad changed outside autograd (see EpisodeCapture.grad_writes)
             grads = self.moves.hand_over(call.params, grads)
         return grads
 
@@ -216,7 +216,7 @@ class Backward:
         inputs = [x for x, s in zip(run.inputs, call.shape.specs) if s.requires_grad]
         if into_grads and outs:
             got = iter(self.accumulation.backward_to_grads(outs, diff_grads, inputs, run.params, call.params))
-            self.layer.process().grad_writes += 1  # .grad changed outside autograd (see Process.grad_writes)
+            self.layer.process().grad_writes += 1  # .grad changed outside autograd (see EpisodeCapture.grad_writes)
             return [next(got) if s.requires_grad else None for s in call.shape.specs] + [None] * len(call.params)
         wrt = inputs + list(run.params)
         got = iter(self.rt.autograd_grad(outs, diff_grads, wrt) if outs else [None] * len(wrt))

@@ -1,6 +1,6 @@
 """One batch of captures: every position recorded in an episode, captured in the recorded order.
 
-A :class:`CaptureBatch` is created by :meth:`paddle_graphpp.core.capture.Process.capture_recorded`
+A :class:`CaptureBatch` is created by :meth:`paddle_graphpp.core.capture.EpisodeCapture.capture_recorded`
 for one recorded episode (it consumes that episode's
 :class:`~paddle_graphpp.core.recording.Recording`) and discarded after it. It holds what is
 valid during the batch only:

@@ -17,19 +17,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from . import memory as _memory
 from .backward import Backward
 from .scope import layers_inlined
-from .capture import Process, process_for
+from .capture import EpisodeCapture, capture_for
 from .errors import GraphScheduleError
 from .in_step import InStepCapture
 from .layer_capture import LayerCapture
 from .layer import EngineHooks, GradBuffers, Layer
 from .lifecycle import Lifecycle, signature_key
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
+from .process import current_process
 from .recompute import LayerRecompute
 from .records import Call, CallShape, Launched, Phase, PositionRecord, RanEager, Replayed, Signature
 from .runtime import GraphRuntime, capabilities, runtime_for
@@ -74,13 +74,13 @@ class GraphedCallable:
             raise ValueError(f"{name}: accumulate_grads=True is not supported by the {runtime.name} runtime; "
                              "leave it 'auto' or False (gradients then reach .grad through autograd).")
         self.queue = InFlightQueue(name, options.max_in_flight)
-        _LIVE_ENGINES.add(self)
+        current_process().engines.add(self)
         # Its signatures, the only code moving them, its capture and replay counts and warnings.
         self.phases = Lifecycle(name, max_signatures=options.max_signatures,
                                 num_warmup_steps=options.num_warmup_steps, fallback=options.fallback)
         self.layer = layer = Layer(name=name, fn=fn, runtime=runtime, caps=self.caps, options=options,
                                    memory_mode=self.memory_mode, params=params, hooks=hooks or EngineHooks(),
-                                   process=functools.partial(process_for, runtime))
+                                   process=functools.partial(capture_for, runtime))
         self.buffers = GradBuffers(runtime)  # what the backward graphs write parameter gradients into
         self.state = LayerStateCheck(runtime, fn, name)  # replays refuse replaced parameters and buffers
         self.recomputing = LayerRecompute(layer)  # whether calls recompute; the RNG mirrors
@@ -92,8 +92,8 @@ class GraphedCallable:
                                  capture=self.capture, in_step=self.in_step, **parts)
 
     @property
-    def process(self) -> Process:
-        return process_for(self.runtime)
+    def process(self) -> EpisodeCapture:
+        return capture_for(self.runtime)
 
     @property
     def plan(self) -> "_memory.MemoryPlan":
@@ -375,7 +375,7 @@ def _engines_of(model: Any) -> list:
     """The engines of the graphed layers in ``model`` (``model`` itself included; a list or tuple
     of models: all of theirs; ``None``: every graphed layer alive in the process), each once."""
     if model is None:
-        return [e for e in list(_LIVE_ENGINES) if e.in_flight]
+        return [e for e in list(current_process().engines) if e.in_flight]
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     found: dict = {}
     for m in models:
@@ -385,9 +385,6 @@ def _engines_of(model: Any) -> list:
         # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
         found.update({id(e): e for e in (getattr(s, "engine", None) for s in subs) if isinstance(e, GraphedCallable)})
     return list(found.values())
-
-
-_LIVE_ENGINES: "weakref.WeakSet[GraphedCallable]" = weakref.WeakSet()  # for drop_in_flight()
 
 
 def _drop_engine_in_flight(engine: GraphedCallable) -> int:

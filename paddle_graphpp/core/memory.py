@@ -19,6 +19,7 @@ import time
 from typing import Any, Optional
 
 from .errors import GraphScheduleError
+from .process import current_process
 from .runtime import capabilities
 
 __all__ = ["MemoryMode", "MemoryPlan", "memory_report", "plan_for"]
@@ -206,14 +207,13 @@ class MemoryPlan:
         )
 
 
-_PLANS: dict[str, MemoryPlan] = {}
-
-
 def plan_for(runtime) -> MemoryPlan:
-    """The process-wide plan of ``runtime``."""
-    plan = _PLANS.get(runtime.name)
+    """The process-wide plan of ``runtime``, kept in its section of the process (a new one when
+    another runtime object takes its name)."""
+    section = current_process().section(runtime.name)
+    plan = section.plan
     if plan is None or plan.runtime is not runtime:
-        plan = _PLANS[runtime.name] = MemoryPlan(runtime)
+        plan = section.plan = MemoryPlan(runtime)
     return plan
 
 
@@ -225,7 +225,8 @@ def memory_report() -> dict:
     ``pool_allocated_bytes``, ``device_reserved_bytes`` and ``device_allocated_bytes``;
     an empty dict when nothing was captured.
     """
-    return {name: plan.report() for name, plan in _PLANS.items() if plan.graphs_captured}
+    return {section.name: section.plan.report() for section in current_process().sections()
+            if section.plan is not None and section.plan.graphs_captured}
 
 
 def now() -> float:

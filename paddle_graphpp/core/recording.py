@@ -1,6 +1,6 @@
 """The recording of one eager episode: what a batch of captures will capture, in which order.
 
-A :class:`Recording` is opened by the process (:meth:`~paddle_graphpp.core.capture.Process.recorder`)
+A :class:`Recording` is opened by the process (:meth:`~paddle_graphpp.core.capture.EpisodeCapture.recorder`)
 at the first call of a signature in phase ``RECORD``, and lives until the next episode start, when
 a :class:`~paddle_graphpp.core.batch.CaptureBatch` consumes it (:meth:`Recording.captured` moves its
 participants ``RECORD -> READY``) or the runtime asks to wait (:meth:`Recording.dropped`). It holds

@@ -30,13 +30,13 @@ from paddle.jit.sot.translate import symbolic_translate
 from paddle.jit.sot.utils import StepInfoManager
 
 from ..core.options import compiler_options
+from ..core.process import current_process
 from .runtime import active_runtime
 
 __all__ = ["to_static_options", "StaticLayer", "opaque", "is_converted"]
 
 # paddle.jit.to_static's keyword arguments that a graphed layer passes through.
 _KEYS = ("full_graph", "backend", "build_strategy", "input_spec")
-_SERIAL = itertools.count()
 # The code of the wrapper every call of an SOT-converted function runs in (symbolic_translate's ``impl``).
 _SOT_CALL = next((c for c in symbolic_translate.__code__.co_consts
                   if isinstance(c, types.CodeType) and c.co_name == "impl"), None)
@@ -111,11 +111,19 @@ def _call_layer(self, args, kwargs):  # paddle.jit.to_static converts no functio
     return self.layer(*args, **kwargs)
 
 
+class CodeSerials:
+    """Numbers for the code objects :func:`_own_code` makes (a part of the process's paddle section)."""
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count()
+
+
 def _own_code(fn: types.FunctionType) -> types.FunctionType:
     """``fn`` with a code object of its own (equal code objects are one key of SOT's cache,
     whose 20 entries would otherwise be shared by every graphed layer; docs/compile.md#paddle-to_static).
     Its name and source stay ``fn``'s, which the AST converter looks up."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_SERIAL)}")
+    serial = next(current_process().section("paddle").part(CodeSerials).numbers)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{serial}")
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 

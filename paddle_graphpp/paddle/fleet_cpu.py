@@ -20,11 +20,23 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as _p2p
 
+from ..core.process import current_process
+
 __all__ = ["is_cpu_build", "adjust_for_cpu", "use_hop_groups", "pipe_backend"]
 
-_LOCK = threading.Lock()
-_HOP_GROUPS: dict = {}  # peer global rank -> 2-rank group holding this rank and the peer
-_PATCHED = False
+
+class HopGroups:
+    """The pipeline's 2-rank groups and fleet's patched p2p in this process (a part of its paddle
+    section)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.groups: dict = {}  # peer global rank -> 2-rank group holding this rank and the peer
+        self.patched = False  # fleet's p2p goes through them (_install_patches)
+
+
+def _hops() -> HopGroups:
+    return current_process().section("paddle").part(HopGroups)
 
 
 def is_cpu_build() -> bool:
@@ -147,8 +159,9 @@ def use_hop_groups(hcg) -> bool:
     if hcg.get_pipe_parallel_world_size() <= 2 or pipe_backend(hcg) != "gloo":
         return False
     me = dist.get_rank()
-    with _LOCK:
-        if not _HOP_GROUPS:
+    hops = _hops()
+    with hops.lock:
+        if not hops.groups:
             for ranks in hcg.topology().get_comm_list("pipe"):
                 seen = set()
                 for idx, rank in enumerate(ranks):
@@ -159,13 +172,13 @@ def use_hop_groups(hcg) -> bool:
                     seen.add(hop)
                     group = dist.new_group(ranks=list(hop))
                     if me in hop:
-                        _HOP_GROUPS[hop[1] if hop[0] == me else hop[0]] = group
+                        hops.groups[hop[1] if hop[0] == me else hop[0]] = group
         _install_patches()
     return True
 
 
 def _hop_group(peer: int):
-    group = _HOP_GROUPS.get(peer)
+    group = _hops().groups.get(peer)
     if group is None:
         raise RuntimeError(
             f"rank {dist.get_rank()} has no 2-rank pipeline group to rank {peer}; "
@@ -218,8 +231,8 @@ def _meta_on_hop(method, peer_of):
 
 
 def _install_patches() -> None:
-    global _PATCHED
-    if _PATCHED:
+    hops = _hops()
+    if hops.patched:
         return
     hcg = lambda: _p2p._hcg  # noqa: E731  (set by fleet when the PipelineParallel is built)
     meta = _p2p.SendRecvMeta
@@ -228,4 +241,4 @@ def _install_patches() -> None:
     meta.recv_meta = _meta_on_hop(meta.recv_meta, lambda rev: hcg()._get_p2p_next_rank() if rev
                                   else hcg()._get_p2p_prev_rank())
     _p2p._p2p_ops = _p2p_ops_per_hop
-    _PATCHED = True
+    hops.patched = True

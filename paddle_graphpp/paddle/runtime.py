@@ -20,6 +20,7 @@ from paddle.autograd import PyLayer
 
 from .. import support as _support
 from ..core.engine import node_backward, node_forward, weight_pending
+from ..core.process import current_process
 from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, MemoryTelemetry, ModelTree, Recompute,
                             SplitBackward, StateSlots, StreamOrderedAllocator, TensorSpec, get_runtime)
 from ..core.state import module_state_slots
@@ -291,10 +292,17 @@ def _has_gpu() -> bool:
 
 
 _support.require("paddle", paddle.__version__)
-RUNTIME = PaddleRuntime()
+
+
+def __getattr__(name: str) -> Any:
+    # RUNTIME: the process's PaddleRuntime, a part of its paddle section (made on first use; it
+    # holds the capture stream).
+    if name == "RUNTIME":
+        return current_process().section(PaddleRuntime.name).part(PaddleRuntime)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def active_runtime() -> GraphRuntime:
     """The runtime paddle's adapters use: :data:`RUNTIME`, or one registered in its place under
     the name ``"paddle"`` (tests plug fake graph runtimes in with ``core.runtime.register_runtime``)."""
-    return get_runtime(RUNTIME.name)
+    return get_runtime(PaddleRuntime.name)

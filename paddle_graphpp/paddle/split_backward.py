@@ -20,11 +20,24 @@ from typing import Any, Sequence
 
 import paddle
 
+from ..core.process import current_process
+
 __all__ = ["split_requested", "own_weight_closures", "SplitState", "input_half", "weight_half",
            "add_foreign", "queue_weight_pass", "accumulate", "ForeignWeightError"]
 
 _STORE_MODULE = "paddle.distributed.fleet.meta_parallel.zero_bubble_utils"
-_owned = 0  # depth of own_weight_closures blocks: the store is enabled by us, not by a schedule
+
+
+class StoreOwner:
+    """Whether this package has fleet's weight-gradient store enabled (a part of the process's
+    paddle section)."""
+
+    def __init__(self) -> None:
+        self.depth = 0  # own_weight_closures blocks open: the store is enabled by us, not by a schedule
+
+
+def _owner() -> StoreOwner:
+    return current_process().section("paddle").part(StoreOwner)
 
 
 def _store_module():
@@ -35,14 +48,13 @@ def _store_module():
 def split_requested() -> bool:
     """True while a schedule runs a zero-bubble backward (``WeightGradStore.enabled``)."""
     zb = _store_module()
-    return zb is not None and _owned == 0 and bool(zb.WeightGradStore.enabled)
+    return zb is not None and _owner().depth == 0 and bool(zb.WeightGradStore.enabled)
 
 
 @contextlib.contextmanager
 def own_weight_closures():
     """Inside the block, ``SplitBWLinear`` backwards queue their weight closures into the list
     this yields, whatever the store's state outside; the store is as it was afterwards."""
-    global _owned
     zb = _store_module()
     if zb is None:
         yield []
@@ -51,11 +63,12 @@ def own_weight_closures():
     saved = store.enabled, store.cache
     mine: list = []
     store.enabled, store.cache = True, mine
-    _owned += 1
+    owner = _owner()
+    owner.depth += 1
     try:
         yield mine
     finally:
-        _owned -= 1
+        owner.depth -= 1
         store.enabled, store.cache = saved
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
 import torch
 
@@ -16,13 +17,13 @@ from .runtime import registered_generators, active_runtime
 __all__ = ["CUDAGraphedModule", "TORCH_OPTION_NOTES"]
 
 #: What the PyTorch runtime adds to the engine options' documentation (every torch front door).
-TORCH_OPTION_NOTES = {
+TORCH_OPTION_NOTES = MappingProxyType({
     "accumulate_grads": """On PyTorch the hooks that keep ``"auto"`` off are Python
         gradient-accumulation hooks, and a DistributedDataParallel forward around the layer.""",
     "generators": """On PyTorch: ``torch.Generator(device="cuda")`` objects (checked when the
         layer is built); the graph-safe states of Megatron-Core's RNG tracker are found and
         registered without this (:mod:`paddle_graphpp.torch.integrations.megatron`).""",
-}
+})
 
 _COMPILE_DOC = """        compile: ``True`` or a dict of ``torch.compile`` keyword arguments: the module runs
             compiled (Inductor) inside the graphs. It compiles in the warmup calls and the

@@ -41,6 +41,7 @@ from torch import nn
 from ..core.errors import SignatureError
 from ..core.layer import EngineHooks
 from ..core.options import EngineOptions
+from ..core.process import current_process
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
 from .graphed import CUDAGraphedModule, torch_engine_options
 from .integrations import fsdp as _fsdp
@@ -48,7 +49,6 @@ from .integrations import transformers as _transformers
 
 __all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
 
-_GRAPHED_CLASSES: dict = {}
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
 _NAME = "_graphpp_name"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
@@ -192,8 +192,16 @@ def _refuse_second_gradient_input(name: str, positions: dict, args: tuple, kwarg
             f"Graph the whole model instead (graph_model(model)), or un-graph these blocks.")
 
 
+class GraphedClasses(dict):
+    """A block's class -> its class graphed in place, made once (a part of the process's torch section)."""
+
+
+def _graphed_classes() -> GraphedClasses:
+    return current_process().section("torch").part(GraphedClasses)
+
+
 def _graphed_class(cls: type) -> type:
-    graphed = _GRAPHED_CLASSES.get(cls)
+    graphed = _graphed_classes().get(cls)
     if graphed is None:
         graphed = type(f"Graphed{cls.__name__}", (GraphedLayer, cls), {
             "__module__": __name__,
@@ -201,7 +209,7 @@ def _graphed_class(cls: type) -> type:
             "_graphpp_positions": _transformers.arg_positions(cls.forward),
             "_graphpp_original": cls,
         })
-        _GRAPHED_CLASSES[cls] = graphed
+        _graphed_classes()[cls] = graphed
     return graphed
 
 
@@ -391,7 +399,7 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
     as they are. Returns the blocks, in order."""
     out = []
     for key, layer in _entries(layers):
-        if isinstance(layer, GraphedLayer) and type(layer) is not _GRAPHED_CLASSES.get(type(layer)._graphpp_original):
+        if isinstance(layer, GraphedLayer) and type(layer) is not _graphed_classes().get(type(layer)._graphpp_original):
             raise TypeError(
                 f"ungraph_layers(): block {key} ({type(layer).__name__}) was wrapped again after graph_layers() "
                 f"(fully_shard, say), which its class would lose. Build the model anew without graph_layers(), or "

@@ -13,9 +13,10 @@ import torch
 
 from ..core.errors import StateReplacedError
 from ..graph_api import graph_process
-from ..core.capture import process_for
+from ..core.capture import capture_for
 from ..core.state import StateWatch
 from ..optim import GraphedOptimizer
+from .memory import pool_lending as _pool_lending
 from .runtime import active_runtime
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
@@ -206,6 +207,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         if not isinstance(compile, bool):
             raise TypeError(f"GraphedOptimizer: compile must be a bool, got {type(compile).__name__} {compile!r}")
         self.optimizer = optimizer
+        _pool_lending.register_optimizer(optimizer)  # layer captures wait for its first step (its state)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.eps = float(eps)
         self.master_weights = master_weights
@@ -272,7 +274,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         else:
             norm = self._sequence(self._params, grads, self._generation)
         self._clean = [(g, g._version) for g in grads if g is not None]
-        self._clean_writes = process_for(self._runtime).grad_writes
+        self._clean_writes = capture_for(self._runtime).grad_writes
         return norm
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -377,7 +379,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
 
     def _untouched(self, grads) -> bool:
         # Backward graphs that accumulate in-graph write .grad without bumping its version.
-        if process_for(self._runtime).grad_writes != self._clean_writes:
+        if capture_for(self._runtime).grad_writes != self._clean_writes:
             return False
         present = [g for g in grads if g is not None]
         if len(present) != len(self._clean):

@@ -23,6 +23,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -42,12 +43,12 @@ __all__ = ["graph_step", "GraphedStep"]
 logger = logging.getLogger("paddle_graphpp")
 
 _CAPTURABLE_AS_IS = (torch.optim.SGD,)  # no host reads in its step, and no capturable flag to set
-_REFUSED = {  # engine options that have no meaning for one graph of a whole step
+_REFUSED = MappingProxyType({  # engine options that have no meaning for one graph of a whole step
     "memory": "each signature of a step is captured into a pool of its own",
     "max_in_flight": "a step holds no micro-batches in flight between calls",
     "accumulate_grads": "the step's own backward accumulates into .grad inside its graph",
     "generators": "the step's capture registers the default CUDA generator only",
-}
+})
 # Frames a failure is not reported in: torch's, this package's, and the context managers between.
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,

@@ -1,6 +1,6 @@
 """The engine's shape, checked: the sizes issue 52 set, and typed collaborators.
 
-* ``Process`` (the process-wide services) stays at most 150 lines, and no class of
+* ``EpisodeCapture`` (the process-wide services) stays at most 150 lines, and no class of
   ``paddle_graphpp/core`` grows past 300: what does not fit is a concept of its own.
 * The runtime seam keeps at most 15 required members (abstract methods plus ``name``); the
   rest are defaults or optional capabilities.
@@ -25,9 +25,9 @@ def _class_lengths() -> dict:
     return lengths
 
 
-def test_process_is_at_most_150_lines_and_no_core_class_over_300():
+def test_episode_capture_is_at_most_150_lines_and_no_core_class_over_300():
     lengths = _class_lengths()
-    assert lengths["capture.py:Process"] <= 150
+    assert lengths["capture.py:EpisodeCapture"] <= 150
     assert {name: n for name, n in lengths.items() if n > 300} == {}
 
 

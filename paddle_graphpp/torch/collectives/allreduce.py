@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 import os
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -42,13 +43,13 @@ class MeasuredChoice:
     """From this size up the stock two-shot kernel (above ``custom_max_bytes``: never)."""
 
 
-MEASURED = {
+MEASURED = MappingProxyType({
     # 2 ranks: the push kernel beats NCCL and the stock two-shot kernel at every size up to 8 MiB.
     2: MeasuredChoice(custom_max_bytes=8 << 20, two_shot_min_bytes=16 << 20),
     # 4 ranks: push beats NCCL up to 512 KiB, the stock two-shot kernel at 1 MiB; above that NCCL
     # (not measured against the custom kernels).
     4: MeasuredChoice(custom_max_bytes=1 << 20, two_shot_min_bytes=1 << 20),
-}
+})
 """Group size -> where the custom kernels beat NCCL; docs/collectives.md names the runs and how to
 measure new hardware."""
 

@@ -21,11 +21,12 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ...core.process import current_process
 from ...core.warn import warn
 from . import pool_segments
 from ..graphs import gc_paused
 
-__all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers"]
+__all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers", "register_optimizer"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -33,48 +34,64 @@ _SMALL = 1 << 20  # the caching allocator serves requests up to 1 MiB from its s
 _ROUND = 512  # ... and rounds every request up to a multiple of this
 SEGMENTS, BLOCK = "segments", "block"  # layouts of the memory reserved before a pool's captures
 
-_STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_WATCHING = False  # the step hook below is installed
-_ANY_STEPPED = False  # an optimizer has stepped in this process
-_FOUND: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # by optimizer_pending's scan
+class OptimizerWatch:
+    """The optimizers pool lending knows of (a part of the process's torch section)."""
+
+    def __init__(self) -> None:
+        self.stepped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # seen stepping
+        self.registered: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # register_optimizer
+        self.any_stepped = False  # an optimizer has stepped in this process
+        self.hook: Any = None  # the handle of the step hook (watch_optimizers)
+
+
+def _watch() -> OptimizerWatch:
+    return current_process().section("torch").part(OptimizerWatch)
 
 
 def watch_optimizers() -> None:
     """From now on, remember every optimizer that steps (a weak reference; once per process)."""
-    global _WATCHING
-    if not _WATCHING:
+    watch = _watch()
+    if watch.hook is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        register_optimizer_step_post_hook(_stepped)
-        _WATCHING = True
+        watch.hook = register_optimizer_step_post_hook(_stepped)
+
+
+def register_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` will step the graphed layers' parameters: captures wait for the first step
+    (:func:`optimizer_pending`). Called where graphing meets an optimizer (``GraphedOptimizer``)."""
+    _watch().registered.add(optimizer)
 
 
 def _stepped(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    global _ANY_STEPPED
-    _STEPPED.add(optimizer)
-    _ANY_STEPPED = True
+    watch = _watch()
+    watch.stepped.add(optimizer)
+    watch.any_stepped = True
 
 
 def optimizer_pending() -> bool:
-    """True while no optimizer has stepped in this process and one exists (found by a scan of
-    the garbage collector's objects, repeated only once the optimizers it found are gone).
-    Before its first step an optimizer has no state; that step creates the state and its
-    temporaries side by side and cannot borrow a graph pool (the state must not live there)."""
-    if _ANY_STEPPED:
+    """True while no optimizer has stepped in this process and one exists: one registered
+    (:func:`register_optimizer`) and alive, or else one found by a scan of the garbage collector's
+    objects (repeated only once those found are gone; torch has no hook at an optimizer's
+    creation, and the memory this wait saves was measured with the scan). Before its first step
+    an optimizer has no state; that step creates the state and its temporaries side by side and
+    cannot borrow a graph pool (the state must not live there)."""
+    watch = _watch()
+    if watch.any_stepped:
         return False
-    if not len(_FOUND):
+    if not len(watch.registered):
         import gc
 
         # issubclass of the type: isinstance would ask a dead weakref.proxy and raise
-        _FOUND.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer))
-    return bool(len(_FOUND))
+        watch.registered.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer))
+    return bool(len(watch.registered))
 
 
 def stepped_param_sizes() -> list:
     """Rounded byte sizes of the trainable parameters of the largest optimizer seen stepping,
     in its parameter order (``[]``: none stepped)."""
     lists = [[_rounded(p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-             for opt in list(_STEPPED)]
+             for opt in list(_watch().stepped)]
     return max(lists, key=sum, default=[])
 
 

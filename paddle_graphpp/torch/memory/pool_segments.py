@@ -20,15 +20,27 @@ from typing import Iterator, Optional
 import torch
 
 from ...allocator import env_flag_value
+from ...core.process import current_process
 from ...core.warn import warn
 from .allocator import async_allocator_active
 
 __all__ = ["FLAG", "enabled", "pool_allocations", "with_expandable"]
 
 FLAG = "FLAGS_graphpp_pool_expandable"
-_LOCK = threading.Lock()
-_DEPTH = 0  # windows open (nested: a capture inside a borrowed step's window, a reserve inside one)
-_SAVED: Optional[str] = None  # the settings the outermost open window switched from
+
+
+class Windows:
+    """The :func:`pool_allocations` windows open in this process (a part of its torch section)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0  # windows open (nested: a capture inside a borrowed step's window, a reserve inside one)
+        self.saved: Optional[str] = None  # the settings the outermost open window switched from
+
+
+def windows() -> Windows:
+    """This process's :class:`Windows`."""
+    return current_process().section("torch").part(Windows)
 
 
 def enabled() -> bool:
@@ -91,17 +103,17 @@ def pool_allocations() -> Iterator[None]:
     """Within: new device memory is mapped as expandable segments (docs/memory.md),
     the allocator's other settings kept. A no-op when the flag is off, the allocator is not the
     native one, or the settings in force have expandable segments on already."""
-    global _DEPTH, _SAVED
     if not enabled():
         yield
         return
-    with _LOCK:
-        if _DEPTH == 0:
+    state = windows()
+    with state.lock:
+        if state.depth == 0:
             settings = _settings()
             if not _user_setting_on(settings):
                 _set(with_expandable(settings, True))  # raises before anything is counted
-                _SAVED = settings
-        _DEPTH += 1
+                state.saved = settings
+        state.depth += 1
     try:
         yield
     except BaseException:
@@ -112,12 +124,12 @@ def pool_allocations() -> Iterator[None]:
 
 def _leave(quiet: bool) -> None:
     """Close one window; the outermost switches the setting back off."""
-    global _DEPTH, _SAVED
-    with _LOCK:
-        _DEPTH -= 1
-        if _DEPTH or _SAVED is None:
+    state = windows()
+    with state.lock:
+        state.depth -= 1
+        if state.depth or state.saved is None:
             return
-        saved, _SAVED = _SAVED, None
+        saved, state.saved = state.saved, None
         try:
             _set(with_expandable(saved, False))
         except Exception as exc:  # noqa: BLE001
