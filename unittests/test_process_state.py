@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = "paddle_graphpp"
+from test_import_cycles import _modules  # every module of the package, by dotted name
+
 HANDLE = ("paddle_graphpp.core.process", "_CURRENT")  # the one module global that is not a constant
 _FRAMEWORKS = ("torch", "paddle")
 
@@ -124,16 +124,6 @@ def violations(name: str, path: Path, module) -> list:
         if not (constant(value) or _named_kind(g, value)):
             out.append(f"{name}.{g}: a {type(value).__module__}.{type(value).__qualname__}, not a constant")
     return out
-
-
-def _modules() -> dict:
-    found = {}
-    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        found[".".join(parts)] = path
-    return found
 
 
 def _import(name: str):
