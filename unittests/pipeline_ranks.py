@@ -48,3 +48,30 @@ def graphed_against_eager(results):
                 err = rel(torch.tensor(got[name], dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
                 worst = max(worst, (err, rank, step, name), key=lambda t: t[0])
     return eager, graphed, worst
+
+
+
+def assert_captured_once_and_replayed(runs, spans, micro_batches=4, dropped=False):
+    """Exact counts of the worker's ``graphed_runs`` (by rank). ``spans``: the steps run under each
+    signature, in order (``[steps]``, or ``[shorten_at, steps - shorten_at]``). Each position's
+    graphs (forward and backward; forward, input and weight passes when split) are captured once
+    per signature and replayed in every step from its third (warmup, record, capture). A run with
+    one position per signature (the last stage of 1F1B) makes each micro-batch an episode: its
+    first three micro-batches of a signature run before the first replay. With ``dropped``, a
+    capture another layer's failure ended in the same episode is dropped and taken again a step
+    later; its position's (forward, backward) pair runs eagerly once more, two replays fewer.
+    Nothing is left in flight. A run that quietly went eager fails here."""
+    for rank, rs in runs.items():
+        for run in rs:
+            kinds = run["positions"]
+            graphs = 2 * kinds["full"] + 3 * kinds["split"]
+            if (kinds["full"] + kinds["split"]) == len(spans) and micro_batches > 1:
+                per_graph = sum(micro_batches * s - 3 for s in spans)
+            else:
+                per_graph = sum(s - 2 for s in spans)
+            again = run["captures"] - graphs if dropped else 0
+            want = (graphs + again, graphs, graphs // len(spans) * per_graph - 2 * again, 0)
+            got = (run["captures"], run["graphs"], run["replays"], run["in_flight"])
+            assert graphs > 0 and got == want, (rank, run, want)
+            if len(spans) > 1:
+                assert run["graphs_before_shorten"] == graphs // len(spans), (rank, run)

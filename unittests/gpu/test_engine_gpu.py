@@ -38,7 +38,8 @@ def test_dropout_masks_differ_between_replays():
         y = drop(x)
         masks.append((y == 0).clone())
         y.sum().backward()
-    assert drop.engine.replays >= 4
+    # one position: warmup, record, then the (forward, backward) pair captured and replayed 3 times
+    assert (drop.engine.captures, drop.engine.replays) == (2, 2 * 3), (drop.engine.captures, drop.engine.replays)
     assert not torch.equal(masks[-1], masks[-2])
 
 
@@ -177,7 +178,11 @@ def test_memory_modes_agree_with_eager(memory):
         _, gg, lg = run_step(graphed, xg, ORDER, seed=step)
         assert rel(lg, le) <= 1e-6
         assert max(rel(a, b) for a, b in zip(gg, ge)) <= 1e-6
-    assert graphed.engine.replays > 0
+    # one pool: a position per micro-batch of the step; a pool per graph: a position comes back
+    # once its micro-batch's backward ran (ORDER keeps three in flight). Steps 2 and 3 replay.
+    positions = {"shared": 4, "per_graph": 3}[memory]
+    counts = (graphed.engine.captures, graphed.engine.replays)
+    assert counts == (2 * positions, 2 * 4 * 2), counts
 
 
 class ChainStack(Stack):
@@ -221,10 +226,12 @@ def test_chained_blocks_read_each_others_graph_outputs_and_match_eager(perturb_a
         # block 0 reads the caller's tensor; every later block reads its predecessor's graph output
         assert all(bool(p.linked) == (i > 0) for p in positions.values())
     replays = [eng.replays for eng in blocks]
+    assert [eng.captures for eng in blocks] == [8] * 3  # 4 positions x (forward, backward), captured once
+    replayed = 2 * 4 * (8 - 2)  # from the third step on
     if perturb_at is None:
-        assert len(set(replays)) == 1 and replays[0] > 0
+        assert replays == [replayed] * 3, replays
     else:  # in the perturbed step blocks 1 and 2 (which then reads an eager output) ran eagerly
-        assert replays[1] == replays[2] == replays[0] - 8
+        assert replays == [replayed, replayed - 8, replayed - 8], replays
 
 
 def test_a_new_signature_adds_only_its_own_pool_and_memory_stays_flat_over_1000_steps():
@@ -389,7 +396,8 @@ def test_a_weight_shared_by_two_graphed_modules_trains_like_eager():
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad(set_to_none=True)
-    assert g_embed.engine.replays > 0 and g_head.engine.replays > 0
+    counts = [(g.engine.captures, g.engine.replays) for g in (g_embed, g_head)]
+    assert counts == [(2 * 3, 2 * 3 * (6 - 2))] * 2, counts  # 3 positions, replayed from the third step
     assert rel(embed.table, ref_embed.table) <= 1e-6
 
 
@@ -440,7 +448,8 @@ def test_a_graphed_loss_trains_like_eager_and_replays_with_the_stage():
             torch.manual_seed(step)
             losses[key] = step_in_order(order, lambda i: loss(model(xs[i]), labels[i]), o)
         assert rel(losses["graphed"], losses["eager"]) <= 1e-6, f"step {step}"
-    assert loss_fn.engine.captures == 2 * 4 and loss_fn.engine.replays >= 2 * 4 * 3
+    counts = [(e.captures, e.replays) for e in (graphed.engine, loss_fn.engine)]
+    assert counts == [(2 * 4, 2 * 4 * (6 - 2))] * 2, counts  # 4 positions, replayed from the third step
     assert rel(head.proj.weight, ref.proj.weight) <= 1e-6
 
 
@@ -485,7 +494,8 @@ def test_a_head_given_its_own_weight_and_a_graphed_loss_train_like_eager():
 
             losses[key] = step_in_order(order, forward, o)
         assert rel(losses["graphed"], losses["eager"]) <= 1e-6, f"step {step}"
-    assert head.engine.replays > 0 and loss_fn.engine.replays > 0
+    counts = [(e.captures, e.replays) for e in (g_stack.engine, head.engine, loss_fn.engine)]
+    assert counts == [(2 * 4, 2 * 4 * (6 - 2))] * 3, counts  # 4 positions, replayed from the third step
     (sig,) = head.engine.signatures().values()
     assert [s.shape for s in sig.key[0]] == [(2, 16, 64)], "the head's weight became a graph input"
     assert rel(head.weight, ref_head.weight) <= 1e-6
@@ -540,7 +550,9 @@ def test_schedule1f1b_with_graphed_stage_and_loss_returns_each_micro_batchs_loss
             assert rel(got, torch.stack(want)) <= 1e-6, (step, got, want)
             for p, q in zip(body.parameters(), ref.parameters()):  # the schedule divides by n (scale_grads)
                 assert rel(p.grad, q.grad / n) <= 1e-5, f"step {step}"
-        assert loss_fn.engine.replays >= n * 3
+        # one rank, micro-batches one after another: one position; warmup, record, then replays
+        counts = [(e.captures, e.replays) for e in (stage.submod.graphed_modules[0].engine, loss_fn.engine)]
+        assert counts == [(2, 2 * (6 * n - 2))] * 2, counts
     finally:
         if created:
             dist.destroy_process_group()

@@ -122,7 +122,8 @@ def test_graphed_outputs_feed_hidden_state_recording():
             assert rel(a, b) <= TOLERANCE
         got.logits.sum().backward()
         want.logits.sum().backward()
-    assert all(b.engine.replays > 0 for b in blocks_of(graphed))
+    counts = [(b.engine.captures, b.engine.replays) for b in blocks_of(graphed)]
+    assert counts == [(2, 2 * 2)] * 4, counts  # one position: warmup, record, then two replays
 
 
 @pytest.mark.two_gpus

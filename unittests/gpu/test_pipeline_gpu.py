@@ -60,7 +60,7 @@ def test_graphed_stages_stay_equal_to_eager_through_a_new_signature_and_a_failed
     Each fault under one schedule (the failed capture under the interleaved one, which has a
     chunk per graph on rank 1): the whole suite on two GPUs must fit one 10-minute device call."""
     from testing.parity import TOLERANCE, rel
-    from unittests.pipeline_ranks import graphed_against_eager, run_pipeline_ranks
+    from unittests.pipeline_ranks import assert_captured_once_and_replayed, graphed_against_eager, run_pipeline_ranks
 
     steps = 8
     results = run_pipeline_ranks(["--device", "cuda", "--schedule", schedule, "--steps", str(steps), *fault],
@@ -70,10 +70,11 @@ def test_graphed_stages_stay_equal_to_eager_through_a_new_signature_and_a_failed
     assert worst_grad[0] <= TOLERANCE, worst_grad
     runs = {rank: data["graphed"]["graphed_runs"] for rank, data in results.items()}
     if fault[0] == "--shorten-at":
-        assert all(0 < r["graphs_before_shorten"] < r["graphs"] and r["replays"] > 0
-                   for rs in runs.values() for r in rs), runs
+        at = int(fault[1])
+        assert_captured_once_and_replayed(runs, [at, steps - at])
     else:
         eager_runs = [r for r in runs[1] if r["captures"] == 0]
         assert len(eager_runs) == len({r["chunk"] for r in runs[1]}), runs  # one per chunk of rank 1
-        assert all(r["replays"] == 0 for r in eager_runs)
-        assert all(r["replays"] > 0 for rs in runs.values() for r in rs if r["captures"] > 0), runs
+        assert all(r["replays"] == 0 and r["graphs"] == 0 for r in eager_runs)
+        assert_captured_once_and_replayed({0: runs[0], 1: [r for r in runs[1] if r["captures"] > 0]}, [steps],
+                                          dropped=True)
