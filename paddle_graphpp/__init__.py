@@ -22,6 +22,7 @@ _LAZY = {
     "memory_report": "paddle_graphpp.core.memory",
     "MemoryMode": "paddle_graphpp.core.memory",
     "CaptureError": "paddle_graphpp.core.errors",
+    "CaptureFallbackWarning": "paddle_graphpp.core.errors",
     "GraphScheduleError": "paddle_graphpp.core.errors",
     "StateReplacedError": "paddle_graphpp.core.errors",
     "ReplayTimeoutError": "paddle_graphpp.core.errors",

@@ -1,23 +1,14 @@
 """The stream-ordered allocator switch (``cudaMallocAsync``) for Paddle and PyTorch.
 
-Two ways to ask for it, both before the framework allocates:
-
-* ``FLAGS_use_cuda_malloc_async_allocator=1`` in the environment of the process, or
-* :func:`use_cuda_malloc_async_allocator` called before the framework is imported
-  (PyTorch) or before its first allocation (Paddle).
-
-What it does per framework, and what it checks, is in the ``allocator`` module of each
-framework's package: :mod:`paddle_graphpp.paddle.memory.allocator` (Paddle sets the flag
-``FLAGS_use_cuda_malloc_async_allocator`` before its first allocation) and
-:mod:`paddle_graphpp.torch.memory.allocator` (PyTorch gets ``backend:cudaMallocAsync`` in
-``PYTORCH_CUDA_ALLOC_CONF`` before ``import torch``). Neither module, nor this one, imports a
-framework when imported.
-
-Order rules: a call that comes too late raises :class:`AllocatorSwitchError` saying where to
-call it; it never switches silently, and it never half-switches: every framework is checked
-first and nothing is changed unless all of them can switch. On CPU builds there is no device
-allocator and the switch changes nothing there, but the order rule is checked all the same, so
-a program that would fail on a GPU fails on CPU too.
+:func:`use_cuda_malloc_async_allocator`, called before the framework is imported (PyTorch) or
+before its first allocation (Paddle), or ``FLAGS_use_cuda_malloc_async_allocator=1`` in the
+process's environment (:func:`apply_env_switch`), selects it. A call that comes too late, or meets
+a conflicting setting, raises :class:`AllocatorSwitchError` saying where to call it, and changes
+nothing: every framework is checked first, and nothing is switched unless all of them can switch.
+On CPU builds nothing switches, but the order rule is checked all the same. Each framework's side
+is its ``memory.allocator`` module (:mod:`paddle_graphpp.paddle.memory.allocator`,
+:mod:`paddle_graphpp.torch.memory.allocator`); none of them imports a framework when imported.
+What it does, and what it costs: docs/memory.md#the-stream-ordered-allocator-cudamallocasync.
 """
 
 from __future__ import annotations
@@ -26,6 +17,7 @@ import os
 from typing import Callable, Optional, Sequence
 
 from .core import flags as _flags
+from .core.process import current_process
 from .core.runtime import FRAMEWORKS, framework_module
 from .core.warn import warn
 
@@ -46,7 +38,12 @@ WHERE = ("call paddle_graphpp.use_cuda_malloc_async_allocator() at the top of th
          "FLAGS_use_cuda_malloc_async_allocator=1 (Paddle) and PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync "
          "(PyTorch) in its environment")
 
-_requested = False  # set by a successful call of the switch in this process
+
+class AllocatorSwitch:
+    """Whether the switch ran in this process (a part of the process)."""
+
+    def __init__(self) -> None:
+        self.requested = False  # set by a successful call of use_cuda_malloc_async_allocator
 
 
 class AllocatorSwitchError(RuntimeError):
@@ -86,13 +83,12 @@ def use_cuda_malloc_async_allocator(frameworks: Sequence[str] = _FRAMEWORKS) -> 
        framework: ``memory="per_graph"`` no longer gives each graph its own pool, and
        ``paddle_graphpp.memory_report()`` cannot attribute memory to pools.
     """
-    global _requested
     names = _check_frameworks(frameworks)
     plans = {name: framework_module(name, "memory.allocator").plan() for name in names}  # every check first
     for name in FRAMEWORKS:  # table order, Paddle first: its set_flags is the only step that can fail
         if name in plans:
             plans[name].apply()
-    _requested = True
+    current_process().part(AllocatorSwitch).requested = True
     return {name: plan.status for name, plan in plans.items()}
 
 
@@ -118,10 +114,11 @@ def apply_env_switch() -> Optional[dict]:
 
 def async_allocator_requested() -> bool:
     """True when the switch was called in this process or the environment flag is set."""
+    requested = current_process().part(AllocatorSwitch).requested
     try:
-        return _requested or env_flag_value(os.environ.get(ENV_FLAG))
+        return requested or env_flag_value(os.environ.get(ENV_FLAG))
     except ValueError:
-        return _requested
+        return requested
 
 
 def async_allocator_active(runtime_name: str) -> bool:

@@ -11,6 +11,11 @@ function's identity or an explicit ``key`` — never by ``__name__``, so two clo
 shapes and dtypes: a call whose tensors moved is re-captured, never replayed into the old
 graph.
 
+Each cache slot keys its calls with :func:`~paddle_graphpp.core.lifecycle.signature_key` (by
+address) and keeps its one signature in a :class:`~paddle_graphpp.core.lifecycle.Lifecycle`, the
+lifecycle graphed layers and whole steps go through: the warmup and the capture are the first
+call, and a failed capture is reported as theirs is.
+
 The accelerator-style trio :func:`create_graph`, :func:`capture_to_graph` and
 :func:`replay_graph` is exposed for code that manages its own graphs.
 
@@ -26,26 +31,51 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Hashable, Optional
 
 from .core.errors import CaptureError
+from .core.lifecycle import Lifecycle, signature_key
+from .core.process import current_process
 from .core.runtime import (FRAMEWORKS, GraphRuntime, framework_imported, framework_of, get_runtime,
                            sole_imported_framework)
+from .core.tree import flatten
 
-__all__ = ["graph_process", "create_graph", "capture_to_graph", "replay_graph", "clear_graph_cache"]
+__all__ = ["graph_process", "create_graph", "capture_to_graph", "replay_graph", "clear_graph_cache",
+           "forget_graph"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _Entry:
-    """One cached graph: what it was captured for, and what it hands back."""
+    """One cache slot: its function's lifecycle (one signature at a time, captured in the call
+    that first runs it: the warmup and the capture are one call), and what its graph hands back."""
 
-    signature: tuple
+    lifecycle: Lifecycle
     owner: Any  # weakref (or strong ref) to the function/bound instance the slot belongs to
     runtime: Optional[GraphRuntime]
-    graph: Any  # None: graphs are unavailable for these tensors, the function runs eagerly
-    output: Any
+    eager: bool = False  # graphs are unavailable for these tensors: the function runs eagerly
+    output: Any = None
+
+    @property
+    def signature(self) -> Any:
+        sigs = self.lifecycle.all()
+        return sigs[0].key if sigs else None
+
+    @property
+    def graph(self) -> Any:
+        """The slot's graph (``None`` while there is none)."""
+        sigs = self.lifecycle.all()
+        return sigs[0].graph if sigs else None
 
 
-_CACHE: dict[Hashable, _Entry] = {}
+class GraphCache(dict):
+    """slot -> :class:`_Entry`: the graphs :func:`graph_process` holds (a part of the process)."""
+
+    def forget(self, slot: Hashable) -> bool:
+        """Drop the graph held in ``slot``; returns whether one was held."""
+        return self.pop(slot, None) is not None
+
+
+def _cache() -> GraphCache:
+    return current_process().part(GraphCache)
 
 
 def graph_process(func: Callable, *args, replay_first_step: bool = False, key: Optional[Hashable] = None,
@@ -88,38 +118,57 @@ def graph_process(func: Callable, *args, replay_first_step: bool = False, key: O
           logs a warning; a function whose arguments change every call gains nothing.
         * Inside an ongoing capture, ``func`` runs directly and becomes part of that capture.
     """
-    leaves = _leaves((args, kwargs))
+    leaves, spec = flatten((args, kwargs))
     runtime = _runtime_of_leaves(leaves)
     if runtime is None or runtime.is_capturing():
         return func(*args, **kwargs)
     slot = ("key", key) if key is not None else _identity_slot(func)
-    signature = _signature(runtime, leaves, func)
-    entry = _CACHE.get(slot)
+    signature, tensor_index, _ = signature_key(runtime, leaves, spec, context=(id(getattr(func, "__func__", func)),),
+                                               by_address=True)
+    entry = _cache().get(slot)
     if entry is not None:
         same_owner = _owner_is(entry, func)
         if same_owner and entry.signature == signature:
-            if entry.graph is None:
+            if entry.eager:
                 return func(*args, **kwargs)
             runtime.replay_graph(entry.graph)
+            entry.lifecycle.replays += 1
             return entry.output
         change = (_describe_change(entry.signature, signature) if same_owner
                   else "the slot holds the graph of another function")
         logger.warning("graph_process(%s): %s; re-capturing", _name(func), change)
-        _CACHE.pop(slot, None)
+        _cache().pop(slot, None)
         entry = None  # drop the old graph (and its pool) before capturing the new one
-    tensors = [leaf for leaf in leaves if runtime.is_tensor(leaf)]
+    tensors = [leaves[i] for i in tensor_index]
+    life = Lifecycle(f"graph_process({_name(func)})", max_signatures=1, num_warmup_steps=1, fallback="error",
+                     noun="the function")
+    sig = life.add(signature, None)
     reason = runtime.graphs_unavailable_reason(tensors) if tensors else _no_tensor_reason(runtime)
     if reason is not None:
-        _store(slot, func, key, _Entry(signature, None, runtime, None, None))
+        _store(slot, func, key, _Entry(life, None, runtime, eager=True))
         return func(*args, **kwargs)
-    graph, output = _warmup_and_capture(runtime, func, args, kwargs, replay_first_step)
-    _store(slot, func, key, _Entry(signature, None, runtime, graph, output))
+    life.leave_warmup(sig, in_step=True)  # the warmup and the capture are this one call
+    sig.graph, output = _warmup_and_capture(runtime, life, signature, func, args, kwargs, replay_first_step)
+    life.captures += 1
+    life.replays += replay_first_step
+    _store(slot, func, key, _Entry(life, None, runtime, output=output))
     return output
 
 
 def clear_graph_cache() -> None:
     """Forget every graph :func:`graph_process` holds (their memory goes with them)."""
-    _CACHE.clear()
+    _cache().clear()
+
+
+def forget_graph(func: Callable, *, key: Optional[Hashable] = None) -> bool:
+    """Forget the graph :func:`graph_process` holds for ``func`` (the slot it called
+    ``graph_process(func, ...)`` with: ``key``, or by default the function's identity); its memory
+    goes with it and the next call captures anew. Returns whether a graph was held."""
+    if key is not None:
+        return _cache().forget(("key", key))
+    slot = _identity_slot(func)
+    entry = _cache().get(slot)
+    return entry is not None and _owner_is(entry, func) and _cache().forget(slot)
 
 
 # ------------------------------------------------------------------ the trio
@@ -157,7 +206,8 @@ def replay_graph(graph: Any, *, framework: Optional[str] = None) -> None:
 
 
 # --------------------------------------------------------------- capturing
-def _warmup_and_capture(runtime: GraphRuntime, func, args, kwargs, replay_first_step: bool):
+def _warmup_and_capture(runtime: GraphRuntime, life: Lifecycle, signature: Any, func, args, kwargs,
+                        replay_first_step: bool):
     # Warmup: lazy state (optimizer moments, library handles) is created outside the graph.
     warm = func(*args, **kwargs)
     graph = runtime.create_graph()
@@ -165,11 +215,10 @@ def _warmup_and_capture(runtime: GraphRuntime, func, args, kwargs, replay_first_
         with runtime.capture_to_graph(graph):  # ends a failed capture itself
             output = func(*args, **kwargs)
     except Exception as exc:
-        raise CaptureError(
-            f"graph_process({_name(func)}): capturing failed ({type(exc).__name__}: {exc}). A captured "
-            "function must not synchronise with the host: no .item()/.cpu()/.numpy(), no printing "
-            "of tensors, no Python branch on a tensor value, no new shapes. Remove the sync, or "
-            "call the function directly instead of through graph_process.") from exc
+        raise life.capture_failed(signature, "the function", exc, hint=(
+            "A captured function must not synchronise with the host: no .item()/.cpu()/.numpy(), no "
+            "printing of tensors, no Python branch on a tensor value, no new shapes. Remove the sync, or "
+            "call the function directly instead of through graph_process.")) from exc
     # Keep the results of one run: replay the graph, or carry the warmup's over.
     if replay_first_step:
         runtime.replay_graph(graph)
@@ -180,7 +229,7 @@ def _warmup_and_capture(runtime: GraphRuntime, func, args, kwargs, replay_first_
 
 def _copy_outputs(runtime: GraphRuntime, warm, static) -> None:
     dsts, srcs = [], []
-    for src, dst in zip(_leaves(warm), _leaves(static)):
+    for src, dst in zip(flatten(warm)[0], flatten(static)[0]):
         if runtime.is_tensor(dst) and runtime.is_tensor(src) and dst is not src:
             dsts.append(dst)
             srcs.append(src)
@@ -210,12 +259,13 @@ def _store(slot, func, key, entry: _Entry) -> None:
             weakref.finalize(anchor, _evict, slot, entry)
     except TypeError:  # not weak-referenceable: hold it, so its id cannot be reused
         entry.owner = anchor
-    _CACHE[slot] = entry
+    _cache()[slot] = entry
 
 
 def _evict(slot, entry) -> None:
-    if _CACHE.get(slot) is entry:
-        del _CACHE[slot]
+    cache = _cache()
+    if cache.get(slot) is entry:
+        del cache[slot]
 
 
 def _owner_is(entry: _Entry, func) -> bool:
@@ -223,69 +273,33 @@ def _owner_is(entry: _Entry, func) -> bool:
     return owner is _anchor(func)
 
 
-def _signature(runtime: GraphRuntime, leaves: list, func) -> tuple:
-    # Called on every replay (an optimizer passes ~2 tensors per parameter): keep it lean.
-    parts = [id(getattr(func, "__func__", func))]
-    append, is_tensor = parts.append, runtime.is_tensor
-    for leaf in leaves:
-        if is_tensor(leaf):
-            shape = leaf.shape
-            append((leaf.data_ptr(), shape if type(shape) is not list else tuple(shape), leaf.dtype))
-        elif leaf is None or isinstance(leaf, (bool, int, float, str, bytes)):
-            append(("value", type(leaf), leaf))
-        else:
-            append(("object", id(leaf)))
-    return tuple(parts)
-
-
 def _describe_change(old: tuple, new: tuple) -> str:
-    if old[0] != new[0]:
+    """What differs between two keys of :func:`~paddle_graphpp.core.lifecycle.signature_key`
+    ``(tensors by address, other leaves, structure, function)``."""
+    (old_tensors, old_values, old_spec, old_fn), (new_tensors, new_values, new_spec, new_fn) = old, new
+    if old_fn != new_fn:
         return "the function differs from the captured one"
-    if len(old) != len(new):
-        return f"the arguments hold {len(new) - 1} leaves, the graph was captured with {len(old) - 1}"
-    for index, (a, b) in enumerate(zip(old[1:], new[1:])):
-        if a == b:
-            continue
-        if _is_tensor_part(a) and _is_tensor_part(b):
+    if old_spec != new_spec or len(old_tensors) != len(new_tensors):
+        return (f"the arguments hold {len(new_tensors)} tensors in another structure; the graph was captured "
+                f"with {len(old_tensors)}")
+    for index, (a, b) in enumerate(zip(old_tensors, new_tensors)):
+        if a != b:
             what = [name for name, x, y in zip(("address", "shape", "dtype"), a, b) if x != y]
-            return (f"argument leaf {index} changed its {' and '.join(what)} "
+            return (f"tensor argument {index} changed its {' and '.join(what)} "
                     f"(address {a[0]:#x}, shape {list(a[1])}, {a[2]} -> "
                     f"address {b[0]:#x}, shape {list(b[1])}, {b[2]})")
-        return f"argument leaf {index} changed from {_short(a)} to {_short(b)}"
+    for index, (a, b) in enumerate(zip(old_values, new_values)):
+        if a != b:
+            return f"argument value {index} changed from {_short(a)} to {_short(b)}"
     return "the arguments changed"
 
 
-def _is_tensor_part(part) -> bool:
-    return isinstance(part[0], int)
-
-
-def _short(part) -> str:
-    if _is_tensor_part(part):
-        return f"a tensor of shape {list(part[1])}"
-    if part[0] == "value":
-        return repr(part[2])
-    return "another object"
+def _short(value) -> str:
+    kind, x = value
+    return repr(x) if kind in ("NoneType", "bool", "int", "float", "str", "bytes") else f"another {kind}"
 
 
 # -------------------------------------------------------- runtime detection
-def _leaves(obj) -> list:
-    out: list = []
-    _collect(obj, out)
-    return out
-
-
-def _collect(obj, out: list) -> None:
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else None
-    if items is None:
-        out.append(obj)
-        return
-    for item in items:
-        if isinstance(item, (list, tuple, dict)):
-            _collect(item, out)
-        else:
-            out.append(item)
-
-
 def _runtime_of_leaves(leaves: list) -> Optional[GraphRuntime]:
     for leaf in leaves:
         name = framework_of(leaf)

@@ -122,10 +122,9 @@ class GraphedOptimizer:
         if self._undone:
             raise RuntimeError(f"GraphedOptimizer({type(self.optimizer).__name__}): undo() was called twice; use the "
                                f"optimizer the first undo() returned")
-        from . import graph_api
+        from .graph_api import forget_graph
 
-        # The slot graph_process keeps the step's graph in (keyed by the bound method's owner and function).
-        graph_api._CACHE.pop(graph_api._identity_slot(self._sequence), None)
+        forget_graph(self._sequence)  # the graph graph_process keeps the step in
         self._give_back()
         self._undone = True
         return self.optimizer

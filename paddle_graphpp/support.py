@@ -19,8 +19,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Optional
+from types import MappingProxyType
+from typing import Mapping, Optional
 
+from .core.process import current_process
 from .core.warn import warn
 
 __all__ = ["SUPPORTED", "Support", "UnsupportedVersionError", "installed_version", "require", "report"]
@@ -45,18 +47,24 @@ class Support:
     used_for: str  # what paddle_graphpp does with it, for messages
 
 
-SUPPORTED = {
+SUPPORTED: Mapping[str, Support] = MappingProxyType({
     # torch: 2.11 on the GPU machines; in CI 2.13.0 (pinned) and the newest that installs on its Python
     "torch": Support("torch", "2.11", "2.14", "the PyTorch runtime"),
     "paddle": Support("paddlepaddle", "3.3", "3.3.1", "the Paddle runtime and fleet pipelines"),
     "transformers": Support("transformers", "5.0", "5.25", "causal_lm_stage() and graph_model() (transformers' model forwards and mask helpers)"),
     "paddleformers": Support("paddleformers", "1.2", "1.2.0", "PaddleFormers pipe models in graph_pipeline()"),
     "megatron-core": Support("megatron-core", "0.19", "0.19.2", "the Megatron-Core peer benchmark"),
-}
+})
 
 # The GPU build of Paddle installs under another distribution name.
-_ALIASES = {"paddlepaddle": ("paddlepaddle", "paddlepaddle-gpu")}
-_warned: set = set()
+_ALIASES = MappingProxyType({"paddlepaddle": ("paddlepaddle", "paddlepaddle-gpu")})
+
+
+class VersionWarnings:
+    """The integrations already warned about in this process (a part of the process)."""
+
+    def __init__(self) -> None:
+        self.warned: set = set()
 
 
 def _numeric(version: str) -> tuple:
@@ -108,8 +116,9 @@ def require(name: str, version: Optional[str] = None) -> Optional[str]:
             f"{support.used_for} needs {support.distribution} >= {support.oldest} (tested {support.oldest} to "
             f"{support.newest_tested}); {version} is installed. Install a supported version, e.g. "
             f"`pip install '{support.distribution}>={support.oldest}'`.")
-    if not _at_most(version, support.newest_tested) and name not in _warned:
-        _warned.add(name)
+    warned = current_process().part(VersionWarnings).warned
+    if not _at_most(version, support.newest_tested) and name not in warned:
+        warned.add(name)
         warn(
             f"{support.distribution} {version} is newer than the newest version paddle_graphpp was tested with "
             f"({support.newest_tested}) for {support.used_for}; if it fails, pin "

@@ -3,7 +3,7 @@
 Shared by the GPU tests (``unittests/gpu/test_engine_gpu.py`` runs it as a test; the zero-bubble,
 compile, pipeline and Hugging Face tests use its stack, orders and ``rel``) and by
 ``tools/gpu_check.py`` (which records the worst error it saw) and ``tools/bench_zero_bubble.py``. The stack is three blocks of the
-trainer's GPT (``tools/gpt_torch.py``, explicit attention, dropout 0.1) with two differentiable
+trainer's GPT (:mod:`testing.gpt_torch`, explicit attention, dropout 0.1) with two differentiable
 outputs (the hidden state and an auxiliary head); each step runs four micro-batches in an
 interleaved pipeline order, then an AdamW step.
 
@@ -17,7 +17,7 @@ import copy
 
 import torch
 
-from tools.gpt_torch import Block, GPTShape
+from testing.gpt_torch import Block, GPTShape
 
 __all__ = ["ORDER", "Stack", "Scale", "rel", "run_step", "twins", "check_parity"]
 

@@ -15,7 +15,11 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=128, head_dim=16, use_cache=False,
              tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 WINDOW = 8  # sliding windows, shorter than the test sequences
+_INKLING2 = dict(unpadded_vocab_size=128, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
+                 moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
 OVERRIDES: dict[str, dict] = {
+    "inkling2_text": _INKLING2,
+    "inkling2_loop_text": _INKLING2,
     "mistral": dict(sliding_window=WINDOW),
     "phi3": dict(sliding_window=WINDOW),
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
@@ -108,7 +112,8 @@ class Outcome:
     """What one door did with one class: ``exact``, ``spread`` (within the model's own eager
     run-to-run difference), ``refused`` (at build, with the message; or, for blocks the model
     calls in an order no graph schedule replays, such as a loop over them, at the first backward
-    with the engine's ``GraphScheduleError``), ``skipped`` (the class does not build tiny, or the
+    with the engine's ``GraphScheduleError``; for a block given several tensors that carry a
+    gradient, at its first forward with ``SignatureError``), ``skipped`` (the class does not build tiny, or the
     door does not apply), ``mismatch`` or ``error`` (failures)."""
 
     FAILURES = ("mismatch", "error")
@@ -275,6 +280,7 @@ def _door(door: str, base, data, reference: dict, own_spread) -> Outcome:
     import copy
 
     from paddle_graphpp import GraphScheduleError
+    from paddle_graphpp.core.errors import SignatureError
     from paddle_graphpp.torch import causal_lm_stage, graph_layers, graph_model, graph_step
     from paddle_graphpp.torch.hf import layout_of
 
@@ -306,6 +312,8 @@ def _door(door: str, base, data, reference: dict, own_spread) -> Outcome:
         record = _train(model, forward, data, step_wrapper=wrapper)
     except GraphScheduleError as exc:  # blocks called in an order no schedule of graphs can replay
         return Outcome("refused", f"at the first backward: {_short(exc)}")
+    except SignatureError as exc:  # a call a graphed block refuses before it runs (gradients in several inputs)
+        return Outcome("refused", f"at the first forward: {_short(exc)}")
     except Exception as exc:  # noqa: BLE001 - a failure after building is the worst kind: recorded
         return Outcome("error", f"{type(exc).__name__}: {_short(exc)}")
     diff = _difference(reference, record)

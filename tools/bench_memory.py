@@ -111,10 +111,10 @@ def describe_schedule(cfg: Config) -> str:
 
 # ----------------------------------------------------------------------------- device side
 def build_chunk(cfg: Config, n_layers: int):
-    """``n_layers`` blocks of the trainer's GPT (tools/gpt_torch.py): SDPA attention, no dropout."""
+    """``n_layers`` blocks of the trainer's GPT (testing/gpt_torch.py): SDPA attention, no dropout."""
     import torch
 
-    from tools.gpt_torch import Block, GPTShape
+    from testing.gpt_torch import Block, GPTShape
 
     shape = GPTShape(hidden=cfg.hidden, heads=cfg.heads, vocab=1, seq_len=cfg.seq, layers=cfg.layers,
                      attention="sdpa")

@@ -33,13 +33,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from testing import launch  # noqa: E402
+from testing.gpt_shape import GPT3_1P3B, GPTShape  # noqa: E402
 from tools import benchlib  # noqa: E402
-from tools.gpt_shape import GPT3_1P3B, train_gpt_flags  # noqa: E402
 
 TRAIN = os.path.join(REPO, "tools", "train_gpt.py")
 BUDGET_S = 450  # the whole benchmark stays under 8 minutes
 LOSS_RTOL = 1e-5
 TARGET_SPEEDUP = 1.8  # launch-bound configuration, graphs over eager
+
+
+def train_gpt_flags(shape: GPTShape) -> list:
+    """``tools/train_gpt.py`` arguments that build ``shape``'s model (width, depth, heads, vocab,
+    attention); the sequence length and dropout are the run's, left to the caller."""
+    return ["--hidden", str(shape.hidden), "--layers", str(shape.layers), "--heads", str(shape.heads),
+            "--vocab", str(shape.vocab), "--attention", shape.attention]
+
 
 # The learning rate the records were measured at; the trainer's own default is the demo's (larger).
 RECORD_LR = ["--lr", "3e-4"]

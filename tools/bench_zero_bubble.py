@@ -289,8 +289,8 @@ def single_gpu(opts) -> int:
     import torch
 
     from paddle_graphpp.torch import CUDAGraphedModule
-    from tools.gpt_shape import GPTShape
-    from tools.gpt_torch import Block
+    from testing.gpt_shape import GPTShape
+    from testing.gpt_torch import Block
 
     smoke = opts.smoke
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,6 +1,6 @@
 """The GPT of the demo trainer, in Paddle, as fleet pipeline layers.
 
-The same model as ``tools/gpt_torch.py`` (explicit attention only): token + position embeddings
+The same model as ``testing/gpt_torch.py`` (explicit attention only): token + position embeddings
 whose token table is tied to the output head, pre-norm transformer blocks (causal
 self-attention and a 4x GELU MLP, each with residual dropout), a final norm and the head. The
 tie crosses stages through ``SharedLayerDesc("embed", EmbeddingPipe, ...)`` with
@@ -18,7 +18,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from tools.gpt_shape import GPTShape
+from testing.gpt_shape import GPTShape
 
 __all__ = ["EmbeddingPipe", "head_forward", "Block", "LossPipe"]
 

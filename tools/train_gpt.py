@@ -521,8 +521,8 @@ def cpu_peak_mib() -> float:
 
 # ------------------------------------------------------------------------------------ torch
 def model_shape(cfg: Config):
-    """The model's :class:`tools.gpt_shape.GPTShape` for this configuration."""
-    from tools.gpt_shape import GPTShape
+    """The model's :class:`testing.gpt_shape.GPTShape` for this configuration."""
+    from testing.gpt_shape import GPTShape
 
     return GPTShape(hidden=cfg.hidden, heads=cfg.num_heads, vocab=cfg.vocab, seq_len=cfg.seq_len, layers=cfg.layers,
                     dropout=cfg.dropout, attention=cfg.attention)
@@ -534,7 +534,7 @@ def build_torch_chunk(cfg: Config, chunk: int, tp=None):
 
     Every module is seeded by its position in the whole model, so weights do not depend on pp/vpp/tp.
     """
-    from tools.gpt_torch import build_chunk
+    from testing.gpt_torch import build_chunk
 
     return build_chunk(model_shape(cfg), chunk_layout(cfg, chunk), first=chunk == 0,
                        last=chunk == cfg.pp * cfg.vpp - 1, seed=cfg.seed, tp=tp)

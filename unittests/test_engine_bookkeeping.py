@@ -16,6 +16,7 @@ from fake_runtime import FakeGraphRuntime, Graphed
 from paddle_graphpp.core import memory as memory_mod
 from paddle_graphpp.core.engine import EngineOptions, Phase
 from paddle_graphpp.core.errors import CaptureError
+from paddle_graphpp.core.process import current_process
 from paddle_graphpp.torch.memory import handout as handout_mod
 
 
@@ -264,7 +265,7 @@ class AsyncAllocatorRuntime(FakeGraphRuntime):
 
 def test_stream_ordered_allocator_runs_the_capture_instead_of_an_eager_run():
     rt = AsyncAllocatorRuntime()
-    memory_mod._PLANS.pop(rt.name, None)
+    current_process().reset(rt.name)
     try:
         torch.manual_seed(0)
         lin = torch.nn.Linear(4, 3)
@@ -280,7 +281,7 @@ def test_stream_ordered_allocator_runs_the_capture_instead_of_an_eager_run():
         assert layer.engine.captures == 2 and layer.engine.replays == 4
         assert memory_mod.plan_for(rt)._generations == []  # pools are the driver's: no generations
     finally:
-        memory_mod._PLANS.pop(rt.name, None)
+        current_process().reset(rt.name)
 
 
 def test_eval_mode_is_part_of_the_signature(rt):
@@ -390,7 +391,7 @@ def test_accumulate_grads_needs_a_runtime_that_supports_it(rt, monkeypatch):
     from paddle_graphpp.core import runtime as runtime_mod
 
     without = dataclasses.replace(runtime_mod.capabilities(rt), accumulation=None)
-    monkeypatch.setitem(runtime_mod._CAPABILITIES, rt, without)
+    monkeypatch.setitem(runtime_mod.runtime_table().capabilities, rt, without)
     with pytest.raises(ValueError, match="accumulate_grads=True is not supported"):
         Graphed(torch.nn.Linear(4, 3), rt, accumulate_grads=True)
     with pytest.raises(ValueError, match="accumulate_grads must be a bool"):

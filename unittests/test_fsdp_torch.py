@@ -102,7 +102,7 @@ def test_unsharded_view_sets_and_restores_the_parameters():
     with graphs_fsdp.unsharded_view(block):
         assert {id(p) for p in block.parameters()} == unsharded
     assert block.mlp.up_proj.weight is sharded
-    assert block.engine.capture_view is not None and block.engine.capture_view() is not None
+    assert block.engine.layer.hooks.capture_view() is not None
 
 
 def test_layouts_that_cannot_work_are_refused():

@@ -171,13 +171,26 @@ def test_explicit_key(fake):
     assert fake.replayed == [("a",), ("b",)]
 
 
+def test_forget_graph_drops_one_slot_and_the_next_call_captures_anew(fake):
+    x, y = torch.ones(1), torch.zeros(1)
+    a, b = _adder(fake, "a"), _adder(fake, "b")
+    gp.graph_process(a, x, y)
+    gp.graph_process(b, x, y, key="k")
+    assert not gp.forget_graph(b)  # b's graph is under its key, not its identity
+    assert gp.forget_graph(a) and not gp.forget_graph(a)
+    assert len(gp._cache()) == 1
+    assert gp.forget_graph(b, key="k") and len(gp._cache()) == 0
+    gp.graph_process(a, x, y)
+    assert fake.captures == 3 and fake.replayed == []
+
+
 def test_dead_closure_releases_its_graph(fake):
     step = _adder(fake, "a")
     gp.graph_process(step, torch.ones(1), torch.zeros(1))
-    assert len(gp._CACHE) == 1
+    assert len(gp._cache()) == 1
     del step
     gc.collect()
-    assert len(gp._CACHE) == 0
+    assert len(gp._cache()) == 0
 
 
 def test_without_graphs_the_function_simply_runs(fake):
@@ -201,7 +214,7 @@ def test_failed_capture_raises_capture_error_and_caches_nothing(fake):
 
     with pytest.raises(CaptureError, match=r"graph_process\(.*syncs\).*\.item\(\)"):
         gp.graph_process(syncs, torch.zeros(1))
-    assert fake.aborted == 1 and len(gp._CACHE) == 0
+    assert fake.aborted == 1 and len(gp._cache()) == 0
 
 
 def test_inside_an_outer_capture_the_function_runs_directly(fake):
@@ -210,7 +223,7 @@ def test_inside_an_outer_capture_the_function_runs_directly(fake):
     with gp.capture_to_graph(g, framework="torch"):
         gp.graph_process(step, torch.ones(1), torch.zeros(1))
     assert fake.captures == 1 and g.labels == ["inner"]
-    assert len(gp._CACHE) == 0
+    assert len(gp._cache()) == 0
     gp.replay_graph(g, framework="torch")
     assert fake.replayed == [("inner",)]
 

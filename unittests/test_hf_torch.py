@@ -225,6 +225,29 @@ def test_a_blocks_own_weight_given_as_an_argument_trains_like_eager():
     assert other.grad is not None and other.grad.shape == other.shape
 
 
+def test_a_block_given_two_activations_that_carry_gradients_is_refused_before_it_runs():
+    """Their gradients would leave the graphed block from one node, where eagerly they leave from
+    many: summed in another order upstream (last-bit differences, as Inkling2's block states showed)."""
+    from paddle_graphpp.core.errors import SignatureError
+
+    class TwoInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, hidden, states):
+            return self.lin(hidden) + states
+
+    blocks = torch.nn.ModuleList([TwoInputs(), TwoInputs()])
+    graph_layers(blocks, name="two")
+    x = torch.randn(2, 4, requires_grad=True)
+    hidden = x * 2
+    with pytest.raises(SignatureError, match=r"two\.0: .*passes 2 \(argument 0, argument 1\).*graph_model"):
+        blocks[0](hidden, hidden * 3)
+    blocks[0](hidden, (hidden * 3).detach()).sum().backward()  # one gradient path: graphed as before
+    assert x.grad is not None
+
+
 def test_the_parameter_test_for_block_arguments_agrees_with_isinstance():
     from torch import nn
 
@@ -342,16 +365,13 @@ def fake_runtime():
     graph path (record, capture, replay, links between chained blocks) runs on CPU."""
     from fake_runtime import FakeGraphRuntime, serving
 
-    from paddle_graphpp.core import capture as capture_mod
-    from paddle_graphpp.core import memory as memory_mod
+    from paddle_graphpp.core.process import current_process
 
     rt = FakeGraphRuntime()
-    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-        table.pop(rt.name, None)
+    current_process().reset(rt.name)
     with serving(rt):
         yield rt
-    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-        table.pop(rt.name, None)
+    current_process().reset(rt.name)
 
 
 @KINDS

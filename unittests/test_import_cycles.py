@@ -4,8 +4,8 @@ Every module's imports are read with :mod:`ast` (no module is imported), at modu
 inside functions and classes alike: a function-level import that closes a cycle still ties the
 two modules together (each needs the other to work), it only hides the cycle from the import
 system. ``from package import name`` counts as an import of ``package.name`` when that is a
-module, else of ``package`` (its ``__init__``). Imports under ``if TYPE_CHECKING:`` are skipped
-(they never run). A name resolved through a string at run time (the lazy public names of
+module, else of ``package`` (its ``__init__``). Imports under ``if TYPE_CHECKING:`` count too: they
+never run, but a module that names another's type for its signatures depends on it as much. A name resolved through a string at run time (the lazy public names of
 :mod:`paddle_graphpp._lazy`, the runtime table of :mod:`paddle_graphpp.core.runtime`) is not an
 import here. There is no allow-list: a cycle fails the test, printed module by module.
 """
@@ -30,19 +30,11 @@ def _modules() -> dict:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _import_nodes(tree: ast.AST):
-    """Every ``import`` / ``from ... import`` of ``tree``, outside ``if TYPE_CHECKING:`` blocks."""
+    """Every ``import`` / ``from ... import`` of ``tree`` (``if TYPE_CHECKING:`` blocks included)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            stack.extend(node.orelse)
-            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         stack.extend(ast.iter_child_nodes(node))
@@ -150,9 +142,9 @@ def test_the_checker_finds_a_function_level_cycle():
     assert ["paddle_graphpp.core.engine", "paddle_graphpp.core.options", "paddle_graphpp.core.engine"] in find_cycles(graph)
 
 
-def test_function_level_imports_are_edges(tmp_path):
+def test_function_level_and_typing_only_imports_are_edges(tmp_path):
     modules = {"paddle_graphpp.a": tmp_path / "a.py", "paddle_graphpp.b": tmp_path / "b.py"}
     modules["paddle_graphpp.a"].write_text("def f():\n    from . import b\n")
     modules["paddle_graphpp.b"].write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
     assert _imports("paddle_graphpp.a", modules["paddle_graphpp.a"], modules) == {"paddle_graphpp.b"}
-    assert _imports("paddle_graphpp.b", modules["paddle_graphpp.b"], modules) == set()
+    assert _imports("paddle_graphpp.b", modules["paddle_graphpp.b"], modules) == {"paddle_graphpp.a"}

@@ -26,7 +26,8 @@ CONSUMERS = {
     ("core/runtime.py", "capture_to_graph", "generators"), ("core/runtime.py", "capture_failure_hint", "generators"),
     ("paddle/runtime.py", "capture_to_graph", "generators"), ("paddle/runtime.py", "capture_failure_hint", "generators"),
     ("torch/runtime.py", "capture_to_graph", "generators"), ("torch/runtime.py", "capture_failure_hint", "generators"),
-    ("core/schedule.py", "__init__", "max_in_flight"), ("core/phases.py", "__init__", "max_signatures"),
+    ("core/schedule.py", "__init__", "max_in_flight"), ("core/lifecycle.py", "__init__", "max_signatures"),
+    ("core/lifecycle.py", "__init__", "num_warmup_steps"), ("core/lifecycle.py", "__init__", "fallback"),
     ("core/runtime.py", "rng_mirror", "generators"), ("torch/runtime.py", "rng_mirror", "generators"),
     ("paddle/runtime.py", "rng_mirror", "generators"),
 }

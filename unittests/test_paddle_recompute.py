@@ -162,15 +162,12 @@ def test_a_replay_puts_back_the_state_index_its_rng_setters_switched_to():
 @pytest.fixture
 def fake_rt():
     from fake_paddle_runtime import FakePaddleRuntime
-    from paddle_graphpp.core import capture as capture_mod
-    from paddle_graphpp.core import memory as memory_mod
+    from paddle_graphpp.core.process import current_process
 
     runtime = FakePaddleRuntime()
-    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-        table.pop(runtime.name, None)
+    current_process().reset(runtime.name)
     yield runtime
-    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-        table.pop(runtime.name, None)
+    current_process().reset(runtime.name)
 
 
 def test_recomputing_positions_capture_the_forward_again_and_replay_with_the_mirrors(fake_rt, monkeypatch):

@@ -1,10 +1,12 @@
 """The PyTorch pool lender's decisions that need no GPU: whether an optimizer's temporaries fit
 a pool's free blocks, and whether captures wait for an optimizer's first step."""
+import gc
 import weakref
 
 import pytest
 import torch
 
+from paddle_graphpp.core.process import current_process
 from paddle_graphpp.torch.memory import pool_lending
 from paddle_graphpp.torch.runtime import TorchRuntime
 
@@ -41,24 +43,35 @@ def test_rounded_counts_what_the_allocator_rounds_to():
 
 @pytest.fixture
 def fresh_watch(monkeypatch):
-    monkeypatch.setattr(pool_lending, "_ANY_STEPPED", False)
-    monkeypatch.setattr(pool_lending, "_STEPPED", weakref.WeakSet())
-    monkeypatch.setattr(pool_lending, "_FOUND", weakref.WeakSet())
+    watch = current_process().section("torch").part(pool_lending.OptimizerWatch)
+    monkeypatch.setattr(watch, "any_stepped", False)
+    monkeypatch.setattr(watch, "stepped", weakref.WeakSet())
+    monkeypatch.setattr(watch, "registered", weakref.WeakSet())
     TorchRuntime()  # installs the step watch (once per process)
 
 
-def test_captures_wait_while_an_optimizer_exists_that_has_not_stepped(fresh_watch):
-    import gc
-
-    gc.collect()  # optimizers of earlier tests
-    assert not pool_lending.optimizer_pending()
+def test_captures_wait_while_an_optimizer_has_not_stepped(fresh_watch):
     w = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([w])
+    assert pool_lending.optimizer_pending()  # found without being registered (torch has no creation hook)
+    pool_lending.register_optimizer(opt)
     assert pool_lending.optimizer_pending()
     w.grad = torch.ones(4)
     opt.step()
     assert not pool_lending.optimizer_pending()
     assert sum(pool_lending.stepped_param_sizes()) == 512
+
+
+def test_a_graphed_optimizer_registers_its_optimizer(fresh_watch):
+    from paddle_graphpp import GraphedOptimizer
+
+    w = torch.nn.Parameter(torch.ones(4))
+    graphed = GraphedOptimizer(torch.optim.AdamW([w]))
+    opt = weakref.ref(graphed.optimizer)
+    assert opt() in pool_lending._watch().registered and pool_lending.optimizer_pending()
+    del graphed
+    gc.collect()
+    assert opt() is None  # held weakly: a dead optimizer keeps nothing waiting
 
 
 def test_the_reserve_is_sized_by_the_largest_optimizer_in_its_parameter_order(fresh_watch):
@@ -106,9 +119,6 @@ def test_reserve_refuses_an_unknown_layout_and_skips_what_is_not_a_pool():
 def test_the_wait_for_a_first_step_does_not_depend_on_the_reserved_block(fresh_watch, monkeypatch, reserve):
     # The optimizer state its first step creates sits beside a pool captured before it, block or
     # no block (measured with the block off on 1F1B's last stage: +960 MiB on the capture step).
-    import gc
-
-    gc.collect()
     monkeypatch.setenv("FLAGS_graphpp_reserve_pool", reserve)
     rt = TorchRuntime()
 
@@ -121,6 +131,7 @@ def test_the_wait_for_a_first_step_does_not_depend_on_the_reserved_block(fresh_w
 
     w = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([w])
+    pool_lending.register_optimizer(opt)
     assert defer_capture_as_on_a_gpu() == "an optimizer has not stepped yet"
     w.grad = torch.ones(4)
     opt.step()

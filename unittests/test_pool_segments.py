@@ -62,7 +62,7 @@ def test_nested_windows_switch_on_once_and_back_at_the_outer_end_keeping_other_s
     with pytest.raises(RuntimeError):
         with pool_segments.pool_allocations():
             raise RuntimeError("a failed capture")
-    assert calls == [on, off, on, off] and pool_segments._DEPTH == 0
+    assert calls == [on, off, on, off] and pool_segments.windows().depth == 0
 
 
 def test_nothing_is_switched_when_off_or_already_on_everywhere(monkeypatch):
@@ -89,7 +89,7 @@ def test_a_failed_switch_leaves_no_window_open(monkeypatch):
     with pytest.raises(RuntimeError, match="refused expandable_segments:True"):
         with pool_segments.pool_allocations():
             pass  # not reached
-    assert pool_segments._DEPTH == 0 and pool_segments._SAVED is None
+    assert pool_segments.windows().depth == 0 and pool_segments.windows().saved is None
     calls = []
     monkeypatch.setattr(pool_segments, "_set", calls.append)
     with pool_segments.pool_allocations():
@@ -112,11 +112,11 @@ def test_a_failed_switch_back_keeps_the_bodys_error_and_closes_the_window(monkey
         with pytest.raises(ValueError, match="the capture's own error"):
             with pool_segments.pool_allocations():
                 raise ValueError("the capture's own error")
-    assert pool_segments._DEPTH == 0 and pool_segments._SAVED is None
+    assert pool_segments.windows().depth == 0 and pool_segments.windows().saved is None
     with pytest.raises(RuntimeError, match="cannot switch back"):  # no error of its own: this one is raised
         with pool_segments.pool_allocations():
             pass
-    assert pool_segments._DEPTH == 0 and pool_segments._SAVED is None and len(calls) == 4
+    assert pool_segments.windows().depth == 0 and pool_segments.windows().saved is None and len(calls) == 4
 
 
 def test_the_cycle_collector_is_off_inside_a_routing_window_and_back_after_it():

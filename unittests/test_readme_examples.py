@@ -40,7 +40,22 @@ NEEDS_PADDLEFORMERS = {"llama_pipe.py", "llama_pipe_flag.py"}
 STEPS = 6  # each README example's optimizer steps
 FALL = 0.30  # the last loss at least this much below the first
 TERMINAL_LINES = 25  # at most, for a fleet example (the launcher shows rank 0's output)
-STATED = re.compile(r"^# on CPU the loss falls from (\d+\.\d+) \(step 0\) to (\d+\.\d+) \(step (\d+)\)$", re.M)
+STATED = re.compile(r"^# on CPU with the pinned packages the loss falls from (\d+\.\d+) \(step 0\) to (\d+\.\d+) "
+                    r"\(step (\d+)\)$", re.M)
+
+
+def pinned_packages_installed() -> bool:
+    """Whether every package requirements-examples.txt pins with ``==`` is installed at that
+    version (CI runs the examples again with other transformers and torch versions, whose
+    kernels give other figures)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    with open(os.path.join(REPO, "requirements-examples.txt")) as f:
+        pins = [line.split("#")[0].strip().split("==") for line in f if "==" in line.split("#")[0]]
+    try:
+        return all(version(name.strip()).split("+")[0] == wanted.strip() for name, wanted in pins)  # 2.13.0+cpu is 2.13.0
+    except PackageNotFoundError:
+        return False
 
 
 def section() -> str:
@@ -152,8 +167,9 @@ def test_example_runs_as_written_and_learns(name, tmp_path):
     assert losses[-1] <= (1 - FALL) * losses[0], f"{name}: the loss did not fall by {FALL:.0%}: {losses}"
     first, last, last_step = STATED.search(code).groups()
     assert int(last_step) == STEPS - 1, code.splitlines()[1]
-    assert losses[0] == pytest.approx(float(first), abs=0.01) and losses[-1] == pytest.approx(float(last), abs=0.01), (
-        f"{name} states {first} -> {last}, the run printed {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if pinned_packages_installed():  # the stated figures are those of requirements-examples.txt's versions
+        assert losses[0] == pytest.approx(float(first), abs=0.01) and losses[-1] == pytest.approx(float(last), abs=0.01), (
+            f"{name} states {first} -> {last}, the run printed {losses[0]:.4f} -> {losses[-1]:.4f}")
     assert "paddle_graphpp/" not in text, f"a warning quotes the library's source:\n{text[-4000:]}"
     if name in NEEDS_PADDLEFORMERS:
         assert "graphed [1:3) DecoderLayerPipe#1, DecoderLayerPipe#2" in text  # stage 0's report

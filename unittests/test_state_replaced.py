@@ -8,10 +8,9 @@ import torch
 
 import paddle_graphpp
 from fake_runtime import FakeGraphRuntime, Graphed
-from paddle_graphpp.core import capture as capture_mod
-from paddle_graphpp.core import memory as memory_mod
 from paddle_graphpp.core.engine import Phase
 from paddle_graphpp.core.errors import GraphScheduleError, StateReplacedError
+from paddle_graphpp.core.process import current_process
 from paddle_graphpp.core.state import StateWatch
 
 
@@ -230,7 +229,7 @@ def _opt_step(model, gopt):
 
 
 def _graph_of(gp):
-    (entry,) = gp._CACHE.values()
+    (entry,) = gp._cache().values()
     return entry.graph
 
 
@@ -310,8 +309,7 @@ def test_zero_grad_after_a_skipped_step_zeroes_what_backward_graphs_wrote(graphe
     from paddle_graphpp.core.runtime import get_runtime
 
     rt = get_runtime("torch")  # the fake runtime: its replays write nothing; .data writes stand in
-    memory_mod._PLANS.pop(rt.name, None)
-    capture_mod._PROCESSES.pop(rt.name, None)
+    current_process().reset(rt.name)
     lin = torch.nn.Linear(4, 4)
     layer = Graphed(lin, rt, num_warmup_steps=0)
     gopt = _graphed_opt(torch.optim.AdamW(lin.parameters(), lr=1e-2))
@@ -327,5 +325,4 @@ def test_zero_grad_after_a_skipped_step_zeroes_what_backward_graphs_wrote(graphe
     layer(torch.randn(3, 4, requires_grad=True)).sum().backward()  # a backward replay (step skipped)
     gopt.zero_grad()
     assert all(torch.count_nonzero(p.grad) == 0 for p in lin.parameters())
-    memory_mod._PLANS.pop(rt.name, None)
-    capture_mod._PROCESSES.pop(rt.name, None)
+    current_process().reset(rt.name)

@@ -7,12 +7,13 @@ import warnings
 import pytest
 
 from paddle_graphpp import support
-from paddle_graphpp.support import SUPPORTED, UnsupportedVersionError, require
+from paddle_graphpp.core.process import current_process
+from paddle_graphpp.support import SUPPORTED, UnsupportedVersionError, VersionWarnings, require
 
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
-    monkeypatch.setattr(support, "_warned", set())
+    monkeypatch.setattr(current_process().part(VersionWarnings), "warned", set())
 
 
 def test_every_integration_names_a_range_in_order():

@@ -21,9 +21,8 @@ torch = pytest.importorskip("torch")
 from fake_runtime import FakeGraphRuntime, serving  # noqa: E402
 
 from paddle_graphpp import graph_api  # noqa: E402
-from paddle_graphpp.core import capture as capture_mod  # noqa: E402
-from paddle_graphpp.core import memory as memory_mod  # noqa: E402
 from paddle_graphpp.core.errors import GraphScheduleError  # noqa: E402
+from paddle_graphpp.core.process import current_process  # noqa: E402
 
 VOCAB, SEQ, HIDDEN = 64, 8, 16
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -51,8 +50,7 @@ def fake():
 
     def clear():
         for rt in runtimes.values():
-            for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-                table.pop(rt.name, None)
+            current_process().reset(rt.name)
 
     clear()
     with serving(runtimes["torch"], "torch"):
@@ -388,11 +386,11 @@ class OptimizerDoor(Door):
         for i in range(3):
             s.model(features(i)).square().mean().backward()
             wrapped.step()
-        assert graph_api._identity_slot(wrapped._sequence) in graph_api._CACHE
+        assert graph_api._identity_slot(wrapped._sequence) in graph_api._cache()
 
     def undo(self, wrapped, s):
         got = wrapped.undo()
-        assert graph_api._identity_slot(wrapped._sequence) not in graph_api._CACHE  # its graph released
+        assert graph_api._identity_slot(wrapped._sequence) not in graph_api._cache()  # its graph released
         return got
 
     def returns(self, s):
@@ -712,11 +710,11 @@ class PaddleOptimizerDoor(PaddleDoor):
         for i in range(3):
             s.model(paddle_features(i)).square().mean().backward()
             wrapped.step()
-        assert graph_api._identity_slot(wrapped._sequence) in graph_api._CACHE
+        assert graph_api._identity_slot(wrapped._sequence) in graph_api._cache()
 
     def undo(self, wrapped, s):
         got = wrapped.undo()
-        assert graph_api._identity_slot(wrapped._sequence) not in graph_api._CACHE
+        assert graph_api._identity_slot(wrapped._sequence) not in graph_api._cache()
         return got
 
     def returns(self, s):

@@ -125,9 +125,9 @@ def test_bad_timeouts_name_the_setting_and_the_fix(raw):
 
 
 def test_the_flag_configures_the_process_watchdog(rt, monkeypatch):
-    from paddle_graphpp.core.capture import process_for
+    from paddle_graphpp.core.capture import capture_for
 
-    proc = process_for(rt)
+    proc = capture_for(rt)
     monkeypatch.setenv("FLAGS_graphpp_replay_timeout", "12")
     dog = proc.replay_watch.watch()
     assert dog is not None and dog.timeout == 12.0 and dog.peer_failure is None  # one process: no peers

@@ -102,9 +102,10 @@ def test_a_torch_that_sums_output_gradients_in_the_weight_pass_gets_one(monkeypa
     # rest for itself: the input pass saves one gradient per node, results stay exact. The sum
     # of that one gradient (0 + g) would copy it, for nothing (the layer's weight half reads its
     # own saved state): the hooks see it as a tensor that adding zero leaves as it is.
-    import paddle_graphpp.torch.autograd as torch_runtime
+    from paddle_graphpp.core.process import current_process
+    from paddle_graphpp.torch.autograd import WeightPassFacts
 
-    monkeypatch.setattr(torch_runtime, "_SUMS_OUTPUT_GRADS", True)
+    monkeypatch.setattr(current_process().section("torch").part(WeightPassFacts), "sums_output_grads", True)
     torch.manual_seed(0)
     plain = Block()
     graphed = CUDAGraphedModule(copy.deepcopy(plain), num_warmup_steps=1)
@@ -157,8 +158,10 @@ def test_the_weight_pass_alias_takes_effect_in_input_passes_only(monkeypatch, mo
     # the node itself gets what autograd gave it, zeros where an output got no gradient (the
     # hook sees the gradients before autograd fills those in). A whole backward is left alone.
     import paddle_graphpp.torch.autograd as torch_runtime
+    from paddle_graphpp.core.process import current_process
+    from paddle_graphpp.torch.autograd import WeightPassFacts
 
-    monkeypatch.setattr(torch_runtime, "_SUMS_OUTPUT_GRADS", True)
+    monkeypatch.setattr(current_process().section("torch").part(WeightPassFacts), "sums_output_grads", True)
     torch.manual_seed(0)
     plain = HalfUsed() if module_cls is HalfUsed else torch.nn.Linear(8, 8)
     graphed = CUDAGraphedModule(copy.deepcopy(plain), num_warmup_steps=1)
@@ -777,9 +780,10 @@ def test_the_gradient_a_loss_layer_hands_the_head_stays_a_link_whatever_the_weig
     # tensor object loses the link unless it keeps the loss layer's tensor alive (measured on
     # 2 x H200 with such a hook, since removed: every micro-batch's logits gradient stayed a
     # buffer of its own, +0.2-1.0 GB).
-    import paddle_graphpp.torch.autograd as torch_runtime
+    from paddle_graphpp.core.process import current_process
+    from paddle_graphpp.torch.autograd import WeightPassFacts
 
-    monkeypatch.setattr(torch_runtime, "_SUMS_OUTPUT_GRADS", sums)
+    monkeypatch.setattr(current_process().section("torch").part(WeightPassFacts), "sums_output_grads", sums)
     head = Graphed(torch.nn.Linear(4, 4), rt, num_warmup_steps=0)
     loss = Graphed(Squares(), rt, num_warmup_steps=0)
     released = []

@@ -17,26 +17,44 @@ graphs (:class:`~paddle_graphpp.core.runtime.InGraphAccumulation`) parameter gra
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import collectives as _collectives
 from . import memory as _memory
 from .errors import GraphScheduleError
 from .grad_moves import GradientMoves
+from .in_step import InStepCapture
+from .layer import GradBuffers, Layer
+from .layer_capture import LayerCapture
+from .lifecycle import Lifecycle
+from .recompute import LayerRecompute
 from .records import Call, Launched, Position, RanEager, Replayed, Signature
+from .replay import Replays
 from .runtime import clone_many
-
-if TYPE_CHECKING:
-    from .engine import GraphedCallable
+from .schedule import InFlightQueue
+from .state import LayerStateCheck
 
 __all__ = ["Backward"]
 
 
 class Backward:
-    """The backward paths of one :class:`~paddle_graphpp.core.engine.GraphedCallable`."""
+    """The backward paths of one graphed ``layer``: calls leave its ``queue``; signatures are read
+    from its ``lifecycle``; graphs are launched by its ``replay`` side, recorded positions noted
+    for its ``capture`` side, captured in the step by ``in_step``; its ``state`` check,
+    ``recomputing`` mirrors and gradient ``buffers`` are read."""
 
-    def __init__(self, layer: GraphedCallable):
+    def __init__(self, layer: Layer, *, lifecycle: Lifecycle, queue: InFlightQueue, state: LayerStateCheck,
+                 buffers: GradBuffers, recomputing: LayerRecompute, replay: Replays, capture: LayerCapture,
+                 in_step: InStepCapture):
         self.layer = layer
+        self.lifecycle = lifecycle
+        self.queue = queue
+        self.state = state
+        self.buffers = buffers
+        self.recomputing = recomputing
+        self.replay_side = replay
+        self.capture = capture
+        self.in_step = in_step
         self.rt = layer.runtime
         self.split = layer.caps.split
         self.accumulation = layer.caps.accumulation
@@ -46,24 +64,23 @@ class Backward:
     def run(self, call: Call, grads: Sequence[Any], weights_wanted: bool = True) -> list:
         """One backward through ``call``: a full one, or a half of a split one. ``weights_wanted``:
         does autograd ask for the parameters' gradients? Asking for none runs the input half."""
-        layer = self.layer
-        layer.process.poll_watches()
-        if call.weight_pending:
+        self.layer.process().poll_watches()
+        if self.queue.awaits_weight(call):
             return self._weight_half(call)  # the schedule's weight pass, after the input pass
         split = not weights_wanted and bool(call.params) and self.split is not None
         if split:
             self._check_split(call)
-        layer.queue.pop(call, weight_later=split)
-        sig = layer.signature(call.key)
+        self.queue.pop(call, weight_later=split)
+        sig = self.lifecycle.get(call.key)
         diff_grads = [g for g, d in zip(grads, call.differentiable) if d]
         if isinstance(call.run, RanEager) and not call.run.recorded:
-            layer.replay.unreplayed(call, sig, "input" if split else "backward")
+            self.replay_side.unreplayed(call, sig, "input" if split else "backward")
         if split:
             try:
                 return self._input_half(call, sig, diff_grads)
             except BaseException:
                 # The micro-batch's backward is over (failed): it must not wait for a weight half.
-                layer.queue.pop_weight(call)
+                self.queue.pop_weight(call)
                 self._leave_flight(call, sig)
                 call.end()
                 raise
@@ -99,7 +116,7 @@ class Backward:
         if isinstance(run, Replayed):
             return self.replay(call, run.position, diff_grads)
         if isinstance(run, Launched):
-            return self.layer.in_step.backward(call, sig, diff_grads)
+            return self.replay(call, self.in_step.backward(call, sig, diff_grads), diff_grads)
         recorded = run.recorded and sig is not None
         result = self._eager(call, diff_grads, into_grads=recorded and sig.accumulate)
         if recorded:
@@ -109,7 +126,7 @@ class Backward:
     def _leave_flight(self, call: Call, sig: Optional[Signature]) -> None:
         """The call's backward is complete (a full backward, or the weight half of a split one)."""
         call.anchor = None
-        self.layer.process.clock.forward_done()
+        self.layer.process().clock.forward_done()
         if sig is not None:
             sig.busy.discard(call.position)
 
@@ -143,7 +160,7 @@ class Backward:
         With it (``accumulate_grads``): the gradients go into ``.grad`` and the weight pass gets
         the sums (see :meth:`~paddle_graphpp.core.grad_moves.GradientMoves.hand_over`)."""
         layer = self.layer
-        sig = layer.signature(call.key)
+        sig = self.lifecycle.get(call.key)
         run = call.run
         accumulates = run.position.accumulate if isinstance(run, Replayed) else (
             call.recorded and sig is not None and sig.accumulate)
@@ -156,10 +173,10 @@ class Backward:
                 f"the weight pass each parameter's whole sum, for it to put back into .grad, as {wp} does; this "
                 f"backward is not that weight pass, and per-micro-batch parameter gradients do not exist here. "
                 f"Run the weight pass through {wp}, or pass accumulate_grads=False to this layer.")
-        layer.queue.pop_weight(call)
+        self.queue.pop_weight(call)
         self._leave_flight(call, sig)
         if isinstance(run, RanEager) and not run.recorded:
-            layer.replay.unreplayed(call, sig, "weight")
+            self.replay_side.unreplayed(call, sig, "weight")
         n_inputs = len(call.shape.specs)
         try:
             if isinstance(run, Replayed):
@@ -184,7 +201,7 @@ class Backward:
                 for i, g in zip(index, got):
                     grads[i] = g
         if accumulates:
-            self.layer.process.grad_writes += 1  # .grad changed outside autograd (see Process.grad_writes)
+            self.layer.process().grad_writes += 1  # .grad changed outside autograd (see EpisodeCapture.grad_writes)
             grads = self.moves.hand_over(call.params, grads)
         return grads
 
@@ -199,7 +216,7 @@ class Backward:
         inputs = [x for x, s in zip(run.inputs, call.shape.specs) if s.requires_grad]
         if into_grads and outs:
             got = iter(self.accumulation.backward_to_grads(outs, diff_grads, inputs, run.params, call.params))
-            self.layer.process.grad_writes += 1  # .grad changed outside autograd (see Process.grad_writes)
+            self.layer.process().grad_writes += 1  # .grad changed outside autograd (see EpisodeCapture.grad_writes)
             return [next(got) if s.requires_grad else None for s in call.shape.specs] + [None] * len(call.params)
         wrt = inputs + list(run.params)
         got = iter(self.rt.autograd_grad(outs, diff_grads, wrt) if outs else [None] * len(wrt))
@@ -214,7 +231,7 @@ class Backward:
         rec = sig.recordings.get(call.position)
         if rec is None:
             return
-        rt, recording = self.rt, self.layer.process.recorder()
+        rt, recording = self.rt, self.layer.process().recorder()
         reuse = self.layer.memory_mode is not _memory.MemoryMode.PER_GRAPH
         if half != "weight":
             specs = tuple(rt.spec(g) for g in diff_grads)
@@ -224,23 +241,23 @@ class Backward:
             rec = sig.recordings[call.position] = dataclasses.replace(
                 rec, grad_slots=grad_slots, grad_specs=specs)
             if reuse:
-                recording.note_produced(self.layer.capture, call.key, call.position, "grad", input_grads)
-                recording.watch_grads(self.layer.capture, call.key, call.position, input_grads, diff_grads)
+                recording.note_produced(self.capture, call.key, call.position, "grad", input_grads)
+                recording.watch_grads(self.capture, call.key, call.position, input_grads, diff_grads)
         if reuse and half != "input":
             # Positions recorded after this backward may take these buffers over: the inputs
             # are read by nothing after this backward, the gradients by nothing outside it.
             for slot in rec.input_slots + rec.grad_slots:
                 if isinstance(slot, int):
                     recording.release_slot(slot)
-        recording.record(self.layer.capture, call.key, call.position, forward=False, half=half)
+        recording.record(self.capture, call.key, call.position, forward=False, half=half)
 
     # ----------------------------------------------------------------- replay
     def _prepare(self, call: Call, position: Position, graph: Any, kind: str, *, finishes: bool = True) -> None:
         """Before a backward graph replays: held outputs moved off memory it overwrites, the
         pool's capture order checked (raises before anything changed), collectives checked."""
-        layer = self.layer
-        layer.process.outputs.before_replay(layer.capture, call.key, call.position, kind)
-        layer.plan.note_replay(position.generation, id(graph), False, layer.name, finishes=finishes)
+        layer, proc = self.layer, self.layer.process()
+        proc.outputs.before_replay(self.capture, call.key, call.position, kind)
+        proc.plan.note_replay(position.generation, id(graph), False, layer.name, finishes=finishes)
         _collectives.check_replay(graph)
 
     def replay(self, call: Call, position: Position, diff_grads: list) -> list:
@@ -250,19 +267,19 @@ class Backward:
             first = self.replay_input(call, position, diff_grads)
             return first[:n] + self.moves.sum_grads(first[n:], self.replay_weight(call, position))
         if position.state is not None:  # the parameters may be set anew between forward and backward (FSDP2)
-            self.layer.state.check(position.state, self.layer.queue.episode, "backward")
+            self.state.check(position.state, self.queue.episode, "backward")
         self._prepare(call, position, position.bwd_graph, "backward")
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
-        buffers = self.layer.param_grad_buffers
+        buffers = self.buffers.params
         if position.accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
             used = [(p, b) for p, b, u in zip(call.params, buffers, position.param_grad_used) if u]
             self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
         if position.recomputes:
-            self.layer.recomputing.mirror().restore(call.run.rng)
-        self.layer.replay.launch(call, position.bwd_graph, "backward")
+            self.recomputing.mirror().restore(call.run.rng)
+        self.replay_side.launch(call, position.bwd_graph, "backward")
         if position.accumulate:
-            self.layer.process.grad_writes += 1  # .grad changed without a version bump
+            self.layer.process().grad_writes += 1  # .grad changed without a version bump
             param_grads = [None] * len(call.params)
         else:
             param_grads = [b if u else None for b, u in zip(buffers, position.param_grad_used)]
@@ -273,9 +290,9 @@ class Backward:
         self._prepare(call, position, position.bwd_graph, "input", finishes=False)
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
-        self.layer.replay.launch(call, position.bwd_graph, "backward (input half)")
+        self.replay_side.launch(call, position.bwd_graph, "backward (input half)")
         used = position.input_param_used or (False,) * len(call.params)
-        buffers = self.layer.param_grad_buffers if any(used) else [None] * len(call.params)
+        buffers = self.buffers.params if any(used) else [None] * len(call.params)
         return self.moves.hand_off(list(call.tensors) + list(call.params),
                               list(position.static_grad_inputs) + [b if u else None for b, u in zip(buffers, used)])
 
@@ -291,10 +308,10 @@ class Backward:
         if position.accumulate:
             used = [(p, b) for p, b, u in zip(call.params, position.weight_buffers, position.param_grad_used) if u]
             self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
-        self.layer.replay.launch(call, position.weight_graph, "backward (weight half)")
+        self.replay_side.launch(call, position.weight_graph, "backward (weight half)")
         grads = [b if u else None for b, u in zip(position.weight_buffers, position.param_grad_used)]
         if position.accumulate:
-            self.layer.process.grad_writes += 1  # .grad changed without a version bump
+            self.layer.process().grad_writes += 1  # .grad changed without a version bump
             return self.moves.hand_over(call.params, grads) if hand_over else [None] * len(call.params)
         fresh = [i for i in self.rt.leaves_without_grad(call.params) if grads[i] is not None]
         if fresh:

@@ -1,6 +1,6 @@
 """One batch of captures: every position recorded in an episode, captured in the recorded order.
 
-A :class:`CaptureBatch` is created by :meth:`paddle_graphpp.core.capture.Process.capture_recorded`
+A :class:`CaptureBatch` is created by :meth:`paddle_graphpp.core.capture.EpisodeCapture.capture_recorded`
 for one recorded episode (it consumes that episode's
 :class:`~paddle_graphpp.core.recording.Recording`) and discarded after it. It holds what is
 valid during the batch only:
@@ -10,7 +10,7 @@ gradient one graph hands another — resolves to the producer's captured tensor 
 outputs and gradients that give their memory back to the pool at the point of the capture
 order where the recorded step freed them, and which positions may still read what.
 
-Each layer takes part through :class:`CaptureParticipant` (implemented by
+Each layer takes part through :class:`~paddle_graphpp.core.participant.CaptureParticipant` (implemented by
 :class:`~paddle_graphpp.core.layer_capture.LayerCapture`): the batch asks it to capture a
 position's forward, then its backward (whole, or in two halves), and hands a failure back to it.
 """
@@ -18,54 +18,13 @@ position's forward, then its backward (whole, or in two halves), and hands a fai
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional, Protocol, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
+from .participant import CaptureParticipant
 from .recording import Link, Recording
 from .runtime import GraphRuntime, OutputRelease
 
-__all__ = ["CaptureParticipant", "CaptureBatch"]
-
-
-class CaptureParticipant(Protocol):
-    """What a capture batch asks of one graphed layer (each call between two captures, never
-    inside one; ``batch`` is the running :class:`CaptureBatch`)."""
-
-    name: str
-
-    def forward(self, key: Any, position: int, batch: "CaptureBatch") -> Optional[Any]:
-        """Capture the forward of recorded ``position``; its live autograd graph, or ``None``
-        when the position cannot be captured now (it is recorded again when it next runs).
-        The live state (and an input half's) names its pool as ``generation``, and a failure
-        of capture (not of the layer's own code) the pool it failed in the same way."""
-
-    def backward(self, key: Any, position: int, live: Any, batch: "CaptureBatch") -> None:
-        """Capture its whole backward from ``live``, completing the position."""
-
-    def backward_input(self, key: Any, position: int, live: Any, batch: "CaptureBatch") -> Any:
-        """Capture the input half of its split backward; what the weight half needs."""
-
-    def backward_weight(self, key: Any, position: int, half: Any, batch: "CaptureBatch") -> None:
-        """Capture the weight half, completing the position."""
-
-    def failed(self, key: Any, error: BaseException) -> Optional[BaseException]:
-        """A capture of signature ``key`` failed: the error to raise (after the batch), or
-        ``None`` when the layer turned eager instead."""
-
-    def grad_slots(self, key: Any, position: int) -> tuple:
-        """The slots (or links) of the incoming gradients recorded for ``position``."""
-
-    def recording_dropped(self) -> None:
-        """The recording is not captured (the runtime asked to wait)."""
-
-    def recording_captured(self) -> None:
-        """The batch is over: recorded positions replay from now on."""
-
-    def drop_generation(self, gen: Any) -> None:
-        """(Asked by the process after a batch.) Forget the positions captured into pool
-        generation ``gen``: they are recorded and captured again."""
-
-    def accumulates_in_graphs(self, param: Any) -> bool:
-        """(Asked by the process.) Whether this layer's graphs add ``param``'s gradient into ``.grad``."""
+__all__ = ["CaptureBatch"]
 
 
 @dataclass(slots=True, eq=False)

@@ -1,6 +1,7 @@
 """Record, then capture: the process-wide side of the graph engine.
 
-Every graphed layer of a process reports to one :class:`Process` per runtime. It owns
+Every graphed layer of a process reports to one :class:`EpisodeCapture` per runtime, kept in
+that runtime's section of the process (:mod:`paddle_graphpp.core.process`). It holds
 
 * the :class:`~paddle_graphpp.core.schedule.EpisodeClock`: micro-batches in flight in any
   graphed layer, and the episode number (an episode runs from one moment with nothing in
@@ -15,7 +16,7 @@ Every graphed layer of a process reports to one :class:`Process` per runtime. It
   layer accumulates a shared parameter's gradient), and the capture agreement between ranks.
 
 At the start of the next episode (the first graphed forward that finds nothing in flight
-calls :meth:`Process.capture_if_due`), :meth:`Process.capture_recorded` captures the recording,
+calls :meth:`EpisodeCapture.capture_if_due`), :meth:`EpisodeCapture.capture_recorded` captures the recording,
 unless the runtime asks to wait
 (:meth:`~paddle_graphpp.core.runtime.PoolLending.defer_capture`, with its reason; for
 example, a runtime may wait for an optimizer's first step, which creates the optimizer state
@@ -51,6 +52,7 @@ from .batch import CaptureBatch
 from .errors import CaptureError
 from .grad_owners import GradOwners
 from .handout import HandedOutputs
+from .process import current_process
 from .recording import Recording
 from .replay_watch import ReplayWatch
 from .runtime import GraphRuntime, capabilities
@@ -58,9 +60,9 @@ from .schedule import EpisodeClock
 from .warn import warn
 
 if TYPE_CHECKING:
-    from .batch import CaptureParticipant
+    from .participant import CaptureParticipant
 
-__all__ = ["Process", "process_for"]
+__all__ = ["EpisodeCapture", "capture_for"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -68,10 +70,11 @@ MAX_DEFERRED_EPISODES = 4096  # recordings dropped in a row at most while the ru
 # (episodes, not steps: on the last stage of a 1F1B pipeline every micro-batch is one)
 
 
-class Process:
-    """Process-wide state of one runtime: episode clock, memory plan, the episode being
-    recorded, and the services replays use after a capture. Layers take part as
-    :class:`~paddle_graphpp.core.batch.CaptureParticipant` objects (their ``capture``)."""
+class EpisodeCapture:
+    """The record-then-capture side of one runtime in this process: episode clock, memory
+    plan, the episode being recorded, and the services replays use after a capture. Layers
+    take part as :class:`~paddle_graphpp.core.participant.CaptureParticipant` objects (their
+    ``capture``)."""
 
     def __init__(self, plan: "_memory.MemoryPlan"):
         self.runtime: GraphRuntime = plan.runtime
@@ -200,7 +203,7 @@ class Process:
 
 
 def _agree(agreement: Optional[Callable[[bool], list]], errors: list) -> list:
-    """With a capture agreement set (:attr:`Process.agreement`), every rank of the group raises
+    """With a capture agreement set (:attr:`EpisodeCapture.agreement`), every rank of the group raises
     when any rank's captures raise, so that no rank goes on into a collective that waits for a
     peer that stopped."""
     if agreement is None:
@@ -217,13 +220,12 @@ def _agree(agreement: Optional[Callable[[bool], list]], errors: list) -> list:
     return errors
 
 
-_PROCESSES: dict[str, Process] = {}
-
-
-def process_for(runtime: GraphRuntime) -> Process:
-    """The process-wide state of ``runtime`` (renewed when its memory plan is)."""
+def capture_for(runtime: GraphRuntime) -> EpisodeCapture:
+    """The record-then-capture side of ``runtime``, kept in its section of the process (renewed
+    when its memory plan is)."""
     plan = _memory.plan_for(runtime)
-    proc = _PROCESSES.get(runtime.name)
-    if proc is None or proc.plan is not plan:
-        proc = _PROCESSES[runtime.name] = Process(plan)
-    return proc
+    section = current_process().section(runtime.name)
+    found = section.capture
+    if found is None or found.plan is not plan:
+        found = section.capture = EpisodeCapture(plan)
+    return found

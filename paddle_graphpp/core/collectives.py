@@ -1,27 +1,15 @@
 """Capture-aware all-reduce: which path a call takes, and the buffers graphs keep registered.
 
-A custom all-reduce reads its peers' memory directly, so a captured one bakes buffer
-addresses into the graph. Three paths keep that safe (the traps vLLM and FastDeploy hit):
-
-=====================  ==================  ================================================
-capture phase?         stream capturing?   path
-=====================  ==================  ================================================
-yes                    yes                 ``REGISTERED``: a buffer reserved for this graph,
-                                           checked with all ranks when the phase ends
-yes                    no                  ``ALLOCATION_MIMIC``: warmup run; return an empty
-                                           tensor like the input, as the captured run will
-no                     either              ``COPY_IN``: copy into the communicator's staging
-                                           buffer and reduce there
-=====================  ==================  ================================================
-
-Tensors the custom kernel cannot take (size, dtype, alignment, world size, no peer access)
-go to ``FALLBACK``, the framework's own all-reduce, which NCCL can capture.
-
-The framework parts live behind :class:`AllReduceBackend` (``paddle_graphpp.torch.collectives.allreduce``,
-``paddle_graphpp.paddle.collectives.allreduce``); this module imports neither framework.
-
-The engine tells the registry which graph is being captured with :func:`capturing_graph`
-and checks a graph with :func:`check_replay` before replaying it.
+:class:`AllReduceDispatcher` routes each call: a tensor the custom kernel can take goes to one of
+three paths (:func:`choose_path`: a buffer registered for the graph being captured inside
+:func:`capture_custom_allreduce`, the warmup's allocation mimic, or copy-in to a staging buffer),
+anything else (size, dtype, alignment, world size, no peer access; :class:`CustomAllReducePolicy`)
+to ``FALLBACK``, the framework's own all-reduce, which NCCL can capture. The engine attributes
+registered buffers to the graph being captured (:func:`capturing_graph`) and checks a graph before
+replaying it (:func:`check_replay`: :class:`ReleasedBufferError` once its buffers are gone). The
+framework parts live behind :class:`AllReduceBackend`; this module imports neither framework.
+Paths and rules: docs/collectives.md. Its registry is the process's (:class:`CollectiveRegistry`,
+a part of :class:`~paddle_graphpp.core.process.GraphProcess`).
 """
 
 from __future__ import annotations
@@ -35,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from .errors import CaptureError, CollectiveTimeoutError, GraphedLayerError
+from .process import current_process
 from .warn import warn
 
 __all__ = [
@@ -59,10 +48,13 @@ class AllReducePath(enum.Enum):
 
 
 def choose_path(capture_phase: bool, stream_capturing: bool) -> AllReducePath:
-    """The custom kernel's path for a call, from the two facts that decide it (see module doc).
-
-    Outside the phase a capturing stream still gets ``COPY_IN``: the staging buffer lives as
-    long as the communicator, and closing the communicator marks such graphs released.
+    """The custom kernel's path for a call, from the two facts that decide it: inside
+    :func:`capture_custom_allreduce` a capturing stream gets ``REGISTERED`` (a buffer reserved for
+    this graph, checked with all ranks when the phase ends) and a stream that does not capture
+    ``ALLOCATION_MIMIC`` (the warmup: an empty tensor like the input, as the captured run will
+    return); outside it, ``COPY_IN`` (copied into the communicator's staging buffer and reduced
+    there). Outside the phase a capturing stream still gets ``COPY_IN``: the staging buffer lives
+    as long as the communicator, and closing the communicator marks such graphs released.
     """
     if capture_phase:
         return AllReducePath.REGISTERED if stream_capturing else AllReducePath.ALLOCATION_MIMIC
@@ -240,25 +232,32 @@ class _GraphRecord:
 
 
 # --------------------------------------------------------------------------- registry
-_LOCK = threading.RLock()
-_PHASE_DEPTH = 0
-_PHASE_PENDING: list[tuple[_Registration, "_GraphRecord"]] = []
-_RECORDS: dict[int, _GraphRecord] = {}   # id(graph) -> record, removed when the graph dies
-# Buffers captured with no graph declared: they live until their dispatcher is closed.
-_UNDECLARED = _GraphRecord("a graph not declared with capturing_graph()")
-
-
 class _Tls(threading.local):
     def __init__(self) -> None:
         self.graphs: list[tuple[int, _GraphRecord]] = []
 
 
-_TLS = _Tls()
+class CollectiveRegistry:
+    """The process's custom all-reduce bookkeeping (a part of the process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.phase_depth = 0  # capture_custom_allreduce blocks open, in any thread
+        self.phase_pending: list[tuple[_Registration, _GraphRecord]] = []
+        self.records: dict[int, _GraphRecord] = {}  # id(graph) -> record, removed when the graph dies
+        # Buffers captured with no graph declared: they live until their dispatcher is closed.
+        self.undeclared = _GraphRecord("a graph not declared with capturing_graph()")
+        self.dispatchers: "weakref.WeakSet[AllReduceDispatcher]" = weakref.WeakSet()  # those that can fail alone
+        self.thread = _Tls()  # per thread: the graphs being captured (capturing_graph), innermost last
+
+
+def _registry() -> CollectiveRegistry:
+    return current_process().part(CollectiveRegistry)
 
 
 def in_capture_phase() -> bool:
     """True inside :func:`capture_custom_allreduce` (process-wide, any thread)."""
-    return _PHASE_DEPTH > 0
+    return _registry().phase_depth > 0
 
 
 @contextlib.contextmanager
@@ -278,20 +277,20 @@ def capture_custom_allreduce() -> Iterator[None]:
         * Leaving the phase by an exception releases the buffers reserved in it without the
           exchange, and graphs captured in it refuse to replay.
     """
-    global _PHASE_DEPTH
-    with _LOCK:
-        _PHASE_DEPTH += 1
+    registry = _registry()
+    with registry.lock:
+        registry.phase_depth += 1
     ok = False
     try:
         yield
         ok = True
     finally:
-        with _LOCK:
-            _PHASE_DEPTH -= 1
-            done = _PHASE_DEPTH == 0
-            pending = list(_PHASE_PENDING) if done else []
+        with registry.lock:
+            registry.phase_depth -= 1
+            done = registry.phase_depth == 0
+            pending = list(registry.phase_pending) if done else []
             if done:
-                _PHASE_PENDING.clear()
+                registry.phase_pending.clear()
         if done and pending:
             if ok:
                 _register(pending)
@@ -341,55 +340,56 @@ def capturing_graph(graph: Any, label: Optional[str] = None) -> Iterator[None]:
     """
     record = _GraphRecord(label or f"{type(graph).__name__}@{id(graph):#x}")
     key = id(graph)
-    with _LOCK:
-        _RECORDS[key] = record
+    registry = _registry()
+    with registry.lock:
+        registry.records[key] = record
     try:
-        weakref.finalize(graph, _forget, key, record)
+        weakref.finalize(graph, _forget, registry, key, record)
     except TypeError:
         pass   # not weak-referenceable: buffers stay until release_graph_buffers / close
-    _TLS.graphs.append((key, record))
+    registry.thread.graphs.append((key, record))
     try:
         yield
     finally:
-        _TLS.graphs.pop()
+        registry.thread.graphs.pop()
 
 
-def _forget(key: int, record: _GraphRecord) -> None:
-    with _LOCK:
+def _forget(registry: CollectiveRegistry, key: int, record: _GraphRecord) -> None:
+    with registry.lock:
         for reg in record.registrations:
             _release(reg, None, "graph freed")
-        if _RECORDS.get(key) is record:
-            del _RECORDS[key]
+        if registry.records.get(key) is record:
+            del registry.records[key]
 
 
-def _current_record() -> _GraphRecord:
-    return _TLS.graphs[-1][1] if _TLS.graphs else _UNDECLARED
+def _current_record(registry: CollectiveRegistry) -> _GraphRecord:
+    graphs = registry.thread.graphs
+    return graphs[-1][1] if graphs else registry.undeclared
 
 
 def note_collective(name: str) -> None:
     """A collective ran inside the capture under way (named in the replay watchdog's errors)."""
-    if _TLS.graphs:
-        collectives = _TLS.graphs[-1][1].collectives
+    graphs = _registry().thread.graphs
+    if graphs:
+        collectives = graphs[-1][1].collectives
         if name not in collectives:
             collectives.append(name)
 
 
 def collectives_in(graph: Any) -> list:
     """The collectives noted while ``graph`` was captured (see :func:`note_collective`)."""
-    record = _RECORDS.get(id(graph))
+    record = _registry().records.get(id(graph))
     return list(record.collectives) if record is not None else []
-
-
-_DISPATCHERS: "weakref.WeakSet[AllReduceDispatcher]" = weakref.WeakSet()
 
 
 def collective_fault() -> Optional[str]:
     """The first fault of a live dispatcher's backend (a custom kernel that gave up waiting for
     a peer), or ``None``. Cheap: every graphed call and the replay watchdog's thread ask it."""
-    if not _DISPATCHERS:
+    registry = _registry()
+    if not registry.dispatchers:
         return None
-    with _LOCK:
-        dispatchers = list(_DISPATCHERS)
+    with registry.lock:
+        dispatchers = list(registry.dispatchers)
     for dispatcher in dispatchers:
         if not dispatcher._closed:
             fault = dispatcher.backend.fault()
@@ -404,7 +404,7 @@ def check_replay(graph: Any) -> None:
     Call it before every replay of a graph that may contain a custom all-reduce; it costs a
     dictionary lookup. Graphs that never registered a buffer pass.
     """
-    record = _RECORDS.get(id(graph))
+    record = _registry().records.get(id(graph))
     if record is not None and record.released_reason is not None:
         raise ReleasedBufferError(
             f"custom all-reduce: graph {record.label} cannot replay: its registered buffers were "
@@ -414,8 +414,9 @@ def check_replay(graph: Any) -> None:
 
 def release_graph_buffers(graph: Any) -> None:
     """Unregister ``graph``'s buffers now; later replays of it raise ``ReleasedBufferError``."""
-    with _LOCK:
-        record = _RECORDS.get(id(graph))
+    registry = _registry()
+    with registry.lock:
+        record = registry.records.get(id(graph))
         if record is None:
             return
         for reg in record.registrations:
@@ -450,8 +451,9 @@ class AllReduceDispatcher:
         self._warned_full = False
         self.counts = {path: 0 for path in AllReducePath}
         if type(backend).fault is not AllReduceBackend.fault:  # it can fail on its own: watched
-            with _LOCK:
-                _DISPATCHERS.add(self)
+            registry = _registry()
+            with registry.lock:
+                registry.dispatchers.add(self)
 
     # ------------------------------------------------------------------ policy
     def why_not_custom(self, tensor: Any) -> Optional[str]:
@@ -485,7 +487,7 @@ class AllReduceDispatcher:
             note_collective(f"{kind} of a {self.backend.world_size}-rank group")
         if path is AllReducePath.REGISTERED:
             facts = self.backend.facts(tensor)
-            with _LOCK:
+            with _registry().lock:
                 offset = self._arena.reserve(self.backend.buffer_bytes(facts.nbytes))
             if offset is None:
                 if not self._warned_full:
@@ -510,12 +512,13 @@ class AllReduceDispatcher:
 
     def _note(self, offset: Optional[int], facts: TensorFacts) -> None:
         reg = _Registration(self, offset, facts.nbytes, facts.dtype)
-        record = _current_record()
-        with _LOCK:
+        registry = _registry()
+        record = _current_record(registry)
+        with registry.lock:
             record.registrations.append(reg)
             self._registrations.append(reg)
-            if offset is not None and in_capture_phase():
-                _PHASE_PENDING.append((reg, record))
+            if offset is not None and registry.phase_depth > 0:
+                registry.phase_pending.append((reg, record))
             else:
                 reg.state = _State.REGISTERED   # staging buffer: registered for life
 
@@ -529,9 +532,10 @@ class AllReduceDispatcher:
         """Release every buffer; graphs that captured this dispatcher refuse to replay."""
         if self._closed:
             return
-        with _LOCK:
+        registry = _registry()
+        with registry.lock:
             self._closed = True
-            records = [*_RECORDS.values(), _UNDECLARED]
+            records = [*registry.records.values(), registry.undeclared]
             for record in records:
                 for reg in record.registrations:
                     if reg.dispatcher is self:

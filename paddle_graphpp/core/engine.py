@@ -1,90 +1,46 @@
-"""The graph engine: one graphed layer's life, from warmup to replay.
+"""The graph engine: one graphed layer's life, from warmup to replay (:class:`GraphedCallable`).
 
-One :class:`GraphedCallable` serves one wrapped layer. Calls are grouped by input
-*signature* (tensor shapes, dtypes, devices and requires-grad, non-tensor arguments, the
-argument structure, train/eval mode and mixed precision), and each signature goes through
-these phases (:class:`Phase`):
-
-``WARMUP``
-    The first ``num_warmup_steps`` forwards run eagerly.
-``RECORD``
-    From the next *episode* start (a moment when no micro-batch is in flight in any graphed
-    layer of the process) the episode runs eagerly, and each call is recorded with its
-    *position* (its index among this layer's calls of the signature in the episode) and the
-    static buffers that position will use, in the episode's
-    :class:`~paddle_graphpp.core.recording.Recording`.
-``READY``
-    At the start of the following episode, every recorded position of every layer is
-    captured, in the order the step ran them, into one pool generation; no eager pass runs
-    beside the capture, and nothing is replayed before all of them are captured. From then
-    on a forward copies its inputs into its position's static buffers and replays the
-    forward graph; its backward copies the incoming gradients in and replays the backward
-    graph. A position never seen before runs eagerly and is recorded, to be captured at
-    the next episode start into a new generation.
-
-Under the stream-ordered allocator (cudaMallocAsync) graph memory exists only once a graph
-has run, so a signature goes from ``WARMUP`` straight to ``READY`` and each new position is
-captured and launched in the step it first runs in (its launch gives that step's results).
-
-A new signature is warmed up and captured anew, up to ``max_signatures``; past that it runs
-eagerly with one warning. A signature is never replayed into another's graph. A layer whose
-capture failed with ``fallback="eager"`` is in phase ``EAGER`` for good. Every transition
-is one of :class:`~paddle_graphpp.core.phases.LayerPhases`'s.
-
-Backwards pair with forwards through the layer's FIFO (:mod:`paddle_graphpp.core.schedule`),
-so 1F1B and interleaved schedules work. Memory modes are described in
-:mod:`paddle_graphpp.core.memory`.
-
-One micro-batch's path through a layer, top to bottom: :meth:`GraphedCallable.__call__` keys
-the call by signature, lets the process capture a recorded episode that is due
-(:meth:`~paddle_graphpp.core.capture.Process.capture_if_due`), and enters the runtime's custom
-autograd function, which runs :meth:`GraphedCallable.forward`: warm up or run eagerly
-(:meth:`run_eager`, recording the position when the signature is armed), or replay the
-position's forward graph (:mod:`.replay`); under the stream-ordered allocator capture and launch it
-(:mod:`.in_step`). The call waits in the layer's FIFO; its backward
-(:mod:`.backward`) replays the position's backward graph, or runs autograd (and records it).
-A recorded episode is captured by a :class:`~paddle_graphpp.core.batch.CaptureBatch`, which
-asks each layer's :class:`~paddle_graphpp.core.layer_capture.LayerCapture` for its graphs in
-the recorded order.
-
-Zero-bubble schedules run a backward in two halves. Where the runtime can tell (PyTorch: the
-custom function asks autograd whether the parameters' gradients are wanted), a backward that
-asks for input gradients only runs the *input half* (B) and keeps what the *weight half* (W)
-needs; the next backward through the same call (the schedule's weight pass) runs W. A
-position recorded that way is captured as three graphs (forward, B, W) in the order the step
-ran them, into the same pool; W hands the parameter gradients to autograd, which the schedule
-adds into ``.grad`` as it does eagerly. A backward that asks for everything stays one graph.
+Calls are keyed by signature and go through the layer's :class:`~paddle_graphpp.core.lifecycle.Lifecycle`:
+``num_warmup_steps`` eager forwards, one recorded episode, then every recorded position captured
+at the next episode start, in the order the step ran them, into one pool generation, and
+replayed from then on (under the stream-ordered allocator each position is captured in the step
+it first runs in). Backwards pair with forwards through the layer's FIFO, so 1F1B, interleaved
+and zero-bubble schedules (a backward in an input half and a weight half) work. Guarantees: a
+signature is never replayed into another's graph; a position the captured step did not have
+runs eagerly and is captured next; failures are reported as the lifecycle says
+(:class:`~paddle_graphpp.CaptureError`, or ``fallback="eager"``). docs/architecture.md walks one
+micro-batch through every object named here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import logging
-import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from . import memory as _memory
 from .backward import Backward
 from .scope import layers_inlined
-from .capture import Process, process_for
-from .errors import GraphScheduleError, SignatureError
+from .capture import EpisodeCapture, capture_for
+from .errors import GraphScheduleError
 from .in_step import InStepCapture
 from .layer_capture import LayerCapture
-from .phases import LayerPhases
+from .layer import EngineHooks, GradBuffers, Layer
+from .lifecycle import Lifecycle, signature_key
 from .options import GRAPHED_LAYER_DOC, EngineOptions, graphed_layer_doc
+from .process import current_process
 from .recompute import LayerRecompute
-from .records import (Call, CallShape, Launched, Outputs, Phase, PositionRecord, RanEager, Replayed, Signature,
-                      SignatureKey, signature_key_parts)
+from .records import Call, CallShape, Launched, Phase, PositionRecord, RanEager, Replayed, Signature
 from .runtime import GraphRuntime, capabilities, runtime_for
 from .replay import Replays
 from .schedule import InFlightQueue
 from .state import LayerStateCheck
 from .tree import flatten
-from .warn import warn
 
 __all__ = ["GraphedCallable", "EngineOptions", "Phase", "GRAPHED_LAYER_DOC", "graphed_layer_doc", "graphed_engine",
-           "graphed_label", "HoldsEngine", "node_forward", "node_backward", "reset_graphs", "drop_in_flight"]
+           "graphed_label", "HoldsEngine", "node_forward", "node_backward", "weight_pending", "EngineHooks",
+           "reset_graphs", "drop_in_flight"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -99,10 +55,14 @@ class GraphedCallable:
             its graphs keep the list they were captured against).
         name: the layer's name in messages.
         options: :class:`EngineOptions`.
+        hooks: what the front door adds (:class:`~paddle_graphpp.core.layer.EngineHooks`).
+
+    Its parts are made here and given what each uses: the layer (:class:`~paddle_graphpp.core.layer.Layer`),
+    its lifecycle, FIFO, state check, gradient buffers and each other; none is given the engine.
     """
 
     def __init__(self, fn: Callable, runtime: GraphRuntime, params: Callable[[], list], *,
-                 name: str, options: EngineOptions):
+                 name: str, options: EngineOptions, hooks: Optional[EngineHooks] = None):
         self.fn = fn
         self.runtime = runtime
         self.caps = capabilities(runtime)
@@ -114,28 +74,28 @@ class GraphedCallable:
             raise ValueError(f"{name}: accumulate_grads=True is not supported by the {runtime.name} runtime; "
                              "leave it 'auto' or False (gradients then reach .grad through autograd).")
         self.queue = InFlightQueue(name, options.max_in_flight)
-        _LIVE_ENGINES.add(self)
-        self.phases = LayerPhases(name, options.max_signatures)  # its signatures; the only code moving them
-        self._param_grad_buffers: Optional[list] = None
-        self._weight_grad_buffers: Optional[list] = None  # split backward: what the weight half writes
-        self._warned: set = set()
+        current_process().engines.add(self)
+        # Its signatures, the only code moving them, its capture and replay counts and warnings.
+        self.phases = Lifecycle(name, max_signatures=options.max_signatures,
+                                num_warmup_steps=options.num_warmup_steps, fallback=options.fallback)
+        self.layer = layer = Layer(name=name, fn=fn, runtime=runtime, caps=self.caps, options=options,
+                                   memory_mode=self.memory_mode, params=params, hooks=hooks or EngineHooks(),
+                                   process=functools.partial(capture_for, runtime))
+        self.buffers = GradBuffers(runtime)  # what the backward graphs write parameter gradients into
         self.state = LayerStateCheck(runtime, fn, name)  # replays refuse replaced parameters and buffers
-        self.recomputing = LayerRecompute(self)  # whether calls recompute; the RNG mirrors
-        #: Entered around each capture of the layer: the layer as its graphs read it (a front door
-        #: sets it where the layer's parameters are swapped out between calls, as FSDP2 does).
-        self.capture_view: Callable[[], Any] = contextlib.nullcontext
-        self.replays = 0  # forward + backward graph replays, for tests and telemetry
-        self.captures = 0
+        self.recomputing = LayerRecompute(layer)  # whether calls recompute; the RNG mirrors
         #: Set by :meth:`retire` (a front door's ``undo()``): what to call instead of this layer.
         self.retired: Optional[str] = None
-        self.backward = Backward(self)
-        self.capture = LayerCapture(self)
-        self.in_step = InStepCapture(self)
-        self.replay = Replays(self)
+        parts = dict(lifecycle=self.phases, state=self.state, recomputing=self.recomputing)
+        self.capture = LayerCapture(layer, buffers=self.buffers, **parts)
+        self.replay = Replays(layer, queue=self.queue, participant=self.capture, **parts)
+        self.in_step = InStepCapture(layer, capture=self.capture, replay=self.replay)
+        self.backward = Backward(layer, queue=self.queue, buffers=self.buffers, replay=self.replay,
+                                 capture=self.capture, in_step=self.in_step, **parts)
 
     @property
-    def process(self) -> Process:
-        return process_for(self.runtime)
+    def process(self) -> EpisodeCapture:
+        return capture_for(self.runtime)
 
     @property
     def plan(self) -> "_memory.MemoryPlan":
@@ -153,12 +113,10 @@ class GraphedCallable:
                 self.caps.lending.end_borrowed_work()  # no eager work routed into a pool (see below)
             return self.fn(*args, **kwargs)
         leaves, spec = flatten((args, kwargs))
-        tensor_index = [i for i, x in enumerate(leaves) if rt.is_tensor(x)]
+        key, tensor_index, specs = signature_key(
+            rt, leaves, spec, context=((getattr(self.fn, "training", None), self.caps.mode_key()),
+                                       self.recomputing.when()))
         tensors = [leaves[i] for i in tensor_index]
-        specs = tuple(rt.spec(t) for t in tensors)
-        consts, structure = signature_key_parts(leaves, tensor_index, spec)
-        key = SignatureKey((specs, consts, structure, (getattr(self.fn, "training", None), self.caps.mode_key()),
-                            self.recomputing.when()))
         sig = self.phases.get(key)
         if sig is not None:
             key = sig.key  # hashed once; the tables keyed by it find it by identity
@@ -193,12 +151,11 @@ class GraphedCallable:
         its FIFO position, then the run its signature's phase asks for."""
         self.process.poll_watches()
         clock = self.process.clock
-        sig = None if call.force_eager else self.phases.add(call, self.warn_once)
+        sig = None if call.force_eager else self.phases.add(call.key, call.shape)
         episode = clock.forward_started()
         first_in_episode = self.queue.episode != episode
         try:
-            if sig is not None and sig.phase is Phase.WARMUP and first_in_episode \
-                    and sig.warm >= self.options.num_warmup_steps:
+            if sig is not None and sig.phase is Phase.WARMUP and first_in_episode and self.phases.warmed(sig):
                 self._leave_warmup(sig, call)
             call.position = self.queue.push(call, call.key, episode=episode)
             if sig is not None and self.memory_mode is _memory.MemoryMode.PER_GRAPH:
@@ -227,7 +184,8 @@ class GraphedCallable:
                 return self.run_eager(call)
             return self.replay.forward(call, done)
         if self.plan.async_allocator:
-            return self.in_step.forward(call, sig)
+            outputs = self.in_step.forward(call, sig)
+            return outputs if outputs is not None else self.run_eager(call)  # None: it fell back to eager
         outputs = self.run_eager(call)  # a position not captured yet: run it, record it
         self._record_forward(call, sig)
         return outputs
@@ -291,9 +249,8 @@ class GraphedCallable:
                 f"backwards first (reset between steps).")
         self.process.forget(self.capture)
         self.phases.reset()
-        self._param_grad_buffers = self._weight_grad_buffers = None
+        self.buffers.reset()
         self.recomputing.reset()
-        self._warned.clear()
         self.state.reset()
 
     def check_undo(self) -> None:
@@ -322,40 +279,24 @@ class GraphedCallable:
     # ----------------------------------------------------------------- helpers
     def outputs_of(self, result: Any) -> tuple:
         """The output structure of ``result`` and its tensors."""
-        rt = self.runtime
-        leaves, spec = flatten(result)
-        index = tuple(i for i, x in enumerate(leaves) if rt.is_tensor(x))
-        if not index:
-            raise SignatureError(f"{self.name}: the wrapped layer returned no tensor; a graphed layer "
-                                 f"must return at least one tensor.")
-        tensors = [leaves[i] for i in index]
-        shape = Outputs(tuple(None if i in index else x for i, x in enumerate(leaves)), spec, index,
-                        tuple(rt.spec(t).requires_grad for t in tensors))
-        return shape, tensors
+        return self.layer.outputs_of(result)
 
     def generators(self) -> tuple:
         """The generators named by the ``generators`` option, read at each capture."""
-        chosen = self.options.generators
-        if chosen is None:
-            return ()
-        return tuple(chosen() if callable(chosen) else chosen)
-
-    def param_buffers(self, params: Sequence[Any]) -> list:
-        """The layer's parameter-gradient buffers (made at its first capture)."""
-        if self._param_grad_buffers is None or len(self._param_grad_buffers) != len(params):
-            self._param_grad_buffers = [self.runtime.static_like(p) for p in params]
-        return self._param_grad_buffers
-
-    def weight_buffers(self, params: Sequence[Any]) -> list:
-        """The buffers a split backward's weight half writes without accumulation."""
-        if self._weight_grad_buffers is None or len(self._weight_grad_buffers) != len(params):
-            self._weight_grad_buffers = [self.runtime.static_like(p) for p in params]
-        return self._weight_grad_buffers
+        return self.layer.generators()
 
     def warn_once(self, key, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warn(message)
+        self.phases.warn_once(key, message)
+
+    @property
+    def captures(self) -> int:
+        """Graphs captured (forward and backward counted apart), as every scope counts them."""
+        return self.phases.captures
+
+    @property
+    def replays(self) -> int:
+        """Graph launches (forward and backward counted apart), as every scope counts them."""
+        return self.phases.replays
 
     # ------------------------------------------------------------ inspection
     def signature(self, key: Any) -> Optional[Signature]:
@@ -375,12 +316,12 @@ class GraphedCallable:
     @property
     def param_grad_buffers(self) -> Optional[list]:
         """The buffers the backward graphs write parameter gradients into (``None`` before a capture)."""
-        return self._param_grad_buffers
+        return self.buffers.params
 
     @property
     def weight_grad_buffers(self) -> Optional[list]:
         """The buffers split backwards' weight halves write into without accumulation (or ``None``)."""
-        return self._weight_grad_buffers
+        return self.buffers.weights
 
     @property
     def in_flight(self) -> int:
@@ -405,7 +346,7 @@ class GraphedCallable:
 def node_forward(ctx: Any, call: Call) -> tuple:
     """Body of a runtime's custom autograd function forward: run the call, keep it on ``ctx``,
     and mark the outputs that carry no gradient."""
-    outputs = call.forward()
+    outputs = call.engine.forward(call)
     ctx.call = call  # kept after backward: a second backward must reach the FIFO check and fail there
     frozen = [o for o, d in zip(outputs, call.differentiable) if not d]
     if frozen:
@@ -417,7 +358,12 @@ def node_backward(ctx: Any, grads: Sequence[Any], weights_wanted: bool = True) -
     """Body of the matching backward: one gradient (or ``None``) per tensor input and parameter.
     ``weights_wanted=False`` (the runtime saw that autograd asks for no parameter gradient)
     runs the input half of a split backward; the next backward through ``ctx`` the weight half."""
-    return ctx.call.backward(list(grads), weights_wanted)
+    return ctx.call.engine.backward.run(ctx.call, list(grads), weights_wanted)
+
+
+def weight_pending(call: Call) -> bool:
+    """The input half of ``call``'s backward ran and its weight half has not."""
+    return call.engine.queue.awaits_weight(call)
 
 
 def graphed_label(kind: str, module: Any, name: Optional[str]) -> str:
@@ -427,10 +373,11 @@ def graphed_label(kind: str, module: Any, name: Optional[str]) -> str:
 
 
 def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], list], *, name: str,
-                   options: EngineOptions) -> GraphedCallable:
+                   options: EngineOptions, hooks: Optional[EngineHooks] = None) -> GraphedCallable:
     """The engine behind a framework's graphed layer class, named ``name`` (:func:`graphed_label`),
-    with the ``options`` its front door gathered (:func:`~paddle_graphpp.core.options.engine_options`)."""
-    return GraphedCallable(wrapped, runtime, trainable, name=name, options=options)
+    with the ``options`` its front door gathered (:func:`~paddle_graphpp.core.options.engine_options`)
+    and the ``hooks`` it adds (:func:`~paddle_graphpp.core.layer.hooks_for`)."""
+    return GraphedCallable(wrapped, runtime, trainable, name=name, options=options, hooks=hooks)
 
 
 class HoldsEngine:
@@ -470,7 +417,7 @@ def _engines_of(model: Any) -> list:
     """The engines of the graphed layers in ``model`` (``model`` itself included; a list or tuple
     of models: all of theirs; ``None``: every graphed layer alive in the process), each once."""
     if model is None:
-        return [e for e in list(_LIVE_ENGINES) if e.in_flight]
+        return [e for e in list(current_process().engines) if e.in_flight]
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     found: dict = {}
     for m in models:
@@ -480,9 +427,6 @@ def _engines_of(model: Any) -> list:
         # ``paddle_graphpp.torch.graph_layers`` hold theirs outside the module tree).
         found.update({id(e): e for e in (getattr(s, "engine", None) for s in subs) if isinstance(e, GraphedCallable)})
     return list(found.values())
-
-
-_LIVE_ENGINES: "weakref.WeakSet[GraphedCallable]" = weakref.WeakSet()  # for drop_in_flight()
 
 
 def _drop_engine_in_flight(engine: GraphedCallable) -> int:

@@ -2,7 +2,7 @@
 
 import traceback
 
-__all__ = ["GraphedLayerError", "CaptureError", "GraphScheduleError", "SignatureError", "StateReplacedError",
+__all__ = ["GraphedLayerError", "CaptureError", "CaptureFallbackWarning", "GraphScheduleError", "SignatureError", "StateReplacedError",
            "ReplayTimeoutError", "CollectiveTimeoutError"]
 
 
@@ -11,7 +11,13 @@ class GraphedLayerError(RuntimeError):
 
 
 class CaptureError(GraphedLayerError):
-    """Capturing a layer's forward or backward failed; the capture's memory was released."""
+    """Capturing a graph (a layer's forward or backward, a whole step, a ``graph_process``
+    function) failed; the capture's memory was released."""
+
+
+class CaptureFallbackWarning(RuntimeWarning):
+    """A capture failed and, as ``fallback="eager"`` asks, the layer or step runs eagerly from now
+    on. Filter it like any warning (``warnings.filterwarnings("ignore", category=...)``)."""
 
 
 class GraphScheduleError(GraphedLayerError):

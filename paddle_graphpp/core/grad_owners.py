@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from .runtime import InGraphAccumulation
 
 if TYPE_CHECKING:
-    from .batch import CaptureParticipant
+    from .participant import CaptureParticipant
 
 __all__ = ["GradOwners"]
 

@@ -23,6 +23,8 @@ import itertools
 import threading
 from typing import Any, Callable, Optional
 
+from .process import current_process
+
 __all__ = ["sot_warmup_guard", "in_sot_warmup_mode", "compile_in_warmup", "warmup_epoch"]
 
 
@@ -31,10 +33,19 @@ class _GuardState(threading.local):
         self.stack: list[tuple[object, bool]] = []
 
 
-_STATE = _GuardState()
-_EPOCH_LOCK = threading.Lock()
-_EPOCHS = itertools.count(1)
-_epoch = 0
+class WarmupGuards:
+    """The guards' state in this process (a part of the process): the warmup epoch, and per
+    thread the guards entered."""
+
+    def __init__(self) -> None:
+        self.thread = _GuardState()
+        self.lock = threading.Lock()
+        self.epochs = itertools.count(1)
+        self.epoch = 0  # the latest entry into warmup mode from outside it (0: never)
+
+
+def _guards() -> WarmupGuards:
+    return current_process().part(WarmupGuards)
 
 
 class sot_warmup_guard(contextlib.ContextDecorator):
@@ -64,31 +75,33 @@ class sot_warmup_guard(contextlib.ContextDecorator):
         self.enabled = enabled
 
     def __enter__(self) -> "sot_warmup_guard":
-        global _epoch
+        guards = _guards()
         if self.enabled and not in_sot_warmup_mode():
-            with _EPOCH_LOCK:
-                _epoch = next(_EPOCHS)
+            with guards.lock:
+                guards.epoch = next(guards.epochs)
         # The owner in each entry lets __exit__ catch out-of-order exits.
-        _STATE.stack.append((self, self.enabled))
+        guards.thread.stack.append((self, self.enabled))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if not _STATE.stack or _STATE.stack[-1][0] is not self:
+        stack = _guards().thread.stack
+        if not stack or stack[-1][0] is not self:
             raise RuntimeError(
                 "sot_warmup_guard: exited out of order on this thread (or never entered); "
                 "nest guards with `with` blocks or decorators instead of calling __enter__/__exit__")
-        _STATE.stack.pop()
+        stack.pop()
         return None
 
 
 def in_sot_warmup_mode() -> bool:
     """True inside the innermost active ``sot_warmup_guard(True)`` of the calling thread."""
-    return bool(_STATE.stack) and _STATE.stack[-1][1]
+    stack = _guards().thread.stack
+    return bool(stack) and stack[-1][1]
 
 
 def warmup_epoch() -> int:
     """A number that changes each time a thread enters warmup mode from outside it (0: never)."""
-    return _epoch
+    return _guards().epoch
 
 
 class _CompiledInWarmup:

@@ -1,21 +1,12 @@
 """Outputs that replays handed out, kept valid while their graph memory is overwritten.
 
-A replayed forward hands the caller aliases of its graph's static outputs. Two things later
-overwrite that memory: the next launch of the same position, and, for an output that gave
-its memory back to the pool at a point of the capture order (see
-:class:`~paddle_graphpp.core.batch.CaptureBatch`), the graphs captured after that point. A
-schedule that holds an output longer than the recorded step did (a pipeline's last stage
-returning its outputs merged), a loop that logs ``loss.detach()``, a hook that stores a view:
-each would read other values. :class:`HandedOutputs` remembers, weakly, what each position's
-last forward launch handed out, and before such an overwrite has the runtime move what is
-still in use to memory of its own.
-
-Liveness is per memory, not per tensor object, where the runtime has
-:class:`~paddle_graphpp.core.runtime.OutputRelease`: its watches see every tensor made from an
-output without a copy (:meth:`~paddle_graphpp.core.runtime.OutputRelease.hand_out`), and what it
-cannot move raises when read (:meth:`~paddle_graphpp.core.runtime.OutputRelease.move_to_copies`).
-Without that capability only the handed-out objects are watched, and one still held when its
-memory is overwritten is named in a warning.
+:class:`HandedOutputs` remembers, weakly, what each position's last forward launch handed out,
+and before the next launch of that position (or a graph captured after the output gave its
+memory back to the pool) has the runtime move what is still in use to memory of its own. With
+:class:`~paddle_graphpp.core.runtime.OutputRelease` every tensor sharing an output's memory is
+watched, and what cannot be moved raises when read; without it only the handed-out objects are
+watched, and one still held when its memory is overwritten is named in a warning. How:
+docs/architecture.md#episodes-recordings-and-handed-out-outputs.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ from .runtime import GraphRuntime, OutputRelease
 from .warn import warn
 
 if TYPE_CHECKING:
-    from .batch import CaptureParticipant
+    from .participant import CaptureParticipant
 
 __all__ = ["HandedOutputs"]
 

@@ -1,7 +1,7 @@
 """Capturing one graphed layer's recorded positions: its side of a capture batch.
 
 :class:`LayerCapture` is what a :class:`~paddle_graphpp.core.batch.CaptureBatch` sees of a layer
-(the :class:`~paddle_graphpp.core.batch.CaptureParticipant` protocol): it captures a recorded
+(the :class:`~paddle_graphpp.core.participant.CaptureParticipant` protocol): it captures a recorded
 position's forward graph over the batch's static inputs, then its backward (whole, or as an
 input half and a weight half), into the batch's pool generation, and turns a failure into what
 the user sees (:meth:`LayerCapture.failed`). The process-wide bookkeeping it reads and writes
@@ -21,12 +21,15 @@ from . import collectives as _collectives
 from . import guards as _guards
 from . import memory as _memory
 from .errors import CaptureError, GraphedLayerError, StateReplacedError, release_frames
+from .layer import GradBuffers, Layer
+from .lifecycle import Lifecycle
+from .recompute import LayerRecompute
 from .records import CaptureFailed, InputHalf, Live, Outputs, Position, Signature, UserError, with_layer
 from .runtime import CaptureHints, backward_into
+from .state import LayerStateCheck
 
 if TYPE_CHECKING:
     from .batch import CaptureBatch
-    from .engine import GraphedCallable
 
 __all__ = ["LayerCapture"]
 
@@ -34,10 +37,17 @@ logger = logging.getLogger("paddle_graphpp")
 
 
 class LayerCapture:
-    """The capture side of one :class:`~paddle_graphpp.core.engine.GraphedCallable`."""
+    """The capture side of one graphed ``layer``: it moves signatures through the layer's
+    ``lifecycle``, reads its ``state`` check and ``recomputing`` mirrors, and writes the parameter
+    gradients into its gradient ``buffers``."""
 
-    def __init__(self, layer: GraphedCallable):
+    def __init__(self, layer: Layer, *, lifecycle: Lifecycle, state: LayerStateCheck, recomputing: LayerRecompute,
+                 buffers: GradBuffers):
         self.layer = layer
+        self.lifecycle = lifecycle
+        self.state = state
+        self.recomputing = recomputing
+        self.buffers = buffers
         self.rt = layer.runtime
         self.caps = layer.caps
 
@@ -55,13 +65,13 @@ class LayerCapture:
         backward. ``None``: the layer's train/eval mode changed since the recording (the
         position is recorded again when it next runs)."""
         layer, rt = self.layer, self.rt
-        sig = layer.signature(key)
+        sig = self.lifecycle.get(key)
         rec = sig.recordings[position]
         training, mode = key[3]
         if getattr(layer.fn, "training", None) != training:
             return None
         static_inputs = tuple(batch.static_for(slot, spec) for slot, spec in zip(rec.input_slots, sig.shape.specs))
-        with self.caps.mode_context(mode), layer.capture_view():
+        with self.caps.mode_context(mode), layer.hooks.capture_view():
             live = self.capture_forward(sig, static_inputs, rec.outputs)
         # Inputs read in place from another graph's output; one whose producer was not captured got
         # a buffer of its own and is copied into at replay like any other.
@@ -81,60 +91,60 @@ class LayerCapture:
 
     def backward(self, key: Any, position: int, live: Live, batch: "CaptureBatch") -> None:
         """Capture the whole backward of ``position``, completing it."""
-        sig = self.layer.signature(key)
+        sig = self.lifecycle.get(key)
         rec = sig.recordings.pop(position)
         static_grads = tuple(batch.static_for(slot, spec) for slot, spec in zip(rec.grad_slots, rec.grad_specs))
-        with self.layer.capture_view():
+        with self.layer.hooks.capture_view():
             done = sig.positions[position] = self.capture_backward(sig, live, static_grads)
         batch.captured(self, key, position, "grad", done.static_grad_inputs)
         batch.consumed(rec.grad_slots)
 
     def backward_input(self, key: Any, position: int, live: Live, batch: "CaptureBatch") -> InputHalf:
         """Capture the input half of ``position``'s split backward."""
-        sig = self.layer.signature(key)
+        sig = self.lifecycle.get(key)
         rec = sig.recordings[position]
         static_grads = tuple(batch.static_for(slot, spec) for slot, spec in zip(rec.grad_slots, rec.grad_specs))
-        with self.layer.capture_view():
+        with self.layer.hooks.capture_view():
             half = self._capture_input_half(sig, live, static_grads)
         batch.captured(self, key, position, "grad", half.static_grad_inputs)
         return half
 
     def backward_weight(self, key: Any, position: int, half: InputHalf, batch: "CaptureBatch") -> None:
         """Capture the weight half, completing ``position``."""
-        sig = self.layer.signature(key)
+        sig = self.lifecycle.get(key)
         rec = sig.recordings.pop(position)
-        with self.layer.capture_view():
+        with self.layer.hooks.capture_view():
             sig.positions[position] = self._capture_weight_half(sig, half)
         batch.consumed(rec.grad_slots)  # the weight half may read them too (saved at a junction)
 
     def grad_slots(self, key: Any, position: int) -> tuple:
         """The slots of the incoming gradients recorded for ``position`` (empty: none recorded)."""
-        sig = self.layer.signature(key)
+        sig = self.lifecycle.get(key)
         rec = None if sig is None else sig.recordings.get(position)
         return (rec.grad_slots or ()) if rec is not None else ()
 
     def recording_dropped(self) -> None:
         """The recorded episode is not captured (the runtime asked to wait): the next one is
         recorded instead."""
-        self.layer.phases.dropped()
+        self.lifecycle.dropped()
 
     def recording_captured(self) -> None:
         """The capture batch is over: recorded signatures replay from now on."""
-        self.layer.phases.captured()
+        self.lifecycle.captured()
 
     def drop_generation(self, gen: Any) -> None:
         """Forget the positions captured into ``gen`` (they are recorded again when they run)."""
-        self.layer.phases.drop_generation(gen)
+        self.lifecycle.drop_generation(gen)
 
     def accumulates_in_graphs(self, param: Any) -> bool:
-        return self.layer.accumulates_in_graphs(param)
+        return self.lifecycle.accumulates(param)
 
     # ------------------------------------------------------------ the captures
     def capture_forward(self, sig: Signature, static_inputs: Sequence[Any], outputs: Optional[Outputs]) -> Live:
         """Capture the forward over ``static_inputs``; its autograd graph stays live for the
         backward capture. ``outputs``: the structure the eager run returned (``None``: none
         ran, the capture defines it)."""
-        layer, rt, plan = self.layer, self.rt, self.layer.plan
+        layer, rt, plan = self.layer, self.rt, self.layer.process().plan
         self._check_params(sig)
         gen = plan.generation_for_capture(layer.memory_mode)
         # recompute: no autograd graph, so the forward's activations go back to the pool inside
@@ -151,7 +161,7 @@ class LayerCapture:
                 raise CaptureError(f"{layer.name}: the captured forward returned a different structure than the "
                                    f"eager run; a graphed layer must return the same structure every call.")
         return Live(gen, graph, tuple(static_inputs), inputs, outs, list(params), outputs or captured,
-                    state=layer.state.watch(), static_outputs=tuple(rt.detach(o) for o in outs),
+                    state=self.state.watch(), static_outputs=tuple(rt.detach(o) for o in outs),
                     recomputes=recompute)
 
     def _check_params(self, sig: Signature) -> None:
@@ -167,10 +177,10 @@ class LayerCapture:
 
     def capture_backward(self, sig: Signature, live: Live, static_grads: Sequence[Any]) -> Position:
         """Capture the backward of ``live``'s forward; returns the position's record."""
-        layer, rt, plan = self.layer, self.rt, self.layer.plan
-        param_buffers = layer.param_buffers(sig.params)
+        rt, plan = self.rt, self.layer.process().plan
+        param_buffers = self.buffers.for_params(sig.params)
         shape = live.outputs_shape
-        mirror = layer.recomputing.mirror() if live.recomputes else None
+        mirror = self.recomputing.mirror() if live.recomputes else None
         with self._captured(live.generation, "backward", around=mirror.swapped() if mirror else None) as graph:
             if live.recomputes:  # the forward again, drawing what the forward graph drew (the mirrors)
                 live = self._recomputed(sig, live)
@@ -211,7 +221,7 @@ class LayerCapture:
     def _capture_input_half(self, sig: Signature, live: Live, static_grads: Sequence[Any]) -> InputHalf:
         """Capture the input half of ``live``'s backward; its autograd graph stays live for
         the weight half."""
-        layer, rt, split = self.layer, self.rt, self.caps.split
+        rt, split = self.rt, self.caps.split
         outs = [o for o, d in zip(live.outputs, live.outputs_shape.differentiable) if d]
         wrt = [x for x, s in zip(live.inputs, sig.shape.specs) if s.requires_grad]
         param_used = (False,) * len(live.params)
@@ -225,7 +235,7 @@ class LayerCapture:
                     if sig.accumulate:
                         raise RuntimeError(f"{rt.name} runtime: backward_input returned parameter gradients "
                                            f"for a layer that accumulates inside its graphs")
-                    buffers = layer.param_buffers(sig.params)
+                    buffers = self.buffers.for_params(sig.params)
                     rt.copy_many([buffers[i] for i, u in enumerate(param_used) if u],
                                  [g for g in param_grads if g is not None])
                 del param_grads
@@ -242,8 +252,8 @@ class LayerCapture:
         or copied into weight-gradient buffers of its own (the schedule's weight pass adds them
         into ``.grad``). The autograd graph kept since the forward is released inside this
         capture, as a full backward releases it."""
-        layer, rt, live = self.layer, self.rt, half.live
-        buffers = tuple(layer.param_buffers(sig.params) if sig.accumulate else layer.weight_buffers(sig.params))
+        rt, live = self.rt, half.live
+        buffers = tuple(self.buffers.for_params(sig.params) if sig.accumulate else self.buffers.for_weights(sig.params))
         move = rt.add_many if sig.accumulate else rt.copy_many
         used = [False] * len(sig.params)
         with self._captured(live.generation, "backward (weight half)") as graph:
@@ -270,8 +280,8 @@ class LayerCapture:
         start = _memory.now()
         with around or contextlib.nullcontext(), self._capturing(graph, gen, phase):
             yield graph
-        self.layer.plan.note_capture(gen, id(graph), _memory.now() - start)
-        self.layer.captures += 1
+        self.layer.process().plan.note_capture(gen, id(graph), _memory.now() - start)
+        self.lifecycle.captures += 1
 
     @contextlib.contextmanager
     def _capturing(self, graph: Any, gen: Any, phase: str):
@@ -285,7 +295,7 @@ class LayerCapture:
         of_capture = hints.is_capture_failure if hints is not None else partial(CaptureHints.is_capture_failure, None)
         try:
             with _guards.sot_warmup_guard(True), _collectives.capturing_graph(graph, layer.name), \
-                    rt.capture_to_graph(graph, layer.plan.pool_for(gen), generators=layer.generators()):
+                    rt.capture_to_graph(graph, layer.process().plan.pool_for(gen), generators=layer.generators()):
                 try:
                     yield
                 except GraphedLayerError:
@@ -305,25 +315,16 @@ class LayerCapture:
         raise, or ``None`` when ``fallback="eager"`` turned the layer eager."""
         layer = self.layer
         release_frames(exc)  # the frames below the capture hold its buffers and outputs
-        layer.phases.capture_failed(key)
         if isinstance(exc, CaptureFailed):
-            layer.plan.note_aborted(exc.generation)
-        if isinstance(exc, UserError):
-            return with_layer(exc.error, f"{layer.name}: raised while capturing the {exc.phase}")
+            layer.process().plan.note_aborted(exc.generation)
         if not isinstance(exc, CaptureFailed):
+            self.lifecycle.warm_up_again(key)
+            if isinstance(exc, UserError):  # the layer's own code raised: its error, raised as is
+                return with_layer(exc.error, f"{layer.name}: raised while capturing the {exc.phase}")
             return exc  # the engine's own errors (GraphedLayerError) and interrupts
-        cause = f"{type(exc.error).__name__}: {exc.error}"
         hints = self.caps.hints
         hint = (hints.capture_failure_hint(exc.error, layer.generators()) if hints is not None else None) or (
             "Graphs cannot contain host synchronisation (.item(), .numpy(), printing a tensor, "
             "data-dependent shapes such as nonzero/masked_select) or CPU work. Move it out of the "
             "layer, or pass fallback='eager'.")
-        if layer.options.fallback == "eager":
-            layer.phases.fall_back(f"capturing the {exc.phase} failed: {cause}")
-            layer.warn_once("fallback", f"{layer.name}: capturing the {exc.phase} failed ({cause}); the layer "
-                                        f"runs eagerly from now on (fallback='eager'). {hint}")
-            return None
-        error = CaptureError(f"{layer.name}: capturing the {exc.phase} failed: {cause}. The capture's memory was "
-                             f"released; the layer warms up again. {hint}")
-        error.__cause__ = exc.error
-        return error
+        return self.lifecycle.capture_failed(key, f"the {exc.phase}", exc.error, hint)

@@ -1,28 +1,14 @@
-"""Graph memory: which pool a capture allocates from, buffer reuse, and telemetry.
+"""Graph memory: which pool a capture allocates from, the capture-order check, and telemetry.
 
-Modes (``memory=`` of a graphed layer):
-
-``shared`` (default)
-    Every graph of the process allocates from one pool. This is safe because the graphs of
-    one *generation* are captured back to back, in the order one real step ran them
-    (:mod:`paddle_graphpp.core.capture`), each graph runs once per episode, and the schedule
-    repeats: memory a graph frees is only reused by graphs that run after it. Replays are
-    checked against the capture order; graphs captured after replays have started (a new
-    signature, a position not seen before) form a new generation with its own pool, so a
-    late capture never aliases live memory. The static buffers that inputs and incoming
-    gradients are copied into are allocated at capture, together, and are shared by lifetime:
-    a position's input buffer goes to a later position (of any layer, same shape and dtype)
-    once its backward has run, and an incoming-gradient buffer, read only by its own backward
-    graph, serves every position. So a stage holds as many input buffers as it has
-    micro-batches in flight, not one per micro-batch. (``"shared_reuse"``, the name this
-    sharing had when it was optional, is accepted and means ``"shared"``.)
-``per_graph``
-    Each graph gets its own pool: upstream Paddle's behaviour, kept for comparison.
-
-With the stream-ordered allocator (``use_cuda_malloc_async_allocator``) the framework
-ignores private pools: graphs allocate through the driver's graph memory nodes, the engine
-passes no pool, and the report's pool figures are the driver's graph-memory counters.
-Captures must not overlap, which they never do here (captures are sequential on one stream).
+:class:`MemoryMode` parses ``memory=`` (``"shared"``, the default: every graph of the process in
+one pool; ``"per_graph"``: a pool per graph, upstream Paddle's behaviour; ``"shared_reuse"``, a
+former name, means ``"shared"``; anything else raises ``ValueError``). :class:`MemoryPlan` (one per
+runtime and process, :func:`plan_for`) hands out pools by *generation*, the graphs captured back to
+back into one pool, and checks every replay against its generation's capture order
+(:class:`~paddle_graphpp.core.errors.GraphScheduleError` where the order changed); a capture after
+replays began opens a new generation. Under the stream-ordered allocator no pool is passed and the
+figures are the driver's. :func:`memory_report` returns the figures. Why this is safe and what it
+saves: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -33,6 +19,7 @@ import time
 from typing import Any, Optional
 
 from .errors import GraphScheduleError
+from .process import current_process
 from .runtime import capabilities
 
 __all__ = ["MemoryMode", "MemoryPlan", "memory_report", "plan_for"]
@@ -41,7 +28,7 @@ logger = logging.getLogger("paddle_graphpp")
 
 
 class MemoryMode(str, enum.Enum):
-    """How graphs of a layer share memory; see the module docstring."""
+    """How graphs of a layer share memory (docs/memory.md#memory-modes)."""
 
     SHARED = "shared"
     PER_GRAPH = "per_graph"
@@ -220,14 +207,13 @@ class MemoryPlan:
         )
 
 
-_PLANS: dict[str, MemoryPlan] = {}
-
-
 def plan_for(runtime) -> MemoryPlan:
-    """The process-wide plan of ``runtime``."""
-    plan = _PLANS.get(runtime.name)
+    """The process-wide plan of ``runtime``, kept in its section of the process (a new one when
+    another runtime object takes its name)."""
+    section = current_process().section(runtime.name)
+    plan = section.plan
     if plan is None or plan.runtime is not runtime:
-        plan = _PLANS[runtime.name] = MemoryPlan(runtime)
+        plan = section.plan = MemoryPlan(runtime)
     return plan
 
 
@@ -239,7 +225,8 @@ def memory_report() -> dict:
     ``pool_allocated_bytes``, ``device_reserved_bytes`` and ``device_allocated_bytes``;
     an empty dict when nothing was captured.
     """
-    return {name: plan.report() for name, plan in _PLANS.items() if plan.graphs_captured}
+    return {section.name: section.plan.report() for section in current_process().sections()
+            if section.plan is not None and section.plan.graphs_captured}
 
 
 def now() -> float:

@@ -10,23 +10,21 @@ forward replays note and its backward replays restore.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from .errors import GraphScheduleError
-
-if TYPE_CHECKING:
-    from .engine import GraphedCallable
+from .layer import Layer
 
 __all__ = ["LayerRecompute"]
 
 
 class LayerRecompute:
-    """The recomputation side of one :class:`~paddle_graphpp.core.engine.GraphedCallable`."""
+    """The recomputation side of one graphed :class:`~paddle_graphpp.core.layer.Layer`."""
 
-    def __init__(self, layer: GraphedCallable):
+    def __init__(self, layer: Layer):
         self.layer = layer
-        #: Whether a call recomputes: the option, or what the front door reads per call.
-        self.when: Callable[[], bool] = lambda: layer.options.recompute
+        #: Whether a call recomputes: the option, or what the front door reads per call (its hook).
+        self.when: Callable[[], bool] = layer.hooks.recomputes or (lambda: layer.options.recompute)
         self._mirror: Any = None
 
     def check(self) -> None:
@@ -34,7 +32,7 @@ class LayerRecompute:
         mirrors now, over the generators its captures register (the runtime refuses what it
         cannot mirror)."""
         layer = self.layer
-        if layer.plan.async_allocator:
+        if layer.process().plan.async_allocator:
             raise GraphScheduleError(
                 f"{layer.name}: recompute (activation checkpointing) is not supported under the stream-ordered "
                 f"allocator (use_cuda_malloc_async_allocator), which captures within the step. Use the default "

@@ -1,40 +1,23 @@
 """The recording of one eager episode: what a batch of captures will capture, in which order.
 
-A :class:`Recording` is opened by the process (:meth:`~paddle_graphpp.core.capture.Process.recorder`)
-when the first call of a signature in phase ``RECORD`` runs, and lives until the next episode
-start, when a :class:`~paddle_graphpp.core.batch.CaptureBatch` consumes it (or the runtime asks
-to wait and it is dropped). It owns
-
-* the *events*: ``(participant, key, position, forward, half)`` in the order the schedule ran
-  them (``half``: ``None``, or ``"input"`` / ``"weight"`` for the two halves of a split
-  backward of a zero-bubble schedule, each where it ran);
-* the *slots* of the static buffers each position will copy its inputs and incoming gradients
-  into (a slot is reused by later positions once the position's backward has run; the buffers
-  themselves are allocated at capture);
-* the *links*: an input that was another recorded layer's output (layer ``i + 1`` reading layer
-  ``i``'s result), or an incoming gradient that was another recorded layer's input gradient, is
-  a :class:`Link` instead of a slot: at capture it is that graph's static output itself, so at
-  replay the producer's graph writes what the consumer's graph reads and nothing is copied;
-* the *liveness watches*: the moment in the episode after which nothing uses a recorded output's
-  (or input gradient's) memory, so that its captured twin gives that memory back to the pool at
-  the same point of the capture order;
-* the ``RECORD -> READY`` transition of its participants (:meth:`Recording.captured`), or
-  their recordings dropped (:meth:`Recording.dropped`).
-
-Everything here is host bookkeeping: a recording holds weak references to the eager tensors
-only, never the tensors themselves.
+A :class:`Recording` is opened by the process (:meth:`~paddle_graphpp.core.capture.EpisodeCapture.recorder`)
+at the first call of a signature in phase ``RECORD``, and lives until the next episode start, when
+a :class:`~paddle_graphpp.core.batch.CaptureBatch` consumes it (:meth:`Recording.captured` moves its
+participants ``RECORD -> READY``) or the runtime asks to wait (:meth:`Recording.dropped`). It holds
+the :class:`Event` list in the order the schedule ran, the static buffer slots, the :class:`Link`
+between layers and the liveness watches: host bookkeeping only, with weak references to the eager
+tensors, never the tensors. What each of them means:
+docs/architecture.md#episodes-recordings-and-handed-out-outputs.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
+from .participant import CaptureParticipant
 from .runtime import GraphRuntime, OutputRelease
-
-if TYPE_CHECKING:  # batch imports this module
-    from .batch import CaptureParticipant
 
 __all__ = ["Recording", "Link", "Event"]
 
@@ -62,7 +45,7 @@ class Event(NamedTuple):
 
 
 class Recording:
-    """One episode's recording (see the module docstring).
+    """One episode's recording (docs/architecture.md#episodes-recordings-and-handed-out-outputs).
 
     Args:
         runtime: tells aliases apart (:meth:`~paddle_graphpp.core.runtime.GraphRuntime.alias_key`).

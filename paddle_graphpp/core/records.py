@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from .runtime import TensorSpec
 from .tree import unflatten
 
-if TYPE_CHECKING:  # the engine imports this module
-    from .engine import GraphedCallable
-
 __all__ = ["Phase", "Tree", "CallShape", "Outputs", "PositionRecord", "Position", "Live", "InputHalf", "Signature",
-           "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "describe",
-           "signature_key_parts", "SignatureKey", "with_layer"]
+           "SignatureView", "RanEager", "Replayed", "Launched", "Call", "UserError", "CaptureFailed", "with_layer"]
 
 
 class Phase(enum.Enum):
@@ -33,7 +28,7 @@ class Phase(enum.Enum):
     WARMUP = "warmup"
     RECORD = "record"
     READY = "ready"
-    EAGER = "eager"  # the layer went eager for good (LayerPhases.eager_reason); never a signature's own
+    EAGER = "eager"  # the scope (Lifecycle.eager_reason) or, in a scope without retry, the signature went eager
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +146,10 @@ class InputHalf:
 
 class Signature:
     """One input signature of a layer: its phase, parameters and captured positions (its phase
-    changes only through :class:`~paddle_graphpp.core.phases.LayerPhases`)."""
+    changes only through :class:`~paddle_graphpp.core.lifecycle.Lifecycle`)."""
 
     __slots__ = ("key", "describe", "shape", "phase", "warm", "params", "accumulate", "positions",
-                 "recordings", "busy")
+                 "recordings", "busy", "graph", "eager_reason")
 
     def __init__(self, key: Any, describe: str, shape: CallShape):
         self.key = key
@@ -167,6 +162,8 @@ class Signature:
         self.positions: dict[int, Position] = {}
         self.recordings: dict[int, PositionRecord] = {}
         self.busy: set = set()  # per_graph mode: slots whose backward has not run
+        self.graph: Any = None  # a scope with one graph per signature (a step, a graph_process slot): that graph
+        self.eager_reason: Optional[str] = None  # a scope without retry: why this signature runs eagerly for good
 
     def free_slot(self) -> int:
         """Lowest slot not in flight: ``per_graph`` recycles a position once its backward ran."""
@@ -176,8 +173,8 @@ class Signature:
         return slot
 
     def reset(self) -> None:
-        """Forget graphs and recordings and warm up again (see :class:`~paddle_graphpp.core.phases.LayerPhases`)."""
-        self.phase, self.warm = Phase.WARMUP, 0
+        """Forget graphs and recordings and warm up again (see :class:`~paddle_graphpp.core.lifecycle.Lifecycle`)."""
+        self.phase, self.warm, self.graph, self.eager_reason = Phase.WARMUP, 0, None, None
         self.positions.clear()
         self.recordings.clear()
 
@@ -233,11 +230,13 @@ ENDED = RanEager((), None, ())  # a call whose backward is over keeps no tensor
 
 
 class Call:
-    """One forward call and, later, its backward. Lives in the layer's FIFO in between."""
+    """One forward call and, later, its backward: a record of the call (the engine that made it
+    runs both; see :func:`~paddle_graphpp.core.engine.node_forward`). Lives in the layer's FIFO
+    in between."""
 
     __slots__ = ("engine", "key", "shape", "tensors", "params", "force_eager", "position", "run", "outputs", "anchor")
 
-    def __init__(self, engine: GraphedCallable, key: Any, shape: CallShape, tensors: list, params: tuple,
+    def __init__(self, engine: Any, key: Any, shape: CallShape, tensors: list, params: tuple,
                  force_eager: bool):
         self.engine = engine
         self.key = key
@@ -257,17 +256,6 @@ class Call:
     @property
     def recorded(self) -> bool:
         return isinstance(self.run, RanEager) and self.run.recorded
-
-    def forward(self) -> list:
-        return self.engine.forward(self)
-
-    def backward(self, grads: Sequence[Any], weights_wanted: bool = True) -> list:
-        return self.engine.backward.run(self, grads, weights_wanted)
-
-    @property
-    def weight_pending(self) -> bool:
-        """The input half of this call's backward ran and its weight half has not."""
-        return self.engine.queue.awaits_weight(self)
 
     def end(self) -> None:
         """The call's backward is over: it keeps no tensor. (Its autograd node keeps the call,
@@ -308,48 +296,3 @@ def with_layer(error: BaseException, context: str) -> BaseException:
         return error
     new.__cause__ = error
     return new
-
-
-# ------------------------------------------------------------------ signature keys
-class SignatureKey(tuple):
-    """A signature's key: a tuple that hashes its parts once. A graphed call's key goes into
-    several tables on every call (its signature, its queue position, the outputs it handed
-    out); a plain tuple of tensor specs would be hashed anew each time. The engine gives every
-    call of a known signature the signature's own key object, so those lookups also compare
-    by identity."""
-
-    def __new__(cls, parts):
-        self = super().__new__(cls, parts)
-        self._hash = tuple.__hash__(self)
-        return self
-
-    def __hash__(self):
-        return self._hash
-
-    def __reduce__(self):  # hashed anew where it is loaded (string hashes differ per process)
-        return SignatureKey, (tuple(self),)
-
-    @property
-    def recompute(self) -> bool:
-        """Whether the signature's calls recompute their forward in the backward (its fifth part)."""
-        return len(self) > 4 and bool(self[4])
-
-
-def _const_key(x):
-    try:
-        hash(x)
-        return (type(x).__name__, x)
-    except TypeError:
-        return (type(x).__name__, repr(x))
-
-
-def signature_key_parts(leaves, tensor_index, spec) -> tuple:
-    """The non-tensor arguments and the argument structure (``spec``, a tree of tuples), hashable."""
-    tensor_pos = set(tensor_index)
-    consts = tuple(_const_key(x) for i, x in enumerate(leaves) if i not in tensor_pos)
-    return consts, spec
-
-
-def describe(specs: Sequence[TensorSpec]) -> str:
-    return "(" + "; ".join(s.describe() for s in specs) + ")"
-

@@ -23,7 +23,7 @@ from .runtime import ReplayEvents
 from .watchdog import ReplayWatchdog, parse_timeout
 
 if TYPE_CHECKING:
-    from .batch import CaptureParticipant
+    from .participant import CaptureParticipant
 
 __all__ = ["ReplayWatch"]
 

@@ -1,28 +1,16 @@
-"""The runtime seam: what the engine needs from a framework, as one required protocol and a
-few optional capabilities.
+"""The runtime seam: what the engine needs from a framework, as one required protocol and a few
+optional capabilities.
 
-The core never imports a framework. Each framework has one package of adapters, named in
-:data:`FRAMEWORKS`: its ``runtime`` module implements :class:`GraphRuntime` (and imports the
-framework), its ``optim`` module holds the graph-safe optimizer steps, and its ``allocator``
-module the stream-ordered allocator switch (which must work before the framework is
-imported, so that module imports no framework at import time).
-
-:class:`GraphRuntime` is what every runtime must do (15 required members, each with its
-contract), plus five members with a default a runtime may override (:meth:`~GraphRuntime.static_like`,
-:meth:`~GraphRuntime.call_with_param_aliases`, :meth:`~GraphRuntime.replay_graph`,
-:meth:`~GraphRuntime.new_pool`, :meth:`~GraphRuntime.release_cached_memory`). Everything else is
-a capability a runtime has or has not, one protocol each: :class:`StateSlots`,
-:class:`GradientOps`, :class:`AutocastModes`, :class:`SplitBackward`, :class:`InGraphAccumulation`,
-:class:`OutputRelease`, :class:`PoolLending`, :class:`StreamOrderedAllocator`,
-:class:`MemoryTelemetry`, :class:`CaptureHints`, :class:`ModelTree`, :class:`ReplayEvents`. A
-runtime declares one by
-deriving from it (and implementing all of it); :func:`capabilities` finds them once per runtime,
-and the engine asks that record, never a runtime for something it did not declare.
-
-Which framework an object belongs to is decided in one place, :func:`framework_of`, from
-the module its type (or a base class) is defined in; :func:`runtime_for` turns that into the
-runtime, :func:`get_runtime` loads a runtime by name, :func:`framework_module` any other part
-of a framework's package. Nothing here imports a framework until one of these is called.
+:class:`GraphRuntime` is what every runtime must do (each member with its contract, some with a
+default a runtime may override). Everything else is a capability a runtime declares by deriving
+from its protocol (:class:`StateSlots`, :class:`GradientOps`, ... :class:`Recompute`) and
+implementing all of it; :func:`capabilities` finds them once per runtime, and the engine asks that
+record, never a runtime for what it did not declare. :func:`framework_of` alone decides which
+framework an object belongs to; :func:`runtime_for`, :func:`get_runtime` and
+:func:`framework_module` load a framework's adapters (named in :data:`FRAMEWORKS`) on first use,
+and nothing here imports a framework before: an unknown name raises ``ValueError``, a framework
+not installed ``ImportError`` saying what to install. The design:
+docs/architecture.md#the-runtime-seam.
 """
 
 from __future__ import annotations
@@ -33,8 +21,10 @@ import importlib
 import sys
 import weakref
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Callable, ContextManager, Hashable, Iterator, NamedTuple, Optional, Sequence
+from types import MappingProxyType, ModuleType
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Mapping, NamedTuple, Optional, Sequence
+
+from .process import current_process
 
 __all__ = [
     "FRAMEWORKS",
@@ -69,11 +59,11 @@ __all__ = [
 
 #: Framework name (the top-level module of its types) -> the package of its adapters. The
 #: order is the order in which a switch that touches every framework applies them.
-FRAMEWORKS: dict[str, str] = {
+FRAMEWORKS: Mapping[str, str] = MappingProxyType({
     "paddle": "paddle_graphpp.paddle",
     "torch": "paddle_graphpp.torch",
-}
-_INSTALL = {"paddle": "paddlepaddle-gpu (or paddlepaddle for CPU)", "torch": "torch"}
+})
+_INSTALL = MappingProxyType({"paddle": "paddlepaddle-gpu (or paddlepaddle for CPU)", "torch": "torch"})
 
 
 class TensorSpec(NamedTuple):
@@ -577,12 +567,28 @@ class Capabilities:
         return self.modes.mode_context(key)
 
 
-_FIELDS = {"state": StateSlots, "gradients": GradientOps, "modes": AutocastModes, "split": SplitBackward,
-           "accumulation": InGraphAccumulation, "release": OutputRelease, "lending": PoolLending,
-           "stream_ordered": StreamOrderedAllocator,
-           "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree, "events": ReplayEvents,
-           "recomputation": Recompute}
-_CAPABILITIES: "weakref.WeakKeyDictionary[GraphRuntime, Capabilities]" = weakref.WeakKeyDictionary()
+_FIELDS = MappingProxyType({
+    "state": StateSlots, "gradients": GradientOps, "modes": AutocastModes, "split": SplitBackward,
+    "accumulation": InGraphAccumulation, "release": OutputRelease, "lending": PoolLending,
+    "stream_ordered": StreamOrderedAllocator, "telemetry": MemoryTelemetry, "hints": CaptureHints, "tree": ModelTree,
+    "events": ReplayEvents, "recomputation": Recompute})
+
+
+class RuntimeTable:
+    """The runtimes of this process (a part of :class:`~paddle_graphpp.core.process.GraphProcess`)."""
+
+    def __init__(self):
+        #: name -> the runtime :func:`get_runtime` serves (loaded on first use).
+        self.loaded: dict[str, GraphRuntime] = {}
+        #: name -> factory of a runtime served in place of the framework's (:func:`register_runtime`).
+        self.registered: dict[str, Callable[[], GraphRuntime]] = {}
+        #: runtime object -> the capabilities it declares (found once, by :func:`capabilities`).
+        self.capabilities: "weakref.WeakKeyDictionary[GraphRuntime, Capabilities]" = weakref.WeakKeyDictionary()
+
+
+def runtime_table() -> RuntimeTable:
+    """This process's :class:`RuntimeTable`."""
+    return current_process().part(RuntimeTable)
 
 
 def capabilities(runtime: GraphRuntime) -> Capabilities:
@@ -592,7 +598,8 @@ def capabilities(runtime: GraphRuntime) -> Capabilities:
         TypeError: ``runtime`` says its autograd adopts held gradients but lacks
             :class:`GradientOps`, which the engine needs to hand such leaves copies.
     """
-    found = _CAPABILITIES.get(runtime)
+    table = runtime_table().capabilities
+    found = table.get(runtime)
     if found is None:
         found = Capabilities(
             **{field: runtime if isinstance(runtime, proto) else None for field, proto in _FIELDS.items()})
@@ -600,7 +607,7 @@ def capabilities(runtime: GraphRuntime) -> Capabilities:
             raise TypeError(f"the {runtime.name} runtime sets adopts_held_gradients but does not declare "
                             f"GradientOps: derive it from paddle_graphpp.core.runtime.GradientOps (add_many, "
                             f"leaves_without_grad), or set adopts_held_gradients = False")
-        _CAPABILITIES[runtime] = found
+        table[runtime] = found
     return found
 
 
@@ -635,10 +642,6 @@ def backward_into(runtime: GraphRuntime, outputs: Sequence[Any], grad_outputs: S
 
 
 # ------------------------------------------------------------------ the table
-_LOADED: dict[str, GraphRuntime] = {}
-_EXTRA: dict[str, Callable[[], GraphRuntime]] = {}
-
-
 def framework_of(obj: Any) -> Optional[str]:
     """The name (a key of :data:`FRAMEWORKS`) of the framework ``obj`` belongs to, or ``None``.
 
@@ -703,19 +706,21 @@ def framework_module(name: str, part: str) -> ModuleType:
 
 def available_runtimes() -> list[str]:
     """Names :func:`get_runtime` accepts."""
-    return sorted(set(FRAMEWORKS) | set(_EXTRA))
+    return sorted(set(FRAMEWORKS) | set(runtime_table().registered))
 
 
 def register_runtime(name: str, factory: Callable[[], GraphRuntime]) -> None:
     """Serve ``factory()`` as the runtime ``name`` (used by tests to plug in a fake graph runtime)."""
-    _EXTRA[name] = factory
-    _LOADED.pop(name, None)
+    table = runtime_table()
+    table.registered[name] = factory
+    table.loaded.pop(name, None)
 
 
 def unregister_runtime(name: str) -> None:
     """Undo :func:`register_runtime`: ``name`` loads its real adapter again on next use."""
-    _EXTRA.pop(name, None)
-    _LOADED.pop(name, None)
+    table = runtime_table()
+    table.registered.pop(name, None)
+    table.loaded.pop(name, None)
 
 
 def get_runtime(name: str) -> GraphRuntime:
@@ -725,13 +730,14 @@ def get_runtime(name: str) -> GraphRuntime:
         ValueError: unknown name.
         ImportError: the framework is not installed; the message says what to install.
     """
-    if name in _LOADED:
-        return _LOADED[name]
-    if name in _EXTRA:
-        runtime = _EXTRA[name]()
+    table = runtime_table()
+    if name in table.loaded:
+        return table.loaded[name]
+    if name in table.registered:
+        runtime = table.registered[name]()
     elif name in FRAMEWORKS:
         runtime = framework_module(name, "runtime").RUNTIME
     else:
         raise ValueError(f"unknown runtime {name!r}; choose one of {available_runtimes()}")
-    _LOADED[name] = runtime
+    table.loaded[name] = runtime
     return runtime

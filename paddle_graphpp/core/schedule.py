@@ -1,19 +1,13 @@
-"""The FIFO of in-flight micro-batches of one graphed layer.
+"""The FIFO of in-flight micro-batches of one graphed layer, and the process's episode clock.
 
-Pipeline schedules (1F1B, interleaved) run the forwards of micro-batches 1..k before the
-backward of micro-batch 1. Each forward pushes a record; each backward must pop the oldest
-one. An *episode* runs from a moment when no micro-batch is in flight in *any* graphed layer
-of the process to the next such moment (an interleaved stage's chunks each empty their own
-FIFO mid-step while the other chunk still holds micro-batches: that is not an episode end).
-A forward's *position* is its index within the episode, counted per layer and input
-signature. Under a fixed schedule every episode has the same sequence, which is what lets
-graphs be captured once in execution order and replayed safely from one shared memory pool.
-
-Zero-bubble schedules split a backward in two: the input-gradient half (B) runs on the
-critical path, the weight-gradient half (W) later, in a bubble. B pops the forward in FIFO
-order like a full backward; the micro-batch then waits for its W, which may come in any order
-among those waiting (several can be pending). A micro-batch stays in flight until its W has
-run: its activations and saved gradients are still in use until then.
+:class:`InFlightQueue` pairs each backward with the oldest forward still waiting and gives each
+forward its position in the episode (per layer and input signature); a backward out of that order,
+with no forward waiting, or past ``max_in_flight`` forwards raises
+:class:`~paddle_graphpp.core.errors.GraphScheduleError` naming the layer and the fix. Under a
+zero-bubble schedule a micro-batch stays in flight until its weight half has run, in any order
+among those pending. :class:`EpisodeClock` counts the micro-batches in flight in every graphed
+layer of the process: an episode ends when none is. Why episodes and positions:
+docs/architecture.md#episodes-recordings-and-handed-out-outputs.
 """
 
 from __future__ import annotations

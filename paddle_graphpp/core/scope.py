@@ -11,7 +11,8 @@ would. A layer called while *any* capture is in progress on the current stream d
 (:meth:`paddle_graphpp.core.engine.GraphedCallable.__call__` asks the runtime), so one graphed
 module nested in another is captured as part of the outer one.
 
-The state is per thread: a capture belongs to the thread that runs it.
+The state is per thread (kept in the process's :class:`Inlining`): a capture belongs to the
+thread that runs it.
 """
 
 from __future__ import annotations
@@ -20,21 +21,29 @@ import contextlib
 import threading
 from typing import Iterator
 
+from .process import current_process
+
 __all__ = ["inline_layers", "layers_inlined"]
 
-_STATE = threading.local()
+
+class Inlining(threading.local):
+    """Per thread, the :func:`inline_layers` blocks open (a part of the process)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
 
 
 @contextlib.contextmanager
 def inline_layers() -> Iterator[None]:
     """Inside this context, graphed layers of this thread run their wrapped call directly."""
-    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    state = current_process().part(Inlining)
+    state.depth += 1
     try:
         yield
     finally:
-        _STATE.depth -= 1
+        state.depth -= 1
 
 
 def layers_inlined() -> bool:
     """Whether an enclosing scope asked this thread's graphed layers to run directly."""
-    return getattr(_STATE, "depth", 0) > 0
+    return current_process().part(Inlining).depth > 0

@@ -1,14 +1,11 @@
-"""Segmentation of a pipeline stage's layer list into runs of graph-capturable layers.
+"""Segmentation of a pipeline stage's layer list into runs of graph-capturable layers
+(framework-neutral).
 
-A pipeline stage (or virtual chunk) is an ordered list of entries: layers, shared layers
-(tied embeddings whose weight gradients are reduced across stages), plain callables and
-layers the user opted out of capture. Graphing pays off for long runs of ordinary layers;
-everything else stays eager, and each of those entries ends the run before it.
-
-This module is framework-neutral: both runtimes describe their entries with
-:class:`LayerEntry` (built by :func:`classify`) and hand them to :func:`split_into_runs`.
-
-Typical use (what ``paddle_graphpp.PipelineLayer`` and the PyTorch pipelining helper do)::
+:func:`classify` describes each entry as a :class:`LayerEntry` (a layer, a shared layer, a plain
+callable, or a layer marked with :func:`mark_not_capturable`); :func:`split_into_runs` covers the
+entries with :class:`Run` objects in order: each maximal stretch of ordinary layers is one graphed
+run, and every other entry an eager run of its own, so it never sits inside a graph. Entries that
+are not :class:`LayerEntry` raise ``TypeError``, indices out of order ``ValueError``. Typical use::
 
     entries = [classify(i, obj, is_layer=is_layer, shared=obj in tied, sublayers=subs)
                for i, obj in enumerate(stage_items)]

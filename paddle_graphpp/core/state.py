@@ -1,21 +1,13 @@
 """Replay-time check that the tensors a graph was captured against are still the ones in use.
 
-A CUDA graph reads and writes fixed device addresses. Parameters, buffers and optimizer state
-are not copied into a graph at each replay: the graph works on their memory directly. When a
-user gives such a tensor new storage after the capture (``param.data = w``, a
-``module.to(torch.float64).to(torch.float32)`` round trip, a checkpoint loader that assigns
-new tensors, ``optimizer.load_state_dict`` on a graphed optimizer's inner optimizer), the
-graph would go on with the old memory: the model silently trains something else.
-:class:`StateWatch` notes, at capture, where each such tensor was found (its *holder*: a
-module's parameter dict, an optimizer's per-parameter state) and its storage address, and
-:meth:`StateWatch.changed` compares both before a replay. In-place changes
-(``load_state_dict`` of a module, ``param.copy_``, optimizer updates) keep the addresses and
-pass.
-
-The check costs one dictionary lookup, one identity test and one address read per tensor
-(``tools/diagnostics/bench_state_check.py`` measures it); graphed layers run it once per layer
-and step (episode), not per micro-batch (:class:`LayerStateCheck`), and
-:class:`~paddle_graphpp.GraphedOptimizer` once per step.
+A graph works on parameters, buffers and optimizer state in place, at fixed addresses. A tensor
+given new storage after the capture (``param.data = w``, a dtype round trip, a loader that assigns
+new tensors, ``optimizer.load_state_dict`` behind a graphed optimizer) would leave the graph on the
+old memory. :class:`StateWatch` notes at capture where each such tensor was held and its storage
+address; :meth:`StateWatch.changed` compares both before a replay and says what changed, and its
+callers raise :class:`~paddle_graphpp.core.errors.StateReplacedError` (in-place changes pass).
+Graphed layers check once per layer and step (:class:`LayerStateCheck`),
+:class:`~paddle_graphpp.GraphedOptimizer` once per step; the cost per tensor: docs/failures.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """A watchdog of the host's own for graph replays: no hang without an error.
 
-Collectives captured inside a graph (a tensor-parallel all-reduce, a pipeline's send) run
-where the framework's own watchdogs do not look: PyTorch's NCCL watchdog follows work objects,
-and a replay has none. If a peer dies, a replay waits forever. The host knows when it launched
-each replay; :class:`ReplayWatchdog` records an event after replays (at most one every
-``min_gap`` seconds, so launch-bound steps pay next to nothing; the thread records one after the
-last launch when none followed it) and a daemon thread checks the
-oldest one still running. When one has not completed ``timeout`` seconds after its launch:
-
-1. the error (naming the layer, the graph and the collectives captured in it) is logged at once
-   and raised as :class:`~paddle_graphpp.core.errors.ReplayTimeoutError` by the next graphed call
-   of the process (:meth:`ReplayWatchdog.raise_pending`);
-2. if the process is still stuck ``grace`` seconds later (its main thread waits on the device),
-   the runtime aborts its collectives' communicators, as PyTorch's NCCL watchdog does, so that
-   kernels waiting on a dead peer return;
-3. if it is still stuck another ``grace`` seconds later, the process exits with
-   :data:`EXIT_CODE` after printing the error: a scheduler sees a failed job, not a hung one.
-
-The same thread turns a peer's failed capture into an error here
-(:class:`~paddle_graphpp.core.runtime.ReplayEvents.peer_capture_failure`): every rank of the
-job raises, instead of the survivors waiting in their next collective until its timeout; and
-so it does with a custom all-reduce that gave up waiting for a peer
-(:func:`~paddle_graphpp.core.collectives.collective_fault`), whose replay completed but computed
-nothing valid: raised as :class:`~paddle_graphpp.core.errors.CollectiveTimeoutError`, naming the
-peer.
+:class:`ReplayWatchdog` follows one process's replays from a daemon thread (an event after a
+replay, at most one every ``min_gap`` seconds). A replay not complete ``timeout`` seconds after its
+launch is logged at once, naming the layer, the graph and the collectives captured in it, and
+raised as :class:`~paddle_graphpp.core.errors.ReplayTimeoutError` by the next graphed call
+(:meth:`ReplayWatchdog.raise_pending`); still stuck ``grace`` seconds later, the runtime aborts its
+communicators; another ``grace`` later the process exits with :data:`EXIT_CODE`. The same thread
+turns a peer's failed capture
+(:meth:`~paddle_graphpp.core.runtime.ReplayEvents.peer_capture_failure`) and a custom all-reduce
+that gave up on a peer (:func:`~paddle_graphpp.core.collectives.collective_fault`, raised as
+:class:`~paddle_graphpp.core.errors.CollectiveTimeoutError`) into errors here. Why, and the
+settings: docs/collectives.md#capture-agreement-and-the-replay-watchdog-pytorch.
 """
 
 from __future__ import annotations
@@ -86,7 +73,7 @@ def _asked(question: Optional[Callable[[], Optional[str]]]) -> Optional[str]:
 
 
 class ReplayWatchdog:
-    """Watches the replays of one process (see the module docstring).
+    """Watches the replays of one process (the module docstring says what it does when).
 
     Args:
         events: the runtime's :class:`~paddle_graphpp.core.runtime.ReplayEvents` capability.

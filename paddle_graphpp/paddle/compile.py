@@ -1,31 +1,13 @@
-"""``paddle.jit.to_static`` inside CUDA graphs: convert in the warmup, capture what was converted.
+"""``paddle.jit.to_static`` inside CUDA graphs (``to_static=``): convert in the warmup, capture what
+was converted, never convert inside a capture.
 
-A compiler fuses and schedules a layer's operators; the graphs remove the launches that remain
-and keep every micro-batch's memory in one pool. The graphed layers compose them in one order
-only: the eager warmup calls run the converted code (SOT translates the layer at its first call,
-builds and compiles its program; with ``full_graph=True`` the AST converter builds one), and the
-capture then records the kernels of that program. Three rules follow:
-
-* No conversion inside a capture: a call that would convert anew while a graph captures (an
-  input of another shape, dtype or ``stop_gradient``, a sublayer in another train/eval mode)
-  raises, naming the layer and the reason, instead of tracing and compiling in the capture
-  (:class:`StaticLayer`).
-* The graphed call is a boundary for Paddle's converters (:func:`opaque`): SOT around a model
-  holding graphed layers converts the code around them and calls the graphed layers as they
-  are (a graph break each), whichever of the two was applied first. The AST converter
-  (``full_graph=True``) has no graph breaks: a graphed layer inside its program raises.
-* Each graphed layer converts on its own. Paddle 3.3.1 cannot share a conversion between
-  identical layers: SOT guards each translation on the identity of the sublayers it called
-  (``LayerMatchGuard``) and compiles a program per parameter holder; the AST converter keeps
-  programs per layer instance (only its source transformation is cached per function). SOT
-  also keeps at most ``MAX_CACHE_SIZE`` (20) translations per code object and runs further
-  callers of that code unconverted, without a word; each graphed layer therefore calls through a
-  code object of its own (:func:`_own_code`), so the 21st graphed block is converted too.
-
-Facts of Paddle 3.3.1 worth knowing (measured on CPU): SOT runs a translated piece that holds
-fewer than ``MIN_GRAPH_SIZE`` (10) operators as plain dygraph, so a small layer may be converted
-in name only; the environment variable ``MIN_GRAPH_SIZE`` changes the threshold. SOT needs the
-PIR API (``FLAGS_enable_pir_api``, on by default).
+:class:`StaticLayer` is what a graphed layer's engine runs: a call that would convert anew while a
+graph captures (another shape, dtype or ``stop_gradient``, a sublayer in another train/eval mode)
+raises, naming the layer and the reason. :func:`opaque` makes the graphed call a boundary for SOT
+(a graph break); the AST converter (``full_graph=True``) has none, so a graphed layer inside its
+program raises. Each graphed layer converts on its own, through a code object of its own. A layer
+converted already, or (with SOT) one calling a converted sublayer, is refused with the fix. The
+Paddle 3.3.1 facts behind these rules: docs/compile.md#paddle-to_static.
 """
 
 from __future__ import annotations
@@ -48,13 +30,13 @@ from paddle.jit.sot.translate import symbolic_translate
 from paddle.jit.sot.utils import StepInfoManager
 
 from ..core.options import compiler_options
+from ..core.process import current_process
 from .runtime import active_runtime
 
 __all__ = ["to_static_options", "StaticLayer", "opaque", "is_converted"]
 
 # paddle.jit.to_static's keyword arguments that a graphed layer passes through.
 _KEYS = ("full_graph", "backend", "build_strategy", "input_spec")
-_SERIAL = itertools.count()
 # The code of the wrapper every call of an SOT-converted function runs in (symbolic_translate's ``impl``).
 _SOT_CALL = next((c for c in symbolic_translate.__code__.co_consts
                   if isinstance(c, types.CodeType) and c.co_name == "impl"), None)
@@ -129,11 +111,19 @@ def _call_layer(self, args, kwargs):  # paddle.jit.to_static converts no functio
     return self.layer(*args, **kwargs)
 
 
+class CodeSerials:
+    """Numbers for the code objects :func:`_own_code` makes (a part of the process's paddle section)."""
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count()
+
+
 def _own_code(fn: types.FunctionType) -> types.FunctionType:
     """``fn`` with a code object of its own (equal code objects are one key of SOT's cache,
-    whose 20 entries would otherwise be shared by every graphed layer; see the module docstring).
+    whose 20 entries would otherwise be shared by every graphed layer; docs/compile.md#paddle-to_static).
     Its name and source stay ``fn``'s, which the AST converter looks up."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_SERIAL)}")
+    serial = next(current_process().section("paddle").part(CodeSerials).numbers)
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{serial}")
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 

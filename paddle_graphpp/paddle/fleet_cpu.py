@@ -1,40 +1,13 @@
-"""The small adjustments Paddle fleet's pipeline parallelism needs on CPU ranks (gloo).
+"""The adjustments Paddle fleet's dygraph pipeline needs on CPU ranks (gloo), measured on Paddle
+3.3.1's CPU wheel.
 
-``paddle.distributed.launch`` on a CPU build of Paddle picks gloo, and fleet's dygraph
-pipeline was written for device builds. Measured on Paddle 3.3.1 (CPU wheel):
-
-* ``ParallelEnv().device_id`` raises ``AttributeError``: ``_device_id`` is only set for
-  CUDA / XPU / custom-device builds, and ``PipelineLayer.__init__`` reads it.
-* Batched p2p (``pp_configs.use_batch_p2p_comm``, on by default) goes through a coalescing
-  manager gloo does not provide; fleet's plain isend/irecv path works.
-* Gloo p2p on a group of more than two ranks times out: every hop of the pipe needs a
-  group of its own two ranks. Fleet sends every pipeline message on the whole pipe group,
-  so :func:`use_hop_groups` builds one 2-rank group per hop (the wrap-around hop from the
-  last stage to the first included, which the interleaved schedule uses) and routes fleet's
-  p2p messages and shape metadata through them.
-
-* Fleet's DualPipeV schedule (``DualPipeVParallel``) posts each batch of its pipeline messages
-  in ``_commit_and_wait_comm`` through ``batch_isend_irecv`` and then reads CUDA events and
-  communication streams (``deep_ep``, ``paddle.device.current_stream()``,
-  ``ProcessGroup.get_stream``), none of which a CPU build has. Gloo's send also waits until the
-  peer posts the matching receive, so the two neighbours must post one batch's messages in the
-  same order. :func:`adjust_for_cpu` replaces that method with one that posts them so (by the
-  pair of ranks, lower rank's sends first) and waits for them, on two ranks (``pp=2``; more
-  stages under DualPipeV on gloo are untried).
-
-* ``recompute_interval > 0``: fleet's ``PipelineLayer.forward`` recomputes each group of layers
-  through ``recompute_hybrid``, which asserts a GPU, XPU or custom device (``Recompute with RNG
-  is not support current device: cpu``): only its offload and partition options need one.
-  :func:`adjust_for_cpu` points ``PipelineLayer``'s ``recompute_hybrid`` at fleet's generic
-  ``paddle.distributed.fleet.recompute.recompute`` (the RNG state preserved, as
-  ``recompute_hybrid`` does), refusing offload and partition. It uses the non-reentrant form
-  (saved-tensor hooks): with the reentrant one (a ``PyLayer``, which marks every float output of
-  a group as needing a gradient) PaddleFormers' Llama pipe hung at pp=2, the first stage waiting
-  for a gradient and the second for the next activation. The non-reentrant form runs a group again
-  only where its backward needs what it saved.
-
-``paddle_graphpp.PipelineLayer`` calls :func:`adjust_for_cpu` and :func:`use_hop_groups`
-itself; nothing here is needed on a CUDA build, where both are no-ops.
+:func:`adjust_for_cpu`, after ``fleet.init`` (before it, it raises and changes nothing), sets the
+device id fleet reads, turns batched p2p off, makes DualPipeV post its messages in an order gloo
+accepts (tried at pp=2) and lets ``recompute_interval`` recompute on CPU (refusing offload and
+partition); :func:`use_hop_groups` routes fleet's pipeline messages through one 2-rank gloo group
+per hop where more than two stages need it. ``paddle_graphpp.PipelineLayer`` calls both; on a
+build with a device both are no-ops (:func:`is_cpu_build`). What each works around:
+docs/paddle.md#on-cpu-ranks.
 """
 
 from __future__ import annotations
@@ -47,11 +20,23 @@ import paddle.distributed as dist
 from paddle.distributed import fleet
 from paddle.distributed.fleet.meta_parallel.pp_utils import p2p_communication as _p2p
 
+from ..core.process import current_process
+
 __all__ = ["is_cpu_build", "adjust_for_cpu", "use_hop_groups", "pipe_backend"]
 
-_LOCK = threading.Lock()
-_HOP_GROUPS: dict = {}  # peer global rank -> 2-rank group holding this rank and the peer
-_PATCHED = False
+
+class HopGroups:
+    """The pipeline's 2-rank groups and fleet's patched p2p in this process (a part of its paddle
+    section)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.groups: dict = {}  # peer global rank -> 2-rank group holding this rank and the peer
+        self.patched = False  # fleet's p2p goes through them (_install_patches)
+
+
+def _hops() -> HopGroups:
+    return current_process().section("paddle").part(HopGroups)
 
 
 def is_cpu_build() -> bool:
@@ -69,7 +54,7 @@ def adjust_for_cpu() -> bool:
 
     Sets ``ParallelEnv._device_id`` to 0 where the build left it unset, turns
     ``pp_configs.use_batch_p2p_comm`` off in the strategy given to ``fleet.init``, and lets
-    ``recompute_interval`` recompute on CPU (module docstring). Call it after
+    ``recompute_interval`` recompute on CPU (docs/paddle.md#on-cpu-ranks). Call it after
     ``fleet.init`` and before the model is wrapped (``fleet.distributed_model``). With
     PaddleFormers' ``Trainer``, ``TrainingArguments(...)`` is what calls ``fleet.init``: call this
     after it, before ``Trainer.train()``.
@@ -102,7 +87,7 @@ def _adjust(caller: str) -> bool:
 
 
 def _patch_recompute() -> None:
-    """Make ``PipelineLayer``'s recompute groups run on CPU (module docstring)."""
+    """Make ``PipelineLayer``'s recompute groups run on CPU (docs/paddle.md#on-cpu-ranks)."""
     from paddle.distributed.fleet.meta_parallel.parallel_layers import pp_layers
 
     if getattr(pp_layers.recompute_hybrid, "_paddle_graphpp_cpu", False):
@@ -124,7 +109,7 @@ def _patch_recompute() -> None:
 
 
 def _patch_dualpipev() -> None:
-    """Make ``DualPipeVParallel`` exchange its messages with blocking gloo p2p (module docstring)."""
+    """Make ``DualPipeVParallel`` exchange its messages with blocking gloo p2p (docs/paddle.md#on-cpu-ranks)."""
     try:
         from paddle.distributed.fleet.meta_parallel import dualpipev
     except ImportError:  # a Paddle without DualPipeV
@@ -174,8 +159,9 @@ def use_hop_groups(hcg) -> bool:
     if hcg.get_pipe_parallel_world_size() <= 2 or pipe_backend(hcg) != "gloo":
         return False
     me = dist.get_rank()
-    with _LOCK:
-        if not _HOP_GROUPS:
+    hops = _hops()
+    with hops.lock:
+        if not hops.groups:
             for ranks in hcg.topology().get_comm_list("pipe"):
                 seen = set()
                 for idx, rank in enumerate(ranks):
@@ -186,13 +172,13 @@ def use_hop_groups(hcg) -> bool:
                     seen.add(hop)
                     group = dist.new_group(ranks=list(hop))
                     if me in hop:
-                        _HOP_GROUPS[hop[1] if hop[0] == me else hop[0]] = group
+                        hops.groups[hop[1] if hop[0] == me else hop[0]] = group
         _install_patches()
     return True
 
 
 def _hop_group(peer: int):
-    group = _HOP_GROUPS.get(peer)
+    group = _hops().groups.get(peer)
     if group is None:
         raise RuntimeError(
             f"rank {dist.get_rank()} has no 2-rank pipeline group to rank {peer}; "
@@ -245,8 +231,8 @@ def _meta_on_hop(method, peer_of):
 
 
 def _install_patches() -> None:
-    global _PATCHED
-    if _PATCHED:
+    hops = _hops()
+    if hops.patched:
         return
     hcg = lambda: _p2p._hcg  # noqa: E731  (set by fleet when the PipelineParallel is built)
     meta = _p2p.SendRecvMeta
@@ -255,4 +241,4 @@ def _install_patches() -> None:
     meta.recv_meta = _meta_on_hop(meta.recv_meta, lambda rev: hcg()._get_p2p_next_rank() if rev
                                   else hcg()._get_p2p_prev_rank())
     _p2p._p2p_ops = _p2p_ops_per_hop
-    _PATCHED = True
+    hops.patched = True

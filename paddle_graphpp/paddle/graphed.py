@@ -10,9 +10,12 @@ graphs (:mod:`paddle_graphpp.paddle.compile`). The class is a boundary for Paddl
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import paddle
 
-from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.engine import EngineHooks, HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.layer import hooks_for
 from ..core.options import EngineOptions, engine_options
 from .runtime import active_runtime
 from .compile import StaticLayer, opaque, to_static_options
@@ -20,10 +23,10 @@ from .compile import StaticLayer, opaque, to_static_options
 __all__ = ["CUDAGraphedLayer", "PADDLE_REFUSED_OPTIONS", "paddle_engine_options"]
 
 #: Engine options the Paddle runtime has no use for, each with the reason (refused, not ignored).
-PADDLE_REFUSED_OPTIONS = {
+PADDLE_REFUSED_OPTIONS = MappingProxyType({
     "accumulate_grads": "the Paddle runtime cannot add gradients inside backward graphs; autograd accumulates them",
     "generators": "every Paddle generator a kernel draws from while a stream captures registers itself with the graph",
-}
+})
 
 _TO_STATIC_DOC = """        to_static: ``True`` or a dict of ``paddle.jit.to_static`` keyword arguments
             (``full_graph``, ``backend``, ``build_strategy``, ``input_spec``): the layer runs
@@ -40,7 +43,7 @@ _TO_STATIC_DOC = """        to_static: ``True`` or a dict of ``paddle.jit.to_sta
             instances).
 """
 
-_PADDLE_NOTES = {"memory": "``per_graph`` is upstream Paddle's own design."}
+_PADDLE_NOTES = MappingProxyType({"memory": "``per_graph`` is upstream Paddle's own design."})
 
 _WARNINGS_DOC = """    .. warning:: ``paddle.jit.to_static`` of a model holding graphed layers: SOT (the default,
        ``full_graph=False``) converts the code around them and calls each graphed layer as it
@@ -75,7 +78,7 @@ class CUDAGraphedLayer(HoldsEngine, paddle.nn.Layer):
         run = layer if compiled is None else StaticLayer(layer, compiled, label)
         self.layer = layer
         self._engine = graphed_engine(run, active_runtime(), lambda: [p for p in layer.parameters() if not p.stop_gradient],
-                                      name=label, options=chosen)
+                                      name=label, options=chosen, hooks=hooks_for(layer, label, chosen, EngineHooks()))
 
     def forward(self, *args, **kwargs):
         return self._engine(args, kwargs)

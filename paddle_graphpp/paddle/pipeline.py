@@ -53,6 +53,7 @@ from paddle_graphpp.support import require
 from paddle_graphpp.core.segment import classify, cut_runs, describe_runs, split_into_runs
 from paddle_graphpp.paddle import fleet_cpu
 from paddle_graphpp.paddle import pipeline_recompute as _recompute
+from paddle_graphpp.core.layer import EngineHooks
 from paddle_graphpp.core.options import EngineOptions
 from paddle_graphpp.paddle.compile import to_static_options
 from paddle_graphpp.paddle.graphed import CUDAGraphedLayer, paddle_engine_options
@@ -74,6 +75,11 @@ class _RunBody(nn.Layer):
         self._run = list(layers)
         for idx, layer in enumerate(self._run):
             self.add_sublayer(str(idx), layer)
+        self.recomputes = False  # set per call by its _GraphedRunCall, from fleet's recompute group
+
+    def graph_engine_hooks(self, name: str, options: EngineOptions) -> EngineHooks:
+        """Its calls recompute with the ``recompute`` option, or when its recompute group does."""
+        return EngineHooks(recomputes=lambda: options.recompute or self.recomputes)
 
     @property
     def training(self):
@@ -103,7 +109,7 @@ class _GraphedRunCall:
 
     With ``recompute_interval > 0`` it belongs to one of fleet's recompute groups (``group``,
     set by :func:`.pipeline_recompute.in_groups`; ``opens``: it is the group's first entry) and
-    its call recomputes when the group does (``recomputes``, read by the engine per call).
+    its call recomputes when the group does (the run body's ``recomputes``, read by the engine per call).
     """
 
     def __init__(self, graphed, run, name):
@@ -112,13 +118,10 @@ class _GraphedRunCall:
         self.name = name
         self.group = None
         self.opens = False
-        self.recomputes = False
-        engine, always = graphed.engine, graphed.engine.options.recompute
-        engine.recomputing.when = lambda: always or self.recomputes
 
     def __call__(self, x):
         if self.group is not None:
-            self.recomputes = self.group.enter(x) if self.opens else self.group.active
+            self.graphed.layer.recomputes = self.group.enter(x) if self.opens else self.group.active
         return self.graphed(*x) if isinstance(x, tuple) else self.graphed(x)
 
     def __repr__(self):

@@ -1,25 +1,13 @@
 """Fleet's ``recompute_interval`` in a graphed pipeline model: the graphed runs recompute.
 
-Fleet's ``PipelineLayer.forward`` (Paddle 3.3.1) splits each chunk's ``run_function`` entries
-into groups of ``recompute_interval`` (``[0, k)``, ``[k, 2k)``, ...) and runs a group under
-``recompute_hybrid`` when the group's input holds a tensor that needs a gradient and one of its
-entries is a layer with parameters (``_need_recompute``; a ``functools.partial`` of a shared
-layer counts as none), else plainly. ``recompute_hybrid`` is a ``PyLayer`` that runs the group
-without autograd, then again inside the backward: a graphed run in such a group would be called
-twice, the second time in the backward, out of the order its FIFO of micro-batches and its
-captures follow.
-
-So in a graphed model the graphed runs are the recompute unit. :func:`in_groups` rebuilds a
-chunk's graphed entry list (graphed runs already cut at the group boundaries by
-:func:`paddle_graphpp.core.segment.cut_runs`) so that every entry is called once per micro-batch
-forward, in order, and sets fleet's ``_recompute_interval`` to 0 (``GraphedPipeline.eager_view``
-shows fleet's value again): each group becomes a :class:`RecomputeGroup` whose first entry takes
-fleet's decision on the group's input; a graphed run of a recomputing group recomputes inside its
-own backward graph (the engine's ``recompute``: its forward graph keeps no activations, its
-backward graph runs the forward again first), and each stretch of the group's eager entries
-(shared layers, callables, marked layers) runs under fleet's own ``recompute_hybrid``
-(:class:`EagerPart`) when its input needs a gradient, which fleet's reentrant recompute requires.
-The same layers recompute as without graphs, and memory follows the same group boundaries.
+:func:`in_groups` rebuilds a chunk's graphed entry list (its graphed runs already cut at fleet's
+group boundaries by :func:`paddle_graphpp.core.segment.cut_runs`) so that every entry is called
+once per micro-batch forward, in order, and sets fleet's ``_recompute_interval`` to 0
+(``GraphedPipeline.eager_view`` shows fleet's value). Each group becomes a :class:`RecomputeGroup`
+whose first entry takes fleet's decision on the group's input: a graphed run of a recomputing
+group recomputes inside its own backward graph, and each stretch of its eager entries
+(:class:`EagerPart`) runs under fleet's ``recompute_hybrid``. The same layers recompute as without
+graphs. Why fleet's own grouping cannot run graphed runs: docs/paddle.md#recompute.
 """
 
 from __future__ import annotations

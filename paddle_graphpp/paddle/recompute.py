@@ -1,44 +1,16 @@
 """Activation checkpointing in graphed layers (``recompute=True``), the Paddle side.
 
-A recomputing layer's forward graph runs without autograd and keeps no activations; its backward
-graph runs the forward again over the static inputs, then the backward (``core.layer_capture``).
+:func:`checkpointed` runs a recomputing layer's eager calls (warmup, the recorded step, fallbacks,
+a build without CUDA) under fleet's non-reentrant recompute. :class:`Mirrors` gives its backward
+graph generator states of its own, set before each backward replay to where the forward replay
+drew, so the recomputation draws the forward's numbers; :func:`keeping_state_index` puts back the
+generator state that was current before a replay.
 
-Eager calls (warmup, the recorded step, fallbacks, and every call on a build without CUDA) run
-under fleet's non-reentrant recompute, ``paddle.distributed.fleet.recompute.recompute(...,
-use_reentrant=False)`` (:func:`checkpointed`): its saved-tensor hooks keep the inputs and run the
-layer again, with the forward's RNG state, when the backward first needs what it saved. The
-engine then differentiates against the parameters with ``paddle.grad``, which this form supports;
-fleet's reentrant form (a ``PyLayer``) would add the parameters' gradients into ``.grad`` inside
-its own backward, behind the engine.
-
-Random numbers in the graphs. What Paddle 3.3.1 does, read from the headers its wheel ships
-(``paddle/include/paddle/phi/core/generator.h``, ``phi/kernels/funcs/dropout_impl.cu.h``,
-``phi/backends/gpu/cuda/cuda_graph.h``): a generator holds several states, one of them current
-(``Generator.register_state_index`` / ``set_state_index`` / ``get_state_index``; fleet's RNG
-tracker keeps its named states that way). Dropout's kernel, launched while a stream captures,
-records the index of the current state and registers a parameter setter with the graph
-(``CUDAGraphNodeLauncher``); at every replay, before the launch, the setter makes that state
-current, takes its seed and offset and advances the offset. So the recomputation in the backward
-graph cannot draw from the state the forward graph draws from: it draws from a *mirror*, a state
-of its own registered on the same generator, current while the backward is captured
-(:meth:`Mirrors.swapped`). Before a forward replay :meth:`Mirrors.note` copies the state the
-forward graph is about to draw from; before the matching backward replay :meth:`Mirrors.restore`
-copies it into the mirror, so the recomputation draws what the forward drew, and the source
-state advances by the forward's draws only, as eagerly. Named states of fleet's RNG tracker
-(``get_rng_state_tracker()``, tensor-parallel dropout) get mirrors too: while the backward is
-captured the tracker hands out the mirrors' indices. The setter leaves the state it used
-current; :func:`keeping_state_index` (around every replay of the Paddle runtime) puts the one
-before the replay back.
-
-Not verified on a GPU: no Paddle build with GPU kernels runs on the machines this project is
-tested on. On CPU the mirrors' bookkeeping is tested with the CPU generator (the same state API;
-dropout draws from its current state there too). What the headers do not settle: in the shipped
-headers only dropout without ``axis`` goes through the setter; a random kernel that takes its seed
-and offset on the host when launched and registers nothing (``dropout(axis=...)``'s
-``VectorizedGeneratorMask`` launch as shipped; others live in sources the wheel does not ship)
-would keep the numbers of its capture in each graph, so the forward graph and the recomputation
-would draw different ones and the gradients would be wrong without an error. Keep such kernels
-out of recomputing graphed layers.
+Not verified on a GPU (no Paddle GPU build runs here; on CPU the bookkeeping is tested with the CPU
+generator). A random kernel that takes its seed on the host and registers nothing with the graph
+(``dropout(axis=...)`` as shipped) would draw other numbers in the recomputation, and the gradients
+would be wrong without an error: keep such kernels out of recomputing graphed layers. How Paddle
+3.3.1's generators and dropout behave in graphs: docs/paddle.md#recompute.
 """
 
 from __future__ import annotations
@@ -86,7 +58,7 @@ def _tracker_states() -> dict:
 
 class Mirrors(RngMirror):
     """The mirrors of the states one recomputing layer draws from: the generator's current state
-    when it is made, and each named state of fleet's RNG tracker (see the module docstring)."""
+    when it is made, and each named state of fleet's RNG tracker (docs/paddle.md#recompute)."""
 
     def __init__(self):
         generator, self.device = current_generator()

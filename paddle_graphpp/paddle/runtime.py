@@ -1,23 +1,12 @@
-"""PaddlePaddle adapter for the graph engine (see :mod:`paddle_graphpp.core.runtime`).
+"""PaddlePaddle adapter for the graph engine: :class:`PaddleRuntime` implements
+:class:`~paddle_graphpp.core.runtime.GraphRuntime` (each member's contract is there) and the
+capabilities it declares.
 
-RNG: Paddle's dropout kernel, launched while a stream captures, records the generator's current
-state index and registers a parameter setter with the graph (``CUDAGraphNodeLauncher`` in
-Paddle 3.3.1's C++), which takes a fresh seed and offset from that state at each replay, so each
-replay draws a fresh mask. Nothing needs registering from Python; the torch runtime's counterpart
-is the default generator registration that ``CUDAGraph.capture_begin`` performs. The setter
-leaves that state current: each replay puts the state current before it back
-(:func:`.recompute.keeping_state_index`). Recomputing layers draw from mirrors of those states
-(:mod:`.recompute`).
-
-Outputs a replay hands out are watched per object, not per memory: this runtime has no
-:class:`~paddle_graphpp.core.runtime.OutputRelease` (nothing here watches the users of a Paddle
-allocation or moves them). A handed-out output still referenced when its memory is overwritten
-is named in a warning and reads the new values; tensors made from it without a copy
-(``detach()``, slices) are not seen at all. Clone what you keep.
-
-This runtime is exercised on CPU only here (eager fallback): no Paddle wheel with GPU kernels
-runs on the Hopper GPUs we test on. The graph code paths mirror the PyTorch runtime's. See
-:mod:`paddle_graphpp.core.runtime` for each member's contract.
+Random numbers need no registration from Python: Paddle's dropout kernel registers its generator
+state with the capturing graph, and each replay puts back the state that was current before it.
+There is no :class:`~paddle_graphpp.core.runtime.OutputRelease`: a handed-out output still held
+when a replay overwrites its memory is named in a warning and reads the new values (clone what
+you keep). Exercised on CPU only, where graphed calls run eagerly (docs/paddle.md).
 """
 
 from __future__ import annotations
@@ -30,7 +19,8 @@ import paddle
 from paddle.autograd import PyLayer
 
 from .. import support as _support
-from ..core.engine import node_backward, node_forward
+from ..core.engine import node_backward, node_forward, weight_pending
+from ..core.process import current_process
 from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, MemoryTelemetry, ModelTree, Recompute,
                             SplitBackward, StateSlots, StreamOrderedAllocator, TensorSpec, get_runtime)
 from ..core.state import module_state_slots
@@ -57,7 +47,7 @@ class _GraphedPyLayer(PyLayer):
         if not _split.split_requested():
             return tuple(node_backward(ctx, grads))
         got = node_backward(ctx, grads, weights_wanted=False)
-        if ctx.call.weight_pending:  # the engine split it (a layer without parameters does not)
+        if weight_pending(ctx.call):  # the engine split it (a layer without parameters does not)
             _split.queue_weight_pass(functools.partial(_weight_pass, ctx))
         return tuple(got)
 
@@ -238,7 +228,7 @@ class PaddleRuntime(GraphRuntime, StateSlots, AutocastModes, SplitBackward, Stre
     @contextlib.contextmanager
     def capture_to_graph(self, graph, pool=None, stream=None, generators=()):
         # ``generators`` need no registration: every Paddle generator a kernel draws from while
-        # the stream captures registers itself with the graph (see the module docstring).
+        # the stream captures registers itself with the graph (docs/paddle.md#recompute).
         if self._capture_stream is None:
             self._capture_stream = paddle.device.Stream()
         stream = stream if stream is not None else self._capture_stream
@@ -302,10 +292,17 @@ def _has_gpu() -> bool:
 
 
 _support.require("paddle", paddle.__version__)
-RUNTIME = PaddleRuntime()
+
+
+def __getattr__(name: str) -> Any:
+    # RUNTIME: the process's PaddleRuntime, a part of its paddle section (made on first use; it
+    # holds the capture stream).
+    if name == "RUNTIME":
+        return current_process().section(PaddleRuntime.name).part(PaddleRuntime)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def active_runtime() -> GraphRuntime:
     """The runtime paddle's adapters use: :data:`RUNTIME`, or one registered in its place under
     the name ``"paddle"`` (tests plug fake graph runtimes in with ``core.runtime.register_runtime``)."""
-    return get_runtime(RUNTIME.name)
+    return get_runtime(PaddleRuntime.name)

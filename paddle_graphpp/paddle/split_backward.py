@@ -1,22 +1,14 @@
 """A graphed layer's backward in an input half and a weight half, for fleet's DualPipeV.
 
-How Paddle defers weight gradients (3.3.1, ``fleet.meta_parallel.zero_bubble_utils``): only
-layers built from ``SplitBWLinear`` defer anything. Their autograd function's backward, while
-``WeightGradStore.enabled`` is set (DualPipeV sets it around the backwards it runs zero-bubble),
-puts a closure computing ``input^T @ grad`` into ``WeightGradStore.cache`` instead of running it;
-the schedule then ``flush()``es that micro-batch's closures into a FIFO and, in a later bubble,
-``pop()``s the oldest group and runs it, which adds into ``weight.grad`` (or ``main_grad``). With
-the store off the closure runs at once, inside the backward.
-
-A graphed layer follows the same signal (:func:`split_requested`): its autograd node runs the
-input half of its backward (input gradients, and the gradients of parameters no ``SplitBWLinear``
-defers, which go to autograd at once, as eagerly) and puts one closure of its own into the store,
-which runs the weight half (the deferred ``input^T @ grad`` products) and adds them into
-``.grad``.
-Graphed, the halves are two graphs; the store's FIFO runs the weight graphs in the schedule's
-order. Inside a graphed layer's own backward, eager or captured, the ``SplitBWLinear`` closures
-never reach fleet's store or ``.grad`` (:func:`own_weight_closures`): the layer computes those
-products itself, as gradients it hands on like any other, so a capture never rebinds ``.grad``.
+While a schedule runs a zero-bubble backward (:func:`split_requested`: fleet's
+``WeightGradStore.enabled``), a graphed layer's node runs :func:`input_half` (input gradients, and
+the gradients of parameters no ``SplitBWLinear`` defers, to autograd at once) and puts one closure
+of its own into fleet's store (:func:`queue_weight_pass`), which runs :func:`weight_half` and adds
+the deferred ``input^T @ grad`` products into ``.grad`` (or ``main_grad``: :func:`accumulate`).
+Inside a graphed layer's own backward the ``SplitBWLinear`` closures never reach fleet's store or
+``.grad`` (:func:`own_weight_closures`), so a capture never rebinds ``.grad``; a ``SplitBWLinear``
+whose weight belongs to another layer is refused (:class:`ForeignWeightError`). How fleet defers
+weight gradients: docs/paddle.md#dualpipev.
 """
 
 from __future__ import annotations
@@ -28,11 +20,24 @@ from typing import Any, Sequence
 
 import paddle
 
+from ..core.process import current_process
+
 __all__ = ["split_requested", "own_weight_closures", "SplitState", "input_half", "weight_half",
            "add_foreign", "queue_weight_pass", "accumulate", "ForeignWeightError"]
 
 _STORE_MODULE = "paddle.distributed.fleet.meta_parallel.zero_bubble_utils"
-_owned = 0  # depth of own_weight_closures blocks: the store is enabled by us, not by a schedule
+
+
+class StoreOwner:
+    """Whether this package has fleet's weight-gradient store enabled (a part of the process's
+    paddle section)."""
+
+    def __init__(self) -> None:
+        self.depth = 0  # own_weight_closures blocks open: the store is enabled by us, not by a schedule
+
+
+def _owner() -> StoreOwner:
+    return current_process().section("paddle").part(StoreOwner)
 
 
 def _store_module():
@@ -43,14 +48,13 @@ def _store_module():
 def split_requested() -> bool:
     """True while a schedule runs a zero-bubble backward (``WeightGradStore.enabled``)."""
     zb = _store_module()
-    return zb is not None and _owned == 0 and bool(zb.WeightGradStore.enabled)
+    return zb is not None and _owner().depth == 0 and bool(zb.WeightGradStore.enabled)
 
 
 @contextlib.contextmanager
 def own_weight_closures():
     """Inside the block, ``SplitBWLinear`` backwards queue their weight closures into the list
     this yields, whatever the store's state outside; the store is as it was afterwards."""
-    global _owned
     zb = _store_module()
     if zb is None:
         yield []
@@ -59,11 +63,12 @@ def own_weight_closures():
     saved = store.enabled, store.cache
     mine: list = []
     store.enabled, store.cache = True, mine
-    _owned += 1
+    owner = _owner()
+    owner.depth += 1
     try:
         yield mine
     finally:
-        _owned -= 1
+        owner.depth -= 1
         store.enabled, store.cache = saved
 
 

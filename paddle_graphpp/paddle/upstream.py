@@ -28,6 +28,7 @@ import paddle
 from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipelineLayer
 
 from paddle_graphpp.core.options import EngineOptions
+from paddle_graphpp.core.process import current_process
 from paddle_graphpp.paddle.graphed import paddle_engine_options
 from paddle_graphpp.paddle.pipeline import _check_graphable, graph_pipeline
 
@@ -40,9 +41,17 @@ class _Settings:
     options: EngineOptions
 
 
-_SETTINGS: Optional[_Settings] = None
-_ORIGINAL_INIT = None  # fleet's own PipelineLayer.__init__ while installed
-_WRAPPER = None  # what install() put in its place
+class InstallState:
+    """What :func:`install` did in this process (a part of its paddle section)."""
+
+    def __init__(self) -> None:
+        self.settings: Optional[_Settings] = None
+        self.original_init = None  # fleet's own PipelineLayer.__init__ while installed
+        self.wrapper = None  # what install() put in its place
+
+
+def _installed() -> InstallState:
+    return current_process().section("paddle").part(InstallState)
 
 
 class Installed:
@@ -56,7 +65,7 @@ class Installed:
             RuntimeError: not installed (undone already, or :func:`uninstall` was called), or
                 something else replaced ``PipelineLayer.__init__`` after :func:`install`.
         """
-        if _WRAPPER is None:
+        if _installed().wrapper is None:
             raise RuntimeError("paddle_graphpp.install(...).undo(): not installed (undone already, or uninstall() "
                                "was called); nothing to undo")
         uninstall()
@@ -92,17 +101,17 @@ def install(*, default_use_cudagraph: bool = False, options: Optional[EngineOpti
     of :func:`paddle_graphpp.graph_pipeline`: recomputation it cannot take over, dynamic shapes.
     ``paddle_graphpp.GraphedPipeline.of(model)`` returns its graphs and segmentation report.
     """
-    global _SETTINGS, _ORIGINAL_INIT, _WRAPPER
+    installed = _installed()
     if "use_cudagraph" not in inspect.signature(_FleetPipelineLayer.__init__).parameters:
         raise RuntimeError(
             f"paddle_graphpp.install(): fleet's PipelineLayer in Paddle {paddle.__version__} has no "
             "use_cudagraph argument, so there is no flag to redirect. Build the model as usual and call "
             "paddle_graphpp.graph_pipeline(model) on it, on every rank")
     chosen = paddle_engine_options("paddle_graphpp.install()", install, (), engine_kwargs, options)
-    _SETTINGS = _Settings(bool(default_use_cudagraph), chosen)
-    if _WRAPPER is None:
-        _ORIGINAL_INIT = _FleetPipelineLayer.__init__
-        _WRAPPER = _FleetPipelineLayer.__init__ = _graphing_init(_ORIGINAL_INIT)
+    installed.settings = _Settings(bool(default_use_cudagraph), chosen)
+    if installed.wrapper is None:
+        installed.original_init = _FleetPipelineLayer.__init__
+        installed.wrapper = _FleetPipelineLayer.__init__ = _graphing_init(installed.original_init)
     return Installed()
 
 
@@ -116,15 +125,15 @@ def uninstall() -> None:
         RuntimeError: something else replaced ``PipelineLayer.__init__`` after :func:`install`
             (restoring the original would drop that); undo that first.
     """
-    global _SETTINGS, _ORIGINAL_INIT, _WRAPPER
-    if _WRAPPER is None:
+    installed = _installed()
+    if installed.wrapper is None:
         return
-    if _FleetPipelineLayer.__dict__.get("__init__") is not _WRAPPER:
+    if _FleetPipelineLayer.__dict__.get("__init__") is not installed.wrapper:
         raise RuntimeError(
             "paddle_graphpp.uninstall(): fleet's PipelineLayer.__init__ was replaced after "
             "paddle_graphpp.install(); undo that replacement first")
-    _FleetPipelineLayer.__init__ = _ORIGINAL_INIT
-    _SETTINGS = _ORIGINAL_INIT = _WRAPPER = None
+    _FleetPipelineLayer.__init__ = installed.original_init
+    installed.settings = installed.original_init = installed.wrapper = None
 
 
 def _graphing_init(original):
@@ -132,7 +141,7 @@ def _graphing_init(original):
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        settings = _SETTINGS
+        settings = _installed().settings
         bound = signature.bind(self, *args, **kwargs)
         requested = bound.arguments.get("use_cudagraph")  # None: the call did not pass it
         use_graphs = settings is not None and (

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..core.engine import node_backward, node_forward
+from ..core.process import current_process
 from ..core.runtime import InGraphAccumulation, SplitBackward
 from . import split_backward as _split
 from .integrations import megatron as _megatron
@@ -40,24 +42,31 @@ class _GraphedFunction(torch.autograd.Function):
         return (None, *node_backward(ctx, grads, weights_wanted=wanted))
 
 
+class WeightPassFacts:
+    """What the installed torch's pipelining weight pass does, read once (a part of the
+    process's torch section)."""
+
+    def __init__(self) -> None:
+        self.sums_output_grads: Optional[bool] = None  # None: not read yet
+
+
 def _weight_pass_sums_output_grads() -> bool:
     """Does this torch's ``stage_backward_weight`` (torch.distributed.pipelining) sum the
     gradients a multi-output node received and send the sum to its first output? Torch up to
     2.11 does (pytorch/pytorch#170277): the sum fails when the outputs' shapes differ."""
-    global _SUMS_OUTPUT_GRADS
-    if _SUMS_OUTPUT_GRADS is None:
+    facts = current_process().section("torch").part(WeightPassFacts)
+    if facts.sums_output_grads is None:
         try:
             import inspect
 
             from torch.distributed.pipelining import _backward
 
-            _SUMS_OUTPUT_GRADS = "sum(non_none_grads)" in inspect.getsource(_backward.stage_backward_weight)
+            facts.sums_output_grads = "sum(non_none_grads)" in inspect.getsource(_backward.stage_backward_weight)
         except Exception:  # noqa: BLE001 - no pipelining, or no source: nothing to work around
-            _SUMS_OUTPUT_GRADS = False
-    return _SUMS_OUTPUT_GRADS
+            facts.sums_output_grads = False
+    return facts.sums_output_grads
 
 
-_SUMS_OUTPUT_GRADS = None
 # torch.distributed.pipelining's stage_backward_weight is the weight pass whose summing the hooks
 # work around; without that module loaded, graphed calls skip them (host time on every call).
 _PIPELINING = "torch.distributed.pipelining"

@@ -1,27 +1,14 @@
-"""``torch.compile`` inside CUDA graphs: compile in the warmup, capture what was compiled.
+"""``torch.compile`` inside CUDA graphs (``compile=``): compile in the warmup, capture what was
+compiled, never compile inside a capture.
 
-Inductor fuses a block's small kernels (less memory traffic); the graphs remove the launches
-that remain and keep every micro-batch's memory in one pool. The graphed layers compose
-them in one order only: the eager warmup calls run the compiled code (dynamo traces, Inductor
-compiles the forward and, at the first backward, AOTAutograd's backward), and the capture
-then records the kernels compiled then. Three rules follow:
-
-* No compilation inside a capture: while a graph captures, torch's ``fail_on_recompile``
-  stance is in force (:func:`no_compile_in_capture`), so a guard that fails there (an input of
-  another shape, dtype or stride, a changed attribute the code reads) raises with dynamo's
-  reason, reported as a :class:`~paddle_graphpp.CaptureError` naming the layer, instead of
-  tracing and autotuning inside the capture.
-* No CUDA graphs inside CUDA graphs: ``mode="reduce-overhead"`` (and ``"max-autotune"``,
-  ``options={"triton.cudagraphs": True}``, ``backend="cudagraphs"``) record Inductor's own
-  graphs, which cannot run inside a capture; they are refused with the fix
-  (:func:`compile_options`, :func:`refuse_inner_graphs`).
-* The graphed call is a boundary for dynamo (:func:`opaque`): ``torch.compile`` of a model
-  holding graphed layers compiles the code around them and calls the graphed layers as they
-  are (a graph break each), whichever of the two was applied first.
-
-Each graphed block compiles its class's ``forward`` code (or its module, through
-``torch.compile(module)``), so blocks of one class share one compiled entry as long as dynamo's
-guards hold for all of them (parameters are inputs of the compiled code, not constants).
+:class:`CompiledModule` is what a graphed layer's engine runs (:func:`compiled_module`; blocks of
+one class share one compiled entry while dynamo's guards hold for all of them). While a graph
+captures, :func:`no_compile_in_capture` makes a failing guard raise with dynamo's reason (reported
+as :class:`~paddle_graphpp.CaptureError` naming the layer) instead of compiling in the capture.
+Inductor's own CUDA graphs (``mode="reduce-overhead"`` and the like) are refused with the fix
+(:func:`compile_options`, :func:`refuse_inner_graphs`), and :func:`opaque` makes the graphed call a
+boundary for dynamo (a graph break), whichever of the two was applied first. The rules and the
+measurements: docs/compile.md.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
 import torch
 
-from ..core.engine import HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.engine import EngineHooks, HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
+from ..core.layer import hooks_for
 from ..core.options import EngineOptions, engine_options
 from .compile import CompiledModule, RunsInPlaceOf, opaque, options_for
 from .integrations import fsdp as _fsdp
@@ -15,13 +17,13 @@ from .runtime import registered_generators, active_runtime
 __all__ = ["CUDAGraphedModule", "TORCH_OPTION_NOTES"]
 
 #: What the PyTorch runtime adds to the engine options' documentation (every torch front door).
-TORCH_OPTION_NOTES = {
+TORCH_OPTION_NOTES = MappingProxyType({
     "accumulate_grads": """On PyTorch the hooks that keep ``"auto"`` off are Python
         gradient-accumulation hooks, and a DistributedDataParallel forward around the layer.""",
     "generators": """On PyTorch: ``torch.Generator(device="cuda")`` objects (checked when the
         layer is built); the graph-safe states of Megatron-Core's RNG tracker are found and
         registered without this (:mod:`paddle_graphpp.torch.integrations.megatron`).""",
-}
+})
 
 _COMPILE_DOC = """        compile: ``True`` or a dict of ``torch.compile`` keyword arguments: the module runs
             compiled (Inductor) inside the graphs. It compiles in the warmup calls and the
@@ -85,8 +87,8 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
                              f"compile anew for the capture without autograd. Pass one of them.")
         run = module if compiled is None else CompiledModule(module, compiled)
         self._engine = graphed_engine(run, active_runtime(), lambda: [p for p in module.parameters() if p.requires_grad],
-                                      name=label, options=chosen)
-        self._engine.capture_view = functools.partial(_fsdp.capture_view, self, label)
+                                      name=label, options=chosen, hooks=hooks_for(module, label, chosen, EngineHooks(
+                                          capture_view=functools.partial(_fsdp.capture_view, self, label))))
 
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):

@@ -38,7 +38,10 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ..core.errors import SignatureError
+from ..core.layer import EngineHooks
 from ..core.options import EngineOptions
+from ..core.process import current_process
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
 from .graphed import CUDAGraphedModule, torch_engine_options
 from .integrations import fsdp as _fsdp
@@ -46,7 +49,6 @@ from .integrations import transformers as _transformers
 
 __all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer", "GraphedLayers"]
 
-_GRAPHED_CLASSES: dict = {}
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
 _NAME = "_graphpp_name"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
@@ -101,10 +103,17 @@ class _OriginalForward(RunsInPlaceOf):
 
     _wrapped = "layer"
 
-    def __init__(self, layer: nn.Module, forward):
+    def __init__(self, layer: nn.Module, forward, *, compiled: bool):
         super().__init__()
         self.layer = layer
         self._forward = forward
+        self._compiled = compiled
+
+    def graph_engine_hooks(self, name: str, options: EngineOptions) -> EngineHooks:
+        """The engine sees the block itself: FSDP2's unsharded view of it around each capture, and
+        its gradient checkpointing read per call (:func:`_recomputes`)."""
+        return EngineHooks(capture_view=functools.partial(_fsdp.capture_view, self.layer, name),
+                           recomputes=functools.partial(_recomputes, self.layer, options.recompute, self._compiled))
 
     def forward(self, *args, **kwargs):
         def resolve(x):  # the parameter as the block holds it now: inside a capture, its alias
@@ -129,7 +138,7 @@ class GraphedLayer(nn.Module):
     def __call__(self, *args, **kwargs):
         if _transformers.checkpointing(self) and torch.is_grad_enabled():
             # transformers' checkpoint would call the graphed forward twice (forward, then recompute
-            # in the backward); the block's graphs recompute instead (engine.recomputing.when)
+            # in the backward); the block's graphs recompute instead (_OriginalForward.graph_engine_hooks)
             return nn.Module.__call__(self, *args, **kwargs)
         return super().__call__(*args, **kwargs)
 
@@ -138,6 +147,7 @@ class GraphedLayer(nn.Module):
         _fsdp.prepare_once(self, self.__dict__[_NAME])
         if torch.is_grad_enabled():
             _transformers.check_call(self.__dict__[_NAME], self, self._graphpp_positions, args, kwargs)
+            _refuse_second_gradient_input(self.__dict__[_NAME], self._graphpp_positions, args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
         return self.__dict__[_SLOT].run(args, kwargs)  # its forward, without a second module call
 
@@ -162,6 +172,34 @@ class GraphedLayer(nn.Module):
             f"copy the model before graph_layers(), or call paddle_graphpp.torch.ungraph_layers() first.")
 
 
+def _refuse_second_gradient_input(name: str, positions: dict, args: tuple, kwargs: dict) -> None:
+    """A block given two or more activations that carry a gradient (the hidden state and, say, the
+    earlier blocks' states, as Inkling2 passes them) hands their gradients to autograd from one
+    node, where eagerly they come from many: the model's shared tensors then sum them in another
+    order, and training differs from eager in the last bits. Refused before anything runs."""
+    def flows(a):  # an activation carrying a gradient (a parameter's gradient goes straight to its .grad)
+        return isinstance(a, torch.Tensor) and a.grad_fn is not None
+
+    flowing = [f"argument {i}" for i, a in enumerate(args) if flows(a)]
+    flowing += [f"{k}=" for k, a in kwargs.items() if flows(a)]
+    if len(flowing) > 1:
+        names = {i: n for n, i in positions.items()}
+        flowing = [names.get(int(f.split()[1]), f) if f.startswith("argument ") else f[:-1] for f in flowing]
+        raise SignatureError(
+            f"{name}: graph_layers() takes blocks whose only input carrying a gradient is the hidden state; this "
+            f"call passes {len(flowing)} ({', '.join(flowing)}). Their gradients would be summed in another order "
+            f"than the model's own backward sums them, so training would differ from eager in the last bits. "
+            f"Graph the whole model instead (graph_model(model)), or un-graph these blocks.")
+
+
+class GraphedClasses(dict):
+    """A block's class -> its class graphed in place, made once (a part of the process's torch section)."""
+
+
+def _graphed_classes() -> GraphedClasses:
+    return current_process().section("torch").part(GraphedClasses)
+
+
 class GraphedLayers(list):
     """What :func:`graph_layers` returns: the graphed blocks, in order (the same objects as in the
     list it was given), with :meth:`undo`."""
@@ -183,7 +221,7 @@ class GraphedLayers(list):
 
 
 def _graphed_class(cls: type) -> type:
-    graphed = _GRAPHED_CLASSES.get(cls)
+    graphed = _graphed_classes().get(cls)
     if graphed is None:
         graphed = type(f"Graphed{cls.__name__}", (GraphedLayer, cls), {
             "__module__": __name__,
@@ -191,7 +229,7 @@ def _graphed_class(cls: type) -> type:
             "_graphpp_positions": _transformers.arg_positions(cls.forward),
             "_graphpp_original": cls,
         })
-        _GRAPHED_CLASSES[cls] = graphed
+        _graphed_classes()[cls] = graphed
     return graphed
 
 
@@ -338,13 +376,12 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     user_compiled = [refuse_inner_graphs(layer, label) is not None for label, (_, layer) in zip(names, pairs)]
     if compiled is None and any(user_compiled):
         compiled = {}  # block.compile(): compiled inside the graphs, with torch.compile's defaults
-    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled)), name=label, options=options)
+    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled), compiled=compiled is not None),
+                                 name=label, options=options)
                for label, (_, layer) in zip(names, pairs)]  # every option checked before any block changes
     graphed = GraphedLayers()
     for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
-        runner.engine.recomputing.when = functools.partial(_recomputes, layer, options.recompute, compiled is not None)
-        runner.engine.capture_view = functools.partial(_fsdp.capture_view, layer, label)
         layer.__dict__[_NAME] = label
         if own:  # its call would trace the graphed block: the compiled code runs inside the graphs instead
             layer.__dict__[_USER_COMPILED] = layer._compiled_call_impl
@@ -393,7 +430,7 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
     """
     out = []
     for key, layer in _entries(layers):
-        if isinstance(layer, GraphedLayer) and type(layer) is not _GRAPHED_CLASSES.get(type(layer)._graphpp_original):
+        if isinstance(layer, GraphedLayer) and type(layer) is not _graphed_classes().get(type(layer)._graphpp_original):
             raise TypeError(
                 f"ungraph_layers(): block {key} ({type(layer).__name__}) was wrapped again after graph_layers() "
                 f"(fully_shard, say), which its class would lose. Build the model anew without graph_layers(), or "

@@ -13,10 +13,12 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..core.errors import StateReplacedError
+from ..core.process import current_process
 from ..graph_api import graph_process
-from ..core.capture import process_for
+from ..core.capture import capture_for
 from ..core.state import StateWatch
 from ..optim import GraphedOptimizer
+from .memory import pool_lending as _pool_lending
 from .runtime import active_runtime
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
@@ -207,6 +209,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         if not isinstance(compile, bool):
             raise TypeError(f"GraphedOptimizer: compile must be a bool, got {type(compile).__name__} {compile!r}")
         self.optimizer = optimizer
+        _pool_lending.register_optimizer(optimizer)  # layer captures wait for its first step (its state)
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.eps = float(eps)
         self.master_weights = master_weights
@@ -274,7 +277,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         else:
             norm = self._sequence(self._params, grads, self._generation)
         self._clean = [(g, g._version) for g in grads if g is not None]
-        self._clean_writes = process_for(self._runtime).grad_writes
+        self._clean_writes = capture_for(self._runtime).grad_writes
         return norm
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -385,7 +388,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
 
     def _untouched(self, grads) -> bool:
         # Backward graphs that accumulate in-graph write .grad without bumping its version.
-        if process_for(self._runtime).grad_writes != self._clean_writes:
+        if capture_for(self._runtime).grad_writes != self._clean_writes:
             return False
         present = [g for g in grads if g is not None]
         if len(present) != len(self._clean):
@@ -393,8 +396,13 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         return all(g is c and g._version == v for g, (c, v) in zip(present, self._clean))
 
 
-# Per optimizer made capturable: each param group's ("capturable" given, its value, lr) before.
-_BEFORE_CAPTURABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+class BeforeCapturable(weakref.WeakKeyDictionary):
+    """Per optimizer :func:`make_capturable` changed: each param group's ("capturable" given, its
+    value, lr) before, for :func:`undo_capturable` (a part of the process's torch section)."""
+
+
+def _before_capturable() -> BeforeCapturable:
+    return current_process().section("torch").part(BeforeCapturable)
 
 
 def make_capturable(optimizer: torch.optim.Optimizer) -> list:
@@ -403,9 +411,9 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> list:
     place, so a captured step reads each new value); move step counts kept on the CPU to the
     device. Returns the lr tensors, one per param group. Idempotent; :func:`undo_capturable`
     undoes it."""
-    if optimizer not in _BEFORE_CAPTURABLE:
-        _BEFORE_CAPTURABLE[optimizer] = [("capturable" in g, g.get("capturable"), g["lr"])
-                                         for g in optimizer.param_groups]
+    before = _before_capturable()
+    if optimizer not in before:
+        before[optimizer] = [("capturable" in g, g.get("capturable"), g["lr"]) for g in optimizer.param_groups]
     lrs = []
     for group in optimizer.param_groups:
         device = group["params"][0].device
@@ -428,7 +436,7 @@ def undo_capturable(optimizer: torch.optim.Optimizer) -> None:
     lr a schedule changed since keeps its new value, as a float), and the step counts of groups
     that are neither capturable nor fused back on the CPU, where such an optimizer keeps them.
     A no-op for an optimizer not made capturable."""
-    before = _BEFORE_CAPTURABLE.pop(optimizer, None)
+    before = _before_capturable().pop(optimizer, None)
     for group, (given, capturable, lr) in zip(optimizer.param_groups, before or ()):
         if given:
             group["capturable"] = capturable

@@ -1,22 +1,12 @@
 """Activation checkpointing in graphed layers (``recompute=True``), the PyTorch side.
 
-A recomputing layer's forward graph runs without autograd and keeps no activations; its backward
-graph runs the forward again over the static inputs, then the backward (``core.layer_capture``).
-Dropout in the recomputation must draw what the forward drew. A CUDA graph reads its
-generator's seed and offset when it is replayed, and advances the generator past what it draws,
-so the backward graph cannot draw from the generator the forward graph did. It draws from
-*mirrors* instead: clones of each generator's state (``Generator.clone_state``), swapped in
-(``graphsafe_set_state``) while the backward is captured, so the graph registers them. Before
-a forward replay :meth:`Mirrors.note` reads where each generator stands; before the backward
-replay :meth:`Mirrors.restore` sets the mirrors there. The forward graph and the recomputation
-start their draws at the same point within their graphs (the layer's forward comes first in
-both), so they draw the same numbers; the generators themselves advance by the forward's draws
-only, as under eager ``torch.utils.checkpoint``.
-
-Eager calls of such a layer (warmup, the recorded step, fallbacks) run under
-``torch.utils.checkpoint`` (non-reentrant, the RNG state preserved, the current CUDA device's
-too). Layers that draw from other generators (``generators=``, Megatron-Core's tracker) are
-refused: eager checkpointing would not repeat their draws.
+:func:`checkpointed` runs a recomputing layer's eager calls (warmup, the recorded step, fallbacks)
+under ``torch.utils.checkpoint`` (non-reentrant, the RNG state preserved). :class:`Mirrors` gives
+its backward graph clones of the generator's state, set before each backward replay to where the
+forward replay drew, so the recomputation draws the forward's dropout masks and the generator
+advances by the forward's draws only. Layers that draw from other generators (``generators=``,
+Megatron-Core's tracker) are refused: eager checkpointing would not repeat their draws. How:
+docs/pytorch.md#activation-checkpointing-and-fsdp2.
 """
 
 from __future__ import annotations

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+from types import MappingProxyType
 from typing import Any, Optional, Sequence
 
 import torch
 
 from .. import support as _support
+from ..core.process import current_process
 from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, ModelTree, Recompute, StateSlots, TensorSpec,
                             get_runtime)
 from ..core.state import module_state_slots
@@ -38,8 +40,8 @@ RNG_TRACKERS: tuple = (_megatron.TRACKER,)
 
 _ALIGN = 512  # bytes between buffers carved from one block (the caching allocator's own rounding)
 # names in TensorSpec, looked up rather than formatted: every graphed call makes specs of its inputs
-_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in vars(torch).values() if isinstance(d, torch.dtype)}
-_DEVICE_NAMES: dict = {}
+_DTYPE_NAMES = MappingProxyType({d: str(d).replace("torch.", "") for d in vars(torch).values()
+                                  if isinstance(d, torch.dtype)})
 
 
 class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, GraphRuntime, StateSlots, AutocastModes,
@@ -52,6 +54,7 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
     def __init__(self):
         super().__init__()
         self._capture_streams: dict[int, torch.cuda.Stream] = {}
+        self._device_names: dict = {}  # device -> its name in TensorSpec
 
     # tensors
     def is_tensor(self, obj: Any) -> bool:
@@ -59,9 +62,9 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
 
     def spec(self, tensor) -> TensorSpec:
         device = tensor.device
-        name = _DEVICE_NAMES.get(device)
+        name = self._device_names.get(device)
         if name is None:
-            name = _DEVICE_NAMES[device] = str(device)
+            name = self._device_names[device] = str(device)
         return TensorSpec(tuple(tensor.shape), _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).replace("torch.", ""),
                           name, tensor.requires_grad)
 
@@ -305,10 +308,19 @@ def registered_generators(extra) -> list:
 
 
 _support.require("torch", torch.__version__)
-RUNTIME = TorchRuntime()
+# Made on import: optimizers' steps are watched from then on (pool lending sizes pools by them).
+current_process().section(TorchRuntime.name).part(TorchRuntime)
+
+
+def __getattr__(name: str) -> Any:
+    # RUNTIME: the process's TorchRuntime, a part of its torch section (it holds the capture
+    # streams, the graph pools and the pool lender).
+    if name == "RUNTIME":
+        return current_process().section(TorchRuntime.name).part(TorchRuntime)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def active_runtime() -> GraphRuntime:
     """The runtime torch's adapters use: :data:`RUNTIME`, or one registered in its place under
     the name ``"torch"`` (tests plug fake graph runtimes in with ``core.runtime.register_runtime``)."""
-    return get_runtime(RUNTIME.name)
+    return get_runtime(TorchRuntime.name)

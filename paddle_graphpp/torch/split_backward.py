@@ -1,21 +1,12 @@
 """A backward in two halves, for zero-bubble pipeline schedules (PyTorch autograd).
 
-The *input half* computes the gradients of a layer's inputs only; the *weight half*, run
-later, the gradients of its parameters. Autograd computes only what the requested gradients
-need, so a matmul node computes its activation operand's gradient in the first half and its
-weight operand's gradient in the second; nothing is computed twice.
-
-The weight half restarts autograd at the *junctions*: the nodes where a parameter's path
-meets the inputs' path (the matmul that takes both an activation and a weight), with the
-gradients those nodes received during the input half (saved by pre-hooks), and asks for the
-parameters only. Parameters whose junctions overlap form a *group*, differentiated by one
-autograd call; each group gets its own call, so the weight half never walks a path that
-leads to another group's parameters (which would redo input-half work). A parameter whose
-path reaches an output without meeting the inputs' path (a term of the weights alone)
-restarts from that output and its incoming gradient: the input half never ran that part.
-
-Both halves keep the autograd graph (``retain_graph=True``); it is freed when the caller
-drops the outputs and the state, after the weight half.
+:func:`backward_input` computes the gradients of a layer's inputs only and returns, with them, the
+:class:`WeightState` the weight half needs; :func:`backward_weight`, run later, computes the
+parameters' gradients, group by group, without computing anything twice. Both keep the autograd
+graph (``retain_graph=True``), freed when the caller drops the outputs and the state after the
+weight half. :func:`weights_wanted` and :func:`in_pipelining_weight_pass` tell a custom function's
+backward which half autograd asks for. How the split works:
+docs/pipelines.md#zero-bubble-schedules-pytorch.
 """
 
 from __future__ import annotations
@@ -135,7 +126,8 @@ def _plan(outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[
 
 def backward_input(outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
                    params: Sequence[Any]) -> tuple:
-    """The input half: ``(gradients of inputs, WeightState)``; see the module docstring."""
+    """The input half: ``(gradients of inputs, WeightState)``
+    (docs/pipelines.md#zero-bubble-schedules-pytorch)."""
     groups, unused = _plan(outputs, grad_outputs, inputs, params)
     saved: dict = {}
     handles = []

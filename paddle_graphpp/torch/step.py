@@ -1,36 +1,15 @@
 """Whole-step graphs: every micro-batch of a training step, the gradient accumulation and the
 optimizer step captured as one CUDA graph and replayed once per step (:func:`graph_step`).
 
-Graphed layers (:func:`~paddle_graphpp.torch.graph_layers`, :func:`~paddle_graphpp.torch.graph_model`)
-launch one forward and one backward graph per micro-batch; what runs between them (the loss
-glue, the optimizer, the host's work per call) still costs launches and host time. A whole
-step has no such gaps: its host cost is one copy of the batch into static buffers and one
-launch. The step is the user's own function::
-
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-
-    def train_step(micro_batches):
-        for tokens in micro_batches:
-            loss = model(tokens, labels=tokens).loss / len(micro_batches)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        return loss.detach()
-
-    step = graph_step(train_step, optimizers=opt)
-    for micro_batches in loader:
-        loss = step(micro_batches)   # eager for the warmup calls, then one graph launch
-        scheduler.step()             # outside the step: the lr is a device tensor it fills
-
-The life of one signature (the shapes, dtypes and devices of the call's tensors, its other
-arguments by value, autocast): ``num_warmup_steps`` calls run the function eagerly; the next
-call copies its tensors into static buffers allocated then, releases the allocator's cached
-memory, captures the function into a pool of its own (nothing runs during a capture) and
-replays the graph once for this call; later calls copy, check and replay. Graphed layers
-inside the step run their wrapped call directly in the warmup and the capture
-(:mod:`paddle_graphpp.core.scope`): the step's graph holds their work, compiled kernels
-(``compile=``) included, and they keep no graphs of their own.
+The step is the user's own function; its host cost becomes one copy of the batch into static
+buffers and one launch. Each call signature goes through the one lifecycle
+(:mod:`paddle_graphpp.core.lifecycle`): ``num_warmup_steps`` eager calls, then a capture into a
+pool of its own (nothing runs during it) and one replay per call. Graphed layers inside the step
+run their wrapped call directly (:mod:`paddle_graphpp.core.scope`): the step's graph holds their
+work. Refused: host reads inside the step (:class:`~paddle_graphpp.CaptureError` naming the line),
+schedulers stepped inside it, replaced parameters or optimizer state
+(:class:`~paddle_graphpp.StateReplacedError`), changed hyperparameters other than the lr.
+docs/scopes.md shows a training loop with it.
 """
 
 from __future__ import annotations
@@ -43,13 +22,16 @@ import linecache
 import os
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from ..core.errors import CaptureError, StateReplacedError
+from ..core.lifecycle import Lifecycle, signature_key
 from ..core.options import EngineOptions, engine_options
+from ..core.records import CallShape, Phase, Signature
 from ..core.scope import inline_layers
 from ..core.state import StateWatch
 from ..core.tree import flatten, unflatten
@@ -61,12 +43,12 @@ __all__ = ["graph_step", "GraphedStep"]
 logger = logging.getLogger("paddle_graphpp")
 
 _CAPTURABLE_AS_IS = (torch.optim.SGD,)  # no host reads in its step, and no capturable flag to set
-_REFUSED = {  # engine options that have no meaning for one graph of a whole step
+_REFUSED = MappingProxyType({  # engine options that have no meaning for one graph of a whole step
     "memory": "each signature of a step is captured into a pool of its own",
     "max_in_flight": "a step holds no micro-batches in flight between calls",
     "accumulate_grads": "the step's own backward accumulates into .grad inside its graph",
     "generators": "the step's capture registers the default CUDA generator only",
-}
+})
 # Frames a failure is not reported in: torch's, this package's, and the context managers between.
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
@@ -84,22 +66,17 @@ class _Captured:
     grads_in: list  # each parameter's .grad when the capture began (a step that accumulates reads it)
     grads: list  # each parameter's .grad after the capture (the graph writes these tensors)
     watch: StateWatch
-
-
-@dataclass(slots=True)
-class _Signature:
-    warm: int = 0
-    captured: Optional[_Captured] = None
-    eager_reason: Optional[str] = None
-    hyper: list = field(default_factory=list)
+    hyper: list  # the optimizers' hyperparameters other than lr at the capture
 
 
 class GraphedStep:
     """A training-step function whose calls, after warmup, replay one CUDA graph.
 
-    Made by :func:`graph_step`; see it for the arguments and the contract. Attributes:
-    ``captures`` and ``replays`` count graphs captured and launched; ``eager_reason(*args,
-    **kwargs)`` says why a signature runs eagerly (``None`` when it does not).
+    Made by :func:`graph_step`; see it for the arguments and the contract. Its signatures go
+    through the lifecycle every graphed scope goes through (:class:`~paddle_graphpp.core.lifecycle.Lifecycle`,
+    ``lifecycle``), each captured in the call after its warmup. Attributes: ``captures`` and
+    ``replays`` count graphs captured and launched; ``eager_reason(*args, **kwargs)`` says why a
+    signature runs eagerly (``None`` when it does not).
     """
 
     def __init__(self, fn: Callable, optimizers: Sequence[torch.optim.Optimizer], *, options: EngineOptions,
@@ -108,62 +85,87 @@ class GraphedStep:
         self.name = name
         self.optimizers = list(optimizers)
         self.num_warmup_steps = options.num_warmup_steps
-        self.fallback = options.fallback
         self.clone_outputs = clone_outputs
-        self.max_signatures = options.max_signatures
         self.runtime = active_runtime()
         self.params = _unique(p for opt in self.optimizers for g in opt.param_groups for p in g["params"])
-        self._signatures: dict = {}
-        self._warned: set = set()
-        self.captures = 0
-        self.replays = 0
+        self.lifecycle = Lifecycle(name, max_signatures=options.max_signatures,
+                                   num_warmup_steps=options.num_warmup_steps, fallback=options.fallback,
+                                   noun="the step", retry=False)
         self._unavailable = self.runtime.graphs_unavailable_reason(self.params)
         self._lrs: list = []  # per optimizer, per param group: the lr tensor the graphs read
         if self._unavailable is None:
             self._lrs = [make_capturable(opt) for opt in self.optimizers]
 
+    @property
+    def captures(self) -> int:
+        return self.lifecycle.captures
+
+    @property
+    def replays(self) -> int:
+        return self.lifecycle.replays
+
     # ------------------------------------------------------------------ calls
     def __call__(self, *args, **kwargs) -> Any:
         leaves, spec = flatten((args, kwargs))
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        key, tensor_index, specs = self._key(leaves, spec)
+        tensors = [leaves[i] for i in tensor_index]
+        life = self.lifecycle
         reason = self._unavailable or self.runtime.graphs_unavailable_reason(tensors)
         if reason is not None:
-            self._warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); the step runs eagerly.")
+            life.warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); the step runs eagerly.")
             return self.fn(*args, **kwargs)
         if self.runtime.is_capturing():
             return self.fn(*args, **kwargs)  # an enclosing capture takes the step's work
-        sig = self._signature(leaves, spec)
-        if sig.eager_reason is None and sig.captured is None:
-            sig.eager_reason = _unsupported_leaf(leaves)
-        if sig.eager_reason is not None:
-            self._warn_once(sig.eager_reason, f"{self.name}: {sig.eager_reason}; the step runs eagerly.")
+        sig = life.get(key)
+        reason = self._eager_reason(key, sig, leaves)
+        if reason is not None:
+            if life.eager_reason is None:  # a fallback to eager has warned already
+                life.warn_once(reason, f"{self.name}: {reason}; the step runs eagerly.")
             return self.fn(*args, **kwargs)
-        if sig.captured is not None:
+        if sig is None:
+            slots = set(tensor_index)
+            sig = life.add(key, CallShape(tuple(None if i in slots else x for i, x in enumerate(leaves)), spec,
+                                          tuple(tensor_index), specs))
+            if sig is None:  # past max_signatures: warned
+                return self.fn(*args, **kwargs)
+        if sig.graph is not None:
             return self._replay(sig, tensors)
-        if sig.warm < self.num_warmup_steps:
+        if not life.warmed(sig):
             sig.warm += 1
             with inline_layers():
                 return self.fn(*args, **kwargs)
+        life.leave_warmup(sig, in_step=True)
         return self._capture_and_replay(sig, leaves, spec, tensors)
 
     def eager_reason(self, *args, **kwargs) -> Optional[str]:
         """Why a call with these arguments runs eagerly, or ``None`` when it is (or will be) graphed."""
-        leaves, spec = flatten((args, kwargs))
         if self._unavailable is not None:
             return self._unavailable
-        sig = self._signatures.get(self._key(leaves, spec))
-        return None if sig is None else sig.eager_reason
+        leaves, spec = flatten((args, kwargs))
+        key = self._key(leaves, spec)[0]
+        sig = self.lifecycle.get(key)
+        reason = self._eager_reason(key, sig, leaves)
+        if reason is None and sig is None and self.lifecycle.full():
+            reason = f"a new call signature past max_signatures={self.lifecycle.max_signatures}"
+        return reason
+
+    def _eager_reason(self, key: Any, sig: Optional[Signature], leaves: list) -> Optional[str]:
+        if self.lifecycle.eager_reason is not None:
+            return self.lifecycle.eager_reason
+        if sig is not None:
+            return sig.eager_reason
+        return _unsupported_leaf(leaves)  # checked until the signature is taken: it then has none
 
     # ---------------------------------------------------------------- replay
-    def _replay(self, sig: _Signature, tensors: list) -> Any:
-        done = sig.captured
+    def _replay(self, sig: Signature, tensors: list) -> Any:
+        done = sig.graph
         self._sync_lrs()
-        self._check(sig, done)
+        self._check(done)
         if tensors:
             torch._foreach_copy_(done.static_inputs, tensors)
         self._grads_in_place(done)
         self.runtime.replay_graph(done.graph)
-        self.replays += 1
+        self.lifecycle.replays += 1
         for p, g in zip(self.params, done.grads):
             if p.grad is not g:  # what the step left in .grad at its capture: the graph writes these
                 p.grad = g
@@ -190,7 +192,7 @@ class GraphedStep:
             else:
                 before.copy_(p.grad)
 
-    def _check(self, sig: _Signature, done: _Captured) -> None:
+    def _check(self, done: _Captured) -> None:
         what = done.watch.changed()
         if what is not None:
             raise StateReplacedError(
@@ -198,10 +200,10 @@ class GraphedStep:
                 f"the step is refused. Change parameters and optimizer state in place (copy_, load_state_dict "
                 f"of the module), or build a new graph_step after replacing them.")
         hyper = _hyperparameters(self.optimizers)
-        if hyper != sig.hyper:
+        if hyper != done.hyper:
             raise CaptureError(
                 f"{self.name}: an optimizer hyperparameter other than lr changed since the step was captured "
-                f"({_first_change(sig.hyper, hyper)}); the graph holds the old value. Keep them fixed, or build a "
+                f"({_first_change(done.hyper, hyper)}); the graph holds the old value. Keep them fixed, or build a "
                 f"new graph_step after changing them.")
 
     def _hand_out(self, done: _Captured) -> Any:
@@ -209,10 +211,10 @@ class GraphedStep:
         return unflatten(done.outputs_spec, leaves)
 
     # ---------------------------------------------------------------- capture
-    def _capture_and_replay(self, sig: _Signature, leaves: list, spec: Any, tensors: list) -> Any:
+    def _capture_and_replay(self, sig: Signature, leaves: list, spec: Any, tensors: list) -> Any:
         rt = self.runtime
         if not tensors:
-            self._warn_once("no inputs", f"{self.name}: the step takes no tensors; its graph replays the same "
+            self.lifecycle.warn_once("no inputs", f"{self.name}: the step takes no tensors; its graph replays the same "
                                          f"device work every call (a batch read inside the step is read once).")
         self._sync_lrs()
         static = [t.detach().clone() for t in tensors]
@@ -244,62 +246,30 @@ class GraphedStep:
             return self._capture_failed(sig, failure, what, leaves, spec)
         out_leaves, out_spec = flatten(result)
         watch = StateWatch(rt, _state_slots(self.params, self.optimizers))
-        sig.captured = _Captured(graph, static, out_spec, out_leaves, grads_before, [p.grad for p in self.params],
-                                 watch)
-        sig.hyper = _hyperparameters(self.optimizers)
-        self.captures += 1
+        sig.graph = _Captured(graph, static, out_spec, out_leaves, grads_before, [p.grad for p in self.params],
+                              watch, _hyperparameters(self.optimizers))
+        self.lifecycle.captures += 1
         logger.info("%s: captured the step (%d input tensors, %d parameters)", self.name, len(static),
                     len(self.params))
         return self._replay(sig, tensors)
 
-    def _capture_failed(self, sig: _Signature, exc: Exception, what: str, leaves: list, spec: Any) -> Any:
-        reason = f"capturing the step failed ({what})"
-        sig.eager_reason = reason
-        then = " (fallback='eager')" if self.fallback == "eager" else ""
-        error = CaptureError(
-            f"{self.name}: {reason}. A whole-step graph must not synchronise with the host: no .item(), "
-            f".cpu(), print(tensor) or Python branch on a tensor value inside the step (return the values "
-            f"and read them after the call), no optimizer without a capturable mode (pass every optimizer "
-            f"the step uses to graph_step(optimizers=...)). Nothing of the step ran; the step runs eagerly "
-            f"from now on{then}.")
-        if self.fallback == "eager":
-            logger.warning("%s", error)
-            return self._eager_after_failure(leaves, spec)
-        raise error from exc
-
-    def _eager_after_failure(self, leaves: list, spec: Any) -> Any:
+    def _capture_failed(self, sig: Signature, exc: Exception, what: str, leaves: list, spec: Any) -> Any:
+        error = self.lifecycle.capture_failed(
+            sig.key, "the step", exc, cause_text=what, hint=(
+                "A whole-step graph must not synchronise with the host: no .item(), .cpu(), print(tensor) or "
+                "Python branch on a tensor value inside the step (return the values and read them after the "
+                "call), no optimizer without a capturable mode (pass every optimizer the step uses to "
+                "graph_step(optimizers=...)). Nothing of the step ran."))
+        if error is not None:
+            raise error from exc
         args, kwargs = unflatten(spec, leaves)
         return self.fn(*args, **kwargs)
 
     # ----------------------------------------------------------- signatures
     def _key(self, leaves: list, spec: Any) -> tuple:
-        parts = []
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                parts.append((tuple(x.shape), x.dtype, x.device, x.stride()))
-            elif x is None or isinstance(x, (bool, int, float, str, bytes)):
-                parts.append(("value", type(x), x))
-            else:
-                parts.append(("object", id(x)))
         autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
         trainable = tuple(p.requires_grad for p in self.params)  # frozen or unfrozen parameters: captured anew
-        return spec, tuple(parts), autocast, torch.is_grad_enabled(), trainable
-
-    def _signature(self, leaves: list, spec: Any) -> _Signature:
-        key = self._key(leaves, spec)
-        sig = self._signatures.get(key)
-        if sig is None:
-            sig = self._signatures[key] = _Signature()
-            graphed = sum(1 for s in self._signatures.values() if s.eager_reason is None) - 1
-            if graphed >= self.max_signatures:
-                sig.eager_reason = (f"a new call signature past max_signatures={self.max_signatures} (each one "
-                                    f"is captured with its own memory)")
-        return sig
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning("%s", message)
+        return signature_key(self.runtime, leaves, spec, context=(autocast, torch.is_grad_enabled(), trainable))
 
     def undo(self) -> Callable:
         """Release the step's graphs, give the optimizers back their ``capturable`` mode, ``lr`` and
@@ -316,7 +286,7 @@ class GraphedStep:
         if self.runtime.is_capturing():
             raise RuntimeError(f"{self.name}: undo() inside a capture; undo between steps")
         fn = self.fn
-        self._signatures.clear()
+        self.lifecycle.reset()  # every signature's graph released
         for opt in self.optimizers if self._lrs else ():
             undo_capturable(opt)
         self._lrs = []

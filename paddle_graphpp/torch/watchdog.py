@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..core.capture import process_for
+from ..core.capture import capture_for
 from .runtime import active_runtime
 
 __all__ = ["watch_replays"]
@@ -30,4 +30,4 @@ def watch_replays(timeout: Optional[float], *, grace: float = 30.0) -> None:
     """
     if not grace > 0:
         raise ValueError(f"watch_replays: grace must be > 0 seconds, got {grace!r}")
-    process_for(active_runtime()).replay_watch.watch(0 if timeout is None else timeout, grace=grace)
+    capture_for(active_runtime()).replay_watch.watch(0 if timeout is None else timeout, grace=grace)

@@ -56,9 +56,10 @@ logger = logging.getLogger("paddle_graphpp")
 _SLOT = "_graphpp_whole"
 _ABSENT = object()
 # Arguments the graphed forward takes, and the values with which it still covers a call.
-_NEUTRAL = {"attention_mask": None, "position_ids": None, "past_key_values": None, "inputs_embeds": None,
-            "cache_position": None, "use_cache": (None, False), "output_attentions": (None, False),
-            "output_hidden_states": (None, False), "logits_to_keep": (0,), "token_type_ids": None}
+_NEUTRAL = types.MappingProxyType({
+    "attention_mask": None, "position_ids": None, "past_key_values": None, "inputs_embeds": None,
+    "cache_position": None, "use_cache": (None, False), "output_attentions": (None, False),
+    "output_hidden_states": (None, False), "logits_to_keep": (0,), "token_type_ids": None})
 # Arguments handed on to the model's own forward inside the graph (a Python value is part of the
 # signature): the Hugging Face Trainer's loss normaliser, and the router outputs of mixtures of
 # experts (their load-balancing loss is computed inside the graph from outputs it produces).

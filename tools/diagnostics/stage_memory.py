@@ -80,8 +80,8 @@ def worker(args) -> dict:
     import torch.nn.functional as F
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from tools.gpt_shape import GPTShape
-    from tools.gpt_torch import build_chunk
+    from testing.gpt_shape import GPTShape
+    from testing.gpt_torch import build_chunk
 
     torch.cuda.set_device(0)
     if args.trace:

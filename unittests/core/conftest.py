@@ -14,22 +14,16 @@ for path in (HERE, os.path.dirname(HERE)):  # nofw.py, and the shared fake_graph
         sys.path.insert(0, path)
 
 import nofw  # noqa: E402
-from paddle_graphpp.core import capture as capture_mod  # noqa: E402
-from paddle_graphpp.core import memory as memory_mod  # noqa: E402
-
-
-def _forget_process(name):
-    for table in (memory_mod._PLANS, capture_mod._PROCESSES):
-        table.pop(name, None)
+from paddle_graphpp.core.process import current_process  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def fresh_process():
-    """No pool plan or capture process left from another test; the same random numbers each test."""
+    """No pool plan or capture side left from another test; the same random numbers each test."""
     nofw.manual_seed(0)
-    _forget_process(nofw.PlainRuntime.name)
+    current_process().reset(nofw.PlainRuntime.name)
     yield
-    _forget_process(nofw.PlainRuntime.name)
+    current_process().reset(nofw.PlainRuntime.name)
 
 
 @pytest.fixture

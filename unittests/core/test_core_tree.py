@@ -2,7 +2,7 @@
 the spec as it is), and rebuild from them."""
 from collections import namedtuple
 
-from paddle_graphpp.core.records import SignatureKey
+from paddle_graphpp.core.lifecycle import SignatureKey
 from paddle_graphpp.core.tree import flatten, unflatten
 
 Pair = namedtuple("Pair", "a b")

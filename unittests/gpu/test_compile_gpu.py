@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 from paddle_graphpp import CaptureError  # noqa: E402
 from paddle_graphpp.torch import graph_layers, graph_loss, graph_stage_module  # noqa: E402
 from testing.parity import rel  # noqa: E402
-from tools.gpt_torch import Block, GPTShape  # noqa: E402
+from testing.gpt_torch import Block, GPTShape  # noqa: E402
 
 DEV = "cuda"
 VOCAB, SEQ, MBS, HIDDEN = 512, 64, 2, 128

@@ -276,10 +276,12 @@ def test_the_memory_reserved_before_capture_has_the_temporaries_layout(monkeypat
     all free, and the temporaries fit them."""
     import weakref
 
+    from paddle_graphpp.core.process import current_process
     from paddle_graphpp.torch.memory import pool_lending, pool_segments
 
     monkeypatch.setenv(pool_segments.FLAG, "0")  # the layouts of ordinary segments
-    monkeypatch.setattr(pool_lending, "_STEPPED", weakref.WeakSet())
+    watch = current_process().section("torch").part(pool_lending.OptimizerWatch)
+    monkeypatch.setattr(watch, "stepped", weakref.WeakSet())
     mib = 1 << 20
     params = [torch.nn.Parameter(torch.zeros(n * mib // 4, device=DEV)) for n in (24, 8, 8, 32)]
     params.append(torch.nn.Parameter(torch.zeros(mib // 8, device=DEV)))
@@ -309,15 +311,18 @@ def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monk
     optimizer steps borrow the pool, and training equals eager's."""
     import weakref
 
+    from paddle_graphpp.core.process import current_process
     from paddle_graphpp.torch.memory import pool_lending
     from paddle_graphpp.torch.runtime import RUNTIME
     from testing.parity import SEQ
 
-    monkeypatch.setattr(pool_lending, "_ANY_STEPPED", False)  # as in a fresh process
-    monkeypatch.setattr(pool_lending, "_FOUND", weakref.WeakSet())
+    watch = current_process().section("torch").part(pool_lending.OptimizerWatch)
+    monkeypatch.setattr(watch, "any_stepped", False)  # as in a fresh process
+    monkeypatch.setattr(watch, "registered", weakref.WeakSet())
     if RUNTIME._lender is not None:  # an earlier test's leak check may have stopped lending in this process
         monkeypatch.setattr(RUNTIME._lender, "disabled", False)
     eager, graphed, opt_e, opt_g = twins(device=DEV, num_warmup_steps=1)
+    pool_lending.register_optimizer(opt_g)  # what GraphedOptimizer(opt_g) would do: captures wait for its step
     order = "f1 b1 f2 b2 f3 b3 f4 b4"
     borrowed = None
     for step in range(5):

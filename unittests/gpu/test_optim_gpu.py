@@ -57,7 +57,7 @@ def test_graph_process_replays_and_recaptures_on_a_new_address(caplog):
     for _ in range(3):
         gp.graph_process(axpy, x, y)  # replays: Python not called
     assert len(calls) == 2 and torch.equal(y, torch.full_like(y, 8.0))
-    entry = next(iter(gp._CACHE.values()))
+    entry = next(iter(gp._cache().values()))
     assert isinstance(entry.graph, torch.cuda.CUDAGraph)
     y2 = torch.zeros(1024, device=DEV)
     with caplog.at_level(logging.WARNING, logger=gp.__name__):
@@ -92,7 +92,7 @@ def test_capture_failure_names_the_host_sync():
     with pytest.raises(paddle_graphpp.CaptureError, match=r"\.item\(\)"):
         gp.graph_process(syncs, torch.ones(4, device=DEV))
     torch.cuda.synchronize()
-    assert len(gp._CACHE) == 0
+    assert len(gp._cache()) == 0
 
 
 @pytest.mark.parametrize("opt_kw", [{"foreach": False}, {"foreach": True}, {"fused": True}],
@@ -244,7 +244,7 @@ def test_compiled_foreach_matches_eager_and_replays_without_sync(caplog):
     assert counters["frames"]["total"] == frames_after_first, "no compile after the first step"
     assert len(core_calls) == 2, "compiled core runs at warmup and capture only, then the graph replays"
     assert "re-capturing" not in caplog.text, "a steady loop must replay, not re-capture"
-    assert len(gp._CACHE) == 1 and isinstance(next(iter(gp._CACHE.values())).graph, torch.cuda.CUDAGraph)
+    assert len(gp._cache()) == 1 and isinstance(next(iter(gp._cache().values())).graph, torch.cuda.CUDAGraph)
     for a, b in zip(ref, ours):
         assert (a - b).abs().max().item() <= 1e-6
         assert torch.count_nonzero(b.grad) == 0

@@ -170,7 +170,7 @@ def test_weight_pass_after_the_input_pass_dropped_the_outputs():
     graph (a one-output block here: the graphed node is that restart point). Gradients as eager's."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    from tools.gpt_torch import Block, GPTShape
+    from testing.gpt_torch import Block, GPTShape
 
     torch.manual_seed(0)
     block = Block(GPTShape(hidden=64, heads=4, vocab=8, seq_len=SEQ, layers=1, dropout=0.0)).to(DEV)

@@ -1,7 +1,7 @@
 """One rank of a torch.distributed.pipelining run, started by unittests/test_torch_pipeline.py.
 
 Runs as ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` say (gloo on CPU). It trains a
-small stage model (blocks of the trainer's GPT, tools/gpt_torch.py) twice from the same seeds,
+small stage model (blocks of the trainer's GPT, testing/gpt_torch.py) twice from the same seeds,
 once with plain stage modules and once with ``graph_stage_module``, through the schedule
 ``--schedule`` names (``Schedule1F1B`` or ``ScheduleInterleaved1F1B`` by ``--vpp`` when not
 given; the zero-bubble ones: ``interleaved_zb``, ``zbv``, ``dualpipev``), and writes
@@ -37,7 +37,7 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 
 import paddle_graphpp  # noqa: E402
 from paddle_graphpp.torch.pipeline import graph_stage_module  # noqa: E402
-from tools.gpt_torch import Block, GPTShape  # noqa: E402
+from testing.gpt_torch import Block, GPTShape  # noqa: E402
 
 WIDTH, MBS, SEQ = 16, 2, 4
 SHAPE = GPTShape(hidden=WIDTH, heads=2, vocab=1, seq_len=SEQ, layers=3, dropout=0.1)

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import os
 import sys
+from types import MappingProxyType
 
 from ...allocator import ENV_FLAG, WHERE, AllocatorSwitchError, SwitchPlan, env_flag_value, refuse_half_switch
 
 __all__ = ["plan", "async_allocator_active"]
 
-_REQUIRED = {  # flag -> (value the async allocator needs, why)
+_REQUIRED = MappingProxyType({  # flag -> (value the async allocator needs, why)
     "FLAGS_allocator_strategy": ("auto_growth", "only the auto_growth strategy honours the async flag; "
                                                 "naive_best_fit and thread_local ignore it silently"),
     "FLAGS_use_cuda_managed_memory": (False, "Paddle rejects the async allocator with managed memory"),
     "FLAGS_use_system_allocator": (False, "the system allocator bypasses the async allocator"),
-}
+})
 
 
 def _env_settings() -> dict:

@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 
 from ...core.errors import CaptureError
-from ...core.capture import process_for
+from ...core.capture import capture_for
 from ..runtime import active_runtime
 
 __all__ = ["agree_on_captures"]
 
 
 class _Agreement:
-    """The all-reduce run at the end of each batch of captures (see ``core.capture.Process.agreement``)."""
+    """The all-reduce run at the end of each batch of captures (see ``core.capture.EpisodeCapture.agreement``)."""
 
     def __init__(self, group, ranks: list, timeout: float):
         self.group = group
@@ -76,4 +76,4 @@ def agree_on_captures(group: Optional[dist.ProcessGroup] = None, *, timeout: flo
         raise ValueError(f"agree_on_captures: timeout must be > 0 seconds, got {timeout!r}")
     ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-    process_for(active_runtime()).agreement = _Agreement(gloo, ranks, timeout) if dist.get_rank() in ranks else None
+    capture_for(active_runtime()).agreement = _Agreement(gloo, ranks, timeout) if dist.get_rank() in ranks else None

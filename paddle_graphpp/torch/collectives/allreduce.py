@@ -1,28 +1,14 @@
-"""PyTorch custom all-reduce over peer memory, behind the capture-aware dispatcher.
+"""PyTorch custom all-reduce over peer memory, behind the capture-aware dispatcher
+(:mod:`paddle_graphpp.core.collectives`).
 
-Kernels, by message size:
-
-* below ``two_shot_min_bytes``: our push one-shot kernel (:mod:`.push_allreduce`, Triton):
-  each rank writes its input into a receive slot in every peer's memory, raises one flag per
-  peer, waits for its peers' flags and sums locally. One launch, one handshake, no copy-in.
-  Without Triton, PyTorch's stock one-shot kernel (``torch.ops.symm_mem``) takes its place.
-* from ``two_shot_min_bytes`` up: PyTorch's stock two-shot kernel (reduce-scatter +
-  all-gather over peer memory).
-* above the policy's ``max_bytes``: NCCL.
-
-Where each switch sits depends on the group size; :data:`MEASURED` holds the choice per size,
-read from ``tools/bench_allreduce.py`` (docs/collectives.md names the runs;
-:func:`policy_for_world`). A group size without a measurement uses NCCL.
-
-None needs NVLink multicast, which must stay off on the lent machines
-(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).
-
-One symmetric allocation per group holds the push kernel's flags, a staging region (eager
-calls) and an arena from which graphs captured inside ``capture_custom_allreduce()`` reserve
-their registered regions; :mod:`paddle_graphpp.core.collectives` does the bookkeeping.
-
-Without CUDA, peer access, NCCL or the symmetric-memory ops, every call falls back to
-``torch.distributed.all_reduce``, which NCCL can capture.
+:func:`create_allreduce` (collective: every rank of the group, eagerly) returns the dispatcher. By
+message size a call takes our push kernel (:mod:`.push_allreduce`; PyTorch's stock one-shot kernel
+without Triton), PyTorch's stock two-shot kernel, or NCCL, at the switches :data:`MEASURED` holds
+per group size (:func:`policy_for_world`; a group size without a measurement uses NCCL). Without
+CUDA, peer access, NCCL or the symmetric-memory ops, every call falls back to
+``torch.distributed.all_reduce``, which NCCL can capture. NVLink multicast must stay off
+(``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``). The measurements, the buffers
+and the rules: docs/collectives.md.
 """
 
 from __future__ import annotations
@@ -31,6 +17,7 @@ import contextlib
 import dataclasses
 import math
 import os
+from types import MappingProxyType
 from typing import Any, Optional
 
 import torch
@@ -56,15 +43,15 @@ class MeasuredChoice:
     """From this size up the stock two-shot kernel (above ``custom_max_bytes``: never)."""
 
 
-MEASURED = {
+MEASURED = MappingProxyType({
     # 2 ranks: the push kernel beats NCCL and the stock two-shot kernel at every size up to 8 MiB.
     2: MeasuredChoice(custom_max_bytes=8 << 20, two_shot_min_bytes=16 << 20),
     # 4 ranks: push beats NCCL up to 512 KiB, the stock two-shot kernel at 1 MiB; above that NCCL
     # (not measured against the custom kernels).
     4: MeasuredChoice(custom_max_bytes=1 << 20, two_shot_min_bytes=1 << 20),
-}
-"""Group size -> where the custom kernels beat NCCL. Re-measure with
-``python tools/bench_allreduce.py --ranks N`` (its ``suggested_choice``) on new hardware."""
+})
+"""Group size -> where the custom kernels beat NCCL; docs/collectives.md names the runs and how to
+measure new hardware."""
 
 
 def policy_for_world(world_size: int) -> CustomAllReducePolicy:

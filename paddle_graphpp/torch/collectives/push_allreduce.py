@@ -1,42 +1,13 @@
-"""Our one-shot all-reduce for small messages: push over peer memory, one flag handshake.
+"""Our one-shot all-reduce for small messages (Triton): each rank pushes its input into a receive
+slot in every peer's memory, raises one flag per peer, waits for its peers' flags and sums locally.
 
-Why our own kernel: PyTorch's stock one-shot kernel reads every peer's buffer, so the input
-must first be in symmetric memory and the kernel needs two barriers (one before reading,
-one so nobody overwrites a buffer a peer is still reading). Here each rank *writes* its
-input straight into a receive slot in every peer's memory, raises one flag per peer, waits
-for its peers' flags and sums locally:
-
-* no copy-in launch (the input can live anywhere; the kernel reads it directly);
-* one handshake per call instead of two barriers;
-* receive slots are double-buffered by the parity of a per-block epoch counter (modulo
-  2**30, compared for equality, so it may wrap), so the
-  slot a rank writes in call ``e`` is not the one its peer may still be reading from call
-  ``e - 1``, and reuse two calls later is safe: a rank passes call ``e + 1``'s wait only
-  after every peer has started call ``e + 1``, i.e. finished call ``e`` (kernels on one
-  stream do not overlap).
-
-The epoch counters live in device memory and advance in the kernel, so captured graphs and
-eager calls share one sequence; every rank must issue the same calls in the same order on
-one stream per communicator (what any collective requires). Sums run in rank order on every
-rank, so all ranks get bit-identical results.
-
-A call's wait is bounded: once a block has waited ``timeout`` (the device's global timer, one
-reading for the whole block so that its warps leave the wait together) since the call first
-found a flag missing, it stops waiting, marks ``1 + the peer's rank`` in a device word and in a
-status word in pinned host memory, and finishes (its output is then meaningless). A block that
-is still waiting looks at the device word every ``STATUS_AFTER_NS`` and stops too once it is
-set, so the calls launched after the one that gave up (the rest of a graph) finish within that.
-The host reads the pinned word without any device call (:meth:`PushAllReduce.peer_waited_for`);
-the caller turns it into an error and never calls the kernel again. After a give-up the ranks'
-epochs no longer agree: a peer that was only slow may sum slots this rank overwrote, so the
-step is invalid on every rank and the job must stop.
-
-Layout of the symmetric buffer a :class:`PushAllReduce` uses (bytes):
-``[flags: world x MAX_BLOCKS int32][regions...]``; a region for an ``n``-element message is
-``2 x world x n`` elements (slot parity, source rank).
-
-Requires Triton (shipped with CUDA builds of PyTorch) to launch; the layout helpers import
-without it.
+:class:`PushAllReduce` launches it over one rendezvoused symmetric buffer (its layout:
+:func:`flags_bytes`, :func:`region_bytes`). Every rank must issue the same calls in the same order
+on one stream per communicator; every rank gets bit-identical sums, in graphs and eagerly alike. A
+call that waited ``timeout`` for a peer gives up with a meaningless output and marks that peer,
+which :meth:`PushAllReduce.peer_waited_for` reads without a device call: the step is then invalid
+on every rank, and the kernel must not be called again. Launching needs Triton; the layout helpers
+import without it. The protocol (slots, epochs, the give-up): docs/collectives.md.
 """
 
 from __future__ import annotations
@@ -197,7 +168,7 @@ class PushAllReduce:
         handle: the symmetric-memory handle of ``buf`` (from ``rendezvous``).
         buf: the local symmetric buffer; its first :func:`flags_bytes` bytes hold the flags.
         rank, world: this rank and the group size (``world <= MAX_WORLD``).
-        timeout: seconds a call waits for a peer before it gives up (see the module notes;
+        timeout: seconds a call waits for a peer before it gives up (docs/collectives.md;
             counted in whole milliseconds, at least one); ``None``, 0 or infinity: it waits for
             ever.
 

@@ -1,29 +1,13 @@
 """Graphed blocks under FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-FSDP2 keeps each block's parameters sharded between uses. Before the block's forward (and again
-before its backward, with ``reshard_after_forward=True``) it all-gathers them into an unsharded
-parameter and sets that on the module; afterwards it sets the sharded one back and frees the
-unsharded storage, to allocate it anew at the next all-gather. The unsharded parameter object
-stays the same, but a graph reads device addresses, and a freed and re-allocated storage has no
-fixed one.
-
-So a graphed block that FSDP2 manages (``fully_shard(block)``, before or after
-:func:`~paddle_graphpp.torch.layers.graph_layers`) changes two things, once, at its first call:
-
-* its parameters keep their unsharded storage (:func:`keep_unsharded`): the all-gathers,
-  reduce-scatters and optimizer steps run as before, outside the graphs, and copy into and out of
-  the same memory every step; the block's unsharded parameters stay resident, as with
-  ``reshard_after_forward=False`` and between steps too (the sharded optimizer states and
-  gradients are still sharded);
-* its captures see the unsharded parameters on the module (:func:`unsharded_view`), since a
-  capture of a recorded step may run while FSDP2 has the sharded ones set.
-
-Each graphed block must be an FSDP module itself (``fully_shard(block)`` for every block, then
-``fully_shard(model)``, the layout torchtitan uses), with no FSDP module inside it. A block whose
-parameters an enclosing ``fully_shard`` manages, or that holds an FSDP module, is refused (when
-graphed, at its first call and at each capture: ``fully_shard`` may come after graphing), naming
-the layout that works. This reads FSDP2's records (``FSDPParam``: its module, parameter name and
-unsharded parameter; the process's table of composable states), checked on torch 2.11 and 2.13.
+A graphed block that FSDP2 manages is prepared once, at its first call (:func:`prepare_once`):
+FSDP2 keeps its unsharded parameter storage allocated (:func:`keep_unsharded`; :func:`release`
+undoes it), and each capture sees the unsharded parameters on the module (:func:`unsharded_view`,
+entered through :func:`capture_view`). Each graphed block must be an FSDP module itself, with none
+inside it; any other layout is refused when graphed, at the first call and at each capture, naming
+the layout that works (:func:`check_block`, :func:`check_wrapped`, :func:`prepare`). Reads FSDP2's
+private records, checked on torch 2.11 and 2.13. Why and what it costs:
+docs/pytorch.md#activation-checkpointing-and-fsdp2.
 """
 
 from __future__ import annotations
@@ -121,7 +105,7 @@ def prepare(block: nn.Module, name: str) -> None:
 
 
 def capture_view(block: nn.Module, name: str):
-    """What a graphed block's engine enters around each capture (``engine.capture_view``): the
+    """What a graphed block's engine enters around each capture (``EngineHooks.capture_view``): the
     checks and the kept storage of :func:`prepare`, then :func:`unsharded_view`."""
     prepare(block, name)
     return unsharded_view(block)

@@ -1,19 +1,12 @@
-"""Megatron-Core's CUDA RNG tracker, registered with every capture.
+"""Megatron-Core's CUDA RNG tracker, registered with every capture, and its gradient accumulation.
 
-Megatron-Core's layers (attention dropout among them) draw random numbers from the generators of
-its RNG tracker (``megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER``), not from the
-default CUDA generator, so a capture must register them as well. Seeded with
-``model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=True)`` the tracker's states are
-``torch.Generator`` objects, which a graph can register; otherwise they are plain RNG states,
-which it cannot, and a capture that draws from them fails ("Attempt to increase offset for a
-CUDA generator not in capture mode"). :data:`TRACKER` is what the PyTorch runtime registers and
-names in that failure's hint (:data:`paddle_graphpp.torch.runtime.RNG_TRACKERS`).
-
-Megatron-Core's ``DistributedDataParallel`` also hooks each parameter's gradient accumulation
-from Python, where no hook attribute shows it: :func:`accumulation_hooked` tells the runtime
-(``accumulate_grads="auto"`` then leaves accumulation to autograd).
-
-Megatron is read from ``sys.modules`` when it is imported already; this module does not import it.
+:data:`TRACKER` is what the PyTorch runtime registers with every capture and names in the hint of
+a capture that fails on the tracker (:data:`paddle_graphpp.torch.runtime.RNG_TRACKERS`): its states
+register only when seeded with ``model_parallel_cuda_manual_seed(seed,
+use_cudagraphable_rng=True)``. :func:`accumulation_hooked` tells the runtime where Megatron-Core's
+``DistributedDataParallel`` hooks a parameter's gradient accumulation (``accumulate_grads="auto"``
+then leaves it to autograd). Megatron is read from ``sys.modules``, never imported here. Why:
+docs/pytorch.md#cudagraphedmodule.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
-"""Hugging Face ``transformers`` decoder blocks under :func:`~paddle_graphpp.torch.layers.graph_layers`.
+"""Hugging Face ``transformers`` decoder blocks under :func:`~paddle_graphpp.torch.layers.graph_layers`,
+and the model's mask functions for the whole-model and stage graphs (:class:`MaskCalls`).
 
-A graphed block cannot update a key/value cache: the update is Python-side state that would
-happen once, at capture, and never at replay. Nor can it record attention weights
-(``output_attentions``: transformers records them with hooks inside the block, which replays do
-not run), nor router logits (``output_router_logits``, recorded the same way).
-:func:`check_block` refuses a block whose model config asks for any of these when it is
-graphed; :func:`check_call` refuses a call with grad enabled that passes ``use_cache=True``, a
-cache object or ``output_attentions=True``, or that transformers' output recording asks
-anything of from inside the block.
-
-Gradient checkpointing (``model.gradient_checkpointing_enable()``, before or after graphing) is
-recomputation inside the block's own graphs (:func:`checkpointing` turns the engine's
-``recompute`` on per call); the whole-model and whole-stage graphs do not recompute, and
-:func:`refuse_checkpointing` says so.
-Under ``torch.no_grad()`` (evaluation, ``generate()``) a graphed block runs eagerly, and
-caches work.
-
-The argument names are the ones transformers' decoder blocks use; the output recording is read
-from transformers' ``output_capturing`` module when transformers is loaded (this module does not
-import it).
+:func:`check_block` refuses to graph a block whose model config asks for a key/value cache,
+attention weights or router logits; :func:`check_call` refuses a call with grad enabled that
+passes ``use_cache=True``, a cache object or ``output_attentions=True``, or that transformers'
+output recording asks anything of from inside the block (:func:`recorded_outputs`); each names the
+fix. Under ``torch.no_grad()`` a graphed block runs eagerly, and caches work. Gradient
+checkpointing is recomputation inside the block's own graphs (:func:`checkpointing`); the
+whole-model and whole-stage graphs refuse it (:func:`refuse_checkpointing`). Transformers is read
+from ``sys.modules``, never imported here. Why:
+docs/pytorch.md#graph_layers-a-models-blocks-in-place.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """PyTorch side of the stream-ordered allocator switch (:mod:`paddle_graphpp.allocator`).
 
-Importing this module does not import torch: the switch must run before ``import torch``.
-
-PyTorch reads ``backend:cudaMallocAsync`` from ``PYTORCH_CUDA_ALLOC_CONF`` (and from
-``PYTORCH_ALLOC_CONF``, which PyTorch >= 2.9 reads first, so the backend is merged into that
-too when it is set). A CUDA build of PyTorch picks its allocator backend while ``import torch``
-loads its CUDA library, so the switch must come before that import; afterwards the backend
-cannot change. Other options already in the variable are kept (the async backend ignores the
-native-only ones); a different ``backend`` there is a conflict and raises. With the async
-backend PyTorch ignores graph private pools (graph memory is driver-managed graph memory,
-outside ``torch.cuda.memory_reserved()``) and allows one capture at a time per process;
-``torch.cuda.memory_snapshot()`` is unsupported.
-
-A CPU build has no device allocator; the order rule is checked against the environment torch
-was imported with all the same, so a program that would fail on a GPU fails on CPU too.
+Importing this module does not import torch: the switch must come before ``import torch``, which
+fixes the allocator backend on a CUDA build. :func:`plan` says what switching will do: add
+``backend:cudaMallocAsync`` to ``PYTORCH_CUDA_ALLOC_CONF`` (and ``PYTORCH_ALLOC_CONF`` where set),
+keeping the other options. Once torch is imported, or with another ``backend`` given, it raises
+:class:`~paddle_graphpp.allocator.AllocatorSwitchError` and changes nothing (on a CPU build too,
+checked against the environment torch was imported with). Under the async backend PyTorch
+ignores graph private pools and allows one capture at a time: docs/memory.md.
 """
 
 from __future__ import annotations

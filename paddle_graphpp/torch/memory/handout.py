@@ -2,23 +2,14 @@
 :meth:`~paddle_graphpp.core.runtime.OutputRelease.hand_out` and
 :meth:`~paddle_graphpp.core.runtime.OutputRelease.move_to_copies`.
 
-Each alias handed out gets a storage of its own over the graph's output memory (a DLPack round
-trip: a new ``StorageImpl`` whose deleter holds the graph's tensor, so the alias keeps that
-memory allocated as a plain ``detach()`` would). Every tensor made from the alias without a copy
-(``.detach()``, a slice, a view, a tensor autograd saved, what a hook stored) shares that
-storage, and a weak reference to it (``StorageWeakRef``) tells whether any of them is alive.
-Before a later replay overwrites the memory, a storage still alive is moved:
-
-* where ``UntypedStorage._swap_data_ptr_`` exists (torch 2.13; not 2.11), the storage itself
-  takes a copy's memory, so every tensor over it keeps its values;
-* else, where ``torch._C._set_storage_data_ptr_access_error_msg`` exists (CUDA builds; Inductor's
-  CUDA graph trees mark their overwritten outputs with it), the handed-out alias object moves to
-  a copy (``.data``) and every other tensor over the storage raises the engine's message (which
-  names the layer and says to clone) when its data is read;
-* else the alias object moves alone, and a warning says what still shares the old memory.
-
-Tensors DLPack cannot carry (subclasses, sparse, quantized, conjugate views) are handed out as
-``detach()`` and watched as objects, as in the last case.
+:func:`hand_out` gives each output an alias over a storage of its own (DLPack), so that every
+tensor made from it without a copy is seen; :func:`move_to_copies` moves a storage still alive
+before a replay overwrites it. Where ``UntypedStorage._swap_data_ptr_`` exists (torch 2.13,
+:func:`views_keep_values`) every such tensor keeps its values; else the alias moves to a copy and
+the other tensors raise the engine's message (naming the layer, saying to clone) when read, or,
+without that hook either, a warning names what still shares the old memory. Tensors DLPack cannot
+carry are watched as objects. The mechanism:
+docs/architecture.md#episodes-recordings-and-handed-out-outputs.
 """
 
 from __future__ import annotations
@@ -98,7 +89,7 @@ def _own_storage_alias(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def move_to_copies(runtime: GraphRuntime, held: Sequence[Held], overwritten: str) -> None:
-    """Before a replay overwrites the memory ``held`` reaches (see the module docstring)."""
+    """Before a replay overwrites the memory ``held`` reaches (the module docstring says how)."""
     storages = [h.storage for h in held if h.storage is not None]
     swapped = storages if _SWAP else []
     objects = [h.tensor for h in held if h.tensor is not None and (h.storage is None or not _SWAP)]

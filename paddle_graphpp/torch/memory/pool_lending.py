@@ -1,41 +1,13 @@
-"""Optimizer steps borrow the graph pool's free memory between episodes.
+"""Optimizer steps borrow the graph pool's free memory between episodes (PyTorch).
 
-Eagerly, a training step's activations and its optimizer's temporaries (``foreach`` AdamW
-makes several parameter-sized lists) take turns in one cache. With graphs, activations live
-in the graph pool, and the temporaries would need memory of their own, on top of eager's peak.
-Between episodes (no micro-batch in flight in any graphed layer) every activation of the pool
-is dead, so an optimizer step run then may allocate its temporaries from the pool's free
-blocks, as long as it frees them before the next replay; it then runs on the capture stream
-(the pool's blocks belong to that stream) and the current stream waits for it.
-
-A pool that grows for the temporaries keeps that memory for good (a pool with live graphs is
-never trimmed), while the default cache may hold memory the eager work outside the graphs left
-free, which they would reuse. And a pool captured from nothing is made of the segments the activations asked for,
-which parameter-sized temporaries may not fit. So before the first capture into a pool,
-:meth:`PoolLender.reserve` gives the pool free memory as large as the parameters of the
-optimizers seen stepping (:func:`watch_optimizers`): the captures place the activations in
-it, and between episodes the temporaries fit into it again. Its layout decides how the pool
-fragments: one block (the default; the first captures carve it from its start), or the
-segments one list of temporaries makes (``"segments"``). Neither wins everywhere (docs/memory.md
-gives the measurements; ``tools/diagnostics/pool_model.py`` replays a recorded pool's requests
-from each layout). Those layouts are of ordinary segments (``FLAGS_graphpp_pool_expandable=0``);
-by default a pool is one expandable range (:mod:`.pool_segments`), where the reserve, whatever
-its layout, is one free block at the range's start that the end grows from. Each optimizer
-then borrows a pool when its temporaries (one per parameter, the parameter's size) fit the
-pool's free blocks well enough (simulated best-fit, the way the caching allocator places
-them): borrowing grows the pool by what does not fit, and the pool keeps that; not borrowing
-puts the temporaries in the default cache, which grows by what its free memory (the eager
-work's, free at the step) cannot hold. The step borrows when the first is smaller; decided once
-per pool and optimizer, at its first step after the pool is lent (:func:`_borrow_pays`). The
-model is rough in two ways: it takes all of an optimizer's temporaries as alive together, where
-``foreach`` steps each parameter group in a call of its own (so it errs toward not borrowing),
-and it reads the default cache's free memory once, at that step, ignoring how it is split.
-
-A step that leaves memory allocated in the pool (optimizer state created lazily, a tensor
-kept from the step) would be overwritten by the next replays. That is checked after every
-borrowed step: the pool's allocated bytes must be what they were before. If not, the
-pool's graphs are dropped (the core records and captures them anew into a new pool) and
-lending stops for this process, with a warning.
+:class:`PoolLender` gives a new pool, before its first capture, free memory as large as the
+parameters of the optimizers seen stepping (:func:`watch_optimizers`; laid out as :data:`BLOCK` or
+:data:`SEGMENTS`), and lends the pool to an optimizer step run between episodes when that costs
+less memory than not (decided once per pool and optimizer); a borrowed step runs on the capture
+stream. A borrowed step that leaves memory allocated in the pool (state created lazily, a tensor
+kept) would be overwritten by the next replays: the pool's graphs are then dropped, to be recorded
+and captured anew into a new pool, and lending stops for the process, with a warning. The model
+behind the decision and its measurements: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -49,11 +21,12 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ...core.process import current_process
 from ...core.warn import warn
 from . import pool_segments
 from ..graphs import gc_paused
 
-__all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers"]
+__all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers", "register_optimizer"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -61,48 +34,64 @@ _SMALL = 1 << 20  # the caching allocator serves requests up to 1 MiB from its s
 _ROUND = 512  # ... and rounds every request up to a multiple of this
 SEGMENTS, BLOCK = "segments", "block"  # layouts of the memory reserved before a pool's captures
 
-_STEPPED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_WATCHING = False  # the step hook below is installed
-_ANY_STEPPED = False  # an optimizer has stepped in this process
-_FOUND: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # by optimizer_pending's scan
+class OptimizerWatch:
+    """The optimizers pool lending knows of (a part of the process's torch section)."""
+
+    def __init__(self) -> None:
+        self.stepped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # seen stepping
+        self.registered: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # register_optimizer
+        self.any_stepped = False  # an optimizer has stepped in this process
+        self.hook: Any = None  # the handle of the step hook (watch_optimizers)
+
+
+def _watch() -> OptimizerWatch:
+    return current_process().section("torch").part(OptimizerWatch)
 
 
 def watch_optimizers() -> None:
     """From now on, remember every optimizer that steps (a weak reference; once per process)."""
-    global _WATCHING
-    if not _WATCHING:
+    watch = _watch()
+    if watch.hook is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        register_optimizer_step_post_hook(_stepped)
-        _WATCHING = True
+        watch.hook = register_optimizer_step_post_hook(_stepped)
+
+
+def register_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` will step the graphed layers' parameters: captures wait for the first step
+    (:func:`optimizer_pending`). Called where graphing meets an optimizer (``GraphedOptimizer``)."""
+    _watch().registered.add(optimizer)
 
 
 def _stepped(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    global _ANY_STEPPED
-    _STEPPED.add(optimizer)
-    _ANY_STEPPED = True
+    watch = _watch()
+    watch.stepped.add(optimizer)
+    watch.any_stepped = True
 
 
 def optimizer_pending() -> bool:
-    """True while no optimizer has stepped in this process and one exists (found by a scan of
-    the garbage collector's objects, repeated only once the optimizers it found are gone).
-    Before its first step an optimizer has no state; that step creates the state and its
-    temporaries side by side and cannot borrow a graph pool (the state must not live there)."""
-    if _ANY_STEPPED:
+    """True while no optimizer has stepped in this process and one exists: one registered
+    (:func:`register_optimizer`) and alive, or else one found by a scan of the garbage collector's
+    objects (repeated only once those found are gone; torch has no hook at an optimizer's
+    creation, and the memory this wait saves was measured with the scan). Before its first step
+    an optimizer has no state; that step creates the state and its temporaries side by side and
+    cannot borrow a graph pool (the state must not live there)."""
+    watch = _watch()
+    if watch.any_stepped:
         return False
-    if not len(_FOUND):
+    if not len(watch.registered):
         import gc
 
         # issubclass of the type: isinstance would ask a dead weakref.proxy and raise
-        _FOUND.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer))
-    return bool(len(_FOUND))
+        watch.registered.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer))
+    return bool(len(watch.registered))
 
 
 def stepped_param_sizes() -> list:
     """Rounded byte sizes of the trainable parameters of the largest optimizer seen stepping,
     in its parameter order (``[]``: none stepped)."""
     lists = [[_rounded(p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-             for opt in list(_STEPPED)]
+             for opt in list(_watch().stepped)]
     return max(lists, key=sum, default=[])
 
 

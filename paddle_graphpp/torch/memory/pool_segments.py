@@ -1,31 +1,12 @@
-"""The graph pool's memory as one expandable range (``FLAGS_graphpp_pool_expandable``).
+"""The graph pool's memory as one expandable range (``FLAGS_graphpp_pool_expandable``: unset or
+true, on; false, off; anything else raises ``ValueError``; see :func:`enabled`).
 
-A graph pool made of ordinary segments cannot merge free space across them: each segment is
-one ``cudaMalloc``, and a request larger than every free block adds a segment of its own
-while the pool may have as much free in pieces (docs/memory.md shows it on a zero-bubble
-stage; ``tools/diagnostics/pool_model.py`` replays such pools). Which layout avoids it depends
-on the order of the addresses the driver hands out.
-
-The caching allocator's expandable segments (``expandable_segments:True``) give a pool one
-range of virtual addresses that grows by mapping pages at its end: a request that fits no free
-block extends the free block at the end by what is missing, instead of adding a whole segment,
-and all blocks of the pool can merge with their neighbours. PyTorch reads the setting at every
-allocation, for every pool: while it is on, new memory is mapped as expandable segments; while
-it is off, free blocks of expandable segments are passed over. So :func:`pool_allocations`
-turns it on while memory is allocated into a graph pool (its reserve, its captures, the
-optimizer steps that borrow it: every allocation into the pool) and back off after, so that the
-default cache keeps the program's setting. The allocator's other settings are passed along
-(PyTorch resets ``max_split_size_mb``, ``roundup_power2_divisions`` and
-``garbage_collection_threshold`` to their defaults when new settings leave them out): the
-settings in force as PyTorch tells them (``torch._C._accelerator_getAllocatorSettings``), or,
-on a torch without that (2.11), as the environment gave them. There, settings a program changes
-at run time through PyTorch's API are replaced by the environment's after each window: set them
-in the environment. The setting is process-wide: memory another thread allocates outside the
-pool while it is on lands in expandable segments of the default cache, which that cache reuses
-only while the setting is on again (or after ``torch.cuda.empty_cache()``).
-
-PyTorch builds that keep graph pools out of expandable segments map nothing differently (a
-pool's ``snapshot()`` segments say ``is_expandable``).
+:func:`pool_allocations` is the window every allocation into a graph pool runs in (its reserve,
+its captures, the optimizer steps that borrow it): inside, PyTorch maps new memory as expandable
+segments; after, the program's own allocator setting is back, the allocator's other settings
+passed along unchanged (on torch 2.11 as the environment gave them: set them there). The setting
+is process-wide while a window is open, so another thread's allocations then land in expandable
+segments of the default cache. Why, and what it saves: docs/memory.md.
 """
 
 from __future__ import annotations
@@ -39,15 +20,27 @@ from typing import Iterator, Optional
 import torch
 
 from ...allocator import env_flag_value
+from ...core.process import current_process
 from ...core.warn import warn
 from .allocator import async_allocator_active
 
 __all__ = ["FLAG", "enabled", "pool_allocations", "with_expandable"]
 
 FLAG = "FLAGS_graphpp_pool_expandable"
-_LOCK = threading.Lock()
-_DEPTH = 0  # windows open (nested: a capture inside a borrowed step's window, a reserve inside one)
-_SAVED: Optional[str] = None  # the settings the outermost open window switched from
+
+
+class Windows:
+    """The :func:`pool_allocations` windows open in this process (a part of its torch section)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0  # windows open (nested: a capture inside a borrowed step's window, a reserve inside one)
+        self.saved: Optional[str] = None  # the settings the outermost open window switched from
+
+
+def windows() -> Windows:
+    """This process's :class:`Windows`."""
+    return current_process().section("torch").part(Windows)
 
 
 def enabled() -> bool:
@@ -107,20 +100,20 @@ def _set(settings: str) -> None:
 
 @contextlib.contextmanager
 def pool_allocations() -> Iterator[None]:
-    """Within: new device memory is mapped as expandable segments (see the module's docstring),
+    """Within: new device memory is mapped as expandable segments (docs/memory.md),
     the allocator's other settings kept. A no-op when the flag is off, the allocator is not the
     native one, or the settings in force have expandable segments on already."""
-    global _DEPTH, _SAVED
     if not enabled():
         yield
         return
-    with _LOCK:
-        if _DEPTH == 0:
+    state = windows()
+    with state.lock:
+        if state.depth == 0:
             settings = _settings()
             if not _user_setting_on(settings):
                 _set(with_expandable(settings, True))  # raises before anything is counted
-                _SAVED = settings
-        _DEPTH += 1
+                state.saved = settings
+        state.depth += 1
     try:
         yield
     except BaseException:
@@ -131,12 +124,12 @@ def pool_allocations() -> Iterator[None]:
 
 def _leave(quiet: bool) -> None:
     """Close one window; the outermost switches the setting back off."""
-    global _DEPTH, _SAVED
-    with _LOCK:
-        _DEPTH -= 1
-        if _DEPTH or _SAVED is None:
+    state = windows()
+    with state.lock:
+        state.depth -= 1
+        if state.depth or state.saved is None:
             return
-        saved, _SAVED = _SAVED, None
+        saved, state.saved = state.saved, None
         try:
             _set(with_expandable(saved, False))
         except Exception as exc:  # noqa: BLE001

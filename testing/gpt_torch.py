@@ -1,4 +1,4 @@
-"""The GPT of the demo trainer and the benchmarks, in PyTorch.
+"""The GPT that the tests, the demo trainer and the benchmarks run, in PyTorch.
 
 Token + position embeddings whose token table is tied to the output head, pre-norm transformer
 blocks (causal self-attention and a 4x GELU MLP, each with residual dropout), a final norm and
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tools.gpt_shape import GPT3_1P3B, GPTShape
+from testing.gpt_shape import GPT3_1P3B, GPTShape
 
 __all__ = ["GPTShape", "Embedding", "Head", "Block", "ParallelBlock", "build_chunk", "GPT3_1P3B"]
 

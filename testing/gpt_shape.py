@@ -1,14 +1,14 @@
-"""The shape of the GPT of the demo trainer and the benchmarks, for both frameworks.
+"""The shape of the GPT that the tests, the demo trainer and the benchmarks run, for both frameworks.
 
-:class:`GPTShape` is what ``tools/gpt_torch.py`` and ``tools/gpt_paddle.py`` build from; this
-module imports neither framework.
+:class:`GPTShape` is what :mod:`testing.gpt_torch` and the trainer's Paddle GPT
+(``tools/gpt_paddle.py``) build from; this module imports neither framework.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ATTENTION", "GPTShape", "GPT3_1P3B", "train_gpt_flags"]
+__all__ = ["ATTENTION", "GPTShape", "GPT3_1P3B"]
 
 ATTENTION = ("explicit", "sdpa")
 
@@ -47,10 +47,3 @@ class GPTShape:
 
 #: GPT-3 1.3B (hidden 2048, 24 layers, 16 heads, vocab 50304) at sequence length 2048.
 GPT3_1P3B = GPTShape(hidden=2048, heads=16, vocab=50304, seq_len=2048, layers=24, dropout=0.1, attention="sdpa")
-
-
-def train_gpt_flags(shape: GPTShape) -> list:
-    """``tools/train_gpt.py`` arguments that build ``shape``'s model (width, depth, heads, vocab,
-    attention); the sequence length and dropout are the run's, left to the caller."""
-    return ["--hidden", str(shape.hidden), "--layers", str(shape.layers), "--heads", str(shape.heads),
-            "--vocab", str(shape.vocab), "--attention", shape.attention]

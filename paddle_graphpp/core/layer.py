@@ -1,0 +1,103 @@
+"""One graphed layer as the engine's parts see it: what it is, fixed when its engine is made.
+
+:class:`Layer` is the narrow view each part of a :class:`~paddle_graphpp.core.engine.GraphedCallable`
+is given at construction (its name, wrapped call, runtime, options, the process's services); a
+front door's additions come in :class:`EngineHooks`, given then too and never assigned later.
+:class:`GradBuffers` holds the layer's parameter-gradient buffers, which its captures write and
+its backward replays hand out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+from .errors import SignatureError
+from .records import Outputs
+from .tree import flatten
+
+__all__ = ["EngineHooks", "hooks_for", "Layer", "GradBuffers"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHooks:
+    """What a front door adds to a layer's engine, given when the engine is made."""
+
+    #: Entered around each capture of the layer: the layer as its graphs read it (a front door
+    #: gives one where the layer's parameters are swapped out between calls, as FSDP2 does).
+    capture_view: Callable[[], ContextManager] = contextlib.nullcontext
+    #: Whether a call recomputes its forward in the backward (activation checkpointing), read per
+    #: call; ``None``: the ``recompute`` option.
+    recomputes: Optional[Callable[[], bool]] = None
+
+
+def hooks_for(wrapped: Any, name: str, options: Any, default: EngineHooks) -> EngineHooks:
+    """The hooks of the engine that graphs ``wrapped``: what ``wrapped.graph_engine_hooks(name,
+    options)`` returns where a front door's wrapper defines it (it runs in place of a block and
+    knows how that block is viewed and recomputed), else ``default``."""
+    make = getattr(wrapped, "graph_engine_hooks", None)
+    return make(name, options) if make is not None else default
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """What one graphed layer is: ``name`` (in messages), its wrapped call ``fn``, its runtime
+    and that runtime's capabilities (``caps``), its ``options`` and memory mode, ``params()``
+    (its trainable parameters, read while a signature warms up), its ``hooks``, and
+    ``process()``, the process's services (renewed with its memory plan)."""
+
+    name: str
+    fn: Callable
+    runtime: Any
+    caps: Any
+    options: Any
+    memory_mode: Any
+    params: Callable[[], list]
+    hooks: EngineHooks
+    process: Callable[[], Any]
+
+    def generators(self) -> tuple:
+        """The generators named by the ``generators`` option, read at each capture."""
+        chosen = self.options.generators
+        if chosen is None:
+            return ()
+        return tuple(chosen() if callable(chosen) else chosen)
+
+    def outputs_of(self, result: Any) -> tuple:
+        """The output structure of ``result`` and its tensors."""
+        rt = self.runtime
+        leaves, spec = flatten(result)
+        index = tuple(i for i, x in enumerate(leaves) if rt.is_tensor(x))
+        if not index:
+            raise SignatureError(f"{self.name}: the wrapped layer returned no tensor; a graphed layer "
+                                 f"must return at least one tensor.")
+        tensors = [leaves[i] for i in index]
+        shape = Outputs(tuple(None if i in index else x for i, x in enumerate(leaves)), spec, index,
+                        tuple(rt.spec(t).requires_grad for t in tensors))
+        return shape, tensors
+
+
+class GradBuffers:
+    """A layer's parameter-gradient buffers (made at its first capture) and the buffers a split
+    backward's weight half writes without accumulation."""
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+        self.params: Optional[list] = None
+        self.weights: Optional[list] = None
+
+    def for_params(self, params: Sequence[Any]) -> list:
+        """The parameter-gradient buffers, one per parameter of ``params``."""
+        if self.params is None or len(self.params) != len(params):
+            self.params = [self.runtime.static_like(p) for p in params]
+        return self.params
+
+    def for_weights(self, params: Sequence[Any]) -> list:
+        """The weight half's buffers, one per parameter of ``params``."""
+        if self.weights is None or len(self.weights) != len(params):
+            self.weights = [self.runtime.static_like(p) for p in params]
+        return self.weights
+
+    def reset(self) -> None:
+        self.params = self.weights = None
