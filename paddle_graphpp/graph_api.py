@@ -37,7 +37,8 @@ from .core.runtime import (FRAMEWORKS, GraphRuntime, framework_imported, framewo
                            sole_imported_framework)
 from .core.tree import flatten
 
-__all__ = ["graph_process", "create_graph", "capture_to_graph", "replay_graph", "clear_graph_cache"]
+__all__ = ["graph_process", "create_graph", "capture_to_graph", "replay_graph", "clear_graph_cache",
+           "forget_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ class _Entry:
 
 class GraphCache(dict):
     """slot -> :class:`_Entry`: the graphs :func:`graph_process` holds (a part of the process)."""
+
+    def forget(self, slot: Hashable) -> bool:
+        """Drop the graph held in ``slot``; returns whether one was held."""
+        return self.pop(slot, None) is not None
 
 
 def _cache() -> GraphCache:
@@ -153,6 +158,17 @@ def graph_process(func: Callable, *args, replay_first_step: bool = False, key: O
 def clear_graph_cache() -> None:
     """Forget every graph :func:`graph_process` holds (their memory goes with them)."""
     _cache().clear()
+
+
+def forget_graph(func: Callable, *, key: Optional[Hashable] = None) -> bool:
+    """Forget the graph :func:`graph_process` holds for ``func`` (the slot it called
+    ``graph_process(func, ...)`` with: ``key``, or by default the function's identity); its memory
+    goes with it and the next call captures anew. Returns whether a graph was held."""
+    if key is not None:
+        return _cache().forget(("key", key))
+    slot = _identity_slot(func)
+    entry = _cache().get(slot)
+    return entry is not None and _owner_is(entry, func) and _cache().forget(slot)
 
 
 # ------------------------------------------------------------------ the trio

@@ -99,10 +99,40 @@ class GraphedOptimizer:
     * ``compile=True`` (PyTorch only) runs the captured sequence through ``torch.compile``
       first, fusing a ``foreach`` optimizer's passes; the Paddle class refuses it with a
       ``ValueError``.
+    * ``undo()`` releases the graph and returns the wrapped optimizer, with what wrapping changed
+      in it (capturable mode, lr tensor, where step counts live) put back.
     """
+
+    _undone = False
 
     def __new__(cls, optimizer, *args, **kwargs):
         if cls is GraphedOptimizer:
             module = _framework_module(optimizer, "GraphedOptimizer")
             cls = module.GRAPHED_OPTIMIZER
         return super().__new__(cls)
+
+    def undo(self) -> Any:
+        """Release the captured step's graph and return the wrapped optimizer, with what wrapping
+        changed in it put back (the framework class says what); its state (moments, step
+        counts) is what the steps so far made. This object refuses :meth:`step` afterwards.
+
+        Raises:
+            RuntimeError: undone already.
+        """
+        if self._undone:
+            raise RuntimeError(f"GraphedOptimizer({type(self.optimizer).__name__}): undo() was called twice; use the "
+                               f"optimizer the first undo() returned")
+        from .graph_api import forget_graph
+
+        forget_graph(self._sequence)  # the graph graph_process keeps the step in
+        self._give_back()
+        self._undone = True
+        return self.optimizer
+
+    def _give_back(self) -> None:
+        """Put back what construction and the first steps changed in the wrapped optimizer."""
+
+    def _refuse_undone(self) -> None:
+        if self._undone:
+            raise RuntimeError(f"GraphedOptimizer({type(self.optimizer).__name__}) was undone and its graph released; "
+                               f"step the optimizer undo() returned, or wrap it again")

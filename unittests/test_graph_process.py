@@ -171,6 +171,19 @@ def test_explicit_key(fake):
     assert fake.replayed == [("a",), ("b",)]
 
 
+def test_forget_graph_drops_one_slot_and_the_next_call_captures_anew(fake):
+    x, y = torch.ones(1), torch.zeros(1)
+    a, b = _adder(fake, "a"), _adder(fake, "b")
+    gp.graph_process(a, x, y)
+    gp.graph_process(b, x, y, key="k")
+    assert not gp.forget_graph(b)  # b's graph is under its key, not its identity
+    assert gp.forget_graph(a) and not gp.forget_graph(a)
+    assert len(gp._cache()) == 1
+    assert gp.forget_graph(b, key="k") and len(gp._cache()) == 0
+    gp.graph_process(a, x, y)
+    assert fake.captures == 3 and fake.replayed == []
+
+
 def test_dead_closure_releases_its_graph(fake):
     step = _adder(fake, "a")
     gp.graph_process(step, torch.ones(1), torch.zeros(1))

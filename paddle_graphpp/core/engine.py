@@ -84,6 +84,8 @@ class GraphedCallable:
         self.buffers = GradBuffers(runtime)  # what the backward graphs write parameter gradients into
         self.state = LayerStateCheck(runtime, fn, name)  # replays refuse replaced parameters and buffers
         self.recomputing = LayerRecompute(layer)  # whether calls recompute; the RNG mirrors
+        #: Set by :meth:`retire` (a front door's ``undo()``): what to call instead of this layer.
+        self.retired: Optional[str] = None
         parts = dict(lifecycle=self.phases, state=self.state, recomputing=self.recomputing)
         self.capture = LayerCapture(layer, buffers=self.buffers, **parts)
         self.replay = Replays(layer, queue=self.queue, participant=self.capture, **parts)
@@ -101,6 +103,8 @@ class GraphedCallable:
 
     # ------------------------------------------------------------------ entry
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        if self.retired is not None:
+            raise RuntimeError(f"{self.name} was undone and its graphs released; {self.retired}")
         rt = self.runtime
         if not rt.grad_enabled():
             return self.fn(*args, **kwargs)  # inference: no backward will pair with it
@@ -249,6 +253,29 @@ class GraphedCallable:
         self.recomputing.reset()
         self.state.reset()
 
+    def check_undo(self) -> None:
+        """What :meth:`retire` checks first; a front door undoing several layers checks them all
+        before retiring any, so that a refusal changes nothing.
+
+        Raises:
+            GraphScheduleError: micro-batches of this layer are in flight.
+            RuntimeError: retired already (undone twice).
+        """
+        if self.retired is not None:
+            raise RuntimeError(f"{self.name}: undo() was called twice; it is undone already ({self.retired})")
+        if self.in_flight:
+            raise GraphScheduleError(
+                f"{self.name}: undo() with {self.in_flight} micro-batch(es) in flight; run their backwards first "
+                f"(undo between steps), or drop them with paddle_graphpp.drop_in_flight(model). Nothing was undone.")
+
+    def retire(self, fix: str) -> None:
+        """Release this layer's graphs for good (:meth:`reset`), as a front door's ``undo()`` does:
+        every later call raises ``RuntimeError`` naming the layer and ``fix`` (what to call instead).
+        Raises what :meth:`check_undo` raises."""
+        self.check_undo()
+        self.reset()
+        self.retired = fix
+
     # ----------------------------------------------------------------- helpers
     def outputs_of(self, result: Any) -> tuple:
         """The output structure of ``result`` and its tensors."""
@@ -355,9 +382,24 @@ def graphed_engine(wrapped: Any, runtime: GraphRuntime, trainable: Callable[[], 
 
 class HoldsEngine:
     """Mixed into a framework's graphed layer class (before the framework's module class): the
-    engine it calls, ``engine``, and ``reset_graphs()``. The class sets ``_engine``."""
+    engine it calls, ``engine``, ``reset_graphs()`` and ``undo()``. The class sets ``_engine``, and
+    names the attribute holding the wrapped layer in ``_wraps``."""
 
     _engine: GraphedCallable
+    _wraps: str
+
+    def undo(self) -> Any:
+        """Release this wrapper's graphs and return the layer it wraps, which graphing left
+        unchanged; the wrapper refuses calls afterwards (wrap the layer again to graph it).
+
+        Raises:
+            GraphScheduleError: micro-batches are in flight (run their backwards first: undo
+                between steps). Nothing is changed then.
+            RuntimeError: undone already.
+        """
+        self._engine.retire(f"call the {type(getattr(self, self._wraps)).__name__} that undo() returned, "
+                            f"or wrap it again")
+        return getattr(self, self._wraps)
 
     def reset_graphs(self) -> None:
         """Forget this layer's graphs; they are captured anew after warmup, against the

@@ -199,6 +199,9 @@ GRAPHED_LAYER_DOC = """Wrap ``{arg}`` so that, after warmup, its forward and bac
     Without CUDA (or with CPU inputs) it runs eagerly and warns once. Under ``{no_grad}`` it
     always runs eagerly.
 
+    ``undo()`` releases the graphs and returns ``{arg}``, which graphing leaves unchanged (the
+    wrapper refuses calls afterwards).
+
     .. warning:: Outputs alias graph memory until the same micro-batch position is replayed
        again, or, for an output the recorded step had freed within the step, until the graphs
        captured after that point run. {outputs}

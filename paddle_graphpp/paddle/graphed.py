@@ -61,6 +61,7 @@ def paddle_engine_options(owner: str, door, positional: tuple, keywords: dict,
 
 @opaque  # paddle.jit.to_static (SOT) around a model calls its graphed layers as they are (see .to_static)
 class CUDAGraphedLayer(HoldsEngine, paddle.nn.Layer):
+    _wraps = "layer"
     __doc__ = graphed_layer_doc(arg="layer", base="paddle.nn.Layer", no_grad="paddle.no_grad()",
                                 outputs="Outputs are then overwritten: clone what you keep.",
                                 refused=tuple(PADDLE_REFUSED_OPTIONS), notes=_PADDLE_NOTES,

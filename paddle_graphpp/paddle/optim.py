@@ -167,12 +167,14 @@ class PaddleGraphedOptimizer(GraphedOptimizer):
         self.unavailable_reason = self._runtime.graphs_unavailable_reason(self._params)
         self.graphed = self.unavailable_reason is None
         self._steps = 0
+        self._moved: list = []  # (accumulator name, key) of the beta powers moved to the device
         if not self.graphed:
             logger.info("GraphedOptimizer(%s): running eagerly (%s)", type(optimizer).__name__,
                         self.unavailable_reason)
 
     def step(self) -> Optional[paddle.Tensor]:
         """Clip, step and clear the gradients; returns the pre-clip norm tensor or ``None``."""
+        self._refuse_undone()
         grads = [p.grad for p in self._params]
         self._steps += 1
         if not self.graphed or self._steps == 1:
@@ -234,8 +236,18 @@ class PaddleGraphedOptimizer(GraphedOptimizer):
             accumulators = opt._accumulators.get(name, {})
             place = self._params[0].place
             for key, acc in list(accumulators.items()):
-                if acc.place.is_cpu_place():
+                if acc.place.is_cpu_place() and not place.is_cpu_place():
                     accumulators[key] = acc._copy_to(place, True)
+                    self._moved.append((name, key))
+
+    def _give_back(self) -> None:
+        # GraphedOptimizer.undo: the beta-power accumulators on the CPU again, where Paddle keeps them.
+        opt = self.optimizer
+        for name, key in self._moved:
+            accumulators = opt._accumulators.get(name, {})
+            if key in accumulators:
+                accumulators[key] = accumulators[key]._copy_to(paddle.CPUPlace(), True)
+        self._moved = []
 
 
 @contextlib.contextmanager

@@ -62,6 +62,9 @@ __all__ = ["graph_pipeline", "GraphedPipeline", "PipelineLayer"]
 
 # Set on a graphed model: its GraphedPipeline.
 _GRAPHS_ATTR = "_paddle_graphpp_pipeline"
+_ABSENT = object()
+# The model's instance attributes graph_pipeline sets (GraphedPipeline.undo puts back what was there).
+_SET_ON_MODEL = ("save_state_dict", "set_state_dir", "use_cudagraph")
 
 
 class _RunBody(nn.Layer):
@@ -139,7 +142,7 @@ class _Chunk:
 class GraphedPipeline:
     """The graphed runs :func:`graph_pipeline` made of one pipeline model (on this rank)."""
 
-    def __init__(self, model, chunks, graphed_layers, graphed_loss=None, recompute_interval=0):
+    def __init__(self, model, chunks, graphed_layers, graphed_loss=None, recompute_interval=0, attributes=None):
         self.model = model
         self._chunks = chunks
         self._graphed_layers = graphed_layers
@@ -147,6 +150,7 @@ class GraphedPipeline:
         #: fleet's ``recompute_interval`` of the model as built (its ``_recompute_interval`` is 0
         #: outside :meth:`eager_view`: the graphed entries recompute themselves)
         self.recompute_interval = recompute_interval
+        self._attributes = attributes or {}  # the model's instance attributes graphing set: their values before
 
     @staticmethod
     def of(model) -> Optional["GraphedPipeline"]:
@@ -171,6 +175,43 @@ class GraphedPipeline:
     def graphed_layers(self) -> list:
         """The :class:`paddle_graphpp.CUDAGraphedLayer` of each graphed run on this rank, in layer order."""
         return list(self._graphed_layers)
+
+    def undo(self):
+        """Undo :func:`graph_pipeline` on this rank: fleet's per-layer ``run_function`` lists, loss
+        list and ``_recompute_interval`` as built, the model's ``save_state_dict``,
+        ``set_state_dir`` and ``use_cudagraph`` as before, and every graphed run's graphs
+        released. Call it on every rank, between steps. Returns the model (the pipeline layer,
+        also when a ``fleet.distributed_model`` wrapper was graphed); it can be graphed again.
+
+        Raises:
+            GraphScheduleError: a graphed run has micro-batches in flight (run their backwards
+                first). Nothing is changed then.
+            RuntimeError: undone already.
+        """
+        model = self.model
+        if model.__dict__.get(_GRAPHS_ATTR) is not self:
+            raise RuntimeError(f"GraphedPipeline({type(model).__name__}): undo() was called twice; the model is not "
+                               f"graphed by it any more (graph_pipeline(model) graphs it again)")
+        engines = [layer.engine for layer in self._graphed_layers]
+        if self.graphed_loss is not None:
+            engines.append(self.graphed_loss.graphed.engine)
+        for engine in engines:
+            engine.check_undo()
+        for engine in engines:
+            engine.retire("the model runs its layers eagerly again (GraphedPipeline.undo())")
+        for chunk in self._chunks:
+            chunk.run_function[:] = chunk.eager
+        model._recompute_interval = self.recompute_interval
+        if self.graphed_loss is not None:
+            losses = model._loss_fn
+            losses[losses.index(self.graphed_loss)] = self.graphed_loss.loss_fn
+        for attr, value in self._attributes.items():
+            if value is _ABSENT:
+                model.__dict__.pop(attr, None)
+            else:
+                model.__dict__[attr] = value
+        del model.__dict__[_GRAPHS_ATTR]
+        return model
 
     @contextlib.contextmanager
     def eager_view(self):
@@ -225,7 +266,8 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
             :class:`paddle_graphpp.CUDAGraphedLayer` takes them.
 
     Parameter names, ``state_dict()`` keys and parameters are unchanged, so an optimizer
-    built before the call stays valid. ``GraphedPipeline.of(model)`` returns the result again.
+    built before the call stays valid. ``GraphedPipeline.of(model)`` returns the result again;
+    its ``undo()`` puts fleet's lists and the model's attributes back and releases the graphs.
 
     Recompute: with fleet's ``recompute_interval > 0`` each graphed run is cut where one of fleet's
     recompute groups begins and recomputes inside its own graphs when fleet would recompute its
@@ -315,7 +357,8 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
     model._recompute_interval = 0  # the entries recompute themselves (pipeline_recompute)
 
     graphed_loss = None if loss_fn is None else _graph_loss(model, loss_fn, chosen)
-    graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss, interval)
+    before = {attr: model.__dict__.get(attr, _ABSENT) for attr in _SET_ON_MODEL}
+    graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss, interval, before)
     setattr(model, _GRAPHS_ATTR, graphs)
     for method in ("save_state_dict", "set_state_dir"):
         _with_eager_view(model, method, graphs)
@@ -615,6 +658,8 @@ class PipelineLayer(_FleetPipelineLayer):
 
     Build it after ``fleet.init(is_collective=True, strategy=...)`` and on every rank
     (it may create communication groups), then wrap it with ``fleet.distributed_model``.
+    With ``use_cudagraph``, ``GraphedPipeline.of(model).undo()`` ungraphs it (see
+    :func:`graph_pipeline`).
     On a CPU build it makes fleet's CPU adjustments (:mod:`paddle_graphpp.paddle.fleet_cpu`).
 
     Raises:
@@ -652,8 +697,7 @@ class PipelineLayer(_FleetPipelineLayer):
                          recompute_ctx=recompute_ctx, num_virtual_pipeline_stages=num_virtual_pipeline_stages,
                          use_cudagraph=False, use_dualpipev=use_dualpipev)
         self.uses_hop_groups = bool(on_cpu and fleet_cpu.use_hop_groups(fleet.get_hybrid_communicate_group()))
-        self.use_cudagraph = bool(use_cudagraph)
-        if self.use_cudagraph:
+        if use_cudagraph:  # sets use_cudagraph = True (fleet's __init__ set it False), undone with the graphs
             graph_pipeline(self, graph_loss=graph_loss, to_static=to_static, options=chosen)
 
     def segmentation_report(self) -> str:

@@ -32,7 +32,7 @@ from paddle_graphpp.core.process import current_process
 from paddle_graphpp.paddle.graphed import paddle_engine_options
 from paddle_graphpp.paddle.pipeline import _check_graphable, graph_pipeline
 
-__all__ = ["install", "uninstall"]
+__all__ = ["install", "uninstall", "Installed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +41,7 @@ class _Settings:
     options: EngineOptions
 
 
-class Installed:
+class InstallState:
     """What :func:`install` did in this process (a part of its paddle section)."""
 
     def __init__(self) -> None:
@@ -50,11 +50,29 @@ class Installed:
         self.wrapper = None  # what install() put in its place
 
 
-def _installed() -> Installed:
-    return current_process().section("paddle").part(Installed)
+def _installed() -> InstallState:
+    return current_process().section("paddle").part(InstallState)
 
 
-def install(*, default_use_cudagraph: bool = False, options: Optional[EngineOptions] = None, **engine_kwargs) -> None:
+class Installed:
+    """What :func:`install` returns: ``undo()`` is :func:`uninstall`."""
+
+    def undo(self) -> None:
+        """:func:`uninstall`: fleet's own ``PipelineLayer.__init__`` again. Models graphed through
+        the hook stay graphed: ``GraphedPipeline.of(model).undo()`` ungraphs each.
+
+        Raises:
+            RuntimeError: not installed (undone already, or :func:`uninstall` was called), or
+                something else replaced ``PipelineLayer.__init__`` after :func:`install`.
+        """
+        if _installed().wrapper is None:
+            raise RuntimeError("paddle_graphpp.install(...).undo(): not installed (undone already, or uninstall() "
+                               "was called); nothing to undo")
+        uninstall()
+
+
+def install(*, default_use_cudagraph: bool = False, options: Optional[EngineOptions] = None,
+            **engine_kwargs) -> Installed:
     """Make fleet's ``PipelineLayer(..., use_cudagraph=True)`` graph with this project's engine.
 
     Affects pipeline models built after the call, of fleet's class and every subclass; call
@@ -68,6 +86,11 @@ def install(*, default_use_cudagraph: bool = False, options: Optional[EngineOpti
         options, **engine_kwargs: the engine options of the graphed runs (an
             :class:`paddle_graphpp.EngineOptions`, or its fields by keyword, as
             :class:`paddle_graphpp.CUDAGraphedLayer` takes them).
+
+    Returns:
+        An :class:`Installed`, whose ``undo()`` is :func:`uninstall` (fleet's own
+        ``PipelineLayer.__init__`` again; models graphed meanwhile are ungraphed each with
+        ``GraphedPipeline.of(model).undo()``).
 
     Raises:
         RuntimeError: this Paddle's fleet ``PipelineLayer`` has no ``use_cudagraph`` argument
@@ -89,12 +112,14 @@ def install(*, default_use_cudagraph: bool = False, options: Optional[EngineOpti
     if installed.wrapper is None:
         installed.original_init = _FleetPipelineLayer.__init__
         installed.wrapper = _FleetPipelineLayer.__init__ = _graphing_init(installed.original_init)
+    return Installed()
 
 
 def uninstall() -> None:
     """Undo :func:`install`: fleet's ``use_cudagraph`` builds upstream's graphs again.
 
-    Models graphed already stay graphed. A no-op when not installed.
+    Models graphed already stay graphed (``GraphedPipeline.of(model).undo()`` ungraphs each).
+    A no-op when not installed.
 
     Raises:
         RuntimeError: something else replaced ``PipelineLayer.__init__`` after :func:`install`

@@ -66,6 +66,7 @@ def torch_engine_options(owner: str, door, positional: tuple, keywords: dict, op
 
 
 class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
+    _wraps = "module"
     __doc__ = graphed_layer_doc(arg="module", base="torch.nn.Module", no_grad="torch.no_grad()",
                                 outputs=_OUTPUTS_DOC, notes=TORCH_OPTION_NOTES, extra_args=_COMPILE_DOC,
                                 warnings=_WARNINGS_DOC)
@@ -98,3 +99,15 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
         """What ``forward`` does, without a module call: a graphed block calls this (hooks
         registered on this module do not run then)."""
         return self._engine(args, kwargs)
+
+    def undo(self) -> torch.nn.Module:
+        """Release the graphs and return ``module`` (graphing left it unchanged); FSDP2 frees its
+        unsharded storage after use again. This wrapper refuses calls afterwards.
+
+        Raises:
+            GraphScheduleError: micro-batches are in flight (undo between steps); nothing changes.
+            RuntimeError: undone already.
+        """
+        module = super().undo()
+        _fsdp.release(self)
+        return module

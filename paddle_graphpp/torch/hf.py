@@ -36,7 +36,7 @@ from ..core.options import EngineOptions
 from ..core.warn import warn
 from .graphed import CUDAGraphedModule, torch_engine_options
 from .integrations import transformers as _transformers
-from .layers import check_layer, graph_in_place
+from .layers import check_layer, graph_in_place, ungraph_layers
 
 __all__ = ["causal_lm_stage", "CausalLMStage"]
 
@@ -227,6 +227,7 @@ class CausalLMStage(nn.Module):
         self.__dict__["_stage_input"] = [None]  # what the stand-ins hand on, during a call
         self.__dict__["_cut"] = self._cut_before(start + len(self.layer_indices))
         self.__dict__["_masks_kept"] = {}
+        self.__dict__["_graphed"] = None  # set by causal_lm_stage: "blocks", "stage" (its scope), or None
 
     @property
     def blocks(self) -> list:
@@ -358,6 +359,29 @@ class CausalLMStage(nn.Module):
         return (f"model={type(self._model).__name__}, stage={self.stage_index}/{self.num_stages}, "
                 f"blocks={self.layer_indices}")
 
+    def undo(self) -> nn.Module:
+        """Release this stage's graphs and return the model it was cut from: with ``scope="blocks"``
+        its blocks get their own classes back (:func:`~paddle_graphpp.torch.ungraph_layers`, in the
+        model too); with ``scope="stage"`` the stage's one graph is dropped. The stage then runs
+        eagerly (the model's own forward over its blocks).
+
+        Raises:
+            GraphScheduleError: micro-batches are in flight (undo between steps); nothing changes.
+            RuntimeError: the stage is not graphed (built with ``graph=False``, or undone already).
+        """
+        scope = self.__dict__["_graphed"]
+        if scope is None:
+            raise RuntimeError(f"CausalLMStage {self.stage_index}: undo() on a stage that is not graphed (built with "
+                               f"graph=False, or undone already); nothing to undo")
+        if scope == "stage":
+            self.__dict__["_whole"].engine.retire(
+                "call the stage (undo() made it run eagerly), or build it again with causal_lm_stage()")
+            del self.__dict__["_whole"]
+        elif self.blocks:
+            ungraph_layers(self.blocks)
+        self.__dict__["_graphed"] = None
+        return self._model
+
 
 @contextlib.contextmanager
 def _swapped(module: nn.Module, children: dict):
@@ -453,7 +477,8 @@ def causal_lm_stage(
 
     Returns:
         A :class:`CausalLMStage`; ``example_io(micro_batch_size, seq_len)`` gives the example
-        tensors ``PipelineStage`` wants.
+        tensors ``PipelineStage`` wants, and ``undo()`` releases its graphs (its blocks get their
+        own classes back, in ``model`` too) and returns ``model``.
 
     Raises:
         TypeError: the model has no base model with one block list, or its stages' chain does
@@ -508,9 +533,12 @@ def causal_lm_stage(
             _transformers.refuse_checkpointing(f"{layout.family}.{i}", blocks[i], "causal_lm_stage(scope='stage')")
         stage.__dict__["_whole"] = CUDAGraphedModule(_StageBody(stage), compile=compile, options=chosen,
                                                      name=f"causal_lm_stage({stage_index}/{num_stages})")
-    elif graph and indices:
-        graph_in_place([(str(i), blocks[i]) for i in indices], [f"{layout.family}.{i}" for i in indices],
-                       check_config=False, compile=compile, options=chosen)
+        stage.__dict__["_graphed"] = "stage"
+    elif graph:
+        if indices:
+            graph_in_place([(str(i), blocks[i]) for i in indices], [f"{layout.family}.{i}" for i in indices],
+                           check_config=False, compile=compile, options=chosen)
+        stage.__dict__["_graphed"] = "blocks"
     return stage
 
 

@@ -47,7 +47,7 @@ from .graphed import CUDAGraphedModule, torch_engine_options
 from .integrations import fsdp as _fsdp
 from .integrations import transformers as _transformers
 
-__all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer"]
+__all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer", "GraphedLayers"]
 
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
 _NAME = "_graphpp_name"
@@ -200,6 +200,26 @@ def _graphed_classes() -> GraphedClasses:
     return current_process().section("torch").part(GraphedClasses)
 
 
+class GraphedLayers(list):
+    """What :func:`graph_layers` returns: the graphed blocks, in order (the same objects as in the
+    list it was given), with :meth:`undo`."""
+
+    def undo(self) -> list:
+        """:func:`ungraph_layers` on these blocks: each gets its own class back and its graphs are
+        released. Returns them, in order.
+
+        Raises:
+            GraphScheduleError: a block has micro-batches in flight (undo between steps).
+            RuntimeError: a block is not graphed any more (undone already); nothing changes.
+            TypeError: a block was wrapped again after graphing (see :func:`ungraph_layers`).
+        """
+        for i, layer in enumerate(self):
+            if not isinstance(layer, GraphedLayer):
+                raise RuntimeError(f"graph_layers(...).undo(): block {i} ({type(layer).__name__}) is not graphed "
+                                   f"(undone already, by undo() or ungraph_layers()); nothing was changed.")
+        return ungraph_layers(list(self))
+
+
 def _graphed_class(cls: type) -> type:
     graphed = _graphed_classes().get(cls)
     if graphed is None:
@@ -291,7 +311,9 @@ def graph_layers(
             also positionally), documented on ``CUDAGraphedModule``.
 
     Returns:
-        The graphed blocks, in order (the same objects as in ``layers``).
+        The graphed blocks, in order (the same objects as in ``layers``), as a list whose
+        ``undo()`` is :func:`ungraph_layers` on them: it gives each block its own class back and
+        releases its graphs.
 
     Raises:
         TypeError: ``layers`` is not a container of modules, or a block is already graphed; a
@@ -357,7 +379,7 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled), compiled=compiled is not None),
                                  name=label, options=options)
                for label, (_, layer) in zip(names, pairs)]  # every option checked before any block changes
-    graphed = []
+    graphed = GraphedLayers()
     for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
         layer.__dict__[_NAME] = label
@@ -394,9 +416,18 @@ def _forward_of(cls: type, compiled: Optional[dict]):
 
 
 def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, Iterable[nn.Module]]) -> list:
-    """Undo :func:`graph_layers`: each graphed block gets its own class back and drops its graphs
-    (their memory is freed once nothing else holds them). Blocks that are not graphed are left
-    as they are. Returns the blocks, in order."""
+    """Undo :func:`graph_layers`: each graphed block gets its own class back, and its attributes
+    and compiled call as they were; its graphs are released (their memory is freed once no
+    output of theirs is held). Blocks that are not graphed are left as they are.
+
+    Returns:
+        The blocks, in order.
+
+    Raises:
+        GraphScheduleError: a block has micro-batches in flight (run their backwards first: undo
+            between steps). Nothing is changed then.
+        TypeError: a block was wrapped again after graphing (``fully_shard``); nothing is changed.
+    """
     out = []
     for key, layer in _entries(layers):
         if isinstance(layer, GraphedLayer) and type(layer) is not _graphed_classes().get(type(layer)._graphpp_original):
@@ -404,8 +435,11 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
                 f"ungraph_layers(): block {key} ({type(layer).__name__}) was wrapped again after graph_layers() "
                 f"(fully_shard, say), which its class would lose. Build the model anew without graph_layers(), or "
                 f"ungraph before wrapping.")
+        if isinstance(layer, GraphedLayer):
+            layer.engine.check_undo()
     for _, layer in _entries(layers):
         if isinstance(layer, GraphedLayer):
+            layer.engine.retire("call the block itself (ungraph_layers() gave it its own class back)")
             _fsdp.release(layer)
             layer.__class__ = type(layer)._graphpp_original
             layer.__dict__.pop(_SLOT, None)

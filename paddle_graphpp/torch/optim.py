@@ -7,11 +7,13 @@ No function here reads a device value on the host, so each can run inside a CUDA
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable, Optional, Sequence
 
 import torch
 
 from ..core.errors import StateReplacedError
+from ..core.process import current_process
 from ..graph_api import graph_process
 from ..core.capture import capture_for
 from ..core.state import StateWatch
@@ -20,7 +22,7 @@ from .memory import pool_lending as _pool_lending
 from .runtime import active_runtime
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
-           "make_capturable", "frozen_hyperparameters", "optimizer_state_slots"]
+           "make_capturable", "undo_capturable", "frozen_hyperparameters", "optimizer_state_slots"]
 
 logger = logging.getLogger(__name__)
 
@@ -263,6 +265,7 @@ class TorchGraphedOptimizer(GraphedOptimizer):
             StateReplacedError: the optimizer's state (or, with master weights, a model
                 parameter's storage) was replaced since the step was captured.
         """
+        self._refuse_undone()
         if self.graphed and self._watch is not None:
             self._check_state()
         self._sync_hyperparameters()
@@ -304,6 +307,12 @@ class TorchGraphedOptimizer(GraphedOptimizer):
             self._watch, self._watch_stale = self._state_watch(), True
         self._generation += 1
         self._hyper = self._hyperparameters()
+
+    def _give_back(self) -> None:
+        # GraphedOptimizer.undo: the capturable mode, lr and step counts as before construction.
+        if self.graphed:
+            undo_capturable(self.optimizer)
+        self._compiled_core = None
 
     # ------------------------------------------------------------- the sequence
     def _sequence(self, params, grads, generation) -> Optional[torch.Tensor]:
@@ -387,11 +396,24 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         return all(g is c and g._version == v for g, (c, v) in zip(present, self._clean))
 
 
+class BeforeCapturable(weakref.WeakKeyDictionary):
+    """Per optimizer :func:`make_capturable` changed: each param group's ("capturable" given, its
+    value, lr) before, for :func:`undo_capturable` (a part of the process's torch section)."""
+
+
+def _before_capturable() -> BeforeCapturable:
+    return current_process().section("torch").part(BeforeCapturable)
+
+
 def make_capturable(optimizer: torch.optim.Optimizer) -> list:
     """Switch every param group of ``optimizer`` to ``capturable=True`` and make its ``lr`` a 0-d
     fp32 tensor on the parameters' device (``torch.optim.lr_scheduler`` fills such a tensor in
     place, so a captured step reads each new value); move step counts kept on the CPU to the
-    device. Returns the lr tensors, one per param group. Idempotent."""
+    device. Returns the lr tensors, one per param group. Idempotent; :func:`undo_capturable`
+    undoes it."""
+    before = _before_capturable()
+    if optimizer not in before:
+        before[optimizer] = [("capturable" in g, g.get("capturable"), g["lr"]) for g in optimizer.param_groups]
     lrs = []
     for group in optimizer.param_groups:
         device = group["params"][0].device
@@ -407,6 +429,33 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> list:
             if isinstance(step, torch.Tensor) and step.device != p.device:
                 state["step"] = step.to(device=p.device, dtype=torch.float32)
     return lrs
+
+
+def undo_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`make_capturable`: each param group's ``capturable`` and ``lr`` as they were (an
+    lr a schedule changed since keeps its new value, as a float), and the step counts of groups
+    that are neither capturable nor fused back on the CPU, where such an optimizer keeps them.
+    A no-op for an optimizer not made capturable."""
+    before = _before_capturable().pop(optimizer, None)
+    for group, (given, capturable, lr) in zip(optimizer.param_groups, before or ()):
+        if given:
+            group["capturable"] = capturable
+        else:
+            group.pop("capturable", None)
+        now = group["lr"]
+        if isinstance(now, torch.Tensor) and now is not lr:
+            if isinstance(lr, torch.Tensor):
+                group["lr"] = lr.copy_(now)
+            else:  # the float as given while the schedule left it alone (the tensor holds it rounded to fp32)
+                value = now.item()
+                group["lr"] = lr if value == torch.tensor(float(lr), dtype=torch.float32).item() else value
+        if group.get("capturable") or group.get("fused"):
+            continue
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                state["step"] = step.cpu()
 
 
 def optimizer_state_slots(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list:

@@ -48,6 +48,7 @@ from ..core import segment
 from ..core.options import EngineOptions
 from .compile import compile_options, compiled_module, options_for
 from .graphed import CUDAGraphedModule, torch_engine_options
+from .integrations import fsdp as _fsdp
 
 __all__ = ["graph_stage_module", "graph_loss", "GraphedLoss", "GraphedStage"]
 
@@ -120,6 +121,17 @@ class GraphedStage(nn.Module):
     def graphed_modules(self) -> list:
         """The ``CUDAGraphedModule`` of each graphed run, in order."""
         return [step for step, run in zip(self.steps, self.runs) if run.graphed]
+
+    def undo(self) -> Any:
+        """Release every graphed run's graphs and return the stage :func:`graph_stage_module` was
+        given (the same object, which graphing left unchanged). This module refuses calls afterwards.
+
+        Raises:
+            GraphScheduleError: micro-batches are in flight in a run (undo between steps); nothing changes.
+            RuntimeError: undone already.
+        """
+        _undo_all(self.graphed_modules, "call the stage GraphedStage.undo() returned, or graph it again")
+        return self.__dict__["_original"]
 
 
 def _stage_items(stage: Any) -> list:
@@ -214,7 +226,8 @@ def graph_stage_module(
     Returns:
         A :class:`GraphedStage` sharing the stage's parameters. On CPU tensors the graphed
         runs compute eagerly (``CUDAGraphedModule`` warns once), so the same code serves gloo
-        test runs and NCCL GPU runs.
+        test runs and NCCL GPU runs. Its ``undo()`` releases the graphs and returns ``stage``,
+        which graphing leaves unchanged.
 
     Raises:
         TypeError: ``stage`` is not an ordered list of modules/callables, or is already graphed;
@@ -260,7 +273,19 @@ def graph_stage_module(
         else:
             entry = run.entries[0]
             steps.append(entry.obj if isinstance(entry.obj, nn.Module) else _Call(entry.obj, entry.name))
-    return GraphedStage(steps, runs)
+    graphed = GraphedStage(steps, runs)
+    graphed.__dict__["_original"] = stage  # not a submodule: the stage's names stay out of this module's
+    return graphed
+
+
+def _undo_all(wrappers: list, fix: str) -> None:
+    """Release the graphs of each ``CUDAGraphedModule`` of ``wrappers`` (as its ``undo()`` does),
+    after checking them all, so that a refusal changes nothing; a later call raises, saying ``fix``."""
+    for wrapper in wrappers:
+        wrapper.engine.check_undo()
+    for wrapper in wrappers:
+        wrapper.engine.retire(fix)
+        _fsdp.release(wrapper)
 
 
 class _Loss(nn.Module):
@@ -299,6 +324,18 @@ class GraphedLoss(nn.Module):
         out = self.graphed(*args, **kwargs)
         return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
 
+    def undo(self) -> Callable:
+        """Release the loss's graphs and return the loss function :func:`graph_loss` was given
+        (unchanged). This module refuses calls afterwards.
+
+        Raises:
+            GraphScheduleError: a micro-batch's backward has not run yet (undo between steps).
+            RuntimeError: undone already.
+        """
+        _undo_all([self.graphed], "call the loss function GraphedLoss.undo() returned, or graph it again")
+        module = self.graphed.module
+        return module.loss_fn if isinstance(module, _Loss) else module
+
 
 def graph_loss(loss_fn: Callable, *warmup: int, compile: Any = None, name: Optional[str] = None,
                options: Optional[EngineOptions] = None, **engine_kwargs: Any) -> GraphedLoss:
@@ -324,7 +361,8 @@ def graph_loss(loss_fn: Callable, *warmup: int, compile: Any = None, name: Optio
             parameters).
 
     Returns:
-        A :class:`GraphedLoss`. On CPU tensors it computes eagerly.
+        A :class:`GraphedLoss`. On CPU tensors it computes eagerly. Its ``undo()`` releases the
+        graphs and returns ``loss_fn``, which graphing leaves unchanged.
 
     Raises:
         TypeError: a keyword that is not an option, or ``accumulate_grads``; ``loss_fn`` is not

@@ -271,6 +271,34 @@ class GraphedStep:
         trainable = tuple(p.requires_grad for p in self.params)  # frozen or unfrozen parameters: captured anew
         return signature_key(self.runtime, leaves, spec, context=(autocast, torch.is_grad_enabled(), trainable))
 
+    def undo(self) -> Callable:
+        """Release the step's graphs, give the optimizers back their ``capturable`` mode, ``lr`` and
+        step counts as :func:`graph_step` found them, and return ``fn``; this object refuses
+        calls afterwards (call ``fn``, or graph it again).
+
+        Raises:
+            RuntimeError: undone already, or called inside a capture.
+        """
+        from .optim import undo_capturable
+
+        if getattr(self.fn, "_graphpp_undone", False):
+            raise RuntimeError(f"{self.name}: undo() was called twice; call the function the first undo() returned")
+        if self.runtime.is_capturing():
+            raise RuntimeError(f"{self.name}: undo() inside a capture; undo between steps")
+        fn = self.fn
+        self.lifecycle.reset()  # every signature's graph released
+        for opt in self.optimizers if self._lrs else ():
+            undo_capturable(opt)
+        self._lrs = []
+
+        def undone(*args, **kwargs):
+            raise RuntimeError(f"{self.name} was undone and its graphs released; call the function undo() returned, "
+                               f"or graph_step() it again")
+
+        undone._graphpp_undone = True
+        self.fn = undone  # every path of __call__ ends in fn: a call after undo raises
+        return fn
+
 
 def graph_step(fn: Callable, *warmup: int,
                optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],

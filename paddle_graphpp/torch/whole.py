@@ -54,6 +54,7 @@ __all__ = ["graph_model", "ungraph_model", "GraphedCausalLM"]
 logger = logging.getLogger("paddle_graphpp")
 
 _SLOT = "_graphpp_whole"
+_ABSENT = object()
 # Arguments the graphed forward takes, and the values with which it still covers a call.
 _NEUTRAL = types.MappingProxyType({
     "attention_mask": None, "position_ids": None, "past_key_values": None, "inputs_embeds": None,
@@ -104,6 +105,8 @@ class GraphedCausalLM:
     def __init__(self, model: nn.Module, stage: CausalLMStage, graphed: CUDAGraphedModule):
         self.stage, self.graphed = stage, graphed
         self.original_forward = model.forward
+        # A forward set on the instance before (accelerate's hooks set one): put back by ungraph_model
+        self.own_forward = model.__dict__.get("forward", _ABSENT)
         self.name = graphed._engine.name
         self._warned: set = set()
 
@@ -170,7 +173,8 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
             be at least 1 here (the masks of each batch shape are recorded in an eager call).
 
     Returns:
-        ``model``, whose ``forward`` now runs the graph for the calls it covers.
+        ``model``, whose ``forward`` now runs the graph for the calls it covers;
+        :func:`ungraph_model` on it undoes this: the model's own ``forward`` again, the graphs released.
 
     Raises:
         TypeError: the model has no base model with one list of blocks, is graphed already (by
@@ -215,11 +219,27 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
 
 
 def ungraph_model(model: nn.Module) -> nn.Module:
-    """Undo :func:`graph_model`: the model's own forward again, its graphs released."""
-    whole = model.__dict__.pop(_SLOT, None)
+    """Undo :func:`graph_model`: the model's own forward again (the one set on the instance before
+    graphing, if any), its graphs released.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError: ``model`` is not graphed by :func:`graph_model` (or was undone already).
+        GraphScheduleError: a micro-batch's backward has not run yet (undo between steps); nothing
+            changes then.
+    """
+    whole = model.__dict__.get(_SLOT)
     if whole is None:
-        raise TypeError(f"ungraph_model(): {type(model).__name__} is not graphed by graph_model()")
-    model.__dict__.pop("forward", None)
+        raise TypeError(f"ungraph_model(): {type(model).__name__} is not graphed by graph_model() (or was ungraphed "
+                        f"already); nothing to undo")
+    whole.graphed.engine.retire("call the model (ungraph_model() gave it its own forward back)")
+    del model.__dict__[_SLOT]
+    if whole.own_forward is _ABSENT:
+        model.__dict__.pop("forward", None)
+    else:
+        model.__dict__["forward"] = whole.own_forward
     return model
 
 
