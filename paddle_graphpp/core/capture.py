@@ -1,43 +1,16 @@
 """Record, then capture: the process-wide side of the graph engine.
 
-Every graphed layer of a process reports to one :class:`EpisodeCapture` per runtime, kept in
-that runtime's section of the process (:mod:`paddle_graphpp.core.process`). It holds
-
-* the :class:`~paddle_graphpp.core.schedule.EpisodeClock`: micro-batches in flight in any
-  graphed layer, and the episode number (an episode runs from one moment with nothing in
-  flight to the next);
-* the :class:`~paddle_graphpp.core.memory.MemoryPlan`: pools, generations, capture order;
-* the episode being recorded, a :class:`~paddle_graphpp.core.recording.Recording` (its calls
-  in the order the schedule ran them, its static buffer slots, links between layers and
-  liveness watches), opened by the first recorded call and handed to the next batch of captures;
-* three small services: :class:`~paddle_graphpp.core.handout.HandedOutputs` (what replays
-  handed out), :class:`~paddle_graphpp.core.replay_watch.ReplayWatch` (the replay watchdog and
-  failures published to peers) and :class:`~paddle_graphpp.core.grad_owners.GradOwners` (which
-  layer accumulates a shared parameter's gradient), and the capture agreement between ranks.
-
-At the start of the next episode (the first graphed forward that finds nothing in flight
-calls :meth:`EpisodeCapture.capture_if_due`), :meth:`EpisodeCapture.capture_recorded` captures the recording,
-unless the runtime asks to wait
-(:meth:`~paddle_graphpp.core.runtime.PoolLending.defer_capture`, with its reason; for
-example, a runtime may wait for an optimizer's first step, which creates the optimizer state
-beside a pool captured before it). Then the recording is dropped and the episode starting now is
-recorded in its place,
-at most :data:`MAX_DEFERRED_EPISODES` times in a row. A capture gives the eager episode's cached
-memory back to the driver, allocates the static buffers in one block, lets the runtime size a new shared pool
-for the eager work that will borrow it
-(:meth:`~paddle_graphpp.core.runtime.PoolLending.prepare_pool`), then captures every
-recorded position in recorded order into one pool generation (a
-:class:`~paddle_graphpp.core.batch.CaptureBatch`, discarded afterwards):
-forward graphs and backward graphs interleaved exactly as the step ran them, so memory a
-graph frees is only reused by graphs that run after it (so is a gradient one graph hands another,
-once no position that may read it is left: see
-:meth:`~paddle_graphpp.core.batch.CaptureBatch.consumed`). No eager pass runs beside a
-capture, so the capture costs what one eager step's activations cost, once. Capture does
-not execute anything; the episode that follows replays the new graphs.
-
-Under the stream-ordered allocator nothing is recorded: graph memory exists only once a
-graph has run, so each position is captured and launched in its own step
-(see :mod:`paddle_graphpp.core.engine`).
+Every graphed layer of a process reports to one :class:`EpisodeCapture` per runtime (in its
+section of :mod:`paddle_graphpp.core.process`): the episode clock, the memory plan, the episode
+being recorded and the services replays share (handed-out outputs, the replay watch, gradient
+owners). The first graphed forward of an episode calls :meth:`EpisodeCapture.capture_if_due`,
+which captures the last recorded episode, every position in the order the step ran it, into one
+pool generation, unless the runtime asks to wait (``PoolLending.defer_capture``; at most
+:data:`MAX_DEFERRED_EPISODES` times in a row, recording anew each time). A capture executes
+nothing: the episode that follows replays. A failed capture is handed to its layer (fallback
+or :class:`~paddle_graphpp.core.errors.CaptureError`) and releases its memory. Under the
+stream-ordered allocator nothing is recorded (:mod:`paddle_graphpp.core.in_step`).
+The walk of one micro-batch: docs/architecture.md.
 """
 
 from __future__ import annotations
