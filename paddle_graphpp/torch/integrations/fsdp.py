@@ -9,8 +9,8 @@ at each capture, naming the layout that works (:func:`check_block`, :func:`check
 what it costs: docs/pytorch.md#activation-checkpointing-and-fsdp2.
 
 FSDP2 has no public API for any of this. Private names read here, checked on torch 2.11 and 2.13:
-``module._get_fsdp_state()``, the state's ``_fsdp_param_groups`` (2.13) or ``_fsdp_param_group``
-(2.11), each ``FSDPParam``'s ``free_unsharded_param``, ``_unsharded_param`` and ``_module_info``,
+``module._get_fsdp_state()``, the state's ``_fsdp_param_groups`` (2.13) or else its
+``_fsdp_param_group``, each ``FSDPParam``'s ``free_unsharded_param``, ``_unsharded_param`` and ``_module_info``,
 and ``torch.distributed._composable_state._module_state_mapping``.
 """
 
