@@ -13,8 +13,8 @@ from torch.autograd.function import once_differentiable
 from ..core.engine import node_backward, node_forward
 from ..core.process import current_process
 from ..core.runtime import InGraphAccumulation, SplitBackward
+from . import integrations
 from . import split_backward as _split
-from .integrations import megatron as _megatron
 
 __all__ = ["TorchGradients", "apply_graphed_function"]
 
@@ -201,7 +201,7 @@ class TorchGradients(SplitBackward, InGraphAccumulation):
             return list(range(len(params)))
         return [i for i, p in enumerate(params)
                 if getattr(p, "_post_accumulate_grad_hooks", None) or getattr(p, "_backward_hooks", None)
-                or _megatron.accumulation_hooked(p)]
+                or integrations.accumulation_hooked(p)]
 
 
 def _backward_hooked(outputs, grad_outputs, inputs, aliases, on_grad, *, preset=None, retain_graph=False) -> list:

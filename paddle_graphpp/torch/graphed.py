@@ -10,8 +10,8 @@ import torch
 from ..core.engine import EngineHooks, HoldsEngine, graphed_engine, graphed_label, graphed_layer_doc
 from ..core.layer import hooks_for
 from ..core.options import EngineOptions, engine_options
+from . import integrations
 from .compile import CompiledModule, RunsInPlaceOf, opaque, options_for
-from .integrations import fsdp as _fsdp
 from .runtime import registered_generators, active_runtime
 
 __all__ = ["CUDAGraphedModule", "TORCH_OPTION_NOTES"]
@@ -77,8 +77,8 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"CUDAGraphedModule wraps a torch.nn.Module, got {type(module).__name__}")
         label = graphed_label("CUDAGraphedModule", module, name)
-        if not isinstance(module, RunsInPlaceOf):  # graph_layers' blocks handle FSDP2 themselves (.layers)
-            _fsdp.check_wrapped(label, module)
+        if not isinstance(module, RunsInPlaceOf):  # graph_layers' blocks are checked by graph_layers (.layers)
+            integrations.check_wrapped(label, module)
         self.module = module
         chosen = torch_engine_options(label, CUDAGraphedModule.__init__, warmup, engine_kwargs, options)
         compiled = options_for(module, compile, label)
@@ -88,11 +88,12 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
         run = module if compiled is None else CompiledModule(module, compiled)
         self._engine = graphed_engine(run, active_runtime(), lambda: [p for p in module.parameters() if p.requires_grad],
                                       name=label, options=chosen, hooks=hooks_for(module, label, chosen, EngineHooks(
-                                          capture_view=functools.partial(_fsdp.capture_view, self, label))))
+                                          capture_view=functools.partial(integrations.capture_view, self, label))))
 
     @opaque  # torch.compile around a graphed module calls it as it is (see .compile)
     def forward(self, *args, **kwargs):
-        _fsdp.prepare_once(self, self._engine.name)  # fully_shard(CUDAGraphedModule(...)) shards this module
+        if integrations.PREPARED not in self.__dict__:  # fully_shard(CUDAGraphedModule(...)) shards this module
+            integrations.prepare(self, self._engine.name)
         return self.run(args, kwargs)
 
     def run(self, args: tuple, kwargs: dict):
@@ -109,5 +110,5 @@ class CUDAGraphedModule(HoldsEngine, torch.nn.Module):
             RuntimeError: undone already.
         """
         module = super().undo()
-        _fsdp.release(self)
+        integrations.release(self)
         return module

@@ -8,7 +8,7 @@ layer type, rotary tables per layer type, the final norm and the head's transfor
 logit softcapping are the model's), with the block list seen through stand-ins for the blocks
 other stages hold: the block before the stage hands on the stage's input, the block after it
 ends the call with the hidden state that reaches it. The masks are the model's own, built once
-per batch shape outside any graph (:class:`~paddle_graphpp.torch.integrations.transformers.MaskCalls`).
+per batch shape outside any graph (:func:`paddle_graphpp.torch.integrations.outside_calls`).
 When the stages are built, their chain is checked against the model's own forward on a short
 batch; a model they do not reproduce exactly is refused then, with the reason::
 
@@ -34,8 +34,8 @@ from torch import nn
 
 from ..core.options import EngineOptions
 from ..core.warn import warn
+from . import integrations
 from .graphed import CUDAGraphedModule, torch_engine_options
-from .integrations import transformers as _transformers
 from .layers import check_layer, graph_in_place, ungraph_layers
 
 __all__ = ["causal_lm_stage", "CausalLMStage"]
@@ -223,7 +223,7 @@ class CausalLMStage(nn.Module):
         # forward reaches what comes after its blocks (the final norm).
         self.__dict__["_ends_at_last"] = {} if self.is_last else {
             a: _StandIn(getattr(base, a), "end") for a in layout.last}
-        self.__dict__["_masks"] = _transformers.MaskCalls(f"CausalLMStage {stage_index}", model, base)
+        self.__dict__["_masks"] = integrations.outside_calls(f"CausalLMStage {stage_index}", model, base)
         self.__dict__["_stage_input"] = [None]  # what the stand-ins hand on, during a call
         self.__dict__["_cut"] = self._cut_before(start + len(self.layer_indices))
         self.__dict__["_masks_kept"] = {}
@@ -530,7 +530,7 @@ def causal_lm_stage(
     stage = CausalLMStage(model, layout, stage_index, num_stages, indices, starts[stage_index])
     if graph and scope == "stage":
         for i in indices:  # a recomputation inside one graph is refused
-            _transformers.refuse_checkpointing(f"{layout.family}.{i}", blocks[i], "causal_lm_stage(scope='stage')")
+            integrations.refuse_in_whole_graph(f"{layout.family}.{i}", blocks[i], "causal_lm_stage(scope='stage')")
         stage.__dict__["_whole"] = CUDAGraphedModule(_StageBody(stage), compile=compile, options=chosen,
                                                      name=f"causal_lm_stage({stage_index}/{num_stages})")
         stage.__dict__["_graphed"] = "stage"
@@ -556,6 +556,9 @@ class GraphBody(nn.Module):
         super().__init__()
         self.stage = stage
         self.__dict__["_mode_of"] = mode_of
+        # the blocks' checkpointing switches, bound now: read per training call, as they may be turned on later
+        self.__dict__["_switches"] = tuple((name, block, on) for name, block in self.blocks()
+                                           if (on := integrations.recomputes(block)) is not None)
 
     @property
     def training(self) -> bool:  # type: ignore[override]
@@ -573,10 +576,11 @@ class GraphBody(nn.Module):
 
     def refuse_checkpointing(self, door: str) -> None:
         """Refuse a training call while a block has gradient checkpointing on (turned on after
-        graphing): the one graph does not recompute (see integrations.transformers.refuse_checkpointing)."""
+        graphing): the one graph does not recompute (the adapters' ``refuse_in_whole_graph``)."""
         if self.training and torch.is_grad_enabled():
-            for name, block in self.blocks():
-                _transformers.refuse_checkpointing(name, block, door)
+            for name, block, on in self.__dict__["_switches"]:
+                if on():
+                    integrations.refuse_in_whole_graph(name, block, door)
 
 
 class _StageBody(GraphBody):

@@ -23,7 +23,9 @@ submodules, so it adds no names; the block runs it without a module call (``run`
 belong on the block, not on ``layer.graphed``.
 
 What a graphed block refuses because a graph cannot replay it (key/value caches, recorded
-attention weights) is checked by :mod:`paddle_graphpp.torch.integrations.transformers`. A block
+attention weights, FSDP2 layouts) is checked by the adapters of
+:mod:`paddle_graphpp.torch.integrations`, when the block is graphed; the per-call checks they
+bind then are all a call runs. A block
 with transformers' gradient checkpointing on recomputes inside its own graphs (the engine's
 ``recompute``): its forward graph keeps no activations and its backward graph runs the forward
 again, drawing the same dropout masks.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -42,16 +44,17 @@ from ..core.errors import SignatureError
 from ..core.layer import EngineHooks
 from ..core.options import EngineOptions
 from ..core.process import current_process
+from . import integrations
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
 from .graphed import CUDAGraphedModule, torch_engine_options
-from .integrations import fsdp as _fsdp
-from .integrations import transformers as _transformers
 
 __all__ = ["graph_layers", "ungraph_layers", "is_graphed_layer", "GraphedLayer", "GraphedLayers"]
 
 _SLOT = "_graphpp_graphed"  # where a graphed block keeps its CUDAGraphedModule (outside _modules)
 _NAME = "_graphpp_name"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
+_CHECKS = "_graphpp_call_checks"  # the adapters' per-call checks, bound when graphed
+_CHECKPOINTING = "_graphpp_checkpointing"  # a library's checkpointing switch of the block (or None), bound when graphed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,17 +106,19 @@ class _OriginalForward(RunsInPlaceOf):
 
     _wrapped = "layer"
 
-    def __init__(self, layer: nn.Module, forward, *, compiled: bool):
+    def __init__(self, layer: nn.Module, forward, *, compiled: bool, checkpointing: Optional[Callable[[], bool]]):
         super().__init__()
         self.layer = layer
         self._forward = forward
         self._compiled = compiled
+        self._checkpointing = checkpointing
 
     def graph_engine_hooks(self, name: str, options: EngineOptions) -> EngineHooks:
-        """The engine sees the block itself: FSDP2's unsharded view of it around each capture, and
-        its gradient checkpointing read per call (:func:`_recomputes`)."""
-        return EngineHooks(capture_view=functools.partial(_fsdp.capture_view, self.layer, name),
-                           recomputes=functools.partial(_recomputes, self.layer, options.recompute, self._compiled))
+        """The engine sees the block itself: the adapters' view of it around each capture (FSDP2's
+        unsharded parameters), and its gradient checkpointing read per call (:func:`_recomputes`)."""
+        return EngineHooks(capture_view=functools.partial(integrations.capture_view, self.layer, name),
+                           recomputes=functools.partial(_recomputes, self.layer, options.recompute, self._compiled,
+                                                        self._checkpointing))
 
     def forward(self, *args, **kwargs):
         def resolve(x):  # the parameter as the block holds it now: inside a capture, its alias
@@ -132,24 +137,27 @@ class GraphedLayer(nn.Module):
     ``graphed`` and ``engine``.
     """
 
-    _graphpp_positions: dict = {}
     _graphpp_original: type = nn.Module
 
     def __call__(self, *args, **kwargs):
-        if _transformers.checkpointing(self) and torch.is_grad_enabled():
-            # transformers' checkpoint would call the graphed forward twice (forward, then recompute
+        checkpointing = self.__dict__[_CHECKPOINTING]
+        if checkpointing is not None and checkpointing() and torch.is_grad_enabled():
+            # the library's checkpoint would call the graphed forward twice (forward, then recompute
             # in the backward); the block's graphs recompute instead (_OriginalForward.graph_engine_hooks)
             return nn.Module.__call__(self, *args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     @opaque  # torch.compile around the model calls the graphed block as it is (see .compile)
     def forward(self, *args, **kwargs):
-        _fsdp.prepare_once(self, self.__dict__[_NAME])
+        own = self.__dict__
+        if integrations.PREPARED not in own:  # the first call: FSDP2 may have sharded the block since graphing
+            integrations.prepare(self, own[_NAME])
         if torch.is_grad_enabled():
-            _transformers.check_call(self.__dict__[_NAME], self, self._graphpp_positions, args, kwargs)
-            _refuse_second_gradient_input(self.__dict__[_NAME], self._graphpp_positions, args, kwargs)
+            for check in own[_CHECKS]:
+                check(args, kwargs)
+            _refuse_second_gradient_input(own[_NAME], args, kwargs)
         args, kwargs = _mark_own_parameters(self, args, kwargs)
-        return self.__dict__[_SLOT].run(args, kwargs)  # its forward, without a second module call
+        return own[_SLOT].run(args, kwargs)  # its forward, without a second module call
 
     @property
     def graphed(self) -> CUDAGraphedModule:
@@ -172,7 +180,7 @@ class GraphedLayer(nn.Module):
             f"copy the model before graph_layers(), or call paddle_graphpp.torch.ungraph_layers() first.")
 
 
-def _refuse_second_gradient_input(name: str, positions: dict, args: tuple, kwargs: dict) -> None:
+def _refuse_second_gradient_input(name: str, args: tuple, kwargs: dict) -> None:
     """A block given two or more activations that carry a gradient (the hidden state and, say, the
     earlier blocks' states, as Inkling2 passes them) hands their gradients to autograd from one
     node, where eagerly they come from many: the model's shared tensors then sum them in another
@@ -183,8 +191,7 @@ def _refuse_second_gradient_input(name: str, positions: dict, args: tuple, kwarg
     flowing = [f"argument {i}" for i, a in enumerate(args) if flows(a)]
     flowing += [f"{k}=" for k, a in kwargs.items() if flows(a)]
     if len(flowing) > 1:
-        names = {i: n for n, i in positions.items()}
-        flowing = [names.get(int(f.split()[1]), f) if f.startswith("argument ") else f[:-1] for f in flowing]
+        flowing = [f if f.startswith("argument ") else f[:-1] for f in flowing]
         raise SignatureError(
             f"{name}: graph_layers() takes blocks whose only input carrying a gradient is the hidden state; this "
             f"call passes {len(flowing)} ({', '.join(flowing)}). Their gradients would be summed in another order "
@@ -226,7 +233,6 @@ def _graphed_class(cls: type) -> type:
         graphed = type(f"Graphed{cls.__name__}", (GraphedLayer, cls), {
             "__module__": __name__,
             "__doc__": f"{cls.__name__} graphed in place by paddle_graphpp.torch.graph_layers().",
-            "_graphpp_positions": _transformers.arg_positions(cls.forward),
             "_graphpp_original": cls,
         })
         _graphed_classes()[cls] = graphed
@@ -261,14 +267,13 @@ def _entries(layers: Any) -> list:
 
 
 def check_layer(name: str, layer: nn.Module, check_config: bool) -> None:
-    """Refuse a block that cannot be graphed: graphed already, or (``check_config``) with a model
-    config that keeps a cache or records attention weights."""
+    """Refuse a block that cannot be graphed: graphed already, or refused by an adapter
+    (``check_config``: a model config that keeps a cache or records attention weights, too)."""
     if isinstance(layer, GraphedLayer):
         raise TypeError(f"{name} is already graphed (graph_layers() was called on it before)")
     if isinstance(layer, CUDAGraphedModule):
         raise TypeError(f"{name} is already a CUDAGraphedModule; pass the plain block to graph_layers()")
-    _transformers.check_block(name, layer, check_config)
-    _fsdp.check_block(name, layer)
+    integrations.check_block(name, layer, check_config=check_config)
 
 
 def graph_layers(
@@ -376,13 +381,18 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     user_compiled = [refuse_inner_graphs(layer, label) is not None for label, (_, layer) in zip(names, pairs)]
     if compiled is None and any(user_compiled):
         compiled = {}  # block.compile(): compiled inside the graphs, with torch.compile's defaults
-    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled), compiled=compiled is not None),
+    checkpointing = [integrations.recomputes(layer) for _, layer in pairs]
+    runners = [CUDAGraphedModule(_OriginalForward(layer, _forward_of(type(layer), compiled), compiled=compiled is not None,
+                                                  checkpointing=switch),
                                  name=label, options=options)
-               for label, (_, layer) in zip(names, pairs)]  # every option checked before any block changes
+               for label, (_, layer), switch in zip(names, pairs, checkpointing)]  # every option checked first
+    checks = [integrations.call_checks(label, layer) for label, (_, layer) in zip(names, pairs)]
     graphed = GraphedLayers()
-    for label, (_, layer), runner, own in zip(names, pairs, runners, user_compiled):
+    for label, (_, layer), runner, own, switch, bound in zip(names, pairs, runners, user_compiled, checkpointing, checks):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
         layer.__dict__[_NAME] = label
+        layer.__dict__[_CHECKS] = bound
+        layer.__dict__[_CHECKPOINTING] = switch
         if own:  # its call would trace the graphed block: the compiled code runs inside the graphs instead
             layer.__dict__[_USER_COMPILED] = layer._compiled_call_impl
             layer._compiled_call_impl = None
@@ -391,15 +401,16 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     return graphed
 
 
-def _recomputes(layer: nn.Module, always: bool, compiled: bool) -> bool:
-    """Whether a call of the graphed block recomputes: ``recompute=True``, or transformers'
-    gradient checkpointing on while it trains (read per call: it may be turned on later).
+def _recomputes(layer: nn.Module, always: bool, compiled: bool, checkpointing: Optional[Callable[[], bool]]) -> bool:
+    """Whether a call of the graphed block recomputes: ``recompute=True``, or its library's
+    gradient checkpointing (``checkpointing``, bound when graphed) on while it trains (read per
+    call: it may be turned on later).
 
     Raises:
         ValueError: it would, and the block runs compiled (``compile=``): the compiled forward is
             not captured without autograd, as a recomputing forward graph is.
     """
-    recompute = always or _transformers.checkpointing(layer)
+    recompute = always or (checkpointing is not None and checkpointing())
     if recompute and compiled:
         raise ValueError(
             f"{layer.__dict__.get(_NAME, type(layer).__name__)}: gradient checkpointing (recompute) with compile= "
@@ -440,10 +451,10 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
     for _, layer in _entries(layers):
         if isinstance(layer, GraphedLayer):
             layer.engine.retire("call the block itself (ungraph_layers() gave it its own class back)")
-            _fsdp.release(layer)
+            integrations.release(layer)
             layer.__class__ = type(layer)._graphpp_original
-            layer.__dict__.pop(_SLOT, None)
-            layer.__dict__.pop(_NAME, None)
+            for key in (_SLOT, _NAME, _CHECKS, _CHECKPOINTING):
+                layer.__dict__.pop(key, None)
             if _USER_COMPILED in layer.__dict__:
                 layer._compiled_call_impl = layer.__dict__.pop(_USER_COMPILED)
         out.append(layer)

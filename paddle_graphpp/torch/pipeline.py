@@ -46,9 +46,9 @@ from torch.utils._pytree import tree_map
 
 from ..core import segment
 from ..core.options import EngineOptions
+from . import integrations
 from .compile import compile_options, compiled_module, options_for
 from .graphed import CUDAGraphedModule, torch_engine_options
-from .integrations import fsdp as _fsdp
 
 __all__ = ["graph_stage_module", "graph_loss", "GraphedLoss", "GraphedStage"]
 
@@ -285,7 +285,7 @@ def _undo_all(wrappers: list, fix: str) -> None:
         wrapper.engine.check_undo()
     for wrapper in wrappers:
         wrapper.engine.retire(fix)
-        _fsdp.release(wrapper)
+        integrations.release(wrapper)
 
 
 class _Loss(nn.Module):

@@ -24,19 +24,14 @@ from ..core.runtime import (AutocastModes, CaptureHints, GraphRuntime, ModelTree
 from ..core.state import module_state_slots
 from . import autograd as _autograd
 from . import compile as _compile
+from . import integrations
 from . import recompute as _recompute
 from .memory import pool_segments as _pool_segments
 from .collectives.watch import TorchReplayEvents, noting_collectives
 from .graphs import capturing, empty_capture
-from .integrations import megatron as _megatron
 from .memory.capabilities import TorchMemory, _pool_id
 
-__all__ = ["TorchRuntime", "RUNTIME", "RNG_TRACKERS", "active_runtime", "registered_generators"]
-
-#: The hook for libraries' RNG trackers: each capture registers their graph-safe generators, and a
-#: capture that drew from one of their other states is told how to seed it (one entry per library,
-#: in :mod:`paddle_graphpp.torch.integrations`).
-RNG_TRACKERS: tuple = (_megatron.TRACKER,)
+__all__ = ["TorchRuntime", "RUNTIME", "active_runtime", "registered_generators"]
 
 _ALIGN = 512  # bytes between buffers carved from one block (the caching allocator's own rounding)
 # names in TensorSpec, looked up rather than formatted: every graphed call makes specs of its inputs
@@ -172,7 +167,7 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         # Eager recomputation (torch.utils.checkpoint) repeats the default generators' draws only,
         # so a layer drawing from others would recompute other masks there: refused for now.
         extra = list(generators)
-        tracked = [t.name for t in RNG_TRACKERS if any(t.states())]
+        tracked = [t.name for t in integrations.rng_trackers() if any(t.states())]
         if extra or tracked:
             what = f"generators= ({len(extra)})" if extra else tracked[0]
             raise ValueError(f"recompute (activation checkpointing) in graphs draws from the default CUDA generator "
@@ -243,7 +238,7 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         if "generator not in capture mode" not in str(error):
             return None
         known = ["the default CUDA generator"]
-        for tracker in RNG_TRACKERS:
+        for tracker in integrations.rng_trackers():
             safe, unsafe = tracker.states()
             if unsafe:
                 return (f"The layer draws random numbers from {tracker.name} (states {sorted(unsafe)}), whose states "
@@ -288,12 +283,13 @@ def _parameter_slots(module) -> dict:
 
 def registered_generators(extra) -> list:
     """The generators a capture registers besides the default one: ``extra`` and the graph-safe
-    states of the :data:`RNG_TRACKERS`, each once, on CUDA.
+    states of the libraries' RNG trackers (:func:`~paddle_graphpp.torch.integrations.rng_trackers`),
+    each once, on CUDA.
 
     Raises:
         TypeError, ValueError: an entry of ``extra`` is not a CUDA ``torch.Generator``.
     """
-    tracked = [gen for tracker in RNG_TRACKERS for gen in tracker.states()[0].values()]
+    tracked = [gen for tracker in integrations.rng_trackers() for gen in tracker.states()[0].values()]
     found, seen = [], set()
     for gen in [*extra, *tracked]:
         if not isinstance(gen, torch.Generator):

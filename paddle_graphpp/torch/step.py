@@ -20,7 +20,6 @@ import gc
 import logging
 import linecache
 import os
-import sys
 import traceback
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -35,6 +34,7 @@ from ..core.records import CallShape, Phase, Signature
 from ..core.scope import inline_layers
 from ..core.state import StateWatch
 from ..core.tree import flatten, unflatten
+from . import integrations
 from .optim import frozen_hyperparameters, make_capturable, optimizer_state_slots
 from .runtime import active_runtime
 
@@ -230,7 +230,8 @@ class GraphedStep:
         graph = rt.create_graph()
         failure, what = None, ""
         try:
-            with inline_layers(), _schedulers_refused(self.name), _traced_masks_refused(), rt.capture_to_graph(graph):
+            with inline_layers(), _schedulers_refused(self.name), integrations.capture_guard(self.name), \
+                    rt.capture_to_graph(graph):
                 result = self.fn(*args, **kwargs)
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, its memory released
             for p, g in zip(self.params, grads_before):
@@ -437,32 +438,6 @@ def _schedulers_refused(name: str):
         lr_scheduler.LRScheduler.step = original
         if helper is not None:
             lr_scheduler._update_param_group_val = helper
-
-
-@contextlib.contextmanager
-def _traced_masks_refused():
-    """transformers builds attention masks on its traced path inside a capture (it counts stream
-    capture as tracing): a full mask, so attention loses its causal kernel, and with dropout it
-    draws other random numbers than eagerly. Silently slower and different: refuse it, naming
-    the way round (graph_model builds the mask outside the graph)."""
-    masking = sys.modules.get("transformers.masking_utils")
-    original = getattr(masking, "_preprocess_mask_arguments", None)
-    if original is None:
-        yield
-        return
-
-    def refused(*args, **kwargs):
-        raise RuntimeError(
-            "transformers built an attention mask inside the capture, where it takes its traced path (a "
-            "materialised mask: no causal attention kernel, other dropout draws). Graph the model with "
-            "paddle_graphpp.torch.graph_model(model) before graph_step (it builds the mask once per shape, "
-            "outside the graph)")
-
-    masking._preprocess_mask_arguments = refused
-    try:
-        yield
-    finally:
-        masking._preprocess_mask_arguments = original
 
 
 def _what_failed(exc: BaseException) -> str:

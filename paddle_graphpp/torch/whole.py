@@ -43,9 +43,9 @@ import torch
 from torch import nn
 
 from ..core.options import EngineOptions
+from . import integrations
 from .graphed import CUDAGraphedModule, torch_engine_options
 from .hf import CausalLMStage, GraphBody, layout_of
-from .integrations import transformers as _transformers
 from .layers import check_layer
 from .memory.handout import views_keep_values
 
@@ -203,7 +203,7 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
     blocks = getattr(getattr(model, layout.base), layout.layers)
     for i, block in enumerate(blocks):
         check_layer(f"{layout.base}.{layout.layers}.{i}", block, check_config=False)
-        _transformers.refuse_checkpointing(f"{layout.base}.{layout.layers}.{i}", block, "graph_model()")
+        integrations.refuse_in_whole_graph(f"{layout.base}.{layout.layers}.{i}", block, "graph_model()")
     stage = CausalLMStage(model, layout, 0, 1, range(len(blocks)), 0)
     graphed = CUDAGraphedModule(_LMBody(stage, model), compile=compile, options=chosen,
                                 name=f"graph_model({type(model).__name__})")

@@ -1,11 +1,234 @@
-"""What the PyTorch front doors know about the libraries they meet, one module per library.
+"""What the PyTorch front doors know about other libraries: one :class:`Adapter` per library,
+consulted through this module only.
 
-* :mod:`.transformers`: Hugging Face decoder blocks graphed in place (key/value caches,
-  attention-weight recording, gradient checkpointing), checked by
-  :func:`~paddle_graphpp.torch.layers.graph_layers` and its graphed blocks.
-* :mod:`.megatron`: Megatron-Core's CUDA RNG tracker, whose graph-safe generators every capture
-  registers (the runtime's hook, :data:`paddle_graphpp.torch.runtime.RNG_TRACKERS`), and its
-  ``DistributedDataParallel``'s gradient hooks, which keep ``accumulate_grads="auto"`` off.
+* :mod:`.transformers`: Hugging Face decoder blocks (key/value caches, recorded outputs, gradient
+  checkpointing), the model's mask functions computed outside the graphs, the whole-step guard
+  against masks built inside a capture.
+* :mod:`.fsdp`: FSDP2 (``fully_shard``): refused layouts, unsharded storage kept resident, captures
+  in the unsharded view.
+* :mod:`.megatron`: Megatron-Core's CUDA RNG tracker and its ``DistributedDataParallel``'s
+  gradient hooks.
 
-None of them imports its library: each reads it from ``sys.modules`` when it is loaded already.
+Contract: generic modules import this package, never an adapter module. The adapters are
+imported (by name, :data:`ADAPTER_MODULES`) the first time graphing asks for them, and kept in the
+process's torch section. They are consulted when graphing starts (building a graphed block, its
+first call, each capture, undo), never on a graphed call's path: what a call needs is bound at
+build time (:func:`call_checks`, :func:`recomputes`). No adapter imports its library: each reads
+it from ``sys.modules``. Private APIs a library forces on us stay in its adapter, with the versions
+they were checked on.
 """
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, ContextManager, Optional
+
+from ...core.process import current_process
+
+__all__ = ["Adapter", "OutsideCalls", "RngTracker", "ADAPTER_MODULES", "PREPARED", "adapters", "check_block",
+           "check_wrapped", "refuse_in_whole_graph", "call_checks", "recomputes", "outside_calls", "prepare",
+           "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
+
+#: The adapter modules, each defining ``ADAPTER`` (an :class:`Adapter`), in the order consulted.
+ADAPTER_MODULES = ("paddle_graphpp.torch.integrations.transformers", "paddle_graphpp.torch.integrations.fsdp",
+                   "paddle_graphpp.torch.integrations.megatron")
+#: Key in a graphed module's ``__dict__`` once :func:`prepare` ran (its first graphed call).
+PREPARED = "_graphpp_prepared"
+
+
+@dataclass(frozen=True)
+class RngTracker:
+    """A library's RNG tracker as a capture sees it.
+
+    Attributes:
+        name: the library and tracker, for messages.
+        states: ``() -> ({name: generator} of graph-safe states, [names of states that are not])``;
+            both empty when the library is not loaded or its tracker not set up.
+        fix: what to call so that every state is graph-safe.
+    """
+
+    name: str
+    states: Callable[[], tuple]
+    fix: str
+
+
+class OutsideCalls:
+    """Calls a model's own forward makes that a graph must not capture: run eagerly once
+    (:meth:`recording`), their results handed back by value inside the graph (:meth:`replaying`).
+    This base computes nothing outside."""
+
+    names: tuple = ()
+
+    def recording(self, into: list) -> ContextManager:
+        """Context: the calls run and append ``(name, result)`` to ``into``."""
+        return contextlib.nullcontext()
+
+    def replaying(self, recorded: list) -> ContextManager:
+        """Context: the calls hand back ``recorded``'s results in order.
+
+        Raises (on entering or inside): ``RuntimeError`` when the forward asks for other calls
+        than were recorded."""
+        return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One outside library as the front doors see it. Every method has a no-op default; an
+    adapter overrides what its library needs. A refusal raises (``TypeError``/``ValueError``)
+    naming the block and the fix; nothing else here may raise. An adapter holds no state (a
+    frozen dataclass without fields): what it keeps, it keeps on the modules it is handed."""
+
+    name: ClassVar[str] = "adapter"
+
+    # -- build time: graph_layers, CUDAGraphedModule, graph_model, causal_lm_stage
+    def check_block(self, name: str, layer: Any, *, check_config: bool) -> None:
+        """Refuse a block graphed in place; ``check_config``: also its model's config."""
+
+    def check_wrapped(self, name: str, module: Any) -> None:
+        """Refuse a module wrapped in ``CUDAGraphedModule``."""
+
+    def refuse_in_whole_graph(self, name: str, layer: Any, door: str) -> None:
+        """Refuse a block inside one graph of a whole model or stage (``door``: the front door)."""
+
+    def call_check(self, name: str, layer: Any) -> Optional[Callable[[tuple, dict], None]]:
+        """A check of each training call's ``(args, kwargs)`` for a block this library owns, or
+        ``None`` (not its block): bound once, when the block is graphed."""
+        return None
+
+    def recomputes(self, layer: Any) -> Optional[Callable[[], bool]]:
+        """For a block whose checkpointing this library switches: whether it is on now (read per
+        call, as it may be switched after graphing); ``None`` otherwise. Bound once."""
+        return None
+
+    def outside_calls(self, owner: str, models: tuple) -> Optional[OutsideCalls]:
+        """The calls of ``models``' forward to compute outside a whole-model or stage graph, or
+        ``None`` (this library does not define them)."""
+        return None
+
+    # -- first call, each capture, undo
+    def prepare(self, block: Any, name: str) -> None:
+        """At a graphed module's first call (the library may wrap it after graphing)."""
+
+    def capture_view(self, block: Any, name: str) -> Optional[ContextManager]:
+        """Entered around each capture of ``block`` (what must stay resident), or ``None``."""
+        return None
+
+    def release(self, block: Any) -> None:
+        """At undo: give back what :meth:`prepare` and the captures kept."""
+
+    # -- whole-step captures and the runtime
+    def capture_guard(self, owner: str) -> Optional[ContextManager]:
+        """Entered around a whole-step capture (``owner`` names it), or ``None``."""
+        return None
+
+    def rng_trackers(self) -> tuple:
+        """The library's :class:`RngTracker` objects, registered with every capture."""
+        return ()
+
+    def accumulation_hooked(self, param: Any) -> bool:
+        """Whether the library hooks ``param``'s gradient accumulation where autograd shows no hook."""
+        return False
+
+
+class Registered:
+    """The adapters of this process, imported the first time they are asked for (a part of the
+    process's torch section)."""
+
+    def __init__(self) -> None:
+        self.adapters: tuple = tuple(importlib.import_module(m).ADAPTER for m in ADAPTER_MODULES)
+
+
+def adapters() -> tuple:
+    """Every registered :class:`Adapter` (the adapter modules are imported on the first call)."""
+    return current_process().section("torch").part(Registered).adapters
+
+
+def check_block(name: str, layer: Any, *, check_config: bool) -> None:
+    """Every adapter's :meth:`Adapter.check_block`."""
+    for adapter in adapters():
+        adapter.check_block(name, layer, check_config=check_config)
+
+
+def check_wrapped(name: str, module: Any) -> None:
+    """Every adapter's :meth:`Adapter.check_wrapped`."""
+    for adapter in adapters():
+        adapter.check_wrapped(name, module)
+
+
+def refuse_in_whole_graph(name: str, layer: Any, door: str) -> None:
+    """Every adapter's :meth:`Adapter.refuse_in_whole_graph`."""
+    for adapter in adapters():
+        adapter.refuse_in_whole_graph(name, layer, door)
+
+
+def call_checks(name: str, layer: Any) -> tuple:
+    """The per-call checks of ``layer`` (possibly none), bound now."""
+    return tuple(c for c in (a.call_check(name, layer) for a in adapters()) if c is not None)
+
+
+def recomputes(layer: Any) -> Optional[Callable[[], bool]]:
+    """Whether a library's checkpointing is on for ``layer`` (a predicate bound now), or ``None``
+    when no library switches it."""
+    found = [p for p in (a.recomputes(layer) for a in adapters()) if p is not None]
+    if len(found) <= 1:
+        return found[0] if found else None
+    return lambda: any(p() for p in found)
+
+
+def outside_calls(owner: str, *models: Any) -> OutsideCalls:
+    """The calls of ``models``' forward computed outside graphs: those of the first adapter that
+    defines them (the library the models come from), else none."""
+    for adapter in adapters():
+        calls = adapter.outside_calls(owner, models)
+        if calls is not None:
+            return calls
+    return OutsideCalls()
+
+
+def prepare(block: Any, name: str) -> None:
+    """Every adapter's :meth:`Adapter.prepare`, then ``block`` marked :data:`PREPARED` (callers
+    test the mark, so this runs once per block until :func:`release`)."""
+    for adapter in adapters():
+        adapter.prepare(block, name)
+    block.__dict__[PREPARED] = True
+
+
+@contextlib.contextmanager
+def capture_view(block: Any, name: str):
+    """Every adapter's :meth:`Adapter.capture_view` of ``block``, entered in order."""
+    with contextlib.ExitStack() as stack:
+        for adapter in adapters():
+            view = adapter.capture_view(block, name)
+            if view is not None:
+                stack.enter_context(view)
+        yield
+
+
+def release(block: Any) -> None:
+    """Every adapter's :meth:`Adapter.release`; ``block`` is prepared again at its next call."""
+    for adapter in adapters():
+        adapter.release(block)
+    block.__dict__.pop(PREPARED, None)
+
+
+@contextlib.contextmanager
+def capture_guard(owner: str):
+    """Every adapter's :meth:`Adapter.capture_guard`, around a whole-step capture."""
+    with contextlib.ExitStack() as stack:
+        for adapter in adapters():
+            guard = adapter.capture_guard(owner)
+            if guard is not None:
+                stack.enter_context(guard)
+        yield
+
+
+def rng_trackers() -> tuple:
+    """Every adapter's :class:`RngTracker` objects."""
+    return tuple(t for a in adapters() for t in a.rng_trackers())
+
+
+def accumulation_hooked(param: Any) -> bool:
+    """Whether any adapter's library hooks ``param``'s gradient accumulation."""
+    return any(a.accumulation_hooked(param) for a in adapters())

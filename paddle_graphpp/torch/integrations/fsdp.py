@@ -1,25 +1,32 @@
-"""Graphed blocks under FSDP2 (``torch.distributed.fsdp.fully_shard``).
+"""FSDP2's adapter (:data:`ADAPTER`): graphed blocks under ``torch.distributed.fsdp.fully_shard``.
 
-A graphed block that FSDP2 manages is prepared once, at its first call (:func:`prepare_once`):
-FSDP2 keeps its unsharded parameter storage allocated (:func:`keep_unsharded`; :func:`release`
-undoes it), and each capture sees the unsharded parameters on the module (:func:`unsharded_view`,
-entered through :func:`capture_view`). Each graphed block must be an FSDP module itself, with none
-inside it; any other layout is refused when graphed, at the first call and at each capture, naming
-the layout that works (:func:`check_block`, :func:`check_wrapped`, :func:`prepare`). Reads FSDP2's
-private records, checked on torch 2.11 and 2.13. Why and what it costs:
-docs/pytorch.md#activation-checkpointing-and-fsdp2.
+A graphed block that FSDP2 manages is prepared at its first call (:func:`prepare`; FSDP2 may shard
+it after graphing): FSDP2 keeps its unsharded parameter storage allocated (:func:`keep_unsharded`;
+:func:`release` undoes it), and each capture sees the unsharded parameters on the module
+(:func:`unsharded_view`, entered through :func:`capture_view`). Each graphed block must be an FSDP
+module itself, with none inside it; any other layout is refused when graphed, at the first call and
+at each capture, naming the layout that works (:func:`check_block`, :func:`check_wrapped`). Why and
+what it costs: docs/pytorch.md#activation-checkpointing-and-fsdp2.
+
+FSDP2 has no public API for any of this. Private names read here, checked on torch 2.11 and 2.13:
+``module._get_fsdp_state()``, the state's ``_fsdp_param_groups`` (2.13) or else its
+``_fsdp_param_group``, each ``FSDPParam``'s ``free_unsharded_param``, ``_unsharded_param`` and ``_module_info``,
+and ``torch.distributed._composable_state._module_state_mapping``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from torch import nn
 
-__all__ = ["fsdp_params", "keep_unsharded", "unsharded_view", "prepare", "prepare_once", "capture_view", "release",
-           "check_block", "check_wrapped"]
+from . import Adapter
+
+__all__ = ["fsdp_params", "keep_unsharded", "unsharded_view", "prepare", "capture_view", "release",
+           "check_block", "check_wrapped", "ADAPTER"]
 
 
 def _groups(state: Any) -> list:
@@ -52,11 +59,9 @@ def keep_unsharded(module: nn.Module) -> int:
 
 
 def release(module: nn.Module) -> None:
-    """Undo :func:`keep_unsharded` and :func:`prepare_once` (FSDP2 frees the unsharded storage
-    after use again)."""
+    """Undo :func:`keep_unsharded` (FSDP2 frees the unsharded storage after use again)."""
     for fp in fsdp_params(module):
         vars(fp).pop("free_unsharded_param", None)
-    module.__dict__.pop(_PREPARED, None)
 
 
 def _places(fp: Any) -> list:
@@ -85,21 +90,10 @@ def unsharded_view(module: nn.Module):
             owner._parameters[name] = held
 
 
-_PREPARED = "_graphpp_fsdp_prepared"  # in a graphed module's __dict__ after its first call
-
-
-def prepare_once(block: nn.Module, name: str) -> None:
-    """At a graphed module's first call (FSDP2 may shard it after graphing): :func:`prepare`. Its
-    storage is kept from then on, so the captures find every graphed block's unsharded
-    parameters allocated, not only the one running."""
-    if _PREPARED not in block.__dict__:
-        prepare(block, name)
-        block.__dict__[_PREPARED] = True
-
-
 def prepare(block: nn.Module, name: str) -> None:
     """A graphed block's first call, and each of its captures: refuse a layout that cannot work
-    (:func:`check_block`); under FSDP2, keep its unsharded storage."""
+    (:func:`check_block`); under FSDP2, keep its unsharded storage (from then on, so the captures
+    find every graphed block's unsharded parameters allocated, not only the one running)."""
     check_block(name, block)
     keep_unsharded(block)
 
@@ -170,3 +164,28 @@ def check_wrapped(name: str, module: nn.Module) -> None:
             f"{name}: {inner[0]} is an FSDP2 module (fully_shard), whose all-gathers would run inside the "
             f"graphs. Graph first, then shard: fully_shard(CUDAGraphedModule(block)), or graph_layers(blocks) "
             f"before fully_shard on each block.")
+
+
+@dataclass(frozen=True)
+class FsdpAdapter(Adapter):
+    """FSDP2 as the front doors see it: refused layouts, kept storage, the unsharded view."""
+
+    name = "fsdp2"
+
+    def check_block(self, name, layer, *, check_config) -> None:
+        check_block(name, layer)
+
+    def check_wrapped(self, name, module) -> None:
+        check_wrapped(name, module)
+
+    def prepare(self, block, name) -> None:
+        prepare(block, name)
+
+    def capture_view(self, block, name):
+        return capture_view(block, name)
+
+    def release(self, block) -> None:
+        release(block)
+
+
+ADAPTER = FsdpAdapter()

@@ -1,39 +1,26 @@
-"""Megatron-Core's CUDA RNG tracker, registered with every capture, and its gradient accumulation.
+"""Megatron-Core's adapter (:data:`ADAPTER`): its CUDA RNG tracker, registered with every capture,
+and its gradient accumulation.
 
-:data:`TRACKER` is what the PyTorch runtime registers with every capture and names in the hint of
-a capture that fails on the tracker (:data:`paddle_graphpp.torch.runtime.RNG_TRACKERS`): its states
+:data:`TRACKER` is what every capture registers and what the hint of a capture that fails on the
+tracker names (through :func:`paddle_graphpp.torch.integrations.rng_trackers`): its states
 register only when seeded with ``model_parallel_cuda_manual_seed(seed,
 use_cudagraphable_rng=True)``. :func:`accumulation_hooked` tells the runtime where Megatron-Core's
 ``DistributedDataParallel`` hooks a parameter's gradient accumulation (``accumulate_grads="auto"``
-then leaves it to autograd). Megatron is read from ``sys.modules``, never imported here. Why:
-docs/pytorch.md#cudagraphedmodule.
+then leaves it to autograd). Megatron is read from ``sys.modules``, never imported here. Private:
+the tracker object ``_CUDA_RNG_STATE_TRACKER`` and its ``states_``, read defensively (checked on
+Megatron-Core 0.19.2). Why: docs/pytorch.md#cudagraphedmodule.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-__all__ = ["RngTracker", "TRACKER", "tracker_states", "accumulation_hooked"]
+from . import Adapter, RngTracker
 
-
-@dataclass(frozen=True)
-class RngTracker:
-    """A library's RNG tracker as a capture sees it.
-
-    Attributes:
-        name: the library and tracker, for messages.
-        states: ``() -> ({name: generator} of graph-safe states, [names of states that are not])``;
-            both empty when the library is not loaded or its tracker not set up.
-        fix: what to call so that every state is graph-safe.
-    """
-
-    name: str
-    states: Callable[[], tuple]
-    fix: str
+__all__ = ["TRACKER", "tracker_states", "accumulation_hooked", "ADAPTER"]
 
 
 def tracker_states() -> tuple:
@@ -58,3 +45,19 @@ def accumulation_hooked(param: torch.Tensor) -> bool:
     which no attribute of the parameter shows, and gives the parameter a ``main_grad`` buffer,
     which does."""
     return hasattr(param, "main_grad")
+
+
+@dataclass(frozen=True)
+class MegatronAdapter(Adapter):
+    """Megatron-Core as the front doors see it: its RNG tracker and its gradient hooks."""
+
+    name = "megatron-core"
+
+    def rng_trackers(self) -> tuple:
+        return (TRACKER,)
+
+    def accumulation_hooked(self, param) -> bool:
+        return accumulation_hooked(param)
+
+
+ADAPTER = MegatronAdapter()

@@ -1,27 +1,38 @@
-"""Hugging Face ``transformers`` decoder blocks under :func:`~paddle_graphpp.torch.layers.graph_layers`,
-and the model's mask functions for the whole-model and stage graphs (:class:`MaskCalls`).
+"""Hugging Face ``transformers``' adapter (:data:`ADAPTER`): decoder blocks under
+:func:`~paddle_graphpp.torch.layers.graph_layers`, the model's mask functions for the whole-model
+and stage graphs (:class:`MaskCalls`), and the whole-step guard (:func:`traced_masks_refused`).
 
 :func:`check_block` refuses to graph a block whose model config asks for a key/value cache,
-attention weights or router logits; :func:`check_call` refuses a call with grad enabled that
-passes ``use_cache=True``, a cache object or ``output_attentions=True``, or that transformers'
-output recording asks anything of from inside the block (:func:`recorded_outputs`); each names the
-fix. Under ``torch.no_grad()`` a graphed block runs eagerly, and caches work. Gradient
-checkpointing is recomputation inside the block's own graphs (:func:`checkpointing`); the
-whole-model and whole-stage graphs refuse it (:func:`refuse_checkpointing`). Transformers is read
-from ``sys.modules``, never imported here. Why:
-docs/pytorch.md#graph_layers-a-models-blocks-in-place.
+attention weights or router logits; :func:`check_call` (bound per block when graphed, for the
+blocks this adapter owns: :func:`owns`) refuses a call with grad enabled that passes
+``use_cache=True``, a cache object or ``output_attentions=True``, or that transformers' output
+recording asks anything of from inside the block (:func:`recorded_outputs`); each names the fix.
+Under ``torch.no_grad()`` a graphed block runs eagerly, and caches work. Gradient checkpointing is
+recomputation inside the block's own graphs (:func:`checkpointing`); the whole-model and
+whole-stage graphs refuse it (:func:`refuse_checkpointing`). Transformers is read from
+``sys.modules``, never imported here. Why: docs/pytorch.md#graph_layers-a-models-blocks-in-place.
+
+Private names of transformers read here, checked on transformers 5.0 to 5.25:
+``transformers.utils.output_capturing._active_collector`` (from 5.3; 5.0 records by replacing
+forwards, which :func:`check_call` detects instead) and ``masking_utils._preprocess_mask_arguments``
+(:func:`traced_masks_refused`). The ``create_*`` mask functions :class:`MaskCalls` swaps are public.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import sys
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from torch import nn
 
-__all__ = ["MaskCalls", "arg_positions", "check_block", "check_call", "checkpointing", "refuse_checkpointing",
-           "recorded_outputs"]
+from . import Adapter, OutsideCalls
+
+__all__ = ["MaskCalls", "arg_positions", "owns", "check_block", "check_call", "checkpointing", "refuse_checkpointing",
+           "recorded_outputs", "traced_masks_refused", "ADAPTER"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
 # the names transformers' decoder blocks use for them (``cache`` from transformers 5.24 on).
@@ -38,6 +49,19 @@ def arg_positions(forward) -> dict:
     positional = [p.name for p in params
                   if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     return {n: positional.index(n) for n in (*CACHE_ARGS, *FLAG_ARGS) if n in positional}
+
+
+def owns(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a transformers block for the per-call checks: it or a module inside it
+    is of a class defined in transformers (or its remote code), or its ``forward`` names a cache or
+    flag argument (a block in transformers' style)."""
+    if any(type(m).__module__.startswith(("transformers.", "transformers_modules.")) for m in layer.modules()):
+        return True
+    try:
+        names = inspect.signature(type(layer).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(n in names for n in (*CACHE_ARGS, *FLAG_ARGS))
 
 
 def _config_of(layer: nn.Module) -> Any:
@@ -162,7 +186,7 @@ def recorded_outputs() -> Any:
     return found if isinstance(found, dict) else {}
 
 
-class MaskCalls:
+class MaskCalls(OutsideCalls):
     """The mask functions a model's own forward calls, run eagerly once per batch key and handed
     back by value inside graphs.
 
@@ -227,8 +251,6 @@ class MaskCalls:
         return self._swapped(wrap)
 
     def _swapped(self, wrap):
-        import contextlib
-
         @contextlib.contextmanager
         def swapped():
             for module, name, fn in self._swaps:
@@ -239,3 +261,64 @@ class MaskCalls:
                 for module, name, fn in self._swaps:
                     setattr(module, name, fn)
         return swapped()
+
+
+@contextlib.contextmanager
+def traced_masks_refused():
+    """transformers builds attention masks on its traced path inside a capture (it counts stream
+    capture as tracing): a full mask, so attention loses its causal kernel, and with dropout it
+    draws other random numbers than eagerly. Silently slower and different: refused around a
+    whole-step capture, naming the way round (graph_model builds the mask outside the graph).
+    Patches the private ``masking_utils._preprocess_mask_arguments`` (transformers 5.0 to 5.25),
+    which every ``create_*`` mask function calls first; does nothing where it is absent."""
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "_preprocess_mask_arguments", None)
+    if original is None:
+        yield
+        return
+
+    def refused(*args, **kwargs):
+        raise RuntimeError(
+            "transformers built an attention mask inside the capture, where it takes its traced path (a "
+            "materialised mask: no causal attention kernel, other dropout draws). Graph the model with "
+            "paddle_graphpp.torch.graph_model(model) before graph_step (it builds the mask once per shape, "
+            "outside the graph)")
+
+    masking._preprocess_mask_arguments = refused
+    try:
+        yield
+    finally:
+        masking._preprocess_mask_arguments = original
+
+
+@dataclass(frozen=True)
+class TransformersAdapter(Adapter):
+    """transformers as the front doors see it."""
+
+    name = "transformers"
+
+    def check_block(self, name, layer, *, check_config) -> None:
+        check_block(name, layer, check_config)
+
+    def refuse_in_whole_graph(self, name, layer, door) -> None:
+        refuse_checkpointing(name, layer, door)
+
+    def call_check(self, name, layer):
+        if not owns(layer):
+            return None
+        return functools.partial(check_call, name, layer, arg_positions(type(layer).forward))
+
+    def recomputes(self, layer):
+        # transformers switches checkpointing only on modules that have the attribute already
+        # (PreTrainedModel._set_gradient_checkpointing): a block without it never gets it.
+        return functools.partial(checkpointing, layer) if hasattr(layer, "gradient_checkpointing") else None
+
+    def outside_calls(self, owner, models):
+        calls = MaskCalls(owner, *models)
+        return calls if calls.names else None
+
+    def capture_guard(self, owner):
+        return traced_masks_refused()
+
+
+ADAPTER = TransformersAdapter()
