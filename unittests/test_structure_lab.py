@@ -32,7 +32,6 @@ MAX_DOCSTRING_LINES = 25
 _BEING_REWRITTEN = {
     "paddle_graphpp/core/capture.py",
     "paddle_graphpp/torch/pipeline.py",
-    "paddle_graphpp/paddle/pipeline.py",
     "paddle_graphpp/torch/whole.py",
     "paddle_graphpp/torch/layers.py",
 }
