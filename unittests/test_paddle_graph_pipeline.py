@@ -21,7 +21,8 @@ from paddle.distributed.fleet.meta_parallel import PipelineLayer as FleetPipelin
 
 import paddle_graphpp  # noqa: E402
 from paddle_graphpp import GraphedPipeline, graph_pipeline  # noqa: E402
-from paddle_graphpp.paddle import pipeline, upstream  # noqa: E402
+from paddle_graphpp.paddle import upstream  # noqa: E402
+from paddle_graphpp.paddle.integrations import fleet as fleet_adapter  # noqa: E402
 
 VOCAB, HIDDEN = 11, 8
 
@@ -392,8 +393,8 @@ def test_fleets_own_recompute_on_cpu_ranks_refuses_offload_naming_the_fix(fleet_
 def test_recompute_interval_with_dualpipev_is_refused_before_building():
     with pytest.raises(ValueError, match=r"recompute_interval=1 with use_dualpipev=True: DualPipeV splits backwards "
                                          r"into input and weight halves.*Set recompute_interval=0, or use the 1F1B"):
-        pipeline._check_graphable("PipelineLayer(use_cudagraph=True)", recompute_interval=1,
-                                  recompute_ctx=RECOMPUTE_CTX, use_dualpipev=True)
+        fleet_adapter.check_graphable("PipelineLayer(use_cudagraph=True)", recompute_interval=1,
+                                      recompute_ctx=RECOMPUTE_CTX, use_dualpipev=True)
 
 
 # ---------------------------------------------------------------- fleet_cpu in the caller's order

@@ -14,7 +14,7 @@ from paddle.distributed import fleet  # noqa: E402
 from paddle.distributed.fleet.meta_parallel import LayerDesc, SharedLayerDesc  # noqa: E402
 from workers.fleet_ranks import launch_workers  # noqa: E402
 
-from paddle_graphpp.paddle import pipeline as pipeline_mod  # noqa: E402
+from paddle_graphpp.paddle.integrations import fleet as fleet_adapter  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "unittests", "workers", "paddle_pipeline_worker.py")
@@ -136,7 +136,7 @@ def _check(layers, **kwargs):
     args = dict(num_stages=4, topology=None, seg_method="layer:Block", vpp=2, use_cudagraph=True,
                 use_dualpipev=False, recompute_interval=0)
     args.update(kwargs)
-    pipeline_mod._check_configuration(layers, **args)
+    fleet_adapter.check_configuration(layers, **args)
 
 
 @pytest.fixture

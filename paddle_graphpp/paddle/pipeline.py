@@ -1,58 +1,35 @@
 """Fleet pipeline models with each stage split into CUDA-graphed runs of layers.
 
-:func:`graph_pipeline` graphs an already-built fleet pipeline model in place: any instance of
-``paddle.distributed.fleet.meta_parallel.PipelineLayer`` or of a subclass, whether built from
-``LayerDesc`` lists by hand or by a model library that subclasses fleet's class and calls its
-constructor itself (PaddleFormers' ``LlamaForCausalLMPipe``, ``Qwen...Pipe``, ...). Each stage's
-layers (each virtual chunk's, with ``num_virtual_pipeline_stages > 1``) are split by
-:mod:`paddle_graphpp.core.segment` into runs of contiguous capturable layers; each run is
-wrapped in one :class:`paddle_graphpp.CUDAGraphedLayer`. These stay eager and end the run
-before them:
+:func:`graph_pipeline` graphs a built fleet ``PipelineLayer`` (or subclass, PaddleFormers' pipe
+models included) in place, on every rank: each chunk's contiguous capturable layers become one
+:class:`paddle_graphpp.CUDAGraphedLayer` in fleet's ``run_function`` lists; shared layers, plain
+callables and marked layers stay eager. :class:`PipelineLayer` is fleet's class that checks its
+configuration and makes the CPU adjustments before building, then graphs itself with
+``use_cudagraph=True``. Names, ``state_dict()`` keys and parameters are unchanged;
+``GraphedPipeline.undo()`` restores fleet's lists.
 
-* ``SharedLayerDesc`` layers (tied embeddings: their weight gradients are all-reduced
-  across stages after the schedule, outside any graph);
-* plain callables in the layer list;
-* layers marked with :func:`paddle_graphpp.mark_not_capturable` (or containing one).
-
-Only fleet's ``run_function`` lists change: a graphed run replaces its layers' entries there.
-The layers stay registered where fleet put them and the graphed wrappers are not sublayers,
-so parameter names, ``state_dict()`` keys and the optimizer's parameter list are unchanged;
-a run follows its layers' train/eval mode, and ``save_state_dict`` / ``set_state_dir`` see
-fleet's per-layer lists. Each graphed run keeps its own FIFO of in-flight micro-batches; the
-schedule (1F1B, interleaved or DualPipeV) calls every chunk's runs in its own order, and the
-FIFOs follow it. Under DualPipeV (``use_dualpipev=True``), a backward the schedule runs
-zero-bubble (fleet's ``WeightGradStore`` enabled) runs each graphed run's input half and queues
-its weight half into the store, which runs it in the schedule's weight pass
-(:mod:`paddle_graphpp.paddle.split_backward`). With fleet's ``recompute_interval > 0`` the
-graphed runs are cut at fleet's recompute groups and recompute inside their own backward graphs;
-eager entries keep fleet's recompute (:mod:`paddle_graphpp.paddle.pipeline_recompute`).
-
-:class:`PipelineLayer` is fleet's class that checks its configuration before any process
-communicates, makes fleet's CPU adjustments (:mod:`paddle_graphpp.paddle.fleet_cpu`) and,
-with ``use_cudagraph=True``, calls :func:`graph_pipeline` on itself. With ``to_static=...`` each
-graphed run's layers run converted by ``paddle.jit.to_static`` inside its graphs
-(:mod:`paddle_graphpp.paddle.compile`).
-:func:`paddle_graphpp.install` makes fleet's own ``use_cudagraph`` flag do the same.
-Without CUDA the graphed runs execute eagerly (one warning).
+Failure modes: a model or configuration the graphed runs cannot take over is refused before
+anything changes (``TypeError`` / ``ValueError`` naming the fix); what fleet and other libraries
+add is asked of their adapters (:mod:`paddle_graphpp.paddle.integrations`) when graphing starts.
+Design, schedules, recompute and DualPipeV: docs/paddle.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 import paddle
 from paddle import nn
 from paddle.distributed import fleet
-from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipelineLayer
 
-from paddle_graphpp.support import require
 from paddle_graphpp.core.segment import classify, cut_runs, describe_runs, split_into_runs
 from paddle_graphpp.paddle import fleet_cpu
+from paddle_graphpp.paddle import integrations
 from paddle_graphpp.paddle import pipeline_recompute as _recompute
+from paddle_graphpp.paddle.integrations import fleet as _fleet
 from paddle_graphpp.core.layer import EngineHooks
 from paddle_graphpp.core.options import EngineOptions
 from paddle_graphpp.paddle.compile import to_static_options
@@ -156,12 +133,12 @@ class GraphedPipeline:
     def of(model) -> Optional["GraphedPipeline"]:
         """The graphs of ``model`` (a fleet pipeline model or its ``fleet.distributed_model``
         wrapper), or ``None`` if it was not graphed."""
-        return getattr(_unwrap(model), _GRAPHS_ATTR, None)
+        return getattr(_fleet.unwrap(model), _GRAPHS_ATTR, None)
 
     def segmentation_report(self) -> str:
         """How this rank's chunks were split: one line per graphed or eager run."""
         lines = []
-        stage = self.model._stage_id
+        stage = _fleet.stage_id(self.model)
         for chunk in self._chunks:
             lines.append(f"stage {stage}" + (f" chunk {chunk.chunk_id}" if chunk.chunk_id is not None else "") + ":")
             lines.extend("  " + line for line in describe_runs(chunk.runs).splitlines())
@@ -201,9 +178,9 @@ class GraphedPipeline:
             engine.retire("the model runs its layers eagerly again (GraphedPipeline.undo())")
         for chunk in self._chunks:
             chunk.run_function[:] = chunk.eager
-        model._recompute_interval = self.recompute_interval
+        _fleet.set_recompute_interval(model, self.recompute_interval)
         if self.graphed_loss is not None:
-            losses = model._loss_fn
+            losses = _fleet.loss_functions(model)
             losses[losses.index(self.graphed_loss)] = self.graphed_loss.loss_fn
         for attr, value in self._attributes.items():
             if value is _ABSENT:
@@ -223,21 +200,13 @@ class GraphedPipeline:
         """
         for chunk in self._chunks:
             chunk.run_function[:] = chunk.eager
-        self.model._recompute_interval = self.recompute_interval
+        _fleet.set_recompute_interval(self.model, self.recompute_interval)
         try:
             yield
         finally:
             for chunk in self._chunks:
                 chunk.run_function[:] = chunk.graphed
-            self.model._recompute_interval = 0
-
-
-def _unwrap(model):
-    """The pipeline layer inside a ``fleet.distributed_model`` wrapper, else ``model``."""
-    inner = getattr(model, "_layers", None)
-    if not isinstance(model, _FleetPipelineLayer) and isinstance(inner, _FleetPipelineLayer):
-        return inner
-    return model
+            _fleet.set_recompute_interval(self.model, 0)
 
 
 def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options: Optional[EngineOptions] = None,
@@ -307,11 +276,12 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
           for a layer there must do so inside ``GraphedPipeline.eager_view()``.
     """
     chosen = paddle_engine_options("graph_pipeline()", graph_pipeline, (), engine_kwargs, options)
-    model = _unwrap(model)
+    model = _fleet.unwrap(model)
     name = type(model).__name__
-    if type(model).__module__.startswith("paddleformers."):
-        require("paddleformers")
-    if not isinstance(model, _FleetPipelineLayer):
+    adapters = integrations.adapters()  # asked here, when graphing starts, never per call
+    for adapter in adapters:
+        adapter.start(model)
+    if not isinstance(model, _fleet.PipelineLayer):
         raise TypeError(
             f"graph_pipeline() needs a fleet pipeline model (an instance of "
             f"paddle.distributed.fleet.meta_parallel.PipelineLayer or a subclass), got {name}; "
@@ -321,18 +291,14 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
             f"graph_pipeline({name}): the model is graphed already (by graph_pipeline, "
             "paddle_graphpp.PipelineLayer(use_cudagraph=True) or a use_cudagraph flag after "
             "paddle_graphpp.install()); graph each model once")
-    containers = _entry_lists(model)
-    interval = getattr(model, "_recompute_interval", 0)
-    _check_graphable(f"graph_pipeline({name})", recompute_interval=interval,
-                     recompute_ctx=getattr(model, "recompute_ctx", None),
-                     use_dualpipev=getattr(model, "_use_dualpipev", False))
-    _refuse_config_recompute(model, name)
-    _refuse_upstream_graphs(model, containers)
-    _refuse_autocudagraph(model, containers)
+    containers = _fleet.entry_lists(model)
+    interval = _fleet.recompute_interval(model)
+    for adapter in adapters:
+        adapter.refuse(model, f"graph_pipeline({name})", containers)
     loss_fn = _loss_to_graph(model, name) if graph_loss else None
     to_static_options(to_static, f"graph_pipeline({name}, to_static=...)")
 
-    shared_keys = {id(layer): key for key, layer in model.shared_layers.items()}
+    shared_keys = _fleet.shared_keys(model)
     chunks, graphed_layers = [], []
     for chunk_id, start, run_function in containers:
         eager = list(run_function)
@@ -344,7 +310,7 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
             if not run.graphed:
                 graphed.append(run.entries[0].obj)
                 continue
-            label = (f"stage{model._stage_id}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
+            label = (f"stage{_fleet.stage_id(model)}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
                      + f".layers[{run.start}:{run.stop}]")
             layer = CUDAGraphedLayer(_RunBody(run.objects()), name=label, to_static=to_static, options=chosen)
             graphed_layers.append(layer)
@@ -354,7 +320,7 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
     for chunk in chunks:  # every run built (and its options checked) before fleet's lists change
         chunk.run_function[:] = chunk.graphed
-    model._recompute_interval = 0  # the entries recompute themselves (pipeline_recompute)
+    _fleet.set_recompute_interval(model, 0)  # the entries recompute themselves (pipeline_recompute)
 
     graphed_loss = None if loss_fn is None else _graph_loss(model, loss_fn, chosen)
     before = {attr: model.__dict__.get(attr, _ABSENT) for attr in _SET_ON_MODEL}
@@ -395,7 +361,7 @@ class _GraphedLoss:
 
 def _loss_to_graph(model, name):
     """The model's one loss function, checked for graphing (errors name the call and the fix)."""
-    losses = [fn for fn in getattr(model, "_loss_fn", []) if fn is not None]
+    losses = [fn for fn in _fleet.loss_functions(model) if fn is not None]
     if len(losses) != 1:
         raise ValueError(
             f"graph_pipeline({name}, graph_loss=True) graphs one loss function, the model has {len(losses)}: "
@@ -413,97 +379,11 @@ def _loss_to_graph(model, name):
 
 def _graph_loss(model, loss_fn, options: EngineOptions):
     layer = loss_fn if isinstance(loss_fn, nn.Layer) else _LossLayer(loss_fn)
-    graphed = _GraphedLoss(CUDAGraphedLayer(layer, name=f"stage{model._stage_id}.loss", options=options), loss_fn)
-    model._loss_fn[model._loss_fn.index(loss_fn)] = graphed
+    name = f"stage{_fleet.stage_id(model)}.loss"
+    graphed = _GraphedLoss(CUDAGraphedLayer(layer, name=name, options=options), loss_fn)
+    losses = _fleet.loss_functions(model)
+    losses[losses.index(loss_fn)] = graphed
     return graphed
-
-
-def _entry_lists(model):
-    """``(chunk_id or None, first layer index, fleet's entry list)`` for each chunk of this rank."""
-    try:
-        if model._num_virtual_pipeline_stages > 1 or getattr(model, "_use_dualpipev", False):
-            return [(cid, start, chunk.run_function)
-                    for cid, (start, chunk) in enumerate(zip(model._start_poss, model._model_chunks))]
-        return [(None, model._start_pos, model.run_function)]
-    except AttributeError as exc:
-        raise RuntimeError(
-            f"graph_pipeline({type(model).__name__}): fleet's PipelineLayer in Paddle {paddle.__version__} "
-            f"does not keep its layers as Paddle 3.x does (run_function / _model_chunks: {exc}); graph "
-            "the layers one by one with paddle_graphpp.CUDAGraphedLayer, or use Paddle 3.x") from exc
-
-
-def _refuse_upstream_graphs(model, containers):
-    from paddle.device.cuda.cuda_graphed_layer import CUDAGraphedLayer as UpstreamGraphedLayer
-
-    for _, _, run_function in containers:
-        if any(isinstance(obj, UpstreamGraphedLayer) for obj in run_function):
-            raise ValueError(
-                f"graph_pipeline({type(model).__name__}): the model was built with use_cudagraph=True, so "
-                "Paddle's own CUDAGraphedLayer already wraps its layers; build it with use_cudagraph=False "
-                "and then call graph_pipeline, or call paddle_graphpp.install() before building it")
-
-
-def _refuse_config_recompute(model, name):
-    """PaddleFormers' pipe models recompute inside their decoder layers when their config asks for
-    it (``recompute_granularity``), not through fleet's ``recompute_interval``."""
-    granularity = getattr(getattr(model, "config", None), "recompute_granularity", None)
-    if granularity is not None:
-        raise ValueError(
-            f"graph_pipeline({name}) cannot take over config.recompute_granularity={granularity!r}: PaddleFormers "
-            "recomputes inside each decoder layer's forward (fleet's recompute around the layer, or around its "
-            "attention and MLP), that is inside a graphed run, whose backward graph would then capture that "
-            "recompute's own backward, which adds the weight gradients into .grad behind the graph and restores "
-            "the RNG state on the host only. Set "
-            "recompute_granularity=None in the model's config and in TrainingArguments; to recompute with graphs, "
-            "set model._recompute_interval = 1 before graph_pipeline (each decoder layer then recomputes inside "
-            "its own graphs), or train without graph_pipeline")
-
-
-# What PaddleFormers' ``paddleformers.fleet.cudagraph.autocudagraph`` leaves on the function it
-# wraps (newer sources than 1.2.0): its per-key graph registry and the method that empties it.
-_AUTOCUDAGRAPH_MARKS = ("state_registry", "clear_cache")
-
-
-def _wrapped_by_autocudagraph(fn) -> bool:
-    fn = getattr(fn, "__func__", fn)  # a bound method: the function it binds
-    return (isinstance(getattr(fn, "state_registry", None), dict)
-            and callable(getattr(fn, "clear_cache", None)))
-
-
-def _autocudagraph_methods(layer):
-    """Names of ``layer``'s methods wrapped by autocudagraph, its own assignments first, then its
-    classes' up to ``nn.Layer`` (whose methods are Paddle's)."""
-    found = {}
-    for klass in type(layer).__mro__:
-        if klass is nn.Layer or klass is object:
-            break
-        for attr, value in vars(klass).items():
-            found.setdefault(attr, value)
-    found.update({attr: value for attr, value in vars(layer).items() if callable(value)})
-    return sorted(attr for attr, value in found.items() if _wrapped_by_autocudagraph(value))
-
-
-def _refuse_autocudagraph(model, containers):
-    """No graph inside a graph: a layer (or callable) of the model already graphed by autocudagraph."""
-    name = type(model).__name__
-    for _, start, run_function in containers:
-        for offset, obj in enumerate(run_function):
-            target = obj.func if isinstance(obj, functools.partial) else obj
-            where = f"layers[{start + offset}] ({type(target).__name__})"
-            wrapped = []
-            if _wrapped_by_autocudagraph(target):
-                wrapped.append(getattr(target, "__name__", type(target).__name__))
-            if isinstance(target, nn.Layer):
-                for path, layer in target.named_sublayers(include_self=True):
-                    prefix = f"{path}." if path else ""
-                    wrapped += [f"{prefix}{method} of {type(layer).__name__}" for method in _autocudagraph_methods(layer)]
-            if wrapped:
-                raise ValueError(
-                    f"graph_pipeline({name}): {where} is already CUDA-graphed by PaddleFormers' autocudagraph "
-                    f"decorator ({', '.join(wrapped)} carries its state_registry and clear_cache), and a graph "
-                    "cannot be captured inside another graph. Use one of the two: remove @autocudagraph from "
-                    "those methods and let graph_pipeline graph the layers, or train without graph_pipeline "
-                    "and install()")
 
 
 def _classify(index, obj, shared_keys):
@@ -529,33 +409,7 @@ def _with_eager_view(model, method_name, graphs):
     setattr(model, method_name, in_eager_view)
 
 
-# ---------------------------------------------------------------- configuration checks
-def _check_graphable(subject, *, recompute_interval, recompute_ctx, use_dualpipev):
-    """Reject what graphed runs cannot do, naming ``subject`` (the call or class) and the fix."""
-    if recompute_interval > 0:
-        if use_dualpipev:
-            raise ValueError(
-                f"{subject}: recompute_interval={recompute_interval} with use_dualpipev=True: DualPipeV splits "
-                "backwards into input and weight halves, which a recomputing graphed run does not do. Set "
-                "recompute_interval=0, or use the 1F1B or interleaved schedule")
-        moved = [key for key in ("offload", "partition") if (recompute_ctx or {}).get(key, False)]
-        if moved:
-            raise ValueError(
-                f"{subject}: recompute_ctx {'/'.join(moved)}=True moves or splits the recomputed groups' inputs, but a "
-                "graphed run keeps its inputs in the static buffers of its graphs, on the device. Set "
-                f"{' and '.join(moved)} to False in recompute_ctx, or set use_cudagraph=False")
-    strategy = getattr(fleet.fleet, "_user_defined_strategy", None)
-    if strategy is None:
-        return
-    pp_cfg = strategy.strategy.hybrid_configs.pp_configs
-    if pp_cfg.enable_dynamic_shape or not strategy.pipeline_configs.get("p2p_cache_shape", True):
-        raise ValueError(
-            f"{subject} needs the same shapes in every micro-batch, but the "
-            "strategy declares dynamic shapes (pp_configs.enable_dynamic_shape=True or "
-            "pipeline_configs['p2p_cache_shape']=False): pad sequences to a fixed length and turn "
-            "dynamic shapes off, or set use_cudagraph=False")
-
-
+# ---------------------------------------------------------------- the drop-in class
 def _check_to_static(to_static, use_cudagraph):
     """Check ``PipelineLayer``'s ``to_static`` on every rank, before any communication."""
     subject = "PipelineLayer(to_static=...)"
@@ -565,78 +419,7 @@ def _check_to_static(to_static, use_cudagraph):
             "use_cudagraph=True, or apply paddle.jit.to_static to the layers yourself")
 
 
-def _pipe_degree(num_stages, topology):
-    if topology is not None:
-        hcg = getattr(topology, "_parent_hcg", None)
-        if hcg is not None:
-            return hcg._pp_degree
-        return topology.get_dim_size("pipe")
-    return num_stages
-
-
-def _desc_name(desc):
-    if isinstance(desc, nn.Layer):
-        return type(desc).__name__
-    if hasattr(desc, "layer_func"):
-        return desc.layer_func.__name__
-    spec = getattr(desc, "layer_spec", None)
-    if spec is not None and not isinstance(spec.layer, tuple):
-        return spec.layer.__name__
-    return getattr(desc, "__name__", None)
-
-
-def _check_configuration(layers, *, num_stages, topology, seg_method, vpp, use_cudagraph,
-                         use_dualpipev, recompute_interval, recompute_ctx=None):
-    """Reject, on every rank and before any communication, configurations that cannot run."""
-    pp = _pipe_degree(num_stages, topology)
-    if pp is None:
-        raise ValueError("PipelineLayer needs num_stages or topology")
-    if use_cudagraph:
-        _check_graphable("PipelineLayer(use_cudagraph=True)", recompute_interval=recompute_interval,
-                         recompute_ctx=recompute_ctx, use_dualpipev=use_dualpipev)
-    chunks = 2 if use_dualpipev else vpp  # DualPipeV: two chunks per rank, in a V
-    parts = pp * chunks
-    split = f"2*pp = 2*{pp}" if use_dualpipev else f"pp*vpp = {pp}*{vpp}"
-    if len(layers) < parts:
-        raise ValueError(
-            f"{len(layers)} layers cannot split into {split} = {parts} chunks: "
-            "add layers or lower num_stages / num_virtual_pipeline_stages")
-    if vpp > 1:
-        if pp <= 2:
-            raise ValueError(
-                f"num_virtual_pipeline_stages={vpp} needs more than 2 pipeline stages (got {pp}): "
-                "Paddle's interleaved schedule requires pp_degree > 2; use num_virtual_pipeline_stages=1")
-        if not (isinstance(seg_method, str) and seg_method.startswith("layer:")):
-            raise ValueError(
-                f"num_virtual_pipeline_stages={vpp} needs seg_method='layer:<LayerClassName>' "
-                f"(got {seg_method!r}), so that the matching layers split evenly into the {parts} chunks")
-    if isinstance(seg_method, str) and seg_method.startswith("layer:"):
-        pattern = re.compile(seg_method.split(":", 1)[1], re.IGNORECASE)
-        count = sum(1 for desc in layers if (name := _desc_name(desc)) and pattern.search(name))
-        if count == 0 or count % parts:
-            raise ValueError(
-                f"seg_method={seg_method!r} matches {count} layers, which cannot split evenly into "
-                f"{split} = {parts} chunks: use a multiple of {parts} such layers, or change "
-                "num_stages / num_virtual_pipeline_stages")
-    strategy = getattr(fleet.fleet, "_user_defined_strategy", None)
-    if strategy is None:
-        return
-    if use_dualpipev and not strategy.strategy.hybrid_configs.pp_configs.use_dualpipev:
-        raise ValueError(
-            "use_dualpipev=True needs the strategy to ask for DualPipeV too, or fleet.distributed_model "
-            "runs the model under 1F1B: set strategy.hybrid_configs['pp_configs']['use_dualpipev'] = True "
-            "before fleet.init")
-    acc = strategy.pipeline_configs.get("accumulate_steps", 1)
-    if (vpp > 1 or use_dualpipev) and acc < 2 * pp:
-        schedule = "DualPipeV (use_dualpipev=True)" if use_dualpipev else \
-            f"the interleaved schedule (num_virtual_pipeline_stages={vpp})"
-        raise ValueError(
-            f"{schedule} needs at least 2*pp = {2 * pp} micro-batches, got accumulate_steps={acc}: "
-            f"raise strategy.pipeline_configs['accumulate_steps'] to {2 * pp} or more")
-
-
-# ---------------------------------------------------------------- the drop-in class
-class PipelineLayer(_FleetPipelineLayer):
+class PipelineLayer(_fleet.PipelineLayer):
     """Fleet's ``PipelineLayer`` whose stages run as CUDA-graphed runs of layers.
 
     Args:
@@ -684,9 +467,9 @@ class PipelineLayer(_FleetPipelineLayer):
         layers = list(layers)
         vpp = num_virtual_pipeline_stages or 1
         _check_to_static(to_static, use_cudagraph)
-        _check_configuration(layers, num_stages=num_stages, topology=topology, seg_method=seg_method,
-                             vpp=vpp, use_cudagraph=use_cudagraph, use_dualpipev=use_dualpipev,
-                             recompute_interval=recompute_interval, recompute_ctx=recompute_ctx)
+        _fleet.check_configuration(layers, num_stages=num_stages, topology=topology, seg_method=seg_method,
+                                   vpp=vpp, use_cudagraph=use_cudagraph, use_dualpipev=use_dualpipev,
+                                   recompute_interval=recompute_interval, recompute_ctx=recompute_ctx)
         name = type(self).__name__
         on_cpu = fleet_cpu._adjust("paddle_graphpp.PipelineLayer(...)" if type(self) is PipelineLayer
                                    else f"{name}(...) (a paddle_graphpp.PipelineLayer)")
@@ -704,7 +487,7 @@ class PipelineLayer(_FleetPipelineLayer):
         """How this rank's chunks were split: one line per graphed or eager run."""
         graphs = GraphedPipeline.of(self)
         if graphs is None:
-            return f"stage {self._stage_id}: use_cudagraph=False, every layer eager"
+            return f"stage {_fleet.stage_id(self)}: use_cudagraph=False, every layer eager"
         return graphs.segmentation_report()
 
     def graphed_layers(self) -> list:

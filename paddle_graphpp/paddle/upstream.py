@@ -30,7 +30,8 @@ from paddle.distributed.fleet.meta_parallel import PipelineLayer as _FleetPipeli
 from paddle_graphpp.core.options import EngineOptions
 from paddle_graphpp.core.process import current_process
 from paddle_graphpp.paddle.graphed import paddle_engine_options
-from paddle_graphpp.paddle.pipeline import _check_graphable, graph_pipeline
+from paddle_graphpp.paddle.integrations.fleet import check_graphable
+from paddle_graphpp.paddle.pipeline import graph_pipeline
 
 __all__ = ["install", "uninstall", "Installed"]
 
@@ -149,9 +150,9 @@ def _graphing_init(original):
         if not use_graphs:
             return original(self, *args, **kwargs)
         given = bound.arguments
-        _check_graphable(f"{type(self).__name__}(use_cudagraph=True)",
-                         recompute_interval=given.get("recompute_interval", 0),
-                         recompute_ctx=given.get("recompute_ctx"), use_dualpipev=given.get("use_dualpipev", False))
+        check_graphable(f"{type(self).__name__}(use_cudagraph=True)",
+                        recompute_interval=given.get("recompute_interval", 0),
+                        recompute_ctx=given.get("recompute_ctx"), use_dualpipev=given.get("use_dualpipev", False))
         bound.arguments["use_cudagraph"] = False
         original(*bound.args, **bound.kwargs)
         graph_pipeline(self, options=settings.options)
