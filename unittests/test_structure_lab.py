@@ -27,14 +27,6 @@ PACKAGE = ROOT / "paddle_graphpp"
 TESTING = ROOT / "testing"
 MAX_DOCSTRING_LINES = 25
 
-# Modules whose docstrings are still longer than MAX_DOCSTRING_LINES, to be shortened with the
-# rest of the issue "One engine". Remove an entry once its docstring is short: the set only shrinks.
-_BEING_REWRITTEN = {
-    "paddle_graphpp/torch/pipeline.py",
-    "paddle_graphpp/torch/whole.py",
-    "paddle_graphpp/torch/layers.py",
-}
-
 _LAB_MENTION = re.compile(r"(?<![\w.])tools/")
 
 
@@ -106,16 +98,11 @@ def test_the_package_text_mentions_no_tools_path():
 
 def test_module_docstrings_are_short():
     lengths = {_rel(path): docstring_lines(path.read_text(encoding="utf-8")) for path in _files(PACKAGE)}
-    over = {name: n for name, n in lengths.items() if n > MAX_DOCSTRING_LINES and name not in _BEING_REWRITTEN}
+    over = {name: n for name, n in lengths.items() if n > MAX_DOCSTRING_LINES}
     assert not over, (
         f"module docstrings longer than {MAX_DOCSTRING_LINES} lines (state the contract and the failure "
         f"modes; the design story goes to docs/architecture.md or the topic's docs page):\n"
         + "\n".join(f"{name}: {n} lines" for name, n in sorted(over.items(), key=lambda kv: -kv[1])))
-
-
-def test_the_files_being_rewritten_exist():
-    missing = sorted(name for name in _BEING_REWRITTEN if not (ROOT / name).is_file())
-    assert not missing, f"_BEING_REWRITTEN names files that do not exist: {missing}"
 
 
 def test_the_checks_find_what_they_look_for():

@@ -1,34 +1,14 @@
-"""Graph the repeated blocks of an existing model in place: :func:`graph_layers`.
+"""Graph the repeated blocks of an existing model in place: :func:`graph_layers`, :func:`ungraph_layers`.
 
-Model libraries such as Hugging Face ``transformers`` build a causal LM as embeddings, a list
-of identical decoder blocks (``model.model.layers`` in Llama, ``model.transformer.h`` in
-GPT-2) and a head. :func:`graph_layers` turns each block of such a list into a graphed block
-without changing the model around it::
-
-    from paddle_graphpp.torch import graph_layers
-
-    model.config.use_cache = False            # training: no key/value cache
-    graph_layers(model.model.layers)          # Llama; GPT-2: graph_layers(model.transformer.h)
-    optimizer = torch.optim.AdamW(model.parameters())
-    loss = model(input_ids, labels=labels).loss
-
-Each block stays the same object, in the same place: its class becomes a subclass of its own
-class (``GraphedLlamaDecoderLayer`` of ``LlamaDecoderLayer``) whose ``forward`` goes through a
-:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` built around the block's original
-forward. So parameter names, ``state_dict()`` keys, the optimizer's parameter list,
-``isinstance`` checks, attributes of the block (``layer.self_attn``, ``layer.attention_type``)
-and hooks registered on it (``transformers``' output recording) are all as before. The
-``CUDAGraphedModule`` is kept on the block (``layer.graphed``) but is not one of its
-submodules, so it adds no names; the block runs it without a module call (``run``), so hooks
-belong on the block, not on ``layer.graphed``.
-
-What a graphed block refuses because a graph cannot replay it (key/value caches, recorded
-attention weights, FSDP2 layouts) is checked by the adapters of
-:mod:`paddle_graphpp.torch.integrations`, when the block is graphed; the per-call checks they
-bind then are all a call runs. A block
-with transformers' gradient checkpointing on recomputes inside its own graphs (the engine's
-``recompute``): its forward graph keeps no activations and its backward graph runs the forward
-again, drawing the same dropout masks.
+Each block stays the same object in the same place: its class becomes a subclass of its own
+(``GraphedLlamaDecoderLayer`` of ``LlamaDecoderLayer``) whose ``forward`` runs a
+:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` around the block's original forward,
+kept on the block (``layer.graphed``) but not a submodule. Names, ``state_dict()`` keys, the
+optimizer's parameters, ``isinstance`` checks and hooks on the block are as before. What a
+graph cannot replay (caches, recorded attention weights, FSDP2 layouts) is refused by the
+adapters of :mod:`paddle_graphpp.torch.integrations`, with checks bound when the block is
+graphed. Gradient checkpointing recomputes inside the block's own graphs. ``undo()`` on the
+returned list (or :func:`ungraph_layers`) gives the blocks back. Usage: docs/pytorch.md.
 """
 
 from __future__ import annotations

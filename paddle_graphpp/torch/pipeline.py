@@ -1,39 +1,15 @@
-"""Graphed stages for ``torch.distributed.pipelining``.
+"""Graphed stages for ``torch.distributed.pipelining``: :func:`graph_stage_module`, :func:`graph_loss`.
 
-A pipeline stage is an ordered list of modules. :func:`graph_stage_module` splits it into runs
-of contiguous capturable modules (the framework-neutral :mod:`paddle_graphpp.core.segment`
-code, shared with ``paddle_graphpp.PipelineLayer``) and wraps each run in
-:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`. Modules listed in ``shared=``,
-modules whose weight two entries of the stage use, plain callables and modules marked with
-:func:`~paddle_graphpp.core.segment.mark_not_capturable` stay eager between the graphs.
-An embedding or head tied to another stage is graphed like any module: its gradient is in
-``.grad`` after the stage's backwards, where the cross-stage reduction reads it, and its
-temporaries (the dense embedding gradient, the logits) share the graphs' memory instead of
-the default cache's.
-
-The result is an ordinary ``torch.nn.Module``: hand it to ``PipelineStage`` and run
-``Schedule1F1B``, ``ScheduleInterleaved1F1B`` or a zero-bubble schedule
-(``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``) as usual::
-
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from paddle_graphpp.torch.pipeline import graph_stage_module
-
-    stage_mod = graph_stage_module(nn.Sequential(embed, *blocks))
-    stage = PipelineStage(stage_mod, stage_index, num_stages, device,
-                          input_args=example_input, output_args=example_output)
-    schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
-
-On the last stage, :func:`graph_loss` graphs the schedule's loss function as well
-(``Schedule1F1B(stage, 8, loss_fn=graph_loss(loss_fn))``): its temporaries (a cross-entropy
-over fp32 logits: several copies of the logits) then come from the graphs' pool, where the
-stage's own backward scratch is free at that moment, instead of from memory of their own.
-
-The schedule's sends and receives happen between stage calls, so they stay outside the
-graphs; received activations are copied into each graph's static input buffers by the engine.
-Each graphed run keeps its own FIFO of in-flight micro-batches, so the several chunks of an
-interleaved schedule on one rank do not interfere. Under a zero-bubble schedule each graphed
-run splits its backward the way the schedule does: the input pass replays an input-gradient
-graph, the deferred weight pass a weight-gradient graph (see ``paddle_graphpp.core.engine``).
+:func:`graph_stage_module` splits a stage (an ordered list of modules) into runs of contiguous
+capturable modules (:mod:`paddle_graphpp.core.segment`) and wraps each run in a
+:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`; modules listed in ``shared=``, weights
+used twice in the stage, plain callables and modules marked not capturable stay eager between
+them. The result is an ordinary module for ``PipelineStage`` under the 1F1B, interleaved and
+zero-bubble schedules; sends and receives stay outside the graphs, and each run keeps its own
+FIFO of micro-batches in flight. :func:`graph_loss` graphs the last stage's loss with the stage's
+graphs, in their pool. Both are undone by ``undo()`` on what they return. Bad input (an empty
+stage, a ``shared`` module not in it, a stage graphed twice, a loss compiled with Inductor's own
+graphs) raises when built. Usage and the schedules: docs/pytorch.md and docs/pipelines.md.
 """
 
 from __future__ import annotations

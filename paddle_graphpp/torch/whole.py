@@ -1,35 +1,14 @@
-"""Whole-model graphs for Hugging Face causal LMs: :func:`graph_model`.
+"""Whole-model graphs for Hugging Face causal LMs: :func:`graph_model`, :func:`ungraph_model`.
 
-:func:`~paddle_graphpp.torch.graph_layers` graphs a model's decoder blocks; the embedding, the
-rotary tables, the mask, the final norm, the head and the loss still run eagerly for every
-micro-batch, and at small shapes their launches cost as much as the blocks. :func:`graph_model`
-graphs everything from the token ids to the loss as one
-:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule`: one forward and one backward launch
-per micro-batch, with the engine's FIFO, shared pool, RNG registration and replay checks::
-
-    from paddle_graphpp.torch import graph_model
-
-    graph_model(model)                          # in place; returns the model
-    loss = model(input_ids, labels=labels).loss  # the training loop is unchanged
-    loss.backward()
-
-The model keeps its class, names, ``state_dict()`` keys and hooks; only its ``forward`` is
-replaced, on the instance (:func:`ungraph_model` gives the original back). The graph runs the
-model's own forward (its class's), loss and router losses included, for an unpadded causal
-batch without a cache. Its masks are the model's own mask calls, recorded once per batch shape,
-eagerly and outside the graph (:meth:`~paddle_graphpp.torch.hf.CausalLMStage.masks`), so
-attention keeps its causal kernel and nothing inside the graph reads a device value on the host
-(transformers' mask code would, once per call).
-
-Calls the graph does not cover take the model's own forward: under ``torch.no_grad()``
-(evaluation, ``generate()`` with its cache) silently, and, with one warning naming the
-argument, calls that pass any ``attention_mask`` (even all ones: a tokenizer's or collator's
-column must be dropped for unpadded batches), ``inputs_embeds``, ``position_ids``, a cache,
-``use_cache=True``, ``output_attentions`` / ``output_hidden_states`` or ``logits_to_keep``.
-``num_items_in_batch`` (the Hugging Face Trainer's) and ``output_router_logits`` are passed
-on; as Python values each is a signature of its own. With ``labels`` the graph returns the
-model's outputs with the loss attached and the others (logits, ``aux_loss``, router logits)
-detached: the backward graph differentiates the loss.
+:func:`graph_model` graphs everything from the token ids to the loss as one
+:class:`~paddle_graphpp.torch.graphed.CUDAGraphedModule` (one forward and one backward launch
+per micro-batch), in place: the model keeps its class, names, ``state_dict()`` keys and hooks;
+only the instance's ``forward`` is replaced (:func:`ungraph_model` puts it back). The graph runs
+the model's own forward for an unpadded causal batch without a cache; its masks are recorded once
+per batch shape, outside the graph. Calls it does not cover (``torch.no_grad()``; with one
+warning naming the argument, an ``attention_mask``, ``inputs_embeds``, a cache, ...) run the
+model's own forward. A model whose forward it cannot reproduce is refused when graphed, naming
+what to do. Details: docs/scopes.md and docs/zoo.md.
 """
 
 from __future__ import annotations
