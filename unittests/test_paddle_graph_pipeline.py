@@ -532,19 +532,46 @@ def test_graph_loss_refuses_several_losses_and_trainable_ones_and_changes_nothin
         assert not any(type(f).__name__ == "_GraphedRunCall" for f in entries(model))
 
 
-def test_each_micro_batch_gets_its_own_graphed_loss_tensor():
-    from fake_paddle_runtime import FakeGraphedLayer, FakePaddleRuntime
-    from paddle_graphpp.paddle.pipeline import _GraphedLoss, _LossLayer
+def test_each_micro_batch_gets_its_own_graphed_loss_tensor_and_undo_gives_the_loss_back():
+    # graph_loss as in the PyTorch runtime: the last stage runs each micro-batch's forward and
+    # backward before the next, so every micro-batch replays the loss's one position.
+    from fake_paddle_runtime import FakePaddleRuntime
+    from fake_runtime import serving
+    from paddle_graphpp import GraphedLoss, graph_loss
+    from paddle_graphpp.core.process import current_process
 
-    loss_fn = _GraphedLoss(FakeGraphedLayer(_LossLayer(cross_entropy), FakePaddleRuntime(), num_warmup_steps=1),
-                           cross_entropy)
-    for step in range(4):
-        losses = []
-        for _ in range(3):  # the last stage: each micro-batch's forward and backward before the next
-            logits = paddle.randn([2, 4, VOCAB])
-            logits.stop_gradient = False
-            loss = loss_fn(logits, paddle.randint(0, VOCAB, [2, 4]))
-            losses.append(loss)
-            loss.backward()
-        assert len({t.data_ptr() for t in losses}) == 3, f"step {step}: the losses share storage"
-    assert loss_fn.graphed.engine.replays > 0
+    rt = FakePaddleRuntime()
+    current_process().reset(rt.name)
+    try:
+        with serving(rt, "paddle"):
+            loss_fn = graph_loss(cross_entropy, num_warmup_steps=1)
+            assert isinstance(loss_fn, GraphedLoss) and loss_fn.loss_fn is cross_entropy
+            for step in range(4):
+                losses = []
+                for _ in range(3):
+                    logits = paddle.randn([2, 4, VOCAB])
+                    logits.stop_gradient = False
+                    loss = loss_fn(logits, paddle.randint(0, VOCAB, [2, 4]))
+                    losses.append(loss)
+                    loss.backward()
+                assert len({t.data_ptr() for t in losses}) == 3, f"step {step}: the losses share storage"
+            # one position: warmup, record, then the (forward, backward) pair replayed 10 times
+            assert (loss_fn.engine.captures, loss_fn.engine.replays) == (2, 2 * (4 * 3 - 2))
+            assert loss_fn.undo() is cross_entropy
+            with pytest.raises(RuntimeError, match="undo"):
+                loss_fn(paddle.randn([2, 4, VOCAB]), paddle.randint(0, VOCAB, [2, 4]))
+    finally:
+        current_process().reset(rt.name)
+
+
+def test_graph_loss_refuses_what_it_cannot_graph():
+    from paddle_graphpp import graph_loss
+
+    with pytest.raises(TypeError, match=r"graph_loss\(loss\): loss_fn must be callable"):
+        graph_loss(3)
+    with pytest.raises(TypeError, match=r"the loss Linear has trainable parameters \['weight', 'bias'\]"):
+        graph_loss(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="graphed already"):
+        graph_loss(graph_loss(cross_entropy))
+    with pytest.raises(TypeError, match="accumulate_grads"):
+        graph_loss(cross_entropy, accumulate_grads=True)

@@ -11,6 +11,8 @@ _LAZY = {
     "PipelineLayer": "paddle_graphpp.paddle.pipeline",
     "graph_pipeline": "paddle_graphpp.paddle.pipeline",
     "GraphedPipeline": "paddle_graphpp.paddle.pipeline",
+    "graph_loss": "paddle_graphpp.paddle.loss",
+    "GraphedLoss": "paddle_graphpp.paddle.loss",
     "install": "paddle_graphpp.paddle.upstream",
     "uninstall": "paddle_graphpp.paddle.upstream",
     "PaddleGraphedOptimizer": "paddle_graphpp.paddle.optim",

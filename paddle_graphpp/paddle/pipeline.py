@@ -21,7 +21,6 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
-import paddle
 from paddle import nn
 from paddle.distributed import fleet
 
@@ -34,6 +33,7 @@ from paddle_graphpp.core.layer import EngineHooks
 from paddle_graphpp.core.options import EngineOptions
 from paddle_graphpp.paddle.compile import to_static_options
 from paddle_graphpp.paddle.graphed import CUDAGraphedLayer, paddle_engine_options
+from paddle_graphpp.paddle.loss import graph_loss
 
 __all__ = ["graph_pipeline", "GraphedPipeline", "PipelineLayer"]
 
@@ -123,7 +123,7 @@ class GraphedPipeline:
         self.model = model
         self._chunks = chunks
         self._graphed_layers = graphed_layers
-        self.graphed_loss = graphed_loss  # the _GraphedLoss in fleet's loss list, or None
+        self.graphed_loss = graphed_loss  # the GraphedLoss in fleet's loss list, or None
         #: fleet's ``recompute_interval`` of the model as built (its ``_recompute_interval`` is 0
         #: outside :meth:`eager_view`: the graphed entries recompute themselves)
         self.recompute_interval = recompute_interval
@@ -332,33 +332,6 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
     return graphs
 
 
-class _LossLayer(nn.Layer):
-    """A loss function as a layer: ``loss_fn(output, labels)``."""
-
-    def __init__(self, loss_fn):
-        super().__init__()
-        self.__dict__["loss_fn"] = loss_fn  # not a sublayer: nothing to register
-
-    def forward(self, *args):
-        return self.loss_fn(*args)
-
-
-class _GraphedLoss:
-    """The entry of fleet's loss list when the loss is graphed: each call's value copied out of
-    the graph's output buffer (on the last stage every micro-batch replays the same graph; fleet
-    keeps each micro-batch's loss for the step's total). Deliberately not an ``nn.Layer``, so
-    the model's parameters and ``state_dict()`` keys stay the same."""
-
-    def __init__(self, graphed, loss_fn):
-        self.graphed = graphed
-        self.loss_fn = loss_fn
-        self.__name__ = getattr(loss_fn, "__name__", type(loss_fn).__name__)  # fleet logs it
-
-    def __call__(self, output, labels):
-        loss = self.graphed(output, labels)
-        return loss.clone() if isinstance(loss, paddle.Tensor) else loss
-
-
 def _loss_to_graph(model, name):
     """The model's one loss function, checked for graphing (errors name the call and the fix)."""
     losses = [fn for fn in _fleet.loss_functions(model) if fn is not None]
@@ -378,9 +351,8 @@ def _loss_to_graph(model, name):
 
 
 def _graph_loss(model, loss_fn, options: EngineOptions):
-    layer = loss_fn if isinstance(loss_fn, nn.Layer) else _LossLayer(loss_fn)
-    name = f"stage{_fleet.stage_id(model)}.loss"
-    graphed = _GraphedLoss(CUDAGraphedLayer(layer, name=name, options=options), loss_fn)
+    """:func:`~paddle_graphpp.paddle.loss.graph_loss` of the model's loss, put in fleet's loss list."""
+    graphed = graph_loss(loss_fn, name=f"stage{_fleet.stage_id(model)}.loss", options=options)
     losses = _fleet.loss_functions(model)
     losses[losses.index(loss_fn)] = graphed
     return graphed
