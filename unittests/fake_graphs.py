@@ -11,6 +11,17 @@ class FakeGraph:
         self.replays = 0
 
 
+class ZeroedStaticBuffers:
+    """Mixed into a fake runtime (before it): static buffers zeroed, not empty, since the fake
+    "capture" runs the code on them (token ids must be valid indices)."""
+
+    def static_buffers(self, specs):
+        out = super().static_buffers(specs)
+        for t in out:
+            t.zero_()
+        return out
+
+
 class FakeGraphs:
     """Mixed into a framework's runtime (before it): graphs, pools, capture and replay faked."""
 

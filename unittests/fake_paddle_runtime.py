@@ -11,18 +11,11 @@ import paddle
 
 from paddle_graphpp.core.engine import EngineOptions, graphed_engine, graphed_label
 from paddle_graphpp.paddle.runtime import PaddleRuntime
-from fake_graphs import FakeGraphs
+from fake_graphs import FakeGraphs, ZeroedStaticBuffers
 
 
-class FakePaddleRuntime(FakeGraphs, PaddleRuntime):
+class FakePaddleRuntime(ZeroedStaticBuffers, FakeGraphs, PaddleRuntime):
     name = "fake-paddle"
-
-    def static_buffers(self, specs):
-        # Zeroed, not empty: "capture" runs the code on them (token ids must be valid indices).
-        out = super().static_buffers(specs)
-        for t in out:
-            t.zero_()
-        return out
 
     @contextlib.contextmanager
     def capture_checks(self):

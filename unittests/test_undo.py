@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from fake_graphs import ZeroedStaticBuffers  # noqa: E402
 from fake_runtime import FakeGraphRuntime, serving  # noqa: E402
 
 from paddle_graphpp import graph_api  # noqa: E402
@@ -28,15 +29,8 @@ VOCAB, SEQ, HIDDEN = 64, 8, 16
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-class ZeroedFakeRuntime(FakeGraphRuntime):
-    """Static buffers zeroed (as the fake Paddle runtime's): the "capture" runs the code on them,
-    and token ids must be valid indices."""
-
-    def static_buffers(self, specs):
-        out = super().static_buffers(specs)
-        for t in out:
-            t.zero_()
-        return out
+class ZeroedFakeRuntime(ZeroedStaticBuffers, FakeGraphRuntime):
+    """Static buffers zeroed, as the fake Paddle runtime's."""
 
 
 @pytest.fixture
