@@ -30,6 +30,10 @@ class EngineHooks:
     #: Whether a call recomputes its forward in the backward (activation checkpointing), read per
     #: call; ``None``: the ``recompute`` option.
     recomputes: Optional[Callable[[], bool]] = None
+    #: What to say when a capture of the layer fails, given the error (``None``: nothing to add;
+    #: the runtime's hint and the general one follow). A front door gives one where a library
+    #: explains the layer's failure better than the runtime can.
+    capture_hint: Optional[Callable[[BaseException], Optional[str]]] = None
 
 
 def hooks_for(wrapped: Any, name: str, options: Any, default: EngineHooks) -> EngineHooks:

@@ -323,7 +323,9 @@ class LayerCapture:
                 return with_layer(exc.error, f"{layer.name}: raised while capturing the {exc.phase}")
             return exc  # the engine's own errors (GraphedLayerError) and interrupts
         hints = self.caps.hints
-        hint = (hints.capture_failure_hint(exc.error, layer.generators()) if hints is not None else None) or (
+        own = layer.hooks.capture_hint
+        hint = (own(exc.error) if own is not None else None) or (
+            hints.capture_failure_hint(exc.error, layer.generators()) if hints is not None else None) or (
             "Graphs cannot contain host synchronisation (.item(), .numpy(), printing a tensor, "
             "data-dependent shapes such as nonzero/masked_select) or CPU work. Move it out of the "
             "layer, or pass fallback='eager'.")

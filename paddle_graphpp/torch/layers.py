@@ -95,10 +95,12 @@ class _OriginalForward(RunsInPlaceOf):
 
     def graph_engine_hooks(self, name: str, options: EngineOptions) -> EngineHooks:
         """The engine sees the block itself: the adapters' view of it around each capture (FSDP2's
-        unsharded parameters), and its gradient checkpointing read per call (:func:`_recomputes`)."""
+        unsharded parameters), its gradient checkpointing read per call (:func:`_recomputes`), and
+        what the adapters say when its capture fails (a mixture of experts' dispatch)."""
         return EngineHooks(capture_view=functools.partial(integrations.capture_view, self.layer, name),
                            recomputes=functools.partial(_recomputes, self.layer, options.recompute, self._compiled,
-                                                        self._checkpointing))
+                                                        self._checkpointing),
+                           capture_hint=integrations.capture_hint(name, self.layer))
 
     def forward(self, *args, **kwargs):
         def resolve(x):  # the parameter as the block holds it now: inside a capture, its alias

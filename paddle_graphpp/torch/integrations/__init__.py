@@ -28,7 +28,8 @@ from typing import Any, Callable, ClassVar, ContextManager, Optional
 from ...core.process import current_process
 
 __all__ = ["Adapter", "OutsideCalls", "RngTracker", "ADAPTER_MODULES", "PREPARED", "adapters", "check_block",
-           "check_wrapped", "refuse_in_whole_graph", "call_checks", "recomputes", "outside_calls", "prepare",
+           "check_wrapped", "refuse_in_whole_graph", "call_checks", "recomputes", "capture_hint", "outside_calls",
+           "prepare",
            "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
 
 #: The adapter modules, each defining ``ADAPTER`` (an :class:`Adapter`), in the order consulted.
@@ -107,6 +108,11 @@ class Adapter:
         ``None`` (this library does not define them)."""
         return None
 
+    def capture_hint(self, name: str, layer: Any) -> Optional[Callable[[BaseException], Optional[str]]]:
+        """For a block whose capture this library can explain: what to say when a capture of it
+        fails (given the error; ``None``: nothing to add), bound once; ``None`` otherwise."""
+        return None
+
     # -- first call, each capture, undo
     def prepare(self, block: Any, name: str) -> None:
         """At a graphed module's first call (the library may wrap it after graphing)."""
@@ -175,6 +181,15 @@ def recomputes(layer: Any) -> Optional[Callable[[], bool]]:
     if len(found) <= 1:
         return found[0] if found else None
     return lambda: any(p() for p in found)
+
+
+def capture_hint(name: str, layer: Any) -> Optional[Callable[[BaseException], Optional[str]]]:
+    """What the adapters say when a capture of ``layer`` fails (the first that says something),
+    bound now; ``None`` when no adapter explains this block."""
+    found = [h for h in (a.capture_hint(name, layer) for a in adapters()) if h is not None]
+    if not found:
+        return None
+    return lambda error: next((text for text in (h(error) for h in found) if text), None)
 
 
 def outside_calls(owner: str, *models: Any) -> OutsideCalls:

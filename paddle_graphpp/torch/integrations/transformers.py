@@ -25,8 +25,10 @@ import functools
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
+import torch
 from torch import nn
 
 from . import Adapter, OutsideCalls
@@ -291,6 +293,55 @@ def traced_masks_refused():
         masking._preprocess_mask_arguments = original
 
 
+# transformers' mixture-of-experts blocks dispatch their routed experts by the config's experts
+# implementation (``use_experts_implementation`` classes, read through the private
+# ``config._experts_implementation``; checked on transformers 5.0, 5.3 and 5.25 source). What each
+# implementation does in a capture, from its code and torch's grouped matmul (torch 2.11, 2.13):
+_EXPERTS_IN_A_CAPTURE = MappingProxyType({
+    "batched_mm": None,  # fixed-shape gathers and batched matmuls: nothing read on the host
+    "grouped_mm": "torch's grouped matmul reads the group offsets on the host except for bf16 weights on sm90+",
+    "eager": "a Python loop over the experts the batch hits (nonzero, host reads)",
+})
+
+
+def experts_modules(layer: nn.Module) -> list:
+    """``(name, module, implementation)`` of each experts module inside ``layer`` that transformers
+    dispatches by its experts implementation; ``[]`` for a dense block."""
+    found = []
+    for name, module in layer.named_modules():
+        config = getattr(module, "config", None)
+        if hasattr(type(module), "_apply_gate") and config is not None and hasattr(config, "_experts_implementation"):
+            found.append((name, module, config._experts_implementation or "grouped_mm"))
+    return found
+
+
+def experts_capture_problem(module: nn.Module, implementation: str) -> Optional[str]:
+    """Why ``module``'s expert path (dispatching with ``implementation``) cannot be captured as it
+    is, or ``None`` when it can. An implementation this table does not know is reported too."""
+    if implementation == "grouped_mm":
+        weight = next(module.parameters(), None)
+        if (weight is not None and weight.is_cuda and weight.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(weight.device) >= (9, 0)):
+            return None
+    if implementation in _EXPERTS_IN_A_CAPTURE:
+        return _EXPERTS_IN_A_CAPTURE[implementation]
+    return f"its implementation {implementation!r} is not known to be free of host reads"
+
+
+def moe_capture_hint(name: str, layer: nn.Module, error: BaseException) -> Optional[str]:
+    """What to say when a capture of the block ``layer`` fails and an experts module inside it
+    dispatches in a way a capture cannot hold (``None`` otherwise)."""
+    problems = [(n, impl, why) for n, m, impl in experts_modules(layer)
+                for why in [experts_capture_problem(m, impl)] if why]
+    if not problems:
+        return None
+    where, impl, why = problems[0]
+    return (f"{name}.{where} dispatches its routed experts with experts_implementation={impl!r}: {why}. "
+            f"Call model.set_experts_implementation('batched_mm') before graphing (no host read, in any dtype, "
+            f"at some memory cost), train in bf16 on an sm90+ GPU with 'grouped_mm', or pass fallback='eager' "
+            f"to run such blocks eagerly.")
+
+
 @dataclass(frozen=True)
 class TransformersAdapter(Adapter):
     """transformers as the front doors see it."""
@@ -312,6 +363,11 @@ class TransformersAdapter(Adapter):
         # transformers switches checkpointing only on modules that have the attribute already
         # (PreTrainedModel._set_gradient_checkpointing): a block without it never gets it.
         return functools.partial(checkpointing, layer) if hasattr(layer, "gradient_checkpointing") else None
+
+    def capture_hint(self, name, layer):
+        if not experts_modules(layer):
+            return None
+        return functools.partial(moe_capture_hint, name, layer)
 
     def outside_calls(self, owner, models):
         calls = MaskCalls(owner, *models)
