@@ -47,14 +47,16 @@ def test_a_dense_block_holds_no_experts():
     assert not any(adapter.experts_modules(b) for b in zoo.blocks_of(model))
 
 
-def test_a_failed_capture_of_a_moe_block_names_the_dispatch_and_the_fix(monkeypatch):
+def test_a_failed_capture_of_a_whole_moe_block_names_the_dispatch_and_the_fixes(monkeypatch):
+    # batched_mm is graphed whole (it reads nothing on the host); should its capture fail anyway,
+    # the error names the experts module, its implementation and both ways on
     from fake_runtime import FakeGraphRuntime, serving
 
     rt = FakeGraphRuntime()
     current_process().reset(rt.name)
     try:
         with serving(rt):
-            model = _model("qwen3_moe", "eager")
+            model = _model("qwen3_moe", "batched_mm")
             blocks = list(zoo.blocks_of(model))
             experts = type(adapter.experts_modules(blocks[0])[0][1])
             original = experts.forward
@@ -68,7 +70,8 @@ def test_a_failed_capture_of_a_moe_block_names_the_dispatch_and_the_fix(monkeypa
             # a block whose submodules' forward is replaced on the instance (its output recording)
             graph_layers(blocks, num_warmup_steps=1)
             ids = torch.randint(0, model.config.vocab_size, (2, 16))
-            with pytest.raises(CaptureError, match=r"experts_implementation='eager'.*set_experts_implementation\('batched_mm'\)"):
+            with pytest.raises(CaptureError, match=r"mlp.experts dispatches its routed experts with experts_implementation="
+                                                   r"'batched_mm'.*set_experts_implementation\('eager'\) to graph around"):
                 for _ in range(4):
                     model(ids, labels=ids).loss.backward()
     finally:

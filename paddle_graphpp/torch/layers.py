@@ -7,8 +7,10 @@ kept on the block (``layer.graphed``) but not a submodule. Names, ``state_dict()
 optimizer's parameters, ``isinstance`` checks and hooks on the block are as before. What a
 graph cannot replay (caches, recorded attention weights, FSDP2 layouts) is refused by the
 adapters of :mod:`paddle_graphpp.torch.integrations`, with checks bound when the block is
-graphed. Gradient checkpointing recomputes inside the block's own graphs. ``undo()`` on the
-returned list (or :func:`ungraph_layers`) gives the blocks back. Usage: docs/pytorch.md.
+graphed. Gradient checkpointing recomputes inside the block's own graphs. A block an adapter
+cannot capture whole (a mixture of experts' host-reading dispatch) is graphed in parts around
+what cannot be captured. ``undo()`` on the returned list (or :func:`ungraph_layers`) gives the
+blocks back. Usage: docs/pytorch.md, docs/moe.md.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ _NAME = "_graphpp_name"
 _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, given back by ungraph_layers
 _CHECKS = "_graphpp_call_checks"  # the adapters' per-call checks, bound when graphed
 _CHECKPOINTING = "_graphpp_checkpointing"  # a library's checkpointing switch of the block (or None), bound when graphed
+_PARTS = "_graphpp_parts"  # on a block graphed in parts (around its experts): its graphed submodules
+_PROBE = "_graphpp_parts_probe"  # ... and, until its first training call, its _PartsProbe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,12 +194,20 @@ def _graphed_classes() -> GraphedClasses:
 
 
 class GraphedLayers(list):
-    """What :func:`graph_layers` returns: the graphed blocks, in order (the same objects as in the
-    list it was given), with :meth:`undo`."""
+    """What :func:`graph_layers` returns: the graphed modules, in order (the blocks of the list it
+    was given, or, for a block graphed around its experts, its graphed submodules), with
+    :meth:`undo` and :attr:`eager` (what runs eagerly between graphs, and why)."""
+
+    def __init__(self, modules=(), eager=(), split=()):
+        super().__init__(modules)
+        #: ``(name, why)`` of each submodule left eager inside a block graphed in parts (a mixture of
+        #: experts' routed experts whose dispatch reads the host); empty when every block is graphed whole.
+        self.eager = list(eager)
+        self._split = list(split)  # the blocks graphed in parts
 
     def undo(self) -> list:
-        """:func:`ungraph_layers` on these blocks: each gets its own class back and its graphs are
-        released. Returns them, in order.
+        """:func:`ungraph_layers` on these modules: each gets its own class back and its graphs are
+        released (a block graphed in parts is whole again). Returns them, in order.
 
         Raises:
             GraphScheduleError: a block has micro-batches in flight (undo between steps).
@@ -206,7 +218,12 @@ class GraphedLayers(list):
             if not isinstance(layer, GraphedLayer):
                 raise RuntimeError(f"graph_layers(...).undo(): block {i} ({type(layer).__name__}) is not graphed "
                                    f"(undone already, by undo() or ungraph_layers()); nothing was changed.")
-        return ungraph_layers(list(self))
+        out = ungraph_layers(list(self)) if len(self) else []
+        for block in self._split:
+            block.__dict__.pop(_PARTS, None)
+            if _PROBE in block.__dict__:
+                block.__dict__[_PROBE].remove()
+        return out
 
 
 def _graphed_class(cls: type) -> type:
@@ -251,7 +268,7 @@ def _entries(layers: Any) -> list:
 def check_layer(name: str, layer: nn.Module, check_config: bool) -> None:
     """Refuse a block that cannot be graphed: graphed already, or refused by an adapter
     (``check_config``: a model config that keeps a cache or records attention weights, too)."""
-    if isinstance(layer, GraphedLayer):
+    if isinstance(layer, GraphedLayer) or _PARTS in layer.__dict__:
         raise TypeError(f"{name} is already graphed (graph_layers() was called on it before)")
     if isinstance(layer, CUDAGraphedModule):
         raise TypeError(f"{name} is already a CUDAGraphedModule; pass the plain block to graph_layers()")
@@ -297,10 +314,18 @@ def graph_layers(
             :class:`paddle_graphpp.EngineOptions`, or its fields by keyword, ``num_warmup_steps``
             also positionally), documented on ``CUDAGraphedModule``.
 
+    Mixtures of experts: a block whose routed experts dispatch with host reads (transformers'
+    ``experts_implementation="eager"``; ``"grouped_mm"`` except for bf16 weights on sm90+) is
+    graphed around the dispatch: its attention and its router are graphed, each in place, and
+    the experts, norms, shared experts and the block's own code run eagerly between them (bit for
+    bit as the model; docs/moe.md). Blocks whose experts capture (``"batched_mm"``) are graphed whole.
+
     Returns:
-        The graphed blocks, in order (the same objects as in ``layers``), as a list whose
-        ``undo()`` is :func:`ungraph_layers` on them: it gives each block its own class back and
-        releases its graphs.
+        The graphed modules, in order, as a list (:class:`GraphedLayers`): the blocks of
+        ``layers`` (the same objects), or for a block graphed around its experts its graphed
+        submodules; ``.eager`` lists ``(name, why)`` of what runs eagerly inside such blocks;
+        ``undo()`` is :func:`ungraph_layers` on them: each gets its own class back and its
+        graphs are released.
 
     Raises:
         TypeError: ``layers`` is not a container of modules, or a block is already graphed; a
@@ -351,7 +376,13 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     ``check_config=False`` skips the model-config checks (``use_cache``, ``output_attentions``):
     for callers that call the blocks themselves with ``use_cache=False``
     (:mod:`paddle_graphpp.torch.hf`). The per-call checks stay.
+
+    A block an adapter cannot capture whole (:func:`~paddle_graphpp.torch.integrations.graph_parts`:
+    a mixture of experts whose dispatch reads the host) is graphed in parts: its submodules the
+    adapter names are graphed in place (named ``f"{name}.{submodule}"``), the rest of its forward
+    runs eagerly between their graphs.
     """
+    pairs, names, split, eager = _graphed_parts(pairs, names)
     for label, (_, module) in zip(names, pairs):
         check_layer(label, module, check_config)
     seen: set = set()
@@ -368,8 +399,9 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
                                                   checkpointing=switch),
                                  name=label, options=options)
                for label, (_, layer), switch in zip(names, pairs, checkpointing)]  # every option checked first
-    checks = [integrations.call_checks(label, layer) for label, (_, layer) in zip(names, pairs)]
-    graphed = GraphedLayers()
+    checks = [integrations.call_checks(label, layer) + _part_checks(label, layer, split)
+              for label, (_, layer) in zip(names, pairs)]
+    graphed = GraphedLayers(eager=eager, split=[block for block, _ in split.values()])
     for label, (_, layer), runner, own, switch, bound in zip(names, pairs, runners, user_compiled, checkpointing, checks):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
         layer.__dict__[_NAME] = label
@@ -380,7 +412,180 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
             layer._compiled_call_impl = None
         layer.__class__ = _graphed_class(type(layer))
         graphed.append(layer)
+    for block, parts in split.values():
+        if _PARTS not in block.__dict__:
+            block.__dict__[_PARTS] = GraphedLayers([part for _, part in parts])
+            block.__dict__[_PROBE] = _PartsProbe(block, [(part.__dict__[_NAME], part) for _, part in parts], graphed)
     return graphed
+
+
+class _PartsProbe:
+    """The first training call of a block graphed in parts runs the block eagerly, its parts as
+    their own classes, and reads the autograd graph that call made. A graphed part hands autograd
+    one gradient per input, the sum of what its own code read of it; eager autograd adds every
+    read one by one, in the order their nodes run. The two agree bit for bit when the part's code
+    reads an input once, or when nothing outside the part reads it. A part where neither holds
+    (an attention reading the residual stream it also adds to, a parallel attention and MLP on
+    one norm's output) is given back to eager here, before any of its graphs runs, and listed in
+    ``graph_layers(...).eager`` with why. Then the probe removes itself."""
+
+    def __init__(self, block: nn.Module, parts: list, listing: "GraphedLayers"):
+        self.block, self.parts, self.listing = block, parts, listing
+        self.calls: Optional[list] = None
+        self.hooks: list = []
+        self.checkpointing = integrations.recomputes(block)  # then the parts refuse the call (_part_checks)
+        self.handles = (block.register_forward_pre_hook(self._before, with_kwargs=True),
+                        block.register_forward_hook(self._after, with_kwargs=True))
+
+    def remove(self) -> None:
+        self._restore()
+        for handle in self.handles:
+            handle.remove()
+        self.block.__dict__.pop(_PROBE, None)
+
+    def _before(self, block, args, kwargs):
+        self._restore()  # a probed call cut short by an error
+        if not (block.training and torch.is_grad_enabled()) or (self.checkpointing is not None and self.checkpointing()):
+            return None
+        self.inputs = _tensors((args, kwargs))
+        self.calls = []
+        for name, part in self.parts:
+            part.__class__ = type(part)._graphpp_original
+            self.hooks.append(part.register_forward_hook(functools.partial(self._called, name), with_kwargs=True))
+        return None
+
+    def _called(self, name, part, args, kwargs, output):
+        self.calls.append((name, [t for t in _tensors((args, kwargs)) if t.requires_grad],
+                           [t for t in _tensors(output) if t.grad_fn is not None]))
+
+    def _after(self, block, args, kwargs, output):
+        calls = self.calls
+        self._restore()
+        if calls is None:
+            return None
+        ends = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        stops = {_edge(t).node for t in self.inputs if t.requires_grad}
+        for name, inputs, outputs in calls:
+            why = _reordered_sum(inputs, [t.grad_fn for t in outputs], ends, stops)
+            if why:
+                self._give_back(name, why)
+        self.remove()
+        return None
+
+    def _restore(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        if self.calls is not None:
+            for _, part in self.parts:
+                part.__class__ = _graphed_class(type(part))
+        self.calls = None
+
+    def _give_back(self, name: str, why: str) -> None:
+        part = next(p for n, p in self.parts if n == name)
+        ungraph_layers([part])
+        self.parts = [(n, p) for n, p in self.parts if p is not part]
+        own = self.block.__dict__[_PARTS]
+        own[:] = [p for p in own if p is not part]
+        if part in self.listing:
+            del self.listing[next(i for i, p in enumerate(self.listing) if p is part)]
+        self.listing.eager.append((name, why))
+
+
+def _tensors(tree) -> list:
+    """The tensors in nested tuples, lists and dicts."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for x in tree for t in _tensors(x)]
+    if isinstance(tree, dict):
+        return [t for x in tree.values() for t in _tensors(x)]
+    return []
+
+
+def _edge(tensor: torch.Tensor):
+    from torch.autograd.graph import get_gradient_edge
+
+    return get_gradient_edge(tensor)
+
+
+def _reads(target, ends: list, stops: set) -> int:
+    """How many edges of the autograd graph above ``ends`` (not going below ``stops``) lead into
+    ``target`` (a gradient edge: a node and its output number)."""
+    seen, todo, count = set(), [n for n in ends if n is not None], 0
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for nxt, nr in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt is target.node and nr == target.output_nr:
+                count += 1
+            elif nxt not in stops:
+                todo.append(nxt)
+    return count
+
+
+def _reordered_sum(inputs: list, part_ends: list, block_ends: list, block_stops: set) -> Optional[str]:
+    """Why graphing a part would sum an input's gradient in another order than eager (``None``:
+    it would not): its code reads the input more than once, and the block reads it elsewhere too."""
+    edges = [_edge(t) for t in inputs]
+    own_stops = {e.node for e in edges}
+    for tensor, edge in zip(inputs, edges):
+        inside = _reads(edge, part_ends, own_stops)
+        outside = _reads(edge, block_ends, block_stops | {edge.node}) - inside
+        if inside > 1 and outside > 0:
+            return (f"its code reads an input carrying a gradient (shape {tuple(tensor.shape)}) {inside} times, and the "
+                    f"block reads it elsewhere too ({outside} more): graphed, its gradient would be summed in another "
+                    f"order than the model's backward sums it (not bit for bit)")
+    return None
+
+
+def _graphed_parts(pairs: list, names: list) -> tuple:
+    """``pairs`` and ``names`` with each block the adapters graph in parts replaced by those parts;
+    ``{id(part): (block, its parts)}`` for the parts; ``(name, why)`` of what stays eager."""
+    out_pairs, out_names, split, eager = [], [], {}, []
+    for label, (key, block) in zip(names, pairs):
+        if isinstance(block, GraphedLayer) or _PARTS in block.__dict__:
+            raise TypeError(f"{label} is already graphed (graph_layers() was called on it before)")
+        parts = integrations.graph_parts(label, block)
+        if parts is None:
+            out_pairs.append((key, block))
+            out_names.append(label)
+            continue
+        if not parts.graphed:
+            raise ValueError(f"{label}: nothing in it can be graphed around "
+                             f"{', '.join(n for n, _ in parts.eager)}; leave it out of graph_layers()")
+        for rel, part in parts.graphed:
+            out_pairs.append((f"{key}.{rel}", part))
+            out_names.append(f"{label}.{rel}")
+            split[id(part)] = (block, parts.graphed)
+        eager += [(f"{label}.{rel}", why) for rel, why in parts.eager]
+    return out_pairs, out_names, split, eager
+
+
+def _part_checks(label: str, part: nn.Module, split: dict) -> tuple:
+    """For a part of a block graphed in parts: the refusal of that block's library checkpointing
+    (which would run the part's graphed forward again in the backward), bound now."""
+    if id(part) not in split:
+        return ()
+    block = split[id(part)][0]
+    switch = integrations.recomputes(block)
+    if switch is None:
+        return ()
+    return (functools.partial(_refuse_checkpointed_block, label, switch),)
+
+
+def _refuse_checkpointed_block(label: str, switch: Callable[[], bool], args: tuple, kwargs: dict) -> None:
+    if switch():
+        block = label.rpartition(".")[0]
+        raise ValueError(
+            f"{label}: its block has gradient checkpointing on, and it is graphed around its experts: the "
+            f"checkpoint would run the graphed parts again in the backward. Call "
+            f"model.gradient_checkpointing_disable(), or graph whole blocks (an experts implementation without "
+            f"host reads: model.set_experts_implementation('batched_mm')), whose graphs recompute {block} inside.")
 
 
 def _recomputes(layer: nn.Module, always: bool, compiled: bool, checkpointing: Optional[Callable[[], bool]]) -> bool:
@@ -421,8 +626,20 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
             between steps). Nothing is changed then.
         TypeError: a block was wrapped again after graphing (``fully_shard``); nothing is changed.
     """
+    entries = _entries(layers)
+    split = [layer for _, layer in entries if _PARTS in layer.__dict__]
+    if split:  # a block graphed in parts: its parts are ungraphed
+        parts = [part for block in split for part in block.__dict__[_PARTS]]
+        others = [layer for _, layer in entries if _PARTS not in layer.__dict__] + parts
+        if others:
+            ungraph_layers(others)
+        for block in split:
+            del block.__dict__[_PARTS]
+            if _PROBE in block.__dict__:
+                block.__dict__[_PROBE].remove()
+        return [layer for _, layer in entries]
     out = []
-    for key, layer in _entries(layers):
+    for key, layer in entries:
         if isinstance(layer, GraphedLayer) and type(layer) is not _graphed_classes().get(type(layer)._graphpp_original):
             raise TypeError(
                 f"ungraph_layers(): block {key} ({type(layer).__name__}) was wrapped again after graph_layers() "
@@ -430,7 +647,7 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
                 f"ungraph before wrapping.")
         if isinstance(layer, GraphedLayer):
             layer.engine.check_undo()
-    for _, layer in _entries(layers):
+    for _, layer in entries:
         if isinstance(layer, GraphedLayer):
             layer.engine.retire("call the block itself (ungraph_layers() gave it its own class back)")
             integrations.release(layer)

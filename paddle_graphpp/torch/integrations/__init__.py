@@ -27,8 +27,8 @@ from typing import Any, Callable, ClassVar, ContextManager, Optional
 
 from ...core.process import current_process
 
-__all__ = ["Adapter", "OutsideCalls", "RngTracker", "ADAPTER_MODULES", "PREPARED", "adapters", "check_block",
-           "check_wrapped", "refuse_in_whole_graph", "call_checks", "recomputes", "capture_hint", "outside_calls",
+__all__ = ["Adapter", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED", "adapters", "check_block",
+           "check_wrapped", "refuse_in_whole_graph", "graph_parts", "call_checks", "recomputes", "capture_hint", "outside_calls",
            "prepare",
            "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
 
@@ -75,6 +75,17 @@ class OutsideCalls:
 
 
 @dataclass(frozen=True)
+class Parts:
+    """How to graph a block that cannot be captured whole: its submodules to graph, each in place
+    (``(name relative to the block, module)``, in the block's order), and what runs eagerly
+    between their graphs (``(relative name, why)``). The block's own forward runs eagerly and
+    calls them as before."""
+
+    graphed: tuple
+    eager: tuple
+
+
+@dataclass(frozen=True)
 class Adapter:
     """One outside library as the front doors see it. Every method has a no-op default; an
     adapter overrides what its library needs. A refusal raises (``TypeError``/``ValueError``)
@@ -92,6 +103,11 @@ class Adapter:
 
     def refuse_in_whole_graph(self, name: str, layer: Any, door: str) -> None:
         """Refuse a block inside one graph of a whole model or stage (``door``: the front door)."""
+
+    def graph_parts(self, name: str, layer: Any) -> Optional[Parts]:
+        """For a block a capture cannot hold whole (a mixture of experts' host-reading dispatch):
+        the :class:`Parts` to graph around what cannot be captured; ``None``: graph it whole."""
+        return None
 
     def call_check(self, name: str, layer: Any) -> Optional[Callable[[tuple, dict], None]]:
         """A check of each training call's ``(args, kwargs)`` for a block this library owns, or
@@ -167,6 +183,15 @@ def refuse_in_whole_graph(name: str, layer: Any, door: str) -> None:
     """Every adapter's :meth:`Adapter.refuse_in_whole_graph`."""
     for adapter in adapters():
         adapter.refuse_in_whole_graph(name, layer, door)
+
+
+def graph_parts(name: str, layer: Any) -> Optional[Parts]:
+    """The first adapter's :meth:`Adapter.graph_parts` of ``layer`` that is not ``None``."""
+    for adapter in adapters():
+        parts = adapter.graph_parts(name, layer)
+        if parts is not None:
+            return parts
+    return None
 
 
 def call_checks(name: str, layer: Any) -> tuple:

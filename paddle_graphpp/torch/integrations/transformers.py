@@ -13,8 +13,8 @@ whole-stage graphs refuse it (:func:`refuse_checkpointing`). Transformers is rea
 ``sys.modules``, never imported here. Why: docs/pytorch.md#graph_layers-a-models-blocks-in-place.
 
 Private names of transformers read here, checked on transformers 5.0 to 5.25:
-``transformers.utils.output_capturing._active_collector`` (from 5.3; 5.0 records by replacing
-forwards, which :func:`check_call` detects instead) and ``masking_utils._preprocess_mask_arguments``
+``transformers.utils.output_capturing._active_collector`` and its hooks' ``key`` (from 5.3; 5.0
+records by replacing forwards, which :func:`check_call` detects instead) and ``masking_utils._preprocess_mask_arguments``
 (:func:`traced_masks_refused`). The ``create_*`` mask functions :class:`MaskCalls` swaps are public.
 """
 
@@ -31,10 +31,11 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from . import Adapter, OutsideCalls
+from . import Adapter, OutsideCalls, Parts
 
 __all__ = ["MaskCalls", "arg_positions", "owns", "check_block", "check_call", "checkpointing", "refuse_checkpointing",
-           "recorded_outputs", "traced_masks_refused", "ADAPTER"]
+           "recorded_outputs", "traced_masks_refused", "experts_modules", "experts_capture_problem", "graph_parts", "refuse_experts_in_whole_graph",
+           "ADAPTER"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
 # the names transformers' decoder blocks use for them (``cache`` from transformers 5.24 on).
@@ -119,12 +120,13 @@ def check_block(name: str, layer: nn.Module, check_config: bool) -> None:
             f"read keys and values an earlier layer computed, passed outside the layers' arguments, so gradients "
             f"through them would not reach the graphed layer that made them. Graph the whole model with "
             f"graph_model() instead.")
-    if config is not None and getattr(config, "output_router_logits", False):
+    if config is not None and getattr(config, "output_router_logits", False) and experts_modules(layer):
         raise ValueError(
             f"{name}: the model's config has output_router_logits=True; router logits (and the load-balancing "
             f"loss made of them) are recorded by hooks inside the layer, which graph replays do not run. Set "
             f"`model.config.output_router_logits = False`, or graph the whole model with graph_model(), whose "
-            f"graph computes them.")
+            f"graph computes them, or call model.set_experts_implementation('eager') so that graph_layers() "
+            f"graphs around the dispatch (the router's own graph then hands its logits to the hooks).")
 
 
 def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: tuple, kwargs: dict) -> None:
@@ -165,6 +167,9 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
     # other recorded output comes from hooks inside it.
     if "transformers.utils.output_capturing" in sys.modules:
         inside = sorted(k for k in recorded_outputs() if k != "hidden_states" and not k.startswith("_"))
+        if inside:  # only what hooks on modules inside this one record (its own hooks run around its graphs)
+            hooked = _recorded_inside(layer)
+            inside = [k for k in inside if hooked is None or k in hooked]
     else:  # older transformers record by replacing the forward of the modules they record, per call
         inside = [f"the outputs of {n}" for n, m in layer.named_modules() if n and "forward" in m.__dict__]
     if inside:
@@ -173,6 +178,23 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
             f"graph replays do not run (a load-balancing loss made of router logits would be wrong). Pass "
             f"output_router_logits=False (and leave it off in the config) while training with graphed layers, or "
             f"graph the whole model with graph_model(), whose graph computes them.")
+
+
+def _recorded_inside(layer: nn.Module) -> Optional[set]:
+    """The outputs transformers' recording hooks on ``layer``'s submodules (not on ``layer``)
+    record, read from each hook's ``key`` (its ``install_output_capuring_hook`` closure, a private
+    structure, checked on 5.3 to 5.25); ``None`` when a hook inside is not one of those (or
+    cannot be read): then every recorded output counts as recorded inside."""
+    keys = set()
+    for name, module in layer.named_modules():
+        if not name:
+            continue
+        for hook in module._forward_hooks.values():
+            code = getattr(hook, "__code__", None)
+            if code is None or getattr(hook, "__name__", "") != "output_capturing_hook" or "key" not in code.co_freevars:
+                return None
+            keys.add(hook.__closure__[code.co_freevars.index("key")].cell_contents)
+    return keys
 
 
 def recorded_outputs() -> Any:
@@ -329,17 +351,81 @@ def experts_capture_problem(module: nn.Module, implementation: str) -> Optional[
 
 
 def moe_capture_hint(name: str, layer: nn.Module, error: BaseException) -> Optional[str]:
-    """What to say when a capture of the block ``layer`` fails and an experts module inside it
-    dispatches in a way a capture cannot hold (``None`` otherwise)."""
-    problems = [(n, impl, why) for n, m, impl in experts_modules(layer)
-                for why in [experts_capture_problem(m, impl)] if why]
+    """What to say when a capture of the block ``layer``, graphed whole, fails with an experts
+    module inside it (``None`` for a block without one)."""
+    found = experts_modules(layer)
+    if not found:
+        return None
+    where, module, impl = found[0]
+    why = experts_capture_problem(module, impl) or "it was expected to capture"
+    return (f"{name}.{where} dispatches its routed experts with experts_implementation={impl!r} ({why}). "
+            f"Call model.set_experts_implementation('batched_mm') before graphing (no host read, in any dtype, "
+            f"at some memory cost) to graph whole blocks, or model.set_experts_implementation('eager') to graph "
+            f"around the dispatch (attention and router graphed, experts eager), or pass fallback='eager'.")
+
+
+def refuse_experts_in_whole_graph(name: str, layer: nn.Module, door: str) -> None:
+    """Refuse ``layer`` inside one graph of ``door`` (a whole model or stage) when an experts
+    module in it, on a GPU, dispatches in a way a capture cannot hold (off a GPU nothing is
+    captured, and the graph runs eagerly).
+
+    Raises:
+        ValueError: naming the experts module, its implementation and the ways on.
+    """
+    for where, module, impl in experts_modules(layer):
+        weight = next(module.parameters(), None)
+        why = experts_capture_problem(module, impl) if weight is not None and weight.is_cuda else None
+        if why:
+            raise ValueError(
+                f"{name}.{where} dispatches its routed experts with experts_implementation={impl!r} ({why}), which "
+                f"the one graph of {door} cannot hold. Call model.set_experts_implementation('batched_mm') before "
+                f"graphing (no host read, in any dtype, at some memory cost), train in bf16 on an sm90+ GPU with "
+                f"'grouped_mm', or graph the blocks with graph_layers(), which graphs around the dispatch.")
+
+
+_SHARED_INPUT = ("uses its input more than once while the block also feeds that input elsewhere (a residual, the "
+                 "routed experts): graphed alone, its input's gradient would be summed in another order than the "
+                 "model's own backward sums it (not bit for bit)")
+
+
+def _graphable_part(name: str, module: nn.Module, in_moe_block: bool) -> bool:
+    """Whether a submodule of a block graphed around its experts can be graphed alone and stay bit
+    for bit: one whose input no module outside it reads (the attention: the block's first norm
+    feeds it alone), or which reads its input once (the router's one projection). A norm on the
+    residual stream or a shared expert reads its input twice while other branches read it too."""
+    last = name.rpartition(".")[2].lower()
+    if last.endswith(("attn", "attention")):  # self_attn, attention, self_attention (not post_attention_layernorm)
+        return True
+    return in_moe_block and (last in ("gate", "router") or "router" in type(module).__name__.lower())
+
+
+def graph_parts(name: str, layer: nn.Module) -> Optional[Parts]:
+    """Graphs around the routed experts of a block whose experts dispatch cannot be captured
+    (:func:`experts_capture_problem`): its attention and its router, each graphed in place; the
+    experts, the other submodules (:func:`_graphable_part` says why) and the block's own code
+    between them (residual adds, the routing glue) run eagerly. ``None`` for a block without such
+    experts (graphed whole)."""
+    problems = [(n, m, impl, why) for n, m, impl in experts_modules(layer)
+                if (why := experts_capture_problem(m, impl)) is not None]
     if not problems:
         return None
-    where, impl, why = problems[0]
-    return (f"{name}.{where} dispatches its routed experts with experts_implementation={impl!r}: {why}. "
-            f"Call model.set_experts_implementation('batched_mm') before graphing (no host read, in any dtype, "
-            f"at some memory cost), train in bf16 on an sm90+ GPU with 'grouped_mm', or pass fallback='eager' "
-            f"to run such blocks eagerly.")
+    experts = {id(m) for _, m, _, _ in problems}
+    graphed, eager = [], [(n, f"experts_implementation={impl!r}: {why}") for n, _, impl, why in problems]
+
+    def walk(prefix: str, module: nn.Module, in_moe_block: bool) -> None:
+        for child_name, child in module.named_children():
+            full = f"{prefix}{child_name}"
+            if id(child) in experts:
+                continue
+            if any(id(m) in experts for m in child.modules()):
+                walk(f"{full}.", child, any(id(c) in experts for c in child.children()))
+            elif _graphable_part(full, child, in_moe_block):
+                graphed.append((full, child))
+            elif next(child.parameters(), None) is not None:
+                eager.append((full, _SHARED_INPUT))
+
+    walk("", layer, any(id(c) in experts for c in layer.children()))
+    return Parts(graphed=tuple(graphed), eager=tuple(eager))
 
 
 @dataclass(frozen=True)
@@ -353,6 +439,10 @@ class TransformersAdapter(Adapter):
 
     def refuse_in_whole_graph(self, name, layer, door) -> None:
         refuse_checkpointing(name, layer, door)
+        refuse_experts_in_whole_graph(name, layer, door)
+
+    def graph_parts(self, name, layer):
+        return graph_parts(name, layer)
 
     def call_check(self, name, layer):
         if not owns(layer):

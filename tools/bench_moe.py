@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Mixtures of experts on one GPU: Hugging Face Qwen3-MoE, Mixtral and DeepSeek-V3 under each
+experts implementation, eager against graphed around the dispatch and graphed whole.
+
+    python tools/bench_moe.py                                    # -> benchmarks/results/moe-<device>.json
+    python tools/bench_moe.py --models qwen3_moe --rounds 3      # one class
+
+Three parts, each class built from its own config (``testing/zoo.py``):
+
+1. **Exactness** (tiny, fp32, TF32 off, the router's load-balancing loss on where the door takes
+   it): ``--steps`` AdamW steps of the model's own training against the same weights graphed
+   around the dispatch (``eager`` experts), graphed whole (``batched_mm``) and as one whole-model
+   graph (``batched_mm``): per-step losses, aux losses and weights after the last step, bit for bit.
+2. **Speed** (the launch-bound shape: hidden 1024, 16 experts of width 512 (Mixtral's 1024), top-2, 8
+   layers, bf16, 4 micro-batches of 2 x 256 tokens): the variants
+   of :data:`VARIANTS` take turns in ``--rounds`` alternating rounds of ``--iters`` steps after
+   warmup and capture; tokens/s from the median round, with the spread. Each graphed variant is
+   compared with the eager run of its own experts implementation.
+3. **Memory**: each variant of the speed part in its own process (``--child``), at the same shape:
+   peak allocated and reserved memory over ``--memory-steps`` steps, the capture step included.
+
+Where a variant fails (a refusal, a failed capture), the record says so with the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parents[1])
+if REPO not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+from testing import zoo  # noqa: E402
+from tools import benchlib  # noqa: E402
+
+MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
+#: name -> (experts implementation, front door: None eager, "layers" graph_layers, "model" graph_model)
+VARIANTS = {
+    "eager_loop": ("eager", None),
+    "around": ("eager", "layers"),  # attention and router graphed, experts eager
+    "eager_grouped": ("grouped_mm", None),
+    "whole_grouped": ("grouped_mm", "layers"),  # whole blocks where grouped_mm captures (bf16, sm90+)
+    "eager_batched": ("batched_mm", None),
+    "whole_batched": ("batched_mm", "layers"),
+    "model_grouped": ("grouped_mm", "model"),
+}
+BASELINE = {"eager": "eager_loop", "grouped_mm": "eager_grouped", "batched_mm": "eager_batched"}
+# The launch-bound shape (every name a config may use for it; a config ignores the others).
+SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+             intermediate_size=1024, moe_intermediate_size=512, num_experts=16, num_local_experts=16,
+             n_routed_experts=16, num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=4096,
+             n_shared_experts=1, kv_lora_rank=256, q_lora_rank=512, qk_rope_head_dim=32, qk_nope_head_dim=64,
+             v_head_dim=64, first_k_dense_replace=1, n_group=1, topk_group=1)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="*", default=list(MODELS))
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5, help="steps of the exactness part (3 warm up and capture)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--memory-steps", type=int, default=4)
+    p.add_argument("--skip", nargs="*", default=[], choices=["exact", "speed", "memory"])
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "model:variant": one memory run
+    return p.parse_args(argv)
+
+
+def build(model_type, implementation, *, launch_bound, **extra):
+    overrides = dict(SHAPE) if launch_bound else {}
+    if launch_bound and model_type == "deepseek_v3":
+        overrides["head_dim"] = None  # its config derives it from the rope and nope head sizes
+    model = zoo.build(model_type, experts_implementation=implementation, **overrides, **extra)
+    if launch_bound:
+        model = model.to(torch.bfloat16)
+    return model.cuda().train()
+
+
+def graph(model, door):
+    from paddle_graphpp.torch import graph_layers, graph_model
+
+    if door == "layers":
+        return graph_layers(zoo.blocks_of(model))
+    if door == "model":
+        return graph_model(model)
+    return None
+
+
+def trainer(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def step(batch):
+        losses, aux = [], []
+        for ids in batch:
+            out = model(ids, labels=ids)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+            if getattr(out, "aux_loss", None) is not None:
+                aux.append(out.aux_loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return losses, aux
+    return step
+
+
+def batches(args, vocab, steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, vocab, (args.batch, args.seq), generator=gen).cuda() for _ in range(args.micro_batches)]
+            for _ in range(steps)]
+
+
+def graph_counts(model):
+    """(captures, replays) summed over every engine of the model's graphed modules."""
+    engines = {}
+    whole = model.__dict__.get("_graphpp_whole")
+    if whole is not None:
+        engines[id(whole)] = whole.graphed._engine
+    for m in model.modules():
+        engine = getattr(m, "engine", None) if "_graphpp_graphed" in m.__dict__ else None
+        if engine is not None:
+            engines[id(engine)] = engine
+    return sum(e.captures for e in engines.values()), sum(e.replays for e in engines.values())
+
+
+# ----------------------------------------------------------------------------- 1. exactness
+def exactness(args, model_type):
+    """fp32: the model's own training against each graphed door, bit for bit (aux loss included
+    where the door takes output_router_logits)."""
+    rows = {}
+    cases = (("around", "eager", "layers", True), ("whole_batched", "batched_mm", "layers", False),
+             ("model_batched", "batched_mm", "model", True))
+    for name, impl, door, aux in cases:
+        try:
+            base = build(model_type, impl, launch_bound=False, output_router_logits=aux)
+            data = [[ids.cuda() for ids in b] for b in zoo._batches(base.config.vocab_size)] * args.steps
+            runs = []
+            for graphed in (False, True):
+                model = copy.deepcopy(base)
+                if graphed:
+                    graph(model, door)
+                torch.manual_seed(2)
+                step = trainer(model)
+                losses, auxes = [], []
+                for batch in data:
+                    l, a = step(batch)
+                    losses += [x.item() for x in l]
+                    auxes += [x.item() for x in a]
+                runs.append((losses, auxes, [p.detach().clone() for p in model.parameters()], graph_counts(model)))
+            (l0, a0, p0, _), (l1, a1, p1, counts) = runs
+            rows[name] = {"experts_implementation": impl, "door": door, "aux_loss": bool(a0),
+                          "losses_equal": l0 == l1, "aux_losses_equal": a0 == a1,
+                          "params_equal": all(torch.equal(x, y) for x, y in zip(p0, p1)),
+                          "max_loss_diff": max(abs(x - y) for x, y in zip(l0, l1)),
+                          "captures": counts[0], "replays": counts[1]}
+        except Exception as exc:  # noqa: BLE001 - recorded with its message
+            traceback.print_exc(limit=4)
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        print(f"  exact {model_type} {name}: {rows[name]}", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------- 2. speed
+def speed(args, model_type):
+    models, steps, row = {}, {}, {"variants": {}}
+    data = None
+    for name in args.variants:
+        impl, door = VARIANTS[name]
+        try:
+            model = build(model_type, impl, launch_bound=True)
+            if data is None:
+                data = batches(args, model.config.vocab_size, 1, seed=1)[0]
+                row["class"] = type(model).__name__
+                row["parameters_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+            graphed = graph(model, door)
+            step = trainer(model)
+            losses = [torch.stack(step(data)[0]).float().tolist() for _ in range(4)]  # warm up, record, capture
+            torch.cuda.synchronize()
+            models[name], steps[name] = model, step
+            row["variants"][name] = {"experts_implementation": impl, "door": door, "first_losses": losses,
+                                     "eager_parts": len(getattr(graphed, "eager", []) or [])}
+        except Exception as exc:  # noqa: BLE001 - recorded with its message
+            traceback.print_exc(limit=4)
+            row["variants"][name] = {"experts_implementation": impl, "door": door,
+                                     "error": f"{type(exc).__name__}: {exc}"[:500]}
+            torch.cuda.empty_cache()
+    timing = benchlib.time_rounds({n: (lambda s=s: s(data)) for n, s in steps.items()},
+                                  iters=args.iters, rounds=args.rounds)
+    tokens = args.batch * args.seq * args.micro_batches
+    for name, t in timing.items():
+        v = row["variants"][name]
+        v["step_ms"], v["spread"] = t["median_ms"], t["spread"]
+        v["tokens_per_s"] = tokens / (t["median_ms"] / 1e3)
+        v["captures"], v["replays"] = graph_counts(models[name])
+    for name, v in row["variants"].items():
+        base = BASELINE[v["experts_implementation"]]
+        if "step_ms" in v and "step_ms" in row["variants"].get(base, {}) and name != base:
+            v["vs_eager_same_experts"] = row["variants"][base]["step_ms"] / v["step_ms"]
+        if "step_ms" in v and "step_ms" in row["variants"].get("eager_loop", {}):
+            v["vs_eager_loop"] = row["variants"]["eager_loop"]["step_ms"] / v["step_ms"]
+    del models, steps
+    torch.cuda.empty_cache()
+    return row
+
+
+# ----------------------------------------------------------------------------- 3. memory
+def child(args):
+    """One variant in this process: peak allocated and reserved MiB over the steps (capture included)."""
+    model_type, name = args.child.split(":")
+    impl, door = VARIANTS[name]
+    torch.cuda.reset_peak_memory_stats()
+    model = build(model_type, impl, launch_bound=True)
+    graph(model, door)
+    step = trainer(model)
+    data = batches(args, model.config.vocab_size, 1, seed=1)[0]
+    for _ in range(args.memory_steps):
+        step(data)
+    torch.cuda.synchronize()
+    print(json.dumps({"allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+                      "reserved_mib": torch.cuda.max_memory_reserved() / 2**20}))
+
+
+def memory(args, model_type):
+    """Each variant in its own process, two at a time."""
+    rows, running = {}, []
+    names = list(args.variants)
+    while names or running:
+        while names and len(running) < 2:
+            name = names.pop(0)
+            cmd = [sys.executable, __file__, "--child", f"{model_type}:{name}", "--batch", str(args.batch),
+                   "--seq", str(args.seq), "--micro-batches", str(args.micro_batches),
+                   "--memory-steps", str(args.memory_steps)]
+            running.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        name, proc = running.pop(0)
+        out, err = proc.communicate(timeout=300)
+        rows[name] = benchlib.last_json_line(out) or {"error": (err or out)[-400:]}
+    for name, r in rows.items():
+        base = rows.get(BASELINE[VARIANTS[name][0]], {})
+        if "reserved_mib" in r and "reserved_mib" in base and name != BASELINE[VARIANTS[name][0]]:
+            r["vs_eager_same_experts"] = {k: r[k] / base[k] for k in ("allocated_mib", "reserved_mib")}
+    print(f"  memory {model_type}: {rows}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if args.child:
+        return child(args)
+    started = time.perf_counter()
+    rows = {}
+    for model_type in args.models:
+        row = rows[model_type] = {}
+        if "exact" not in args.skip:
+            row["exact"] = exactness(args, model_type)
+        if "speed" not in args.skip:
+            row["speed"] = speed(args, model_type)
+        if "memory" not in args.skip:
+            row["memory"] = memory(args, model_type)
+        print(f"[{time.perf_counter() - started:5.0f} s] {model_type} done", flush=True)
+        path = benchlib.write_result("moe", {"environment": benchlib.environment(), "settings": vars(args),
+                                             "shape": SHAPE, "models": rows})
+    print(f"\n{'class':12s} {'variant':14s} {'tok/s':>9s} {'x same':>7s} {'x loop':>7s} {'spread':>6s} "
+          f"{'alloc':>7s} {'resv':>7s}")
+    for model_type, row in rows.items():
+        for name, v in row.get("speed", {}).get("variants", {}).items():
+            m = row.get("memory", {}).get(name, {})
+            print(f"{model_type:12s} {name:14s} {v.get('tokens_per_s', 0):9.0f} {v.get('vs_eager_same_experts', 0):7.2f} "
+                  f"{v.get('vs_eager_loop', 0):7.2f} {v.get('spread', 0):6.2f} {m.get('allocated_mib', 0):7.0f} "
+                  f"{m.get('reserved_mib', 0):7.0f}" + ("  ERR " + v["error"][:80] if "error" in v else ""))
+        for name, e in row.get("exact", {}).items():
+            print(f"{model_type:12s} exact {name:14s} {e}")
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

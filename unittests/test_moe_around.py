@@ -1,0 +1,179 @@
+"""Mixture-of-experts blocks graphed around their dispatch: a block whose routed experts dispatch
+in a way a capture cannot hold (transformers' ``eager`` loop over hit experts; ``grouped_mm`` off
+bf16 on sm90+) gets its attention and its router graphed, each in place, and its experts, norms,
+shared experts and own glue code eager between them (``graph_layers(...).eager`` says what and
+why). Checked here against the model's own training, bit for bit in fp32, with the router logits'
+load-balancing loss; on the fake runtime, that the parts capture and replay while the experts
+never run inside a capture; and undo.
+
+CPU only: the fake runtime's captures run the code eagerly. That the parts capture on a GPU, and
+what they gain, is unittests/gpu/test_moe_gpu.py and tools/bench_moe.py.
+"""
+import copy
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from testing import zoo  # noqa: E402
+
+from paddle_graphpp.core.process import current_process  # noqa: E402
+from paddle_graphpp.torch import graph_layers, ungraph_layers  # noqa: E402
+from paddle_graphpp.torch.layers import is_graphed_layer  # noqa: E402
+from paddle_graphpp.torch.integrations import transformers as adapter  # noqa: E402
+
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+
+
+def _model(model_type, implementation, **overrides):
+    try:
+        return zoo.build(model_type, experts_implementation=implementation, **overrides)
+    except Exception as exc:  # noqa: BLE001 - a class this transformers does not ship
+        pytest.skip(f"{model_type} does not build here: {exc}")
+
+
+def _trained_as_the_model_does(base, graph):
+    """The largest difference between training ``base``'s copy plainly and a copy graphed by
+    ``graph(model)`` (zoo's run: 2 micro-batches, AdamW; logits, losses, gradients, weights)."""
+    data = zoo._batches(base.config.get_text_config().vocab_size)
+    own = copy.deepcopy(base)
+    reference = zoo._train(own, zoo._own(own), data)
+    graphed = copy.deepcopy(base)
+    graph(graphed)
+    return zoo._difference(reference, zoo._train(graphed, zoo._own(graphed), data))
+
+
+@pytest.mark.parametrize("model_type", MOE)
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_blocks_graphed_around_their_experts_train_bit_for_bit_as_the_model(model_type, implementation):
+    base = _model(model_type, implementation)
+    got = {}
+
+    def graph(model):
+        got["graphed"] = graph_layers(zoo.blocks_of(model))
+
+    assert _trained_as_the_model_does(base, graph) == 0.0
+    graphed = got["graphed"]
+    names = [layer.__dict__["_graphpp_name"] for layer in graphed]
+    moe_blocks = [b for b in zoo.blocks_of(base) if adapter.experts_modules(b)]
+    assert moe_blocks
+    # each MoE block: its attention and its router graphed; its experts eager, with why
+    assert sum(n.endswith("attn") for n in names) >= len(moe_blocks)
+    assert sum(n.rpartition(".")[2] in ("gate", "router") for n in names) == len(moe_blocks), names
+    experts = [(n, why) for n, why in graphed.eager if n.rpartition(".")[2] == "experts"]
+    assert len(experts) == len(moe_blocks)
+    assert all(f"experts_implementation={implementation!r}" in why for _, why in experts)
+    assert all(not is_graphed_layer(b) for b in zoo.blocks_of(base) if adapter.experts_modules(b))
+
+
+@pytest.mark.parametrize("model_type", ["flex_olmo", "minimax"])
+def test_a_part_whose_input_the_block_reads_elsewhere_too_is_given_back_to_eager(model_type):
+    # their attention reads the residual stream (or a norm's output the block adds back): the
+    # block's first training call finds it and runs those attentions eagerly from then on
+    base = _model(model_type, "eager")
+    got = {}
+
+    def graph(model):
+        got["graphed"] = graph_layers(zoo.blocks_of(model))
+
+    assert _trained_as_the_model_does(base, graph) == 0.0
+    graphed = got["graphed"]
+    names = [layer.__dict__["_graphpp_name"] for layer in graphed]
+    assert names and not any(n.endswith("attn") for n in names), names
+    given_back = [n for n, why in graphed.eager if "block reads it elsewhere too" in why]
+    assert len(given_back) == len([b for b in zoo.blocks_of(base) if adapter.experts_modules(b)])
+    assert all(n.endswith("self_attn") for n in given_back)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_the_load_balancing_loss_comes_from_the_routers_graphs(model_type):
+    # output_router_logits=True: the model's loss adds the aux loss made of every router's logits,
+    # recorded by hooks on the routers, which run around the routers' own graphs
+    base = _model(model_type, "eager", output_router_logits=True, router_aux_loss_coef=0.5)
+    own = copy.deepcopy(base)
+    ids = torch.randint(0, base.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = own(ids, labels=ids)
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+    assert _trained_as_the_model_does(base, lambda m: graph_layers(zoo.blocks_of(m))) == 0.0
+
+
+def test_a_block_graphed_whole_still_refuses_router_logits():
+    model = _model("qwen3_moe", "batched_mm", output_router_logits=True)
+    with pytest.raises(ValueError, match=r"output_router_logits=True.*set_experts_implementation\('eager'\)"):
+        graph_layers(zoo.blocks_of(model))
+
+
+@pytest.fixture
+def fake_runtime():
+    from fake_runtime import FakeGraphRuntime, serving
+
+    rt = FakeGraphRuntime()
+    current_process().reset(rt.name)
+    with serving(rt):
+        yield rt
+    current_process().reset(rt.name)
+
+
+def test_the_parts_capture_and_replay_and_the_experts_never_run_in_a_capture(fake_runtime, monkeypatch):
+    rt = fake_runtime
+    model = _model("qwen3_moe", "eager")
+    experts = type(adapter.experts_modules(zoo.blocks_of(model)[0])[0][1])
+    original = experts.forward
+    calls = {"eager": 0}
+
+    def reads_the_host(self, *args, **kwargs):  # what the eager dispatch does inside a real capture
+        if rt.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        calls["eager"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(experts, "forward", reads_the_host)
+    graphed = graph_layers(zoo.blocks_of(model), num_warmup_steps=1)
+    steps, micro = 5, 2
+    data = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback of any kind
+        for _ in range(steps):
+            for _ in range(micro):
+                ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=data)
+                model(ids, labels=ids).loss.backward()
+    assert calls["eager"] == steps * micro * len(zoo.blocks_of(model))
+    for part in graphed:
+        # one position: each micro-batch an episode. The block's first training call runs its parts
+        # eagerly (the probe that checks each keeps eager's sums); then one warms up, the next is
+        # recorded and captured after it, every later one replays the (forward, backward) pair
+        assert (part.engine.captures, part.engine.replays, part.engine.in_flight) == (2, 2 * (steps * micro - 3), 0), \
+            part.__dict__["_graphpp_name"]
+
+
+@pytest.mark.parametrize("how", ["undo", "ungraph_layers"])
+def test_undo_gives_the_blocks_back_whole(how):
+    model = _model("qwen3_moe", "eager")
+    blocks = zoo.blocks_of(model)
+    keys = list(model.state_dict())
+    classes = [type(m) for m in model.modules()]
+    graphed = graph_layers(blocks)
+    assert list(model.state_dict()) == keys
+    with pytest.raises(TypeError, match=r"Qwen3MoeDecoderLayer\[0\] is already graphed"):
+        graph_layers(blocks)
+    if how == "undo":
+        graphed.undo()
+    else:
+        ungraph_layers(blocks)
+    assert [type(m) for m in model.modules()] == classes
+    assert list(model.state_dict()) == keys
+    again = graph_layers(blocks)  # and graphed again
+    assert len(again) == len(graphed)
+
+
+def test_gradient_checkpointing_on_a_block_graphed_in_parts_is_refused_by_name():
+    model = _model("qwen3_moe", "eager")
+    graph_layers(zoo.blocks_of(model))
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with pytest.raises(ValueError, match=r"Qwen3MoeDecoderLayer\[0\]\.self_attn: its block has gradient "
+                                         r"checkpointing on, and it is graphed around its experts"):
+        model(ids, labels=ids)
