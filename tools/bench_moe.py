@@ -75,6 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--memory-steps", type=int, default=4)
     p.add_argument("--skip", nargs="*", default=[], choices=["exact", "speed", "memory"])
+    p.add_argument("--name", default="moe", help="record name (the device is appended)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "model:variant": one memory run
     return p.parse_args(argv)
 
@@ -83,6 +84,7 @@ def build(model_type, implementation, *, launch_bound, **extra):
     overrides = dict(SHAPE) if launch_bound else {}
     if launch_bound and model_type == "deepseek_v3":
         overrides["head_dim"] = None  # its config derives it from the rope and nope head sizes
+        overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # latent attention: one per head
     model = zoo.build(model_type, experts_implementation=implementation, **overrides, **extra)
     if launch_bound:
         model = model.to(torch.bfloat16)
@@ -107,9 +109,9 @@ def trainer(model):
         for ids in batch:
             out = model(ids, labels=ids)
             out.loss.backward()
-            losses.append(out.loss.detach())
+            losses.append(out.loss.detach().clone())  # a graph's output is overwritten by its next replay
             if getattr(out, "aux_loss", None) is not None:
-                aux.append(out.aux_loss.detach())
+                aux.append(out.aux_loss.detach().clone())
         opt.step()
         opt.zero_grad(set_to_none=True)
         return losses, aux
@@ -271,7 +273,7 @@ def main(argv=None):
         if "memory" not in args.skip:
             row["memory"] = memory(args, model_type)
         print(f"[{time.perf_counter() - started:5.0f} s] {model_type} done", flush=True)
-        path = benchlib.write_result("moe", {"environment": benchlib.environment(), "settings": vars(args),
+        path = benchlib.write_result(args.name, {"environment": benchlib.environment(), "settings": vars(args),
                                              "shape": SHAPE, "models": rows})
     print(f"\n{'class':12s} {'variant':14s} {'tok/s':>9s} {'x same':>7s} {'x loop':>7s} {'spread':>6s} "
           f"{'alloc':>7s} {'resv':>7s}")
