@@ -45,46 +45,50 @@ def _trained_as_the_model_does(base, graph):
     return zoo._difference(reference, zoo._train(graphed, zoo._own(graphed), data))
 
 
-@pytest.mark.parametrize("model_type", MOE)
-@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
-def test_blocks_graphed_around_their_experts_train_bit_for_bit_as_the_model(model_type, implementation):
-    base = _model(model_type, implementation)
+def _graph_layers_trained(base):
+    """``(difference from the model's own training, what graph_layers returned, the graphed model)``."""
     got = {}
 
     def graph(model):
-        got["graphed"] = graph_layers(zoo.blocks_of(model))
+        got["model"], got["graphed"] = model, graph_layers(zoo.blocks_of(model))
 
-    assert _trained_as_the_model_does(base, graph) == 0.0
-    graphed = got["graphed"]
-    names = [layer.__dict__["_graphpp_name"] for layer in graphed]
-    moe_blocks = [b for b in zoo.blocks_of(base) if adapter.experts_modules(b)]
-    assert moe_blocks
+    difference = _trained_as_the_model_does(base, graph)
+    return difference, got["graphed"], got["model"]
+
+
+def _names(graphed):
+    return [layer.__dict__["_graphpp_name"] for layer in graphed]
+
+
+@pytest.mark.parametrize("model_type", MOE)
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_blocks_graphed_around_their_experts_train_bit_for_bit_as_the_model(model_type, implementation):
+    difference, graphed, model = _graph_layers_trained(_model(model_type, implementation))
+    assert difference == 0.0
+    names = _names(graphed)
+    moe_blocks = [b for b in zoo.blocks_of(model) if adapter.experts_modules(b)]
+    assert moe_blocks and not any(is_graphed_layer(b) for b in moe_blocks)
     # each MoE block: its attention and its router graphed; its experts eager, with why
     assert sum(n.endswith("attn") for n in names) >= len(moe_blocks)
     assert sum(n.rpartition(".")[2] in ("gate", "router") for n in names) == len(moe_blocks), names
     experts = [(n, why) for n, why in graphed.eager if n.rpartition(".")[2] == "experts"]
     assert len(experts) == len(moe_blocks)
     assert all(f"experts_implementation={implementation!r}" in why for _, why in experts)
-    assert all(not is_graphed_layer(b) for b in zoo.blocks_of(base) if adapter.experts_modules(b))
 
 
 @pytest.mark.parametrize("model_type", ["flex_olmo", "minimax"])
 def test_a_part_whose_input_the_block_reads_elsewhere_too_is_given_back_to_eager(model_type):
     # their attention reads the residual stream (or a norm's output the block adds back): the
     # block's first training call finds it and runs those attentions eagerly from then on
-    base = _model(model_type, "eager")
-    got = {}
-
-    def graph(model):
-        got["graphed"] = graph_layers(zoo.blocks_of(model))
-
-    assert _trained_as_the_model_does(base, graph) == 0.0
-    graphed = got["graphed"]
-    names = [layer.__dict__["_graphpp_name"] for layer in graphed]
+    difference, graphed, model = _graph_layers_trained(_model(model_type, "eager"))
+    assert difference == 0.0
+    names = _names(graphed)
     assert names and not any(n.endswith("attn") for n in names), names
     given_back = [n for n, why in graphed.eager if "block reads it elsewhere too" in why]
-    assert len(given_back) == len([b for b in zoo.blocks_of(base) if adapter.experts_modules(b)])
+    assert len(given_back) == len([b for b in zoo.blocks_of(model) if adapter.experts_modules(b)])
     assert all(n.endswith("self_attn") for n in given_back)
+    assert not any(is_graphed_layer(m) for b in zoo.blocks_of(model) for n, m in b.named_modules()
+                   if n.endswith("self_attn"))
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
