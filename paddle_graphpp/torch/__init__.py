@@ -20,6 +20,9 @@ _LAZY = {
     "RowParallelLinear": "paddle_graphpp.torch.collectives.tensor_parallel",
     "agree_on_captures": "paddle_graphpp.torch.collectives.agreement",
     "watch_replays": "paddle_graphpp.torch.watchdog",
+    "capacity_experts": "paddle_graphpp.torch.moe",
+    "capacity_overflows": "paddle_graphpp.torch.moe",
+    "CapacityOverflow": "paddle_graphpp.torch.moe",
 }
 
 __all__ = sorted(_LAZY)

@@ -117,3 +117,37 @@ def test_one_graph_over_a_host_reading_dispatch_is_refused_at_build(door):
             graph_model(model)
         else:
             causal_lm_stage(model, 0, 1, scope="stage")
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_blocks_in_capacity_mode_are_captured_whole_and_count_what_they_drop_in_replays(model_type, fp32_exact):
+    from paddle_graphpp.torch import capacity_experts, capacity_overflows
+
+    base = _build(model_type, "eager")
+    capacity_experts(base, 0.5, on_overflow="drop")  # half an even share: pairs are dropped every call
+    eager = copy.deepcopy(base)
+    reference = _train(eager)
+    model = copy.deepcopy(base)
+    graphed = graph_layers(zoo.blocks_of(model), num_warmup_steps=1)
+    assert not graphed.eager
+    _assert_same(reference, _train(model))
+    _assert_captured_once_and_replayed(graphed, zoo.blocks_of(model))
+    dropped, replayed = capacity_overflows(eager), capacity_overflows(model)
+    assert sum(dropped.values()) > 0 and replayed == dropped  # the replays counted every drop
+
+
+def test_an_overflow_inside_replays_stops_the_optimizer_step():
+    from paddle_graphpp.torch import CapacityOverflow, capacity_experts
+
+    model = _build("qwen3_moe", "eager")
+    capacity_experts(model, 0.5)
+    graph_layers(zoo.blocks_of(model), num_warmup_steps=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    for _ in range(4):  # warm up, record and capture, then replay
+        model(ids, labels=ids).loss.backward()
+    assert model.model.layers[0].engine.replays > 0
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CapacityOverflow, match="this step was not taken"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

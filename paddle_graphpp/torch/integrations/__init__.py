@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, ContextManager, Optional
 
 from ...core.process import current_process
 
-__all__ = ["Adapter", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED", "adapters", "check_block",
-           "check_wrapped", "refuse_in_whole_graph", "graph_parts", "call_checks", "recomputes", "capture_hint", "outside_calls",
+__all__ = ["Adapter", "ExpertsCapacity", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED", "adapters", "check_block",
+           "check_wrapped", "refuse_in_whole_graph", "graph_parts", "capacity_dispatch", "capacity_restore", "call_checks", "recomputes", "capture_hint", "outside_calls",
            "prepare",
            "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
 
@@ -85,6 +86,22 @@ class Parts:
     eager: tuple
 
 
+class ExpertsCapacity:
+    """The capacity mode of one experts module (:func:`paddle_graphpp.torch.capacity_experts`):
+    each expert takes at most :meth:`slots` token slots per call; ``dropped`` counts, on the
+    module's device, the slots dropped since it was last read (it is added to inside graphs)."""
+
+    def __init__(self, name: str, factor: float, on_overflow: str, device: Any):
+        import torch
+
+        self.name, self.factor, self.on_overflow = name, factor, on_overflow
+        self.dropped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def slots(self, pairs: int, experts: int) -> int:
+        """Slots per expert for ``pairs`` (token, expert) pairs over ``experts`` experts."""
+        return max(1, math.ceil(self.factor * pairs / experts))
+
+
 @dataclass(frozen=True)
 class Adapter:
     """One outside library as the front doors see it. Every method has a no-op default; an
@@ -108,6 +125,18 @@ class Adapter:
         """For a block a capture cannot hold whole (a mixture of experts' host-reading dispatch):
         the :class:`Parts` to graph around what cannot be captured; ``None``: graph it whole."""
         return None
+
+    def capacity_dispatch(self, model: Any, factor: float, on_overflow: str) -> Optional[tuple]:
+        """Make ``model``'s routed experts dispatch at a fixed capacity: each experts module this
+        library owns gets an :class:`ExpertsCapacity` and a sync-free dispatch that uses it.
+        Returns ``(its ExpertsCapacity objects, what :meth:`capacity_restore` takes to undo it)``;
+        ``None``: no experts module of this library in ``model``."""
+        return None
+
+    def capacity_restore(self, model: Any, before: Any) -> bool:
+        """Undo :meth:`capacity_dispatch` on ``model`` (``before``: what it returned); whether this
+        library's experts were in capacity mode there."""
+        return False
 
     def call_check(self, name: str, layer: Any) -> Optional[Callable[[tuple, dict], None]]:
         """A check of each training call's ``(args, kwargs)`` for a block this library owns, or
@@ -192,6 +221,22 @@ def graph_parts(name: str, layer: Any) -> Optional[Parts]:
         if parts is not None:
             return parts
     return None
+
+
+def capacity_dispatch(model: Any, factor: float, on_overflow: str) -> Optional[tuple]:
+    """The first adapter's :meth:`Adapter.capacity_dispatch` of ``model`` that is not ``None``."""
+    for adapter in adapters():
+        done = adapter.capacity_dispatch(model, factor, on_overflow)
+        if done is not None:
+            return done
+    return None
+
+
+def capacity_restore(model: Any, before: Any) -> None:
+    """Every adapter's :meth:`Adapter.capacity_restore`, until one undid it."""
+    for adapter in adapters():
+        if adapter.capacity_restore(model, before):
+            return
 
 
 def call_checks(name: str, layer: Any) -> tuple:

@@ -31,10 +31,10 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from . import Adapter, OutsideCalls, Parts
+from . import Adapter, ExpertsCapacity, OutsideCalls, Parts
 
 __all__ = ["MaskCalls", "arg_positions", "owns", "check_block", "check_call", "checkpointing", "refuse_checkpointing",
-           "recorded_outputs", "traced_masks_refused", "experts_modules", "experts_capture_problem", "graph_parts", "refuse_experts_in_whole_graph",
+           "recorded_outputs", "traced_masks_refused", "experts_modules", "experts_capture_problem", "graph_parts", "refuse_experts_in_whole_graph", "CAPACITY", "capacity_experts_forward", "capacity_dispatch", "capacity_restore",
            "ADAPTER"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
@@ -319,8 +319,11 @@ def traced_masks_refused():
 # implementation (``use_experts_implementation`` classes, read through the private
 # ``config._experts_implementation``; checked on transformers 5.0, 5.3 and 5.25 source). What each
 # implementation does in a capture, from its code and torch's grouped matmul (torch 2.11, 2.13):
+#: The experts implementation :func:`capacity_dispatch` registers in transformers' experts interface.
+CAPACITY = "graphpp_capacity"
 _EXPERTS_IN_A_CAPTURE = MappingProxyType({
     "batched_mm": None,  # fixed-shape gathers and batched matmuls: nothing read on the host
+    CAPACITY: None,  # fixed per-expert buffers (capacity_experts_forward)
     "grouped_mm": "torch's grouped matmul reads the group offsets on the host except for bf16 weights on sm90+",
     "eager": "a Python loop over the experts the batch hits (nonzero, host reads)",
 })
@@ -383,6 +386,102 @@ def refuse_experts_in_whole_graph(name: str, layer: nn.Module, door: str) -> Non
                 f"'grouped_mm', or graph the blocks with graph_layers(), which graphs around the dispatch.")
 
 
+_CAPACITY = "_graphpp_capacity"  # an experts module's ExpertsCapacity (in its __dict__)
+
+
+def capacity_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts of ``self`` (a transformers experts module, its weights stacked per
+    expert) at a fixed capacity, registered as the experts implementation :data:`CAPACITY`.
+
+    Every (token, expert) pair takes the next free slot of its expert, in token order; an expert
+    has :meth:`ExpertsCapacity.slots` of them. Pairs past the last slot are dropped (their output
+    is zero) and counted on the device. The slots are filled by one scatter, each expert runs one
+    batched matmul over all of its slots, and each pair's output is gathered back: every shape is
+    fixed by the batch's, nothing is read on the host, and no output is summed with atomics."""
+    capacity = self.__dict__.get(_CAPACITY)
+    if capacity is None:
+        raise RuntimeError(
+            f"{type(self).__name__}: experts_implementation={CAPACITY!r} is set by "
+            f"paddle_graphpp.torch.capacity_experts(model), which this experts module was not given. Call it on the "
+            f"model (after copying it, call it on the copy), or choose another experts implementation.")
+    if getattr(self, "_is_expert_parallel", False):
+        raise NotImplementedError(f"{capacity.name}: the capacity mode does not take expert parallelism yet")
+    gated = getattr(self, "has_gate", True)  # the flags transformers' decorator sets (5.0 has no has_gate: gated)
+    bias, transposed = getattr(self, "has_bias", False), getattr(self, "is_transposed", False)
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.size(-1)
+    experts = (self.gate_up_proj if gated else self.up_proj).size(0)
+    slots = capacity.slots(tokens * top_k, experts)
+    ids = top_k_index.reshape(-1)
+    hits = torch.nn.functional.one_hot(ids, experts)  # (pairs, experts)
+    place = (hits.cumsum(0) * hits).sum(-1) - 1  # each pair's place among its expert's pairs, in token order
+    kept = place < slots
+    capacity.dropped.add_((~kept).sum())
+    sink = experts * slots  # one row past the slots, where dropped pairs go
+    slot = torch.where(kept, ids * slots + place, sink)
+    rows = hidden_states.repeat_interleave(top_k, dim=0)
+    filled = hidden_states.new_zeros(sink + 1, hidden).index_put((slot,), rows)[:sink].view(experts, slots, hidden)
+
+    def linear(x, weight, offset):
+        out = torch.bmm(x, weight if transposed else weight.transpose(1, 2))
+        return out if offset is None else out + offset.unsqueeze(1)
+
+    if gated:
+        up = self._apply_gate(linear(filled, self.gate_up_proj, self.gate_up_proj_bias if bias else None))
+    else:
+        up = self.act_fn(linear(filled, self.up_proj, self.up_proj_bias if bias else None))
+    out = linear(up, self.down_proj, self.down_proj_bias if bias else None)
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    out = torch.cat([out.reshape(sink, hidden), out.new_zeros(1, hidden)])[slot]  # dropped pairs: zero
+    weighted = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return weighted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+
+
+def capacity_dispatch(model: nn.Module, factor: float, on_overflow: str) -> Optional[tuple]:
+    """:meth:`Adapter.capacity_dispatch` for transformers' experts modules: registers
+    :func:`capacity_experts_forward` in transformers' experts interface (public:
+    ``ALL_EXPERTS_FUNCTIONS.register``, 5.0 to 5.25) and sets it as the experts implementation of
+    the configs the experts modules hold (:func:`_set_implementation`); the undo sets the ones before."""
+    found = experts_modules(model)
+    if not found:
+        return None
+    if any(_CAPACITY in module.__dict__ for _, module, _ in found):
+        raise ValueError(f"capacity_experts(): {type(model).__name__}'s experts are in capacity mode already; undo() "
+                         f"the capacity mode first")
+    before = {id(module.config): (module.config, module.config._experts_implementation) for _, module, _ in found}
+    interface = sys.modules["transformers.integrations.moe"].ALL_EXPERTS_FUNCTIONS
+    if CAPACITY not in interface:
+        interface.register(CAPACITY, capacity_experts_forward)
+    states = []
+    for name, module, _ in found:
+        weight = next(module.parameters())
+        states.append(ExpertsCapacity(name, factor, on_overflow, weight.device))
+        module.__dict__[_CAPACITY] = states[-1]
+    _set_implementation([(c, CAPACITY) for c, _ in before.values()])
+    return states, tuple(before.values())
+
+
+def _set_implementation(configs) -> None:
+    """Each ``(config, experts implementation)``: what the experts modules holding that config
+    dispatch by (the private ``config._experts_implementation`` they read per call, 5.0 to 5.25;
+    ``set_experts_implementation`` takes only the implementations it lists before 5.25)."""
+    for config, implementation in configs:
+        config._experts_implementation = implementation
+
+
+def capacity_restore(model: nn.Module, before: Any) -> bool:
+    """Undo :func:`capacity_dispatch`: the experts implementation ``before`` it, no capacity state."""
+    found = [module for _, module, _ in experts_modules(model) if _CAPACITY in module.__dict__]
+    if not found:
+        return False
+    _set_implementation(before)
+    for module in found:
+        module.__dict__.pop(_CAPACITY, None)
+    return True
+
+
 _SHARED_INPUT = ("uses its input more than once while the block also feeds that input elsewhere (a residual, the "
                  "routed experts): graphed alone, its input's gradient would be summed in another order than the "
                  "model's own backward sums it (not bit for bit)")
@@ -443,6 +542,12 @@ class TransformersAdapter(Adapter):
 
     def graph_parts(self, name, layer):
         return graph_parts(name, layer)
+
+    def capacity_dispatch(self, model, factor, on_overflow):
+        return capacity_dispatch(model, factor, on_overflow)
+
+    def capacity_restore(self, model, before):
+        return capacity_restore(model, before)
 
     def call_check(self, name, layer):
         if not owns(layer):

@@ -1,0 +1,143 @@
+"""The capacity mode of mixtures of experts (``capacity_experts``): each expert takes a fixed number
+of (token, expert) slots per call, so the dispatch is sync-free and blocks are graphed whole; what
+overflows is counted on the device and, by default, stops the next optimizer step before it
+changes a parameter.
+
+Checked on CPU against the model's own code: each pair's output is what its expert computes, or
+zero when dropped (in token order, past the expert's capacity); graphed blocks and the whole-model
+graph train bit for bit as the same capacity mode eagerly; without overflow the model trains as with
+its own experts up to float order; undo, copies and the refusals. That the counters count inside
+replays on a GPU is unittests/gpu/test_moe_gpu.py.
+"""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from testing import zoo  # noqa: E402
+
+from paddle_graphpp.torch import (CapacityOverflow, capacity_experts, capacity_overflows, graph_layers,  # noqa: E402
+                                  graph_model)
+from paddle_graphpp.torch.integrations import transformers as adapter  # noqa: E402
+
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
+EXPERTS, TOP_K = 4, 2  # the zoo's tiny mixtures of experts
+
+
+def _model(model_type, implementation="eager", **overrides):
+    try:
+        return zoo.build(model_type, experts_implementation=implementation, **overrides)
+    except Exception as exc:  # noqa: BLE001 - a class this transformers does not ship
+        pytest.skip(f"{model_type} does not build here: {exc}")
+
+
+def _train(model):
+    data = zoo._batches(model.config.get_text_config().vocab_size)
+    return zoo._train(model, zoo._own(model), data)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("factor", [0.5, EXPERTS / TOP_K])
+def test_each_pair_gets_its_experts_output_or_zero_past_the_capacity(model_type, factor):
+    model = _model(model_type)
+    _, experts, _ = adapter.experts_modules(zoo.blocks_of(model)[0])[0]
+    capacity_experts(model, factor, on_overflow="drop")
+    tokens = 12
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, model.config.hidden_size, generator=gen)
+    index = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=gen)
+    got = experts(hidden, index, weights)
+    slots = max(1, -(-int(factor * tokens * TOP_K) // EXPERTS))
+    taken = [0] * EXPERTS
+    want = torch.zeros_like(hidden)
+    dropped = 0
+    with torch.no_grad():
+        model.set_experts_implementation("eager")  # the module's own loop, one pair at a time
+        for t in range(tokens):
+            for k in range(TOP_K):
+                e = int(index[t, k])
+                taken[e] += 1
+                if taken[e] > slots:
+                    dropped += 1
+                    continue
+                one = torch.zeros_like(index[t:t + 1]) + e
+                want[t] += experts(hidden[t:t + 1], one[:, :1], weights[t:t + 1, k:k + 1])[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert sum(capacity_overflows(model).values()) == dropped
+    assert (dropped > 0) == (factor < EXPERTS / TOP_K)  # num_experts / top_k slots: nothing can be dropped
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_blocks_in_capacity_mode_are_graphed_whole_and_train_as_the_capacity_mode(model_type):
+    base = _model(model_type)
+    capacity_experts(base, EXPERTS / TOP_K)  # nothing dropped
+    eager = copy.deepcopy(base)
+    reference = _train(eager)
+    graphed_model = copy.deepcopy(base)
+    graphed = graph_layers(zoo.blocks_of(graphed_model))
+    assert not graphed.eager  # whole blocks: the capacity dispatch reads nothing on the host
+    assert zoo._difference(reference, _train(graphed_model)) == 0.0
+    whole = copy.deepcopy(base)
+    graph_model(whole)
+    assert zoo._difference(reference, _train(whole)) == 0.0
+    assert not any(capacity_overflows(m) and sum(capacity_overflows(m).values()) for m in (eager, graphed_model, whole))
+    # and, nothing dropped, as the model's own experts compute, up to float order
+    own = _model(model_type)
+    assert zoo._difference(reference, _train(own)) < 1e-3
+
+
+def test_an_overflow_stops_the_next_optimizer_step_before_it_changes_anything():
+    model = _model("qwen3_moe")
+    capacity_experts(model, 0.25)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CapacityOverflow, match=r"pairs were dropped at their experts' capacity .*model\.layers\.0\."
+                                               r"mlp\.experts: \d+.*this step was not taken.*on_overflow='drop'"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not any(capacity_overflows(model).values())  # reset by the check
+    assert not opt.state  # the step did not run
+
+
+def test_dropping_is_counted_when_the_user_accepts_it():
+    model = _model("qwen3_moe")
+    mode = capacity_experts(model, 0.25, on_overflow="drop")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    counts = capacity_overflows(model, reset=True)
+    assert sum(counts.values()) > 0 and set(counts) == {n for n, _, _ in adapter.experts_modules(model)}
+    assert not any(mode.overflows().values())
+
+
+def test_undo_and_copies():
+    model = _model("qwen3_moe")
+    mode = capacity_experts(model, 0.25)
+    with pytest.raises(ValueError, match="capacity mode already"):
+        capacity_experts(model)
+    copied = copy.deepcopy(model)  # the copy is watched: its overflow stops its own optimizer
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    copied(ids, labels=ids).loss.backward()
+    with pytest.raises(CapacityOverflow):
+        torch.optim.SGD(copied.parameters(), lr=0.1).step()
+    assert mode.undo() is model
+    assert {impl for _, _, impl in adapter.experts_modules(model)} == {"eager"}
+    assert capacity_overflows(model) == {}
+    model(ids, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # no capacity, nothing checked
+    capacity_experts(model, 2.0)  # and again
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match="capacity_factor must be a number > 0"):
+        capacity_experts(_model("qwen3_moe"), 0)
+    with pytest.raises(ValueError, match=r"on_overflow must be one of \('raise', 'drop'\)"):
+        capacity_experts(_model("qwen3_moe"), on_overflow="rerun")
+    with pytest.raises(TypeError, match="LlamaForCausalLM holds no mixture-of-experts experts module"):
+        capacity_experts(_model("llama", None))
