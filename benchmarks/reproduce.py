@@ -69,7 +69,8 @@ STEPS = [
      "ours_compiled,ours_whole,ours_whole_compiled,ours_whole_step --groups one --profile-steps 0",
      "compile-<device>.json"),
     ("stacks", 1, "python tools/bench_stacks.py", "stacks-<device>.json"),
-    ("moe", 1, "python tools/bench_moe.py --variants eager_loop around eager_grouped whole_grouped model_grouped",
+    ("moe", 1, "python tools/bench_moe.py --variants eager_loop around eager_grouped whole_grouped model_grouped "
+     "eager_capacity whole_capacity",
      "moe-<device>.json"),
     ("zero-bubble-split", 1, "python tools/bench_zero_bubble.py --single-gpu", "zero-bubble-split-<device>.json"),
     ("peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --profile", "peer-megatron-pp1-<device>.json"),

@@ -16,6 +16,8 @@ Three parts, each class built from its own config (``testing/zoo.py``):
    of :data:`VARIANTS` take turns in ``--rounds`` alternating rounds of ``--iters`` steps after
    warmup and capture; tokens/s from the median round, with the spread. Each graphed variant is
    compared with the eager run of its own experts implementation.
+   The capacity variants (``capacity_experts(model, --capacity-factor, on_overflow="drop")``) record
+   the pairs they dropped.
 3. **Memory**: each variant of the speed part in its own process (``--child``), at the same shape:
    peak allocated and reserved memory over ``--memory-steps`` steps, the capture step included.
 
@@ -53,8 +55,11 @@ VARIANTS = {
     "eager_batched": ("batched_mm", None),
     "whole_batched": ("batched_mm", "layers"),
     "model_grouped": ("grouped_mm", "model"),
+    "eager_capacity": ("capacity", None),  # capacity_experts(model, --capacity-factor, on_overflow="drop")
+    "whole_capacity": ("capacity", "layers"),
 }
-BASELINE = {"eager": "eager_loop", "grouped_mm": "eager_grouped", "batched_mm": "eager_batched"}
+BASELINE = {"eager": "eager_loop", "grouped_mm": "eager_grouped", "batched_mm": "eager_batched",
+            "capacity": "eager_capacity"}
 # The launch-bound shape (every name a config may use for it; a config ignores the others).
 SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
              intermediate_size=1024, moe_intermediate_size=512, num_experts=16, num_local_experts=16,
@@ -76,11 +81,18 @@ def parse_args(argv=None):
     p.add_argument("--memory-steps", type=int, default=4)
     p.add_argument("--skip", nargs="*", default=[], choices=["exact", "speed", "memory"])
     p.add_argument("--name", default="moe", help="record name (the device is appended)")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="of the capacity variants (drops counted)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "model:variant": one memory run
     return p.parse_args(argv)
 
 
-def build(model_type, implementation, *, launch_bound, **extra):
+def build(model_type, implementation, *, launch_bound, capacity_factor=1.25, **extra):
+    if implementation == "capacity":
+        from paddle_graphpp.torch import capacity_experts
+
+        model = build(model_type, "eager", launch_bound=launch_bound, **extra)
+        capacity_experts(model, capacity_factor, on_overflow="drop")
+        return model
     overrides = dict(SHAPE) if launch_bound else {}
     if launch_bound and model_type == "deepseek_v3":
         overrides["head_dim"] = None  # its config derives it from the rope and nope head sizes
@@ -181,7 +193,7 @@ def speed(args, model_type):
     for name in args.variants:
         impl, door = VARIANTS[name]
         try:
-            model = build(model_type, impl, launch_bound=True)
+            model = build(model_type, impl, launch_bound=True, capacity_factor=args.capacity_factor)
             if data is None:
                 data = batches(args, model.config.vocab_size, 1, seed=1)[0]
                 row["class"] = type(model).__name__
@@ -206,6 +218,10 @@ def speed(args, model_type):
         v["step_ms"], v["spread"] = t["median_ms"], t["spread"]
         v["tokens_per_s"] = tokens / (t["median_ms"] / 1e3)
         v["captures"], v["replays"] = graph_counts(models[name])
+        if v["experts_implementation"] == "capacity":
+            from paddle_graphpp.torch import capacity_overflows
+
+            v["dropped_pairs"] = sum(capacity_overflows(models[name]).values())
     for name, v in row["variants"].items():
         base = BASELINE[v["experts_implementation"]]
         if "step_ms" in v and "step_ms" in row["variants"].get(base, {}) and name != base:
@@ -223,7 +239,7 @@ def child(args):
     model_type, name = args.child.split(":")
     impl, door = VARIANTS[name]
     torch.cuda.reset_peak_memory_stats()
-    model = build(model_type, impl, launch_bound=True)
+    model = build(model_type, impl, launch_bound=True, capacity_factor=args.capacity_factor)
     graph(model, door)
     step = trainer(model)
     data = batches(args, model.config.vocab_size, 1, seed=1)[0]
@@ -241,7 +257,8 @@ def memory(args, model_type):
     while names or running:
         while names and len(running) < 2:
             name = names.pop(0)
-            cmd = [sys.executable, __file__, "--child", f"{model_type}:{name}", "--batch", str(args.batch),
+            cmd = [sys.executable, __file__, "--child", f"{model_type}:{name}", "--capacity-factor", str(args.capacity_factor),
+                   "--batch", str(args.batch),
                    "--seq", str(args.seq), "--micro-batches", str(args.micro_batches),
                    "--memory-steps", str(args.memory_steps)]
             running.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
