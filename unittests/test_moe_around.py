@@ -181,3 +181,75 @@ def test_gradient_checkpointing_on_a_block_graphed_in_parts_is_refused_by_name()
     with pytest.raises(ValueError, match=r"Qwen3MoeDecoderLayer\[0\]\.self_attn: its block has gradient "
                                          r"checkpointing on, and it is graphed around its experts"):
         model(ids, labels=ids)
+
+
+def _train_frozen_first(model, frozen):
+    """Two AdamW steps, the input embedding frozen in the first (``frozen``), then trainable."""
+    torch.manual_seed(2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    embedding = model.get_input_embeddings().weight
+    for step in range(2):
+        embedding.requires_grad_(not (frozen and step == 0))
+        for _ in range(2):
+            ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
+            model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["eval", "frozen_first"])
+def test_a_part_is_judged_in_eval_mode_and_only_once_its_input_carries_a_gradient(how):
+    # training in eval mode (dropout off) is probed as well; with the embedding frozen in the first
+    # step, block 0's attention reads an input without a gradient: it stays eager and undecided
+    # until a call where its input carries one, then is judged (flex_olmo's: given back)
+    base = _model("flex_olmo", "eager")
+    if how == "eval":
+        base.eval()
+    own, graphed_model = copy.deepcopy(base), copy.deepcopy(base)
+    graphed = graph_layers(zoo.blocks_of(graphed_model))
+    want = _train_frozen_first(own, frozen=how == "frozen_first")
+    got = _train_frozen_first(graphed_model, frozen=how == "frozen_first")
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not any(n.endswith("attn") for n in _names(graphed))
+    assert not any("_graphpp_parts_probe" in b.__dict__ for b in zoo.blocks_of(graphed_model))
+
+
+def test_a_first_training_call_that_raises_leaves_the_parts_graphed_and_undecided(monkeypatch):
+    model = _model("qwen3_moe", "eager")
+    graphed = graph_layers(zoo.blocks_of(model))
+    names = _names(graphed)
+    experts = type(adapter.experts_modules(zoo.blocks_of(model)[0])[0][1])
+    original = experts.forward
+
+    def fails(self, *args, **kwargs):
+        raise RuntimeError("out of memory (a stand-in)")
+
+    monkeypatch.setattr(experts, "forward", fails)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with pytest.raises(RuntimeError, match="a stand-in"):
+        model(ids, labels=ids)
+    monkeypatch.setattr(experts, "forward", original)
+    assert _names(graphed) == names and all(is_graphed_layer(p) for p in graphed)
+    assert not any(p._forward_hooks for p in graphed)  # the probe's hooks on the parts are gone
+    model(ids, labels=ids).loss.backward()  # judged now
+    assert not any("_graphpp_parts_probe" in b.__dict__ for b in zoo.blocks_of(model))
+    graphed.undo()
+    graph_layers(zoo.blocks_of(model))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_ungraph_layers_on_the_returned_list_makes_the_blocks_whole(when):
+    model = _model("flex_olmo", "eager")
+    keys, classes = list(model.state_dict()), [type(m) for m in model.modules()]
+    graphed = graph_layers(zoo.blocks_of(model))
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    if when == "after":  # the first training call gave the attentions back
+        model(ids, labels=ids).loss.backward()
+    ungraph_layers(list(graphed))
+    assert [type(m) for m in model.modules()] == classes and list(model.state_dict()) == keys
+    assert not any(k.startswith("_graphpp") for b in zoo.blocks_of(model) for k in b.__dict__)
+    assert not any(b._forward_hooks or b._forward_pre_hooks for b in zoo.blocks_of(model))
+    graph_layers(zoo.blocks_of(model))  # graphed again
+    model(ids, labels=ids).loss.backward()

@@ -38,7 +38,8 @@ _USER_COMPILED = "_graphpp_compiled_call_impl"  # a block.compile() taken over, 
 _CHECKS = "_graphpp_call_checks"  # the adapters' per-call checks, bound when graphed
 _CHECKPOINTING = "_graphpp_checkpointing"  # a library's checkpointing switch of the block (or None), bound when graphed
 _PARTS = "_graphpp_parts"  # on a block graphed in parts (around its experts): its graphed submodules
-_PROBE = "_graphpp_parts_probe"  # ... and, until its first training call, its _PartsProbe
+_PROBE = "_graphpp_parts_probe"  # ... and, until every part is judged, its _PartsProbe
+_BLOCK = "_graphpp_block"  # on a part of a block graphed in parts: that block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,14 +197,17 @@ def _graphed_classes() -> GraphedClasses:
 class GraphedLayers(list):
     """What :func:`graph_layers` returns: the graphed modules, in order (the blocks of the list it
     was given, or, for a block graphed around its experts, its graphed submodules), with
-    :meth:`undo` and :attr:`eager` (what runs eagerly between graphs, and why)."""
+    :meth:`undo` and :attr:`eager` (what runs eagerly between graphs, and why).
 
-    def __init__(self, modules=(), eager=(), split=()):
+    A part of a block graphed in parts that its block's first training call gives back to eager
+    (see :class:`_PartsProbe`) leaves this list then, and ``eager`` says why.
+    """
+
+    def __init__(self, modules=(), eager=()):
         super().__init__(modules)
         #: ``(name, why)`` of each submodule left eager inside a block graphed in parts (a mixture of
         #: experts' routed experts whose dispatch reads the host); empty when every block is graphed whole.
         self.eager = list(eager)
-        self._split = list(split)  # the blocks graphed in parts
 
     def undo(self) -> list:
         """:func:`ungraph_layers` on these modules: each gets its own class back and its graphs are
@@ -218,12 +222,7 @@ class GraphedLayers(list):
             if not isinstance(layer, GraphedLayer):
                 raise RuntimeError(f"graph_layers(...).undo(): block {i} ({type(layer).__name__}) is not graphed "
                                    f"(undone already, by undo() or ungraph_layers()); nothing was changed.")
-        out = ungraph_layers(list(self)) if len(self) else []
-        for block in self._split:
-            block.__dict__.pop(_PARTS, None)
-            if _PROBE in block.__dict__:
-                block.__dict__[_PROBE].remove()
-        return out
+        return ungraph_layers(list(self)) if len(self) else []
 
 
 def _graphed_class(cls: type) -> type:
@@ -401,7 +400,7 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
                for label, (_, layer), switch in zip(names, pairs, checkpointing)]  # every option checked first
     checks = [integrations.call_checks(label, layer) + _part_checks(label, layer, split)
               for label, (_, layer) in zip(names, pairs)]
-    graphed = GraphedLayers(eager=eager, split=[block for block, _ in split.values()])
+    graphed = GraphedLayers(eager=eager)
     for label, (_, layer), runner, own, switch, bound in zip(names, pairs, runners, user_compiled, checkpointing, checks):
         layer.__dict__[_SLOT] = runner  # not a submodule: no new parameter names
         layer.__dict__[_NAME] = label
@@ -412,30 +411,53 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
             layer._compiled_call_impl = None
         layer.__class__ = _graphed_class(type(layer))
         graphed.append(layer)
-    for block, parts in split.values():
+    for block, block_label, parts in split.values():
         if _PARTS not in block.__dict__:
             block.__dict__[_PARTS] = GraphedLayers([part for _, part in parts])
+            for _, part in parts:
+                part.__dict__[_BLOCK] = block
             block.__dict__[_PROBE] = _PartsProbe(block, [(part.__dict__[_NAME], part) for _, part in parts], graphed)
     return graphed
 
 
+def _forget_part(part: nn.Module) -> None:
+    """``part`` (ungraphed now) is no longer a part of its block; a block left with none is whole."""
+    block = part.__dict__.pop(_BLOCK, None)
+    if block is None:
+        return
+    probe = block.__dict__.get(_PROBE)
+    if probe is not None:
+        probe.parts = [(n, p) for n, p in probe.parts if p is not part]
+    parts = block.__dict__.get(_PARTS)
+    if parts is not None:
+        parts[:] = [p for p in parts if p is not part]
+        if not parts:
+            del block.__dict__[_PARTS]
+            if probe is not None:
+                probe.remove()
+
+
 class _PartsProbe:
-    """The first training call of a block graphed in parts runs the block eagerly, its parts as
-    their own classes, and reads the autograd graph that call made. A graphed part hands autograd
-    one gradient per input, the sum of what its own code read of it; eager autograd adds every
-    read one by one, in the order their nodes run. The two agree bit for bit when the part's code
-    reads an input once, or when nothing outside the part reads it. A part where neither holds
-    (an attention reading the residual stream it also adds to, a parallel attention and MLP on
-    one norm's output) is given back to eager here, before any of its graphs runs, and listed in
-    ``graph_layers(...).eager`` with why. Then the probe removes itself."""
+    """Grad-enabled calls of a block graphed in parts run the block eagerly, its undecided parts as
+    their own classes, until each part is judged from the autograd graph such a call made. A
+    graphed part hands autograd one gradient per input, the sum of what its own code read of it;
+    eager autograd adds every read one by one, in the order their nodes run. The two agree bit for
+    bit when the part's code reads an input once, or when nothing outside the part reads it. A
+    part where neither holds (an attention reading the residual stream it also adds to, a parallel
+    attention and MLP on one norm's output) is given back to eager, before any of its graphs runs,
+    and listed in ``graph_layers(...).eager`` with why. A part whose first input carries no
+    gradient in that call (frozen embeddings before block 0) stays undecided, and eager, until a
+    call where it does. Once every part is judged the probe removes itself."""
 
     def __init__(self, block: nn.Module, parts: list, listing: "GraphedLayers"):
-        self.block, self.parts, self.listing = block, parts, listing
+        self.block, self.parts, self.listing = block, parts, listing  # parts: the undecided ones
         self.calls: Optional[list] = None
+        self.swapped: list = []
         self.hooks: list = []
+        self.inputs: list = []
         self.checkpointing = integrations.recomputes(block)  # then the parts refuse the call (_part_checks)
         self.handles = (block.register_forward_pre_hook(self._before, with_kwargs=True),
-                        block.register_forward_hook(self._after, with_kwargs=True))
+                        block.register_forward_hook(self._after, with_kwargs=True, always_call=True))
 
     def remove(self) -> None:
         self._restore()
@@ -444,51 +466,61 @@ class _PartsProbe:
         self.block.__dict__.pop(_PROBE, None)
 
     def _before(self, block, args, kwargs):
-        self._restore()  # a probed call cut short by an error
-        if not (block.training and torch.is_grad_enabled()) or (self.checkpointing is not None and self.checkpointing()):
+        self._restore()  # a probed call cut short before its hook ran
+        if not torch.is_grad_enabled() or (self.checkpointing is not None and self.checkpointing()):
             return None
-        self.inputs = _tensors((args, kwargs))
+        self.inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
         self.calls = []
         for name, part in self.parts:
             part.__class__ = type(part)._graphpp_original
+            self.swapped.append(part)
             self.hooks.append(part.register_forward_hook(functools.partial(self._called, name), with_kwargs=True))
         return None
 
     def _called(self, name, part, args, kwargs, output):
-        self.calls.append((name, [t for t in _tensors((args, kwargs)) if t.requires_grad],
+        tensors = _tensors((args, kwargs))
+        self.calls.append((name, bool(tensors) and tensors[0].requires_grad, [t for t in tensors if t.requires_grad],
                            [t for t in _tensors(output) if t.grad_fn is not None]))
 
     def _after(self, block, args, kwargs, output):
-        calls = self.calls
+        calls, inputs = self.calls, self.inputs
         self._restore()
-        if calls is None:
+        if calls is None or output is None:  # not probed, or the call raised: judged at a later call
             return None
         ends = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-        stops = {_edge(t).node for t in self.inputs if t.requires_grad}
-        for name, inputs, outputs in calls:
-            why = _reordered_sum(inputs, [t.grad_fn for t in outputs], ends, stops)
-            if why:
-                self._give_back(name, why)
-        self.remove()
+        stops = {_edge(t).node for t in inputs}
+        unsafe, undecided = {}, set()
+        for name, carries, part_inputs, outputs in calls:
+            if not carries:
+                undecided.add(name)
+            elif name not in unsafe:
+                why = _reordered_sum(part_inputs, [t.grad_fn for t in outputs], ends, stops)
+                if why:
+                    unsafe[name] = why
+        for name, why in unsafe.items():
+            self._give_back(name, why)
+        self.parts = [(n, p) for n, p in self.parts if n in undecided and n not in unsafe]
+        if not self.parts:
+            self.remove()
         return None
 
     def _restore(self) -> None:
         for hook in self.hooks:
             hook.remove()
-        self.hooks = []
-        if self.calls is not None:
-            for _, part in self.parts:
+        for part in self.swapped:
+            if _SLOT in part.__dict__:  # still graphed
                 part.__class__ = _graphed_class(type(part))
-        self.calls = None
+        self.hooks, self.swapped, self.inputs, self.calls = [], [], [], None
 
     def _give_back(self, name: str, why: str) -> None:
-        part = next(p for n, p in self.parts if n == name)
-        ungraph_layers([part])
-        self.parts = [(n, p) for n, p in self.parts if p is not part]
-        own = self.block.__dict__[_PARTS]
-        own[:] = [p for p in own if p is not part]
-        if part in self.listing:
-            del self.listing[next(i for i, p in enumerate(self.listing) if p is part)]
+        part = next((p for n, p in self.parts if n == name), None)
+        if part is None or not isinstance(part, GraphedLayer):
+            return
+        ungraph_layers([part])  # _forget_part takes it out of the block's parts
+        for i, p in enumerate(self.listing):
+            if p is part:
+                del self.listing[i]
+                break
         self.listing.eager.append((name, why))
 
 
@@ -545,7 +577,7 @@ def _reordered_sum(inputs: list, part_ends: list, block_ends: list, block_stops:
 
 def _graphed_parts(pairs: list, names: list) -> tuple:
     """``pairs`` and ``names`` with each block the adapters graph in parts replaced by those parts;
-    ``{id(part): (block, its parts)}`` for the parts; ``(name, why)`` of what stays eager."""
+    ``{id(part): (block, its name, its parts)}`` for the parts; ``(name, why)`` of what stays eager."""
     out_pairs, out_names, split, eager = [], [], {}, []
     for label, (key, block) in zip(names, pairs):
         if isinstance(block, GraphedLayer) or _PARTS in block.__dict__:
@@ -561,7 +593,7 @@ def _graphed_parts(pairs: list, names: list) -> tuple:
         for rel, part in parts.graphed:
             out_pairs.append((f"{key}.{rel}", part))
             out_names.append(f"{label}.{rel}")
-            split[id(part)] = (block, parts.graphed)
+            split[id(part)] = (block, label, parts.graphed)
         eager += [(f"{label}.{rel}", why) for rel, why in parts.eager]
     return out_pairs, out_names, split, eager
 
@@ -571,16 +603,15 @@ def _part_checks(label: str, part: nn.Module, split: dict) -> tuple:
     (which would run the part's graphed forward again in the backward), bound now."""
     if id(part) not in split:
         return ()
-    block = split[id(part)][0]
+    block, block_label, _ = split[id(part)]
     switch = integrations.recomputes(block)
     if switch is None:
         return ()
-    return (functools.partial(_refuse_checkpointed_block, label, switch),)
+    return (functools.partial(_refuse_checkpointed_block, label, block_label, switch),)
 
 
-def _refuse_checkpointed_block(label: str, switch: Callable[[], bool], args: tuple, kwargs: dict) -> None:
+def _refuse_checkpointed_block(label: str, block: str, switch: Callable[[], bool], args: tuple, kwargs: dict) -> None:
     if switch():
-        block = label.rpartition(".")[0]
         raise ValueError(
             f"{label}: its block has gradient checkpointing on, and it is graphed around its experts: the "
             f"checkpoint would run the graphed parts again in the backward. Call "
@@ -628,15 +659,20 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
     """
     entries = _entries(layers)
     split = [layer for _, layer in entries if _PARTS in layer.__dict__]
-    if split:  # a block graphed in parts: its parts are ungraphed
+    if split:  # a block graphed in parts: its parts are ungraphed (and it is whole once none is left)
         parts = [part for block in split for part in block.__dict__[_PARTS]]
         others = [layer for _, layer in entries if _PARTS not in layer.__dict__] + parts
-        if others:
-            ungraph_layers(others)
+        for i, layer in enumerate(others):  # what the call below would refuse, refused before a probe goes
+            if isinstance(layer, GraphedLayer):
+                if type(layer) is not _graphed_classes().get(type(layer)._graphpp_original):
+                    raise TypeError(f"ungraph_layers(): {layer.__dict__.get(_NAME, type(layer).__name__)} was "
+                                    f"wrapped again after graph_layers() (fully_shard, say), which its class would "
+                                    f"lose. Build the model anew without graph_layers(), or ungraph before wrapping.")
+                layer.engine.check_undo()
         for block in split:
-            del block.__dict__[_PARTS]
             if _PROBE in block.__dict__:
                 block.__dict__[_PROBE].remove()
+        ungraph_layers(others)
         return [layer for _, layer in entries]
     out = []
     for key, layer in entries:
@@ -656,5 +692,6 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
                 layer.__dict__.pop(key, None)
             if _USER_COMPILED in layer.__dict__:
                 layer._compiled_call_impl = layer.__dict__.pop(_USER_COMPILED)
+            _forget_part(layer)
         out.append(layer)
     return out

@@ -482,9 +482,10 @@ def capacity_restore(model: nn.Module, before: Any) -> bool:
     return True
 
 
-_SHARED_INPUT = ("uses its input more than once while the block also feeds that input elsewhere (a residual, the "
-                 "routed experts): graphed alone, its input's gradient would be summed in another order than the "
-                 "model's own backward sums it (not bit for bit)")
+_SHARED_INPUT = ("around a dispatch only the attention and the router are graphed: a module beside them may read "
+                 "an input the block also reads elsewhere (a norm on the residual stream, a shared expert beside the "
+                 "routed experts), and graphed alone it would sum that input's gradient in another order than the "
+                 "model's own backward (not bit for bit)")
 
 
 def _graphable_part(name: str, module: nn.Module, in_moe_block: bool) -> bool:
