@@ -107,7 +107,7 @@ _WHY_EXPERTS = ("the dispatch over the experts reads the host (a Python loop ove
                 "a token count tested on the host): no capture can hold it")
 _WHY_NORM = ("a norm on the residual stream: graphed alone, the gradient of its input, which the residual add "
              "reads too, would be summed in another order than eager autograd sums it (not bit for bit)")
-_WHY_ROUTER = ("its input is read by the experts and shared experts too, and Paddle's backward adds the gradients "
+_WHY_ROUTER = ("its input is read by the experts (and shared experts) too, and Paddle's backward adds the gradients "
                "of a tensor read three or more times in the order their nodes become ready: one graphed node in "
                "place of the router's chain of operations changes that order (GLM-4-MoE's losses then differ from "
                "eager in the last bits)")
