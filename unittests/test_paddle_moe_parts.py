@@ -50,7 +50,8 @@ class Experts(nn.LayerList):
         for idx, expert in enumerate(self):
             (tokens,) = paddle.where(top == idx)
             if tokens.numel() > 0:  # a host read: no capture can hold it
-                out = paddle.index_add(out, tokens.reshape([-1]), 0, expert(paddle.gather(hidden_states, tokens.reshape([-1]))))
+                tokens = tokens.reshape([-1])
+                out = paddle.index_add(out, tokens, 0, expert(paddle.gather(hidden_states, tokens)))
         return out
 
 

@@ -200,7 +200,8 @@ def in_parts(entry: LayerEntry, graphed: Sequence[str], eager: Sequence[tuple]) 
         ValueError: ``entry`` is not :attr:`EntryKind.LAYER`, or ``graphed`` is empty.
     """
     if entry.kind is not EntryKind.LAYER:
-        raise ValueError(f"in_parts(): {entry.name} is {entry.kind.value}, not a layer; only layers are graphed in parts")
+        raise ValueError(f"in_parts(): {entry.name} is {entry.kind.value}, not a layer; only layers are graphed "
+                         f"in parts")
     if not graphed:
         raise ValueError(f"in_parts(): nothing in {entry.name} to graph around {', '.join(n for n, _ in eager)}")
     return LayerEntry(entry.index, entry.obj, EntryKind.IN_PARTS, entry.name,

@@ -5,10 +5,11 @@ models included) in place, on every rank: each chunk's contiguous capturable lay
 :class:`paddle_graphpp.CUDAGraphedLayer` in fleet's ``run_function`` lists; shared layers, plain
 callables and marked layers stay eager. An entry an adapter says a capture cannot hold whole (a
 mixture of experts whose dispatch reads the host) stays eager and is graphed in parts: the
-sublayers the adapter names (attention) are graphed in place (:mod:`.in_place`). :class:`PipelineLayer` is fleet's class that checks its
-configuration and makes the CPU adjustments before building, then graphs itself with
-``use_cudagraph=True``. Names, ``state_dict()`` keys and parameters are unchanged;
-``GraphedPipeline.undo()`` restores fleet's lists and the classes of the sublayers graphed in place.
+sublayers the adapter names (attention) are graphed in place (:mod:`.in_place`).
+:class:`PipelineLayer` is fleet's class that checks its configuration and makes the CPU
+adjustments before building, then graphs itself with ``use_cudagraph=True``. Names,
+``state_dict()`` keys and parameters are unchanged; ``GraphedPipeline.undo()`` restores fleet's
+lists and the classes of the sublayers graphed in place.
 
 Failure modes: a model or configuration the graphed runs cannot take over is refused before
 anything changes (``TypeError`` / ``ValueError`` naming the fix); what fleet and other libraries
@@ -26,7 +27,8 @@ from typing import Optional
 from paddle import nn
 from paddle.distributed import fleet
 
-from paddle_graphpp.core.segment import EntryKind, LayerEntry, classify, cut_runs, describe_runs, in_parts, split_into_runs
+from paddle_graphpp.core.segment import (EntryKind, LayerEntry, classify, cut_runs, describe_runs, in_parts,
+                                         split_into_runs)
 from paddle_graphpp.paddle import fleet_cpu
 from paddle_graphpp.paddle import integrations
 from paddle_graphpp.paddle import pipeline_recompute as _recompute
@@ -164,8 +166,9 @@ class GraphedPipeline:
         """Undo :func:`graph_pipeline` on this rank: fleet's per-layer ``run_function`` lists, loss
         list and ``_recompute_interval`` as built, the model's ``save_state_dict``,
         ``set_state_dir`` and ``use_cudagraph`` as before, the sublayers graphed in place with
-        their own classes back, and every graphed run's and part's graphs released. Call it on every rank, between steps. Returns the model (the pipeline layer,
-        also when a ``fleet.distributed_model`` wrapper was graphed); it can be graphed again.
+        their own classes back, and every graphed run's and part's graphs released. Call it on
+        every rank, between steps. Returns the model (the pipeline layer, also when a
+        ``fleet.distributed_model`` wrapper was graphed); it can be graphed again.
 
         Raises:
             GraphScheduleError: a graphed run has micro-batches in flight (run their backwards
@@ -233,11 +236,12 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         to_static: ``True`` or a dict of ``paddle.jit.to_static`` keyword arguments
             (``full_graph``, ``backend``, ``build_strategy``, ``input_spec``): each graphed run's
             layers run converted inside its graphs, converted in the warmup calls and captured
-            (see :class:`paddle_graphpp.CUDAGraphedLayer`); eager layers and the loss function are
-            not converted. Without CUDA the runs execute converted and eagerly. Layers the user
-            converted already (``paddle.jit.to_static(layer)`` in the layer list) run converted
-            without this option; with it they need ``{"full_graph": True}`` (Paddle 3.3.1's SOT
-            fails on code that calls a converted layer, so that is refused here).
+            (see :class:`paddle_graphpp.CUDAGraphedLayer`); eager layers, sublayers graphed in
+            place and the loss function are not converted. Without CUDA the runs execute
+            converted and eagerly. Layers the user converted already
+            (``paddle.jit.to_static(layer)`` in the layer list) run converted without this
+            option; with it they need ``{"full_graph": True}`` (Paddle 3.3.1's SOT fails on code
+            that calls a converted layer, so that is refused here).
         options, **engine_kwargs: the engine options of every graphed run (and the graphed
             loss): an :class:`paddle_graphpp.EngineOptions`, or its fields by keyword, as
             :class:`paddle_graphpp.CUDAGraphedLayer` takes them.
