@@ -9,9 +9,11 @@ unittests/workers/paddleformers_worker.py ``--model NAME`` on two CPU ranks (glo
 what test_paddleformers_pipe.py checks for Llama (``check_routes_agree``): the same per-step
 losses through the three routes, the same state_dict keys, every graphed run called every
 micro-batch; and that the segmentation graphs every decoder layer and leaves the tied
-embedding/head eager. The graphed runs execute eagerly on CPU, so this checks the wiring, not
-capture: the MoE classes' forwards read the host and would not capture on a GPU
-(docs/paddle.md).
+embedding/head eager. The MoE classes' decoder layers read the host in their experts' dispatch:
+they stay eager, graphed in parts (attention graphed in place, every part's graph called every
+micro-batch; experts and router eager), their dense layers graphed whole. The graphed runs execute eagerly on
+CPU, so this checks the wiring, not capture (test_paddle_moe_parts.py counts captures and replays
+of the parts with a fake runtime).
 
 Needs ``pip install --no-deps paddleformers==1.2.0``; skipped without it, quoting that line.
 """
@@ -59,11 +61,35 @@ def test_pipe_class_pp2_1f1b_identical_through_both_routes(tmp_path, name, tie):
         lines = [line.strip() for line in report.splitlines()]
         graphed = [line for line in lines if line.startswith("graphed")]
         decoders = sum(line.count("DecoderLayerPipe#") for line in graphed)
+        if case.router:
+            check_graphed_in_parts(case, rank, report)
+            continue
         assert decoders == case.layers // 2, f"rank {rank}: not every decoder layer is graphed\n{report}"
         if tie:  # the tied embedding (first stage) and head (last stage) eager, the rest one graphed run
             shared = lines[1] if rank == 0 else lines[-1]
             assert shared.endswith(SHARED) and shared.startswith("eager"), report
         assert len(graphed) == 1 and len(lines) == 2 + tie, f"rank {rank}: one graphed run expected\n{report}"
+
+
+def check_graphed_in_parts(case, rank, report):
+    """A mixture of experts at pp=2: its dense decoder layers on ``rank`` graphed whole, every other
+    decoder layer eager and graphed in parts (its attention in place; its experts and router eager,
+    and why), nothing marked with mark_not_capturable."""
+    per_rank = case.layers // 2
+    dense = max(0, min(case.dense_layers, (rank + 1) * per_rank) - rank * per_rank)
+    lines = [line.strip() for line in report.splitlines()]
+    graphed = [line for line in lines if line.startswith("graphed")]
+    assert sum(line.count("DecoderLayerPipe#") for line in graphed) == dense, f"rank {rank}: dense layers\n{report}"
+    in_parts = [i for i, line in enumerate(lines) if line.startswith("eager") and "DecoderLayerPipe#" in line]
+    assert len(in_parts) == per_rank - dense, f"rank {rank}: MoE layers\n{report}"
+    for i in in_parts:
+        assert lines[i].endswith("graphed in parts: its own forward runs eagerly, calling the parts graphed in place")
+        assert lines[i + 1].startswith("graphed in place: "), report
+        assert lines[i + 1] in ("graphed in place: self_attn", "graphed in place: linear_attn"), report
+        assert lines[i + 2].startswith("eager: mlp.experts: the dispatch over the experts reads the host"), report
+        # eager too: Paddle's backward would add its input's gradients in another order (paddleformers.py)
+        assert lines[i + 3].startswith(f"eager: mlp.{case.router}: its input is read by the experts"), report
+    assert "mark_not_capturable" not in report
 
 
 def test_the_zoo_table_lists_each_class_once():

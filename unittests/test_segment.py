@@ -12,6 +12,7 @@ from paddle_graphpp.core.segment import (
     classify,
     cut_runs,
     describe_runs,
+    in_parts,
     mark_not_capturable,
     not_capturable_reason,
     split_into_runs,
@@ -145,3 +146,21 @@ def test_marks_paddle_layers_and_core_imports_no_framework():
             "import paddle_graphpp; paddle_graphpp.mark_not_capturable; "
             "assert 'paddle' not in sys.modules and 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_entry_graphed_in_parts_is_eager_and_its_report_lists_its_parts():
+    items = [Layer("a"), Layer("moe"), Layer("b")]
+    entries = entries_for(items)
+    entries[1] = in_parts(entries[1], ["self_attn"], [("mlp.experts", "reads the host")])
+    runs = split_into_runs(entries)
+    assert layout(runs) == [("G", ["a"]), ("E", ["moe"]), ("G", ["b"])]
+    assert runs[1].entries[0].kind is EntryKind.IN_PARTS and not runs[1].entries[0].capturable
+    assert describe_runs(runs).splitlines()[1:4] == [
+        "eager   [1] moe: graphed in parts: its own forward runs eagerly, calling the parts graphed in place",
+        "    graphed in place: self_attn",
+        "    eager: mlp.experts: reads the host",
+    ]
+    with pytest.raises(ValueError, match="not a layer"):
+        in_parts(entries_for([len])[0], ["x"], ())
+    with pytest.raises(ValueError, match="nothing in a to graph around mlp.experts"):
+        in_parts(entries[0], [], [("mlp.experts", "reads the host")])

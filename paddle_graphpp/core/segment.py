@@ -4,7 +4,9 @@
 :func:`classify` describes each entry as a :class:`LayerEntry` (a layer, a shared layer, a plain
 callable, or a layer marked with :func:`mark_not_capturable`); :func:`split_into_runs` covers the
 entries with :class:`Run` objects in order: each maximal stretch of ordinary layers is one graphed
-run, and every other entry an eager run of its own, so it never sits inside a graph. Entries that
+run, and every other entry an eager run of its own, so it never sits inside a graph; :func:`in_parts`
+turns an entry a capture cannot hold whole into one graphed in parts (eager, its named parts graphed
+in place). Entries that
 are not :class:`LayerEntry` raise ``TypeError``, indices out of order ``ValueError``. Typical use::
 
     entries = [classify(i, obj, is_layer=is_layer, shared=obj in tied, sublayers=subs)
@@ -28,6 +30,7 @@ __all__ = [
     "classify",
     "split_into_runs",
     "cut_runs",
+    "in_parts",
     "describe_runs",
 ]
 
@@ -84,6 +87,9 @@ class EntryKind(enum.Enum):
     """A plain function or ``functools.partial``; eager."""
     OPTED_OUT = "opted_out"
     """A layer marked with :func:`mark_not_capturable` (or containing one); eager."""
+    IN_PARTS = "in_parts"
+    """A layer graphed in parts (:func:`in_parts`): its own forward eager, some of its sublayers
+    graphed in place, around what a capture cannot hold (a mixture of experts' dispatch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +103,8 @@ class LayerEntry:
         kind: how segmentation treats it.
         name: a human-readable name for reports and errors.
         reason: why the entry stays eager (``None`` for :attr:`EntryKind.LAYER`).
+        graphed_parts: for :attr:`EntryKind.IN_PARTS`, the names of its sublayers graphed in place.
+        eager_parts: for :attr:`EntryKind.IN_PARTS`, ``(name, why)`` of what runs eagerly between them.
     """
 
     index: int
@@ -104,6 +112,8 @@ class LayerEntry:
     kind: EntryKind
     name: str
     reason: Optional[str] = None
+    graphed_parts: tuple = ()
+    eager_parts: tuple = ()
 
     @property
     def capturable(self) -> bool:
@@ -182,6 +192,23 @@ def classify(
     return LayerEntry(index, obj, EntryKind.LAYER, name)
 
 
+def in_parts(entry: LayerEntry, graphed: Sequence[str], eager: Sequence[tuple]) -> LayerEntry:
+    """``entry`` (an ordinary layer) as one graphed in parts: eager in the stage's runs, with the
+    sublayers named in ``graphed`` graphed in place and ``eager``'s ``(name, why)`` between them.
+
+    Raises:
+        ValueError: ``entry`` is not :attr:`EntryKind.LAYER`, or ``graphed`` is empty.
+    """
+    if entry.kind is not EntryKind.LAYER:
+        raise ValueError(f"in_parts(): {entry.name} is {entry.kind.value}, not a layer; only layers are graphed "
+                         f"in parts")
+    if not graphed:
+        raise ValueError(f"in_parts(): nothing in {entry.name} to graph around {', '.join(n for n, _ in eager)}")
+    return LayerEntry(entry.index, entry.obj, EntryKind.IN_PARTS, entry.name,
+                      "graphed in parts: its own forward runs eagerly, calling the parts graphed in place",
+                      tuple(graphed), tuple(eager))
+
+
 def split_into_runs(entries: Sequence[LayerEntry]) -> list:
     """Split an ordered stage into graphed runs of contiguous layers and single eager entries.
 
@@ -250,7 +277,8 @@ def cut_runs(runs: Sequence[Run], every: int, start: int = 0) -> list:
 
 
 def describe_runs(runs: Sequence[Run]) -> str:
-    """One line per run, e.g. ``graphed [1:4) Block, Block, Block`` / ``eager [4] Head: shared weights``."""
+    """One line per run, e.g. ``graphed [1:4) Block, Block, Block`` / ``eager [4] Head: shared weights``;
+    under an entry graphed in parts, one line for its graphed parts and one per eager part, indented."""
     lines = []
     for run in runs:
         if run.graphed:
@@ -259,4 +287,7 @@ def describe_runs(runs: Sequence[Run]) -> str:
         else:
             entry = run.entries[0]
             lines.append(f"eager   [{entry.index}] {entry.name}: {entry.reason}")
+            if entry.graphed_parts:
+                lines.append(f"    graphed in place: {', '.join(entry.graphed_parts)}")
+            lines.extend(f"    eager: {name}: {why}" for name, why in entry.eager_parts)
     return "\n".join(lines)

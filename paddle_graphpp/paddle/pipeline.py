@@ -3,10 +3,13 @@
 :func:`graph_pipeline` graphs a built fleet ``PipelineLayer`` (or subclass, PaddleFormers' pipe
 models included) in place, on every rank: each chunk's contiguous capturable layers become one
 :class:`paddle_graphpp.CUDAGraphedLayer` in fleet's ``run_function`` lists; shared layers, plain
-callables and marked layers stay eager. :class:`PipelineLayer` is fleet's class that checks its
-configuration and makes the CPU adjustments before building, then graphs itself with
-``use_cudagraph=True``. Names, ``state_dict()`` keys and parameters are unchanged;
-``GraphedPipeline.undo()`` restores fleet's lists.
+callables and marked layers stay eager. An entry an adapter says a capture cannot hold whole (a
+mixture of experts whose dispatch reads the host) stays eager and is graphed in parts: the
+sublayers the adapter names (attention) are graphed in place (:mod:`.in_place`).
+:class:`PipelineLayer` is fleet's class that checks its configuration and makes the CPU
+adjustments before building, then graphs itself with ``use_cudagraph=True``. Names,
+``state_dict()`` keys and parameters are unchanged; ``GraphedPipeline.undo()`` restores fleet's
+lists and the classes of the sublayers graphed in place.
 
 Failure modes: a model or configuration the graphed runs cannot take over is refused before
 anything changes (``TypeError`` / ``ValueError`` naming the fix); what fleet and other libraries
@@ -24,7 +27,8 @@ from typing import Optional
 from paddle import nn
 from paddle.distributed import fleet
 
-from paddle_graphpp.core.segment import classify, cut_runs, describe_runs, split_into_runs
+from paddle_graphpp.core.segment import (EntryKind, LayerEntry, classify, cut_runs, describe_runs, in_parts,
+                                         split_into_runs)
 from paddle_graphpp.paddle import fleet_cpu
 from paddle_graphpp.paddle import integrations
 from paddle_graphpp.paddle import pipeline_recompute as _recompute
@@ -33,6 +37,7 @@ from paddle_graphpp.core.layer import EngineHooks
 from paddle_graphpp.core.options import EngineOptions
 from paddle_graphpp.paddle.compile import to_static_options
 from paddle_graphpp.paddle.graphed import CUDAGraphedLayer, paddle_engine_options
+from paddle_graphpp.paddle.in_place import graphed_forward, swap_in, ungraph_in_place
 from paddle_graphpp.paddle.loss import graph_loss
 
 __all__ = ["graph_pipeline", "GraphedPipeline", "PipelineLayer"]
@@ -119,8 +124,10 @@ class _Chunk:
 class GraphedPipeline:
     """The graphed runs :func:`graph_pipeline` made of one pipeline model (on this rank)."""
 
-    def __init__(self, model, chunks, graphed_layers, graphed_loss=None, recompute_interval=0, attributes=None):
+    def __init__(self, model, chunks, graphed_layers, graphed_loss=None, recompute_interval=0, attributes=None,
+                 parts=()):
         self.model = model
+        self._parts = list(parts)  # the sublayers graphed in place (of entries graphed in parts)
         self._chunks = chunks
         self._graphed_layers = graphed_layers
         self.graphed_loss = graphed_loss  # the GraphedLoss in fleet's loss list, or None
@@ -136,7 +143,8 @@ class GraphedPipeline:
         return getattr(_fleet.unwrap(model), _GRAPHS_ATTR, None)
 
     def segmentation_report(self) -> str:
-        """How this rank's chunks were split: one line per graphed or eager run."""
+        """How this rank's chunks were split: one line per graphed or eager run; under an entry
+        graphed in parts, its sublayers graphed in place and what stays eager, and why."""
         lines = []
         stage = _fleet.stage_id(self.model)
         for chunk in self._chunks:
@@ -150,15 +158,17 @@ class GraphedPipeline:
         return "\n".join(lines)
 
     def graphed_layers(self) -> list:
-        """The :class:`paddle_graphpp.CUDAGraphedLayer` of each graphed run on this rank, in layer order."""
+        """The :class:`paddle_graphpp.CUDAGraphedLayer` of each graphed run and of each sublayer
+        graphed in place on this rank, in layer order."""
         return list(self._graphed_layers)
 
     def undo(self):
         """Undo :func:`graph_pipeline` on this rank: fleet's per-layer ``run_function`` lists, loss
         list and ``_recompute_interval`` as built, the model's ``save_state_dict``,
-        ``set_state_dir`` and ``use_cudagraph`` as before, and every graphed run's graphs
-        released. Call it on every rank, between steps. Returns the model (the pipeline layer,
-        also when a ``fleet.distributed_model`` wrapper was graphed); it can be graphed again.
+        ``set_state_dir`` and ``use_cudagraph`` as before, the sublayers graphed in place with
+        their own classes back, and every graphed run's and part's graphs released. Call it on
+        every rank, between steps. Returns the model (the pipeline layer, also when a
+        ``fleet.distributed_model`` wrapper was graphed); it can be graphed again.
 
         Raises:
             GraphScheduleError: a graphed run has micro-batches in flight (run their backwards
@@ -178,6 +188,7 @@ class GraphedPipeline:
             engine.retire("the model runs its layers eagerly again (GraphedPipeline.undo())")
         for chunk in self._chunks:
             chunk.run_function[:] = chunk.eager
+        ungraph_in_place(self._parts)
         _fleet.set_recompute_interval(model, self.recompute_interval)
         if self.graphed_loss is not None:
             losses = _fleet.loss_functions(model)
@@ -225,11 +236,12 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         to_static: ``True`` or a dict of ``paddle.jit.to_static`` keyword arguments
             (``full_graph``, ``backend``, ``build_strategy``, ``input_spec``): each graphed run's
             layers run converted inside its graphs, converted in the warmup calls and captured
-            (see :class:`paddle_graphpp.CUDAGraphedLayer`); eager layers and the loss function are
-            not converted. Without CUDA the runs execute converted and eagerly. Layers the user
-            converted already (``paddle.jit.to_static(layer)`` in the layer list) run converted
-            without this option; with it they need ``{"full_graph": True}`` (Paddle 3.3.1's SOT
-            fails on code that calls a converted layer, so that is refused here).
+            (see :class:`paddle_graphpp.CUDAGraphedLayer`); eager layers, sublayers graphed in
+            place and the loss function are not converted. Without CUDA the runs execute
+            converted and eagerly. Layers the user converted already
+            (``paddle.jit.to_static(layer)`` in the layer list) run converted without this
+            option; with it they need ``{"full_graph": True}`` (Paddle 3.3.1's SOT fails on code
+            that calls a converted layer, so that is refused here).
         options, **engine_kwargs: the engine options of every graphed run (and the graphed
             loss): an :class:`paddle_graphpp.EngineOptions`, or its fields by keyword, as
             :class:`paddle_graphpp.CUDAGraphedLayer` takes them.
@@ -271,7 +283,10 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         * Every micro-batch must have the same shapes (pad sequences): a graph replays the
           shapes it captured.
         * A layer that synchronises with the host, communicates, or has data-dependent shapes
-          must be marked with :func:`paddle_graphpp.mark_not_capturable` before this call.
+          must be marked with :func:`paddle_graphpp.mark_not_capturable` before this call,
+          unless an adapter graphs it in parts: PaddleFormers' decoder layers with a mixture of
+          experts stay eager, their attention graphed in place (docs/moe.md); with
+          ``recompute_interval > 0`` such a layer stays eager whole.
         * ``run_function`` holds graphed runs, not single layers, afterwards: code that looks
           for a layer there must do so inside ``GraphedPipeline.eager_view()``.
     """
@@ -299,32 +314,40 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
     to_static_options(to_static, f"graph_pipeline({name}, to_static=...)")
 
     shared_keys = _fleet.shared_keys(model)
-    chunks, graphed_layers = [], []
+    chunks, graphed_layers, parts = [], [], []  # parts: (sublayer, its CUDAGraphedLayer)
     for chunk_id, start, run_function in containers:
         eager = list(run_function)
-        runs = split_into_runs([_classify(start + i, obj, shared_keys) for i, obj in enumerate(eager)])
+        prefix = f"stage{_fleet.stage_id(model)}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
+        split = [_in_parts(_classify(start + i, obj, shared_keys), adapters, interval) for i, obj in enumerate(eager)]
+        runs = split_into_runs([entry for entry, _ in split])
         if interval > 0:  # no graphed run across two of fleet's recompute groups
             runs = cut_runs(runs, interval, start)
         graphed = []
         for run in runs:
             if not run.graphed:
                 graphed.append(run.entries[0].obj)
+                for rel, part in split[run.start - start][1]:  # an entry graphed in parts
+                    layer = graphed_forward(f"{prefix}.layers[{run.start}].{rel}", part, options=chosen)
+                    graphed_layers.append(layer)
+                    parts.append((part, layer))
                 continue
-            label = (f"stage{_fleet.stage_id(model)}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
-                     + f".layers[{run.start}:{run.stop}]")
+            label = f"{prefix}.layers[{run.start}:{run.stop}]"
             layer = CUDAGraphedLayer(_RunBody(run.objects()), name=label, to_static=to_static, options=chosen)
             graphed_layers.append(layer)
             graphed.append(_GraphedRunCall(layer, run, label))
         if interval > 0:
             graphed = _recompute.in_groups(model, runs, graphed, start, interval)
         chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
-    for chunk in chunks:  # every run built (and its options checked) before fleet's lists change
+    for part, layer in parts:  # every run and part built (and its options checked) before anything changes
+        swap_in(part, layer)
+    for chunk in chunks:
         chunk.run_function[:] = chunk.graphed
     _fleet.set_recompute_interval(model, 0)  # the entries recompute themselves (pipeline_recompute)
 
     graphed_loss = None if loss_fn is None else _graph_loss(model, loss_fn, chosen)
     before = {attr: model.__dict__.get(attr, _ABSENT) for attr in _SET_ON_MODEL}
-    graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss, interval, before)
+    graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss, interval, before,
+                             parts=[part for part, _ in parts])
     setattr(model, _GRAPHS_ATTR, graphs)
     for method in ("save_state_dict", "set_state_dir"):
         _with_eager_view(model, method, graphs)
@@ -367,6 +390,28 @@ def _classify(index, obj, shared_keys):
             f"{getattr(obj, '__name__', type(obj).__name__)}#{index}")
     return classify(index, obj, is_layer=lambda o: isinstance(o, nn.Layer), shared=key is not None,
                     sublayers=obj.sublayers() if is_layer else None, name=name)
+
+
+def _in_parts(entry, adapters, interval):
+    """``(entry, ((relative name, sublayer), ...))``: an ordinary layer the adapters graph in parts
+    (:meth:`~paddle_graphpp.paddle.integrations.Adapter.graph_parts`) as such, with the sublayers to
+    graph in place; any other entry as it is, with none."""
+    if entry.kind is not EntryKind.LAYER:
+        return entry, ()
+    parts = integrations.graph_parts(adapters, entry.name, entry.obj)
+    if parts is None:
+        return entry, ()
+    if not parts.graphed:
+        return LayerEntry(entry.index, entry.obj, EntryKind.OPTED_OUT, entry.name,
+                          "eager whole: it cannot be captured whole, and nothing in it is graphed around what "
+                          "cannot", (), parts.eager), ()
+    if interval > 0:
+        # fleet's recompute_hybrid would run the entry's forward again in the backward, and with it
+        # the parts' graphed forwards, which would then pair with no backward of their own
+        return LayerEntry(entry.index, entry.obj, EntryKind.OPTED_OUT, entry.name,
+                          f"eager whole: it cannot be captured whole, and under recompute_interval={interval} "
+                          f"fleet would recompute parts graphed in place", (), parts.eager), ()
+    return in_parts(entry, [name for name, _ in parts.graphed], parts.eager), parts.graphed
 
 
 def _with_eager_view(model, method_name, graphs):

@@ -46,6 +46,11 @@ class PipeCase:
     """Why the class does not train eagerly at pp=2 on CPU; empty where it does."""
     module: str = "paddleformers.transformers"
     """Where the class is (two ``...PipeDeprecated`` classes are not exported by the package)."""
+    router: str = ""
+    """A mixture of experts: the name of its router beside its experts (``gate``, ``router``); each
+    such decoder layer is graphed in parts (its attention in place); empty for a dense model."""
+    dense_layers: int = 0
+    """A mixture of experts: its leading dense decoder layers (``first_k_dense_replace``), graphed whole."""
 
     def pipe_cls(self):
         """The class (imports PaddleFormers, with paddleformers_cpu's stand-ins for paddlefleet;
@@ -74,16 +79,16 @@ CASES = {case.name: case for case in (
     PipeCase("qwen2", "Qwen2ForCausalLMPipeDeprecated"),
     PipeCase("qwen3", "Qwen3ForCausalLMPipeDeprecated", dict(head_dim=16)),
     PipeCase("qwen2_moe", "Qwen2MoeForCausalLMPipeDeprecated",
-             dict(**MOE, num_experts=4, shared_expert_intermediate_size=64)),
+             dict(**MOE, num_experts=4, shared_expert_intermediate_size=64), router="gate"),
     # qwen3_moe and glm4_moe: the package does not export their ...PipeDeprecated classes
     PipeCase("qwen3_moe", "Qwen3MoeForCausalLMPipeDeprecated", dict(**MOE, num_experts=4, head_dim=16),
-             module="paddleformers.transformers.qwen3_moe.modeling"),
+             module="paddleformers.transformers.qwen3_moe.modeling", router="gate"),
     PipeCase("glm4_moe", "Glm4MoeForCausalLMPipeDeprecated",
              dict(**MOE, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
-             module="paddleformers.transformers.glm4_moe.modeling"),
+             module="paddleformers.transformers.glm4_moe.modeling", router="gate", dense_layers=1),
     PipeCase("qwen3_next", "Qwen3NextForCausalLMPipe",  # 3 linear-attention (gated delta) layers, 1 full
              dict(**MOE, num_experts=4, shared_expert_intermediate_size=32, head_dim=16, linear_key_head_dim=16,
-                  linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)),
+                  linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4), router="gate"),
     PipeCase("ernie4_5", "Ernie4_5ForCausalLMPipe", dict(**SEG, head_dim=16)),
     PipeCase("ernie4_5_moe", "Ernie4_5_MoeForCausalLMPipe",
              dict(**SEG, head_dim=16, moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_num_shared_experts=1,
@@ -98,9 +103,10 @@ CASES = {case.name: case for case in (
                   kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                   # its attention reads rope_parameters["factor"] (KeyError without)
                   rope_scaling={"rope_type": "default", "factor": 1.0}),
-             labels_as_tuple=True,
+             labels_as_tuple=True, router="gate", dense_layers=1,
              tie=False),  # tied: "'DeepseekV3LMHeadPipe' object has no attribute 'embedding_weight'"
-    PipeCase("gpt_oss", "GptOssForCausalLMPipe", dict(**SEG, num_local_experts=4, num_experts_per_tok=2, head_dim=16)),
+    PipeCase("gpt_oss", "GptOssForCausalLMPipe", dict(**SEG, num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+             router="router"),
 )}
 
 # PaddleFormers 1.2.0's other pipe classes, and why the zoo leaves them out.

@@ -4,10 +4,10 @@ one adapter module per library.
 * :mod:`.fleet`: Paddle fleet's ``PipelineLayer``: its entry lists and recompute settings (private
   attributes, read here only), the configurations graphed runs cannot run, Paddle's own graphs.
 * :mod:`.paddleformers`: PaddleFormers' pipe models: its version, its in-layer recompute and its
-  ``autocudagraph`` decorator, refused.
+  ``autocudagraph`` decorator, refused; its mixtures of experts, graphed in parts.
 
 Each adapter is an :class:`Adapter`; :func:`adapters` loads them when graphing starts (never per
-call), and the front door asks each the same two questions. Generic code imports no adapter; the
+call), and the front door asks each the same three questions. Generic code imports no adapter; the
 fleet front door (:mod:`paddle_graphpp.paddle.pipeline`) also reads fleet's lists through
 :mod:`.fleet`. None imports PaddleFormers.
 """
@@ -17,15 +17,26 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
-__all__ = ["Adapter", "adapters"]
+__all__ = ["Adapter", "Parts", "adapters", "graph_parts"]
 
 # name -> the module defining its ADAPTER; asked in this order.
 _ADAPTERS: Mapping[str, str] = MappingProxyType({
     "fleet": "paddle_graphpp.paddle.integrations.fleet",
     "paddleformers": "paddle_graphpp.paddle.integrations.paddleformers",
 })
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """How to graph a pipeline entry a capture cannot hold whole: its sublayers to graph, each in
+    place (``(name relative to the entry, layer)``, in the entry's order), and what runs eagerly
+    between their graphs (``(relative name, why)``). The entry's own forward runs eagerly and calls
+    them as before."""
+
+    graphed: tuple
+    eager: tuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +55,22 @@ class Adapter:
         """Raise ``ValueError`` for what graphed runs cannot take over in ``model``, naming ``subject``
         (the call) and the fix, before anything is changed."""
 
+    def graph_parts(self, name: str, layer) -> Optional[Parts]:
+        """For a pipeline entry a capture cannot hold whole (a mixture of experts' host-reading
+        dispatch): the :class:`Parts` to graph around what cannot be captured; ``None``: the entry
+        is none of this library's, or graphs whole."""
+        return None
+
 
 def adapters() -> tuple:
     """Every registered adapter, loaded on first use (the modules import no outside library)."""
     return tuple(importlib.import_module(module).ADAPTER for module in _ADAPTERS.values())
+
+
+def graph_parts(adapters: Sequence[Adapter], name: str, layer) -> Optional[Parts]:
+    """The first of ``adapters``' :meth:`Adapter.graph_parts` of ``layer`` that is not ``None``."""
+    for adapter in adapters:
+        parts = adapter.graph_parts(name, layer)
+        if parts is not None:
+            return parts
+    return None

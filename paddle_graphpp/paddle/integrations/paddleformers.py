@@ -11,6 +11,12 @@ and what is refused is recognised on the model itself, whatever library built it
 * a layer, callable or sublayer method wrapped by ``autocudagraph``, recognised by what the
   decorator leaves on the wrapper (its ``state_registry`` dict and ``clear_cache()``): no graph
   inside a graph (docs/paddle.md#paddleformers-autocudagraph-compared).
+
+Its decoder layers with a mixture of experts (Qwen2-MoE, Qwen3-MoE, Qwen3-Next, GLM-4-MoE,
+DeepSeek-V3, GPT-OSS, ERNIE 4.5 MoE: a sublayer holding ``experts`` beside a ``gate`` or
+``router``) dispatch over their experts with host reads (a Python loop over the experts,
+``paddle.where``, a token count tested on the host), which no capture can hold: they are graphed
+in parts (:meth:`PaddleFormersAdapter.graph_parts`, docs/moe.md).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from paddle import nn
 
 from paddle_graphpp.support import require
 
-from . import Adapter
+from . import Adapter, Parts
 
 __all__ = ["PaddleFormersAdapter", "ADAPTER"]
 
@@ -91,9 +97,55 @@ def _refuse_autocudagraph(subject, entries):
                     "and install()")
 
 
+# A mixture of experts, as PaddleFormers 1.2.0 builds one: its experts, beside a router under one of
+# these names (``gate``: Qwen2/3-MoE, Qwen3-Next, GLM-4-MoE, DeepSeek-V3, ERNIE 4.5; ``router``: GPT-OSS).
+_EXPERTS = "experts"
+_ROUTERS = ("gate", "router")
+_ATTENTION_SUFFIXES = ("attn", "attention")  # self_attn, linear_attn (Qwen3-Next)
+
+_WHY_EXPERTS = ("the dispatch over the experts reads the host (a Python loop over the experts, paddle.where, "
+                "a token count tested on the host): no capture can hold it")
+_WHY_NORM = ("a norm on the residual stream: graphed alone, the gradient of its input, which the residual add "
+             "reads too, would be summed in another order than eager autograd sums it (not bit for bit)")
+_WHY_ROUTER = ("its input is read by the experts (and shared experts) too, and Paddle's backward adds the gradients "
+               "of a tensor read three or more times in the order their nodes become ready: one graphed node in "
+               "place of the router's chain of operations changes that order (GLM-4-MoE's losses then differ from "
+               "eager in the last bits)")
+_WHY_SHARED = ("reads the mixture's input, which the router and the experts read too: graphed alone, that "
+               "input's gradient would be summed in another order than eager autograd sums it (not bit for bit)")
+
+
+def _own(layer) -> bool:
+    return type(layer).__module__.startswith(f"{_PACKAGE}.")
+
+
+def _mixture(layer):
+    """``(path, block)`` of the sublayer of ``layer`` holding experts beside a router, or ``None``."""
+    for path, sub in layer.named_sublayers():
+        children = dict(sub.named_children())
+        if _EXPERTS in children and any(name in children for name in _ROUTERS):
+            return path, sub
+    return None
+
+
+def _parts(layer) -> Parts | None:
+    found = _mixture(layer)
+    if found is None:
+        return None
+    path, block = found
+    children = dict(block.named_children())
+    graphed = [(name, child) for name, child in layer.named_children() if name.endswith(_ATTENTION_SUFFIXES)]
+    eager = [(f"{path}.{_EXPERTS}", _WHY_EXPERTS)]
+    eager += [(f"{path}.{name}", _WHY_ROUTER) for name in _ROUTERS if name in children]
+    eager += [(f"{path}.{name}", _WHY_SHARED) for name in children if name.startswith("shared_expert")]
+    eager += [(name, _WHY_NORM) for name, child in layer.named_children() if "Norm" in type(child).__name__]
+    return Parts(tuple(graphed), tuple(eager))
+
+
 @dataclass(frozen=True, slots=True)
 class PaddleFormersAdapter(Adapter):
-    """PaddleFormers' version for its models; its in-layer recompute and ``autocudagraph``, refused."""
+    """PaddleFormers' version for its models; its in-layer recompute and ``autocudagraph``, refused;
+    its decoder layers with a mixture of experts, graphed in parts."""
 
     def start(self, model) -> None:
         if type(model).__module__.startswith(f"{_PACKAGE}."):
@@ -102,6 +154,17 @@ class PaddleFormersAdapter(Adapter):
     def refuse(self, model, subject: str, entries) -> None:
         _refuse_config_recompute(model, subject)
         _refuse_autocudagraph(subject, entries)
+
+    def graph_parts(self, name: str, layer) -> Parts | None:
+        """For a PaddleFormers decoder layer with a mixture of experts: its attention (each child
+        named ``...attn`` / ``...attention``), graphed in place; its experts, router (``gate`` /
+        ``router`` beside ``experts``), shared experts and norms eager, and why. The attention's
+        input is its norm's output, read by nothing else, so its graph hands autograd the gradient
+        eager autograd sums (PyTorch's runtime graphs the router too: its backward adds in creation
+        order, Paddle's in readiness order). ``None`` for any other layer."""
+        if not isinstance(layer, nn.Layer) or not _own(layer):
+            return None
+        return _parts(layer)
 
 
 ADAPTER = PaddleFormersAdapter()
