@@ -55,9 +55,9 @@ def test_each_pair_gets_its_experts_output_or_zero_past_the_capacity(model_type,
     want = torch.zeros_like(hidden)
     dropped = 0
     with torch.no_grad():
-        model.set_experts_implementation("eager")  # the module's own loop, one pair at a time
-        for t in range(tokens):
-            for k in range(TOP_K):
+        model.config._experts_implementation = "eager"  # the module's own loop, one pair at a time
+        for k in range(TOP_K):  # choice by choice: every token's first choice, then every second
+            for t in range(tokens):
                 e = int(index[t, k])
                 taken[e] += 1
                 if taken[e] > slots:
@@ -116,6 +116,34 @@ def test_dropping_is_counted_when_the_user_accepts_it():
     assert not any(mode.overflows().values())
 
 
+def test_calls_without_grad_are_not_counted_and_the_counter_is_a_buffer_that_is_not_saved():
+    model = _model("qwen3_moe")
+    capacity_experts(model, 0.25, on_overflow="drop")
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids)
+    assert not any(capacity_overflows(model).values())
+    model(ids)
+    assert sum(capacity_overflows(model).values()) > 0
+    buffers = [n for n, _ in model.named_buffers() if n.endswith("_graphpp_capacity_dropped")]
+    assert len(buffers) == len(adapter.experts_modules(model))  # they move with the model
+    assert not any(k.endswith("_graphpp_capacity_dropped") for k in model.state_dict())
+
+
+def test_a_submodule_or_a_stale_mode_cannot_switch_the_model():
+    model = _model("qwen3_moe")
+    with pytest.raises(TypeError, match=r"holds a config that is not Qwen3MoeDecoderLayer's own.*whole model"):
+        capacity_experts(model.model.layers[0])
+    first = capacity_experts(model, 2.0)
+    first.undo()
+    second = capacity_experts(model, 2.0)
+    first.undo()  # undone already: changes nothing
+    assert {impl for _, _, impl in adapter.experts_modules(model)} == {"graphpp_capacity"}
+    second.undo()
+    assert {impl for _, _, impl in adapter.experts_modules(model)} == {"eager"}
+    assert not any(n.endswith("_graphpp_capacity_dropped") for n, _ in model.named_buffers())
+
+
 def test_undo_and_copies():
     model = _model("qwen3_moe")
     mode = capacity_experts(model, 0.25)
@@ -135,8 +163,9 @@ def test_undo_and_copies():
 
 
 def test_bad_arguments_are_refused_by_name():
-    with pytest.raises(ValueError, match="capacity_factor must be a number > 0"):
-        capacity_experts(_model("qwen3_moe"), 0)
+    for factor in (0, float("nan"), True):
+        with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+            capacity_experts(_model("qwen3_moe"), factor)
     with pytest.raises(ValueError, match=r"on_overflow must be one of \('raise', 'drop'\)"):
         capacity_experts(_model("qwen3_moe"), on_overflow="rerun")
     with pytest.raises(TypeError, match="LlamaForCausalLM holds no mixture-of-experts experts module"):

@@ -88,14 +88,18 @@ class Parts:
 
 class ExpertsCapacity:
     """The capacity mode of one experts module (:func:`paddle_graphpp.torch.capacity_experts`):
-    each expert takes at most :meth:`slots` token slots per call; ``dropped`` counts, on the
-    module's device, the slots dropped since it was last read (it is added to inside graphs)."""
+    each expert takes at most :meth:`slots` token slots per call; :attr:`dropped` counts, on the
+    module's device, the slots dropped in calls with grad enabled since it was last read (it is
+    added to inside graphs). The counter is a buffer of the module (``buffer``, not saved), so it
+    moves with the module."""
 
-    def __init__(self, name: str, factor: float, on_overflow: str, device: Any):
-        import torch
-
+    def __init__(self, name: str, factor: float, on_overflow: str, module: Any, buffer: str):
         self.name, self.factor, self.on_overflow = name, factor, on_overflow
-        self.dropped = torch.zeros((), dtype=torch.int64, device=device)
+        self.module, self.buffer = module, buffer
+
+    @property
+    def dropped(self) -> Any:
+        return getattr(self.module, self.buffer)
 
     def slots(self, pairs: int, experts: int) -> int:
         """Slots per expert for ``pairs`` (token, expert) pairs over ``experts`` experts."""

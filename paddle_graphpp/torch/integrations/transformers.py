@@ -387,6 +387,7 @@ def refuse_experts_in_whole_graph(name: str, layer: nn.Module, door: str) -> Non
 
 
 _CAPACITY = "_graphpp_capacity"  # an experts module's ExpertsCapacity (in its __dict__)
+_DROPPED = "_graphpp_capacity_dropped"  # ... and its drop counter, a buffer that is not saved
 
 
 def capacity_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -394,17 +395,21 @@ def capacity_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     """The routed experts of ``self`` (a transformers experts module, its weights stacked per
     expert) at a fixed capacity, registered as the experts implementation :data:`CAPACITY`.
 
-    Every (token, expert) pair takes the next free slot of its expert, in token order; an expert
-    has :meth:`ExpertsCapacity.slots` of them. Pairs past the last slot are dropped (their output
-    is zero) and counted on the device. The slots are filled by one scatter, each expert runs one
-    batched matmul over all of its slots, and each pair's output is gathered back: every shape is
-    fixed by the batch's, nothing is read on the host, and no output is summed with atomics."""
+    The (token, expert) pairs take their experts' slots choice by choice: every token's first
+    choice, in token order, then every token's second, and so on (the order drop-and-pad routers
+    use, so that a first choice is dropped last); an expert has :meth:`ExpertsCapacity.slots` of
+    them. Pairs past the last slot are dropped (their output is zero) and, in a call with grad
+    enabled, counted on the device. The slots are filled by one scatter, each projection is one
+    batched matmul over every expert's slots, and each pair's output is gathered back: every
+    shape is fixed by the batch's, nothing is read on the host, and nothing is summed with atomics.
+    The routing weights multiply and sum in their own dtype, as the other implementations do."""
     capacity = self.__dict__.get(_CAPACITY)
     if capacity is None:
         raise RuntimeError(
             f"{type(self).__name__}: experts_implementation={CAPACITY!r} is set by "
-            f"paddle_graphpp.torch.capacity_experts(model), which this experts module was not given. Call it on the "
-            f"model (after copying it, call it on the copy), or choose another experts implementation.")
+            f"paddle_graphpp.torch.capacity_experts(model) for the experts modules of the model it was given, and "
+            f"this one was not among them (a model sharing its config, or a submodule's call?). Call it on this "
+            f"model itself, or choose another experts implementation.")
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(f"{capacity.name}: the capacity mode does not take expert parallelism yet")
     gated = getattr(self, "has_gate", True)  # the flags transformers' decorator sets (5.0 has no has_gate: gated)
@@ -413,14 +418,16 @@ def capacity_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     top_k = top_k_index.size(-1)
     experts = (self.gate_up_proj if gated else self.up_proj).size(0)
     slots = capacity.slots(tokens * top_k, experts)
-    ids = top_k_index.reshape(-1)
+    ids = top_k_index.t().reshape(-1)  # choice-major: (choice, token)
     hits = torch.nn.functional.one_hot(ids, experts)  # (pairs, experts)
-    place = (hits.cumsum(0) * hits).sum(-1) - 1  # each pair's place among its expert's pairs, in token order
+    place = (hits.cumsum(0) * hits).sum(-1) - 1  # each pair's place among its expert's pairs
     kept = place < slots
-    capacity.dropped.add_((~kept).sum())
+    if torch.is_grad_enabled():  # training calls: what the optimizer step's check reads
+        dropped = getattr(self, _DROPPED)
+        dropped.add_((~kept).sum().to(dropped.device))
     sink = experts * slots  # one row past the slots, where dropped pairs go
     slot = torch.where(kept, ids * slots + place, sink)
-    rows = hidden_states.repeat_interleave(top_k, dim=0)
+    rows = hidden_states.repeat(top_k, 1)
     filled = hidden_states.new_zeros(sink + 1, hidden).index_put((slot,), rows)[:sink].view(experts, slots, hidden)
 
     def linear(x, weight, offset):
@@ -435,29 +442,48 @@ def capacity_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)
     out = torch.cat([out.reshape(sink, hidden), out.new_zeros(1, hidden)])[slot]  # dropped pairs: zero
-    weighted = out * top_k_weights.reshape(-1, 1).to(out.dtype)
-    return weighted.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    weighted = out * top_k_weights.t().reshape(-1, 1)
+    return weighted.view(top_k, tokens, hidden).sum(dim=0).to(hidden_states.dtype)
+
+
+def _register_capacity() -> None:
+    """Register :func:`capacity_experts_forward` in transformers' experts interface (public:
+    ``ALL_EXPERTS_FUNCTIONS.register``, 5.0 to 5.25), once, if transformers' MoE code is loaded."""
+    moe = sys.modules.get("transformers.integrations.moe")
+    if moe is not None and CAPACITY not in moe.ALL_EXPERTS_FUNCTIONS:
+        moe.ALL_EXPERTS_FUNCTIONS.register(CAPACITY, capacity_experts_forward)
 
 
 def capacity_dispatch(model: nn.Module, factor: float, on_overflow: str) -> Optional[tuple]:
     """:meth:`Adapter.capacity_dispatch` for transformers' experts modules: registers
-    :func:`capacity_experts_forward` in transformers' experts interface (public:
-    ``ALL_EXPERTS_FUNCTIONS.register``, 5.0 to 5.25) and sets it as the experts implementation of
-    the configs the experts modules hold (:func:`_set_implementation`); the undo sets the ones before."""
+    :func:`capacity_experts_forward` (:func:`_register_capacity`), gives each experts module its
+    drop counter (a buffer that is not saved, so that it moves with the model) and sets the
+    implementation in the configs they hold (:func:`_set_implementation`); the undo sets the ones
+    before. Refuses a config that is not the model's own (a submodule given, or a shared config):
+    the other modules holding it would switch too."""
     found = experts_modules(model)
     if not found:
         return None
     if any(_CAPACITY in module.__dict__ for _, module, _ in found):
         raise ValueError(f"capacity_experts(): {type(model).__name__}'s experts are in capacity mode already; undo() "
                          f"the capacity mode first")
+    own = getattr(model, "config", None)
+    owned = {id(own)} | ({id(own.get_text_config())} if hasattr(own, "get_text_config") else set())
+    owned |= {id(getattr(own, k)) for k in getattr(own, "sub_configs", {}) if getattr(own, k, None) is not None}
+    for name, module, _ in found:
+        if id(module.config) not in owned:
+            raise TypeError(
+                f"capacity_experts(): {name} holds a config that is not {type(model).__name__}'s own; its experts "
+                f"implementation would switch for every module holding it. Pass the whole model (the "
+                f"PreTrainedModel), and give each model its own config.")
     before = {id(module.config): (module.config, module.config._experts_implementation) for _, module, _ in found}
-    interface = sys.modules["transformers.integrations.moe"].ALL_EXPERTS_FUNCTIONS
-    if CAPACITY not in interface:
-        interface.register(CAPACITY, capacity_experts_forward)
+    _register_capacity()
     states = []
     for name, module, _ in found:
-        weight = next(module.parameters())
-        states.append(ExpertsCapacity(name, factor, on_overflow, weight.device))
+        weight = next(module.parameters(), None)
+        module.register_buffer(_DROPPED, torch.zeros((), dtype=torch.int64, device=getattr(weight, "device", None)),
+                               persistent=False)
+        states.append(ExpertsCapacity(name, factor, on_overflow, module, _DROPPED))
         module.__dict__[_CAPACITY] = states[-1]
     _set_implementation([(c, CAPACITY) for c, _ in before.values()])
     return states, tuple(before.values())
@@ -479,6 +505,7 @@ def capacity_restore(model: nn.Module, before: Any) -> bool:
     _set_implementation(before)
     for module in found:
         module.__dict__.pop(_CAPACITY, None)
+        module._buffers.pop(_DROPPED, None)
     return True
 
 
@@ -574,3 +601,4 @@ class TransformersAdapter(Adapter):
 
 
 ADAPTER = TransformersAdapter()
+_register_capacity()  # a model unpickled in capacity mode finds its implementation
