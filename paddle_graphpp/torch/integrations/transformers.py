@@ -360,11 +360,14 @@ def moe_capture_hint(name: str, layer: nn.Module, error: BaseException) -> Optio
     if not found:
         return None
     where, module, impl = found[0]
-    why = experts_capture_problem(module, impl) or "it was expected to capture"
-    return (f"{name}.{where} dispatches its routed experts with experts_implementation={impl!r} ({why}). "
-            f"Call model.set_experts_implementation('batched_mm') before graphing (no host read, in any dtype, "
-            f"at some memory cost) to graph whole blocks, or model.set_experts_implementation('eager') to graph "
-            f"around the dispatch (attention and router graphed, experts eager), or pass fallback='eager'.")
+    why = experts_capture_problem(module, impl)
+    ways = [] if why is None else ["model.set_experts_implementation('batched_mm') before graphing (no host read, in "
+                                   "any dtype, at some memory cost) to graph whole blocks"]
+    ways += ["model.set_experts_implementation('eager') to graph around the dispatch (attention and router graphed, "
+             "experts eager)", "paddle_graphpp.torch.capacity_experts(model) for a fixed per-expert capacity",
+             "fallback='eager'"]
+    return (f"{name}.{where} dispatches its routed experts with experts_implementation={impl!r} "
+            f"({why or 'it was expected to capture'}). Call " + ", or ".join(ways) + ".")
 
 
 def refuse_experts_in_whole_graph(name: str, layer: nn.Module, door: str) -> None:
