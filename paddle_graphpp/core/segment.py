@@ -32,6 +32,7 @@ __all__ = [
     "cut_runs",
     "in_parts",
     "describe_runs",
+    "Parts",
 ]
 
 # Attribute that carries the opt-out. Set on an instance it marks that layer; set on a class
@@ -190,6 +191,17 @@ def classify(
     if not is_layer(obj):
         return LayerEntry(index, obj, EntryKind.CALLABLE, name, "plain callable")
     return LayerEntry(index, obj, EntryKind.LAYER, name)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """How to graph a block (a layer, a pipeline entry) a capture cannot hold whole, as a
+    runtime's adapter says: its sublayers to graph, each in place (``(name relative to the block,
+    layer)``, in the block's order), and what runs eagerly between their graphs (``(relative name,
+    why)``). The block's own forward runs eagerly and calls them as before."""
+
+    graphed: tuple
+    eager: tuple
 
 
 def in_parts(entry: LayerEntry, graphed: Sequence[str], eager: Sequence[tuple]) -> LayerEntry:

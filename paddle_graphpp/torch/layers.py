@@ -26,6 +26,7 @@ from ..core.errors import SignatureError
 from ..core.layer import EngineHooks
 from ..core.options import EngineOptions
 from ..core.process import current_process
+from ..core.tree import flatten
 from . import integrations
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
 from .graphed import CUDAGraphedModule, torch_engine_options
@@ -526,13 +527,7 @@ class _PartsProbe:
 
 def _tensors(tree) -> list:
     """The tensors in nested tuples, lists and dicts."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (tuple, list)):
-        return [t for x in tree for t in _tensors(x)]
-    if isinstance(tree, dict):
-        return [t for x in tree.values() for t in _tensors(x)]
-    return []
+    return [x for x in flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
 def _edge(tensor: torch.Tensor):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping, Optional, Sequence
 
+from paddle_graphpp.core.segment import Parts
+
 __all__ = ["Adapter", "Parts", "adapters", "graph_parts"]
 
 # name -> the module defining its ADAPTER; asked in this order.
@@ -26,17 +28,6 @@ _ADAPTERS: Mapping[str, str] = MappingProxyType({
     "fleet": "paddle_graphpp.paddle.integrations.fleet",
     "paddleformers": "paddle_graphpp.paddle.integrations.paddleformers",
 })
-
-
-@dataclass(frozen=True, slots=True)
-class Parts:
-    """How to graph a pipeline entry a capture cannot hold whole: its sublayers to graph, each in
-    place (``(name relative to the entry, layer)``, in the entry's order), and what runs eagerly
-    between their graphs (``(relative name, why)``). The entry's own forward runs eagerly and calls
-    them as before."""
-
-    graphed: tuple
-    eager: tuple
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, ContextManager, Optional
 
 from ...core.process import current_process
+from ...core.segment import Parts
 
-__all__ = ["Adapter", "ExpertsCapacity", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED", "adapters", "check_block",
-           "check_wrapped", "refuse_in_whole_graph", "graph_parts", "capacity_dispatch", "capacity_restore", "call_checks", "recomputes", "capture_hint", "outside_calls",
-           "prepare",
+__all__ = ["Adapter", "ExpertsCapacity", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED",
+           "adapters", "check_block", "check_wrapped", "refuse_in_whole_graph", "graph_parts", "capacity_dispatch",
+           "capacity_restore", "call_checks", "recomputes", "capture_hint", "outside_calls", "prepare",
            "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
 
 #: The adapter modules, each defining ``ADAPTER`` (an :class:`Adapter`), in the order consulted.
@@ -73,17 +74,6 @@ class OutsideCalls:
         Raises (on entering or inside): ``RuntimeError`` when the forward asks for other calls
         than were recorded."""
         return contextlib.nullcontext()
-
-
-@dataclass(frozen=True)
-class Parts:
-    """How to graph a block that cannot be captured whole: its submodules to graph, each in place
-    (``(name relative to the block, module)``, in the block's order), and what runs eagerly
-    between their graphs (``(relative name, why)``). The block's own forward runs eagerly and
-    calls them as before."""
-
-    graphed: tuple
-    eager: tuple
 
 
 class ExpertsCapacity:
