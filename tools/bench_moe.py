@@ -248,8 +248,11 @@ def child(args):
     for _ in range(args.memory_steps):
         step(data)
     torch.cuda.synchronize()
+    from paddle_graphpp.torch.runtime import RUNTIME
+
     print(json.dumps({"allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
-                      "reserved_mib": torch.cuda.max_memory_reserved() / 2**20}))
+                      "reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+                      "lending": RUNTIME.lending_report()}))
 
 
 def memory(args, model_type):

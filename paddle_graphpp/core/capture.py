@@ -39,7 +39,9 @@ __all__ = ["EpisodeCapture", "capture_for"]
 
 logger = logging.getLogger("paddle_graphpp")
 
-MAX_DEFERRED_EPISODES = 4096  # recordings dropped in a row at most while the runtime asks to wait
+# Recordings dropped in a row at most while the runtime asks to wait: more than the micro-batches
+# of a first training step (each one an episode on a pipeline's last stage).
+MAX_DEFERRED_EPISODES = 256
 # (episodes, not steps: on the last stage of a 1F1B pipeline every micro-batch is one)
 
 
@@ -130,7 +132,9 @@ class EpisodeCapture:
     def _defer(self, recording: Recording) -> bool:
         """Whether the runtime asks to wait: the recording is dropped and the next episode recorded."""
         lending = self.caps.lending
-        wait = lending.defer_capture() if lending is not None and self.deferred < MAX_DEFERRED_EPISODES else None
+        wait = None
+        if lending is not None and self.deferred < MAX_DEFERRED_EPISODES:
+            wait = lending.defer_capture([p for layer in recording.participants() for p in layer.params()])
         if not wait:
             self.deferred = 0
             return False

@@ -311,11 +311,13 @@ def test_the_memory_reserved_before_capture_has_the_temporaries_layout(monkeypat
     torch.cuda.empty_cache()
 
 
-def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monkeypatch):
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "found-by-its-gradients"])
+def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monkeypatch, registered):
     """The last stage of a 1F1B pipeline has one micro-batch in flight: each micro-batch is an
     episode, so the recording is ready within the first training step. The capture waits for
-    the optimizer's first step (which creates its state outside the pool); afterwards the
-    optimizer steps borrow the pool, and training equals eager's."""
+    the optimizer's first step (which creates its state outside the pool), whether the optimizer
+    was registered or not (then the accumulating gradients say a step is under way); afterwards
+    the optimizer steps borrow the pool, and training equals eager's."""
     import weakref
 
     from paddle_graphpp.core.process import current_process
@@ -326,10 +328,13 @@ def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monk
     watch = current_process().section("torch").part(pool_lending.OptimizerWatch)
     monkeypatch.setattr(watch, "any_stepped", False)  # as in a fresh process
     monkeypatch.setattr(watch, "registered", weakref.WeakSet())
+    monkeypatch.setattr(watch, "updated_outside", False)
+    monkeypatch.setattr(watch, "versions", {})
     if RUNTIME._lender is not None:  # an earlier test's leak check may have stopped lending in this process
         monkeypatch.setattr(RUNTIME._lender, "disabled", False)
     eager, graphed, opt_e, opt_g = twins(device=DEV, num_warmup_steps=1)
-    pool_lending.register_optimizer(opt_g)  # what GraphedOptimizer(opt_g) would do: captures wait for its step
+    if registered:
+        pool_lending.register_optimizer(opt_g)  # what GraphedOptimizer(opt_g) would do: captures wait for its step
     order = "f1 b1 f2 b2 f3 b3 f4 b4"
     borrowed = None
     for step in range(5):

@@ -162,18 +162,16 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
             self._lender = PoolLender(self.capture_stream)
         return self._lender
 
-    def defer_capture(self) -> Optional[str]:
+    def defer_capture(self, params) -> Optional[str]:
         # An optimizer that has not stepped creates its state in its first step, beside a pool
         # captured before it (the last stage of a 1F1B pipeline, whose episodes are single
-        # micro-batches, would otherwise capture within the first training step). Whether or not
-        # the pool gets a reserved block: the state and that step's temporaries beside a captured
-        # pool cost memory either way (measured with the block off, 1F1B's last stage at GPT-3
-        # 1.3B, sequence 2048: +960 MiB on the capture step).
+        # micro-batches, would otherwise capture within the first training step), with or
+        # without a reserved block (docs/memory.md has the measurement).
         if not torch.cuda.is_available():
             return None
         from .pool_lending import optimizer_pending
 
-        return "an optimizer has not stepped yet" if optimizer_pending() else None
+        return optimizer_pending(params)
 
     def prepare_pool(self, pool) -> int:
         layout = _reserve_pool()

@@ -1,8 +1,8 @@
 """Optimizer steps borrow the graph pool's free memory between episodes (PyTorch).
 
 :class:`PoolLender` gives a new pool, before its first capture, free memory as large as the
-parameters of the optimizers seen stepping (:func:`watch_optimizers`; laid out as :data:`BLOCK` or
-:data:`SEGMENTS`), and lends the pool to an optimizer step run between episodes when that costs
+temporaries a step of the optimizers seen stepping makes (:func:`watch_optimizers`,
+:func:`step_temporaries`; laid out as :data:`BLOCK` or :data:`SEGMENTS`), and lends the pool to an optimizer step run between episodes when that costs
 less memory than not (decided once per pool and optimizer); a borrowed step runs on the capture
 stream. A borrowed step that leaves memory allocated in the pool (state created lazily, a tensor
 kept) would be overwritten by the next replays: the pool's graphs are then dropped, to be recorded
@@ -26,7 +26,8 @@ from ...core.warn import warn
 from . import pool_segments
 from ..graphs import gc_paused
 
-__all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers", "register_optimizer"]
+__all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers", "register_optimizer", "optimizer_pending",
+           "step_temporaries"]
 
 logger = logging.getLogger("paddle_graphpp")
 
@@ -41,6 +42,8 @@ class OptimizerWatch:
         self.stepped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # seen stepping
         self.registered: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # register_optimizer
         self.any_stepped = False  # an optimizer has stepped in this process
+        self.updated_outside = False  # graphed parameters changed with no optimizer stepping
+        self.versions: dict = {}  # id(parameter) -> (weak reference, version) when the wait began
         self.hook: Any = None  # the handle of the step hook (watch_optimizers)
 
 
@@ -58,7 +61,7 @@ def watch_optimizers() -> None:
 
 
 def register_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer`` will step the graphed layers' parameters: captures wait for the first step
+    """``optimizer`` will step the graphed layers' parameters: captures wait for its first step
     (:func:`optimizer_pending`). Called where graphing meets an optimizer (``GraphedOptimizer``)."""
     _watch().registered.add(optimizer)
 
@@ -67,33 +70,68 @@ def _stepped(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Non
     watch = _watch()
     watch.stepped.add(optimizer)
     watch.any_stepped = True
+    watch.versions.clear()
 
 
-def optimizer_pending() -> bool:
-    """True while no optimizer has stepped in this process and one exists: one registered
-    (:func:`register_optimizer`) and alive, or else one found by a scan of the garbage collector's
-    objects (repeated only once those found are gone; torch has no hook at an optimizer's
-    creation, and the memory this wait saves was measured with the scan). Before its first step
-    an optimizer has no state; that step creates the state and its temporaries side by side and
-    cannot borrow a graph pool (the state must not live there)."""
+def optimizer_pending(params: Iterable[torch.Tensor]) -> Optional[str]:
+    """Why captures of layers with parameters ``params`` should wait for a first optimizer
+    step (``None``: they need not). Before its first step an optimizer has no state; that step
+    creates the state and its temporaries side by side and cannot borrow a graph pool (the
+    state must not live there), so a pool captured before it costs that memory on top.
+
+    They wait until an optimizer of this process has stepped, while one registered with
+    :func:`register_optimizer` is alive, or else while the trainable ``params`` hold
+    gradients (``.grad``, or an accumulation an adapter hooks elsewhere, Megatron-Core's
+    ``main_grad``) that no optimizer has stepped on: micro-batches of a first step accumulating
+    (torch has no hook at an optimizer's creation, and the episodes of a pipeline's last stage
+    are single micro-batches). A parameter changed in place with no optimizer stepping (an
+    update by hand) ends that wait for the process."""
     watch = _watch()
     if watch.any_stepped:
-        return False
-    if not len(watch.registered):
-        import gc
+        return None
+    if len(watch.registered):
+        return "an optimizer has not stepped yet"
+    if watch.updated_outside:
+        return None
+    from .. import integrations
 
-        # issubclass of the type: isinstance would ask a dead weakref.proxy and raise
-        watch.registered.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer))
-    return bool(len(watch.registered))
+    trainable = [p for p in params if p.requires_grad]
+    for p in trainable:
+        seen = watch.versions.get(id(p))
+        if seen is not None and seen[0]() is p and seen[1] != p._version:
+            watch.updated_outside = True
+            watch.versions.clear()
+            return None
+    if not any(p.grad is not None or integrations.accumulation_hooked(p) for p in trainable):
+        return None
+    for p in trainable:
+        if id(p) not in watch.versions:
+            watch.versions[id(p)] = (weakref.ref(p), p._version)
+    return "the graphed layers' parameters hold gradients that no optimizer has stepped on yet"
 
 
 def stepped_param_sizes() -> list:
-    """Rounded byte sizes of the trainable parameters of the largest optimizer seen stepping,
-    in its parameter order (``[]``: none stepped)."""
-    lists = [[_rounded(p) for g in opt.param_groups for p in g["params"] if p.requires_grad]
-             for opt in list(_watch().stepped)]
-    return max(lists, key=sum, default=[])
+    """Rounded byte sizes of the temporaries one step of the largest optimizer seen stepping
+    makes (:func:`step_temporaries`; ``[]``: none stepped, or its steps make none)."""
+    return max((step_temporaries(opt, lambda p: p.requires_grad) for opt in list(_watch().stepped)),
+               key=sum, default=[])
 
+
+def step_temporaries(optimizer: torch.optim.Optimizer, stepped: Callable[[torch.Tensor], bool]) -> list:
+    """Rounded byte sizes of the parameter-sized temporaries one step of ``optimizer`` makes
+    over the parameters that ``stepped`` picks, in its parameter order: a group of torch's
+    multi-tensor implementation (``foreach``, torch's default on the GPU, and any optimizer that
+    does not say) makes one per parameter, alive together; a single-tensor group
+    (``foreach=False``) one at a time, so its largest; a ``fused`` group none."""
+    sizes: list = []
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            continue
+        mine = [_rounded(p) for p in group["params"] if stepped(p)]
+        if group.get("foreach") is False and mine:
+            mine = [max(mine)]
+        sizes += mine
+    return sizes
 
 
 class PoolLender:
@@ -188,7 +226,7 @@ class PoolLender:
             return
         room = self._fits.get((id(pool), id(optimizer)))
         if room is None:
-            sizes = [_rounded(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            sizes = step_temporaries(optimizer, lambda p: p.grad is not None)
             free = _free_blocks(pool)
             room = self._fits[(id(pool), id(optimizer))] = _borrow_pays(
                 _left_over(free, sizes), sum(n for n in sizes if n > _SMALL), _default_free(sum(free)))
