@@ -132,9 +132,7 @@ class EpisodeCapture:
     def _defer(self, recording: Recording) -> bool:
         """Whether the runtime asks to wait: the recording is dropped and the next episode recorded."""
         lending = self.caps.lending
-        wait = None
-        if lending is not None and self.deferred < MAX_DEFERRED_EPISODES:
-            wait = lending.defer_capture([p for layer in recording.participants() for p in layer.params()])
+        wait = lending.defer_capture() if lending is not None and self.deferred < MAX_DEFERRED_EPISODES else None
         if not wait:
             self.deferred = 0
             return False

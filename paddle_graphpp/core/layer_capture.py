@@ -139,9 +139,6 @@ class LayerCapture:
     def accumulates_in_graphs(self, param: Any) -> bool:
         return self.lifecycle.accumulates(param)
 
-    def params(self) -> list:
-        return list(self.layer.params())
-
     # ------------------------------------------------------------ the captures
     def capture_forward(self, sig: Signature, static_inputs: Sequence[Any], outputs: Optional[Outputs]) -> Live:
         """Capture the forward over ``static_inputs``; its autograd graph stays live for the

@@ -53,6 +53,3 @@ class CaptureParticipant(Protocol):
 
     def accumulates_in_graphs(self, param: Any) -> bool:
         """(Asked by the process.) Whether this layer's graphs add ``param``'s gradient into ``.grad``."""
-
-    def params(self) -> list:
-        """(Asked by the process.) The layer's parameters, as it reads them now."""

@@ -394,11 +394,10 @@ class PoolLending(abc.ABC):
     """Eager work between steps (optimizer steps) borrows the graphs' shared pool."""
 
     @abc.abstractmethod
-    def defer_capture(self, params: Sequence[Any]) -> Optional[str]:
-        """Asked before a recorded episode is captured, with the parameters of the layers it
-        recorded: a reason to wait (logged once) drops the recording and records the next
-        episode instead (asked again then; the core stops asking after
-        ``capture.MAX_DEFERRED_EPISODES`` in a row); ``None`` lets the capture go."""
+    def defer_capture(self) -> Optional[str]:
+        """Asked before a recorded episode is captured: a reason to wait (logged once) drops the
+        recording and records the next episode instead (asked again then; the core stops asking
+        after ``capture.MAX_DEFERRED_EPISODES`` in a row); ``None`` lets the capture go."""
 
     @abc.abstractmethod
     def prepare_pool(self, pool: Any) -> int:

@@ -673,8 +673,7 @@ class LendingRuntime(NoFrameworkRuntime, PoolLending):
         self.lent: list = []  # pools lent, in order
         self.prepared: list = []  # pools prepared before their first capture
 
-    def defer_capture(self, params) -> Optional[str]:
-        self.asked_with = list(params)
+    def defer_capture(self) -> Optional[str]:
         return next(self.waits, None)
 
     def prepare_pool(self, pool) -> int:

@@ -311,12 +311,12 @@ def test_the_memory_reserved_before_capture_has_the_temporaries_layout(monkeypat
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("registered", [True, False], ids=["registered", "found-by-its-gradients"])
+@pytest.mark.parametrize("registered", [True, False], ids=["registered", "found-by-its-construction"])
 def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monkeypatch, registered):
     """The last stage of a 1F1B pipeline has one micro-batch in flight: each micro-batch is an
     episode, so the recording is ready within the first training step. The capture waits for
     the optimizer's first step (which creates its state outside the pool), whether the optimizer
-    was registered or not (then the accumulating gradients say a step is under way); afterwards
+    was registered or only constructed; afterwards
     the optimizer steps borrow the pool, and training equals eager's."""
     import weakref
 
@@ -328,8 +328,6 @@ def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monk
     watch = current_process().section("torch").part(pool_lending.OptimizerWatch)
     monkeypatch.setattr(watch, "any_stepped", False)  # as in a fresh process
     monkeypatch.setattr(watch, "registered", weakref.WeakSet())
-    monkeypatch.setattr(watch, "updated_outside", False)
-    monkeypatch.setattr(watch, "versions", {})
     if RUNTIME._lender is not None:  # an earlier test's leak check may have stopped lending in this process
         monkeypatch.setattr(RUNTIME._lender, "disabled", False)
     eager, graphed, opt_e, opt_g = twins(device=DEV, num_warmup_steps=1)

@@ -162,7 +162,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
             self._lender = PoolLender(self.capture_stream)
         return self._lender
 
-    def defer_capture(self, params) -> Optional[str]:
+    def defer_capture(self) -> Optional[str]:
         # An optimizer that has not stepped creates its state in its first step, beside a pool
         # captured before it (the last stage of a 1F1B pipeline, whose episodes are single
         # micro-batches, would otherwise capture within the first training step), with or
@@ -171,7 +171,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
             return None
         from .pool_lending import optimizer_pending
 
-        return optimizer_pending(params)
+        return optimizer_pending()
 
     def prepare_pool(self, pool) -> int:
         layout = _reserve_pool()

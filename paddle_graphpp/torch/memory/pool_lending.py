@@ -42,8 +42,6 @@ class OptimizerWatch:
         self.stepped: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # seen stepping
         self.registered: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # register_optimizer
         self.any_stepped = False  # an optimizer has stepped in this process
-        self.updated_outside = False  # graphed parameters changed with no optimizer stepping
-        self.versions: dict = {}  # id(parameter) -> (weak reference, version) when the wait began
         self.hook: Any = None  # the handle of the step hook (watch_optimizers)
 
 
@@ -70,44 +68,38 @@ def _stepped(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Non
     watch = _watch()
     watch.stepped.add(optimizer)
     watch.any_stepped = True
-    watch.versions.clear()
 
 
-def optimizer_pending(params: Iterable[torch.Tensor]) -> Optional[str]:
-    """Why captures of layers with parameters ``params`` should wait for a first optimizer
-    step (``None``: they need not). Before its first step an optimizer has no state; that step
-    creates the state and its temporaries side by side and cannot borrow a graph pool (the
-    state must not live there), so a pool captured before it costs that memory on top.
+def optimizer_pending() -> Optional[str]:
+    """Why captures should wait for a first optimizer step (``None``: they need not). Before its
+    first step an optimizer has no state; that step creates the state and its temporaries side
+    by side and cannot borrow a graph pool (the state must not live there), so a pool captured
+    before it costs that memory on top.
 
     They wait until an optimizer of this process has stepped, while one registered with
-    :func:`register_optimizer` is alive, or else while the trainable ``params`` hold
-    gradients (``.grad``, or an accumulation an adapter hooks elsewhere, Megatron-Core's
-    ``main_grad``) that no optimizer has stepped on: micro-batches of a first step accumulating
-    (torch has no hook at an optimizer's creation, and the episodes of a pipeline's last stage
-    are single micro-batches). A parameter changed in place with no optimizer stepping (an
-    update by hand) ends that wait for the process."""
+    :func:`register_optimizer` is alive or once any ``torch.optim.Optimizer`` has been
+    constructed (:func:`_optimizer_constructed`)."""
     watch = _watch()
     if watch.any_stepped:
         return None
-    if len(watch.registered):
+    if len(watch.registered) or _optimizer_constructed():
         return "an optimizer has not stepped yet"
-    if watch.updated_outside:
-        return None
-    from .. import integrations
+    return None
 
-    trainable = [p for p in params if p.requires_grad]
-    for p in trainable:
-        seen = watch.versions.get(id(p))
-        if seen is not None and seen[0]() is p and seen[1] != p._version:
-            watch.updated_outside = True
-            watch.versions.clear()
-            return None
-    if not any(p.grad is not None or integrations.accumulation_hooked(p) for p in trainable):
-        return None
-    for p in trainable:
-        if id(p) not in watch.versions:
-            watch.versions[id(p)] = (weakref.ref(p), p._version)
-    return "the graphed layers' parameters hold gradients that no optimizer has stepped on yet"
+
+def _optimizer_constructed() -> bool:
+    """Whether a ``torch.optim.Optimizer`` has been constructed in this process. torch has no
+    hook at an optimizer's creation; its constructor wraps the class's ``step`` for the profiler
+    once per class and marks it ``hooked`` (``Optimizer._patch_step_function``, private; checked
+    on torch 2.11 and 2.13), which this reads over the subclasses rather than searching the process's
+    objects."""
+    todo = [torch.optim.Optimizer]
+    while todo:
+        cls = todo.pop()
+        if getattr(cls.__dict__.get("step"), "hooked", False):
+            return True
+        todo.extend(cls.__subclasses__())
+    return False
 
 
 def stepped_param_sizes() -> list:
