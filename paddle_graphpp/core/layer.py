@@ -34,6 +34,12 @@ class EngineHooks:
     #: the runtime's hint and the general one follow). A front door gives one where a library
     #: explains the layer's failure better than the runtime can.
     capture_hint: Optional[Callable[[BaseException], Optional[str]]] = None
+    #: Another way on when a capture of the layer fails, given the error: what the front door
+    #: will do instead (said in one warning; the layer runs eagerly until the front door
+    #: replaces it), or ``None`` when it has none (then the ``fallback`` option decides). A
+    #: front door gives one where it can graph the layer differently and exactly (a mixture of
+    #: experts' block graphed around its experts).
+    another_way: Optional[Callable[[BaseException], Optional[str]]] = None
 
 
 def hooks_for(wrapped: Any, name: str, options: Any, default: EngineHooks) -> EngineHooks:

@@ -322,6 +322,9 @@ class LayerCapture:
             if isinstance(exc, UserError):  # the layer's own code raised: its error, raised as is
                 return with_layer(exc.error, f"{layer.name}: raised while capturing the {exc.phase}")
             return exc  # the engine's own errors (GraphedLayerError) and interrupts
+        instead = layer.hooks.another_way(exc.error) if layer.hooks.another_way is not None else None
+        if instead is not None:
+            return self.lifecycle.capture_failed(key, f"the {exc.phase}", exc.error, instead, instead=True)
         hints = self.caps.hints
         own = layer.hooks.capture_hint
         hint = (own(exc.error) if own is not None else None) or (

@@ -171,14 +171,20 @@ class Lifecycle:
             sig.recordings.clear()
 
     def capture_failed(self, key: Any, what: str, cause: BaseException, hint: str, *,
-                       cause_text: Optional[str] = None) -> Optional[CaptureError]:
+                       cause_text: Optional[str] = None, instead: bool = False) -> Optional[CaptureError]:
         """Capturing ``what`` ("the forward", "the step") of signature ``key`` failed with ``cause``
         (told as ``cause_text``, by default its type and message): the signature forgets its graphs.
         Returns the :class:`~paddle_graphpp.CaptureError` to raise (the signature warms up again, or
         without ``retry`` runs eagerly from now on), or ``None`` when ``fallback="eager"`` turned
-        the scope eager for good (one :class:`~paddle_graphpp.CaptureFallbackWarning`)."""
+        the scope eager for good (one :class:`~paddle_graphpp.CaptureFallbackWarning`). With
+        ``instead``, ``hint`` says the other way the front door takes (``EngineHooks.another_way``):
+        the scope runs eagerly until then, whatever ``fallback`` says, with one such warning."""
         self.warm_up_again(key)
         text = cause_text or f"{type(cause).__name__}: {cause}"
+        if instead:
+            self.fall_back(f"capturing {what} failed: {text}")
+            self.warn_once("instead", f"{self.name}: capturing {what} failed ({text}); {hint}", CaptureFallbackWarning)
+            return None
         if self.fallback == "eager":
             self.fall_back(f"capturing {what} failed: {text}")
             self.warn_once("fallback", f"{self.name}: capturing {what} failed ({text}); {self.noun} runs eagerly "

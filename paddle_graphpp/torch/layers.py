@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -41,6 +42,8 @@ _CHECKPOINTING = "_graphpp_checkpointing"  # a library's checkpointing switch of
 _PARTS = "_graphpp_parts"  # on a block graphed in parts (around its experts): its graphed submodules
 _PROBE = "_graphpp_parts_probe"  # ... and, until every part is judged, its _PartsProbe
 _BLOCK = "_graphpp_block"  # on a part of a block graphed in parts: that block
+_REGRAPH = "_graphpp_regraph"  # on a graphed block: (compile, options, its listing) to graph it again in parts
+_INSTEAD = "_graphpp_instead"  # on a whole block whose capture failed: why, until its next call graphs it in parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +104,16 @@ class _OriginalForward(RunsInPlaceOf):
 
     def graph_engine_hooks(self, name: str, options: EngineOptions) -> EngineHooks:
         """The engine sees the block itself: the adapters' view of it around each capture (FSDP2's
-        unsharded parameters), its gradient checkpointing read per call (:func:`_recomputes`), and
-        what the adapters say when its capture fails (a mixture of experts' dispatch)."""
+        unsharded parameters), its gradient checkpointing read per call (:func:`_recomputes`),
+        what the adapters say when its capture fails (a mixture of experts' dispatch), and, for a
+        block an adapter could graph in parts, that way on when its whole capture fails."""
+        parts = integrations.graph_parts(name, self.layer, failed="")
+        in_parts = parts is not None and bool(parts.graphed)
         return EngineHooks(capture_view=functools.partial(integrations.capture_view, self.layer, name),
                            recomputes=functools.partial(_recomputes, self.layer, options.recompute, self._compiled,
                                                         self._checkpointing),
-                           capture_hint=integrations.capture_hint(name, self.layer))
+                           capture_hint=integrations.capture_hint(name, self.layer),
+                           another_way=functools.partial(_in_parts_instead, self.layer) if in_parts else None)
 
     def forward(self, *args, **kwargs):
         def resolve(x):  # the parameter as the block holds it now: inside a capture, its alias
@@ -138,6 +145,8 @@ class GraphedLayer(nn.Module):
     @opaque  # torch.compile around the model calls the graphed block as it is (see .compile)
     def forward(self, *args, **kwargs):
         own = self.__dict__
+        if _INSTEAD in own and not own[_SLOT].engine.in_flight:  # its whole capture failed (_in_parts_instead)
+            return _graph_in_parts_now(self, args, kwargs)
         if integrations.PREPARED not in own:  # the first call: FSDP2 may have sharded the block since graphing
             integrations.prepare(self, own[_NAME])
         if torch.is_grad_enabled():
@@ -318,7 +327,9 @@ def graph_layers(
     ``experts_implementation="eager"``; ``"grouped_mm"`` except for bf16 weights on sm90+) is
     graphed around the dispatch: its attention and its router are graphed, each in place, and
     the experts, norms, shared experts and the block's own code run eagerly between them (bit for
-    bit as the model; docs/moe.md). Blocks whose experts capture (``"batched_mm"``) are graphed whole.
+    bit as the model; docs/moe.md). Blocks whose experts capture (``"batched_mm"``) are graphed whole;
+    should such a block's capture fail, it is graphed around its experts from its next call
+    instead, with one ``CaptureFallbackWarning``, and the returned list names its parts.
 
     Returns:
         The graphed modules, in order, as a list (:class:`GraphedLayers`): the blocks of
@@ -369,7 +380,8 @@ def graph_layers(
     return graph_in_place(pairs, names, check_config=True, compile=compile, options=chosen)
 
 
-def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any, options: EngineOptions) -> list:
+def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any, options: EngineOptions,
+                   failed: Optional[str] = None) -> list:
     """The work of :func:`graph_layers` on ``(key, block)`` pairs named ``names``, each block's
     engine with ``options``.
 
@@ -380,9 +392,10 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
     A block an adapter cannot capture whole (:func:`~paddle_graphpp.torch.integrations.graph_parts`:
     a mixture of experts whose dispatch reads the host) is graphed in parts: its submodules the
     adapter names are graphed in place (named ``f"{name}.{submodule}"``), the rest of its forward
-    runs eagerly between their graphs.
+    runs eagerly between their graphs. ``failed``: why the blocks' whole capture failed; they
+    are graphed in parts where an adapter can (:func:`_in_parts_instead`).
     """
-    pairs, names, split, eager = _graphed_parts(pairs, names)
+    pairs, names, split, eager = _graphed_parts(pairs, names, failed)
     for label, (_, module) in zip(names, pairs):
         check_layer(label, module, check_config)
     seen: set = set()
@@ -407,6 +420,7 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
         layer.__dict__[_NAME] = label
         layer.__dict__[_CHECKS] = bound
         layer.__dict__[_CHECKPOINTING] = switch
+        layer.__dict__[_REGRAPH] = (compile, options, weakref.ref(graphed))
         if own:  # its call would trace the graphed block: the compiled code runs inside the graphs instead
             layer.__dict__[_USER_COMPILED] = layer._compiled_call_impl
             layer._compiled_call_impl = None
@@ -436,6 +450,47 @@ def _forget_part(part: nn.Module) -> None:
             del block.__dict__[_PARTS]
             if probe is not None:
                 probe.remove()
+
+
+def _in_parts_instead(block: nn.Module, error: BaseException) -> str:
+    """The capture of ``block``, graphed whole, failed (an experts dispatch the adapter expected to
+    capture did not): its next call with nothing of it in flight graphs it in parts instead
+    (:func:`_graph_in_parts_now`). Returns what the warning says."""
+    block.__dict__[_INSTEAD] = f"its whole capture failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+    return ("from its next call it is graphed around its routed experts instead (its attention and router graphed, "
+            "the experts eager), as exact as the model (docs/moe.md).")
+
+
+def _graph_in_parts_now(block: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Ungraph ``block``, graph it in parts (listed where it was, in what :func:`graph_layers`
+    returned), and run this call as the first call of a block graphed in parts runs: its parts
+    eager and judged (:class:`_PartsProbe`). A block with nothing to graph around its experts stays
+    eager, listed in ``.eager``."""
+    own = block.__dict__
+    why, (compile, options, listing_ref), label = own[_INSTEAD], own[_REGRAPH], own[_NAME]
+    listing = listing_ref()
+    ungraph_layers([block])
+    try:
+        new = graph_in_place([(label, block)], [label], check_config=False, compile=compile, options=options,
+                             failed=why)
+    except ValueError:  # nothing in it can be graphed around its experts
+        new = GraphedLayers(eager=[(label, why)])
+    if listing is not None:
+        at = next((i for i, m in enumerate(listing) if m is block), len(listing))
+        listing[at:at + 1] = list(new)
+        listing.eager += new.eager
+    probe = own.get(_PROBE)
+    if probe is None:
+        return type(block).forward(block, *args, **kwargs)
+    if listing is not None:
+        probe.listing = listing
+    probe._before(block, args, kwargs)  # the block's hooks ran for this call before its parts existed
+    output = None
+    try:
+        output = type(block).forward(block, *args, **kwargs)
+        return output
+    finally:
+        probe._after(block, args, kwargs, output)
 
 
 class _PartsProbe:
@@ -570,14 +625,14 @@ def _reordered_sum(inputs: list, part_ends: list, block_ends: list, block_stops:
     return None
 
 
-def _graphed_parts(pairs: list, names: list) -> tuple:
+def _graphed_parts(pairs: list, names: list, failed: Optional[str] = None) -> tuple:
     """``pairs`` and ``names`` with each block the adapters graph in parts replaced by those parts;
     ``{id(part): (block, its name, its parts)}`` for the parts; ``(name, why)`` of what stays eager."""
     out_pairs, out_names, split, eager = [], [], {}, []
     for label, (key, block) in zip(names, pairs):
         if isinstance(block, GraphedLayer) or _PARTS in block.__dict__:
             raise TypeError(f"{label} is already graphed (graph_layers() was called on it before)")
-        parts = integrations.graph_parts(label, block)
+        parts = integrations.graph_parts(label, block, failed)
         if parts is None:
             out_pairs.append((key, block))
             out_names.append(label)
@@ -683,7 +738,7 @@ def ungraph_layers(layers: Union[nn.ModuleList, nn.ModuleDict, nn.Sequential, It
             layer.engine.retire("call the block itself (ungraph_layers() gave it its own class back)")
             integrations.release(layer)
             layer.__class__ = type(layer)._graphpp_original
-            for key in (_SLOT, _NAME, _CHECKS, _CHECKPOINTING):
+            for key in (_SLOT, _NAME, _CHECKS, _CHECKPOINTING, _REGRAPH, _INSTEAD):
                 layer.__dict__.pop(key, None)
             if _USER_COMPILED in layer.__dict__:
                 layer._compiled_call_impl = layer.__dict__.pop(_USER_COMPILED)

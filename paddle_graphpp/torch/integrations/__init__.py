@@ -115,9 +115,11 @@ class Adapter:
     def refuse_in_whole_graph(self, name: str, layer: Any, door: str) -> None:
         """Refuse a block inside one graph of a whole model or stage (``door``: the front door)."""
 
-    def graph_parts(self, name: str, layer: Any) -> Optional[Parts]:
+    def graph_parts(self, name: str, layer: Any, failed: Optional[str] = None) -> Optional[Parts]:
         """For a block a capture cannot hold whole (a mixture of experts' host-reading dispatch):
-        the :class:`Parts` to graph around what cannot be captured; ``None``: graph it whole."""
+        the :class:`Parts` to graph around what cannot be captured; ``None``: graph it whole.
+        ``failed``: why its whole capture failed, where it was expected to capture (the parts
+        are then asked for anyway, with that reason)."""
         return None
 
     def capacity_dispatch(self, model: Any, factor: float, on_overflow: str) -> Optional[tuple]:
@@ -208,10 +210,10 @@ def refuse_in_whole_graph(name: str, layer: Any, door: str) -> None:
         adapter.refuse_in_whole_graph(name, layer, door)
 
 
-def graph_parts(name: str, layer: Any) -> Optional[Parts]:
+def graph_parts(name: str, layer: Any, failed: Optional[str] = None) -> Optional[Parts]:
     """The first adapter's :meth:`Adapter.graph_parts` of ``layer`` that is not ``None``."""
     for adapter in adapters():
-        parts = adapter.graph_parts(name, layer)
+        parts = adapter.graph_parts(name, layer, failed)
         if parts is not None:
             return parts
     return None

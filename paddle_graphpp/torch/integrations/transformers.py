@@ -529,14 +529,14 @@ def _graphable_part(name: str, module: nn.Module, in_moe_block: bool) -> bool:
     return in_moe_block and (last in ("gate", "router") or "router" in type(module).__name__.lower())
 
 
-def graph_parts(name: str, layer: nn.Module) -> Optional[Parts]:
+def graph_parts(name: str, layer: nn.Module, failed: Optional[str] = None) -> Optional[Parts]:
     """Graphs around the routed experts of a block whose experts dispatch cannot be captured
-    (:func:`experts_capture_problem`): its attention and its router, each graphed in place; the
-    experts, the other submodules (:func:`_graphable_part` says why) and the block's own code
-    between them (residual adds, the routing glue) run eagerly. ``None`` for a block without such
-    experts (graphed whole)."""
+    (:func:`experts_capture_problem`; with ``failed``, every experts module, for that reason):
+    its attention and its router, each graphed in place; the experts, the other submodules
+    (:func:`_graphable_part` says why) and the block's own code between them (residual adds, the
+    routing glue) run eagerly. ``None`` for a block without such experts (graphed whole)."""
     problems = [(n, m, impl, why) for n, m, impl in experts_modules(layer)
-                if (why := experts_capture_problem(m, impl)) is not None]
+                if (why := failed if failed is not None else experts_capture_problem(m, impl)) is not None]
     if not problems:
         return None
     experts = {id(m) for _, m, _, _ in problems}
@@ -571,8 +571,8 @@ class TransformersAdapter(Adapter):
         refuse_checkpointing(name, layer, door)
         refuse_experts_in_whole_graph(name, layer, door)
 
-    def graph_parts(self, name, layer):
-        return graph_parts(name, layer)
+    def graph_parts(self, name, layer, failed=None):
+        return graph_parts(name, layer, failed)
 
     def capacity_dispatch(self, model, factor, on_overflow):
         return capacity_dispatch(model, factor, on_overflow)
