@@ -82,15 +82,6 @@ def test_an_optimizer_is_found_by_its_construction_in_a_fresh_process():
                                   "yet"]
 
 
-def test_no_scan_of_the_garbage_collector_finds_optimizers():
-    import inspect
-
-    from paddle_graphpp.torch.memory import capabilities
-
-    for module in (pool_lending, capabilities):
-        assert "get_objects" not in inspect.getsource(module)
-
-
 def test_the_temporaries_a_step_makes_follow_the_implementation():
     a, b = torch.nn.Parameter(torch.ones(3000)), torch.nn.Parameter(torch.ones(200))
     c = torch.nn.Parameter(torch.ones(1000))

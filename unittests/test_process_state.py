@@ -157,6 +157,15 @@ def test_the_owner_has_one_handle():
     assert module_globals(ast.parse(Path(process.__file__).read_text())).count("_CURRENT") == 1
 
 
+def test_no_module_searches_the_processs_objects():
+    # state is found through its owner, never by walking the garbage collector's objects (a
+    # diagnostic naming what holds one given object, gc.get_referrers, is not such a search)
+    calls = [f"{name}:{node.lineno}" for name, path in _modules().items()
+             for node in ast.walk(ast.parse(Path(path).read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "get_objects"]
+    assert not calls, calls
+
+
 def _load(tmp_path: Path, source: str):
     path = tmp_path / "probe_module.py"
     path.write_text(source)
