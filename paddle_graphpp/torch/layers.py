@@ -243,6 +243,11 @@ def _graphed_class(cls: type) -> type:
             "__doc__": f"{cls.__name__} graphed in place by paddle_graphpp.torch.graph_layers().",
             "_graphpp_original": cls,
         })
+        if "forward" in graphed.__dict__:
+            # a base class's __init_subclass__ wrapped the new class's forward (transformers 5.25's
+            # GradientCheckpointingLayer does, to checkpoint it): the graphed forward is ours, and
+            # its graphs recompute a checkpointed block themselves (_OriginalForward.graph_engine_hooks)
+            del graphed.forward
         _graphed_classes()[cls] = graphed
     return graphed
 
