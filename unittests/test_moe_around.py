@@ -305,3 +305,71 @@ def test_a_whole_block_whose_capture_fails_is_graphed_around_its_experts_instead
         assert (part.engine.captures, part.engine.replays) == (2, 2 * replays), part.__dict__["_graphpp_name"]
     graphed.undo()  # and the list it returned undoes them all
     assert not any(is_graphed_layer(m) for m in model.modules())
+
+
+def _failing_whole_blocks(rt, monkeypatch, model_type="qwen3_moe", error=None):
+    """A ``batched_mm`` model whose experts raise ``error()`` inside a capture (a host read by default)."""
+    model = _model(model_type, "batched_mm")
+    experts = type(adapter.experts_modules(zoo.blocks_of(model)[0])[0][1])
+    original = experts.forward
+
+    def fails_in_capture(self, *args, **kwargs):
+        if rt.capturing:
+            raise (error() if error else RuntimeError("operation not permitted when stream is capturing"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(experts, "forward", fails_in_capture)
+    return model
+
+
+def _run(model, micro_batches, in_flight=1, steps=4):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        losses = [model(ids, labels=ids).loss for ids in
+                  [torch.randint(0, model.config.vocab_size, (2, 16), generator=gen) for _ in range(in_flight)]]
+        for loss in losses:
+            loss.backward()
+
+
+def test_one_warning_per_block_with_several_micro_batches_in_flight(fake_runtime, monkeypatch):
+    model = _failing_whole_blocks(fake_runtime, monkeypatch)
+    graph_layers(zoo.blocks_of(model), num_warmup_steps=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _run(model, 0, in_flight=3, steps=4)
+    blocks = zoo.blocks_of(model)
+    assert not any(is_graphed_layer(b) for b in blocks)
+    about = [str(w.message) for w in seen if "Qwen3MoeDecoderLayer[0]:" in str(w.message)]
+    assert len(about) == 1 and "graphed around its routed experts instead" in about[0], about
+
+
+@pytest.mark.parametrize("case", ["checkpointing", "out of memory", "empty message"])
+def test_a_failure_parts_would_not_mend_follows_the_fallback_option(fake_runtime, monkeypatch, case):
+    """Out of memory, or a block under its library's checkpointing (its parts would refuse it), is
+    left to the fallback option (here "error"): the block stays whole and the capture error is raised."""
+    # (an error that says nothing is still mended by parts: the warning names its type)
+    error = {"out of memory": lambda: torch.OutOfMemoryError("out of memory"),
+             "empty message": lambda: RuntimeError()}.get(case)
+    model = _failing_whole_blocks(fake_runtime, monkeypatch, error=error)
+    if case == "checkpointing":
+        from paddle_graphpp.torch import recompute
+
+        class NoMirrors(recompute.Mirrors):  # no CUDA generators to mirror on CPU
+            def __init__(self):
+                self.generators, self.mirrors = [], []
+
+        monkeypatch.setattr(recompute, "Mirrors", NoMirrors)
+        model.gradient_checkpointing_enable()
+        model.train()
+    blocks = zoo.blocks_of(model)
+    graph_layers(blocks, num_warmup_steps=1)
+    if case == "empty message":
+        with pytest.warns(Warning, match=r"capturing the forward failed \(RuntimeError: \); from its next call"):
+            _run(model, 0, steps=5)
+        assert not any(is_graphed_layer(b) for b in blocks)
+        return
+    from paddle_graphpp import CaptureError
+
+    with pytest.raises(CaptureError, match="capturing the forward failed"):
+        _run(model, 0, steps=5)
+    assert all(is_graphed_layer(b) for b in blocks)  # whole still: fallback="error" decided

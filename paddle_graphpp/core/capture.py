@@ -6,7 +6,8 @@ being recorded and the services replays share (handed-out outputs, the replay wa
 owners). The first graphed forward of an episode calls :meth:`EpisodeCapture.capture_if_due`,
 which captures the last recorded episode, every position in the order the step ran it, into one
 pool generation, unless the runtime asks to wait (``PoolLending.defer_capture``; at most
-:data:`MAX_DEFERRED_EPISODES` times in a row, recording anew each time). A capture executes
+:data:`MAX_DEFERRED_EPISODES` times in a row, recording anew each time, and then no more in
+the process). A capture executes
 nothing: the episode that follows replays. A failed capture is handed to its layer (fallback
 or :class:`~paddle_graphpp.core.errors.CaptureError`) and releases its memory. Under the
 stream-ordered allocator nothing is recorded (:mod:`paddle_graphpp.core.in_step`).
@@ -62,6 +63,7 @@ class EpisodeCapture:
         self.grad_owners = GradOwners()
         self._layers = weakref.WeakValueDictionary()  # id -> participant with captured graphs
         self.deferred = 0  # recordings dropped in a row because the runtime asked to wait
+        self.waited_out = False  # the limit was reached once: captures no longer wait in this process
         #: Backward graph replays (and eager recorded backwards) so far that changed parameter
         #: gradients in ``.grad`` outside autograd (gradient accumulation inside graphs). A
         #: replay's writes do not bump tensors' version counters, so code that skips work on
@@ -132,7 +134,11 @@ class EpisodeCapture:
     def _defer(self, recording: Recording) -> bool:
         """Whether the runtime asks to wait: the recording is dropped and the next episode recorded."""
         lending = self.caps.lending
-        wait = lending.defer_capture() if lending is not None and self.deferred < MAX_DEFERRED_EPISODES else None
+        if self.deferred >= MAX_DEFERRED_EPISODES and not self.waited_out:
+            self.waited_out = True
+            logger.info("paddle_graphpp: captures no longer wait (%s runtime), after %d episodes recorded instead",
+                        self.runtime.name, self.deferred)
+        wait = lending.defer_capture() if lending is not None and not self.waited_out else None
         if not wait:
             self.deferred = 0
             return False

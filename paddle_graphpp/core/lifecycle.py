@@ -184,6 +184,7 @@ class Lifecycle:
         if instead:
             self.fall_back(f"capturing {what} failed: {text}")
             self.warn_once("instead", f"{self.name}: capturing {what} failed ({text}); {hint}", CaptureFallbackWarning)
+            self._warned.add("unavailable")  # its eager calls until then say nothing more
             return None
         if self.fallback == "eager":
             self.fall_back(f"capturing {what} failed: {text}")

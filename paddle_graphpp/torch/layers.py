@@ -457,11 +457,19 @@ def _forget_part(part: nn.Module) -> None:
                 probe.remove()
 
 
-def _in_parts_instead(block: nn.Module, error: BaseException) -> str:
+def _in_parts_instead(block: nn.Module, error: BaseException) -> Optional[str]:
     """The capture of ``block``, graphed whole, failed (an experts dispatch the adapter expected to
     capture did not): its next call with nothing of it in flight graphs it in parts instead
-    (:func:`_graph_in_parts_now`). Returns what the warning says."""
-    block.__dict__[_INSTEAD] = f"its whole capture failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+    (:func:`_graph_in_parts_now`). Returns what the warning says; ``None`` (the ``fallback``
+    option decides) for a failure parts would not mend (out of memory), a block with its
+    library's checkpointing on (its parts refuse it) or one wrapped again after graphing (FSDP2)."""
+    own = block.__dict__
+    switch = own.get(_CHECKPOINTING)
+    if (isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (switch is not None and switch())
+            or type(block) is not _graphed_classes().get(type(block)._graphpp_original)):
+        return None
+    first = (str(error).splitlines() or [""])[0][:200]
+    own[_INSTEAD] = f"its whole capture failed ({type(error).__name__}: {first})"
     return ("from its next call it is graphed around its routed experts instead (its attention and router graphed, "
             "the experts eager), as exact as the model (docs/moe.md).")
 
@@ -469,17 +477,13 @@ def _in_parts_instead(block: nn.Module, error: BaseException) -> str:
 def _graph_in_parts_now(block: nn.Module, args: tuple, kwargs: dict) -> Any:
     """Ungraph ``block``, graph it in parts (listed where it was, in what :func:`graph_layers`
     returned), and run this call as the first call of a block graphed in parts runs: its parts
-    eager and judged (:class:`_PartsProbe`). A block with nothing to graph around its experts stays
-    eager, listed in ``.eager``."""
+    eager and judged (:class:`_PartsProbe`)."""
     own = block.__dict__
     why, (compile, options, listing_ref), label = own[_INSTEAD], own[_REGRAPH], own[_NAME]
     listing = listing_ref()
     ungraph_layers([block])
-    try:
-        new = graph_in_place([(label, block)], [label], check_config=False, compile=compile, options=options,
-                             failed=why)
-    except ValueError:  # nothing in it can be graphed around its experts
-        new = GraphedLayers(eager=[(label, why)])
+    # the hook was given only where an adapter names parts to graph (_OriginalForward.graph_engine_hooks)
+    new = graph_in_place([(label, block)], [label], check_config=False, compile=compile, options=options, failed=why)
     if listing is not None:
         at = next((i for i, m in enumerate(listing) if m is block), len(listing))
         listing[at:at + 1] = list(new)

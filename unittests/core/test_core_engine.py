@@ -462,6 +462,11 @@ def test_deferring_stops_after_the_limit(monkeypatch):
     assert layer.engine.captures == 0
     step(layer, "f1 b1")  # the limit is reached: captured although the runtime still asks to wait
     assert layer.engine.captures == 2
+    # and no later capture waits in this process: a second layer records, then captures at once
+    other = Graphed(Linear(4, 3), rt, num_warmup_steps=0)
+    step(other, "f1 b1")
+    step(other, "f1 b1")
+    assert other.engine.captures == 2
 
 
 # ------------------------------------------------- the stream-ordered allocator

@@ -216,9 +216,9 @@ _RESERVE_FLAG = "FLAGS_graphpp_reserve_pool"
 
 def _reserve_pool() -> Optional[str]:
     """``FLAGS_graphpp_reserve_pool``: the memory a shared pool gets before its first capture,
-    for the stepping optimizers' temporaries between episodes (see pool_lending): unset or
-    true, one block of the parameters' bytes (``"block"``); ``segments``, the segments one list
-    of temporaries makes; false, none. Captures wait for an optimizer's first step either way
+    for the stepping optimizers' temporaries between episodes (see pool_lending,
+    ``step_temporaries``): unset or true, one block of their bytes (``"block"``); ``segments``,
+    the segments one list of temporaries makes; false, none. Captures wait for an optimizer's first step either way
     (``defer_capture``). In a pool of expandable segments (the default, see pool_segments) the
     two layouts come to the same free range."""
     from .pool_lending import BLOCK, SEGMENTS
