@@ -7,6 +7,7 @@
     python tools/bench_peer_megatron.py --tp 2 --pp 2     # four GPUs: 2-way tensor parallel per stage
     python tools/bench_peer_megatron.py --pp 1 --profile  # + where CPU time per layer call goes
     python tools/bench_peer_megatron.py --dry-run         # print the runs and the record's name
+    python tools/bench_peer_megatron.py --moe             # mixture of experts, one GPU (not yet run)
 
 Model: Megatron-Core 0.19.2's ``GPTModel`` with ``get_gpt_layer_local_spec()`` (no
 TransformerEngine) in the GPT-3 1.3B shape (hidden 2048, 24 layers, 16 heads, vocab 50304),
@@ -49,6 +50,18 @@ at ``--tp 2``); its ``summary`` holds ours over Megatron's graphs for speed at e
 length and memory (max over ranks), and ours over eager's peak memory per rank (the whole run,
 capture steps included), the worst over the sequence lengths.
 Needs ``megatron-core`` (``python -m pip install --no-deps .wheels/megatron_core-*.whl``).
+
+``--moe``: the mixture-of-experts GPT of ``tools/peer_megatron_worker.py --model moe`` (the
+launch-bound shape of ``tools/bench_moe.py``: hidden 1024, 8 layers, 16 heads, 16 experts of
+width 512, top-2, vocabulary 32000, bf16, 4 micro-batches of 2 x 256 tokens, AdamW) on one GPU,
+for each ``--routings`` (``capacity``: drop and pad at factor 1.25, both peers graph whole
+layers; ``dropless``: Megatron's default dispatch, which reads the host, both peers graph around
+it; the worker's docstring says why, from Megatron's source). Per routing: eager, then Megatron's
+graphs and ours ``--repeats`` times in alternating order, then the eager repeats. Per variant
+tokens/s (median of the pooled rounds), peak allocated and reserved memory (capture steps
+included, each variant in its own process), losses against eager's. Writes
+``benchmarks/results/peer-megatron-moe-<device>.json``; its ``summary`` holds, per routing, ours
+and Megatron's graphs over eager for speed and peak memory, and ours over Megatron's.
 """
 
 from __future__ import annotations
@@ -85,6 +98,10 @@ PP_CHOICES = (1, 2, 4)
 BUDGET_S = {1: 480.0, 2: 540.0, 4: 560.0, 8: 560.0}
 RUN_CAP_S = {1: 170.0, 2: 170.0, 4: 200.0, 8: 200.0}  # one variant's processes: start, build, capture, rounds
 MIN_RUN_S = 40.0  # below this much budget left, a run is skipped
+MOE_SEQ = 256  # tools/bench_moe.py's --seq
+MOE_ROUTINGS = ("capacity", "dropless")
+MOE_VARIANTS = ("eager", "megatron", "ours", "eager_repeat")  # the default of --moe (ours_segments if named)
+MOE_RECORD = "peer-megatron-moe"
 
 
 def record_name(tp: int, pp: int) -> str:
@@ -120,15 +137,42 @@ def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1,
     return runs
 
 
+def plan_moe(routings, *, seq: int, rounds: int, profile: bool, device: str, variants=MOE_VARIANTS,
+             memory_trace: bool = False, repeats: int = 2, ours_loss: str = "graphed") -> list[dict]:
+    """The MoE runs in order, one GPU each: per routing eager, then Megatron's graphs and ours
+    ``repeats`` times, every other repeat mirrored; after every routing the eager repeats.
+    Labels ``<variant>@<routing>[#k]``."""
+    runs = []
+    repeats = 1 if memory_trace else max(1, repeats)
+    for routing in routings:
+        order = ["eager"] if "eager" in variants else []
+        trio = ["megatron", "ours", "ours_segments"]
+        for k in range(repeats):
+            order += [v for v in (trio if k % 2 == 0 else trio[::-1]) if v in variants]
+        seen: dict = {}
+        for variant in order:
+            seen[variant] = seen.get(variant, 0) + 1
+            prof = profile and variant in ("megatron", "ours") and seen[variant] == 1 and routing == routings[0]
+            runs.append(_run(variant, seq, 1, 1, rounds, prof, device, memory_trace, seen[variant], ours_loss,
+                             "graphed", routing=routing))
+    for routing in routings:
+        if "eager_repeat" in variants:
+            runs.append(_run("eager_repeat", seq, 1, 1, rounds, False, device, memory_trace, routing=routing))
+    return runs
+
+
 def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False, repeat=1, ours_loss="graphed",
-         ours_head="graphed") -> dict:
+         ours_head="graphed", routing=None) -> dict:
+    """One run; ``routing``: the MoE model with that routing (labels ``<variant>@<routing>``)."""
     worker_variant, env = VARIANT_SETTINGS.get(variant, (variant, {}))
-    args = ["--variant", worker_variant, "--seq", str(seq), "--tp", str(tp), "--pp", str(pp), "--rounds", str(rounds)]
+    moe = ["--model", "moe", "--routing", routing] if routing else []
+    args = ["--variant", worker_variant, *moe, "--seq", str(seq), "--tp", str(tp), "--pp", str(pp),
+            "--rounds", str(rounds)]
     args += ["--loss", ours_loss, "--head", ours_head] if worker_variant == "ours" else []
     args += ["--profile"] if profile else []
     args += ["--memory-trace"] if memory_trace else []
     args += ["--device", "cpu"] if device == "cpu" else []
-    label = f"{variant}@seq{seq}" + (f"#{repeat}" if repeat > 1 else "")
+    label = f"{variant}@{routing or f'seq{seq}'}" + (f"#{repeat}" if repeat > 1 else "")
     return {"label": label, "variant": variant, "seq": seq, "args": args, "env": env}
 
 
@@ -163,13 +207,14 @@ def run_variant(run: dict, world: int, timeout: float) -> dict:
 
 
 def summarize(records: dict, seqs) -> dict:
-    """Per sequence length and variant: speed, memory per rank, losses against eager's. A
-    variant run more than once (``--repeats``) pools its runs' timed rounds (the median and
-    spread over all of them; ``tokens_per_s_runs``: each run's median) and keeps each rank's
-    highest peak."""
+    """Per sequence length (or MoE routing: ``seqs`` may hold its names) and variant: speed,
+    memory per rank, losses against eager's. A variant run more than once (``--repeats``) pools
+    its runs' timed rounds (the median and spread over all of them; ``tokens_per_s_runs``: each
+    run's median) and keeps each rank's highest peak."""
     out = {}
     for seq in seqs:
-        runs_of = _runs_by_variant(records, seq)
+        tag = seq if isinstance(seq, str) else f"seq{seq}"
+        runs_of = _runs_by_variant(records, tag)
         eager_losses = _losses(runs_of.get("eager", [{}])[0])
         rows = {}
         for variant in VARIANTS:
@@ -183,17 +228,17 @@ def summarize(records: dict, seqs) -> dict:
             rows[variant] = _row(variant, done, eager_losses)
             if len(done) < len(recs):  # a repeat failed or the budget skipped it: the others stand
                 rows[variant]["failed_runs"] = [r["error"] for r in recs if "error" in r]
-        out[f"seq{seq}"] = rows
+        out[tag] = rows
     return out
 
 
-def _runs_by_variant(records: dict, seq) -> dict:
-    """``{variant: [record, ...]}`` of one sequence length, in run order (labels
-    ``<variant>@seq<seq>`` and ``<variant>@seq<seq>#<k>``)."""
+def _runs_by_variant(records: dict, tag: str) -> dict:
+    """``{variant: [record, ...]}`` of one configuration, in run order (labels
+    ``<variant>@<tag>`` and ``<variant>@<tag>#<k>``; ``tag`` is ``seq<seq>`` or a MoE routing)."""
     out: dict = {}
     for label, rec in records.items():
-        variant, _, rest = label.partition("@seq")
-        if rest.split("#")[0] == str(seq):
+        variant, _, rest = label.partition("@")
+        if rest.split("#")[0] == tag:
             out.setdefault(variant, []).append(rec)
     return out
 
@@ -210,10 +255,14 @@ def _row(variant: str, recs: list, eager_losses) -> dict:
         "tokens_per_s_spread": max(rounds) / min(rounds),
         "peak_reserved_mib_per_rank": per_rank("peak_reserved_mib"),
         "steady_reserved_mib_per_rank": per_rank("steady_reserved_mib"),
+        "peak_allocated_mib_per_rank": per_rank("peak_allocated_mib"),
+        "steady_allocated_mib_per_rank": per_rank("steady_allocated_mib"),
         "capture_phase_s": timings[0]["capture_phase_s"],
     }
     row["peak_reserved_mib"] = _max(row["peak_reserved_mib_per_rank"])
     row["steady_reserved_mib"] = _max(row["steady_reserved_mib_per_rank"])
+    for key in ("peak_allocated_mib", "steady_allocated_mib"):
+        row[key] = _max(row[key + "_per_rank"])
     if len(recs) > 1:
         row["tokens_per_s_runs"] = [t["tokens_per_s"] for t in timings]
         row["tokens_per_s_spread_runs"] = [t.get("tokens_per_s_spread") for t in timings]  # each run's own
@@ -266,6 +315,40 @@ def headline(by_seq: dict, *, world: int = 1) -> dict:
     # rounds' spread inside one run does not show (a speed ratio nearer 1 than this is noise)
     out["eager_repeat_vs_eager_speed_seq512"] = ratio(512, "tokens_per_s", "eager_repeat", "eager")
     out["eager_repeat_vs_eager_speed_seq2048"] = ratio(2048, "tokens_per_s", "eager_repeat", "eager")
+    return out
+
+
+def headline_moe(by_routing: dict) -> dict:
+    """Per MoE routing: ours and Megatron's graphs over eager (speed; whole-run peak allocated and
+    reserved memory, capture steps included), ours over Megatron's graphs, and whether Megatron's
+    graphs ran (a run without graphs would be an eager run under another name)."""
+    out = {}
+    for routing, rows in by_routing.items():
+        def ratio(top, bottom, key):
+            a, b = rows.get(top, {}).get(key), rows.get(bottom, {}).get(key)
+            return round(a / b, 4) if a and b else None
+
+        def whole(variant, kind):  # the run's peak: the capture steps' or the steady one after them
+            row = rows.get(variant, {})
+            return _max((row.get(f"peak_{kind}_mib"), row.get(f"steady_{kind}_mib")))
+
+        def mem(top, bottom, kind):
+            a, b = whole(top, kind), whole(bottom, kind)
+            return round(a / b, 4) if a and b else None
+
+        out[routing] = {
+            "ours_vs_eager_speed": ratio("ours", "eager", "tokens_per_s"),
+            "megatron_vs_eager_speed": ratio("megatron", "eager", "tokens_per_s"),
+            "ours_vs_megatron_speed": ratio("ours", "megatron", "tokens_per_s"),
+            "ours_vs_eager_peak_allocated": mem("ours", "eager", "allocated"),
+            "ours_vs_eager_peak_reserved": mem("ours", "eager", "reserved"),
+            "megatron_vs_eager_peak_allocated": mem("megatron", "eager", "allocated"),
+            "megatron_vs_eager_peak_reserved": mem("megatron", "eager", "reserved"),
+            "ours_vs_megatron_peak_reserved": mem("ours", "megatron", "reserved"),
+            "megatron_graphs_ran": sum(rows.get("megatron", {}).get("graphs_per_rank") or [0]) > 0,
+            "ours_graphs_ran": sum(rows.get("ours", {}).get("graphs_per_rank") or [0]) > 0,
+            "eager_repeat_vs_eager_speed": ratio("eager_repeat", "eager", "tokens_per_s"),
+        }
     return out
 
 
@@ -333,9 +416,17 @@ def main(argv=None) -> int:
                         help="the record's name without its device (default peer-megatron-pp<P>, "
                              "peer-megatron-tp<T>pp<P>): a run under other settings (FLAGS_graphpp_*) must not "
                              "replace the published record")
+    parser.add_argument("--moe", action="store_true",
+                        help="the mixture-of-experts GPT on one GPU (tools/bench_moe.py's shape); "
+                             "writes peer-megatron-moe-<device>.json")
+    parser.add_argument("--routings", default=",".join(MOE_ROUTINGS),
+                        help="--moe: comma-separated routings (capacity: drop and pad, whole layers graphed; "
+                             "dropless: host-reading dispatch, graphed around it)")
     parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    if args.moe:
+        return main_moe(parser, args, argv if argv is not None else sys.argv[1:])
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (a spread needs two rounds)")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
@@ -369,18 +460,7 @@ def main(argv=None) -> int:
                   f"{torch.cuda.device_count()}; run it on a machine with {world} GPUs or lower --tp/--pp",
                   file=sys.stderr)
             return 2
-    deadline = time.monotonic() + budget
-    records = {}
-    for i, run in enumerate(runs, 1):
-        remaining = deadline - time.monotonic()
-        if remaining < MIN_RUN_S:
-            records[run["label"]] = {"error": "skipped: the time budget is spent", "per_rank": []}
-            print(f"[{i}/{len(runs)}] {run['label']}: skipped (budget)", flush=True)
-            continue
-        print(f"[{i}/{len(runs)}] {run['label']} ...", flush=True)
-        records[run["label"]] = rec = run_variant(run, world, timeout=min(run_cap, remaining - 5))
-        if "error" in rec:
-            print(f"  failed: {rec['error'][:500]}", flush=True)
+    records = _run_all(runs, world=world, budget=budget, run_cap=run_cap)
     by_seq = summarize(records, seqs)
     print_table(by_seq)
     summary = headline(by_seq, world=world)
@@ -395,6 +475,83 @@ def main(argv=None) -> int:
         print(f"wrote {path}")
     print(json.dumps(summary))
     return 0 if all("error" not in r for r in records.values()) else 1
+
+
+def main_moe(parser, args, argv) -> int:
+    """``--moe``: the MoE runs on one GPU (``--tp``/``--pp``/``--seqs``/``--ours-head`` do not apply)."""
+    given = {a.split("=")[0] for a in argv}
+    for flag in ("--tp", "--pp", "--seqs", "--ours-head"):
+        if flag in given:
+            parser.error(f"--moe runs one GPU at seq {MOE_SEQ} with the head eager (pp=1): drop {flag}")
+    if args.rounds < 2:
+        parser.error("--rounds must be >= 2 (a spread needs two rounds)")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.memory_trace:
+        parser.error("--memory-trace is not offered with --moe: the record already holds each variant's peaks")
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if "--variants" not in given:
+        variants = MOE_VARIANTS
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        parser.error(f"--variants {args.variants!r}: choose among {', '.join(VARIANTS)}")
+    routings = tuple(r.strip() for r in args.routings.split(",") if r.strip())
+    if not routings or any(r not in MOE_ROUTINGS for r in routings):
+        parser.error(f"--routings {args.routings!r}: choose among {', '.join(MOE_ROUTINGS)}")
+    seq = CPU_SEQ if args.device == "cpu" else MOE_SEQ
+    runs = plan_moe(routings, seq=seq, rounds=args.rounds, profile=args.profile, device=args.device,
+                    variants=variants, repeats=args.repeats, ours_loss=args.ours_loss)
+    budget = args.budget if args.budget is not None else BUDGET_S[1]
+    name = args.name or MOE_RECORD
+    if args.dry_run:
+        print(f"# budget {budget:.0f}s, 1 rank per run (one GPU), each run in its own process, at most "
+              f"{RUN_CAP_S[1]:.0f}s each")
+        print(f"# writes benchmarks/results/{name}-<device>.json")
+        for r in runs:
+            print(r["label"], _command(r))
+        return 0
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < 1:
+            print("bench_peer_megatron --moe: needs a GPU, found none", file=sys.stderr)
+            return 2
+    records = _run_all(runs, world=1, budget=budget, run_cap=RUN_CAP_S[1])
+    by_routing = summarize(records, routings)
+    print_table(by_routing)
+    summary = headline_moe(by_routing)
+    from tools import peer_megatron_worker as worker
+
+    payload = {"command": benchlib.command(), **benchlib.environment(), "versions": _versions(),
+               "model": "moe", "shape": worker.MOE_SHAPE, "seq": seq, "micro_batches": worker.MOE_MICRO_BATCHES,
+               "micro_batch_size": worker.MOE_MICRO_BATCH_SIZE, "capacity_factor": worker.CAPACITY_FACTOR,
+               "routings": list(routings), "world_size": 1, "budget_s": budget, "ours_loss": args.ours_loss,
+               "summary": summary, "by_config": by_routing, "runs": records}
+    if args.device == "cpu":  # a check of the scripts: no result file
+        print(json.dumps(payload))
+    else:
+        path = benchlib.write_result(name, payload)
+        print(f"wrote {path}")
+    print(json.dumps(summary))
+    return 0 if all("error" not in r for r in records.values()) else 1
+
+
+def _run_all(runs: list, *, world: int, budget: float, run_cap: float) -> dict:
+    """Every run in order within ``budget`` seconds: ``{label: record}``, a skipped run's error
+    saying so."""
+    deadline = time.monotonic() + budget
+    records = {}
+    for i, run in enumerate(runs, 1):
+        remaining = deadline - time.monotonic()
+        if remaining < MIN_RUN_S:
+            records[run["label"]] = {"error": "skipped: the time budget is spent", "per_rank": []}
+            print(f"[{i}/{len(runs)}] {run['label']}: skipped (budget)", flush=True)
+            continue
+        print(f"[{i}/{len(runs)}] {run['label']} ...", flush=True)
+        records[run["label"]] = rec = run_variant(run, world, timeout=min(run_cap, remaining - 5))
+        if "error" in rec:
+            print(f"  failed: {rec['error'][:500]}", flush=True)
+    return records
 
 
 def _versions() -> dict:

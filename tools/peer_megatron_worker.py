@@ -27,6 +27,45 @@ The tied embedding of a pipeline's first and last stage is summed by
 Under tensor parallelism without sequence parallelism nothing else needs summing: each TP rank
 owns its shard's gradients, and the replicated layer norms get equal gradients on every rank.
 
+``--model moe`` (``tools/bench_peer_megatron.py --moe``): a mixture-of-experts GPT at the
+launch-bound shape of ``tools/bench_moe.py`` (:data:`MOE_SHAPE`: hidden 1024, 8 layers, 16 heads,
+16 experts of width 512, top-2, vocabulary 32000; bf16, no dropout, 4 micro-batches of 2 x 256
+tokens), one GPU (``--tp 1 --pp 1``). Layers: ``get_gpt_layer_local_spec(num_experts=16,
+moe_grouped_gemm=False)``'s submodules (``SequentialMLP`` experts, ``TopKRouter``, the
+load-balancing loss off: ``moe_aux_loss_coeff=0``) in ``MoETransformerLayer``, Megatron's own
+layer class for MoE graphs (the GPT spec names plain ``TransformerLayer``; the subclass computes
+the same forward and adds the partial-graph path). Read in megatron-core 0.19.2's source:
+
+* The dispatch reads the host unless it drops and pads: the default ``allgather`` dispatcher
+  always does (``token_dispatcher.py:317`` ``local_map.sum(dim=0).long().cpu()``, ``:323``
+  ``.sum().item()``, then ``experts.py:1352`` ``tokens_per_expert.tolist()`` in
+  ``SequentialMLP``); the ``alltoall`` dispatcher without drop-and-pad copies the splits to the
+  host and waits on an event (``token_dispatcher.py:913-950``). With
+  ``moe_pad_expert_input_to_capacity=True`` and a ``moe_expert_capacity_factor`` the
+  ``alltoall`` dispatcher reads nothing (``token_dispatcher.py:511-534``: the counts are a host
+  ``torch.full`` of the capacity; ``_maybe_dtoh_and_synchronize`` skips drop-and-pad;
+  ``moe_utils.py:424-445`` permutes with ``argsort``), and the config allows the ``moe`` graph
+  scope only there (``transformer_config.py:2505-2511``).
+* ``cuda_graph_impl="local"`` graphs a layer through its ``__call__`` (``module.py:365-367``): an
+  empty ``cuda_graph_modules`` graphs the whole layer; for a plain ``TransformerLayer`` the
+  ``attn`` scope makes the same whole-layer manager (``transformer_layer.py:557-560``); the
+  ``moe_router``/``moe_preprocess`` scopes act under ``local`` only in ``MoETransformerLayer``
+  (``transformer_layer.py:1597-1620``, ``transition_cudagraph_scope('partial')``): the layer's
+  pre-MLP norm, router and dispatch preprocessing in one graph, combine and residual in another,
+  attention and the dispatch and experts eager, with an event wait on the host after the router
+  graph (``transformer_layer.py:1756-1757``). The early return that splits a layer at the router
+  inside one graph is ``transformer_engine`` only (``moe_utils.py:1597-1600``).
+
+So ``--routing`` (the same for every variant of a run):
+
+* ``capacity`` (default): ``alltoall`` dispatcher, capacity factor :data:`CAPACITY_FACTOR`,
+  drop and pad: capture-safe. ``megatron``: whole-layer local graphs (``cuda_graph_modules=[]``);
+  ``ours``: ``CUDAGraphedModule`` per layer, as in the dense model.
+* ``dropless``: Megatron's default ``allgather`` dispatcher, no capacity: it reads the host, so
+  neither peer graphs whole layers. ``megatron``: ``cuda_graph_modules=["moe_router",
+  "moe_preprocess"]`` (partial graphs above); ``ours``: each layer's ``self_attention`` and
+  ``mlp.router`` in ``CUDAGraphedModule`` (norms, dispatch, experts, combine eager).
+
 Steps: ``CAPTURE_STEPS`` steps (warmup, recording, capture), then ``rounds`` timed rounds of
 :func:`steps_per_round` steps (about the tokens of 3 steps at seq 2048: 12 steps at seq 512, a
 round of ~1.5 s at pp=2 on 2 x H200 where 3 steps took ~0.35 s), each between two device
@@ -68,6 +107,15 @@ SHAPES = {
     "tiny": dict(hidden=64, layers=4, heads=4, vocab=128),
 }
 DROPOUT = 0.1
+#: The MoE model (``--model moe``): tools/bench_moe.py's launch-bound shape, and the tiny one of
+#: the CPU check. ``ffn`` is each expert's width (every layer is a MoE layer).
+MOE_SHAPE = dict(hidden=1024, layers=8, heads=16, vocab=32000, experts=16, topk=2, ffn=512)
+MOE_TINY = dict(hidden=64, layers=2, heads=4, vocab=128, experts=4, topk=2, ffn=32)
+MOE_MICRO_BATCHES = 4
+MOE_MICRO_BATCH_SIZE = 2
+MOE_STEPS_PER_ROUND = 5  # as tools/bench_moe.py's --iters default
+CAPACITY_FACTOR = 1.25  # as tools/bench_moe.py's --capacity-factor default
+ROUTINGS = ("capacity", "dropless")
 
 
 def parse_args(argv=None):
@@ -85,11 +133,24 @@ def parse_args(argv=None):
                    help="ours: the last stage's cross-entropy in graph_loss (default) or eager")
     p.add_argument("--head", choices=["graphed", "eager"], default="graphed",
                    help="ours: the last stage's output layer graphed in place (graph_layers) or eager")
+    p.add_argument("--model", choices=["gpt", "moe"], default="gpt",
+                   help="gpt: the dense GPT-3 1.3B shape; moe: the mixture of experts (MOE_SHAPE, one GPU)")
+    p.add_argument("--routing", choices=ROUTINGS, default="capacity",
+                   help="moe: capacity (alltoall, drop and pad: graphs whole layers) or dropless (allgather, "
+                        "reads the host: graphs around the dispatch)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     opts = p.parse_args(argv)
     if opts.memory_trace and opts.device != "cuda":
         p.error("--memory-trace records the CUDA allocator: it needs --device cuda")
+    if opts.model == "moe" and (opts.tp, opts.pp) != (1, 1):
+        p.error("--model moe runs on one GPU: --tp 1 --pp 1 (Megatron's MoE under tensor parallelism needs "
+                "sequence parallelism, which this bench does not set up)")
     return opts
+
+
+def micro_batches(opts) -> tuple:
+    """``(micro-batches per step, sequences per micro-batch)`` of the model."""
+    return (MOE_MICRO_BATCHES, MOE_MICRO_BATCH_SIZE) if opts.model == "moe" else (MICRO_BATCHES, MICRO_BATCH_SIZE)
 
 
 def main(argv=None) -> int:
@@ -127,13 +188,15 @@ def build(opts, rank: int):
     import torch
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import Float16Module
 
     from paddle_graphpp.support import require
     require("megatron-core")
-    shape = SHAPES["tiny" if opts.device == "cpu" else "gpt1.3b"]
+    if opts.model == "moe":
+        shape = MOE_TINY if opts.device == "cpu" else MOE_SHAPE
+    else:
+        shape = SHAPES["tiny" if opts.device == "cpu" else "gpt1.3b"]
     check_shape(shape, tp=opts.tp, pp=opts.pp)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -142,17 +205,9 @@ def build(opts, rank: int):
     # them draw the same dropout masks.
     tensor_parallel.model_parallel_cuda_manual_seed(SEED + 100 * pp_rank, use_cudagraphable_rng=opts.device == "cuda")
     torch.manual_seed(SEED + 100 * pp_rank)
-    config = TransformerConfig(
-        num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
-        ffn_hidden_size=4 * shape["hidden"], hidden_dropout=DROPOUT, attention_dropout=DROPOUT,
-        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
-        use_cpu_initialization=opts.device == "cpu",
-        # on CPU (a check of this script) the megatron variant keeps its DDP and main_grad path, without graphs
-        cuda_graph_impl="local" if opts.variant == "megatron" and opts.device == "cuda" else "none",
-        batch_p2p_comm=opts.device == "cuda",  # gloo has no coalesced p2p
-    )
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=shape["vocab"], max_sequence_length=opts.seq,
+    config = TransformerConfig(**model_config(opts, shape))
+    spec = layer_spec(opts, shape)
+    model = GPTModel(config, spec, vocab_size=shape["vocab"], max_sequence_length=opts.seq,
                      pre_process=parallel_state.is_pipeline_first_stage(),
                      post_process=parallel_state.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
@@ -173,7 +228,12 @@ def build(opts, rank: int):
 
         layers = gpt.decoder.layers
         for i, layer in enumerate(layers):
-            layers[i] = CUDAGraphedModule(layer)
+            if opts.model == "moe" and opts.routing == "dropless":
+                # The dispatch reads the host (module docstring): graph around it, attention and router.
+                layer.self_attention = CUDAGraphedModule(layer.self_attention, name=f"layers.{i}.self_attention")
+                layer.mlp.router = CUDAGraphedModule(layer.mlp.router, name=f"layers.{i}.mlp.router")
+            else:
+                layers[i] = CUDAGraphedModule(layer)
         if opts.loss == "graphed" and gpt.post_process:
             from paddle_graphpp.torch import graph_loss
 
@@ -192,6 +252,57 @@ def build(opts, rank: int):
             graph_layers([gpt.output_layer], name="output_layer")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, gpt, config, optimizer, shape
+
+
+def model_config(opts, shape: dict) -> dict:
+    """The ``TransformerConfig`` keywords of the variant (dense or MoE; Megatron's graphs only for
+    its variant on a GPU: on CPU, a check of this script, it keeps its DDP and main_grad path)."""
+    import torch
+
+    graphs = opts.variant == "megatron" and opts.device == "cuda"
+    moe = opts.model == "moe"
+    dropout = 0.0 if moe else DROPOUT  # tools/bench_moe.py's models train without dropout
+    config = dict(
+        num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
+        ffn_hidden_size=shape["ffn"] if moe else 4 * shape["hidden"], hidden_dropout=dropout,
+        attention_dropout=dropout, bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp,
+        use_cpu_initialization=opts.device == "cpu",
+        cuda_graph_impl="local" if graphs else "none",
+        batch_p2p_comm=opts.device == "cuda",  # gloo has no coalesced p2p
+    )
+    if moe:
+        capacity = opts.routing == "capacity"
+        config.update(
+            num_moe_experts=shape["experts"], moe_router_topk=shape["topk"], moe_ffn_hidden_size=shape["ffn"],
+            moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
+            # no linear biases, as the models of tools/bench_moe.py; with them an expert's bias is
+            # added in place to the output of a tensor-parallel reduce that returns its input at
+            # TP=1 (mlp.py:354), which autograd refuses
+            add_bias_linear=False,
+            # drop and pad: the alltoall dispatcher reads nothing from the host (module docstring)
+            moe_token_dispatcher_type="alltoall" if capacity else "allgather",
+            moe_expert_capacity_factor=CAPACITY_FACTOR if capacity else None,
+            moe_pad_expert_input_to_capacity=capacity,
+        )
+        if graphs:  # whole layers where the dispatch captures; else Megatron's graphs around it
+            config["cuda_graph_modules"] = [] if capacity else ["moe_router", "moe_preprocess"]
+    return config
+
+
+def layer_spec(opts, shape: dict):
+    """The dense model's ``get_gpt_layer_local_spec()``; for the MoE model the same spec with
+    ``num_experts`` in ``MoETransformerLayer`` (module docstring: the class the local graphs'
+    MoE scopes need)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if opts.model != "moe":
+        return get_gpt_layer_local_spec()
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    spec = get_gpt_layer_local_spec(num_experts=shape["experts"], moe_grouped_gemm=False)
+    return ModuleSpec(module=MoETransformerLayer, params=spec.params, submodules=spec.submodules)
 
 
 def check_shape(shape: dict, *, tp: int, pp: int) -> None:
@@ -225,23 +336,26 @@ def batches(opts, vocab: int, steps: int, device):
     import torch
 
     g = torch.Generator().manual_seed(SEED)
+    count, size = micro_batches(opts)
     out = []
     for _ in range(steps):
         step = []
-        for _ in range(MICRO_BATCHES):
-            tokens = torch.randint(0, vocab, (MICRO_BATCH_SIZE, opts.seq + 1), generator=g)
+        for _ in range(count):
+            tokens = torch.randint(0, vocab, (size, opts.seq + 1), generator=g)
             step.append((tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)))
         out.append(step)
-    positions = torch.arange(opts.seq, device=device).unsqueeze(0).expand(MICRO_BATCH_SIZE, -1)
+    positions = torch.arange(opts.seq, device=device).unsqueeze(0).expand(size, -1)
     return out, positions
 
 
 # ------------------------------------------------------------------------------------ train
-def steps_per_round(seq: int, device: str = "cuda") -> int:
+def steps_per_round(seq: int, device: str = "cuda", model: str = "gpt") -> int:
     """Steps in a timed round: on a GPU about as many tokens at every length as 3 steps at seq
-    2048, and never fewer than 3 (the CPU check keeps 3)."""
+    2048, and never fewer than 3 (the CPU check keeps 3); the MoE model's 5 (tools/bench_moe.py)."""
     if device != "cuda":
         return STEPS_PER_ROUND
+    if model == "moe":
+        return MOE_STEPS_PER_ROUND
     return max(STEPS_PER_ROUND, round(STEPS_PER_ROUND * 2048 / seq))
 
 
@@ -261,7 +375,8 @@ def run(opts, rank: int) -> dict:
     model, gpt, config, optimizer, shape = build(opts, rank)
     cuda = opts.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    round_steps = steps_per_round(opts.seq, opts.device)
+    round_steps = steps_per_round(opts.seq, opts.device, opts.model)
+    n_micro, micro_size = micro_batches(opts)
     total_steps = CAPTURE_STEPS + opts.rounds * round_steps
     data, positions = batches(opts, shape["vocab"], total_steps + (1 if opts.profile else 0), device)
     last = parallel_state.is_pipeline_last_stage()
@@ -285,8 +400,8 @@ def run(opts, rank: int) -> dict:
         else:
             optimizer.zero_grad(set_to_none=True)
         out = forward_backward(forward_step_func=forward_step, data_iterator=iter(data[i]), model=[model],
-                               num_microbatches=MICRO_BATCHES, seq_length=opts.seq,
-                               micro_batch_size=MICRO_BATCH_SIZE, forward_only=False)
+                               num_microbatches=n_micro, seq_length=opts.seq,
+                               micro_batch_size=micro_size, forward_only=False)
         if opts.variant == "megatron":  # its graphs accumulate into main_grad
             params = [p for p in model.parameters() if p.requires_grad]
             for p in params:
@@ -327,13 +442,14 @@ def run(opts, rank: int) -> dict:
     if cuda:
         mem["steady_reserved_mib"] = torch.cuda.max_memory_reserved() / 2**20
         mem["steady_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    tokens_per_round = round_steps * MICRO_BATCHES * MICRO_BATCH_SIZE * opts.seq
+    tokens_per_round = round_steps * n_micro * micro_size * opts.seq
     tps = [tokens_per_round / s for s in round_s]
     record = {
         "rank": rank, "variant": opts.variant, "seq": opts.seq, "tp": opts.tp, "pp": opts.pp,
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "device": opts.device,
-        "shape": shape, "micro_batches": MICRO_BATCHES, "micro_batch_size": MICRO_BATCH_SIZE,
+        "model": opts.model, **({"routing": opts.routing} if opts.model == "moe" else {}),
+        "shape": shape, "micro_batches": n_micro, "micro_batch_size": micro_size,
         "capture_steps": CAPTURE_STEPS, "steps_per_round": round_steps, "rounds": opts.rounds,
         "tokens_per_s": statistics.median(tps), "tokens_per_s_rounds": tps,
         "tokens_per_s_spread": max(tps) / min(tps), "capture_phase_s": capture_phase_s,
@@ -353,7 +469,7 @@ def run(opts, rank: int) -> dict:
         del snapshot
         print(f"rank {rank} {opts.variant} seq {opts.seq}:\n{memtrace.describe(record['memory_trace'])}", file=sys.stderr)
     if opts.profile:
-        record["profile"] = profile_step(lambda: step(i), sync, layer_calls=len(gpt.decoder.layers) * MICRO_BATCHES)
+        record["profile"] = profile_step(lambda: step(i), sync, layer_calls=len(gpt.decoder.layers) * n_micro)
     if opts.tp * opts.pp > 1:
         import torch.distributed as dist
 
@@ -386,11 +502,15 @@ def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
         from paddle_graphpp.torch.layers import is_graphed_layer
         from paddle_graphpp.torch.runtime import RUNTIME
 
+        from paddle_graphpp.torch import CUDAGraphedModule
+
         report = memory_report()
         lending = RUNTIME.lending_report()  # optimizer steps that borrowed the graph pool, or declined
         loss = gpt.__dict__.get("compute_language_model_loss")  # graph_loss's module, when graphed
         head = gpt.output_layer if gpt.post_process and is_graphed_layer(gpt.output_layer) else None
-        graphed = layers + [m for m in (loss, head) if m is not None]
+        # the wrapped layers, or a MoE model's graphed attention and routers (--routing dropless)
+        parts = [m for m in gpt.decoder.modules() if isinstance(m, CUDAGraphedModule)]
+        graphed = parts + [m for m in (loss, head) if m is not None]
         return {"graphs": sum(m.engine.graph_count() for m in graphed),
                 "replays": sum(m.engine.replays for m in graphed),
                 "loss_graphs": loss.engine.graph_count() if loss is not None else 0,
@@ -398,7 +518,10 @@ def graph_stats(variant: str, gpt, megatron_capture: list) -> dict:
                 "capture_s": sum(r["capture_seconds"] for r in report.values()), "memory_report": report,
                 **({"pool_lending": lending} if lending is not None else {})}
     if variant == "megatron":
-        runners = [r for l in layers for r in getattr(getattr(l, "cudagraph_manager", None), "cudagraph_runners", [])]
+        # a whole layer's manager, or a MoE layer's partial ones (router and postprocess)
+        managers = [getattr(l, a, None) for l in layers
+                    for a in ("cudagraph_manager", "cudagraph_manager_router", "cudagraph_manager_postprocess")]
+        runners = [r for m in managers for r in getattr(m, "cudagraph_runners", [])]
         return {"graphs": sum((r.fwd_graph is not None) + (r.bwd_graph is not None) for r in runners),
                 "runners": len(runners),
                 "capture_s": sum(s.get("time", 0.0) for s in megatron_capture),

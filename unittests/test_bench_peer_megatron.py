@@ -217,3 +217,70 @@ def test_a_timed_round_holds_as_many_tokens_at_every_length_on_a_gpu():
     assert [steps(s) * s for s in (512, 1024, 2048)] == [3 * 2048] * 3
     assert steps(4096) == 3 and steps(32, "cpu") == 3
     assert steps(768) == 8  # 6144 tokens, as at seq 2048
+
+
+def test_moe_dry_run_lists_each_routing_on_one_gpu_and_names_its_record(capsys):
+    assert bench_peer_megatron.main(["--moe", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "# writes benchmarks/results/peer-megatron-moe-<device>.json"
+    labels = [l.split()[0] for l in out[2:]]
+    per_routing = ["eager", "megatron", "ours", "ours#2", "megatron#2"]
+    assert labels == [f"{v.split('#')[0]}@{r}" + (f"#{v.split('#')[1]}" if "#" in v else "")
+                      for r in ("capacity", "dropless") for v in per_routing] + \
+        ["eager_repeat@capacity", "eager_repeat@dropless"]
+    runs = out[2:]
+    assert all("--model moe" in l and "--seq 256 --tp 1 --pp 1" in l for l in runs)
+    assert all(f"--routing {l.split()[0].split('@')[1].split('#')[0]}" in l for l in runs)
+
+
+@pytest.mark.parametrize("argv", [["--pp", "2"], ["--tp", "2"], ["--seqs", "512"], ["--memory-trace"],
+                                  ["--routings", "capacity,fast"]])
+def test_moe_refuses_what_it_does_not_run(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        bench_peer_megatron.main(["--moe", *argv, "--dry-run"])
+    assert exc.value.code == 2
+
+
+def test_the_moe_worker_runs_on_one_rank_only(capsys):
+    with pytest.raises(SystemExit):
+        peer_megatron_worker.parse_args(["--variant", "ours", "--model", "moe", "--seq", "32", "--pp", "2"])
+    assert "--model moe runs on one GPU" in capsys.readouterr().err
+    opts = peer_megatron_worker.parse_args(["--variant", "megatron", "--model", "moe", "--routing", "dropless",
+                                            "--seq", "256"])
+    assert peer_megatron_worker.micro_batches(opts) == (4, 2)
+    assert peer_megatron_worker.steps_per_round(256, "cuda", "moe") == 5
+
+
+def test_moe_summary_is_per_routing_with_allocated_and_reserved_peaks():
+    def rec(tps, alloc, reserved, graphs=None, losses=(1.0, 2.0)):
+        return {"per_rank": [{"tokens_per_s": tps, "tokens_per_s_rounds": [tps, tps], "tokens_per_s_spread": 1.0,
+                              "capture_phase_s": 1.0, "peak_allocated_mib": alloc, "steady_allocated_mib": alloc - 1,
+                              "peak_reserved_mib": reserved, "steady_reserved_mib": reserved - 1,
+                              "losses": list(losses), **({"graphs": graphs} if graphs is not None else {})}]}
+    records = {"eager@capacity": rec(100.0, 1000.0, 1100.0), "megatron@capacity": rec(300.0, 1100.0, 1300.0, 16),
+               "ours@capacity": rec(330.0, 1050.0, 1155.0, 16, (1.0, 2.5)), "eager@dropless": rec(50.0, 900.0, 1000.0),
+               "megatron@dropless": {"error": "RuntimeError: x", "per_rank": []}}
+    by = bench_peer_megatron.summarize(records, ("capacity", "dropless"))
+    assert by["capacity"]["ours"]["peak_allocated_mib"] == 1050.0
+    assert by["capacity"]["ours"]["max_abs_loss_diff_vs_eager"] == 0.5
+    assert by["dropless"]["megatron"] == {"error": "RuntimeError: x"}
+    h = bench_peer_megatron.headline_moe(by)
+    assert h["capacity"]["ours_vs_megatron_speed"] == 1.1 and h["capacity"]["ours_vs_eager_speed"] == 3.3
+    assert h["capacity"]["ours_vs_eager_peak_reserved"] == 1.05 and h["capacity"]["megatron_vs_eager_peak_allocated"] == 1.1
+    assert h["capacity"]["megatron_graphs_ran"] and not h["dropless"]["megatron_graphs_ran"]
+    assert h["dropless"]["ours_vs_megatron_speed"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                    reason="megatron-core is not installed: python -m pip install --no-deps "
+                           ".wheels/megatron_core-*.whl (a Python 3.12 wheel; see tools/bench_peer_megatron.py)")
+def test_tiny_moe_model_every_variant_and_routing_on_cpu():
+    end = launch.run([sys.executable, SCRIPT, "--device", "cpu", "--moe", "--rounds", "2", "--repeats", "1"],
+                     cwd=REPO, timeout=400)
+    assert end.returncode == 0, end.stdout[-3000:] + end.stderr[-3000:]
+    payload = json.loads([l for l in end.stdout.splitlines() if l.startswith('{"command"')][-1])
+    for routing in ("capacity", "dropless"):
+        rows = payload["by_config"][routing]
+        for variant in ("megatron", "ours", "eager_repeat"):  # no graphs on CPU: the same math as eager
+            assert rows[variant]["max_abs_loss_diff_vs_eager"] == 0.0, (routing, variant)
