@@ -343,6 +343,7 @@ def test_one_warning_per_block_with_several_micro_batches_in_flight(fake_runtime
     assert len(about) == 1 and "graphed around its routed experts instead" in about[0], about
 
 
+@pytest.mark.filterwarnings("ignore:another capture failed as well")  # every block's, after the first's error
 @pytest.mark.parametrize("case", ["checkpointing", "out of memory", "empty message"])
 def test_a_failure_parts_would_not_mend_follows_the_fallback_option(fake_runtime, monkeypatch, case):
     """Out of memory, or a block under its library's checkpointing (its parts would refuse it), is
