@@ -446,12 +446,8 @@ def main(argv=None) -> int:
     run_cap = RUN_CAP_S[world]
     name = ("memory-trace-" if args.memory_trace else "") + (args.name or record_name(args.tp, args.pp))
     if args.dry_run:
-        print(f"# budget {budget:.0f}s, {world} rank(s) per run (--tp {args.tp} x --pp {args.pp}), each run in its "
-              f"own processes, at most {run_cap:.0f}s each")
-        print(f"# writes benchmarks/results/{name}-<device>.json")
-        for r in runs:
-            print(r["label"], _command(r))
-        return 0
+        return _dry_run(runs, f"# budget {budget:.0f}s, {world} rank(s) per run (--tp {args.tp} x --pp {args.pp}), "
+                              f"each run in its own processes, at most {run_cap:.0f}s each", name)
     if args.device == "cuda":
         import torch
 
@@ -468,13 +464,28 @@ def main(argv=None) -> int:
                "tp": args.tp, "pp": args.pp, "world_size": world, "seqs": list(seqs), "budget_s": budget,
                "ours_loss": args.ours_loss, "ours_head": args.ours_head,
                "summary": summary, "by_config": by_seq, "runs": records}
-    if args.device == "cpu":  # a check of the scripts: no result file
+    return _finish(args.device, name, payload, summary, records)
+
+
+def _finish(device: str, name: str, payload: dict, summary: dict, records: dict) -> int:
+    """Write the record (on CPU, a check of the scripts, print it instead), print the summary;
+    exit code 1 where a run failed."""
+    if device == "cpu":
         print(json.dumps(payload))
     else:
         path = benchlib.write_result(name, payload)
         print(f"wrote {path}")
     print(json.dumps(summary))
     return 0 if all("error" not in r for r in records.values()) else 1
+
+
+def _dry_run(runs: list, budget_line: str, name: str) -> int:
+    """``--dry-run``: the budget, the record's name and each run's command."""
+    print(budget_line)
+    print(f"# writes benchmarks/results/{name}-<device>.json")
+    for r in runs:
+        print(r["label"], _command(r))
+    return 0
 
 
 def main_moe(parser, args, argv) -> int:
@@ -504,12 +515,8 @@ def main_moe(parser, args, argv) -> int:
     budget = args.budget if args.budget is not None else BUDGET_S[1]
     name = args.name or MOE_RECORD
     if args.dry_run:
-        print(f"# budget {budget:.0f}s, 1 rank per run (one GPU), each run in its own process, at most "
-              f"{RUN_CAP_S[1]:.0f}s each")
-        print(f"# writes benchmarks/results/{name}-<device>.json")
-        for r in runs:
-            print(r["label"], _command(r))
-        return 0
+        return _dry_run(runs, f"# budget {budget:.0f}s, 1 rank per run (one GPU), each run in its own process, at most "
+                              f"{RUN_CAP_S[1]:.0f}s each", name)
     if args.device == "cuda":
         import torch
 
@@ -527,13 +534,7 @@ def main_moe(parser, args, argv) -> int:
                "micro_batch_size": worker.MOE_MICRO_BATCH_SIZE, "capacity_factor": worker.CAPACITY_FACTOR,
                "routings": list(routings), "world_size": 1, "budget_s": budget, "ours_loss": args.ours_loss,
                "summary": summary, "by_config": by_routing, "runs": records}
-    if args.device == "cpu":  # a check of the scripts: no result file
-        print(json.dumps(payload))
-    else:
-        path = benchlib.write_result(name, payload)
-        print(f"wrote {path}")
-    print(json.dumps(summary))
-    return 0 if all("error" not in r for r in records.values()) else 1
+    return _finish(args.device, name, payload, summary, records)
 
 
 def _run_all(runs: list, *, world: int, budget: float, run_cap: float) -> dict:
