@@ -18,8 +18,11 @@ pytest.importorskip("transformers")
 
 from testing import zoo  # noqa: E402
 
+from fake_runtime import FakeGraphRuntime  # noqa: E402
+from paddle_graphpp import CaptureError, CaptureFallbackWarning  # noqa: E402
+from paddle_graphpp.core import runtime as runtime_mod  # noqa: E402
 from paddle_graphpp.torch import (CapacityOverflow, capacity_experts, capacity_overflows, graph_layers,  # noqa: E402
-                                  graph_model)
+                                  graph_model, graph_step)
 from paddle_graphpp.torch.integrations import transformers as adapter  # noqa: E402
 
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
@@ -166,7 +169,136 @@ def test_bad_arguments_are_refused_by_name():
     for factor in (0, float("nan"), True):
         with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
             capacity_experts(_model("qwen3_moe"), factor)
-    with pytest.raises(ValueError, match=r"on_overflow must be one of \('raise', 'drop'\)"):
-        capacity_experts(_model("qwen3_moe"), on_overflow="rerun")
+    with pytest.raises(ValueError, match=r"on_overflow must be one of \('raise', 'drop', 'rerun'\)"):
+        capacity_experts(_model("qwen3_moe"), on_overflow="retry")
     with pytest.raises(TypeError, match="LlamaForCausalLM holds no mixture-of-experts experts module"):
         capacity_experts(_model("llama", None))
+
+
+class _Capturing(FakeGraphRuntime):
+    """Captures on CPU tensors (bookkeeping only: "capture" runs the step, a replay only counts)."""
+
+    def graphs_unavailable_reason(self, tensors):
+        return None
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    rt = _Capturing()
+    runtime_mod.register_runtime("torch", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    yield rt
+    runtime_mod.unregister_runtime("torch")
+
+
+def _graphed_step(model, fallback):
+    graph_model(model)  # transformers builds its masks outside the step's graph
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train_step(ids):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return graph_step(train_step, 1, optimizers=opt, fallback=fallback), opt
+
+
+def test_a_captured_step_cannot_leave_overflows_unchecked(fake):
+    """``"raise"`` reads the counters before an optimizer step, which a replay does not run:
+    capturing a step of experts under it fails with that reason, before the step changes anything,
+    and under ``fallback="eager"`` the step runs eagerly, where the check stops an overflow."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _model("qwen3_moe")
+    capacity_experts(model, EXPERTS / TOP_K)  # nothing dropped: the warmup step passes the check
+    step, _ = _graphed_step(model, "error")
+    step(ids)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CaptureError, match=r"Qwen3MoeForCausalLM is in capacity mode with on_overflow='raise' "
+                                           r"\(model\.layers\.0\.mlp\.experts and \d+ more\).*being captured.*"
+                                           r"on_overflow='drop'"):
+        step(ids)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert step.captures == 0
+
+    model = _model("qwen3_moe")
+    capacity_experts(model, 0.25)
+    step, _ = _graphed_step(model, "eager")
+    with pytest.raises(CapacityOverflow):  # the warmup step is eager: checked
+        step(ids)
+    with pytest.warns(CaptureFallbackWarning, match="on_overflow='raise'"), pytest.raises(CapacityOverflow):
+        step(ids)  # the capture failed; this call ran eagerly and its check stopped the overflow
+    assert step.captures == 0
+
+    for mode in ("drop", None):  # dropping accepted, or another model's optimizer: captured
+        model = _model("qwen3_moe")
+        if mode is None:
+            capacity_experts(_model("qwen3_moe"), 0.25)
+        else:
+            capacity_experts(model, 0.25, on_overflow=mode)
+        step, _ = _graphed_step(model, "error")
+        for _ in range(3):
+            step(ids)
+        assert (step.captures, step.replays) == (1, 2)
+
+
+def _steps(model, data, run):
+    """Losses and parameters after training ``model`` on ``data``, each step run by ``run(step, batch)``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(2)
+    losses = []
+
+    def step(batch):
+        out = []
+        for ids in batch:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            out.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    for batch in data:
+        losses += run(step, batch)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("door,model_type", [("eager", "mixtral"), ("graph_layers", "qwen3_moe"),
+                                             ("graph_model", "qwen3_moe")])
+def test_an_overflowed_step_is_re_run_as_the_models_own_experts_train(door, model_type):
+    """``"rerun"``: every step here drops pairs (a quarter of an even share), is abandoned at its
+    optimizer step and run again with the model's own experts: the training equals the model's own,
+    bit for bit (Mixtral's router jitter draws the same noise again), and the capacity mode is back
+    after each step."""
+    base = _model(model_type, **({"router_jitter_noise": 0.1} if model_type == "mixtral" else {}))
+    data = zoo._batches(base.config.vocab_size)
+    reference = _steps(copy.deepcopy(base), data, lambda step, batch: step(batch))
+    model = copy.deepcopy(base)
+    mode = capacity_experts(model, 0.25, on_overflow="rerun")
+    if door == "graph_layers":
+        assert not graph_layers(zoo.blocks_of(model)).eager
+    elif door == "graph_model":
+        graph_model(model)
+    with pytest.warns(RuntimeWarning, match=rf"{type(model).__name__}: a step dropped .* re-run eagerly"):
+        got = _steps(model, data, mode.step)
+    assert all(torch.equal(a, b) for a, b in zip(reference[0] + reference[1], got[0] + got[1]))
+    assert mode.reruns == len(data) and mode.rerun_dropped > 0
+    assert {impl for _, _, impl in adapter.experts_modules(model)} == {"graphpp_capacity"}
+    assert not any(capacity_overflows(model).values())
+
+
+def test_a_rerun_step_needs_its_step():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _model("qwen3_moe")
+    mode = capacity_experts(model, 0.25, on_overflow="rerun")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(ids, labels=ids).loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CapacityOverflow, match=r"this step was not taken.*re-run only when it runs through the "
+                                               r"model's CapacityMode\.step"):
+        opt.step()  # outside step(): not re-run, and not taken
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(RuntimeError, match="inside another step"):
+        mode.step(mode.step, lambda: None)
+    assert mode.step(lambda x: x + 1, 1) == 2
+    mode.undo()
+    with pytest.raises(RuntimeError, match="capacity mode was undone"):
+        mode.step(lambda: None)

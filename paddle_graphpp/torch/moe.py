@@ -6,24 +6,30 @@ the host, in any dtype, so the blocks are graphed whole. A pair past its expert'
 dropped, and in calls with grad enabled a counter on the device counts it, inside graph replays
 too. The counters are read before each eager optimizer step. With ``on_overflow="raise"`` (the
 default) an overflow raises :class:`CapacityOverflow` before any parameter changes. With
-``"drop"`` the dropped pairs are accepted and counted in :func:`capacity_overflows`. A step that
-is captured (``graph_step``, ``GraphedOptimizer``) skips the check. Usage and limits: docs/moe.md.
+``"drop"`` the dropped pairs are accepted and counted in :func:`capacity_overflows`. With
+``"rerun"`` a step run through :meth:`CapacityMode.step` is abandoned there and run again eagerly
+with the model's own experts. A captured step cannot read the counters: capturing an optimizer
+step of checked experts (``graph_step``, ``GraphedOptimizer``) fails with that reason. Usage and
+limits: docs/moe.md.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..core.process import current_process
+from ..core.scope import inline_layers
 from . import integrations
+from .runtime import active_runtime
 
 __all__ = ["capacity_experts", "capacity_overflows", "CapacityOverflow", "CapacityMode"]
 
-ON_OVERFLOW = ("raise", "drop")
+ON_OVERFLOW = ("raise", "drop", "rerun")
 _MODE = "_graphpp_capacity_mode"  # on the model: its CapacityMode
 
 
@@ -32,13 +38,25 @@ class CapacityOverflow(RuntimeError):
     next optimizer step before it changes any parameter (the counters are reset)."""
 
 
+class _Rerun(CapacityOverflow):
+    """Raised by the optimizer hook inside :meth:`CapacityMode.step` of an ``on_overflow="rerun"``
+    mode that dropped pairs: the step is abandoned before the optimizer changes anything, and run
+    again. ``optimizer``: the one whose step found it."""
+
+    def __init__(self, message: str, optimizer: Any):
+        super().__init__(message)
+        self.optimizer = optimizer
+
+
 class CapacityWatch:
-    """The experts in capacity mode in this process, and the optimizer hook that reads their
-    counters (a part of the process's torch section)."""
+    """The experts in capacity mode in this process, the optimizer hook that reads their
+    counters, and the :meth:`CapacityMode.step` running now (a part of the process's torch
+    section)."""
 
     def __init__(self) -> None:
         self.modes: "weakref.WeakSet[CapacityMode]" = weakref.WeakSet()
         self.hook: Any = None
+        self.stepping: Any = None
 
 
 def _watch() -> CapacityWatch:
@@ -54,6 +72,8 @@ class CapacityMode:
         self._model = weakref.ref(model)
         self.owner = type(model).__name__
         self.states, self.before, self.on_overflow = states, before, on_overflow
+        self.reruns = 0  # steps re-run by step() after an overflow
+        self.rerun_dropped = 0  # the pairs their first runs dropped
 
     @property
     def model(self) -> Any:
@@ -85,6 +105,61 @@ class CapacityMode:
             for s in self.states:
                 s.dropped.zero_()
         return {s.name: counts[s.name] for s in self.states}
+
+    def step(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run one whole training step, ``fn(*args, **kwargs)``: its forwards and backwards, then
+        its optimizer step. Under ``on_overflow="rerun"``, a step whose experts dropped a pair is
+        abandoned at its optimizer step, before any parameter or optimizer state changes, and run
+        again eagerly with the model's own experts (the implementation before the capacity mode)
+        and every graphed layer running its plain call: that step computes what eager training
+        without the capacity mode computes. Returns what ``fn`` returned (the run that counted).
+
+        The re-run starts from the state the first run started from: the random number generators
+        (CPU, and CUDA where it was initialised) are restored, and the gradients of the model's
+        parameters and of the optimizer that found the overflow are cleared. So ``fn`` must be a
+        whole step: it starts from cleared gradients or clears them itself, and accumulates no
+        gradient that an earlier call left. :attr:`reruns` counts the steps re-run,
+        :attr:`rerun_dropped` the pairs their first runs dropped; the first re-run warns once.
+        Under other ``on_overflow`` values this just calls ``fn``.
+
+        Raises:
+            RuntimeError: called inside another ``step()``, after :meth:`undo`, or, under
+                ``"rerun"``, in a process group of more than one rank (the ranks would have to
+                agree to re-run a step together, which is not built: use ``"raise"`` or ``"drop"``).
+        """
+        watch = _watch()
+        if watch.stepping is not None:
+            raise RuntimeError(f"CapacityMode.step() of {self.owner} inside another step(); run each step once")
+        model = self.model
+        if model is None or not self.states:
+            raise RuntimeError(f"CapacityMode.step(): {self.owner}'s capacity mode was undone")
+        if self.on_overflow != "rerun":
+            return fn(*args, **kwargs)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise RuntimeError(
+                f"CapacityMode.step(): on_overflow='rerun' re-runs a step on the rank that overflowed, and with "
+                f"{torch.distributed.get_world_size()} ranks the others would not re-run with it. Re-running across "
+                f"ranks is not built: use on_overflow='raise' or 'drop' there.")
+        rng = _rng_state()
+        watch.stepping = self
+        try:
+            return fn(*args, **kwargs)
+        except _Rerun as overflow:
+            optimizer = overflow.optimizer
+        finally:
+            watch.stepping = None
+        for p in [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]:
+            p.grad = None
+        _set_rng_state(rng)
+        if not self.reruns:
+            warnings.warn(f"{self.owner}: a step dropped (token, expert) pairs at the experts' capacity and is re-run "
+                          f"eagerly with the model's own experts (on_overflow='rerun'); its graphs gain nothing "
+                          f"there. CapacityMode.reruns counts such steps; raise capacity_factor to make them rare.",
+                          RuntimeWarning, stacklevel=2)
+        self.reruns += 1
+        with integrations.capacity_suspended(model, self.before), inline_layers():
+            return fn(*args, **kwargs)
 
     def undo(self) -> Any:
         """Give the model its experts implementation back; returns the model. A mode the model no
@@ -129,7 +204,9 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
         on_overflow: ``"raise"``: the next optimizer step raises :class:`CapacityOverflow`
             before changing any parameter (its counters are read there: one device read per
             step, outside the graphs); ``"drop"``: dropped pairs are accepted, and
-            :func:`capacity_overflows` counts them.
+            :func:`capacity_overflows` counts them; ``"rerun"``: a step run through
+            :meth:`CapacityMode.step` that dropped pairs is run again eagerly with the model's own
+            experts (an optimizer step outside it raises as with ``"raise"``).
 
     Returns:
         A :class:`CapacityMode`; its ``undo()`` restores the experts implementation.
@@ -146,10 +223,10 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
         ValueError: a bad ``capacity_factor`` or ``on_overflow``, or the model is in capacity mode already.
 
     Warning:
-        With ``"raise"``, the counters are read by an eager ``optimizer.step()``. A step graphed by
-        ``graph_step`` or ``GraphedOptimizer`` skips that check when it is captured and does not
-        run it in its replays: pass ``"drop"`` there and read :func:`capacity_overflows` after
-        each step.
+        With ``"raise"``, the counters are read by an eager ``optimizer.step()``, which a graph
+        cannot hold: capturing a step of these experts (``graph_step``, ``GraphedOptimizer``)
+        fails, naming this. Pass ``"drop"`` there and read :func:`capacity_overflows` after each
+        step.
     """
     if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
             or not math.isfinite(capacity_factor) or capacity_factor <= 0):
@@ -177,18 +254,61 @@ def capacity_overflows(model: Any, reset: bool = False) -> dict:
 
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return  # a step being captured (graph_step, GraphedOptimizer): no device read can run there
-    modes = [m for m in list(_watch().modes) if m.on_overflow == "raise" and m.states and m.model is not None]
+    watch = _watch()
+    modes = [m for m in list(watch.modes) if m.on_overflow != "drop" and m.states and m.model is not None]
     if not modes:
         return
-    dropped = {(mode.owner, name): count for mode in modes for name, count in mode.overflows(reset=True).items()
-               if count}
-    if dropped:
-        shown = ", ".join(f"{owner} {name}: {count}" for (owner, name), count in list(dropped.items())[:4])
-        more = f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""
+    if active_runtime().is_capturing():
+        _refuse_in_capture(optimizer, modes)
+        return
+    dropped = {(mode, name): count for mode in modes for name, count in mode.overflows(reset=True).items() if count}
+    if not dropped:
+        return
+    shown = ", ".join(f"{mode.owner} {name}: {count}" for (mode, name), count in list(dropped.items())[:4])
+    shown += f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""
+    total = sum(dropped.values())
+    what = (f"{total} (token, expert) pairs were dropped at their experts' capacity in training calls since the "
+            f"last optimizer step ({shown}); this step was not taken, and the counters are reset.")
+    rerun = {mode for mode, _ in dropped if mode.on_overflow == "rerun"}
+    if rerun and all(mode.on_overflow == "rerun" for mode, _ in dropped):
+        if rerun == {watch.stepping}:
+            watch.stepping.rerun_dropped += total
+            raise _Rerun(what, optimizer)
         raise CapacityOverflow(
-            f"{sum(dropped.values())} (token, expert) pairs were dropped at their experts' capacity in training calls "
-            f"since the last optimizer step ({shown}{more}); this step was not taken, and the counters are reset. "
-            f"Raise capacity_factor (num_experts / top_k drops nothing), or pass on_overflow='drop' to "
-            f"capacity_experts() to accept dropped tokens.")
+            f"{what} With on_overflow='rerun' a step is re-run only when it runs through the model's "
+            f"CapacityMode.step(fn, ...) (what capacity_experts() returned): run each whole training step "
+            f"there.")
+    raise CapacityOverflow(
+        f"{what} Raise capacity_factor (num_experts / top_k drops nothing), or pass on_overflow='drop' to "
+        f"capacity_experts() to accept dropped tokens, or 'rerun' to re-run such steps eagerly.")
+
+
+def _rng_state() -> tuple:
+    """The CPU generator's state, and every CUDA device's where CUDA is initialised."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _refuse_in_capture(optimizer, modes: list) -> None:
+    """An optimizer step being captured (``graph_step``, ``GraphedOptimizer``) that steps experts in
+    capacity mode with ``"raise"``: no device read can run in the capture, and a replay runs no
+    hook, so the overflows would go unchecked. The capture fails with this reason (the front door
+    then raises :class:`~paddle_graphpp.CaptureError`, or under ``fallback="eager"`` steps eagerly,
+    where the check runs)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for mode in modes:
+        names = [s.name for s in mode.states if any(id(p) in held for p in s.module.parameters())]
+        if names:
+            raise RuntimeError(
+                f"{mode.owner} is in capacity mode with on_overflow={mode.on_overflow!r} ({names[0]}"
+                f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}), and this optimizer step is being "
+                f"captured: its drop counters cannot be read inside a graph, and a replayed step would take "
+                f"dropped tokens unchecked. Pass on_overflow='drop' to capacity_experts() and read "
+                f"capacity_overflows(model) after each step, or keep this optimizer step eager.")
+

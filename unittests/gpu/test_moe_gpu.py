@@ -32,21 +32,28 @@ def _build(model_type, implementation, dtype=torch.float32, **extra):
     return model.to(device="cuda", dtype=dtype).train()
 
 
-def _train(model):
-    """Per micro-batch (loss, aux loss) and the weights after STEPS AdamW steps of MICRO micro-batches."""
+def _train(model, run=None):
+    """Per micro-batch (loss, aux loss) and the weights after STEPS AdamW steps of MICRO micro-batches;
+    each step run by ``run(step, batch)`` (default: called)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(2)
     losses = []
-    for _ in range(STEPS):
-        for _ in range(MICRO):
-            ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen).cuda()
-            out = model(ids, labels=ids)
-            out.loss.backward()
-            aux = getattr(out, "aux_loss", None)
-            losses.append((out.loss.item(), None if aux is None else aux.item()))
+
+    def step(batch):
+        out = []
+        for ids in batch:
+            result = model(ids, labels=ids)
+            result.loss.backward()
+            aux = getattr(result, "aux_loss", None)
+            out.append((result.loss.item(), None if aux is None else aux.item()))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return out
+
+    for _ in range(STEPS):
+        batch = [torch.randint(0, model.config.vocab_size, (2, 16), generator=gen).cuda() for _ in range(MICRO)]
+        losses += run(step, batch) if run is not None else step(batch)
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
@@ -187,3 +194,23 @@ def test_an_overflow_inside_replays_stops_the_optimizer_step():
     with pytest.raises(CapacityOverflow, match="this step was not taken"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_an_overflowed_step_is_re_run_eagerly_as_the_models_own_experts_train(model_type, fp32_exact):
+    """``on_overflow="rerun"``: every step drops pairs in its graphed blocks (replays included), is
+    abandoned at its optimizer step and run again with the model's own experts and the blocks'
+    plain calls. Training equals the model's own bit for bit, and the blocks' engines count only
+    the first runs (captured once, replayed after: the re-runs did not replay)."""
+    from paddle_graphpp.torch import capacity_experts
+
+    base = _build(model_type, "eager")
+    reference = _train(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    mode = capacity_experts(model, 0.5, on_overflow="rerun")
+    graphed = graph_layers(zoo.blocks_of(model), num_warmup_steps=1)
+    assert not graphed.eager
+    with pytest.warns(RuntimeWarning, match="re-run eagerly"):
+        _assert_same(reference, _train(model, mode.step))
+    assert mode.reruns == STEPS and mode.rerun_dropped > 0
+    _assert_captured_once_and_replayed(graphed, zoo.blocks_of(model))

@@ -31,7 +31,7 @@ from ...core.segment import Parts
 
 __all__ = ["Adapter", "ExpertsCapacity", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED",
            "adapters", "check_block", "check_wrapped", "refuse_in_whole_graph", "graph_parts", "capacity_dispatch",
-           "capacity_restore", "call_checks", "recomputes", "capture_hint", "outside_calls", "prepare",
+           "capacity_restore", "capacity_suspended", "call_checks", "recomputes", "capture_hint", "outside_calls", "prepare",
            "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
 
 #: The adapter modules, each defining ``ADAPTER`` (an :class:`Adapter`), in the order consulted.
@@ -134,6 +134,12 @@ class Adapter:
         library's experts were in capacity mode there."""
         return False
 
+    def capacity_suspended(self, model: Any, before: Any) -> Optional[ContextManager]:
+        """A context inside which ``model``'s experts in capacity mode dispatch as they did before
+        it (``before``: what :meth:`capacity_dispatch` returned), counting nothing; ``None``: no
+        experts of this library in capacity mode there."""
+        return None
+
     def call_check(self, name: str, layer: Any) -> Optional[Callable[[tuple, dict], None]]:
         """A check of each training call's ``(args, kwargs)`` for a block this library owns, or
         ``None`` (not its block): bound once, when the block is graphed."""
@@ -233,6 +239,19 @@ def capacity_restore(model: Any, before: Any) -> None:
     for adapter in adapters():
         if adapter.capacity_restore(model, before):
             return
+
+
+@contextlib.contextmanager
+def capacity_suspended(model: Any, before: Any):
+    """Inside, ``model``'s experts in capacity mode dispatch as before it (the first adapter that
+    has them; see :meth:`Adapter.capacity_suspended`)."""
+    for adapter in adapters():
+        suspended = adapter.capacity_suspended(model, before)
+        if suspended is not None:
+            with suspended:
+                yield
+            return
+    yield
 
 
 def call_checks(name: str, layer: Any) -> tuple:

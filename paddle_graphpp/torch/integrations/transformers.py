@@ -512,6 +512,22 @@ def capacity_restore(model: nn.Module, before: Any) -> bool:
     return True
 
 
+def capacity_suspended(model: nn.Module, before: Any) -> Optional[contextlib.AbstractContextManager]:
+    """:meth:`Adapter.capacity_suspended`: the experts implementations ``before`` the capacity mode
+    inside, the capacity mode's again after."""
+    if not any(_CAPACITY in module.__dict__ for _, module, _ in experts_modules(model)):
+        return None
+
+    @contextlib.contextmanager
+    def suspended():
+        _set_implementation(before)
+        try:
+            yield
+        finally:
+            _set_implementation([(config, CAPACITY) for config, _ in before])
+    return suspended()
+
+
 _SHARED_INPUT = ("around a dispatch only the attention and the router are graphed: a module beside them may read "
                  "an input the block also reads elsewhere (a norm on the residual stream, a shared expert beside the "
                  "routed experts), and graphed alone it would sum that input's gradient in another order than the "
@@ -579,6 +595,9 @@ class TransformersAdapter(Adapter):
 
     def capacity_restore(self, model, before):
         return capacity_restore(model, before)
+
+    def capacity_suspended(self, model, before):
+        return capacity_suspended(model, before)
 
     def call_check(self, name, layer):
         if not owns(layer):
