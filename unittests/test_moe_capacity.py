@@ -10,6 +10,8 @@ its own experts up to float order; undo, copies and the refusals. That the count
 replays on a GPU is unittests/gpu/test_moe_gpu.py.
 """
 import copy
+import gc
+import warnings
 
 import pytest
 
@@ -298,7 +300,150 @@ def test_a_rerun_step_needs_its_step():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(RuntimeError, match="inside another step"):
         mode.step(mode.step, lambda: None)
-    assert mode.step(lambda x: x + 1, 1) == 2
     mode.undo()
     with pytest.raises(RuntimeError, match="capacity mode was undone"):
         mode.step(lambda: None)
+    gone = capacity_experts(_model("qwen3_moe"), 0.25, on_overflow="rerun")
+    gc.collect()
+    with pytest.raises(RuntimeError, match="Qwen3MoeForCausalLM this capacity mode was made for no longer exists"):
+        gone.step(lambda: None)
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def _ids(n=2):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (2, 16), generator=gen) for _ in range(n)]
+
+
+def _rerun_against_reference(train):
+    """``train(model, run)`` on the model's own experts (steps called) and on a copy in
+    ``"rerun"`` mode at a quarter of an even share (steps run by ``mode.step``): the two models,
+    and the mode."""
+    base = _model("qwen3_moe")
+    reference = copy.deepcopy(base)
+    train(reference, lambda step, *args: step(*args))
+    model = copy.deepcopy(base)
+    mode = capacity_experts(model, 0.25, on_overflow="rerun")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        train(model, mode.step)
+    return reference, model, mode
+
+
+def test_a_rerun_unscales_again_under_a_grad_scaler():
+    """``scaler.step`` unscaled the abandoned run's gradients and noted it; the re-run's unscales its own."""
+    def train(model, run):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+        def step(batch):
+            for x in batch:
+                scaler.scale(model(x, labels=x).loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+        run(step, _ids())
+
+    reference, model, mode = _rerun_against_reference(train)
+    assert mode.reruns == 1 and _same(reference, model)
+
+
+def test_a_caught_overflow_takes_no_step_and_the_step_is_re_run():
+    """A step that catches ``CapacityOverflow`` (written for ``"raise"``), once or retrying: the
+    optimizer raises again while the overflow is pending, and the step is re-run all the same."""
+    for retries in (1, 2):
+        def train(model, run):
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+            def step(batch):
+                for x in batch:
+                    model(x, labels=x).loss.backward()
+                for _ in range(retries):
+                    try:
+                        opt.step()
+                        break
+                    except CapacityOverflow:
+                        continue
+                opt.zero_grad(set_to_none=True)
+            run(step, _ids())
+
+        reference, model, mode = _rerun_against_reference(train)
+        assert mode.reruns == 1 and mode.rerun_dropped > 0 and _same(reference, model)
+
+
+def test_a_second_optimizer_cleared_by_the_step_trains_as_eager():
+    """A head outside the model with its own optimizer, stepped after the model's: the step
+    clears the gradients first (as ``step()`` asks), so the abandoned run's head gradient is gone."""
+    head_base = torch.nn.Linear(64, 1)
+    heads = []
+
+    def train(model, run):
+        head = copy.deepcopy(head_base)
+        heads.append(head)
+        opts = [torch.optim.SGD(model.parameters(), lr=1e-2), torch.optim.SGD(head.parameters(), lr=1e-2)]
+
+        def step(batch):
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+            for x in batch:
+                out = model(x, labels=x, output_hidden_states=True)
+                (out.loss + head(out.hidden_states[-1]).mean()).backward()
+            for opt in opts:
+                opt.step()
+        run(step, _ids())
+
+    reference, model, mode = _rerun_against_reference(train)
+    assert mode.reruns == 1 and _same(reference, model) and _same(*heads)
+
+
+def test_a_step_without_an_optimizer_step_is_refused():
+    """Gradient accumulation across ``step()`` calls: a re-run of the last call alone would lose
+    the earlier micro-batches' gradients, so a call that takes no optimizer step is refused."""
+    def train(model, run):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+        def micro(x, last):
+            model(x, labels=x).loss.backward()
+            if last:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        for i, x in enumerate(_ids()):
+            run(micro, x, i == 1)
+
+    with pytest.raises(RuntimeError, match="took no optimizer step.*run the whole window inside the function"):
+        _rerun_against_reference(train)
+
+
+def test_another_models_drops_inside_a_step_are_named():
+    model = _model("qwen3_moe")
+    mode = capacity_experts(model, 0.25, on_overflow="rerun")
+    twin = copy.deepcopy(model)  # its own capacity mode
+    opt = torch.optim.SGD(twin.parameters(), lr=1e-2)
+    x = _ids(1)[0]
+
+    def step():
+        twin(x, labels=x).loss.backward()
+        opt.step()
+    with pytest.raises(CapacityOverflow, match=r"This step ran inside Qwen3MoeForCausalLM's CapacityMode\.step\(\), "
+                                               r"and each model in 'rerun' mode re-runs only through its own"):
+        mode.step(step)
+
+
+def test_a_graphed_optimizer_of_checked_experts_is_refused_before_it_steps(fake, monkeypatch):
+    import torch.optim.adam as adam  # a capturable AdamW over CPU tensors (the fake runtime's bookkeeping)
+    from paddle_graphpp import GraphedOptimizer
+
+    monkeypatch.setattr(adam, "_get_capturable_supported_devices", lambda *a, **k: ["cpu", "cuda"])
+    model = _model("qwen3_moe")
+    capacity_experts(model, EXPERTS / TOP_K)
+    opt = GraphedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = _ids(1)[0]
+    model(x, labels=x).loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"GraphedOptimizer: Qwen3MoeForCausalLM is in capacity mode with "
+                                           r"on_overflow='raise'.*Nothing was stepped"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -16,14 +16,14 @@ limits: docs/moe.md.
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 from ..core.process import current_process
 from ..core.scope import inline_layers
+from ..core.warn import warn
 from . import integrations
 from .runtime import active_runtime
 
@@ -41,22 +41,31 @@ class CapacityOverflow(RuntimeError):
 class _Rerun(CapacityOverflow):
     """Raised by the optimizer hook inside :meth:`CapacityMode.step` of an ``on_overflow="rerun"``
     mode that dropped pairs: the step is abandoned before the optimizer changes anything, and run
-    again. ``optimizer``: the one whose step found it."""
+    again."""
 
-    def __init__(self, message: str, optimizer: Any):
-        super().__init__(message)
-        self.optimizer = optimizer
+
+class _StepRun:
+    """One :meth:`CapacityMode.step` call while its ``fn`` runs: the optimizers whose steps it
+    reached, how many passed the check, and the overflow that abandons it (once set, every
+    later optimizer step of the call raises it again, so that a caught overflow takes no step)."""
+
+    def __init__(self, mode: "CapacityMode") -> None:
+        self.mode = mode
+        self.optimizers: list = []
+        self.passed = 0
+        self.pending: Any = None
 
 
 class CapacityWatch:
     """The experts in capacity mode in this process, the optimizer hook that reads their
-    counters, and the :meth:`CapacityMode.step` running now (a part of the process's torch
-    section)."""
+    counters, the :meth:`CapacityMode.step` running now, and the optimizers stepped inside such
+    calls (whose gradients a re-run clears) (a part of the process's torch section)."""
 
     def __init__(self) -> None:
         self.modes: "weakref.WeakSet[CapacityMode]" = weakref.WeakSet()
         self.hook: Any = None
-        self.stepping: Any = None
+        self.stepping: Any = None  # a _StepRun
+        self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _watch() -> CapacityWatch:
@@ -116,22 +125,29 @@ class CapacityMode:
 
         The re-run starts from the state the first run started from: the random number generators
         (CPU, and CUDA where it was initialised) are restored, and the gradients of the model's
-        parameters and of the optimizer that found the overflow are cleared. So ``fn`` must be a
-        whole step: it starts from cleared gradients or clears them itself, and accumulates no
-        gradient that an earlier call left. :attr:`reruns` counts the steps re-run,
-        :attr:`rerun_dropped` the pairs their first runs dropped; the first re-run warns once.
-        Under other ``on_overflow`` values this just calls ``fn``.
+        parameters and of the optimizers stepped inside ``step()`` calls are cleared. So ``fn``
+        must run twice safely: it clears the gradients of everything it trains first
+        (``optimizer.zero_grad()``), and takes its batch as an argument rather than drawing it.
+        A ``GradScaler.step`` the first run raised through is forgotten, and an overflow ``fn``
+        catches is raised again by every later optimizer step of the call, and re-runs the step
+        when ``fn`` returns. :attr:`reruns` counts the steps re-run, :attr:`rerun_dropped` the
+        pairs their first runs dropped; the first re-run warns once. Under other
+        ``on_overflow`` values this just calls ``fn``.
 
         Raises:
-            RuntimeError: called inside another ``step()``, after :meth:`undo`, or, under
-                ``"rerun"``, in a process group of more than one rank (the ranks would have to
-                agree to re-run a step together, which is not built: use ``"raise"`` or ``"drop"``).
+            RuntimeError: called inside another ``step()``, after :meth:`undo` or its model is
+                gone; under ``"rerun"``, in a process group of more than one rank (the ranks
+                would have to agree to re-run a step together, which is not built: use
+                ``"raise"`` or ``"drop"``), or after an ``fn`` that took no optimizer step (a
+                re-run of one call of an accumulation window would lose the others' gradients).
         """
         watch = _watch()
         if watch.stepping is not None:
             raise RuntimeError(f"CapacityMode.step() of {self.owner} inside another step(); run each step once")
         model = self.model
-        if model is None or not self.states:
+        if model is None:
+            raise RuntimeError(f"CapacityMode.step(): the {self.owner} this capacity mode was made for no longer exists")
+        if not self.states:
             raise RuntimeError(f"CapacityMode.step(): {self.owner}'s capacity mode was undone")
         if self.on_overflow != "rerun":
             return fn(*args, **kwargs)
@@ -142,21 +158,31 @@ class CapacityMode:
                 f"{torch.distributed.get_world_size()} ranks the others would not re-run with it. Re-running across "
                 f"ranks is not built: use on_overflow='raise' or 'drop' there.")
         rng = _rng_state()
-        watch.stepping = self
+        run = watch.stepping = _StepRun(self)
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except _Rerun as overflow:
-            optimizer = overflow.optimizer
+            if overflow is not run.pending:
+                raise
         finally:
             watch.stepping = None
-        for p in [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]:
+        if run.pending is None:
+            if not run.passed:
+                raise RuntimeError(
+                    f"CapacityMode.step(): the function took no optimizer step. step() runs one whole training step "
+                    f"(its forwards, backwards and optimizer step), so that a step that dropped pairs can be run "
+                    f"again; with gradient accumulation, run the whole window inside the function. (A GradScaler "
+                    f"that skips a step for infinite gradients takes none: use on_overflow='raise' with it.)")
+            return result
+        _forget_scaled(run.pending, run.optimizers)
+        for p in [*model.parameters(), *(p for opt in [*run.optimizers, *watch.optimizers]
+                                         for g in opt.param_groups for p in g["params"])]:
             p.grad = None
         _set_rng_state(rng)
         if not self.reruns:
-            warnings.warn(f"{self.owner}: a step dropped (token, expert) pairs at the experts' capacity and is re-run "
-                          f"eagerly with the model's own experts (on_overflow='rerun'); its graphs gain nothing "
-                          f"there. CapacityMode.reruns counts such steps; raise capacity_factor to make them rare.",
-                          RuntimeWarning, stacklevel=2)
+            warn(f"{self.owner}: a step dropped (token, expert) pairs at the experts' capacity and is re-run eagerly "
+                 f"with the model's own experts (on_overflow='rerun'); its graphs gain nothing there. "
+                 f"CapacityMode.reruns counts such steps; raise capacity_factor to make them rare.")
         self.reruns += 1
         with integrations.capacity_suspended(model, self.before), inline_layers():
             return fn(*args, **kwargs)
@@ -255,15 +281,27 @@ def capacity_overflows(model: Any, reset: bool = False) -> dict:
 
 def _before_optimizer_step(optimizer, args, kwargs) -> None:
     watch = _watch()
-    modes = [m for m in list(watch.modes) if m.on_overflow != "drop" and m.states and m.model is not None]
+    run = watch.stepping
+    if run is not None:
+        run.optimizers.append(optimizer)
+        watch.optimizers.add(optimizer)
+        if run.pending is not None:  # the overflow was caught and the step tried again
+            _leave_borrowed_pool()
+            raise run.pending
+    modes = _checked_modes(optimizer)
     if not modes:
         return
     if active_runtime().is_capturing():
-        _refuse_in_capture(optimizer, modes)
+        refusal = checked_experts(optimizer)
+        if refusal is not None:
+            raise RuntimeError(f"{refusal}, and this optimizer step is being captured: {UNCHECKED}")
         return
     dropped = {(mode, name): count for mode in modes for name, count in mode.overflows(reset=True).items() if count}
     if not dropped:
+        if run is not None:
+            run.passed += 1
         return
+    _leave_borrowed_pool()
     shown = ", ".join(f"{mode.owner} {name}: {count}" for (mode, name), count in list(dropped.items())[:4])
     shown += f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""
     total = sum(dropped.values())
@@ -271,16 +309,73 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
             f"last optimizer step ({shown}); this step was not taken, and the counters are reset.")
     rerun = {mode for mode, _ in dropped if mode.on_overflow == "rerun"}
     if rerun and all(mode.on_overflow == "rerun" for mode, _ in dropped):
-        if rerun == {watch.stepping}:
-            watch.stepping.rerun_dropped += total
-            raise _Rerun(what, optimizer)
+        if run is not None and rerun == {run.mode}:
+            run.mode.rerun_dropped += total
+            run.pending = _Rerun(what)
+            raise run.pending
+        inside = (f" This step ran inside {run.mode.owner}'s CapacityMode.step(), and each model in 'rerun' mode "
+                  f"re-runs only through its own (a copy of a model has its own mode: "
+                  f"capacity_experts() it, or train it through its mode's step())." if run is not None else "")
         raise CapacityOverflow(
             f"{what} With on_overflow='rerun' a step is re-run only when it runs through the model's "
             f"CapacityMode.step(fn, ...) (what capacity_experts() returned): run each whole training step "
-            f"there.")
+            f"there.{inside}")
     raise CapacityOverflow(
         f"{what} Raise capacity_factor (num_experts / top_k drops nothing), or pass on_overflow='drop' to "
         f"capacity_experts() to accept dropped tokens, or 'rerun' to re-run such steps eagerly.")
+
+
+UNCHECKED = ("its drop counters cannot be read inside a graph, and a replayed step would take dropped tokens "
+              "unchecked. Pass on_overflow='drop' to capacity_experts() and read capacity_overflows(model) after "
+              "each step, or keep this optimizer step eager.")
+
+
+def _checked_modes(optimizer) -> list:
+    """The capacity modes whose counters a step of ``optimizer`` reads: ``"raise"`` or
+    ``"rerun"``, with an experts module that ``optimizer`` steps."""
+    watch = _watch()
+    if not watch.modes:
+        return []
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [mode for mode in list(watch.modes) if mode.on_overflow != "drop" and mode.model is not None
+            and any(id(p) in held for s in mode.states for p in s.module.parameters())]
+
+
+def checked_experts(optimizer) -> Optional[str]:
+    """Why a captured step of ``optimizer`` would leave overflows unchecked (it steps experts whose
+    counters its step must read: :func:`_checked_modes`); ``None`` if not. No device read: a
+    capture and ``GraphedOptimizer`` ask it before capturing."""
+    for mode in _checked_modes(optimizer):
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        names = [s.name for s in mode.states if any(id(p) in held for p in s.module.parameters())]
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        return f"{mode.owner} is in capacity mode with on_overflow={mode.on_overflow!r} ({names[0]}{more})"
+    return None
+
+
+def _leave_borrowed_pool() -> None:
+    """An optimizer step about to raise in its pre-hook: a pool lender's pre-hook that ran first
+    may have routed allocations into a graph pool on its stream; leave them before raising."""
+    runtime = active_runtime()
+    end = getattr(runtime, "end_borrowed_work", None)
+    if end is not None:
+        end()
+
+
+def _forget_scaled(overflow: BaseException, optimizers: list) -> None:
+    """A ``torch.amp.GradScaler.step`` that the abandoned step raised through has unscaled the
+    gradients and noted so for the optimizer; its ``update()`` never ran. Forget that note, so
+    that the re-run's ``scaler.step`` unscales its own gradients (the scaler's per-optimizer
+    state is private: ``_per_optimizer_states``, torch 2.11 to 2.13)."""
+    tb = overflow.__traceback__
+    while tb is not None:
+        scaler = tb.tb_frame.f_locals.get("self")
+        if isinstance(scaler, torch.amp.GradScaler):
+            states = getattr(scaler, "_per_optimizer_states", None)
+            for opt in optimizers:
+                if states is not None:
+                    states.pop(id(opt), None)
+        tb = tb.tb_next
 
 
 def _rng_state() -> tuple:
@@ -293,22 +388,3 @@ def _set_rng_state(state: tuple) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
-
-
-def _refuse_in_capture(optimizer, modes: list) -> None:
-    """An optimizer step being captured (``graph_step``, ``GraphedOptimizer``) that steps experts in
-    capacity mode with ``"raise"``: no device read can run in the capture, and a replay runs no
-    hook, so the overflows would go unchecked. The capture fails with this reason (the front door
-    then raises :class:`~paddle_graphpp.CaptureError`, or under ``fallback="eager"`` steps eagerly,
-    where the check runs)."""
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for mode in modes:
-        names = [s.name for s in mode.states if any(id(p) in held for p in s.module.parameters())]
-        if names:
-            raise RuntimeError(
-                f"{mode.owner} is in capacity mode with on_overflow={mode.on_overflow!r} ({names[0]}"
-                f"{f' and {len(names) - 1} more' if len(names) > 1 else ''}), and this optimizer step is being "
-                f"captured: its drop counters cannot be read inside a graph, and a replayed step would take "
-                f"dropped tokens unchecked. Pass on_overflow='drop' to capacity_experts() and read "
-                f"capacity_overflows(model) after each step, or keep this optimizer step eager.")
-

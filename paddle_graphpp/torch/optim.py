@@ -19,6 +19,7 @@ from ..core.capture import capture_for
 from ..core.state import StateWatch
 from ..optim import GraphedOptimizer
 from .memory import pool_lending as _pool_lending
+from .moe import UNCHECKED, checked_experts
 from .runtime import active_runtime
 
 __all__ = ["global_grad_norm", "clip_by_global_norm", "zero_grads_", "MasterWeights", "TorchGraphedOptimizer",
@@ -264,8 +265,14 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         Raises:
             StateReplacedError: the optimizer's state (or, with master weights, a model
                 parameter's storage) was replaced since the step was captured.
+            RuntimeError: graphed, it steps experts in a capacity mode whose drop counters each
+                step must read (``on_overflow="raise"`` or ``"rerun"``, docs/moe.md).
         """
         self._refuse_undone()
+        if self.graphed:
+            refusal = checked_experts(self.optimizer)
+            if refusal is not None:
+                raise RuntimeError(f"GraphedOptimizer: {refusal}; {UNCHECKED} Nothing was stepped.")
         if self.graphed and self._watch is not None:
             self._check_state()
         self._sync_hyperparameters()
