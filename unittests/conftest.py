@@ -49,3 +49,23 @@ def rt():
     current_process().reset(runtime.name)
     yield runtime
     current_process().reset(runtime.name)
+
+
+@pytest.fixture
+def capturing_torch(monkeypatch):
+    """A fake graph runtime registered as "torch" that captures CPU tensors (it runs the captured
+    code once and replays only in its books: the lifecycle's bookkeeping, never a capture), with
+    ``torch.cuda.synchronize`` a no-op."""
+    import torch
+    from fake_runtime import FakeGraphRuntime
+    from paddle_graphpp.core import runtime as runtime_mod
+
+    class OnCpu(FakeGraphRuntime):
+        def graphs_unavailable_reason(self, tensors):
+            return None
+
+    runtime = OnCpu()
+    runtime_mod.register_runtime("torch", lambda: runtime)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    yield runtime
+    runtime_mod.unregister_runtime("torch")

@@ -20,9 +20,7 @@ pytest.importorskip("transformers")
 
 from testing import zoo  # noqa: E402
 
-from fake_runtime import FakeGraphRuntime  # noqa: E402
 from paddle_graphpp import CaptureError, CaptureFallbackWarning  # noqa: E402
-from paddle_graphpp.core import runtime as runtime_mod  # noqa: E402
 from paddle_graphpp.torch import (CapacityOverflow, capacity_experts, capacity_overflows, graph_layers,  # noqa: E402
                                   graph_model, graph_step)
 from paddle_graphpp.torch.integrations import transformers as adapter  # noqa: E402
@@ -177,22 +175,6 @@ def test_bad_arguments_are_refused_by_name():
         capacity_experts(_model("llama", None))
 
 
-class _Capturing(FakeGraphRuntime):
-    """Captures on CPU tensors (bookkeeping only: "capture" runs the step, a replay only counts)."""
-
-    def graphs_unavailable_reason(self, tensors):
-        return None
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    rt = _Capturing()
-    runtime_mod.register_runtime("torch", lambda: rt)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    yield rt
-    runtime_mod.unregister_runtime("torch")
-
-
 def _graphed_step(model, fallback):
     graph_model(model)  # transformers builds its masks outside the step's graph
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -204,7 +186,7 @@ def _graphed_step(model, fallback):
     return graph_step(train_step, 1, optimizers=opt, fallback=fallback), opt
 
 
-def test_a_captured_step_cannot_leave_overflows_unchecked(fake):
+def test_a_captured_step_cannot_leave_overflows_unchecked(capturing_torch):
     """``"raise"`` reads the counters before an optimizer step, which a replay does not run:
     capturing a step of experts under it fails with that reason, before the step changes anything,
     and under ``fallback="eager"`` the step runs eagerly, where the check stops an overflow."""
@@ -432,7 +414,7 @@ def test_another_models_drops_inside_a_step_are_named():
         mode.step(step)
 
 
-def test_a_graphed_optimizer_of_checked_experts_is_refused_before_it_steps(fake, monkeypatch):
+def test_a_graphed_optimizer_of_checked_experts_is_refused_before_it_steps(capturing_torch, monkeypatch):
     import torch.optim.adam as adam  # a capturable AdamW over CPU tensors (the fake runtime's bookkeeping)
     from paddle_graphpp import GraphedOptimizer
 

@@ -9,25 +9,14 @@ import warnings
 import pytest
 import torch
 
-from fake_runtime import FakeGraphRuntime
 from paddle_graphpp import CaptureError, CaptureFallbackWarning
-from paddle_graphpp.core import runtime as runtime_mod
 from paddle_graphpp.core.records import Phase
 from paddle_graphpp.torch import graph_step
 
 
-class _Runtime(FakeGraphRuntime):
-    def graphs_unavailable_reason(self, tensors):
-        return None
-
-
 @pytest.fixture
-def fake(monkeypatch):
-    rt = _Runtime()
-    runtime_mod.register_runtime("torch", lambda: rt)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    yield rt
-    runtime_mod.unregister_runtime("torch")
+def fake(capturing_torch):
+    return capturing_torch
 
 
 def _step(fake, host_read=False):
