@@ -212,16 +212,32 @@ def test_a_captured_step_cannot_leave_overflows_unchecked(capturing_torch):
         step(ids)  # the capture failed; this call ran eagerly and its check stopped the overflow
     assert step.captures == 0
 
-    for mode in ("drop", None):  # dropping accepted, or another model's optimizer: captured
-        model = _model("qwen3_moe")
-        if mode is None:
-            capacity_experts(_model("qwen3_moe"), 0.25)
-        else:
-            capacity_experts(model, 0.25, on_overflow=mode)
-        step, _ = _graphed_step(model, "error")
-        for _ in range(3):
-            step(ids)
-        assert (step.captures, step.replays) == (1, 2)
+    del model, step
+    gc.collect()  # the models above are gone: their modes no longer count
+    model = _model("qwen3_moe")
+    capacity_experts(model, 0.25, on_overflow="drop")  # dropping accepted: captured
+    step, _ = _graphed_step(model, "error")
+    for _ in range(3):
+        step(ids)
+    assert (step.captures, step.replays) == (1, 2)
+
+    other = _model("qwen3_moe")  # experts checked in another model: every step reads them (a head
+    capacity_experts(other, 0.25)  # trained over frozen experts still trains on what they computed)
+    step, _ = _graphed_step(_model("qwen3_moe"), "error")
+    step(ids)
+    with pytest.raises(CaptureError, match="Qwen3MoeForCausalLM is in capacity mode with on_overflow='raise'"):
+        step(ids)
+
+
+def test_a_step_of_a_head_over_frozen_experts_is_checked():
+    model = _model("qwen3_moe")
+    capacity_experts(model, 0.25)
+    head = torch.nn.Linear(64, 1)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    x = _ids(1)[0]
+    head(model(x, output_hidden_states=True).hidden_states[-1]).mean().backward()
+    with pytest.raises(CapacityOverflow, match="this step was not taken"):
+        opt.step()
 
 
 def _steps(model, data, run):

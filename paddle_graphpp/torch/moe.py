@@ -8,8 +8,8 @@ too. The counters are read before each eager optimizer step. With ``on_overflow=
 default) an overflow raises :class:`CapacityOverflow` before any parameter changes. With
 ``"drop"`` the dropped pairs are accepted and counted in :func:`capacity_overflows`. With
 ``"rerun"`` a step run through :meth:`CapacityMode.step` is abandoned there and run again eagerly
-with the model's own experts. A captured step cannot read the counters: capturing an optimizer
-step of checked experts (``graph_step``, ``GraphedOptimizer``) fails with that reason. Usage and
+with the model's own experts. A captured step cannot read the counters: capturing any optimizer
+step while such experts live (``graph_step``, ``GraphedOptimizer``) fails with that reason. Usage and
 limits: docs/moe.md.
 """
 
@@ -168,11 +168,13 @@ class CapacityMode:
             watch.stepping = None
         if run.pending is None:
             if not run.passed:
+                dropped = sum(self.overflows(reset=True).values())  # nothing left for a later step to find
                 raise RuntimeError(
                     f"CapacityMode.step(): the function took no optimizer step. step() runs one whole training step "
                     f"(its forwards, backwards and optimizer step), so that a step that dropped pairs can be run "
                     f"again; with gradient accumulation, run the whole window inside the function. (A GradScaler "
-                    f"that skips a step for infinite gradients takes none: use on_overflow='raise' with it.)")
+                    f"that skips a step for infinite gradients takes none: use on_overflow='raise' with it.) "
+                    f"This call dropped {dropped} pairs; its counters are reset.")
             return result
         _forget_scaled(run.pending, run.optimizers)
         for p in [*model.parameters(), *(p for opt in [*run.optimizers, *watch.optimizers]
@@ -250,7 +252,7 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
 
     Warning:
         With ``"raise"``, the counters are read by an eager ``optimizer.step()``, which a graph
-        cannot hold: capturing a step of these experts (``graph_step``, ``GraphedOptimizer``)
+        cannot hold: capturing any optimizer step while they live (``graph_step``, ``GraphedOptimizer``)
         fails, naming this. Pass ``"drop"`` there and read :func:`capacity_overflows` after each
         step.
     """
@@ -288,11 +290,11 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
         if run.pending is not None:  # the overflow was caught and the step tried again
             _leave_borrowed_pool()
             raise run.pending
-    modes = _checked_modes(optimizer)
+    modes = _checked_modes()
     if not modes:
         return
     if active_runtime().is_capturing():
-        refusal = checked_experts(optimizer)
+        refusal = checked_experts()
         if refusal is not None:
             raise RuntimeError(f"{refusal}, and this optimizer step is being captured: {UNCHECKED}")
         return
@@ -330,26 +332,21 @@ UNCHECKED = ("its drop counters cannot be read inside a graph, and a replayed st
               "each step, or keep this optimizer step eager.")
 
 
-def _checked_modes(optimizer) -> list:
-    """The capacity modes whose counters a step of ``optimizer`` reads: ``"raise"`` or
-    ``"rerun"``, with an experts module that ``optimizer`` steps."""
-    watch = _watch()
-    if not watch.modes:
-        return []
-    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    return [mode for mode in list(watch.modes) if mode.on_overflow != "drop" and mode.model is not None
-            and any(id(p) in held for s in mode.states for p in s.module.parameters())]
+def _checked_modes() -> list:
+    """The capacity modes whose counters every optimizer step reads (``"raise"``, ``"rerun"``, of
+    a model still alive). Every step reads them all: an optimizer that steps none of a model's
+    parameters (a head trained over frozen experts) still trains on what the experts computed."""
+    return [mode for mode in list(_watch().modes) if mode.on_overflow != "drop" and mode.model is not None
+            and mode.states]
 
 
-def checked_experts(optimizer) -> Optional[str]:
-    """Why a captured step of ``optimizer`` would leave overflows unchecked (it steps experts whose
-    counters its step must read: :func:`_checked_modes`); ``None`` if not. No device read: a
-    capture and ``GraphedOptimizer`` ask it before capturing."""
-    for mode in _checked_modes(optimizer):
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        names = [s.name for s in mode.states if any(id(p) in held for p in s.module.parameters())]
-        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-        return f"{mode.owner} is in capacity mode with on_overflow={mode.on_overflow!r} ({names[0]}{more})"
+def checked_experts() -> Optional[str]:
+    """Why a captured optimizer step would leave overflows unchecked (experts in capacity mode whose
+    counters every step must read: :func:`_checked_modes`); ``None`` if there are none. No device
+    read: a capture and ``GraphedOptimizer`` ask it before capturing."""
+    for mode in _checked_modes():
+        more = f" and {len(mode.states) - 1} more" if len(mode.states) > 1 else ""
+        return f"{mode.owner} is in capacity mode with on_overflow={mode.on_overflow!r} ({mode.states[0].name}{more})"
     return None
 
 

@@ -265,12 +265,12 @@ class TorchGraphedOptimizer(GraphedOptimizer):
         Raises:
             StateReplacedError: the optimizer's state (or, with master weights, a model
                 parameter's storage) was replaced since the step was captured.
-            RuntimeError: graphed, it steps experts in a capacity mode whose drop counters each
-                step must read (``on_overflow="raise"`` or ``"rerun"``, docs/moe.md).
+            RuntimeError: graphed, while a model is in a capacity mode whose drop counters each
+                optimizer step must read (``on_overflow="raise"`` or ``"rerun"``, docs/moe.md).
         """
         self._refuse_undone()
         if self.graphed:
-            refusal = checked_experts(self.optimizer)
+            refusal = checked_experts()
             if refusal is not None:
                 raise RuntimeError(f"GraphedOptimizer: {refusal}; {UNCHECKED} Nothing was stepped.")
         if self.graphed and self._watch is not None:
