@@ -328,8 +328,8 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
 
 
 UNCHECKED = ("its drop counters cannot be read inside a graph, and a replayed step would take dropped tokens "
-              "unchecked. Pass on_overflow='drop' to capacity_experts() and read capacity_overflows(model) after "
-              "each step, or keep this optimizer step eager.")
+             "unchecked. Pass on_overflow='drop' to capacity_experts() and read capacity_overflows(model) after "
+             "each step, or keep this optimizer step eager.")
 
 
 def _checked_modes() -> list:
