@@ -177,7 +177,7 @@ class CapacityMode:
                     f"This call dropped {dropped} pairs; its counters are reset.")
             return result
         _forget_scaled(run.pending, run.optimizers)
-        for p in [*model.parameters(), *(p for opt in [*run.optimizers, *watch.optimizers]
+        for p in [*model.parameters(), *(p for opt in list(watch.optimizers)
                                          for g in opt.param_groups for p in g["params"])]:
             p.grad = None
         _set_rng_state(rng)
