@@ -8,7 +8,8 @@ too. The counters are read before each eager optimizer step. With ``on_overflow=
 default) an overflow raises :class:`CapacityOverflow` before any parameter changes. With
 ``"drop"`` the dropped pairs are accepted and counted in :func:`capacity_overflows`. With
 ``"rerun"`` a step run through :meth:`CapacityMode.step` is abandoned there and run again eagerly
-with the model's own experts. A captured step cannot read the counters: capturing any optimizer
+with the model's own experts. With several ranks, the checks agree across them (a drop on one
+rank stops or re-runs the step on all). A captured step cannot read the counters: capturing any optimizer
 step while such experts live (``graph_step``, ``GraphedOptimizer``) fails with that reason. Usage and
 limits: docs/moe.md.
 """
@@ -66,6 +67,7 @@ class CapacityWatch:
         self.hook: Any = None
         self.stepping: Any = None  # a _StepRun
         self.optimizers: "weakref.WeakSet" = weakref.WeakSet()
+        self.tallies: dict = {}  # ranks -> StoreTally: the checks' agreement across ranks
 
 
 def _watch() -> CapacityWatch:
@@ -77,10 +79,11 @@ class CapacityMode:
     :meth:`overflows` and :meth:`undo`. The model keeps it (and its copies keep theirs); it
     holds the model weakly."""
 
-    def __init__(self, model: Any, states: list, before: Any, on_overflow: str):
+    def __init__(self, model: Any, states: list, before: Any, on_overflow: str, ranks: Optional[tuple] = None):
         self._model = weakref.ref(model)
         self.owner = type(model).__name__
         self.states, self.before, self.on_overflow = states, before, on_overflow
+        self.ranks = ranks  # the ranks whose checks agree; None: every rank of the default group
         self.reruns = 0  # steps re-run by step() after an overflow
         self.rerun_dropped = 0  # the pairs their first runs dropped
 
@@ -131,15 +134,18 @@ class CapacityMode:
         A ``GradScaler.step`` the first run raised through is forgotten, and an overflow ``fn``
         catches is raised again by every later optimizer step of the call, and re-runs the step
         when ``fn`` returns. :attr:`reruns` counts the steps re-run, :attr:`rerun_dropped` the
-        pairs their first runs dropped; the first re-run warns once. Under other
+        pairs their first runs dropped (on every rank); the first re-run warns once. Under other
         ``on_overflow`` values this just calls ``fn``.
+
+        With several ranks (``torch.distributed`` initialised), the ranks of the mode's group agree
+        at each optimizer step: a pair dropped on any of them abandons the step on all, and every
+        rank runs it again (data parallel replicas stay equal, and their collectives meet). So
+        every rank of the group runs each step through its own model's ``step()``.
 
         Raises:
             RuntimeError: called inside another ``step()``, after :meth:`undo` or its model is
-                gone; under ``"rerun"``, in a process group of more than one rank (the ranks
-                would have to agree to re-run a step together, which is not built: use
-                ``"raise"`` or ``"drop"``), or after an ``fn`` that took no optimizer step (a
-                re-run of one call of an accumulation window would lose the others' gradients).
+                gone; or after an ``fn`` that took no optimizer step (a re-run of one call of an
+                accumulation window would lose the others' gradients).
         """
         watch = _watch()
         if watch.stepping is not None:
@@ -151,12 +157,6 @@ class CapacityMode:
             raise RuntimeError(f"CapacityMode.step(): {self.owner}'s capacity mode was undone")
         if self.on_overflow != "rerun":
             return fn(*args, **kwargs)
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise RuntimeError(
-                f"CapacityMode.step(): on_overflow='rerun' re-runs a step on the rank that overflowed, and with "
-                f"{torch.distributed.get_world_size()} ranks the others would not re-run with it. Re-running across "
-                f"ranks is not built: use on_overflow='raise' or 'drop' there.")
         rng = _rng_state()
         run = watch.stepping = _StepRun(self)
         try:
@@ -210,7 +210,8 @@ def _watch_mode(mode: CapacityMode) -> None:
         watch.hook = register_optimizer_step_pre_hook(_before_optimizer_step)
 
 
-def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: str = "raise") -> CapacityMode:
+def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: str = "raise",
+                     group: Any = None) -> CapacityMode:
     """Make ``model``'s routed experts dispatch at a fixed capacity, before graphing it.
 
     Each expert of each mixture-of-experts block takes at most
@@ -235,20 +236,27 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
             :func:`capacity_overflows` counts them; ``"rerun"``: a step run through
             :meth:`CapacityMode.step` that dropped pairs is run again eagerly with the model's own
             experts (an optimizer step outside it raises as with ``"raise"``).
+        group: with several ranks, the ranks whose checks agree (a ``torch.distributed`` process
+            group; ``None``: every rank of the default group). Under ``"raise"`` and ``"rerun"``
+            every optimizer step of every rank of the group tells the others what it dropped,
+            through the default group's store: a pair dropped on one rank stops (or re-runs) the
+            step on all of them. Every rank of the group must be in capacity mode and take the
+            same optimizer steps; a rank that does not come within the default group's timeout
+            makes the others raise.
 
     Returns:
         A :class:`CapacityMode`; its ``undo()`` restores the experts implementation.
 
     The counters count calls with grad enabled (training; evaluation and ``generate()`` are not
-    checked). They are per process: under data parallelism each rank checks its own, so with
-    ``"raise"`` one rank may stop while others step (catch it on every rank, or use ``"drop"``
-    and reduce the counts yourself). A block recomputed by gradient checkpointing counts its
-    drops twice.
+    checked). They are per process; the checks agree across the ranks of ``group``, and
+    :func:`capacity_overflows` reads this rank's own. A block recomputed by gradient checkpointing
+    counts its drops twice.
 
     Raises:
         TypeError: ``model`` holds no experts module the adapters know, or an experts module
             holds a config that is not the model's own (a submodule passed, a shared config).
-        ValueError: a bad ``capacity_factor`` or ``on_overflow``, or the model is in capacity mode already.
+        ValueError: a bad ``capacity_factor`` or ``on_overflow``, the model is in capacity mode
+            already, this rank is not in ``group``, or another checked mode names other ranks.
 
     Warning:
         With ``"raise"``, the counters are read by an eager ``optimizer.step()``, which a graph
@@ -263,12 +271,26 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
         raise ValueError(f"capacity_experts(): on_overflow must be one of {ON_OVERFLOW}, got {on_overflow!r}")
     if _MODE in model.__dict__:
         raise ValueError(f"capacity_experts(): {type(model).__name__} is in capacity mode already; undo() it first")
+    ranks = None
+    if group is not None:
+        ranks = tuple(torch.distributed.get_process_group_ranks(group))
+        if torch.distributed.get_rank() not in ranks:
+            raise ValueError(f"capacity_experts(): this rank ({torch.distributed.get_rank()}) is not in group "
+                             f"{list(ranks)}; pass a group this rank belongs to")
+    if on_overflow != "drop":
+        other = {mode.ranks for mode in _checked_modes()} - {ranks}
+        if other:
+            raise ValueError(
+                f"capacity_experts(): {type(model).__name__}'s checks would agree over "
+                f"{'every rank' if ranks is None else list(ranks)}, and another model's in this process over "
+                f"{'every rank' if None in other else list(other.pop())}: the checks at each optimizer step "
+                f"agree over one group; pass the same group= to every capacity_experts() call")
     done = integrations.capacity_dispatch(model, float(capacity_factor), on_overflow)
     if done is None:
         raise TypeError(f"capacity_experts(): {type(model).__name__} holds no mixture-of-experts experts module that "
                         f"paddle_graphpp knows (transformers' experts modules dispatched by experts_implementation).")
     states, before = done
-    mode = CapacityMode(model, states, before, on_overflow)
+    mode = CapacityMode(model, states, before, on_overflow, ranks)
     model.__dict__[_MODE] = mode  # the model keeps its mode alive; the watch follows it weakly
     _watch_mode(mode)
     return mode
@@ -299,18 +321,25 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
             raise RuntimeError(f"{refusal}, and this optimizer step is being captured: {UNCHECKED}")
         return
     dropped = {(mode, name): count for mode in modes for name, count in mode.overflows(reset=True).items() if count}
-    if not dropped:
+    peers = _peers_dropped(modes, sum(dropped.values()))
+    if not dropped and not peers:
         if run is not None:
             run.passed += 1
         return
     _leave_borrowed_pool()
-    shown = ", ".join(f"{mode.owner} {name}: {count}" for (mode, name), count in list(dropped.items())[:4])
-    shown += f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""
-    total = sum(dropped.values())
+    total = sum(dropped.values()) + sum(peers.values())
+    if dropped:
+        shown = ", ".join(f"{mode.owner} {name}: {count}" for (mode, name), count in list(dropped.items())[:4])
+        shown += f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""
+        shown += f"; and on rank(s) {sorted(peers)}: {sum(peers.values())}" if peers else ""
+        culprits = {mode for mode, _ in dropped}
+    else:
+        shown = f"none on this rank; on rank(s) {sorted(peers)}, which this rank's step agrees with"
+        culprits = {run.mode} if run is not None and run.mode in modes else set(modes)
     what = (f"{total} (token, expert) pairs were dropped at their experts' capacity in training calls since the "
             f"last optimizer step ({shown}); this step was not taken, and the counters are reset.")
-    rerun = {mode for mode, _ in dropped if mode.on_overflow == "rerun"}
-    if rerun and all(mode.on_overflow == "rerun" for mode, _ in dropped):
+    rerun = {mode for mode in culprits if mode.on_overflow == "rerun"}
+    if rerun and rerun == culprits:
         if run is not None and rerun == {run.mode}:
             run.mode.rerun_dropped += total
             run.pending = _Rerun(what)
@@ -325,6 +354,34 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
     raise CapacityOverflow(
         f"{what} Raise capacity_factor (num_experts / top_k drops nothing), or pass on_overflow='drop' to "
         f"capacity_experts() to accept dropped tokens, or 'rerun' to re-run such steps eagerly.")
+
+
+def _peers_dropped(modes: list, dropped: int) -> dict:
+    """``{rank: pairs dropped}`` of the other ranks of the modes' group that dropped any, told
+    through the process group's store (:class:`~paddle_graphpp.torch.collectives.agreement.StoreTally`):
+    so that every rank of the group takes, or abandons, the same steps. ``{}`` on one rank."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or torch.distributed.get_world_size() < 2:
+        return {}
+    ranks = _group_ranks(modes)
+    watch = _watch()
+    tally = watch.tallies.get(ranks)
+    if tally is None:
+        from .collectives.agreement import StoreTally
+        from .collectives.watch import group_timeout
+
+        tally = watch.tallies[ranks] = StoreTally(
+            list(ranks), group_timeout(torch.distributed.distributed_c10d._get_default_group()),
+            f"the capacity mode's check of dropped pairs at an optimizer step ({modes[0].owner})")
+    me = torch.distributed.get_rank()
+    return {rank: count for rank, count in tally(dropped).items() if count and rank != me}
+
+
+def _group_ranks(modes: list) -> tuple:
+    """The ranks whose checks agree: the modes' ``group`` (one for all: :func:`capacity_experts`
+    refuses another), or every rank."""
+    ranks = modes[0].ranks
+    return ranks if ranks is not None else tuple(range(torch.distributed.get_world_size()))
 
 
 UNCHECKED = ("its drop counters cannot be read inside a graph, and a replayed step would take dropped tokens "

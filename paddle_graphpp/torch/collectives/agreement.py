@@ -8,11 +8,15 @@ so that when any rank's captures raise, every rank raises a ``CaptureError`` at 
 a peer that never reaches the agreement makes the others raise after ``timeout`` seconds
 instead of hanging. With ``fallback="eager"`` a failed capture does not raise (the layer goes
 on eagerly), and the ranks keep training.
+
+:class:`StoreTally` is the same idea for a number each rank brings, round after round, through
+the default group's store (the capacity mode's drop counts, :mod:`paddle_graphpp.torch.moe`).
 """
 
 from __future__ import annotations
 
 import datetime
+import zlib
 from typing import Optional
 
 import torch
@@ -22,7 +26,7 @@ from ...core.errors import CaptureError
 from ...core.capture import capture_for
 from ..runtime import active_runtime
 
-__all__ = ["agree_on_captures"]
+__all__ = ["agree_on_captures", "StoreTally"]
 
 
 class _Agreement:
@@ -77,3 +81,50 @@ def agree_on_captures(group: Optional[dist.ProcessGroup] = None, *, timeout: flo
     ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
     gloo = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     capture_for(active_runtime()).agreement = _Agreement(gloo, ranks, timeout) if dist.get_rank() in ranks else None
+
+
+class StoreTally:
+    """The ranks of a group tell each other one number per round, through the default process
+    group's store: each rank sets its own key of the round and waits for its peers' keys, up to
+    ``timeout`` seconds. No collective of any backend is involved (so it runs beside NCCL or
+    gloo groups alike, and a peer that never comes makes the others raise rather than hang).
+    Every rank of the group must take the same rounds; a round's keys are deleted by their
+    owners one round later, when every peer has read them."""
+
+    def __init__(self, ranks: list, timeout: float, what: str):
+        self.ranks, self.timeout, self.what = list(ranks), timeout, what
+        self.rank = dist.get_rank()
+        self.prefix = f"paddle_graphpp/tally/{zlib.crc32(','.join(map(str, self.ranks)).encode()):08x}"
+        self.round = 0
+
+    def _key(self, rank: int, round_: int) -> str:
+        return f"{self.prefix}/{round_}/{rank}"
+
+    def __call__(self, value: int) -> dict:
+        """``{rank: its number}`` of this round, for every rank of the group."""
+        store = dist.distributed_c10d._get_default_store()
+        round_, self.round = self.round, self.round + 1
+        keys = [self._key(rank, round_) for rank in self.ranks]
+        store.set(self._key(self.rank, round_), str(int(value)))
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            missing = [rank for rank, key in zip(self.ranks, keys) if not _has(store, key)]
+            raise RuntimeError(
+                f"rank {self.rank}: {self.what}: rank(s) {missing} of {self.ranks} did not come within "
+                f"{self.timeout:g} s (they stopped, or take a different number of such steps). This rank "
+                f"raises rather than wait for them.") from exc
+        values = store.multi_get(keys)
+        if round_:
+            try:
+                store.delete_key(self._key(self.rank, round_ - 1))  # every peer has read it: they are here
+            except RuntimeError:
+                pass  # a store without deletion keeps it
+        return {rank: int(v) for rank, v in zip(self.ranks, values)}
+
+
+def _has(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except RuntimeError:
+        return False

@@ -1,0 +1,171 @@
+"""The capacity mode's checks agree across ranks (two gloo ranks on CPU, data parallel).
+
+A pair dropped on one rank stops the optimizer step on every rank (``"raise"``), or re-runs it on
+every rank (``"rerun"``): the replicas stay equal, and a re-run data-parallel training equals
+the plain one bit for bit. A rank that never comes to the check makes the other raise within
+the process group's timeout. Each case starts its ranks in a new session under a timeout
+(testing/launch.py) and kills them afterwards. This file is also the rank worker:
+``python test_moe_ranks.py MODE RANK PORT OUT_DIR``.
+"""
+import json
+import os
+import sys
+import time
+
+import pytest
+
+HERE = os.path.abspath(__file__)
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+pytestmark = pytest.mark.slow  # every case starts two ranks
+
+GROUP_TIMEOUT = 6  # seconds: the process group's, which the checks wait for a peer
+
+
+def _run(mode, tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from testing import launch
+
+    port = str(launch.free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(HERE),
+                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    cmds = [[sys.executable, HERE, mode, str(r), port, str(tmp_path)] for r in range(2)]
+    ends = launch.run_ranks(cmds, envs=[env, env], cwd=str(tmp_path), timeout=120, merge_stderr=True)
+    assert all(e.returncode == 0 and not e.timed_out for e in ends), "\n".join(e.stdout[-3000:] for e in ends)
+    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+
+
+@pytest.mark.timeout(200)
+def test_a_drop_on_one_rank_re_runs_the_step_on_every_rank_and_training_equals_plain_ddp(tmp_path):
+    r0, r1 = _run("rerun", tmp_path)
+    for r in (r0, r1):
+        assert r["equal_to_plain"], r  # losses and every parameter, bit for bit
+        assert r["reruns"] == r["steps"] == 3, r
+    assert r0["dropped_here"] == 0 < r1["dropped_here"]  # rank 0 drops nothing, and re-runs all the same
+    assert r0["rerun_dropped"] == r1["rerun_dropped"] > 0  # the pairs dropped on every rank
+    assert r0["digest"] == r1["digest"]  # the replicas stay equal
+
+
+@pytest.mark.timeout(200)
+def test_a_drop_on_one_rank_stops_the_step_on_every_rank(tmp_path):
+    r0, r1 = _run("raise", tmp_path)
+    assert r0["outcome"] == r1["outcome"] == "CapacityOverflow"
+    assert "none on this rank; on rank(s) [1]" in r0["message"], r0
+    assert "and on rank(s)" not in r1["message"] and "this step was not taken" in r1["message"], r1
+    assert r0["unchanged"] and r1["unchanged"]
+    assert r0["trained_after"] and r1["trained_after"]  # the next step, without drops, is taken on both
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_that_never_checks_makes_the_other_raise_within_the_timeout(tmp_path):
+    r0, r1 = _run("late", tmp_path)
+    assert r0["outcome"] == "trained"  # its mode drops without checking
+    assert r1["outcome"] == "RuntimeError", r1
+    assert "rank(s) [0] of [0, 1] did not come within" in r1["message"], r1
+    assert r1["seconds"] < GROUP_TIMEOUT + 10, r1
+
+
+# ------------------------------------------------------------------------- the worker
+def _worker(mode, rank, port, out):
+    import copy
+    import datetime
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from testing import zoo
+    from paddle_graphpp.torch import CapacityOverflow, capacity_experts
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
+    base = zoo.build("qwen3_moe", experts_implementation="eager")
+    experts, top_k = base.config.num_experts, base.config.num_experts_per_tok
+    gen = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
+    data = [[torch.randint(0, base.config.vocab_size, (2, 16), generator=gen) for _ in range(2)] for _ in range(3)]
+    # rank 0's capacity holds every pair; rank 1's a quarter of an even share
+    factor = experts / top_k if rank == 0 else 0.25
+    result = {"outcome": "trained"}
+
+    def train(model, run, steps=data):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+
+        def step(batch):
+            opt.zero_grad(set_to_none=True)
+            out = []
+            for ids in batch:
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                out.append(loss.detach().clone())
+            opt.step()
+            return out
+
+        for batch in steps:
+            losses += run(step, batch)
+        return losses
+
+    def params(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+    if mode == "rerun":
+        plain = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        torch.manual_seed(3)
+        expected = train(plain, lambda step, batch: step(batch))
+        model = copy.deepcopy(base)
+        mode_ = capacity_experts(model, factor, on_overflow="rerun")
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        torch.manual_seed(3)
+        dropped_here = []
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            original = mode_.overflows
+
+            def overflows(reset=False):  # note what this rank dropped before the check resets it
+                found = original(reset)
+                dropped_here.append(sum(found.values()))
+                return found
+            mode_.overflows = overflows
+            got = train(wrapped, mode_.step)
+        same = all(torch.equal(a, b) for a, b in zip(expected, got)) and all(
+            torch.equal(a, b) for a, b in zip(params(plain.module), params(model)))
+        digest = float(sum(p.double().sum() for p in model.parameters()))
+        result.update(equal_to_plain=same, reruns=mode_.reruns, steps=len(data), rerun_dropped=mode_.rerun_dropped,
+                      dropped_here=sum(dropped_here), digest=digest)
+    elif mode == "raise":
+        model = copy.deepcopy(base)
+        capacity_experts(model, factor, on_overflow="raise")
+        before = params(model)
+        try:
+            train(model, lambda step, batch: step(batch), data[:1])
+        except CapacityOverflow as exc:
+            result.update(outcome="CapacityOverflow", message=str(exc))
+        result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params(model)))
+        with torch.no_grad():  # calls without grad are not counted: the next step drops nothing
+            model(data[1][0])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.step()  # no gradients, no drops: the check passes on both ranks, and the step runs
+        result["trained_after"] = True
+    elif mode == "late":
+        model = copy.deepcopy(base)
+        capacity_experts(model, factor, on_overflow="drop" if rank == 0 else "raise")
+        start = time.monotonic()
+        try:
+            train(model, lambda step, batch: step(batch), data[:1])
+        except RuntimeError as exc:
+            result.update(outcome=type(exc).__name__, message=str(exc))
+        result["seconds"] = time.monotonic() - start
+        if rank == 0:  # keep the store (this rank holds it) up until rank 1 has given up
+            deadline = time.monotonic() + GROUP_TIMEOUT + 30
+            while not os.path.exists(os.path.join(out, "rank1.json")) and time.monotonic() < deadline:
+                time.sleep(0.2)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # no destroy_process_group: a broken gloo group can hang there
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
