@@ -55,6 +55,8 @@ def test_a_drop_on_one_rank_stops_the_step_on_every_rank(tmp_path):
     assert "and on rank(s)" not in r1["message"] and "this step was not taken" in r1["message"], r1
     assert r0["unchanged"] and r1["unchanged"]
     assert r0["trained_after"] and r1["trained_after"]  # the next step, without drops, is taken on both
+    assert "checks would agree over [0, 1], and another model's in this process over every rank" \
+        in r0["other_group"], r0
 
 
 @pytest.mark.timeout(200)
@@ -148,6 +150,10 @@ def _worker(mode, rank, port, out):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.step()  # no gradients, no drops: the check passes on both ranks, and the step runs
         result["trained_after"] = True
+        try:  # a second checked model agreeing over other ranks than the first
+            capacity_experts(copy.deepcopy(base), factor, group=dist.new_group([0, 1]))
+        except ValueError as exc:
+            result["other_group"] = str(exc)
     elif mode == "late":
         model = copy.deepcopy(base)
         capacity_experts(model, factor, on_overflow="drop" if rank == 0 else "raise")
