@@ -124,7 +124,8 @@ def test_a_whole_block_whose_capture_fails_trains_on_graphed_around_its_experts(
         run = _train(model)
     _assert_same(reference, run)
     assert len([w for w in seen if "graphed around its routed experts instead" in str(w.message)]) == len(blocks)
-    assert [n for n, _ in graphed.eager if n.endswith(".experts")] == [
+    # block 1 went to parts first (micro-batch 3), block 0 at micro-batch 4: listed in that order
+    assert sorted(n for n, _ in graphed.eager if n.endswith(".experts")) == [
         f"{type(blocks[0]).__name__}[{i}].mlp.experts" for i in range(len(blocks))]
     # micro-batch 3's capture (at block 0's call) failed for every block; block 0 is graphed in
     # parts at micro-batch 4, the others already in 3; then one eager call (judged), one warm-up,
