@@ -29,10 +29,12 @@ Failure modes:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -186,6 +188,23 @@ def run_ranks(cmds: Sequence[Sequence[str]], *, timeout: float | None, envs: Seq
         results.append(Finished(returncode=p.returncode, stdout=stdout, stderr=stderr, stopped=stopped,
                                 seconds=time.monotonic() - start_t if stopped else ends[i], timed_out=timed_out))
     return results
+
+
+def run_worker_ranks(script: str, mode: str, out_dir, *, world: int = 2, timeout: float,
+                     pythonpath: Sequence[str] = ()) -> list[dict]:
+    """Run a test file as its own rank workers (``python SCRIPT MODE RANK PORT OUT_DIR``, each in
+    its own session, on one free port) and return what each rank wrote to ``OUT_DIR/rank<r>.json``.
+    Fails the calling test (``AssertionError`` with the ranks' output) when a rank exits non-zero
+    or the run passes ``timeout`` seconds."""
+    import json
+
+    port = str(free_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    cmds = [[sys.executable, script, mode, str(r), port, str(out_dir)] for r in range(world)]
+    ends = run_ranks(cmds, envs=[env] * world, cwd=str(out_dir), timeout=timeout, merge_stderr=True)
+    assert all(e.returncode == 0 and not e.timed_out for e in ends), "\n".join(e.stdout[-3000:] for e in ends)
+    return [json.load(open(os.path.join(str(out_dir), f"rank{r}.json"))) for r in range(world)]
 
 
 def _read(f) -> str:

@@ -196,6 +196,32 @@ def _train(model, forward, data, *, step_wrapper=None):
     return record
 
 
+def train_steps(model, data, run=None):
+    """Losses per micro-batch and the parameters after training ``model`` (a causal LM) on
+    ``data``, a list of steps of micro-batches of token ids, with AdamW; each step run by
+    ``run(step, batch)`` (default: called), so that a caller can run it through something
+    (``CapacityMode.step``). The same random draws in every run."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(2)
+    losses = []
+
+    def step(batch):
+        out = []
+        for ids in batch:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            out.append(loss.detach().clone())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out
+
+    for batch in data:
+        losses += run(step, batch) if run is not None else step(batch)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
 def _difference(a: dict, b: dict) -> float:
     """The largest difference between two training records (inf where shapes or presence differ)."""
     import torch

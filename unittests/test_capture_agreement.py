@@ -24,13 +24,7 @@ AGREEMENT_TIMEOUT = 4.0
 def _run(mode, tmp_path):
     from testing import launch
 
-    port = str(launch.free_port())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(HERE),
-                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    cmds = [[sys.executable, HERE, mode, str(r), port, str(tmp_path)] for r in range(2)]
-    ends = launch.run_ranks(cmds, envs=[env, env], cwd=str(tmp_path), timeout=90, merge_stderr=True)
-    assert all(e.returncode == 0 and not e.timed_out for e in ends), "\n".join(e.stdout[-3000:] for e in ends)
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    return launch.run_worker_ranks(HERE, mode, tmp_path, timeout=90, pythonpath=[REPO, os.path.dirname(HERE)])
 
 
 @pytest.mark.timeout(150)

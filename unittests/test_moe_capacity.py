@@ -240,27 +240,6 @@ def test_a_step_of_a_head_over_frozen_experts_is_checked():
         opt.step()
 
 
-def _steps(model, data, run):
-    """Losses and parameters after training ``model`` on ``data``, each step run by ``run(step, batch)``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch.manual_seed(2)
-    losses = []
-
-    def step(batch):
-        out = []
-        for ids in batch:
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            out.append(loss.detach().clone())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return out
-
-    for batch in data:
-        losses += run(step, batch)
-    return losses, [p.detach().clone() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("door,model_type", [("eager", "mixtral"), ("graph_layers", "qwen3_moe"),
                                              ("graph_model", "qwen3_moe")])
 def test_an_overflowed_step_is_re_run_as_the_models_own_experts_train(door, model_type):
@@ -270,7 +249,7 @@ def test_an_overflowed_step_is_re_run_as_the_models_own_experts_train(door, mode
     after each step."""
     base = _model(model_type, **({"router_jitter_noise": 0.1} if model_type == "mixtral" else {}))
     data = zoo._batches(base.config.vocab_size)
-    reference = _steps(copy.deepcopy(base), data, lambda step, batch: step(batch))
+    reference = zoo.train_steps(copy.deepcopy(base), data)
     model = copy.deepcopy(base)
     mode = capacity_experts(model, 0.25, on_overflow="rerun")
     if door == "graph_layers":
@@ -278,7 +257,7 @@ def test_an_overflowed_step_is_re_run_as_the_models_own_experts_train(door, mode
     elif door == "graph_model":
         graph_model(model)
     with pytest.warns(RuntimeWarning, match=rf"{type(model).__name__}: a step dropped .* re-run eagerly"):
-        got = _steps(model, data, mode.step)
+        got = zoo.train_steps(model, data, mode.step)
     assert all(torch.equal(a, b) for a, b in zip(reference[0] + reference[1], got[0] + got[1]))
     assert mode.reruns == len(data) and mode.rerun_dropped > 0
     assert {impl for _, _, impl in adapter.experts_modules(model)} == {"graphpp_capacity"}

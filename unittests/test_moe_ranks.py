@@ -27,13 +27,7 @@ def _run(mode, tmp_path):
     pytest.importorskip("transformers")
     from testing import launch
 
-    port = str(launch.free_port())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(HERE),
-                                                       os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    cmds = [[sys.executable, HERE, mode, str(r), port, str(tmp_path)] for r in range(2)]
-    ends = launch.run_ranks(cmds, envs=[env, env], cwd=str(tmp_path), timeout=120, merge_stderr=True)
-    assert all(e.returncode == 0 and not e.timed_out for e in ends), "\n".join(e.stdout[-3000:] for e in ends)
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    return launch.run_worker_ranks(HERE, mode, tmp_path, timeout=120, pythonpath=[REPO, os.path.dirname(HERE)])
 
 
 @pytest.mark.timeout(200)
@@ -90,35 +84,15 @@ def _worker(mode, rank, port, out):
     factor = experts / top_k if rank == 0 else 0.25
     result = {"outcome": "trained"}
 
-    def train(model, run, steps=data):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-
-        def step(batch):
-            opt.zero_grad(set_to_none=True)
-            out = []
-            for ids in batch:
-                loss = model(ids, labels=ids).loss
-                loss.backward()
-                out.append(loss.detach().clone())
-            opt.step()
-            return out
-
-        for batch in steps:
-            losses += run(step, batch)
-        return losses
-
     def params(model):
         return [p.detach().clone() for p in model.parameters()]
 
     if mode == "rerun":
         plain = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-        torch.manual_seed(3)
-        expected = train(plain, lambda step, batch: step(batch))
+        expected = zoo.train_steps(plain, data)
         model = copy.deepcopy(base)
         mode_ = capacity_experts(model, factor, on_overflow="rerun")
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        torch.manual_seed(3)
         dropped_here = []
 
         with warnings.catch_warnings():
@@ -130,9 +104,8 @@ def _worker(mode, rank, port, out):
                 dropped_here.append(sum(found.values()))
                 return found
             mode_.overflows = overflows
-            got = train(wrapped, mode_.step)
-        same = all(torch.equal(a, b) for a, b in zip(expected, got)) and all(
-            torch.equal(a, b) for a, b in zip(params(plain.module), params(model)))
+            got = zoo.train_steps(wrapped, data, mode_.step)
+        same = all(torch.equal(a, b) for a, b in zip(expected[0] + expected[1], got[0] + got[1]))
         digest = float(sum(p.double().sum() for p in model.parameters()))
         result.update(equal_to_plain=same, reruns=mode_.reruns, steps=len(data), rerun_dropped=mode_.rerun_dropped,
                       dropped_here=sum(dropped_here), digest=digest)
@@ -141,7 +114,7 @@ def _worker(mode, rank, port, out):
         capacity_experts(model, factor, on_overflow="raise")
         before = params(model)
         try:
-            train(model, lambda step, batch: step(batch), data[:1])
+            zoo.train_steps(model, data[:1])
         except CapacityOverflow as exc:
             result.update(outcome="CapacityOverflow", message=str(exc))
         result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params(model)))
@@ -159,7 +132,7 @@ def _worker(mode, rank, port, out):
         capacity_experts(model, factor, on_overflow="drop" if rank == 0 else "raise")
         start = time.monotonic()
         try:
-            train(model, lambda step, batch: step(batch), data[:1])
+            zoo.train_steps(model, data[:1])
         except RuntimeError as exc:
             result.update(outcome=type(exc).__name__, message=str(exc))
         result["seconds"] = time.monotonic() - start
