@@ -173,6 +173,10 @@ def test_bad_arguments_are_refused_by_name():
         capacity_experts(_model("qwen3_moe"), on_overflow="retry")
     with pytest.raises(TypeError, match="LlamaForCausalLM holds no mixture-of-experts experts module"):
         capacity_experts(_model("llama", None))
+    model = _model("qwen3_moe")
+    with pytest.raises(ValueError, match="group= names ranks of torch.distributed, which is not initialised"):
+        capacity_experts(model, group=object())
+    assert not capacity_overflows(model)  # refused before anything changed
 
 
 def _graphed_step(model, fallback):

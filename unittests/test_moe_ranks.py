@@ -49,8 +49,23 @@ def test_a_drop_on_one_rank_stops_the_step_on_every_rank(tmp_path):
     assert "and on rank(s)" not in r1["message"] and "this step was not taken" in r1["message"], r1
     assert r0["unchanged"] and r1["unchanged"]
     assert r0["trained_after"] and r1["trained_after"]  # the next step, without drops, is taken on both
-    assert "checks would agree over [0, 1], and another model's in this process over every rank" \
-        in r0["other_group"], r0
+    for rank, r in enumerate((r0, r1)):
+        assert f"checks would agree over [{rank}], and another model's in this process over every rank" \
+            in r["other_group"], r
+        assert f"this rank ({rank}) is not in group [{1 - rank}]" in r["not_in_group"], r
+        assert r["whole_group_accepted"]  # a group of every rank is the default's ranks, not another group
+
+
+@pytest.mark.timeout(200)
+def test_a_step_one_rank_cannot_re_run_is_stopped_on_every_rank(tmp_path):
+    # rank 0 checks with on_overflow="raise", rank 1 (which drops) with "rerun": re-running on rank 1
+    # alone would leave the replicas apart, so both raise
+    r0, r1 = _run("mixed", tmp_path)
+    assert r0["outcome"] == r1["outcome"] == "CapacityOverflow", (r0, r1)
+    assert "none on this rank; on rank(s) [1]" in r0["message"], r0
+    assert "Rank(s) [0] of the group cannot re-run this step" in r1["message"], r1
+    assert r0["unchanged"] and r1["unchanged"]
+    assert r1["reruns"] == 0
 
 
 @pytest.mark.timeout(200)
@@ -123,10 +138,27 @@ def _worker(mode, rank, port, out):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.step()  # no gradients, no drops: the check passes on both ranks, and the step runs
         result["trained_after"] = True
+        alone = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group
         try:  # a second checked model agreeing over other ranks than the first
-            capacity_experts(copy.deepcopy(base), factor, group=dist.new_group([0, 1]))
+            capacity_experts(copy.deepcopy(base), factor, group=alone[rank])
         except ValueError as exc:
             result["other_group"] = str(exc)
+        try:
+            capacity_experts(copy.deepcopy(base), factor, group=alone[1 - rank])
+        except ValueError as exc:
+            result["not_in_group"] = str(exc)
+        capacity_experts(copy.deepcopy(base), factor, group=dist.new_group([0, 1])).undo()
+        result["whole_group_accepted"] = True
+    elif mode == "mixed":
+        model = copy.deepcopy(base)
+        mode_ = capacity_experts(model, factor, on_overflow="raise" if rank == 0 else "rerun")
+        before = params(model)
+        try:
+            zoo.train_steps(model, data[:1], mode_.step)
+        except CapacityOverflow as exc:
+            result.update(outcome="CapacityOverflow", message=str(exc))
+        result["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, params(model)))
+        result["reruns"] = mode_.reruns
     elif mode == "late":
         model = copy.deepcopy(base)
         capacity_experts(model, factor, on_overflow="drop" if rank == 0 else "raise")

@@ -240,9 +240,11 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
             group; ``None``: every rank of the default group). Under ``"raise"`` and ``"rerun"``
             every optimizer step of every rank of the group tells the others what it dropped,
             through the default group's store: a pair dropped on one rank stops (or re-runs) the
-            step on all of them. Every rank of the group must be in capacity mode and take the
-            same optimizer steps; a rank that does not come within the default group's timeout
-            makes the others raise.
+            step on all of them; a step is re-run only where every rank can re-run it. Every
+            rank of the group must be in capacity mode with the same ``on_overflow`` and take the
+            same optimizer steps: a rank that takes no check (all its modes ``"drop"``, undone,
+            or a ``GradScaler`` that skipped its step) makes the others raise after the default
+            group's timeout.
 
     Returns:
         A :class:`CapacityMode`; its ``undo()`` restores the experts implementation.
@@ -273,10 +275,15 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
         raise ValueError(f"capacity_experts(): {type(model).__name__} is in capacity mode already; undo() it first")
     ranks = None
     if group is not None:
-        ranks = tuple(torch.distributed.get_process_group_ranks(group))
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ValueError("capacity_experts(): group= names ranks of torch.distributed, which is not initialised; "
+                             "call torch.distributed.init_process_group() first")
+        ranks = tuple(sorted(torch.distributed.get_process_group_ranks(group)))
         if torch.distributed.get_rank() not in ranks:
             raise ValueError(f"capacity_experts(): this rank ({torch.distributed.get_rank()}) is not in group "
                              f"{list(ranks)}; pass a group this rank belongs to")
+        if ranks == tuple(range(torch.distributed.get_world_size())):
+            ranks = None  # every rank: the default
     if on_overflow != "drop":
         other = {mode.ranks for mode in _checked_modes()} - {ranks}
         if other:
@@ -321,29 +328,38 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
             raise RuntimeError(f"{refusal}, and this optimizer step is being captured: {UNCHECKED}")
         return
     dropped = {(mode, name): count for mode in modes for name, count in mode.overflows(reset=True).items() if count}
-    peers = _peers_dropped(modes, sum(dropped.values()))
-    if not dropped and not peers:
+    culprits = {mode for mode, _ in dropped} or ({run.mode} if run is not None and run.mode in modes else set(modes))
+    # this step can be re-run here: it runs in the step() of the one mode whose drops stop it, a 'rerun' one
+    rerunnable = run is not None and culprits == {run.mode} and run.mode.on_overflow == "rerun"
+    peers = _peers(modes, sum(dropped.values()), rerunnable)
+    dropped_by_peers = {rank: n for rank, (n, _) in peers.items() if n}
+    if not dropped and not dropped_by_peers:
         if run is not None:
             run.passed += 1
         return
     _leave_borrowed_pool()
-    total = sum(dropped.values()) + sum(peers.values())
+    total = sum(dropped.values()) + sum(dropped_by_peers.values())
     if dropped:
         shown = ", ".join(f"{mode.owner} {name}: {count}" for (mode, name), count in list(dropped.items())[:4])
         shown += f" and {len(dropped) - 4} more" if len(dropped) > 4 else ""
-        shown += f"; and on rank(s) {sorted(peers)}: {sum(peers.values())}" if peers else ""
-        culprits = {mode for mode, _ in dropped}
+        shown += f"; and on rank(s) {sorted(dropped_by_peers)}: {sum(dropped_by_peers.values())}" \
+            if dropped_by_peers else ""
     else:
-        shown = f"none on this rank; on rank(s) {sorted(peers)}, which this rank's step agrees with"
-        culprits = {run.mode} if run is not None and run.mode in modes else set(modes)
+        shown = f"none on this rank; on rank(s) {sorted(dropped_by_peers)}, which this rank's step agrees with"
     what = (f"{total} (token, expert) pairs were dropped at their experts' capacity in training calls since the "
             f"last optimizer step ({shown}); this step was not taken, and the counters are reset.")
-    rerun = {mode for mode in culprits if mode.on_overflow == "rerun"}
-    if rerun and rerun == culprits:
-        if run is not None and rerun == {run.mode}:
-            run.mode.rerun_dropped += total
-            run.pending = _Rerun(what)
-            raise run.pending
+    unable = sorted(rank for rank, (_, can) in peers.items() if not can)
+    if rerunnable and not unable:
+        run.mode.rerun_dropped += total
+        run.pending = _Rerun(what)
+        raise run.pending
+    if unable:  # some rank of the group cannot re-run this step: no rank does
+        raise CapacityOverflow(
+            f"{what} Rank(s) {unable} of the group cannot re-run this step (on_overflow other than 'rerun' there, "
+            f"or an optimizer step outside CapacityMode.step()), so no rank re-runs it: every rank of the group "
+            f"must pass the same on_overflow to capacity_experts() and, under 'rerun', run each step through its "
+            f"mode's step().")
+    if any(mode.on_overflow == "rerun" for mode in culprits) and all(m.on_overflow == "rerun" for m in culprits):
         inside = (f" This step ran inside {run.mode.owner}'s CapacityMode.step(), and each model in 'rerun' mode "
                   f"re-runs only through its own (a copy of a model has its own mode: "
                   f"capacity_experts() it, or train it through its mode's step())." if run is not None else "")
@@ -356,14 +372,17 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
         f"capacity_experts() to accept dropped tokens, or 'rerun' to re-run such steps eagerly.")
 
 
-def _peers_dropped(modes: list, dropped: int) -> dict:
-    """``{rank: pairs dropped}`` of the other ranks of the modes' group that dropped any, told
-    through the process group's store (:class:`~paddle_graphpp.torch.collectives.agreement.StoreTally`):
-    so that every rank of the group takes, or abandons, the same steps. ``{}`` on one rank."""
+def _peers(modes: list, dropped: int, rerunnable: bool) -> dict:
+    """``{rank: (pairs dropped, whether it can re-run this step)}`` of the other ranks of the
+    modes' group, told through the process group's store
+    (:class:`~paddle_graphpp.torch.collectives.agreement.StoreTally`): every rank of the group
+    decides from the same answers, so all take, abandon or re-run the same steps. ``{}`` alone."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
             or torch.distributed.get_world_size() < 2:
         return {}
     ranks = _group_ranks(modes)
+    if len(ranks) < 2:
+        return {}
     watch = _watch()
     tally = watch.tallies.get(ranks)
     if tally is None:
@@ -374,7 +393,7 @@ def _peers_dropped(modes: list, dropped: int) -> dict:
             list(ranks), group_timeout(torch.distributed.distributed_c10d._get_default_group()),
             f"the capacity mode's check of dropped pairs at an optimizer step ({modes[0].owner})")
     me = torch.distributed.get_rank()
-    return {rank: count for rank, count in tally(dropped).items() if count and rank != me}
+    return {rank: (told[0], bool(told[1])) for rank, told in tally((dropped, rerunnable)).items() if rank != me}
 
 
 def _group_ranks(modes: list) -> tuple:

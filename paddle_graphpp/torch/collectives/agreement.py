@@ -84,12 +84,14 @@ def agree_on_captures(group: Optional[dist.ProcessGroup] = None, *, timeout: flo
 
 
 class StoreTally:
-    """The ranks of a group tell each other one number per round, through the default process
+    """The ranks of a group tell each other a few numbers per round, through the default process
     group's store: each rank sets its own key of the round and waits for its peers' keys, up to
     ``timeout`` seconds. No collective of any backend is involved (so it runs beside NCCL or
     gloo groups alike, and a peer that never comes makes the others raise rather than hang).
     Every rank of the group must take the same rounds; a round's keys are deleted by their
-    owners one round later, when every peer has read them."""
+    owners one round later, when every peer has read them. Each rank reads every peer's key
+    from the store's host: meant for a few numbers per training step, not for many ranks at a
+    high rate."""
 
     def __init__(self, ranks: list, timeout: float, what: str):
         self.ranks, self.timeout, self.what = list(ranks), timeout, what
@@ -100,12 +102,12 @@ class StoreTally:
     def _key(self, rank: int, round_: int) -> str:
         return f"{self.prefix}/{round_}/{rank}"
 
-    def __call__(self, value: int) -> dict:
-        """``{rank: its number}`` of this round, for every rank of the group."""
+    def __call__(self, values: tuple) -> dict:
+        """``{rank: its numbers}`` of this round (tuples of ints), for every rank of the group."""
         store = dist.distributed_c10d._get_default_store()
         round_, self.round = self.round, self.round + 1
         keys = [self._key(rank, round_) for rank in self.ranks]
-        store.set(self._key(self.rank, round_), str(int(value)))
+        store.set(self._key(self.rank, round_), ",".join(str(int(v)) for v in values))
         try:
             store.wait(keys, datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
@@ -114,13 +116,13 @@ class StoreTally:
                 f"rank {self.rank}: {self.what}: rank(s) {missing} of {self.ranks} did not come within "
                 f"{self.timeout:g} s (they stopped, or take a different number of such steps). This rank "
                 f"raises rather than wait for them.") from exc
-        values = store.multi_get(keys)
+        told = store.multi_get(keys)
         if round_:
             try:
                 store.delete_key(self._key(self.rank, round_ - 1))  # every peer has read it: they are here
             except RuntimeError:
                 pass  # a store without deletion keeps it
-        return {rank: int(v) for rank, v in zip(self.ranks, values)}
+        return {rank: tuple(int(v) for v in bytes(t).decode().split(",")) for rank, t in zip(self.ranks, told)}
 
 
 def _has(store, key: str) -> bool:
