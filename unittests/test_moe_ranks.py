@@ -47,6 +47,7 @@ def test_a_drop_on_one_rank_stops_the_step_on_every_rank(tmp_path):
     assert r0["outcome"] == r1["outcome"] == "CapacityOverflow"
     assert "none on this rank; on rank(s) [1]" in r0["message"], r0
     assert "and on rank(s)" not in r1["message"] and "this step was not taken" in r1["message"], r1
+    assert all("Raise capacity_factor" in r["message"] and "cannot re-run" not in r["message"] for r in (r0, r1))
     assert r0["unchanged"] and r1["unchanged"]
     assert r0["trained_after"] and r1["trained_after"]  # the next step, without drops, is taken on both
     for rank, r in enumerate((r0, r1)):

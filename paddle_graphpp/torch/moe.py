@@ -353,7 +353,7 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
         run.mode.rerun_dropped += total
         run.pending = _Rerun(what)
         raise run.pending
-    if unable:  # some rank of the group cannot re-run this step: no rank does
+    if rerunnable:  # another rank of the group cannot re-run this step: no rank does
         raise CapacityOverflow(
             f"{what} Rank(s) {unable} of the group cannot re-run this step (on_overflow other than 'rerun' there, "
             f"or an optimizer step outside CapacityMode.step()), so no rank re-runs it: every rank of the group "
