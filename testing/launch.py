@@ -196,8 +196,6 @@ def run_worker_ranks(script: str, mode: str, out_dir, *, world: int = 2, timeout
     its own session, on one free port) and return what each rank wrote to ``OUT_DIR/rank<r>.json``.
     Fails the calling test (``AssertionError`` with the ranks' output) when a rank exits non-zero
     or the run passes ``timeout`` seconds."""
-    import json
-
     port = str(free_port())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")

@@ -9,7 +9,7 @@ a peer that never reaches the agreement makes the others raise after ``timeout``
 instead of hanging. With ``fallback="eager"`` a failed capture does not raise (the layer goes
 on eagerly), and the ranks keep training.
 
-:class:`StoreTally` is the same idea for a number each rank brings, round after round, through
+:class:`StoreTally` is the same idea for a few numbers each rank brings, round after round, through
 the default group's store (the capacity mode's drop counts, :mod:`paddle_graphpp.torch.moe`).
 """
 
