@@ -169,12 +169,12 @@ def _worker(mode, rank, port, out):
         except RuntimeError as exc:
             result.update(outcome=type(exc).__name__, message=str(exc))
         result["seconds"] = time.monotonic() - start
-        if rank == 0:  # keep the store (this rank holds it) up until rank 1 has given up
-            deadline = time.monotonic() + GROUP_TIMEOUT + 30
-            while not os.path.exists(os.path.join(out, "rank1.json")) and time.monotonic() < deadline:
-                time.sleep(0.2)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # stay until every rank is done: rank 0 holds the store its peers may still be reading
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in (0, 1)):
+        time.sleep(0.1)
     sys.stdout.flush()
     os._exit(0)  # no destroy_process_group: a broken gloo group can hang there
 
