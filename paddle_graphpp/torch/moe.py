@@ -26,6 +26,8 @@ from ..core.process import current_process
 from ..core.scope import inline_layers
 from ..core.warn import warn
 from . import integrations
+from .collectives.agreement import StoreTally
+from .collectives.watch import group_timeout
 from .runtime import active_runtime
 
 __all__ = ["capacity_experts", "capacity_overflows", "CapacityOverflow", "CapacityMode"]
@@ -380,27 +382,18 @@ def _peers(modes: list, dropped: int, rerunnable: bool) -> dict:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
             or torch.distributed.get_world_size() < 2:
         return {}
-    ranks = _group_ranks(modes)
+    # the modes' group (capacity_experts refuses a second group in one process), or every rank
+    ranks = modes[0].ranks or tuple(range(torch.distributed.get_world_size()))
     if len(ranks) < 2:
         return {}
     watch = _watch()
     tally = watch.tallies.get(ranks)
     if tally is None:
-        from .collectives.agreement import StoreTally
-        from .collectives.watch import group_timeout
-
         tally = watch.tallies[ranks] = StoreTally(
             list(ranks), group_timeout(torch.distributed.distributed_c10d._get_default_group()),
             f"the capacity mode's check of dropped pairs at an optimizer step ({modes[0].owner})")
     me = torch.distributed.get_rank()
     return {rank: (told[0], bool(told[1])) for rank, told in tally((dropped, rerunnable)).items() if rank != me}
-
-
-def _group_ranks(modes: list) -> tuple:
-    """The ranks whose checks agree: the modes' ``group`` (one for all: :func:`capacity_experts`
-    refuses another), or every rank."""
-    ranks = modes[0].ranks
-    return ranks if ranks is not None else tuple(range(torch.distributed.get_world_size()))
 
 
 UNCHECKED = ("its drop counters cannot be read inside a graph, and a replayed step would take dropped tokens "
