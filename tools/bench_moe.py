@@ -18,8 +18,14 @@ Three parts, each class built from its own config (``testing/zoo.py``):
    compared with the eager run of its own experts implementation.
    The capacity variants (``capacity_experts(model, --capacity-factor, on_overflow="drop")``) record
    the pairs they dropped.
+   Beside the variants, in the same alternating rounds, ``experts_alone`` runs only the experts
+   modules of the ``eager_loop`` model, forward and backward, on the inputs they got in a recorded
+   step: the part of the step that graphs around the dispatch leave eager. ``around_bound``
+   (the eager step over that time) is the most any graph around the dispatch could gain.
 3. **Memory**: each variant of the speed part in its own process (``--child``), at the same shape:
    peak allocated and reserved memory over ``--memory-steps`` steps, the capture step included.
+   With ``--memory-trace`` each process also records the allocator's history
+   (``tools/diagnostics/memtrace.py``) and breaks its reserved peak down by pool.
 
 Where a variant fails (a refusal, a failed capture), the record says so with the message.
 """
@@ -82,6 +88,7 @@ def parse_args(argv=None):
     p.add_argument("--skip", nargs="*", default=[], choices=["exact", "speed", "memory"])
     p.add_argument("--name", default="moe", help="record name (the device is appended)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="of the capacity variants (drops counted)")
+    p.add_argument("--memory-trace", action="store_true", help="break each variant's peak down by pool (slower)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "model:variant": one memory run
     return p.parse_args(argv)
 
@@ -189,6 +196,39 @@ def exactness(args, model_type):
 
 
 # ----------------------------------------------------------------------------- 2. speed
+def experts_alone(model, step, data):
+    """A callable that runs, eagerly, only the experts modules of one ``step(data)`` of ``model``:
+    each module's forward and backward on the inputs it got in a step recorded here (an output
+    gradient drawn once). The experts' gradients are cleared after each call, so the model's own
+    steps are not changed by it."""
+    from paddle_graphpp.torch.integrations.transformers import experts_modules
+
+    calls, handles = [], []
+
+    def keep(module, args, kwargs):
+        def held(x):
+            if not torch.is_tensor(x):
+                return x
+            return x.detach().clone().requires_grad_(x.is_floating_point())
+        args = [held(a) for a in args]
+        calls.append((module, args, {k: held(v) for k, v in kwargs.items()}, torch.randn_like(args[0])))
+
+    modules = [m for _n, m, _impl in experts_modules(model)]
+    handles = [m.register_forward_pre_hook(keep, with_kwargs=True) for m in modules]
+    try:
+        step(data)
+    finally:
+        for h in handles:
+            h.remove()
+
+    def run():
+        for module, args, kwargs, grad in calls:
+            module(*args, **kwargs).backward(grad)
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+    return run, len(calls)
+
+
 def speed(args, model_type):
     models, steps, row = {}, {}, {"variants": {}}
     data = None
@@ -212,8 +252,16 @@ def speed(args, model_type):
             row["variants"][name] = {"experts_implementation": impl, "door": door,
                                      "error": f"{type(exc).__name__}: {exc}"[:500]}
             torch.cuda.empty_cache()
-    timing = benchlib.time_rounds({n: (lambda s=s: s(data)) for n, s in steps.items()},
-                                  iters=args.iters, rounds=args.rounds)
+    timed = {n: (lambda s=s: s(data)) for n, s in steps.items()}
+    if "eager_loop" in steps:
+        timed["experts_alone"], row["experts_alone_calls"] = experts_alone(models["eager_loop"], steps["eager_loop"], data)
+    timing = benchlib.time_rounds(timed, iters=args.iters, rounds=args.rounds)
+    alone = timing.pop("experts_alone", None)
+    if alone is not None:
+        loop_ms = timing["eager_loop"]["median_ms"]
+        row["experts_alone"] = {"step_ms": alone["median_ms"], "spread": alone["spread"],
+                                "share_of_eager_loop": alone["median_ms"] / loop_ms,
+                                "around_bound": loop_ms / alone["median_ms"]}
     tokens = args.batch * args.seq * args.micro_batches
     for name, t in timing.items():
         v = row["variants"][name]
@@ -240,32 +288,47 @@ def child(args):
     """One variant in this process: peak allocated and reserved MiB over the steps (capture included)."""
     model_type, name = args.child.split(":")
     impl, door = VARIANTS[name]
+    if args.memory_trace:
+        from tools.diagnostics import memtrace
+
+        memtrace.start()
     torch.cuda.reset_peak_memory_stats()
     model = build(model_type, impl, launch_bound=True, capacity_factor=args.capacity_factor)
     graph(model, door)
     step = trainer(model)
     data = batches(args, model.config.vocab_size, 1, seed=1)[0]
+    step_starts_us = []
     for _ in range(args.memory_steps):
+        torch.cuda.synchronize()
+        step_starts_us.append(time.time() * 1e6)
         step(data)
     torch.cuda.synchronize()
     from paddle_graphpp.torch.runtime import RUNTIME
 
-    print(json.dumps({"allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
-                      "reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
-                      "lending": RUNTIME.lending_report()}))
+    row = {"allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+           "reserved_mib": torch.cuda.max_memory_reserved() / 2**20, "lending": RUNTIME.lending_report()}
+    if args.memory_trace:
+        trace = memtrace.analyze(torch.cuda.memory._snapshot(), top=8, step_starts_us=step_starts_us)
+        keep = ("reserved_mib", "allocated_mib", "reserved_by_pool_mib", "allocated_by_pool_mib",
+                "free_in_empty_segments_mib", "free_in_used_segments_mib", "segments", "step", "step_fraction",
+                "top_sites_mib")
+        row["trace"] = {"complete": trace["complete"],
+                        **{k: {f: trace[k][f] for f in keep if f in trace[k]}
+                           for k in ("peak_reserved", "peak_allocated", "end") if k in trace}}
+    print(json.dumps(row))
 
 
 def memory(args, model_type):
-    """Each variant in its own process, two at a time."""
+    """Each variant in its own process, four at a time (each process reads its own peaks)."""
     rows, running = {}, []
     names = list(args.variants)
     while names or running:
-        while names and len(running) < 2:
+        while names and len(running) < 4:
             name = names.pop(0)
             cmd = [sys.executable, __file__, "--child", f"{model_type}:{name}", "--capacity-factor", str(args.capacity_factor),
                    "--batch", str(args.batch),
                    "--seq", str(args.seq), "--micro-batches", str(args.micro_batches),
-                   "--memory-steps", str(args.memory_steps)]
+                   "--memory-steps", str(args.memory_steps)] + (["--memory-trace"] if args.memory_trace else [])
             running.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
         name, proc = running.pop(0)
         out, err = proc.communicate(timeout=300)
@@ -305,6 +368,15 @@ def main(argv=None):
             print(f"{model_type:12s} {name:14s} {v.get('tokens_per_s', 0):9.0f} {v.get('vs_eager_same_experts', 0):7.2f} "
                   f"{v.get('vs_eager_loop', 0):7.2f} {v.get('spread', 0):6.2f} {m.get('allocated_mib', 0):7.0f} "
                   f"{m.get('reserved_mib', 0):7.0f}" + ("  ERR " + v["error"][:80] if "error" in v else ""))
+        alone = row.get("speed", {}).get("experts_alone")
+        if alone:
+            print(f"{model_type:12s} experts alone: {alone['step_ms']:.1f} ms, {alone['share_of_eager_loop']:.2f} of the "
+                  f"eager loop's step; no graph around them gains more than {alone['around_bound']:.2f}x")
+        for name, m in row.get("memory", {}).items():
+            peak = m.get("trace", {}).get("peak_reserved")
+            if peak:
+                print(f"{model_type:12s} {name:14s} at the reserved peak (step {peak.get('step')}): reserved "
+                      f"{peak['reserved_by_pool_mib']}, allocated {peak['allocated_by_pool_mib']}")
         for name, e in row.get("exact", {}).items():
             print(f"{model_type:12s} exact {name:14s} {e}")
     print(path)
