@@ -88,6 +88,7 @@ class GraphedCausalLM:
         self.own_forward = model.__dict__.get("forward", _ABSENT)
         self.name = graphed._engine.name
         self._warned: set = set()
+        self._aux_problem: Any = _ABSENT  # why the load-balancing loss cannot be captured, once asked
 
     def __deepcopy__(self, memo):
         raise TypeError(f"{self.name}: a model graphed by graph_model() cannot be copied (its graphs read the "
@@ -124,6 +125,13 @@ class GraphedCausalLM:
         input_ids = args[0] if args else kwargs.get("input_ids")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             return "input_ids is not a (batch, sequence) tensor"
+        if kwargs.get("output_router_logits") and not getattr(self.stage.config.get_text_config(),
+                                                              "output_router_logits", False):
+            if self._aux_problem is _ABSENT:  # the config's own value was checked when graphed
+                self._aux_problem = integrations.aux_loss_capture_problem(self.graphed.module._model)
+            if self._aux_problem is not None:
+                return (f"output_router_logits=True is given, and the load-balancing loss cannot be captured "
+                        f"({self._aux_problem})")
         for arg, value in kwargs.items():
             if arg in _MODEL_KWARGS or arg in ("input_ids", "labels", "return_dict"):
                 continue
@@ -159,7 +167,10 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
         TypeError: the model has no base model with one list of blocks, is graphed already (by
             this function or by ``graph_layers()`` on its blocks: a graph inside a graph), or a
             keyword is not an engine option.
-        ValueError: a block has gradient checkpointing on, or ``num_warmup_steps`` is not an int >= 1.
+        ValueError: a block has gradient checkpointing on, ``num_warmup_steps`` is not an int >= 1,
+            or, on a GPU, the config asks for router logits (``output_router_logits``) and the
+            load-balancing loss the model adds then reads the host (``torch.bincount`` in
+            transformers 5.22 and some releases before it; 5.23 counts with ``histc``).
 
     Warnings:
         * Each micro-batch shape is a signature of its own, captured anew (``max_signatures``
@@ -183,6 +194,16 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
     for i, block in enumerate(blocks):
         check_layer(f"{layout.base}.{layout.layers}.{i}", block, check_config=False)
         integrations.refuse_in_whole_graph(f"{layout.base}.{layout.layers}.{i}", block, "graph_model()")
+    if getattr(model.config.get_text_config(), "output_router_logits", False):
+        why = integrations.aux_loss_capture_problem(model)
+        if why is not None:
+            raise ValueError(
+                f"graph_model(): {type(model).__name__} has output_router_logits=True in its config, and the "
+                f"load-balancing loss its forward then adds cannot be captured: {why}. Set "
+                f"model.config.output_router_logits = False, or graph the blocks with graph_layers() after "
+                f"model.set_experts_implementation('eager') (the routers are graphed on their own, the loss is "
+                f"computed outside the graphs), or use a transformers whose loss reads nothing on the host "
+                f"(5.23 and later count with histc).")
     stage = CausalLMStage(model, layout, 0, 1, range(len(blocks)), 0)
     graphed = CUDAGraphedModule(_LMBody(stage, model), compile=compile, options=chosen,
                                 name=f"graph_model({type(model).__name__})")

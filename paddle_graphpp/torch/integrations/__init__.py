@@ -30,7 +30,7 @@ from ...core.process import current_process
 from ...core.segment import Parts
 
 __all__ = ["Adapter", "ExpertsCapacity", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED",
-           "adapters", "check_block", "check_wrapped", "refuse_in_whole_graph", "graph_parts", "capacity_dispatch",
+           "adapters", "check_block", "check_wrapped", "refuse_in_whole_graph", "aux_loss_capture_problem", "graph_parts", "capacity_dispatch",
            "capacity_restore", "capacity_suspended", "call_checks", "recomputes", "capture_hint", "outside_calls", "prepare",
            "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
 
@@ -114,6 +114,12 @@ class Adapter:
 
     def refuse_in_whole_graph(self, name: str, layer: Any, door: str) -> None:
         """Refuse a block inside one graph of a whole model or stage (``door``: the front door)."""
+
+    def aux_loss_capture_problem(self, model: Any) -> Optional[str]:
+        """Why the auxiliary loss ``model``'s own forward adds when asked for its router outputs
+        (a mixture of experts' load-balancing loss) cannot be captured; ``None``: it can, or the
+        model has none of this library's."""
+        return None
 
     def graph_parts(self, name: str, layer: Any, failed: Optional[str] = None) -> Optional[Parts]:
         """For a block a capture cannot hold whole (a mixture of experts' host-reading dispatch):
@@ -214,6 +220,15 @@ def refuse_in_whole_graph(name: str, layer: Any, door: str) -> None:
     """Every adapter's :meth:`Adapter.refuse_in_whole_graph`."""
     for adapter in adapters():
         adapter.refuse_in_whole_graph(name, layer, door)
+
+
+def aux_loss_capture_problem(model: Any) -> Optional[str]:
+    """The first adapter's :meth:`Adapter.aux_loss_capture_problem` of ``model`` that is not ``None``."""
+    for adapter in adapters():
+        why = adapter.aux_loss_capture_problem(model)
+        if why is not None:
+            return why
+    return None
 
 
 def graph_parts(name: str, layer: Any, failed: Optional[str] = None) -> Optional[Parts]:

@@ -34,7 +34,7 @@ from torch import nn
 from . import Adapter, ExpertsCapacity, OutsideCalls, Parts
 
 __all__ = ["MaskCalls", "arg_positions", "owns", "check_block", "check_call", "checkpointing", "refuse_checkpointing",
-           "recorded_outputs", "traced_masks_refused", "experts_modules", "experts_capture_problem", "graph_parts", "refuse_experts_in_whole_graph", "CAPACITY", "capacity_experts_forward", "capacity_dispatch", "capacity_restore",
+           "recorded_outputs", "traced_masks_refused", "experts_modules", "experts_capture_problem", "graph_parts", "refuse_experts_in_whole_graph", "aux_loss_capture_problem", "CAPACITY", "capacity_experts_forward", "capacity_dispatch", "capacity_restore",
            "ADAPTER"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
@@ -389,6 +389,37 @@ def refuse_experts_in_whole_graph(name: str, layer: nn.Module, door: str) -> Non
                 f"'grouped_mm', or graph the blocks with graph_layers(), which graphs around the dispatch.")
 
 
+def aux_loss_capture_problem(model: nn.Module) -> Optional[str]:
+    """Why ``model``'s load-balancing loss cannot be captured, or ``None``: the
+    ``load_balancing_loss_func`` of its modeling module (what its forward adds with
+    ``output_router_logits=True``) is called once, on a GPU, on a small input with torch's sync
+    debug mode set to raise, so a host read there (``torch.bincount``, which reads the largest
+    count, in transformers 5.22 and some releases before it; 5.23 counts with ``histc``) raises.
+    Off a GPU nothing is captured: ``None``."""
+    func = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    found = experts_modules(model)
+    weight = next(model.parameters(), None)
+    if func is None or not found or weight is None or not weight.is_cuda:
+        return None
+    experts = getattr(found[0][1], "num_experts", None)
+    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    if not isinstance(experts, int) or not isinstance(top_k, int):
+        return None
+    logits = (torch.randn(4 * experts, experts, device=weight.device),)
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        func(logits, experts, top_k, None)
+    except RuntimeError as exc:  # only a host read is this function's business
+        if "synchroniz" in str(exc):
+            return f"{type(model).__module__}.load_balancing_loss_func reads the host ({str(exc).strip()[:120]})"
+    except Exception:  # noqa: BLE001 - a signature this probe does not know: the capture will tell
+        pass
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    return None
+
+
 _CAPACITY = "_graphpp_capacity"  # an experts module's ExpertsCapacity (in its __dict__)
 _DROPPED = "_graphpp_capacity_dropped"  # ... and its drop counter, a buffer that is not saved
 
@@ -586,6 +617,9 @@ class TransformersAdapter(Adapter):
     def refuse_in_whole_graph(self, name, layer, door) -> None:
         refuse_checkpointing(name, layer, door)
         refuse_experts_in_whole_graph(name, layer, door)
+
+    def aux_loss_capture_problem(self, model):
+        return aux_loss_capture_problem(model)
 
     def graph_parts(self, name, layer, failed=None):
         return graph_parts(name, layer, failed)
