@@ -365,7 +365,10 @@ def main(argv=None):
         if "memory" not in args.skip:
             row["memory"] = memory(args, model_type)
         print(f"[{time.perf_counter() - started:5.0f} s] {model_type} done", flush=True)
+        import transformers
+
         path = benchlib.write_result(args.name, {"environment": benchlib.environment(), "settings": vars(args),
+                                                 "transformers": transformers.__version__,
                                              "shape": SHAPE, "models": rows})
     print(f"\n{'class':12s} {'variant':14s} {'tok/s':>9s} {'x same':>7s} {'x loop':>7s} {'spread':>6s} "
           f"{'alloc':>7s} {'resv':>7s}")
