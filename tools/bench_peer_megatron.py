@@ -498,8 +498,6 @@ def main_moe(parser, args, argv) -> int:
         parser.error("--rounds must be >= 2 (a spread needs two rounds)")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if args.memory_trace:
-        parser.error("--memory-trace is not offered with --moe: the record already holds each variant's peaks")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     if "--variants" not in given:
         variants = MOE_VARIANTS
@@ -511,9 +509,9 @@ def main_moe(parser, args, argv) -> int:
         parser.error(f"--routings {args.routings!r}: choose among {', '.join(MOE_ROUTINGS)}")
     seq = CPU_SEQ if args.device == "cpu" else MOE_SEQ
     runs = plan_moe(routings, seq=seq, rounds=args.rounds, profile=args.profile, device=args.device,
-                    variants=variants, repeats=args.repeats, ours_loss=args.ours_loss)
+                    variants=variants, memory_trace=args.memory_trace, repeats=args.repeats, ours_loss=args.ours_loss)
     budget = args.budget if args.budget is not None else BUDGET_S[1]
-    name = args.name or MOE_RECORD
+    name = ("memory-trace-" if args.memory_trace else "") + (args.name or MOE_RECORD)
     if args.dry_run:
         return _dry_run(runs, f"# budget {budget:.0f}s, 1 rank per run (one GPU), each run in its own process, at most "
                               f"{RUN_CAP_S[1]:.0f}s each", name)

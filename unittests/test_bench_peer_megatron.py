@@ -233,8 +233,16 @@ def test_moe_dry_run_lists_each_routing_on_one_gpu_and_names_its_record(capsys):
     assert all(f"--routing {l.split()[0].split('@')[1].split('#')[0]}" in l for l in runs)
 
 
-@pytest.mark.parametrize("argv", [["--pp", "2"], ["--tp", "2"], ["--seqs", "512"], ["--memory-trace"],
-                                  ["--routings", "capacity,fast"]])
+def test_a_moe_memory_trace_runs_each_variant_once_traced_into_a_record_of_its_own(capsys):
+    assert bench_peer_megatron.main(["--moe", "--memory-trace", "--variants", "eager,ours", "--routings", "capacity",
+                                     "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "# writes benchmarks/results/memory-trace-peer-megatron-moe-<device>.json"
+    assert [l.split()[0] for l in out[2:]] == ["eager@capacity", "ours@capacity"]
+    assert all(l.endswith("--memory-trace") for l in out[2:])
+
+
+@pytest.mark.parametrize("argv", [["--pp", "2"], ["--tp", "2"], ["--seqs", "512"], ["--routings", "capacity,fast"]])
 def test_moe_refuses_what_it_does_not_run(capsys, argv):
     with pytest.raises(SystemExit) as exc:
         bench_peer_megatron.main(["--moe", *argv, "--dry-run"])
