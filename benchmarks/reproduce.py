@@ -69,15 +69,19 @@ STEPS = [
      "ours_compiled,ours_whole,ours_whole_compiled,ours_whole_step --groups one --profile-steps 0",
      "compile-<device>.json"),
     ("stacks", 1, "python tools/bench_stacks.py", "stacks-<device>.json"),
-    ("moe", 1, "python tools/bench_moe.py --variants eager_loop around eager_grouped whole_grouped model_grouped "
-     "eager_capacity whole_capacity",
+    ("moe", 1, "python tools/bench_moe.py --rounds 5 --iters 3 --memory-trace --variants eager_loop around "
+     "eager_grouped whole_grouped model_grouped eager_capacity whole_capacity",
      "moe-<device>.json"),
+    ("moe-around", 1, "python tools/bench_moe.py --name moe-around --skip exact memory --variants eager_loop around "
+     "--rounds 15 --iters 3", "moe-around-<device>.json"),
     ("zero-bubble-split", 1, "python tools/bench_zero_bubble.py --single-gpu", "zero-bubble-split-<device>.json"),
     ("peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --profile", "peer-megatron-pp1-<device>.json"),
     ("peer-megatron-moe", 1, "python tools/bench_peer_megatron.py --moe --budget 400", "peer-megatron-moe-<device>.json"),
     ("gpu-suite", 1, "python tools/gpu_suite.py", "gpu-suite-<device>.json"),
     ("gpu-suite-probe", 1, "python tools/gpu_suite.py --probe --name gpu-suite-probe",
      "gpu-suite-probe-<device>.json"),
+    ("memory-trace-peer-megatron-moe", 1, "python tools/bench_peer_megatron.py --moe --memory-trace "
+     "--variants eager,ours --budget 420", "memory-trace-peer-megatron-moe-<device>.json"),
     ("memory-trace-peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --seqs 2048 "
      "--variants eager,ours --rounds 2 --memory-trace", "memory-trace-peer-megatron-pp1-<device>.json"),
     ("pipeline", 2, "python tools/bench_pipeline.py", "pipeline-<device>.json"),
