@@ -85,3 +85,12 @@ def test_the_raw_history_is_written_only_where_a_folder_is_given(tmp_path, monke
     with gzip.open(path, "rt") as f:
         assert json.load(f)["step_starts_us"] == [1, 2]
     assert [row[0] for row in pool_model._rows(path)] == ["alloc", "free_completed"]
+
+
+def test_a_history_whose_start_the_ring_dropped_is_not_complete():
+    whole = [{"action": "segment_alloc", "addr": 0, "size": 64 * MIB, "time_us": 0, "pool_id": (0, 0)},
+             _alloc(0, 8, 1, 10), _alloc(8 * MIB, 8, 2, 11), _free(8 * MIB, 8, 3), _free(0, 8, 4)]
+    assert memtrace.analyze({"device_traces": [whole]}, device=0)["complete"]
+    # the ring kept the last events only: its first is an allocation, but a block it never saw is freed
+    tail = whole[2:]
+    assert not memtrace.analyze({"device_traces": [tail]}, device=0)["complete"]

@@ -66,7 +66,8 @@ def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_sin
     Returns ``{"complete": bool, "events": int, "peak_reserved": {...}, "peak_allocated": {...},
     "end": {...}}``; each moment holds ``reserved_mib`` and ``allocated_mib`` per pool and the
     ``top`` allocation sites alive then (MiB). ``complete`` is False when the history ring
-    dropped early events (then baselines such as parameters may be missing). With
+    dropped early events (then baselines such as parameters may be missing): the first event
+    kept is no allocation, or a block or segment is freed that the history never allocated. With
     ``steady_since_us`` (a ``time.time() * 1e6`` stamp) the peak reserved after that moment is
     broken down too, as ``steady_peak_reserved``, and so is the moment each pool's allocated
     memory peaked after it, as ``steady_peak_allocated <pool>``. Each moment also splits every
@@ -79,9 +80,9 @@ def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_sin
     dev = torch.cuda.current_device() if device is None else device
     traces = snapshot.get("device_traces", [])
     events = traces[dev] if dev < len(traces) else []
-    complete = bool(events) and events[0].get("action") in ("segment_alloc", "alloc")
     # Pass 1: where the two peaks are. Pass 2: replay up to each and take the picture there.
     peaks = _replay(events, None, since_us=steady_since_us)
+    complete = bool(events) and events[0].get("action") in ("segment_alloc", "alloc") and not peaks["unknown_frees"]
     marks = {peaks["reserved_index"]: "peak_reserved", peaks["allocated_index"]: "peak_allocated"}
     if peaks.get("steady_index", -1) >= 0:
         marks.setdefault(peaks["steady_index"], "steady_peak_reserved")
@@ -172,6 +173,7 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
     out: dict = {}
     growth: list = []  # graph-pool segments: [segment MiB, request MiB, largest hole MiB, free MiB, site]
     growing: dict = {}  # pool -> index into growth of a segment whose request is next
+    unknown_frees = 0  # frees of blocks or segments allocated before the history starts
 
     def moment(time_us: float | None = None) -> dict:
         alloc_pool: dict = defaultdict(int)
@@ -240,6 +242,8 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
             if entry is not None:
                 allocated -= entry[0]
                 pool_alloc[entry[1]] -= entry[0]
+            else:
+                unknown_frees += 1
         elif action in ("segment_alloc", "segment_map"):
             if marks is not None and _pool(ev) != "default" and not _pool(ev).startswith("stream0"):
                 hole, free = _largest_hole(_pool(ev), live, seg_pool)
@@ -250,6 +254,7 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
         elif action in ("segment_free", "segment_unmap"):
             entry = seg_pool.pop(ev["addr"], None)
             reserved -= entry[0] if entry else ev["size"]
+            unknown_frees += entry is None
         if marks is None:
             if reserved > best_res[0]:
                 best_res = (reserved, index)
@@ -266,6 +271,7 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
             out[marks[index]] = moment(ev.get("time_us"))
     if marks is None:
         return {"reserved_index": best_res[1], "allocated_index": best_alloc[1], "steady_index": best_steady[1],
+                "unknown_frees": unknown_frees,
                 "steady_pool_index": {pool: index for pool, (_, index) in best_pool.items()}}
     out["end"] = moment(events[-1].get("time_us") if events else None)
     out["growth"] = growth
