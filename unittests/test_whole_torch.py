@@ -203,3 +203,28 @@ def test_block_arguments_follow_the_attention_kernel():
     model.config._attn_implementation = "eager"
     eager = stage.masks(ids)
     assert eager is not sdpa and eager[0][1] is not None  # eager attention needs the mask
+
+
+def test_a_load_balancing_loss_that_reads_the_host_is_refused_when_built_and_left_to_eager_per_call(monkeypatch,
+                                                                                                   caplog):
+    """The probe's verdict stands in for a GPU here (off a GPU it finds nothing: nothing is captured);
+    that it tells what a capture does is unittests/gpu/test_moe_gpu.py's claim."""
+    from testing import zoo
+
+    from paddle_graphpp.torch.integrations import transformers as adapter
+
+    monkeypatch.setattr(adapter, "aux_loss_capture_problem", lambda model: "its loss reads the host (probe)")
+    model = zoo.build("qwen3_moe", experts_implementation="batched_mm", output_router_logits=True)
+    with pytest.raises(ValueError, match=r"output_router_logits=True in its config.*its loss reads the host \(probe\)"
+                                         r".*output_router_logits = False"):
+        graph_model(model)
+    assert "forward" not in model.__dict__  # refused before anything changed
+    model.config.output_router_logits = False
+    ref = copy.deepcopy(model)
+    graph_model(model)
+    x = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with caplog.at_level(logging.WARNING, logger="paddle_graphpp"):
+        outs = [model(x, labels=x, output_router_logits=True) for _ in range(2)]
+    want = ref(x, labels=x, output_router_logits=True)
+    assert all(torch.equal(o.loss, want.loss) and torch.equal(o.aux_loss, want.aux_loss) for o in outs)
+    assert sum("load-balancing loss cannot be captured" in r.getMessage() for r in caplog.records) == 1
