@@ -47,6 +47,7 @@ if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from testing import zoo  # noqa: E402
 from tools import benchlib  # noqa: E402
@@ -365,8 +366,6 @@ def main(argv=None):
         if "memory" not in args.skip:
             row["memory"] = memory(args, model_type)
         print(f"[{time.perf_counter() - started:5.0f} s] {model_type} done", flush=True)
-        import transformers
-
         path = benchlib.write_result(args.name, {"environment": benchlib.environment(), "settings": vars(args),
                                                  "transformers": transformers.__version__,
                                              "shape": SHAPE, "models": rows})

@@ -67,7 +67,7 @@ def analyze(snapshot: dict, device: int | None = None, top: int = 14, steady_sin
     "end": {...}}``; each moment holds ``reserved_mib`` and ``allocated_mib`` per pool and the
     ``top`` allocation sites alive then (MiB). ``complete`` is False when the history ring
     dropped early events (then baselines such as parameters may be missing): the first event
-    kept is no allocation, or a block or segment is freed that the history never allocated. With
+    kept is no allocation, or a block is freed that the history never allocated. With
     ``steady_since_us`` (a ``time.time() * 1e6`` stamp) the peak reserved after that moment is
     broken down too, as ``steady_peak_reserved``, and so is the moment each pool's allocated
     memory peaked after it, as ``steady_peak_allocated <pool>``. Each moment also splits every
@@ -173,7 +173,7 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
     out: dict = {}
     growth: list = []  # graph-pool segments: [segment MiB, request MiB, largest hole MiB, free MiB, site]
     growing: dict = {}  # pool -> index into growth of a segment whose request is next
-    unknown_frees = 0  # frees of blocks or segments allocated before the history starts
+    unknown_frees = 0  # frees of blocks allocated before the history starts
 
     def moment(time_us: float | None = None) -> dict:
         alloc_pool: dict = defaultdict(int)
@@ -253,8 +253,7 @@ def _replay(events: list, marks, top: int = 14, since_us: float | None = None, s
             reserved += ev["size"]
         elif action in ("segment_free", "segment_unmap"):
             entry = seg_pool.pop(ev["addr"], None)
-            reserved -= entry[0] if entry else ev["size"]
-            unknown_frees += entry is None
+            reserved -= entry[0] if entry else ev["size"]  # an expandable segment unmaps other ranges than it mapped
         if marks is None:
             if reserved > best_res[0]:
                 best_res = (reserved, index)
