@@ -42,6 +42,17 @@ def test_a_drop_on_one_rank_re_runs_the_step_on_every_rank_and_training_equals_p
 
 
 @pytest.mark.timeout(200)
+def test_a_rank_without_experts_joins_the_checks_and_re_runs_with_its_peers(tmp_path):
+    # rank 0 trains a dense model (a pipeline stage without experts), rank 1 a Qwen3-MoE that drops
+    r0, r1 = _run("dense", tmp_path)
+    for r in (r0, r1):
+        assert r["equal_to_plain"], r  # each trains as its model does without the capacity mode, bit for bit
+        assert r["reruns"] == r["steps"] == 3, r
+    assert r0["rerun_dropped"] == r1["rerun_dropped"] > 0
+    assert "LlamaForCausalLM is in capacity mode with on_overflow='rerun' (no experts" in r0["checked"], r0
+
+
+@pytest.mark.timeout(200)
 def test_a_drop_on_one_rank_stops_the_step_on_every_rank(tmp_path):
     r0, r1 = _run("raise", tmp_path)
     assert r0["outcome"] == r1["outcome"] == "CapacityOverflow"
@@ -125,6 +136,20 @@ def _worker(mode, rank, port, out):
         digest = float(sum(p.double().sum() for p in model.parameters()))
         result.update(equal_to_plain=same, reruns=mode_.reruns, steps=len(data), rerun_dropped=mode_.rerun_dropped,
                       dropped_here=sum(dropped_here), digest=digest)
+    elif mode == "dense":
+        from paddle_graphpp.torch.moe import checked_experts
+
+        model = zoo.build("llama") if rank == 0 else copy.deepcopy(base)
+        data = [[torch.randint(0, model.config.vocab_size, (2, 16), generator=gen) for _ in range(2)]
+                for _ in range(3)]
+        expected = zoo.train_steps(copy.deepcopy(model), data)
+        mode_ = capacity_experts(model, factor, on_overflow="rerun")
+        result["checked"] = checked_experts()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got = zoo.train_steps(model, data, mode_.step)
+        same = all(torch.equal(a, b) for a, b in zip(expected[0] + expected[1], got[0] + got[1]))
+        result.update(equal_to_plain=same, reruns=mode_.reruns, steps=len(data), rerun_dropped=mode_.rerun_dropped)
     elif mode == "raise":
         model = copy.deepcopy(base)
         capacity_experts(model, factor, on_overflow="raise")

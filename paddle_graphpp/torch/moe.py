@@ -86,6 +86,7 @@ class CapacityMode:
         self.owner = type(model).__name__
         self.states, self.before, self.on_overflow = states, before, on_overflow
         self.ranks = ranks  # the ranks whose checks agree; None: every rank of the default group
+        self.undone = False
         self.reruns = 0  # steps re-run by step() after an overflow
         self.rerun_dropped = 0  # the pairs their first runs dropped
 
@@ -155,7 +156,7 @@ class CapacityMode:
         model = self.model
         if model is None:
             raise RuntimeError(f"CapacityMode.step(): the {self.owner} this capacity mode was made for no longer exists")
-        if not self.states:
+        if self.undone:
             raise RuntimeError(f"CapacityMode.step(): {self.owner}'s capacity mode was undone")
         if self.on_overflow != "rerun":
             return fn(*args, **kwargs)
@@ -199,7 +200,7 @@ class CapacityMode:
             integrations.capacity_restore(model, self.before)
             model.__dict__.pop(_MODE, None)
         _watch().modes.discard(self)
-        self.states = []
+        self.states, self.undone = [], True
         return model
 
 
@@ -229,7 +230,10 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
 
     Args:
         model: a transformers model with mixture-of-experts blocks (any class whose experts module
-            dispatches by ``experts_implementation``).
+            dispatches by ``experts_implementation``). With ranks that check (``"raise"`` or
+            ``"rerun"``, ``torch.distributed`` initialised, a group of two ranks or more) it may
+            hold none, as a dense pipeline stage does: its mode drops nothing and joins the group's
+            checks, stopping or re-running the steps its peers stop or re-run.
         capacity_factor: slots per expert, as a multiple of an even share of the pairs.
             ``num_experts / top_k`` guarantees that nothing is dropped.
         on_overflow: ``"raise"``: the next optimizer step raises :class:`CapacityOverflow`
@@ -257,8 +261,9 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
     counts its drops twice.
 
     Raises:
-        TypeError: ``model`` holds no experts module the adapters know, or an experts module
-            holds a config that is not the model's own (a submodule passed, a shared config).
+        TypeError: ``model`` holds no experts module the adapters know (and no group of ranks
+            checks), or an experts module holds a config that is not the model's own (a submodule
+            passed, a shared config).
         ValueError: a bad ``capacity_factor`` or ``on_overflow``, the model is in capacity mode
             already, this rank is not in ``group``, or another checked mode names other ranks.
 
@@ -296,8 +301,15 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
                 f"agree over one group; pass the same group= to every capacity_experts() call")
     done = integrations.capacity_dispatch(model, float(capacity_factor), on_overflow)
     if done is None:
-        raise TypeError(f"capacity_experts(): {type(model).__name__} holds no mixture-of-experts experts module that "
-                        f"paddle_graphpp knows (transformers' experts modules dispatched by experts_implementation).")
+        world = torch.distributed.get_world_size() \
+            if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+        if on_overflow == "drop" or world < 2 or (ranks is not None and len(ranks) < 2):
+            raise TypeError(
+                f"capacity_experts(): {type(model).__name__} holds no mixture-of-experts experts module that "
+                f"paddle_graphpp knows (transformers' experts modules dispatched by experts_implementation). "
+                f"(With ranks that check their drops, under 'raise' or 'rerun', a model without experts, such as a "
+                f"dense pipeline stage, joins their checks.)")
+        done = [], None  # a rank without experts: it drops nothing, and stops or re-runs with its group
     states, before = done
     mode = CapacityMode(model, states, before, on_overflow, ranks)
     model.__dict__[_MODE] = mode  # the model keeps its mode alive; the watch follows it weakly
@@ -406,7 +418,7 @@ def _checked_modes() -> list:
     a model still alive). Every step reads them all: an optimizer that steps none of a model's
     parameters (a head trained over frozen experts) still trains on what the experts computed."""
     return [mode for mode in list(_watch().modes) if mode.on_overflow != "drop" and mode.model is not None
-            and mode.states]
+            and not mode.undone]
 
 
 def checked_experts() -> Optional[str]:
@@ -415,7 +427,8 @@ def checked_experts() -> Optional[str]:
     read: a capture and ``GraphedOptimizer`` ask it before capturing."""
     for mode in _checked_modes():
         more = f" and {len(mode.states) - 1} more" if len(mode.states) > 1 else ""
-        return f"{mode.owner} is in capacity mode with on_overflow={mode.on_overflow!r} ({mode.states[0].name}{more})"
+        what = f"{mode.states[0].name}{more}" if mode.states else "no experts: it joins its group's checks"
+        return f"{mode.owner} is in capacity mode with on_overflow={mode.on_overflow!r} ({what})"
     return None
 
 
