@@ -228,3 +228,26 @@ def test_a_load_balancing_loss_that_reads_the_host_is_refused_when_built_and_lef
     want = ref(x, labels=x, output_router_logits=True)
     assert all(torch.equal(o.loss, want.loss) and torch.equal(o.aux_loss, want.aux_loss) for o in outs)
     assert sum("load-balancing loss cannot be captured" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_model_graphed_before_it_reaches_the_gpu_is_probed_at_its_first_call_there(monkeypatch, caplog):
+    """Trainers move the model after it is graphed: the build cannot probe, the first call can (the
+    probe's verdict stands in for the GPU, as above)."""
+    from testing import zoo
+
+    from paddle_graphpp.torch.integrations import transformers as adapter
+
+    on_gpu = {"now": False}
+    monkeypatch.setattr(adapter, "aux_loss_capture_problem",
+                        lambda model: "its loss reads the host (probe)" if on_gpu["now"] else None)
+    model = zoo.build("qwen3_moe", experts_implementation="batched_mm", output_router_logits=True)
+    ref = copy.deepcopy(model)
+    graph_model(model)  # not on the GPU yet: nothing to probe, nothing refused
+    on_gpu["now"] = True
+    x = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    with caplog.at_level(logging.WARNING, logger="paddle_graphpp"):
+        out = model(x, labels=x)
+    want = ref(x, labels=x)
+    assert torch.equal(out.loss, want.loss) and torch.equal(out.aux_loss, want.aux_loss)
+    assert any("its loss reads the host (probe)" in r.getMessage() and "model's own forward" in r.getMessage()
+               for r in caplog.records)

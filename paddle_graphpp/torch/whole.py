@@ -88,7 +88,7 @@ class GraphedCausalLM:
         self.own_forward = model.__dict__.get("forward", _ABSENT)
         self.name = graphed._engine.name
         self._warned: set = set()
-        self._aux_problem: Any = _ABSENT  # why the load-balancing loss cannot be captured, once asked
+        self._aux_problem: Any = _ABSENT  # why the load-balancing loss cannot be captured, once probed on a GPU
 
     def __deepcopy__(self, memo):
         raise TypeError(f"{self.name}: a model graphed by graph_model() cannot be copied (its graphs read the "
@@ -117,6 +117,19 @@ class GraphedCausalLM:
             return_dict = getattr(self.stage.config, "use_return_dict", True)
         return output if return_dict is not False else output.to_tuple()
 
+    def _aux_loss_problem(self) -> Optional[str]:
+        """Why the model's load-balancing loss cannot be captured (``None``: it can), probed once
+        on the GPU: a model graphed on the CPU and moved later (as trainers do) is probed at its
+        first call with router logits on the GPU."""
+        if self._aux_problem is not _ABSENT:
+            return self._aux_problem
+        model = self.graphed.module._model
+        why = integrations.aux_loss_capture_problem(model)
+        weight = next(model.parameters(), None)
+        if why is not None or (weight is not None and weight.is_cuda):  # else asked again: not on a GPU yet
+            self._aux_problem = why
+        return why
+
     def _not_covered(self, args: tuple, kwargs: dict) -> Optional[str]:
         if not torch.is_grad_enabled():
             return "no grad"
@@ -125,13 +138,13 @@ class GraphedCausalLM:
         input_ids = args[0] if args else kwargs.get("input_ids")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             return "input_ids is not a (batch, sequence) tensor"
-        if kwargs.get("output_router_logits") and not getattr(self.stage.config.get_text_config(),
-                                                              "output_router_logits", False):
-            if self._aux_problem is _ABSENT:  # the config's own value was checked when graphed
-                self._aux_problem = integrations.aux_loss_capture_problem(self.graphed.module._model)
-            if self._aux_problem is not None:
-                return (f"output_router_logits=True is given, and the load-balancing loss cannot be captured "
-                        f"({self._aux_problem})")
+        router_logits = kwargs.get("output_router_logits")
+        if router_logits is None:
+            router_logits = getattr(self.stage.config.get_text_config(), "output_router_logits", False)
+        if router_logits:
+            why = self._aux_loss_problem()
+            if why is not None:
+                return f"output_router_logits=True, and the load-balancing loss cannot be captured ({why})"
         for arg, value in kwargs.items():
             if arg in _MODEL_KWARGS or arg in ("input_ids", "labels", "return_dict"):
                 continue

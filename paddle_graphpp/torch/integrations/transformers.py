@@ -396,10 +396,12 @@ def aux_loss_capture_problem(model: nn.Module) -> Optional[str]:
     debug mode set to raise, so a host read there (``torch.bincount``, which reads the largest
     count, in transformers 5.22 and some releases before it; 5.23 counts with ``histc``) raises.
     Off a GPU nothing is captured: ``None``."""
-    func = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
-    found = experts_modules(model)
     weight = next(model.parameters(), None)
-    if func is None or not found or weight is None or not weight.is_cuda:
+    func = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    if func is None or weight is None or not weight.is_cuda:
+        return None
+    found = experts_modules(model)
+    if not found:
         return None
     experts = getattr(found[0][1], "num_experts", None)
     top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
