@@ -183,7 +183,7 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
         ValueError: a block has gradient checkpointing on, ``num_warmup_steps`` is not an int >= 1,
             or, on a GPU, the config asks for router logits (``output_router_logits``) and the
             load-balancing loss the model adds then reads the host (``torch.bincount`` in
-            transformers 5.22 and some releases before it; 5.23 counts with ``histc``).
+            transformers 5.16 to 5.22).
 
     Warnings:
         * Each micro-batch shape is a signature of its own, captured anew (``max_signatures``
@@ -216,7 +216,7 @@ def graph_model(model: nn.Module, *warmup: int, compile: Any = None, options: Op
                 f"model.config.output_router_logits = False, or graph the blocks with graph_layers() after "
                 f"model.set_experts_implementation('eager') (the routers are graphed on their own, the loss is "
                 f"computed outside the graphs), or use a transformers whose loss reads nothing on the host "
-                f"(5.23 and later count with histc).")
+                f"(5.15 and earlier, or 5.23 and later).")
     stage = CausalLMStage(model, layout, 0, 1, range(len(blocks)), 0)
     graphed = CUDAGraphedModule(_LMBody(stage, model), compile=compile, options=chosen,
                                 name=f"graph_model({type(model).__name__})")

@@ -196,7 +196,7 @@ def test_the_whole_model_graph_takes_the_load_balancing_loss_where_it_captures_a
     why = aux_loss_capture_problem(base)
     assert (why is None) == _loss_func_captures(base), why  # the probe says what a capture does
     model = copy.deepcopy(base)
-    if why is not None:  # transformers 5.22 counts with torch.bincount, which reads the host
+    if why is not None:  # transformers 5.16 to 5.22 count with torch.bincount, which reads the host
         with pytest.raises(ValueError, match=r"output_router_logits=True in its config.*load_balancing_loss_func "
                                              r"reads the host"):
             graph_model(model)

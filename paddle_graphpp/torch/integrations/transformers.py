@@ -394,7 +394,7 @@ def aux_loss_capture_problem(model: nn.Module) -> Optional[str]:
     ``load_balancing_loss_func`` of its modeling module (what its forward adds with
     ``output_router_logits=True``) is called once, on a GPU, on a small input with torch's sync
     debug mode set to raise, so a host read there (``torch.bincount``, which reads the largest
-    count, in transformers 5.22 and some releases before it; 5.23 counts with ``histc``) raises.
+    count, in transformers 5.16 to 5.22) raises.
     Off a GPU nothing is captured: ``None``."""
     weight = next(model.parameters(), None)
     func = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
