@@ -211,7 +211,7 @@ def experts_alone(model, step, data):
     steps are not changed by it."""
     from paddle_graphpp.torch.integrations.transformers import experts_modules
 
-    calls, handles = [], []
+    calls = []
 
     def keep(module, args, kwargs):
         def held(x):

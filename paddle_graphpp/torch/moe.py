@@ -301,9 +301,7 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
                 f"agree over one group; pass the same group= to every capacity_experts() call")
     done = integrations.capacity_dispatch(model, float(capacity_factor), on_overflow)
     if done is None:
-        world = torch.distributed.get_world_size() \
-            if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
-        if on_overflow == "drop" or world < 2 or (ranks is not None and len(ranks) < 2):
+        if on_overflow == "drop" or _world_size() < 2 or (ranks is not None and len(ranks) < 2):
             raise TypeError(
                 f"capacity_experts(): {type(model).__name__} holds no mixture-of-experts experts module that "
                 f"paddle_graphpp knows (transformers' experts modules dispatched by experts_implementation). "
@@ -386,13 +384,19 @@ def _before_optimizer_step(optimizer, args, kwargs) -> None:
         f"capacity_experts() to accept dropped tokens, or 'rerun' to re-run such steps eagerly.")
 
 
+def _world_size() -> int:
+    """The default group's ranks; 1 where ``torch.distributed`` is not initialised."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
 def _peers(modes: list, dropped: int, rerunnable: bool) -> dict:
     """``{rank: (pairs dropped, whether it can re-run this step)}`` of the other ranks of the
     modes' group, told through the process group's store
     (:class:`~paddle_graphpp.torch.collectives.agreement.StoreTally`): every rank of the group
     decides from the same answers, so all take, abandon or re-run the same steps. ``{}`` alone."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
-            or torch.distributed.get_world_size() < 2:
+    if _world_size() < 2:
         return {}
     # the modes' group (capacity_experts refuses a second group in one process), or every rank
     ranks = modes[0].ranks or tuple(range(torch.distributed.get_world_size()))
