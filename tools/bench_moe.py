@@ -64,6 +64,7 @@ VARIANTS = {
     "model_grouped": ("grouped_mm", "model"),
     "eager_capacity": ("capacity", None),  # capacity_experts(model, --capacity-factor, on_overflow="drop")
     "whole_capacity": ("capacity", "layers"),
+    "model_capacity": ("capacity", "model"),
 }
 BASELINE = {"eager": "eager_loop", "grouped_mm": "eager_grouped", "batched_mm": "eager_batched",
             "capacity": "eager_capacity"}
@@ -316,7 +317,9 @@ def child(args):
     row = {"allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
            "reserved_mib": torch.cuda.max_memory_reserved() / 2**20, "lending": RUNTIME.lending_report()}
     if args.memory_trace:
-        trace = memtrace.analyze(torch.cuda.memory._snapshot(), top=8, step_starts_us=step_starts_us)
+        snapshot = torch.cuda.memory._snapshot()
+        memtrace.write_raw(snapshot, f"{model_type}-{name}", step_starts_us)  # with GRAPHPP_MEMTRACE_RAW=<folder>
+        trace = memtrace.analyze(snapshot, top=8, step_starts_us=step_starts_us)
         keep = ("reserved_mib", "allocated_mib", "reserved_by_pool_mib", "allocated_by_pool_mib",
                 "free_in_empty_segments_mib", "free_in_used_segments_mib", "segments", "step", "step_fraction",
                 "top_sites_mib")
