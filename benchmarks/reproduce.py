@@ -72,6 +72,8 @@ STEPS = [
     ("moe", 1, "python tools/bench_moe.py --rounds 5 --iters 3 --memory-trace --variants eager_loop around "
      "eager_grouped whole_grouped model_grouped eager_capacity whole_capacity",
      "moe-<device>.json"),
+    ("moe-capacity", 1, "python tools/bench_moe.py --skip exact --rounds 5 --iters 3 --memory-trace --variants "
+     "eager_capacity whole_capacity model_capacity --name moe-capacity", "moe-capacity-<device>.json"),
     ("moe-around", 1, "python tools/bench_moe.py --name moe-around --skip exact memory --variants eager_loop around "
      "--rounds 15 --iters 3", "moe-around-<device>.json"),
     ("zero-bubble-split", 1, "python tools/bench_zero_bubble.py --single-gpu", "zero-bubble-split-<device>.json"),
@@ -80,6 +82,7 @@ STEPS = [
     ("gpu-suite", 1, "python tools/gpu_suite.py", "gpu-suite-<device>.json"),
     ("gpu-suite-probe", 1, "python tools/gpu_suite.py --probe --name gpu-suite-probe",
      "gpu-suite-probe-<device>.json"),
+    ("pool-kept", 1, "python tools/diagnostics/pool_kept.py", "pool-kept-<device>.json"),
     ("memory-trace-peer-megatron-moe", 1, "python tools/bench_peer_megatron.py --moe --memory-trace "
      "--variants eager,ours --budget 420", "memory-trace-peer-megatron-moe-<device>.json"),
     ("memory-trace-peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --seqs 2048 "
@@ -111,7 +114,7 @@ STEPS = [
 ]
 BASELINE = "@baseline"  # a step's name with this suffix: the step, run from the --baseline checkout
 # Run only when named: they look for a fault or break memory down, they record no published figure.
-DIAGNOSTIC = {"gpu-suite-probe", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2",
+DIAGNOSTIC = {"gpu-suite-probe", "pool-kept", "memory-trace-peer-megatron-pp1", "memory-trace-peer-megatron-pp2",
               "memory-trace-peer-megatron-pp4", "profile-peer-megatron-pp4"}
 
 
