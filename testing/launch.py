@@ -205,6 +205,21 @@ def run_worker_ranks(script: str, mode: str, out_dir, *, world: int = 2, timeout
     return [json.load(open(os.path.join(str(out_dir), f"rank{r}.json"))) for r in range(world)]
 
 
+def finish_worker_rank(result: dict, rank: int, out_dir, *, world: int = 2, wait: float = 60.0) -> None:
+    """End a rank worker of :func:`run_worker_ranks`: write ``result`` to ``OUT_DIR/rank<rank>.json``,
+    stay until every rank has written its own (rank 0 holds the store its peers may still read;
+    at most ``wait`` seconds) and leave with ``os._exit(0)``, without ``destroy_process_group``
+    (a broken gloo group, or NCCL work once captured, can hang there)."""
+    with open(os.path.join(str(out_dir), f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(str(out_dir), f"rank{r}.json")) for r in range(world)):
+        time.sleep(0.1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def _read(f) -> str:
     f.seek(0)
     text = f.read()

@@ -7,7 +7,6 @@ the process group's timeout. Each case starts its ranks in a new session under a
 (testing/launch.py) and kills them afterwards. This file is also the rank worker:
 ``python test_moe_ranks.py MODE RANK PORT OUT_DIR``.
 """
-import json
 import os
 import sys
 import time
@@ -98,7 +97,7 @@ def _worker(mode, rank, port, out):
     import torch
     import torch.distributed as dist
 
-    from testing import zoo
+    from testing import launch, zoo
     from paddle_graphpp.torch import CapacityOverflow, capacity_experts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -194,14 +193,7 @@ def _worker(mode, rank, port, out):
         except RuntimeError as exc:
             result.update(outcome=type(exc).__name__, message=str(exc))
         result["seconds"] = time.monotonic() - start
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    # stay until every rank is done: rank 0 holds the store its peers may still be reading
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in (0, 1)):
-        time.sleep(0.1)
-    sys.stdout.flush()
-    os._exit(0)  # no destroy_process_group: a broken gloo group can hang there
+    launch.finish_worker_rank(result, rank, out)
 
 
 if __name__ == "__main__":

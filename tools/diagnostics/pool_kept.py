@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,11 +40,15 @@ def kept_blocks():
 
 
 def holders(blocks):
-    """For each block: the tensors whose storage starts inside it, and what refers to them."""
+    """For each block: the tensors whose storage starts inside it, and the types of the objects
+    that refer to them (this search's own list and frames left out)."""
+    import inspect
+
     import torch
 
     found = {addr: [] for addr, _ in blocks}
-    for obj in gc.get_objects():
+    objects = gc.get_objects()
+    for obj in objects:
         try:
             if not isinstance(obj, torch.Tensor) or not obj.is_cuda:
                 continue
@@ -54,8 +57,9 @@ def holders(blocks):
             continue
         for addr, size in blocks:
             if addr <= ptr < addr + size:
+                referrers = [r for r in gc.get_referrers(obj) if r is not objects and not inspect.isframe(r)]
                 found[addr].append({"shape": list(obj.shape), "dtype": str(obj.dtype),
-                                    "held_by": sorted({type(r).__name__ for r in gc.get_referrers(obj)})[:6]})
+                                    "held_by": sorted({type(r).__name__ for r in referrers})[:6]})
     return found
 
 
@@ -69,8 +73,7 @@ def child(spec: str, steps: int) -> dict:
     model = bench_moe.build(model_type, implementation, launch_bound=True)
     bench_moe.graph(model, door)
     step = bench_moe.trainer(model)
-    args = argparse.Namespace(batch=2, seq=256, micro_batches=4)
-    data = bench_moe.batches(args, model.config.vocab_size, 1, seed=1)[0]
+    data = bench_moe.batches(bench_moe.parse_args([]), model.config.vocab_size, 1, seed=1)[0]  # its shape
     for _ in range(steps):
         step(data)
     torch.cuda.synchronize()
@@ -95,13 +98,14 @@ def main(argv=None):
     if args.child:
         print(json.dumps(child(args.child, args.steps)))
         return
+    from testing import launch
     from tools import benchlib
 
     results = {}
     for spec in args.variants:
-        run = subprocess.run([sys.executable, __file__, "--child", spec, "--steps", str(args.steps)],
-                             capture_output=True, text=True, timeout=300)
-        results[spec] = benchlib.last_json_line(run.stdout) or {"error": (run.stderr or run.stdout)[-400:]}
+        end = launch.run([sys.executable, __file__, "--child", spec, "--steps", str(args.steps)], timeout=300)
+        results[spec] = benchlib.last_json_line(end.stdout) or {
+            "error": ("timed out after 300 s: " if end.timed_out else "") + (end.stderr or end.stdout)[-400:]}
         print(spec, {k: v for k, v in results[spec].items() if k != "blocks"}, flush=True)
     path = benchlib.write_result("pool-kept", {"environment": benchlib.environment(), "settings": vars(args),
                                                "variants": results})

@@ -10,10 +10,8 @@ This file is also the rank worker: ``python test_moe_ranks_gpu.py MODE RANK PORT
 MODE ``gloo`` runs the same worker on CPU ranks (no graphs are captured there), to check the
 worker itself without GPUs.
 """
-import json
 import os
 import sys
-import time
 
 import pytest
 
@@ -34,6 +32,7 @@ def test_an_overflow_on_one_nccl_rank_re_runs_the_graphed_step_on_both_and_equal
         assert r["equal_to_plain"], r  # losses and every parameter, bit for bit
         assert r["reruns"] == r["steps"] == 3, r
         assert r["captures"] > 0 and r["replays"] > 0, r  # the steps' first runs replayed graphs
+    assert r0["dropped_here"] == 0 < r1["dropped_here"]  # rank 0 drops nothing, and re-runs all the same
     assert r0["rerun_dropped"] == r1["rerun_dropped"] > 0  # the pairs dropped on every rank
     assert r0["digest"] == r1["digest"]  # the replicas stay equal
 
@@ -46,7 +45,7 @@ def _worker(mode, rank, port, out):
     import torch
     import torch.distributed as dist
 
-    from testing import zoo
+    from testing import launch, zoo
     from paddle_graphpp.torch import capacity_experts, graph_layers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
@@ -71,25 +70,26 @@ def _worker(mode, rank, port, out):
     mode_ = capacity_experts(model, factor, on_overflow="rerun")
     graphed = graph_layers(zoo.blocks_of(model), num_warmup_steps=1)
     wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    dropped_here = []
+    original = mode_.overflows
+
+    def overflows(reset=False):  # note what this rank dropped before the check resets it
+        found = original(reset)
+        dropped_here.append(sum(found.values()))
+        return found
+    mode_.overflows = overflows
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         got = zoo.train_steps(wrapped, data, mode_.step)
     same = all(torch.equal(a, b) for a, b in zip(expected[0] + expected[1], got[0] + got[1]))
     result = {"equal_to_plain": same, "reruns": mode_.reruns, "steps": len(data),
-              "rerun_dropped": mode_.rerun_dropped,
+              "rerun_dropped": mode_.rerun_dropped, "dropped_here": sum(dropped_here),
               "captures": sum(block.engine.captures for block in graphed),
               "replays": sum(block.engine.replays for block in graphed),
               "digest": float(sum(p.double().sum() for p in model.parameters()))}
     if gpu:
         torch.cuda.synchronize()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    # stay until every rank is done: rank 0 holds the store its peer may still be reading
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in (0, 1)):
-        time.sleep(0.1)
-    sys.stdout.flush()
-    os._exit(0)  # no destroy_process_group: it can hang after NCCL work was captured
+    launch.finish_worker_rank(result, rank, out)
 
 
 if __name__ == "__main__":
