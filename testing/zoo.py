@@ -222,6 +222,22 @@ def train_steps(model, data, run=None):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+def note_own_drops(mode) -> list:
+    """A list that gets, at each check of the capacity mode ``mode`` (a ``CapacityMode``), the
+    pairs this process's experts dropped, read before the check resets the counters (its
+    ``overflows`` is wrapped for that)."""
+    dropped = []
+    original = mode.overflows
+
+    def overflows(reset=False):
+        found = original(reset)
+        dropped.append(sum(found.values()))
+        return found
+
+    mode.overflows = overflows
+    return dropped
+
+
 def _difference(a: dict, b: dict) -> float:
     """The largest difference between two training records (inf where shapes or presence differ)."""
     import torch

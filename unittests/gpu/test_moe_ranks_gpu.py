@@ -70,14 +70,7 @@ def _worker(mode, rank, port, out):
     mode_ = capacity_experts(model, factor, on_overflow="rerun")
     graphed = graph_layers(zoo.blocks_of(model), num_warmup_steps=1)
     wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    dropped_here = []
-    original = mode_.overflows
-
-    def overflows(reset=False):  # note what this rank dropped before the check resets it
-        found = original(reset)
-        dropped_here.append(sum(found.values()))
-        return found
-    mode_.overflows = overflows
+    dropped_here = zoo.note_own_drops(mode_)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         got = zoo.train_steps(wrapped, data, mode_.step)
