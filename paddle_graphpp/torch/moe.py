@@ -289,7 +289,7 @@ def capacity_experts(model: Any, capacity_factor: float = 1.25, *, on_overflow: 
         if torch.distributed.get_rank() not in ranks:
             raise ValueError(f"capacity_experts(): this rank ({torch.distributed.get_rank()}) is not in group "
                              f"{list(ranks)}; pass a group this rank belongs to")
-        if ranks == tuple(range(torch.distributed.get_world_size())):
+        if ranks == tuple(range(_world_size())):
             ranks = None  # every rank: the default
     if on_overflow != "drop":
         other = {mode.ranks for mode in _checked_modes()} - {ranks}
@@ -399,7 +399,7 @@ def _peers(modes: list, dropped: int, rerunnable: bool) -> dict:
     if _world_size() < 2:
         return {}
     # the modes' group (capacity_experts refuses a second group in one process), or every rank
-    ranks = modes[0].ranks or tuple(range(torch.distributed.get_world_size()))
+    ranks = modes[0].ranks or tuple(range(_world_size()))
     if len(ranks) < 2:
         return {}
     watch = _watch()
