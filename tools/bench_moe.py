@@ -22,6 +22,8 @@ Three parts, each class built from its own config (``testing/zoo.py``):
    modules of the ``eager_loop`` model, forward and backward, on the inputs they got in a recorded
    step: the part of the step that graphs around the dispatch leave eager. ``around_bound``
    (the eager step over that time) is the most any graph around the dispatch could gain.
+   With ``--profile-steps N``, each variant then runs ``N`` steps under timers, the sync debug
+   mode and the profiler (:func:`profile`): where its step's time goes, host and GPU.
 3. **Memory**: each variant of the speed part in its own process (``--child``), at the same shape:
    peak allocated and reserved memory over ``--memory-steps`` steps, the capture step included.
    With ``--memory-trace`` each process also records the allocator's history
@@ -91,6 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--name", default="moe", help="record name (the device is appended)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="of the capacity variants (drops counted)")
     p.add_argument("--memory-trace", action="store_true", help="break each variant's peak down by pool (slower)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the rounds, where each variant's step time goes over this many steps (see profile())")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # "model:variant": one memory run
     return p.parse_args(argv)
 
@@ -287,9 +291,58 @@ def speed(args, model_type):
             v["vs_eager_same_experts"] = row["variants"][base]["step_ms"] / v["step_ms"]
         if "step_ms" in v and "step_ms" in row["variants"].get("eager_loop", {}):
             v["vs_eager_loop"] = row["variants"]["eager_loop"]["step_ms"] / v["step_ms"]
+    if args.profile_steps:
+        for name in models:
+            row["variants"][name]["profile"] = profile(models[name], steps[name], data, args.profile_steps)
     del models, steps
     torch.cuda.empty_cache()
     return row
+
+
+def profile(model, step, data, n):
+    """Where ``n`` steps of one variant spend their time, per step in ms: the wall time (GPU
+    synchronised after the steps) and the time the host took to issue them; the host's time
+    inside the experts modules' forwards (the eager loop, its waits on the GPU included), inside
+    the graphed calls (the engine's entry, replays included) and inside graphed backwards; the
+    calls that make the host wait for the GPU (``torch.cuda.set_sync_debug_mode``), by line; and
+    what the GPU did (``tools/diagnostics/busy.py``: kernel time, idle time, the largest gaps)."""
+    from paddle_graphpp.core.engine import GraphedCallable
+    from paddle_graphpp.torch import autograd as graphed_autograd
+    from paddle_graphpp.torch.integrations.transformers import experts_modules
+    from tools.diagnostics import busy
+    from tools.diagnostics.host_time import Timers, syncs_in_step
+
+    out = {}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        step(data)
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    out["wall_ms"], out["host_issue_ms"] = (time.perf_counter() - start) / n * 1e3, host / n * 1e3
+    timers = Timers()
+    for cls in {type(m) for _n, m, _impl in experts_modules(model)}:
+        timers.wrap("experts forward", cls, "forward")
+    timers.wrap("graphed call", GraphedCallable, "__call__")
+    timers.wrap("graphed backward", graphed_autograd._GraphedFunction, "backward")
+    try:
+        for _ in range(n):
+            step(data)
+        torch.cuda.synchronize()
+    finally:
+        timers.restore()
+    out["host_ms"] = {k: {"ms_per_step": round(t / n * 1e3, 3), "calls_per_step": c / n}
+                      for k, (t, c) in timers.total.items()}
+    syncs = syncs_in_step(type("Steps", (), {"step": staticmethod(lambda: step(data))}))
+    out["syncs_per_step"], out["syncs_by_line"] = sum(syncs.values()), syncs
+    prof = busy.start()
+    for _ in range(n):
+        step(data)
+    report = busy.report(prof, n)
+    report["gaps"]["groups"] = report["gaps"]["groups"][:5]
+    out["gpu"] = report
+    print(f"    profile: {json.dumps(out)[:600]}", flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------- 3. memory
@@ -380,6 +433,14 @@ def main(argv=None):
             print(f"{model_type:12s} {name:14s} {v.get('tokens_per_s', 0):9.0f} {v.get('vs_eager_same_experts', 0):7.2f} "
                   f"{v.get('vs_eager_loop', 0):7.2f} {v.get('spread', 0):6.2f} {m.get('allocated_mib', 0):7.0f} "
                   f"{m.get('reserved_mib', 0):7.0f}" + ("  ERR " + v["error"][:80] if "error" in v else ""))
+        for name, v in row.get("speed", {}).get("variants", {}).items():
+            pr = v.get("profile")
+            if pr:
+                host = ", ".join(f"{k} {h['ms_per_step']:.1f}" for k, h in pr["host_ms"].items())
+                gpu = pr["gpu"]
+                print(f"{model_type:12s} {name:14s} per step: wall {pr['wall_ms']:.1f} ms (host issued in "
+                      f"{pr['host_issue_ms']:.1f}); host in {host}; {pr['syncs_per_step']} syncs; GPU kernels "
+                      f"{gpu.get('busy_ms')} ms, idle {gpu.get('idle_ms')} ms of a {gpu.get('span_ms')} ms span")
         alone = row.get("speed", {}).get("experts_alone")
         if alone:
             print(f"{model_type:12s} experts alone: {alone['step_ms']:.1f} ms, {alone['share_of_eager_loop']:.2f} of the "
