@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import time
@@ -304,13 +306,14 @@ def profile(model, step, data, n):
     synchronised after the steps) and the time the host took to issue them; the host's time
     inside the experts modules' forwards (the eager loop, its waits on the GPU included), inside
     the graphed calls (the engine's entry, replays included) and inside graphed backwards; the
-    calls that make the host wait for the GPU (``torch.cuda.set_sync_debug_mode``), by line; and
+    host's microseconds per call in the parts of a graphed call; cProfile's top functions; the calls that make the host
+    wait for the GPU (``torch.cuda.set_sync_debug_mode``), by line; and
     what the GPU did (``tools/diagnostics/busy.py``: kernel time, idle time, the largest gaps)."""
     from paddle_graphpp.core.engine import GraphedCallable
     from paddle_graphpp.torch import autograd as graphed_autograd
     from paddle_graphpp.torch.integrations.transformers import experts_modules
     from tools.diagnostics import busy
-    from tools.diagnostics.host_time import Timers, syncs_in_step
+    from tools.diagnostics.host_time import Timers, syncs_in_step, time_engine_parts
 
     out = {}
     torch.cuda.synchronize()
@@ -333,13 +336,36 @@ def profile(model, step, data, n):
         timers.restore()
     out["host_ms"] = {k: {"ms_per_step": round(t / n * 1e3, 3), "calls_per_step": c / n}
                       for k, (t, c) in timers.total.items()}
+    if any(e == "graphed call" for e in timers.total):  # the graphed calls' parts, host us per call
+        timers = Timers()
+        time_engine_parts(timers)
+        try:
+            for _ in range(n):
+                step(data)
+            torch.cuda.synchronize()
+        finally:
+            timers.restore()
+        out["graphed_call_parts_us"] = timers.per_call_us()
+    prof = cProfile.Profile()  # host time by function (cProfile slows Python-heavy code: compare variants)
+    prof.enable()
+    for _ in range(n):
+        step(data)
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [(f"{Path(path).name}:{line}:{name}", nc, tt, ct) for (path, line, name), (_cc, nc, tt, ct, _) in stats.items()]
+    out["cprofile_ms_per_step"] = {
+        key: [{"function": f, "calls": c / n, "self": round(tt / n * 1e3, 2), "total": round(ct / n * 1e3, 2)}
+              for f, c, tt, ct in sorted(rows, key=lambda r: -r[col])[:25]]
+        for key, col in (("by_self", 2), ("by_total", 3))}
     syncs = syncs_in_step(type("Steps", (), {"step": staticmethod(lambda: step(data))}))
     out["syncs_per_step"], out["syncs_by_line"] = sum(syncs.values()), syncs
     prof = busy.start()
     for _ in range(n):
         step(data)
     report = busy.report(prof, n)
-    report["gaps"]["groups"] = report["gaps"]["groups"][:5]
+    if "gaps" in report:
+        report["gaps"]["groups"] = report["gaps"]["groups"][:5]
     out["gpu"] = report
     print(f"    profile: {json.dumps(out)[:600]}", flush=True)
     return out

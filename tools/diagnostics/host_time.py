@@ -76,6 +76,29 @@ class Timers:
         return {k: {"calls": n, "us_per_call": round(t / n * 1e6, 1)} for k, (t, n) in self.total.items()}
 
 
+def time_engine_parts(timers: Timers) -> None:
+    """Put ``timers`` on the parts of the engine's forward entry and its replay (labels
+    ``forward: ...``, ``replay: ...``, ``call: ...``)."""
+    from paddle_graphpp.core import engine, replay, replay_watch, state
+    from paddle_graphpp.torch import autograd as graphed_autograd
+    from paddle_graphpp.torch import runtime
+
+    for label, owner, attr in (
+            ("forward: autograd function apply", graphed_autograd, "apply_graphed_function"),
+            ("forward: engine forward", engine.GraphedCallable, "forward"),
+            ("forward: replay (all of it)", replay.Replays, "forward"),
+            ("replay: copy inputs", runtime.TorchRuntime, "copy_many"),
+            ("replay: graph launch", runtime.TorchRuntime, "replay_graph"),
+            ("replay: watchdog note", replay_watch.ReplayWatch, "launched"),
+            ("replay: hand out", replay.Replays, "hand_out"),
+            ("replay: held outputs", replay.Replays, "keep_held_outputs"),
+            ("replay: state check", state.LayerStateCheck, "check"),
+            ("call: watchdog check", replay_watch.ReplayWatch, "check"),
+            ("call: flatten", engine, "flatten"),
+            ("call: unavailable reason", runtime.TorchRuntime, "graphs_unavailable_reason")):
+        timers.wrap(label, owner, attr)
+
+
 def timed_calls(trainer, model, steps: int, detail: bool = False) -> dict:
     """Host microseconds per call of a decoder block (as the model calls it), of the engine's
     forward entry, of a graphed backward, and of the whole decoder model's forward; with
@@ -95,23 +118,7 @@ def timed_calls(trainer, model, steps: int, detail: bool = False) -> dict:
     timers.wrap("engine forward", GraphedCallable, "__call__")
     timers.wrap("graphed backward", graphed_autograd._GraphedFunction, "backward")
     if detail:  # the forward's parts
-        from paddle_graphpp.core import engine, replay, replay_watch, state
-        from paddle_graphpp.torch import runtime
-
-        for label, owner, attr in (
-                ("forward: autograd function apply", graphed_autograd, "apply_graphed_function"),
-                ("forward: engine forward", engine.GraphedCallable, "forward"),
-                ("forward: replay (all of it)", replay.Replays, "forward"),
-                ("replay: copy inputs", runtime.TorchRuntime, "copy_many"),
-                ("replay: graph launch", runtime.TorchRuntime, "replay_graph"),
-                ("replay: watchdog note", replay_watch.ReplayWatch, "launched"),
-                ("replay: hand out", replay.Replays, "hand_out"),
-                ("replay: held outputs", replay.Replays, "keep_held_outputs"),
-                ("replay: state check", state.LayerStateCheck, "check"),
-                ("call: watchdog check", replay_watch.ReplayWatch, "check"),
-                ("call: flatten", engine, "flatten"),
-                ("call: unavailable reason", runtime.TorchRuntime, "graphs_unavailable_reason")):
-            timers.wrap(label, owner, attr)
+        time_engine_parts(timers)
     try:
         for _ in range(steps):
             trainer.step()
