@@ -315,6 +315,14 @@ def profile(model, step, data, n):
     from tools.diagnostics import busy
     from tools.diagnostics.host_time import Timers, syncs_in_step, time_engine_parts
 
+    def run_timed(timers):
+        try:
+            for _ in range(n):
+                step(data)
+            torch.cuda.synchronize()
+        finally:
+            timers.restore()
+
     out = {}
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -328,23 +336,13 @@ def profile(model, step, data, n):
         timers.wrap("experts forward", cls, "forward")
     timers.wrap("graphed call", GraphedCallable, "__call__")
     timers.wrap("graphed backward", graphed_autograd._GraphedFunction, "backward")
-    try:
-        for _ in range(n):
-            step(data)
-        torch.cuda.synchronize()
-    finally:
-        timers.restore()
+    run_timed(timers)
     out["host_ms"] = {k: {"ms_per_step": round(t / n * 1e3, 3), "calls_per_step": c / n}
                       for k, (t, c) in timers.total.items()}
     if any(e == "graphed call" for e in timers.total):  # the graphed calls' parts, host us per call
         timers = Timers()
         time_engine_parts(timers)
-        try:
-            for _ in range(n):
-                step(data)
-            torch.cuda.synchronize()
-        finally:
-            timers.restore()
+        run_timed(timers)
         out["graphed_call_parts_us"] = timers.per_call_us()
     prof = cProfile.Profile()  # host time by function (cProfile slows Python-heavy code: compare variants)
     prof.enable()
