@@ -8,7 +8,26 @@ import gc
 
 import torch
 
-__all__ = ["capturing", "end_failed_capture", "capture_pool_id", "empty_capture", "anchor_graph", "gc_paused"]
+__all__ = ["capturing", "end_failed_capture", "capture_pool_id", "empty_capture", "anchor_graph", "gc_paused",
+           "free_blas_workspaces"]
+
+
+def free_blas_workspaces() -> None:
+    """Free torch's cuBLAS workspaces, every (handle, stream) one; each is made again, from
+    wherever the allocator then routes, at its handle's next matmul on that stream.
+
+    Torch keeps one workspace per cuBLAS handle (one per thread) and stream. A capture's stream
+    has its own, allocated in the graph pool by the first matmul captured on it, and the map
+    would keep it allocated there for good: two of them (the thread that captures forwards and
+    autograd's device thread, which captures backwards), 32 MiB each on Hopper, that the pool
+    could lend to nothing. Freed before a capture, the capture makes the one it uses inside its
+    own pool; freed after, that memory is the pool's free space like any buffer the capture
+    freed (its kernels use it as scratch only while they run, and a pool's graphs replay in the
+    order they were captured). One capture at a time per process, as the engine runs them.
+    Under the ``cudaMallocAsync`` backend, which has no private pools, nothing is freed."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.get_allocator_backend() == "native":
+        clear()
 
 
 @contextlib.contextmanager
@@ -75,9 +94,11 @@ def capturing(graph, pool_id=None):
     """Capture the block into ``graph`` on the current stream, into the pool ``pool_id`` (or a
     pool of the graph's own), with the collector paused (:func:`gc_paused`). A block or an end
     that fails has its capture ended (:func:`end_failed_capture`) before the error goes on: every
-    capture of the library goes through here."""
+    capture of the library goes through here. cuBLAS workspaces are freed before and after
+    (:func:`free_blas_workspaces`): the pool keeps none between replays."""
     pool_id = capture_pool_id(pool_id)
     with gc_paused():
+        free_blas_workspaces()  # the capture makes its own in the pool, freed there after it
         try:
             graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
             yield graph
@@ -85,6 +106,8 @@ def capturing(graph, pool_id=None):
         except BaseException:
             end_failed_capture(graph, pool_id)
             raise
+        finally:
+            free_blas_workspaces()
 
 
 def empty_capture(stream, pool_id=None):

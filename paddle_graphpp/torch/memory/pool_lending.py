@@ -24,7 +24,7 @@ import torch
 from ...core.process import current_process
 from ...core.warn import warn
 from . import pool_segments
-from ..graphs import gc_paused
+from ..graphs import free_blas_workspaces, gc_paused
 
 __all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers", "register_optimizer", "optimizer_pending",
            "step_temporaries"]
@@ -259,6 +259,9 @@ class PoolLender:
         caller.wait_stream(stream)
         self.steps += 1
         after = _allocated(self._pool)
+        if after != before:  # a matmul in the step may have made the capture stream's cuBLAS workspace there
+            free_blas_workspaces()
+            after = _allocated(self._pool)
         if after != before:
             self.disabled = True
             self._pool = None

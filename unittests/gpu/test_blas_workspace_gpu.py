@@ -1,0 +1,119 @@
+"""cuBLAS workspaces and graph pools on a real GPU (PyTorch runtime).
+
+Torch keeps a cuBLAS workspace per (handle, stream); a capture's stream would get its own in
+the graph pool and keep it there. Every capture frees them before and after
+(``paddle_graphpp.torch.graphs.free_blas_workspaces``): the pool keeps none between replays,
+its graphs still train as eager does with several micro-batches in flight, and an optimizer
+step whose matmuls make a workspace while it borrows the pool still borrows it.
+
+Run on the GPU machine: ``python -m pytest unittests/gpu/test_blas_workspace_gpu.py -q``.
+"""
+import warnings
+import weakref
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
+
+from testing.parity import SEQ, rel, run_step, twins  # noqa: E402
+
+DEV = "cuda"
+ORDER = "f1 f2 b1 f3 b2 f4 b3 b4"  # two micro-batches in flight: two positions share the pool
+
+
+@pytest.fixture(autouse=True)
+def _fp32_exact(fp32_exact):  # unittests/gpu/conftest.py
+    yield
+
+
+@pytest.fixture
+def lending_on(monkeypatch):
+    """Pool lending as in a fresh process (an earlier test may have stopped it in this one)."""
+    from paddle_graphpp.core.process import current_process
+    from paddle_graphpp.torch.memory import pool_lending
+    from paddle_graphpp.torch.runtime import RUNTIME
+
+    watch = current_process().section("torch").part(pool_lending.OptimizerWatch)
+    monkeypatch.setattr(watch, "registered", weakref.WeakSet())
+    if RUNTIME._lender is not None:
+        monkeypatch.setattr(RUNTIME._lender, "disabled", False)
+    return RUNTIME
+
+
+def _pool_allocated() -> int:
+    """Bytes allocated in every graph pool (not the default pool)."""
+    return sum(b["size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+               for b in seg["blocks"] if b["state"] == "active_allocated")
+
+
+class _MatmulMomentum(torch.optim.Optimizer):
+    """Momentum whose matrices' updates go through a matmul (as orthogonalising optimizers'
+    do): its step runs cuBLAS on whatever stream it is given."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"] = torch.zeros_like(p)
+                m = state["m"].mul_(0.9).add_(p.grad)
+                update = m @ torch.eye(m.shape[1], device=m.device) if m.dim() == 2 else m
+                p.add_(update, alpha=-group["lr"])
+
+
+def _train(eager, graphed, opt_e, opt_g, steps=5):
+    """``steps`` steps of ORDER on both; the worst relative error of losses, input and
+    parameter gradients, and of the weights after the last step."""
+    worst = 0.0
+    for step in range(steps):
+        base = [torch.randn(2, SEQ, 64, device=DEV) for _ in range(4)]
+        xe = [b.clone().requires_grad_(True) for b in base]
+        xg = [b.clone().requires_grad_(True) for b in base]
+        _, ge, le = run_step(eager, xe, ORDER, seed=3000 + step)
+        _, gg, lg = run_step(graphed, xg, ORDER, seed=3000 + step)
+        errs = [rel(lg, le)] + [rel(gg[n], ge[n]) for n in range(4)]
+        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+        worst = max(worst, *errs)
+        for opt in (opt_e, opt_g):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return max([worst] + [rel(q, p) for p, q in zip(eager.parameters(), graphed.module.parameters())])
+
+
+def test_the_pool_keeps_no_cublas_workspace_and_training_equals_eager(lending_on):
+    eager, graphed, opt_e, opt_g = twins(device=DEV, num_warmup_steps=1)
+    assert _train(eager, graphed, opt_e, opt_g) <= 1e-6
+    assert graphed.engine.captures > 0 and graphed.engine.replays > 0
+    torch.cuda.synchronize()
+    kept = _pool_allocated()
+    torch._C._cuda_clearCublasWorkspaces()  # what a kept workspace would give back
+    torch.cuda.synchronize()
+    assert _pool_allocated() == kept, (
+        f"clearing torch's cuBLAS workspaces freed {(kept - _pool_allocated()) / 2**20:.1f} MiB of the graph pools: "
+        f"a capture stream's workspace was kept there")
+
+
+def test_an_optimizer_step_with_matmuls_still_borrows_the_pool(lending_on):
+    """Its first borrowed step makes the capture stream's workspace inside the pool; the step
+    gives it back rather than counting as a leak (which would drop the graphs and stop lending)."""
+    eager, graphed, _, _ = twins(device=DEV, num_warmup_steps=1)
+    opt_e, opt_g = _MatmulMomentum(eager.parameters()), _MatmulMomentum(graphed.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        before = lending_on._lender.steps if lending_on._lender is not None else 0
+        assert _train(eager, graphed, opt_e, opt_g, steps=6) <= 1e-6
+    leaks = [str(w.message) for w in caught if "left" in str(w.message) and "graph pool" in str(w.message)]
+    assert not leaks, leaks
+    assert lending_on._lender is not None and not lending_on._lender.disabled
+    assert lending_on._lender.steps > before, lending_on.lending_report()
+    captures = graphed.engine.captures
+    _train(eager, graphed, opt_e, opt_g, steps=2)
+    assert graphed.engine.captures == captures  # nothing captured anew
