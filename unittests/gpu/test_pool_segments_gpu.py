@@ -143,6 +143,8 @@ def test_a_borrowed_step_whose_window_cannot_open_leaves_the_pool_and_the_stream
     from paddle_graphpp.torch.memory import pool_lending
 
     monkeypatch.delenv(pool_segments.FLAG, raising=False)
+    if RUNTIME._lender is not None:  # the process's own lender (earlier tests' pools) would take these steps too
+        monkeypatch.setattr(RUNTIME._lender, "disabled", True)
     side = torch.cuda.Stream()
     pool = torch.cuda.MemPool()
     with gc_paused(), torch.cuda.stream(side), torch.cuda.use_mem_pool(pool), pool_segments.pool_allocations():
