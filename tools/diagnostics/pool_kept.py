@@ -8,10 +8,11 @@ Each variant (``model:variant`` of ``tools/bench_moe.py``, at its launch-bound s
 ``--steps`` steps in a process of its own; then every block still allocated in a graph pool is
 listed with the tensors that point into it (shape, dtype, and the types holding them). Blocks no
 Python tensor holds are then tested against torch's cuBLAS workspaces: torch keeps one workspace
-per (cuBLAS handle, stream), so a capture stream gets its own, allocated inside the first capture
+per (cuBLAS handle, stream), and a capture stream's would be allocated inside the first capture
 that runs a matmul (one on the thread that captures forwards, one on autograd's device thread,
-which captures backwards). Clearing the workspaces (``torch._C._cuda_clearCublasWorkspaces()``)
-frees exactly those; it is done last, as it leaves the captured graphs pointing at freed memory.
+which captures backwards). Captures free them before and after
+(``paddle_graphpp.torch.graphs.free_blas_workspaces``), so none should be found; clearing the
+workspaces (``torch._C._cuda_clearCublasWorkspaces()``) would free any that is, and is done last.
 """
 
 from __future__ import annotations
