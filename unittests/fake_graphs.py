@@ -41,7 +41,7 @@ class FakeGraphs:
     def create_graph(self):
         return FakeGraph()
 
-    def new_pool(self):
+    def new_pool(self, shared=False):
         return ("fake-pool", next(self.pools))
 
     @contextlib.contextmanager

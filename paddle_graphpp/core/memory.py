@@ -78,7 +78,7 @@ class MemoryPlan:
             return None  # no pool is shared: no order to keep
         gen = self._generations[-1] if self._generations else None
         if gen is None or gen.sealed:
-            gen = _Generation(self._opened, self.runtime.new_pool())
+            gen = _Generation(self._opened, self.runtime.new_pool(shared=True))
             self._opened += 1
             self._generations.append(gen)
             if gen.index > 0:

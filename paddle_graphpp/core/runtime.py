@@ -199,9 +199,11 @@ class GraphRuntime(abc.ABC):
     def create_graph(self) -> Any:
         """A new, empty graph object."""
 
-    def new_pool(self) -> Any:
+    def new_pool(self, shared: bool = False) -> Any:
         """A handle to a new private memory pool that graphs can share. Default ``None``: graphs
-        allocate from the framework's default pool (a framework without private pools)."""
+        allocate from the framework's default pool (a framework without private pools).
+        ``shared``: graphs captured back to back will share it (a generation's pool), not one
+        graph alone (``per_graph``); a runtime may lay the pool out for that."""
         return None
 
     @abc.abstractmethod

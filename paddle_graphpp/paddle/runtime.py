@@ -220,7 +220,7 @@ class PaddleRuntime(GraphRuntime, StateSlots, AutocastModes, SplitBackward, Stre
 
         return CUDAGraph(mode="thread_local")
 
-    def new_pool(self):
+    def new_pool(self, shared=False):
         from paddle.base.core import CUDAGraph as CoreCUDAGraph
 
         return CoreCUDAGraph.gen_new_memory_pool_id()

@@ -213,7 +213,7 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         with torch.cuda.stream(stream), _pool_segments.pool_allocations(), \
                 _compile.no_compile_in_capture(), noting_collectives():
             try:
-                with capturing(graph, _pool_id(pool)):
+                with capturing(graph, _pool_id(pool), free_workspaces=self.is_shared_pool(pool)):
                     yield graph
             except BaseException:
                 self._reset_capture_state(stream)

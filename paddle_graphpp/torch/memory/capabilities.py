@@ -9,6 +9,7 @@ import gc
 import logging
 import os
 import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -35,6 +36,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         self._held: list = []  # pools given back, until a release finds nothing else holds them (release_pool)
         self._held_passes: dict = {}  # id(held pool) -> releases that found it still held
         self._anchors: dict = {}  # id(pool) -> its empty anchor graph (see new_pool)
+        self._shared_pools: "weakref.WeakSet" = weakref.WeakSet()  # new_pool(shared=True)'s
         from .pool_lending import watch_optimizers
 
         watch_optimizers()  # prepare_pool sizes a pool by the parameters of the optimizers that step
@@ -73,7 +75,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
     def move_to_copies(self, held, overwritten) -> None:
         _handout.move_to_copies(self, held, overwritten)
 
-    def new_pool(self):
+    def new_pool(self, shared: bool = False):
         # A MemPool (not a bare handle): eager work can then be routed into it (lend_pool). Its
         # destructor empties its cache, which the allocator refuses (aborting the process) while
         # any capture is underway: the runtime keeps each pool until it is released between
@@ -82,10 +84,22 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         # graphs, and refuses a capture into a pool whose graphs are all gone (torch 2.11:
         # "use_count > 0" asserted in capture_begin), as they are after reset_graphs() or a
         # failed capture.
+        # A shared pool's captures free torch's cuBLAS workspaces around them (is_shared_pool).
         pool = torch.cuda.MemPool()
         self._pools.append(pool)
         self._anchors[id(pool)] = anchor_graph(pool, self.capture_stream())
+        if shared:
+            self._shared_pools.add(pool)
         return pool
+
+    def is_shared_pool(self, pool) -> bool:
+        """Whether ``pool`` came from ``new_pool(shared=True)``: its captures free torch's cuBLAS
+        workspaces before and after (``graphs.free_blas_workspaces``), so that the one they make
+        in it is the pool's free space between them."""
+        try:
+            return pool in self._shared_pools
+        except TypeError:  # a bare pool id, not a MemPool
+            return False
 
     def release_pool(self, pool) -> None:
         # The pool leaves the runtime's pools for the held ones; the next release_cached_memory
