@@ -19,7 +19,7 @@ import torch
 
 from testing.gpt_torch import Block, GPTShape
 
-__all__ = ["ORDER", "Stack", "Scale", "rel", "run_step", "twins", "check_parity"]
+__all__ = ["ORDER", "Stack", "Scale", "rel", "run_step", "side_by_side", "twins", "check_parity"]
 
 ORDER = "f1 f2 f3 b1 f4 b2 b3 b4"
 """The micro-batch order of one step: forwards ``fN`` and backwards ``bN`` of 4 micro-batches."""
@@ -117,6 +117,24 @@ def twins(*, device: str, num_warmup_steps: int = 2, **options):
             torch.optim.AdamW(graphed.parameters(), lr=1e-3))
 
 
+def side_by_side(eager, graphed, *, steps: int, order: str, seed: int, device: str):
+    """Run ``steps`` steps of ``order`` over 4 fresh micro-batches on ``eager`` and on its graphed
+    twin ``graphed``, the same inputs and seeds; after each, yield ``(step, errors)``: the relative
+    errors of the losses, each micro-batch's outputs and input gradient, and every parameter's
+    gradient. The caller steps its optimizers (and checks more) before asking for the next."""
+    for step in range(steps):
+        base = [torch.randn(2, SEQ, 64, device=device) for _ in range(4)]
+        xe = [b.clone().requires_grad_(True) for b in base]
+        xg = [b.clone().requires_grad_(True) for b in base]
+        oe, ge, le = run_step(eager, xe, order, seed=seed + step)
+        og, gg, lg = run_step(graphed, xg, order, seed=seed + step)
+        errs = [rel(lg, le)]
+        for n in range(4):
+            errs += [rel(og[n][0], oe[n][0]), rel(og[n][1], oe[n][1]), rel(gg[n], ge[n])]
+        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+        yield step, errs
+
+
 def check_parity(*, accumulate_grads: bool, steps: int = 12, device: str = "cuda") -> float:
     """Train the stack eagerly and graphed side by side for ``steps`` steps; return the worst
     relative error of losses, outputs, input and parameter gradients, and final weights.
@@ -127,16 +145,7 @@ def check_parity(*, accumulate_grads: bool, steps: int = 12, device: str = "cuda
     """
     eager, graphed, opt_e, opt_g = twins(device=device, accumulate_grads=accumulate_grads)
     worst = 0.0
-    for step in range(steps):
-        base = [torch.randn(2, SEQ, 64, device=device) for _ in range(4)]
-        xe = [b.clone().requires_grad_(True) for b in base]
-        xg = [b.clone().requires_grad_(True) for b in base]
-        oe, ge, le = run_step(eager, xe, ORDER, seed=1000 + step)
-        og, gg, lg = run_step(graphed, xg, ORDER, seed=1000 + step)
-        errs = [rel(lg, le)]
-        for n in range(4):
-            errs += [rel(og[n][0], oe[n][0]), rel(og[n][1], oe[n][1]), rel(gg[n], ge[n])]
-        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+    for step, errs in side_by_side(eager, graphed, steps=steps, order=ORDER, seed=1000, device=device):
         worst = max(worst, max(errs))
         assert max(errs) <= TOLERANCE, f"step {step}: max relative error {max(errs):.3e}"
         if accumulate_grads and step >= 2:  # from the first replayed step on (warmup, recorded, replayed), .grad is the layer's buffer

@@ -20,13 +20,13 @@ def free_blas_workspaces() -> None:
     has its own, allocated in the graph pool by the first matmul captured on it, and the map
     would keep it allocated there for good: two of them (the thread that captures forwards and
     autograd's device thread, which captures backwards), 32 MiB each on Hopper, that the pool
-    could lend to nothing. Around a capture into a pool that graphs captured back to back share
-    (:func:`capturing` with ``free_workspaces``): freed before, the capture makes the one it uses
-    inside that pool; freed after, that memory is the pool's free space like any buffer the
-    capture freed (its kernels use it as scratch only while they run, and the pool's graphs
-    replay in the order they were captured), and the next capture, forward or backward, takes it
-    again. One capture at a time per process, as the engine runs them. Under the
-    ``cudaMallocAsync`` backend, which has no private pools, nothing is freed."""
+    could lend to nothing. Freed before a capture, the capture makes the one it uses inside its
+    own pool, never using one made elsewhere that a later free would give away. Freed after a
+    capture into a pool that later captures share, that memory is the pool's free space like any
+    buffer the capture freed (its kernels use it as scratch only while they run, and the pool's
+    graphs replay in the order they were captured); the next capture, forward or backward, takes
+    it again. Which captures free, and when that stops: ``TorchMemory.blas_workspace_frees``.
+    Under the ``cudaMallocAsync`` backend, which has no private pools, nothing is freed."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and torch.cuda.get_allocator_backend() == "native":
         clear()
@@ -92,18 +92,17 @@ def capture_pool_id(pool_id=None) -> tuple:
 
 
 @contextlib.contextmanager
-def capturing(graph, pool_id=None, free_workspaces=False):
+def capturing(graph, pool_id=None, free_before=False, free_after=False):
     """Capture the block into ``graph`` on the current stream, into the pool ``pool_id`` (or a
     pool of the graph's own), with the collector paused (:func:`gc_paused`). A block or an end
     that fails has its capture ended (:func:`end_failed_capture`) before the error goes on: every
-    capture of the library goes through here. With ``free_workspaces`` (a pool the captures
-    after this one share), cuBLAS workspaces are freed before and after
-    (:func:`free_blas_workspaces`): the pool keeps none between replays. A pool of one graph
-    keeps the one its capture made, which later captures into other pools use too."""
+    capture of the library goes through here. ``free_before`` / ``free_after``: free torch's
+    cuBLAS workspaces before the capture begins / after it ends, failed or not
+    (:func:`free_blas_workspaces`)."""
     pool_id = capture_pool_id(pool_id)
     with gc_paused():
-        if free_workspaces:
-            free_blas_workspaces()  # the capture makes its own in the pool, freed there after it
+        if free_before:
+            free_blas_workspaces()  # the capture makes the one it uses in its own pool
         try:
             graph.capture_begin(pool=pool_id, capture_error_mode="thread_local")
             yield graph
@@ -112,7 +111,7 @@ def capturing(graph, pool_id=None, free_workspaces=False):
             end_failed_capture(graph, pool_id)
             raise
         finally:
-            if free_workspaces:
+            if free_after:
                 free_blas_workspaces()
 
 

@@ -209,11 +209,12 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         stream.wait_stream(current)
         for gen in registered_generators(generators):
             graph.register_generator_state(gen)
+        before, after = self.blas_workspace_frees(pool)
         # compiled code runs only what it compiled in the warmup (see .compile)
         with torch.cuda.stream(stream), _pool_segments.pool_allocations(), \
                 _compile.no_compile_in_capture(), noting_collectives():
             try:
-                with capturing(graph, _pool_id(pool), free_workspaces=self.is_shared_pool(pool)):
+                with capturing(graph, _pool_id(pool), free_before=before, free_after=after):
                     yield graph
             except BaseException:
                 self._reset_capture_state(stream)

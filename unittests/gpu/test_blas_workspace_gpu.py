@@ -3,9 +3,11 @@
 Torch keeps a cuBLAS workspace per (handle, stream); a capture's stream would get its own in
 the graph pool and keep it there. Captures into a shared pool free them before and after
 (``paddle_graphpp.torch.graphs.free_blas_workspaces``): the pool keeps none between replays,
-its graphs still train as eager does with several micro-batches in flight, and an optimizer
-step whose matmuls make a workspace while it borrows the pool still borrows it. Pools of one
-graph each (``memory="per_graph"``) keep the first captures' workspaces, which all use.
+its graphs still train as eager does with several micro-batches in flight, a failed capture
+leaves none behind, and an optimizer step whose matmuls make a workspace while it borrows the
+pool still borrows it. A pool of one graph (``memory="per_graph"``) keeps the workspace its
+capture made, which every later capture uses, and the frees stop; so they do with
+``FLAGS_graphpp_free_blas_workspaces=0``. (The bookkeeping alone: unittests/test_blas_workspace_frees.py.)
 
 Run on the GPU machine: ``python -m pytest unittests/gpu/test_blas_workspace_gpu.py -q``.
 """
@@ -17,7 +19,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires a CUDA device")
 
-from testing.parity import SEQ, rel, run_step, twins  # noqa: E402
+from testing.parity import rel, side_by_side, twins  # noqa: E402
 
 DEV = "cuda"
 ORDER = "f1 f2 b1 f3 b2 f4 b3 b4"  # two micro-batches in flight: two positions share the pool
@@ -30,7 +32,8 @@ def _fp32_exact(fp32_exact):  # unittests/gpu/conftest.py
 
 @pytest.fixture
 def lending_on(monkeypatch):
-    """Pool lending as in a fresh process (an earlier test may have stopped it in this one)."""
+    """Pool lending and the workspace frees as in a fresh process (an earlier test may have
+    stopped either in this one)."""
     from paddle_graphpp.core.process import current_process
     from paddle_graphpp.torch.memory import pool_lending
     from paddle_graphpp.torch.runtime import RUNTIME
@@ -39,6 +42,9 @@ def lending_on(monkeypatch):
     monkeypatch.setattr(watch, "registered", weakref.WeakSet())
     if RUNTIME._lender is not None:
         monkeypatch.setattr(RUNTIME._lender, "disabled", False)
+    monkeypatch.delenv("FLAGS_graphpp_free_blas_workspaces", raising=False)
+    monkeypatch.setattr(RUNTIME, "_frees_blas", None)
+    torch._C._cuda_clearCublasWorkspaces()  # none left from earlier tests' graphs: each test makes its own
     return RUNTIME
 
 
@@ -80,17 +86,10 @@ class _MatmulMomentum(torch.optim.Optimizer):
 
 
 def _train(eager, graphed, opt_e, opt_g, steps=5):
-    """``steps`` steps of ORDER on both; the worst relative error of losses, input and
+    """``steps`` steps of ORDER on both; the worst relative error of losses, outputs, input and
     parameter gradients, and of the weights after the last step."""
     worst = 0.0
-    for step in range(steps):
-        base = [torch.randn(2, SEQ, 64, device=DEV) for _ in range(4)]
-        xe = [b.clone().requires_grad_(True) for b in base]
-        xg = [b.clone().requires_grad_(True) for b in base]
-        _, ge, le = run_step(eager, xe, ORDER, seed=3000 + step)
-        _, gg, lg = run_step(graphed, xg, ORDER, seed=3000 + step)
-        errs = [rel(lg, le)] + [rel(gg[n], ge[n]) for n in range(4)]
-        errs += [rel(q.grad, p.grad) for p, q in zip(eager.parameters(), graphed.module.parameters())]
+    for _, errs in side_by_side(eager, graphed, steps=steps, order=ORDER, seed=3000, device=DEV):
         worst = max(worst, *errs)
         for opt in (opt_e, opt_g):
             opt.step()
@@ -107,16 +106,48 @@ def test_the_pool_keeps_no_cublas_workspace_and_training_equals_eager(lending_on
                        f"graph pools: a capture stream's workspace was kept there")
 
 
+def test_a_failed_capture_leaves_no_workspace_in_its_pool(lending_on):
+    class SyncsAfterAMatmul(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            y = self.lin(x)  # the capture's workspace is made here
+            if torch.cuda.is_current_stream_capturing():
+                y = y * float(y.sum())  # a host read: the capture fails
+            return y
+
+    from paddle_graphpp.torch import CUDAGraphedModule
+
+    graphed = CUDAGraphedModule(SyncsAfterAMatmul().to(DEV), num_warmup_steps=0, fallback="eager")
+    x = torch.randn(8, 64, device=DEV, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            graphed(x).sum().backward()
+    assert not _freed_by_clearing_workspaces()
+
+
 def test_per_graph_pools_keep_the_workspaces_all_their_graphs_use(lending_on):
-    """``memory="per_graph"``: a pool per graph. Freed around every capture, each of those pools
+    """``memory="per_graph"``: a pool per graph. Freed after every capture, each of those pools
     would hold a workspace's worth of its own; instead the first captures' stay (one per
-    capturing thread) and every later capture uses them, as torch does."""
+    capturing thread), every later capture uses them, as torch has them do, and nothing frees
+    them from then on."""
     eager, graphed, opt_e, opt_g = twins(device=DEV, num_warmup_steps=1, memory="per_graph")
     assert _train(eager, graphed, opt_e, opt_g) <= 1e-6
     captures = graphed.engine.captures
     assert captures >= 4
+    assert lending_on._frees_blas is False
     freed = _freed_by_clearing_workspaces()  # kept, and not a set per pool (cuBLASLt's small one may add a block)
     assert 1 <= len(freed) < captures, (captures, sorted(freed))
+
+
+def test_with_the_flag_off_torch_keeps_its_workspaces(lending_on, monkeypatch):
+    monkeypatch.setenv("FLAGS_graphpp_free_blas_workspaces", "0")
+    eager, graphed, opt_e, opt_g = twins(device=DEV, num_warmup_steps=1)
+    assert _train(eager, graphed, opt_e, opt_g) <= 1e-6
+    assert _freed_by_clearing_workspaces()  # the capture stream's, kept in the pool as torch keeps them
 
 
 def test_an_optimizer_step_with_matmuls_still_borrows_the_pool(lending_on):

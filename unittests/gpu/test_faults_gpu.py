@@ -177,8 +177,9 @@ class OutOfMemoryInCapture(torch.nn.Module):
 def _settled_reserved() -> int:
     gc.collect()
     torch.cuda.synchronize()
-    # Every capture frees torch's cuBLAS workspaces (graphs.free_blas_workspaces), eager ones too,
-    # which the next matmul makes again: measured without them, before and after alike.
+    # Captures into a shared pool free torch's cuBLAS workspaces (graphs.free_blas_workspaces),
+    # eager ones too, which the next matmul makes again: measured without them, before and after
+    # alike. That a failed capture leaves none in its pool: test_blas_workspace_gpu.py.
     torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved()

@@ -16,7 +16,8 @@ import torch
 
 from ...allocator import env_flag_value
 from ...core.runtime import MemoryTelemetry, OutputRelease, PoolLending, StreamOrderedAllocator
-from ..graphs import anchor_graph
+from ...core.flags import env_flag
+from ..graphs import anchor_graph, free_blas_workspaces
 from . import handout as _handout
 from .allocator import async_allocator_active as _async_allocator_active
 
@@ -37,6 +38,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         self._held_passes: dict = {}  # id(held pool) -> releases that found it still held
         self._anchors: dict = {}  # id(pool) -> its empty anchor graph (see new_pool)
         self._shared_pools: "weakref.WeakSet" = weakref.WeakSet()  # new_pool(shared=True)'s
+        self._frees_blas: Optional[bool] = None  # see blas_workspace_frees
         from .pool_lending import watch_optimizers
 
         watch_optimizers()  # prepare_pool sizes a pool by the parameters of the optimizers that step
@@ -84,7 +86,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         # graphs, and refuses a capture into a pool whose graphs are all gone (torch 2.11:
         # "use_count > 0" asserted in capture_begin), as they are after reset_graphs() or a
         # failed capture.
-        # A shared pool's captures free torch's cuBLAS workspaces around them (is_shared_pool).
+        # A shared pool's captures free torch's cuBLAS workspaces around them (blas_workspace_frees).
         pool = torch.cuda.MemPool()
         self._pools.append(pool)
         self._anchors[id(pool)] = anchor_graph(pool, self.capture_stream())
@@ -93,13 +95,40 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         return pool
 
     def is_shared_pool(self, pool) -> bool:
-        """Whether ``pool`` came from ``new_pool(shared=True)``: its captures free torch's cuBLAS
-        workspaces before and after (``graphs.free_blas_workspaces``), so that the one they make
-        in it is the pool's free space between them."""
+        """Whether ``pool`` came from ``new_pool(shared=True)`` (a generation's, which graphs
+        captured back to back share)."""
         try:
             return pool in self._shared_pools
         except TypeError:  # a bare pool id, not a MemPool
             return False
+
+    def blas_workspace_frees(self, pool) -> tuple:
+        """``(before, after)``: whether a capture into ``pool`` frees torch's cuBLAS workspaces
+        before it begins and after it ends (``graphs.free_blas_workspaces``).
+
+        A capture into a shared pool frees both: the pool keeps no workspace between replays.
+        A capture into a pool of one graph (``memory="per_graph"``, ``graph_step``'s, one made
+        for the call) frees before, so that its workspace is made in its own pool, and keeps it:
+        freed after, every such pool would hold one. From then on nothing in the process frees
+        them (the later captures use that one, as torch has them do), since a workspace kept for
+        some graph may be in use by others. ``FLAGS_graphpp_free_blas_workspaces=0`` keeps
+        torch's workspaces as they are from the start: the map is the process's, and a program
+        that captures graphs of its own, outside this library, on a stream it also ran matmuls
+        on eagerly, or into a pool it shares across captures made before and after one of ours,
+        would have a workspace those graphs use freed under them."""
+        if self._frees_blas is None:
+            self._frees_blas = env_flag("FLAGS_graphpp_free_blas_workspaces", True)
+        if not self._frees_blas:
+            return False, False
+        if self.is_shared_pool(pool):
+            return True, True
+        self._frees_blas = False
+        return True, False
+
+    def free_blas_workspaces_if_on(self) -> None:
+        """Free torch's cuBLAS workspaces where captures still do (:meth:`blas_workspace_frees`)."""
+        if self._frees_blas:
+            free_blas_workspaces()
 
     def release_pool(self, pool) -> None:
         # The pool leaves the runtime's pools for the held ones; the next release_cached_memory
@@ -173,7 +202,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         if self._lender is None:
             from .pool_lending import PoolLender
 
-            self._lender = PoolLender(self.capture_stream)
+            self._lender = PoolLender(self.capture_stream, self.free_blas_workspaces_if_on)
         return self._lender
 
     def defer_capture(self) -> Optional[str]:

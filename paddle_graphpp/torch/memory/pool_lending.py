@@ -24,7 +24,7 @@ import torch
 from ...core.process import current_process
 from ...core.warn import warn
 from . import pool_segments
-from ..graphs import free_blas_workspaces, gc_paused
+from ..graphs import gc_paused
 
 __all__ = ["BLOCK", "SEGMENTS", "PoolLender", "watch_optimizers", "register_optimizer", "optimizer_pending",
            "step_temporaries"]
@@ -131,8 +131,9 @@ def step_temporaries(optimizer: torch.optim.Optimizer, stepped: Callable[[torch.
 class PoolLender:
     """Lends one graph pool at a time to optimizer steps (installed once per process)."""
 
-    def __init__(self, capture_stream: Callable[[], Any]):
+    def __init__(self, capture_stream: Callable[[], Any], free_workspaces: Callable[[], None] = lambda: None):
         self._capture_stream = capture_stream
+        self._free_workspaces = free_workspaces  # torch's cuBLAS workspaces, where captures free them
         self._pool: Optional[torch.cuda.MemPool] = None
         self._is_idle: Callable[[], bool] = lambda: False
         self._on_leak: Callable[[], None] = lambda: None
@@ -260,7 +261,7 @@ class PoolLender:
         self.steps += 1
         after = _allocated(self._pool)
         if after != before:  # a matmul in the step may have made the capture stream's cuBLAS workspace there
-            free_blas_workspaces()
+            self._free_workspaces()
             after = _allocated(self._pool)
         if after != before:
             self.disabled = True
