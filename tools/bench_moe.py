@@ -295,7 +295,11 @@ def speed(args, model_type):
             v["vs_eager_loop"] = row["variants"]["eager_loop"]["step_ms"] / v["step_ms"]
     if args.profile_steps:
         for name in models:
-            row["variants"][name]["profile"] = profile(models[name], steps[name], data, args.profile_steps)
+            try:
+                row["variants"][name]["profile"] = profile(models[name], steps[name], data, args.profile_steps)
+            except Exception as exc:  # noqa: BLE001 - recorded with its message; the other variants go on
+                traceback.print_exc(limit=4)
+                row["variants"][name]["profile"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     del models, steps
     torch.cuda.empty_cache()
     return row
@@ -315,13 +319,24 @@ def profile(model, step, data, n):
     from tools.diagnostics import busy
     from tools.diagnostics.host_time import Timers, syncs_in_step, time_engine_parts
 
-    def run_timed(timers):
+    def run_timed(put_on) -> Timers:
+        """``n`` steps with the timers ``put_on(timers)`` places, taken off again whatever happens."""
+        timers = Timers()
         try:
+            put_on(timers)
             for _ in range(n):
                 step(data)
             torch.cuda.synchronize()
         finally:
             timers.restore()
+        return timers
+
+    def top_level(timers):
+        for cls in {type(m) for _n, m, _impl in experts_modules(model)}:
+            owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)  # where its forward is defined
+            timers.wrap("experts forward", owner, "forward")
+        timers.wrap("graphed call", GraphedCallable, "__call__")
+        timers.wrap("graphed backward", graphed_autograd._GraphedFunction, "backward")
 
     out = {}
     torch.cuda.synchronize()
@@ -331,19 +346,11 @@ def profile(model, step, data, n):
     host = time.perf_counter() - start
     torch.cuda.synchronize()
     out["wall_ms"], out["host_issue_ms"] = (time.perf_counter() - start) / n * 1e3, host / n * 1e3
-    timers = Timers()
-    for cls in {type(m) for _n, m, _impl in experts_modules(model)}:
-        timers.wrap("experts forward", cls, "forward")
-    timers.wrap("graphed call", GraphedCallable, "__call__")
-    timers.wrap("graphed backward", graphed_autograd._GraphedFunction, "backward")
-    run_timed(timers)
+    timers = run_timed(top_level)
     out["host_ms"] = {k: {"ms_per_step": round(t / n * 1e3, 3), "calls_per_step": c / n}
                       for k, (t, c) in timers.total.items()}
-    if any(e == "graphed call" for e in timers.total):  # the graphed calls' parts, host us per call
-        timers = Timers()
-        time_engine_parts(timers)
-        run_timed(timers)
-        out["graphed_call_parts_us"] = timers.per_call_us()
+    if "graphed call" in timers.total:  # the graphed calls' parts, host us per call
+        out["graphed_call_parts_us"] = run_timed(time_engine_parts).per_call_us()
     prof = cProfile.Profile()  # host time by function (cProfile slows Python-heavy code: compare variants)
     prof.enable()
     for _ in range(n):
@@ -358,6 +365,7 @@ def profile(model, step, data, n):
         for key, col in (("by_self", 2), ("by_total", 3))}
     syncs = syncs_in_step(type("Steps", (), {"step": staticmethod(lambda: step(data))}))
     out["syncs_per_step"], out["syncs_by_line"] = sum(syncs.values()), syncs
+    torch.cuda.synchronize()  # nothing of the steps above in the profile
     prof = busy.start()
     for _ in range(n):
         step(data)
