@@ -94,14 +94,6 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
             self._shared_pools.add(pool)
         return pool
 
-    def is_shared_pool(self, pool) -> bool:
-        """Whether ``pool`` came from ``new_pool(shared=True)`` (a generation's, which graphs
-        captured back to back share)."""
-        try:
-            return pool in self._shared_pools
-        except TypeError:  # a bare pool id, not a MemPool
-            return False
-
     def blas_workspace_frees(self, pool) -> tuple:
         """``(before, after)``: whether a capture into ``pool`` frees torch's cuBLAS workspaces
         before it begins and after it ends (``graphs.free_blas_workspaces``).
@@ -120,7 +112,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
             self._frees_blas = env_flag("FLAGS_graphpp_free_blas_workspaces", True)
         if not self._frees_blas:
             return False, False
-        if self.is_shared_pool(pool):
+        if pool in self._shared_pools:  # new_pool(shared=True)'s; None or a bare pool id is not
             return True, True
         self._frees_blas = False
         return True, False
