@@ -59,3 +59,16 @@ def test_the_lender_frees_only_while_captures_do(runtime, monkeypatch):
     runtime.blas_workspace_frees(None)
     runtime.free_blas_workspaces_if_on()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("flag, frees", [(None, 1), ("1", 1), ("0", 0)])
+def test_a_step_borrowing_before_any_capture_of_this_runtime_frees_as_the_flag_says(runtime, monkeypatch, flag, frees):
+    """The flag decides for a borrowed step too when it asks first (state reset since the pool
+    was lent): the workspace the step made in the pool is freed by default, not taken for a leak
+    that drops the pool's graphs."""
+    if flag is not None:
+        monkeypatch.setenv("FLAGS_graphpp_free_blas_workspaces", flag)
+    calls = []
+    monkeypatch.setattr("paddle_graphpp.torch.memory.capabilities.free_blas_workspaces", lambda: calls.append(1))
+    runtime.free_blas_workspaces_if_on()
+    assert len(calls) == frees

@@ -108,9 +108,7 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
         that captures graphs of its own, outside this library, on a stream it also ran matmuls
         on eagerly, or into a pool it shares across captures made before and after one of ours,
         would have a workspace those graphs use freed under them."""
-        if self._frees_blas is None:
-            self._frees_blas = env_flag("FLAGS_graphpp_free_blas_workspaces", True)
-        if not self._frees_blas:
+        if not self._frees_on():
             return False, False
         if pool in self._shared_pools:  # new_pool(shared=True)'s; None or a bare pool id is not
             return True, True
@@ -119,8 +117,14 @@ class TorchMemory(OutputRelease, PoolLending, StreamOrderedAllocator, MemoryTele
 
     def free_blas_workspaces_if_on(self) -> None:
         """Free torch's cuBLAS workspaces where captures still do (:meth:`blas_workspace_frees`)."""
-        if self._frees_blas:
+        if self._frees_on():
             free_blas_workspaces()
+
+    def _frees_on(self) -> bool:
+        # The flag, read once by whichever asks first: a capture or a borrowed optimizer step.
+        if self._frees_blas is None:
+            self._frees_blas = env_flag("FLAGS_graphpp_free_blas_workspaces", True)
+        return self._frees_blas
 
     def release_pool(self, pool) -> None:
         # The pool leaves the runtime's pools for the held ones; the next release_cached_memory
