@@ -146,10 +146,30 @@ def test_the_parts_capture_and_replay_and_the_experts_never_run_in_a_capture(fak
     assert calls["eager"] == steps * micro * len(zoo.blocks_of(model))
     for part in graphed:
         # one position: each micro-batch an episode. The block's first training call runs its parts
-        # eagerly (the probe that checks each keeps eager's sums); then one warms up, the next is
-        # recorded and captured after it, every later one replays the (forward, backward) pair
-        assert (part.engine.captures, part.engine.replays, part.engine.in_flight) == (2, 2 * (steps * micro - 3), 0), \
+        # eagerly (the probe that checks each keeps eager's sums), and counts as their warmup call;
+        # the next is recorded and captured after it, every later one replays the (forward, backward) pair
+        assert (part.engine.captures, part.engine.replays, part.engine.in_flight) == (2, 2 * (steps * micro - 2), 0), \
             part.__dict__["_graphpp_name"]
+
+
+def test_parts_capture_in_the_same_episode_as_a_dense_block_graphed_whole_beside_them(fake_runtime, monkeypatch):
+    # DeepSeek-V3's first blocks are dense (graphed whole, no probe). The call that judges the MoE
+    # blocks' parts counts as their first warmup call, so that every graph is captured in one episode,
+    # into one pool: a capture after replays began would open a second pool generation, which the
+    # graphs of the first cannot share (on an H100 that second pool doubled the graphs' memory).
+    rt = fake_runtime
+    model = _model("deepseek_v3", "eager", first_k_dense_replace=1, num_hidden_layers=3)
+    blocks = zoo.blocks_of(model)
+    assert not adapter.experts_modules(blocks[0]) and adapter.experts_modules(blocks[1])
+    graphed = graph_layers(blocks, num_warmup_steps=2)
+    assert is_graphed_layer(blocks[0]) and not is_graphed_layer(blocks[1])  # dense whole; MoE in parts
+    _run(model, micro_batches=1, steps=6)
+    from paddle_graphpp.core.memory import memory_report
+
+    assert memory_report()[rt.name]["pool_generations"] == 1
+    for layer in [blocks[0], *graphed]:
+        # calls 1 and 2 warm up (the parts' first one as the probe), 3 is recorded, 4 to 6 replay
+        assert (layer.engine.captures, layer.engine.replays) == (2, 2 * 3), layer.__dict__["_graphpp_name"]
 
 
 @pytest.mark.parametrize("how", ["undo", "ungraph_layers"])
@@ -298,10 +318,10 @@ def test_a_whole_block_whose_capture_fails_is_graphed_around_its_experts_instead
     for part in graphed:
         # Micro-batch 3's capture, at block 0's call, failed for every block: block 0 ran it
         # eagerly and is graphed in parts at its call in micro-batch 4; the later blocks, called
-        # after the failure, already in 3. The parts' first call runs eagerly (judged), the next
-        # warms up, the next is recorded, and every later one replays (forward and backward).
+        # after the failure, already in 3. The parts' first call runs eagerly (judged, their warmup
+        # call), the next is recorded, and every later one replays (forward and backward).
         first = 4 if part.__dict__["_graphpp_name"].startswith(f"{type(blocks[0]).__name__}[0].") else 3
-        replays = 8 - (first + 2)
+        replays = 8 - (first + 1)
         assert (part.engine.captures, part.engine.replays) == (2, 2 * replays), part.__dict__["_graphpp_name"]
     graphed.undo()  # and the list it returned undoes them all
     assert not any(is_graphed_layer(m) for m in model.modules())

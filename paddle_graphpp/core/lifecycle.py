@@ -107,6 +107,7 @@ class Lifecycle:
         self.fallback = fallback
         self._table: dict[Any, Signature] = {}
         self._warned: set = set()
+        self._credited = 0  # eager calls made outside the engine, for the next new signature (credit_warmup)
         #: Why the scope runs eagerly for good (phase ``EAGER``), or ``None``.
         self.eager_reason: Optional[str] = None
         self.captures = 0
@@ -139,7 +140,16 @@ class Lifecycle:
         if self._table:
             logger.info("%s: new input signature %s; it will be warmed up and captured anew", self.name, text)
         sig = self._table[key] = Signature(key, text, shape)
+        sig.warm, self._credited = self._credited, 0
         return sig
+
+    def credit_warmup(self, calls: int) -> None:
+        """``calls`` eager training calls of the scope ran outside the engine (a block graphed in
+        parts runs its parts as their own code in the call that judges them): the next new signature
+        counts them as warmup calls already made. The scope then captures in the same episode as
+        scopes graphed beside it that had no such calls, so that they share one pool generation."""
+        if not self._table:
+            self._credited = calls
 
     def full(self) -> bool:
         """Whether a new signature would pass ``max_signatures``."""

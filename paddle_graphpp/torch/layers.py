@@ -564,6 +564,11 @@ class _PartsProbe:
                     unsafe[name] = why
         for name, why in unsafe.items():
             self._give_back(name, why)
+        for name, part in self.parts:
+            if name not in undecided and name not in unsafe and _SLOT in part.__dict__:
+                # this call was its first eager training call: its warmup counts it, so that
+                # the parts capture with the blocks graphed whole beside them (one pool generation)
+                part.__dict__[_SLOT].engine.phases.credit_warmup(1)
         self.parts = [(n, p) for n, p in self.parts if n in undecided and n not in unsafe]
         if not self.parts:
             self.remove()
