@@ -394,3 +394,81 @@ def test_a_failure_parts_would_not_mend_follows_the_fallback_option(fake_runtime
     with pytest.raises(CaptureError, match="capturing the forward failed"):
         _run(model, 0, steps=5)
     assert all(is_graphed_layer(b) for b in blocks)  # whole still: fallback="error" decided
+
+
+def _experts_call(model_type):
+    """An experts module of ``model_type`` (transformers' ``eager`` loop) and a call's arguments:
+    128 tokens routed top-2 over its experts, some experts left without a token."""
+    model = _model(model_type, "eager")
+    (_, experts, _), = adapter.experts_modules(zoo.blocks_of(model)[1])
+    gen = torch.Generator().manual_seed(4)
+    count = experts.num_experts
+    hidden = torch.randn(128, model.config.hidden_size, generator=gen, requires_grad=True)
+    index = torch.randint(0, max(count - 1, 1), (128, 2), generator=gen)  # the last expert gets nothing
+    weights = torch.rand(128, 2, generator=gen, requires_grad=True)
+    return experts, hidden, index, weights
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_the_eager_experts_loop_reads_the_host_once_and_gives_the_models_results_bit_for_bit(model_type):
+    from paddle_graphpp.torch.integrations.transformers import OneHostRead
+
+    experts, hidden, index, weights = _experts_call(model_type)
+    own = experts(hidden, index, weights)
+    own_grads = torch.autograd.grad(own.square().sum(), [hidden, weights, *experts.parameters()])
+    with OneHostRead() as mode:
+        out = experts(hidden, index, weights)
+    grads = torch.autograd.grad(out.square().sum(), [hidden, weights, *experts.parameters()])
+    assert mode.answered == len(index.unique())  # every hit expert's where() answered from the one plan
+    assert mode.step == 5  # the hit list came from the plan: no device scalar in the loop
+    assert torch.equal(out, own)
+    assert all(torch.equal(a, b) for a, b in zip(grads, own_grads))
+
+
+def test_a_loop_that_does_not_follow_the_chain_is_not_answered():
+    # the pairs listed token first (another permutation): the mode must not hand out its choice-first pairs
+    from paddle_graphpp.torch.integrations.transformers import OneHostRead
+
+    def other_loop(index, experts):
+        mask = torch.nn.functional.one_hot(index, num_classes=experts).permute(2, 0, 1)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        return [torch.where(mask[e[0]]) for e in hit]
+
+    index = torch.randint(0, 6, (32, 2), generator=torch.Generator().manual_seed(5))
+    own = other_loop(index, 6)
+    with OneHostRead() as mode:
+        got = other_loop(index, 6)
+    assert mode.answered == 0 and mode.step == 1
+    assert all(torch.equal(a, b) and torch.equal(c, d) for (a, c), (b, d) in zip(got, own))
+
+
+@pytest.mark.parametrize("flag", [None, "0"])
+def test_the_experts_of_blocks_graphed_in_parts_read_the_host_once_until_undo(monkeypatch, flag):
+    from paddle_graphpp.torch.integrations import transformers as transformers_adapter
+
+    if flag is not None:
+        monkeypatch.setenv("FLAGS_graphpp_moe_one_host_read", flag)
+    answered = []
+    exit_ = transformers_adapter.OneHostRead.__exit__
+
+    def counted(self, *args):
+        answered.append(self.answered)
+        return exit_(self, *args)
+
+    monkeypatch.setattr(transformers_adapter.OneHostRead, "__exit__", counted)
+    model = _model("qwen3_moe", "eager")
+    blocks = zoo.blocks_of(model)
+    experts = [m for b in blocks for _, m, _ in adapter.experts_modules(b)]
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in experts]
+    graphed = graph_layers(blocks)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(6))
+    model(ids, labels=ids).loss.backward()
+    if flag is None:
+        assert len(answered) == len(blocks) and all(n > 0 for n in answered)
+    else:
+        assert answered == []
+    graphed.undo()
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in experts] == hooks
+    answered.clear()
+    model(ids, labels=ids).loss.backward()
+    assert answered == []
