@@ -60,8 +60,7 @@ MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
 #: name -> (experts implementation, front door: None eager, "layers" graph_layers, "model" graph_model)
 VARIANTS = {
     "eager_loop": ("eager", None),
-    "around": ("eager", "layers"),  # attention and router graphed, experts eager (their loop reading the host once)
-    "around_own_loop": ("eager", "layers_own_loop"),  # the same, the loop's host reads as the model makes them
+    "around": ("eager", "layers"),  # attention and router graphed, experts eager
     "eager_grouped": ("grouped_mm", None),
     "whole_grouped": ("grouped_mm", "layers"),  # whole blocks where grouped_mm captures (bf16, sm90+)
     "eager_batched": ("batched_mm", None),
@@ -124,15 +123,6 @@ def graph(model, door):
 
     if door == "layers":
         return graph_layers(zoo.blocks_of(model))
-    if door == "layers_own_loop":  # FLAGS_graphpp_moe_one_host_read=0 while graphing
-        before = os.environ.get("FLAGS_graphpp_moe_one_host_read")
-        os.environ["FLAGS_graphpp_moe_one_host_read"] = "0"
-        try:
-            return graph_layers(zoo.blocks_of(model))
-        finally:
-            os.environ.pop("FLAGS_graphpp_moe_one_host_read")
-            if before is not None:
-                os.environ["FLAGS_graphpp_moe_one_host_read"] = before
     if door == "model":
         return graph_model(model)
     return None

@@ -41,7 +41,6 @@ _CHECKS = "_graphpp_call_checks"  # the adapters' per-call checks, bound when gr
 _CHECKPOINTING = "_graphpp_checkpointing"  # a library's checkpointing switch of the block (or None), bound when graphed
 _PARTS = "_graphpp_parts"  # on a block graphed in parts (around its experts): its graphed submodules
 _PROBE = "_graphpp_parts_probe"  # ... and, until every part is judged, its _PartsProbe
-_EXPERTS_HOOKS = "_graphpp_experts_hooks"  # ... and the hooks on its eager experts (integrations.eager_experts_hooks)
 _BLOCK = "_graphpp_block"  # on a part of a block graphed in parts: that block
 _REGRAPH = "_graphpp_regraph"  # on a graphed block: (compile, options, its listing) to graph it again in parts
 _INSTEAD = "_graphpp_instead"  # on a whole block whose capture failed: why, until its next call graphs it in parts
@@ -438,7 +437,6 @@ def graph_in_place(pairs: list, names: list, *, check_config: bool, compile: Any
             for _, part in parts:
                 part.__dict__[_BLOCK] = block
             block.__dict__[_PROBE] = _PartsProbe(block, [(part.__dict__[_NAME], part) for _, part in parts], graphed)
-            block.__dict__[_EXPERTS_HOOKS] = integrations.eager_experts_hooks(block)
     return graphed
 
 
@@ -455,8 +453,6 @@ def _forget_part(part: nn.Module) -> None:
         parts[:] = [p for p in parts if p is not part]
         if not parts:
             del block.__dict__[_PARTS]
-            for handle in block.__dict__.pop(_EXPERTS_HOOKS, ()):
-                handle.remove()
             if probe is not None:
                 probe.remove()
 

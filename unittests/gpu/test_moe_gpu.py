@@ -87,48 +87,6 @@ def test_blocks_graphed_around_their_experts_train_bit_for_bit(model_type, fp32_
     _assert_captured_once_and_replayed(graphed)
 
 
-@pytest.mark.parametrize("model_type", MOE + ["gpt_oss", "qwen2_moe"])
-def test_the_eager_experts_loop_reads_the_host_once_per_call_and_gives_the_models_results_bit_for_bit(
-        model_type, fp32_exact):
-    # the loop of a block graphed in parts (OneHostRead in integrations/transformers.py): on the device, where the
-    # model's loop indexes with device scalars and reads the host about four times per expert hit
-    import warnings
-
-    from paddle_graphpp.torch.integrations.transformers import OneHostRead
-    from paddle_graphpp.torch.integrations.transformers import experts_modules
-
-    model = _build(model_type, "eager")
-    (_, experts, _), = experts_modules(zoo.blocks_of(model)[1])
-    gen = torch.Generator().manual_seed(4)
-    hidden = torch.randn(256, model.config.hidden_size, generator=gen).cuda().requires_grad_()
-    index = torch.randint(0, experts.num_experts - 1, (256, 2), generator=gen).cuda()
-    weights = torch.rand(256, 2, generator=gen).cuda().requires_grad_()
-    inputs = [hidden, weights, *experts.parameters()]
-
-    def syncs(fn):
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = fn()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        return out, sum("synchronizing" in str(w.message) for w in seen)
-
-    own, own_syncs = syncs(lambda: experts(hidden, index, weights))
-    own_grads = torch.autograd.grad(own.square().sum(), inputs)
-    mode = OneHostRead()
-    with mode:
-        out, one = syncs(lambda: experts(hidden, index, weights))
-    grads = torch.autograd.grad(out.square().sum(), inputs)
-    hit = len(index.unique())
-    assert mode.answered == hit and one == 1, (mode.answered, hit, one)
-    assert own_syncs >= 3 * hit, own_syncs  # what the mode saves
-    assert torch.equal(out, own)
-    assert all(torch.equal(a, b) for a, b in zip(grads, own_grads))
-
-
 @pytest.mark.parametrize("model_type", MOE)
 def test_blocks_with_batched_experts_are_graphed_whole_bit_for_bit(model_type, fp32_exact):
     base = _build(model_type, "batched_mm")

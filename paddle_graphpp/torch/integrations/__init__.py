@@ -26,12 +26,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, ContextManager, Optional
 
-from ...core.flags import env_flag
 from ...core.process import current_process
 from ...core.segment import Parts
 
 __all__ = ["Adapter", "ExpertsCapacity", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED",
-           "adapters", "check_block", "check_wrapped", "refuse_in_whole_graph", "aux_loss_capture_problem", "graph_parts", "eager_experts_hooks", "capacity_dispatch",
+           "adapters", "check_block", "check_wrapped", "refuse_in_whole_graph", "aux_loss_capture_problem", "graph_parts", "capacity_dispatch",
            "capacity_restore", "capacity_suspended", "call_checks", "recomputes", "capture_hint", "outside_calls", "prepare",
            "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
 
@@ -128,12 +127,6 @@ class Adapter:
         ``failed``: why its whole capture failed, where it was expected to capture (the parts
         are then asked for anyway, with that reason)."""
         return None
-
-    def eager_experts_hooks(self, layer: Any) -> tuple:
-        """For a block graphed in parts (:meth:`graph_parts`): hooks on its experts modules that
-        run their eager dispatch with fewer host reads and the same results, bit for bit; their
-        handles, removed when the block is graphed whole again or ungraphed."""
-        return ()
 
     def capacity_dispatch(self, model: Any, factor: float, on_overflow: str) -> Optional[tuple]:
         """Make ``model``'s routed experts dispatch at a fixed capacity: each experts module this
@@ -245,14 +238,6 @@ def graph_parts(name: str, layer: Any, failed: Optional[str] = None) -> Optional
         if parts is not None:
             return parts
     return None
-
-
-def eager_experts_hooks(layer: Any) -> tuple:
-    """Every adapter's :meth:`Adapter.eager_experts_hooks` of ``layer``, unless
-    ``FLAGS_graphpp_moe_one_host_read=0``."""
-    if not env_flag("FLAGS_graphpp_moe_one_host_read", True):
-        return ()
-    return tuple(h for adapter in adapters() for h in adapter.eager_experts_hooks(layer))
 
 
 def capacity_dispatch(model: Any, factor: float, on_overflow: str) -> Optional[tuple]:

@@ -9,8 +9,7 @@ blocks this adapter owns: :func:`owns`) refuses a call with grad enabled that pa
 recording asks anything of from inside the block (:func:`recorded_outputs`); each names the fix.
 Under ``torch.no_grad()`` a graphed block runs eagerly, and caches work. Gradient checkpointing is
 recomputation inside the block's own graphs (:func:`checkpointing`); the whole-model and
-whole-stage graphs refuse it (:func:`refuse_checkpointing`). The experts of a block graphed in parts
-run their ``eager`` loop with one host read per call (:class:`OneHostRead`). Transformers is read from
+whole-stage graphs refuse it (:func:`refuse_checkpointing`). Transformers is read from
 ``sys.modules``, never imported here. Why: docs/pytorch.md#graph_layers-a-models-blocks-in-place.
 
 Private names of transformers read here, checked on transformers 5.0 to 5.25:
@@ -31,13 +30,12 @@ from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from . import Adapter, ExpertsCapacity, OutsideCalls, Parts
 
 __all__ = ["MaskCalls", "arg_positions", "owns", "check_block", "check_call", "checkpointing", "refuse_checkpointing",
            "recorded_outputs", "traced_masks_refused", "experts_modules", "experts_capture_problem", "graph_parts", "refuse_experts_in_whole_graph", "aux_loss_capture_problem", "CAPACITY", "capacity_experts_forward", "capacity_dispatch", "capacity_restore",
-           "OneHostRead", "one_host_read_hooks", "ADAPTER"]
+           "ADAPTER"]
 
 # Arguments of a decoder block that carry a key/value cache or ask for attention weights, under
 # the names transformers' decoder blocks use for them (``cache`` from transformers 5.24 on).
@@ -609,137 +607,6 @@ def graph_parts(name: str, layer: nn.Module, failed: Optional[str] = None) -> Op
     return Parts(graphed=tuple(graphed), eager=tuple(eager))
 
 
-# ----------------------------------------------------------------- the eager experts loop, one host read
-_ONE_HOT = torch.nn.functional.one_hot
-
-
-class OneHostRead(TorchFunctionMode):
-    """One call of a transformers experts module's own ``eager`` forward, with one host read.
-
-    That loop (``expert_mask = one_hot(top_k_index, E).permute(2, 1, 0)``, ``expert_hit =
-    greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()``, then per hit expert an ``if`` on a
-    device scalar, ``where(expert_mask[expert_idx])`` and the weights indexed by that scalar)
-    reads the host about four times per expert hit, each read waiting for the device to drain.
-    This mode follows that exact chain, tensor by tensor, and answers two of its calls from one
-    plan made at ``one_hot`` (a stable sort of the (choice, token) pairs by expert, one host read
-    of the counts): ``nonzero`` returns the hit experts on the host (same values, shape and
-    dtype), so the ``if`` and the indexing read nothing; ``where(expert_mask[e])`` returns expert
-    ``e``'s pairs in ``where``'s order (choice, then token). Every other call, and every one that
-    carries a gradient, runs as the model wrote it: the same kernels on the same operands, bit for
-    bit the model's results. A call off the chain (other code, another version) runs as written.
-    ``answered`` counts the ``where`` calls answered."""
-
-    GREATER = (torch.greater, torch.gt, torch.Tensor.greater, torch.Tensor.gt, torch.Tensor.__gt__)
-    #: the calls the chain is made of; every other call runs at once
-    WATCHED = frozenset((_ONE_HOT, torch.Tensor.permute, torch.Tensor.sum, torch.Tensor.nonzero, torch.nonzero,
-                         torch.Tensor.__getitem__, torch.where, *GREATER))
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.step = 0  # how far along the chain: one_hot, permute, sum, greater, nonzero
-        self.chain: Any = None  # the last tensor of the chain
-        self.mask: Any = None  # expert_mask: (experts, choices, tokens)
-        self.pairs: dict = {}  # expert -> (choice positions, token indices), on the device
-        self.hit: Any = None  # the hit experts, (n, 1) int64 on the host
-        self.views: list = []  # (expert_mask[e], e)
-        self.answered = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in self.WATCHED:
-            return func(*args, **kwargs)
-        if func is _ONE_HOT and self.step == 0:
-            out = func(*args, **kwargs)
-            ids = args[0]
-            if ids.dim() == 2 and out.dim() == 3:
-                self._plan(ids, out)
-                self.chain, self.step = out, 1
-            return out
-        if func is torch.where and len(args) == 1 and not kwargs:
-            for view, expert in self.views:
-                if view is args[0]:
-                    self.answered += 1
-                    return self.pairs[expert]
-            return func(*args, **kwargs)
-        if func is torch.Tensor.__getitem__ and self.mask is not None and args[0] is self.mask:
-            out = func(*args, **kwargs)
-            expert = _scalar_index(args[1])
-            if expert is not None:
-                self.views.append((out, expert))
-            return out
-        if not args or args[0] is not self.chain:
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        if self.step == 1 and func is torch.Tensor.permute and _dims(args[1:], kwargs) == (2, 1, 0):
-            self.mask, self.chain, self.step = out, out, 2
-        elif self.step == 2 and func is torch.Tensor.sum and _sum_dims(args[1:], kwargs) in ((-1, -2), (-2, -1), (1, 2), (2, 1)):
-            self.chain, self.step = out, 3
-        elif self.step == 3 and func in self.GREATER and len(args) == 2 and not kwargs and _is_zero(args[1]):
-            self.chain, self.step = out, 4
-        elif self.step == 4 and func in (torch.Tensor.nonzero, torch.nonzero) and len(args) == 1 and not kwargs:
-            self.chain, self.step = None, 5
-            return self.hit
-        return out
-
-    def _plan(self, ids: torch.Tensor, one_hot: torch.Tensor) -> None:
-        tokens = ids.size(0)
-        flat = ids.t().reshape(-1)  # (choice, token) in row-major order, as where() lists a mask's pairs
-        order = torch.sort(flat, stable=True).indices
-        counts = one_hot.sum(dim=(0, 1)).tolist()  # the one host read (bincount would read the maximum too)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                pairs = order[start:start + n]
-                self.pairs[expert] = (pairs // tokens, pairs % tokens)
-            start += n
-        self.hit = torch.tensor([[e] for e in self.pairs], dtype=torch.long).reshape(-1, 1)
-
-
-def _scalar_index(index: Any):
-    if isinstance(index, int) and not isinstance(index, bool):
-        return index
-    if isinstance(index, torch.Tensor) and index.dim() == 0 and index.device.type == "cpu" \
-            and not index.is_floating_point() and index.dtype is not torch.bool:
-        return int(index)
-    return None
-
-
-def _dims(args: tuple, kwargs: dict) -> tuple:
-    dims = kwargs.get("dims", args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args)
-    return tuple(dims)
-
-
-def _sum_dims(args: tuple, kwargs: dict):
-    dim = kwargs.get("dim", args[0] if args else None)
-    if len(args) > 1 or set(kwargs) - {"dim"}:
-        return None
-    return tuple(dim) if isinstance(dim, (tuple, list)) else None
-
-
-def _is_zero(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
-
-
-def one_host_read_hooks(module: torch.nn.Module) -> tuple:
-    """Hooks on ``module`` (an experts module) that run each call of its forward inside a new
-    :class:`OneHostRead`; the two handles, to remove. Not under ``torch.compile``'s tracing."""
-    modes: list = []
-
-    def enter(mod, args):
-        if torch.compiler.is_compiling():
-            modes.append(None)
-            return
-        mode = OneHostRead()
-        mode.__enter__()
-        modes.append(mode)
-
-    def leave(mod, args, output):
-        mode = modes.pop() if modes else None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-
-    return (module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True))
-
 @dataclass(frozen=True)
 class TransformersAdapter(Adapter):
     """transformers as the front doors see it."""
@@ -758,11 +625,6 @@ class TransformersAdapter(Adapter):
 
     def graph_parts(self, name, layer, failed=None):
         return graph_parts(name, layer, failed)
-
-    def eager_experts_hooks(self, layer):
-        # transformers' own loop (experts_implementation="eager"): one host read per call
-        return tuple(h for _, module, impl in experts_modules(layer) if impl == "eager"
-                     for h in one_host_read_hooks(module))
 
     def capacity_dispatch(self, model, factor, on_overflow):
         return capacity_dispatch(model, factor, on_overflow)
