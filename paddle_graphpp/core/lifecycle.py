@@ -107,7 +107,7 @@ class Lifecycle:
         self.fallback = fallback
         self._table: dict[Any, Signature] = {}
         self._warned: set = set()
-        self._credited = 0  # eager calls made outside the engine, for the next new signature (credit_warmup)
+        self._credited = 0  # eager calls made outside the engine, for the first signature (credit_warmup)
         #: Why the scope runs eagerly for good (phase ``EAGER``), or ``None``.
         self.eager_reason: Optional[str] = None
         self.captures = 0
@@ -145,9 +145,11 @@ class Lifecycle:
 
     def credit_warmup(self, calls: int) -> None:
         """``calls`` eager training calls of the scope ran outside the engine (a block graphed in
-        parts runs its parts as their own code in the call that judges them): the next new signature
-        counts them as warmup calls already made. The scope then captures in the same episode as
-        scopes graphed beside it that had no such calls, so that they share one pool generation."""
+        parts runs its parts as their own code in the call that judges them): the scope's first
+        signature counts them as warmup calls already made. Ignored once the scope has a signature;
+        :meth:`reset` and :meth:`fall_back` drop it. A part judged in its block's first training
+        call then captures in the same episode as the blocks graphed whole beside it, with the same
+        ``num_warmup_steps`` (1 or more), so that they share one pool generation."""
         if not self._table:
             self._credited = calls
 
@@ -221,6 +223,7 @@ class Lifecycle:
     def fall_back(self, reason: str) -> None:
         """The scope runs eagerly from now on (``EAGER``), every signature's graphs forgotten."""
         self.eager_reason = reason
+        self._credited = 0
         for sig in self._table.values():
             sig.reset()
 
@@ -231,6 +234,7 @@ class Lifecycle:
     def reset(self) -> None:
         """Forget every signature (and ``EAGER``): the scope starts as newly made."""
         self._table.clear()
+        self._credited = 0
         self.eager_reason = None
         self._warned.clear()
 

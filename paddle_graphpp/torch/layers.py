@@ -512,7 +512,9 @@ class _PartsProbe:
     attention and MLP on one norm's output) is given back to eager, before any of its graphs runs,
     and listed in ``graph_layers(...).eager`` with why. A part whose first input carries no
     gradient in that call (frozen embeddings before block 0) stays undecided, and eager, until a
-    call where it does. Once every part is judged the probe removes itself."""
+    call where it does. The call that judges a part counts as the first warmup call of its engine
+    (:meth:`~paddle_graphpp.core.lifecycle.Lifecycle.credit_warmup`). Once every part is judged the
+    probe removes itself."""
 
     def __init__(self, block: nn.Module, parts: list, listing: "GraphedLayers"):
         self.block, self.parts, self.listing = block, parts, listing  # parts: the undecided ones
@@ -564,11 +566,16 @@ class _PartsProbe:
                     unsafe[name] = why
         for name, why in unsafe.items():
             self._give_back(name, why)
+        ran = {name for name, carries, _, _ in calls if carries}
         for name, part in self.parts:
-            if name not in undecided and name not in unsafe and _SLOT in part.__dict__:
-                # this call was its first eager training call: its warmup counts it, so that
-                # the parts capture with the blocks graphed whole beside them (one pool generation)
-                part.__dict__[_SLOT].engine.phases.credit_warmup(1)
+            if name in ran and name not in unsafe and _SLOT in part.__dict__:
+                # an eager training call of the part, its first: its warmup counts it, so that parts
+                # judged in the block's first training call capture with the blocks graphed whole
+                # beside them (one pool generation). Not where the first signature would be captured
+                # in its first call (the stream-ordered allocator): that one runs eagerly first.
+                engine = part.__dict__[_SLOT].engine
+                if not engine.plan.async_allocator:
+                    engine.phases.credit_warmup(1)
         self.parts = [(n, p) for n, p in self.parts if n in undecided and n not in unsafe]
         if not self.parts:
             self.remove()

@@ -52,6 +52,27 @@ def test_warmup_then_record_then_capture_in_order_then_replay(any_rt):
     assert rt.replayed[-8:] == expected and rt.captured == expected
 
 
+@pytest.mark.parametrize("case,recorded_after", [("plain", 3), ("credited", 2), ("after_a_call", 3), ("reset", 3)])
+def test_warmup_calls_made_outside_the_engine_count_for_its_first_signature_only(rt, case, recorded_after):
+    # what a block graphed in parts credits its parts for the call that judged them (torch.layers):
+    # with num_warmup_steps=2 a layer records its third call, a credited one its second
+    layer = Graphed(Linear(4, 3), rt, num_warmup_steps=2)
+    calls = 0
+    if case == "after_a_call":
+        step(layer)
+        calls += 1
+    if case != "plain":
+        layer.engine.phases.credit_warmup(1)  # ignored where a signature exists
+    if case == "reset":
+        layer.engine.reset()  # as if newly wrapped: nothing credited
+    while layer.engine.phase() is not Phase.RECORD and calls < 5:
+        step(layer)
+        calls += 1
+    assert calls == recorded_after
+    step(layer)  # captured at its start, then replayed
+    assert layer.engine.captures == 2 and layer.engine.replays == 2
+
+
 def test_graphs_are_captured_in_the_recorded_order_of_all_layers(rt):
     a = Graphed(Linear(4, 4), rt, num_warmup_steps=0)
     b = Graphed(Linear(4, 4), rt, num_warmup_steps=0)
