@@ -569,10 +569,10 @@ class _PartsProbe:
         ran = {name for name, carries, _, _ in calls if carries}
         for name, part in self.parts:
             if name in ran and name not in unsafe and _SLOT in part.__dict__:
-                # an eager training call of the part, its first: its warmup counts it, so that parts
-                # judged in the block's first training call capture with the blocks graphed whole
-                # beside them (one pool generation). Not where the first signature would be captured
-                # in its first call (the stream-ordered allocator): that one runs eagerly first.
+                # an eager training call of the part, outside its engine: its warmup counts it, so
+                # that parts judged in the block's first training call capture with the blocks graphed
+                # whole beside them (one pool generation). Not under the stream-ordered allocator,
+                # which captures in the first call past warmup: that call would have no eager run.
                 engine = part.__dict__[_SLOT].engine
                 if not engine.plan.async_allocator:
                     engine.phases.credit_warmup(1)
