@@ -138,7 +138,8 @@ def plan(pp: int, seqs, *, rounds: int, profile: bool, device: str, tp: int = 1,
 
 
 def plan_moe(routings, *, seq: int, rounds: int, profile: bool, device: str, variants=MOE_VARIANTS,
-             memory_trace: bool = False, repeats: int = 2, ours_loss: str = "graphed") -> list[dict]:
+             memory_trace: bool = False, repeats: int = 2, ours_loss: str = "graphed",
+             ours_head: str = "graphed") -> list[dict]:
     """The MoE runs in order, one GPU each: per routing eager, then Megatron's graphs and ours
     ``repeats`` times, every other repeat mirrored; after every routing the eager repeats.
     Labels ``<variant>@<routing>[#k]``."""
@@ -154,7 +155,7 @@ def plan_moe(routings, *, seq: int, rounds: int, profile: bool, device: str, var
             seen[variant] = seen.get(variant, 0) + 1
             prof = profile and variant in ("megatron", "ours") and seen[variant] == 1 and routing == routings[0]
             runs.append(_run(variant, seq, 1, 1, rounds, prof, device, memory_trace, seen[variant], ours_loss,
-                             "graphed", routing=routing))
+                             ours_head, routing=routing))
     for routing in routings:
         if "eager_repeat" in variants:
             runs.append(_run("eager_repeat", seq, 1, 1, rounds, False, device, memory_trace, routing=routing))
@@ -489,11 +490,11 @@ def _dry_run(runs: list, budget_line: str, name: str) -> int:
 
 
 def main_moe(parser, args, argv) -> int:
-    """``--moe``: the MoE runs on one GPU (``--tp``/``--pp``/``--seqs``/``--ours-head`` do not apply)."""
+    """``--moe``: the MoE runs on one GPU (``--tp``/``--pp``/``--seqs`` do not apply)."""
     given = {a.split("=")[0] for a in argv}
-    for flag in ("--tp", "--pp", "--seqs", "--ours-head"):
+    for flag in ("--tp", "--pp", "--seqs"):
         if flag in given:
-            parser.error(f"--moe runs one GPU at seq {MOE_SEQ} with the head eager (pp=1): drop {flag}")
+            parser.error(f"--moe runs one GPU (pp=1) at seq {MOE_SEQ}: drop {flag}")
     if args.rounds < 2:
         parser.error("--rounds must be >= 2 (a spread needs two rounds)")
     if args.repeats < 1:
@@ -509,7 +510,8 @@ def main_moe(parser, args, argv) -> int:
         parser.error(f"--routings {args.routings!r}: choose among {', '.join(MOE_ROUTINGS)}")
     seq = CPU_SEQ if args.device == "cpu" else MOE_SEQ
     runs = plan_moe(routings, seq=seq, rounds=args.rounds, profile=args.profile, device=args.device,
-                    variants=variants, memory_trace=args.memory_trace, repeats=args.repeats, ours_loss=args.ours_loss)
+                    variants=variants, memory_trace=args.memory_trace, repeats=args.repeats, ours_loss=args.ours_loss,
+                    ours_head=args.ours_head)
     budget = args.budget if args.budget is not None else BUDGET_S[1]
     name = ("memory-trace-" if args.memory_trace else "") + (args.name or MOE_RECORD)
     if args.dry_run:
@@ -531,7 +533,7 @@ def main_moe(parser, args, argv) -> int:
                "model": "moe", "shape": worker.MOE_SHAPE, "seq": seq, "micro_batches": worker.MOE_MICRO_BATCHES,
                "micro_batch_size": worker.MOE_MICRO_BATCH_SIZE, "capacity_factor": worker.CAPACITY_FACTOR,
                "routings": list(routings), "world_size": 1, "budget_s": budget, "ours_loss": args.ours_loss,
-               "summary": summary, "by_config": by_routing, "runs": records}
+               "ours_head": args.ours_head, "summary": summary, "by_config": by_routing, "runs": records}
     return _finish(args.device, name, payload, summary, records)
 
 

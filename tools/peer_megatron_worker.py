@@ -19,8 +19,9 @@ Megatron's graph-safe RNG tracker):
 * ``ours``: every ``TransformerLayer`` wrapped in ``paddle_graphpp.torch.CUDAGraphedModule``
   with its default settings, and on the last stage the model's vocabulary cross-entropy
   (``GPTModel.compute_language_model_loss``) in ``paddle_graphpp.torch.graph_loss`` (``--loss
-  eager`` leaves it eager) and, where the stage does not hold the embedding too, its output layer
-  graphed in place by ``graph_layers`` (``--head eager`` leaves it eager); gradients in ``.grad``.
+  eager`` leaves it eager) and its output layer graphed in place by ``graph_layers`` (``--head
+  eager`` leaves it eager; with the embedding on the same stage it is handed the embedding's
+  weight, read in place too); gradients in ``.grad``.
 
 The tied embedding of a pipeline's first and last stage is summed by
 ``finalize_model_grads`` (Megatron's DDP) or by Megatron's embedding all-reduce on ``.grad``.
@@ -241,14 +242,13 @@ def build(opts, rank: int):
             # instance with object.__setattr__: nn.Module would file a module value as a child,
             # found only after the class's own method, which would then still run.
             object.__setattr__(gpt, "compute_language_model_loss", graph_loss(gpt.compute_language_model_loss))
-        if opts.head == "graphed" and gpt.post_process and not gpt.pre_process:
+        if opts.head == "graphed" and gpt.post_process:
             from paddle_graphpp.torch import graph_layers
 
-            # In place: on a last stage without the embedding GPTModel hands the layer its own tied
-            # weight (weight=self.output_layer.weight), which the graphs then read in place; its
-            # logits feed the graphed loss without a copy. With the embedding on the same stage
-            # (pp=1) the weight handed over is the embedding's, which would be a graph input: the
-            # head stays eager there.
+            # In place. GPTModel hands the layer its tied weight as weight=: on a last stage without
+            # the embedding its own (output_layer.weight), with the embedding on the same stage
+            # (pp=1) the embedding's. The graphs read either in place and add their part of its
+            # gradient into .grad; the logits feed the graphed loss without a copy.
             graph_layers([gpt.output_layer], name="output_layer")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, gpt, config, optimizer, shape

@@ -175,8 +175,9 @@ def test_a_memory_trace_runs_the_named_variants_traced_and_writes_a_record_of_it
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                     reason="megatron-core is not installed: python -m pip install --no-deps "
                            ".wheels/megatron_core-*.whl (a Python 3.12 wheel; see tools/bench_peer_megatron.py)")
-@pytest.mark.parametrize("argv, world, repeats", [(["--pp", "2"], 2, 2), (["--pp", "4"], 4, 1),
-                                                  (["--tp", "2", "--pp", "2"], 4, 1)], ids=["pp2", "pp4", "tp2pp2"])
+@pytest.mark.parametrize("argv, world, repeats", [(["--pp", "1"], 1, 1), (["--pp", "2"], 2, 2), (["--pp", "4"], 4, 1),
+                                                  (["--tp", "2", "--pp", "2"], 4, 1)],
+                         ids=["pp1", "pp2", "pp4", "tp2pp2"])
 def test_tiny_model_every_variant_on_cpu_ranks(argv, world, repeats):
     end = launch.run([sys.executable, SCRIPT, "--device", "cpu", *argv, "--rounds", "2", "--repeats", str(repeats)],
                      cwd=REPO, timeout=400)

@@ -21,10 +21,10 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from paddle_graphpp import EngineOptions  # noqa: E402
+from paddle_graphpp import EngineOptions, StateReplacedError  # noqa: E402
 from paddle_graphpp.torch import CUDAGraphedModule, graph_layers, ungraph_layers  # noqa: E402
 from paddle_graphpp.torch.hf import CausalLMStage, causal_lm_stage  # noqa: E402
-from paddle_graphpp.torch.layers import _OwnParameter, is_graphed_layer  # noqa: E402
+from paddle_graphpp.torch.layers import _GivenParameter, _OwnParameter, is_graphed_layer  # noqa: E402
 from testing import launch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -218,11 +218,53 @@ def test_a_blocks_own_weight_given_as_an_argument_trains_like_eager():
     want = tied_head_steps(ref, 3, given=lambda h: h.weight)
     assert torch.equal(got, want)
     assert torch.equal(head.weight.grad, ref.weight.grad) and torch.equal(head.bias.grad, ref.bias.grad)
-    other = torch.nn.Parameter(head.weight.detach().clone())  # not the block's own: an input as before
-    with pytest.warns(RuntimeWarning, match=r"output_layer\.0: a parameter that is not this block's own \(shape \(64, 8\)\)"):
-        logits, _ = head(torch.randn(2, SEQ, 8), weight=other)
-    logits.sum().backward()
-    assert other.grad is not None and other.grad.shape == other.shape
+
+
+class TiedLM(torch.nn.Module):
+    """Megatron-Core's GPT on one stage (no pipeline): the output layer is handed the embedding's
+    weight as ``weight=``, a parameter that is not the head's own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(VOCAB, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = TiedHead()
+
+    def forward(self, tokens):
+        logits, _ = self.head(torch.tanh(self.body(self.embedding(tokens))), weight=self.embedding.weight)
+        return logits
+
+
+def tied_lm_steps(model, steps):
+    data = torch.Generator().manual_seed(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for _ in range(2):
+            tokens = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+    return torch.stack(losses)
+
+
+def test_another_modules_weight_given_as_an_argument_trains_like_eager():
+    # The embedding's weight given to a graphed head (Megatron at pp=1): read in place, its
+    # gradient is the head's part added to the embedding's own, as eager's.
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    graph_layers([model.head], num_warmup_steps=1, name="output_layer")
+    got = tied_lm_steps(model, 3)
+    want = tied_lm_steps(ref, 3)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+        assert (p.grad is None and q.grad is None) if name == "head.weight" else torch.equal(p.grad, q.grad), name
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert "given" not in str(model.state_dict().keys())
 
 
 def test_a_block_given_two_activations_that_carry_gradients_is_refused_before_it_runs():
@@ -279,6 +321,40 @@ def test_a_blocks_own_weight_given_as_an_argument_is_no_graph_input(fake_runtime
     specs, consts = sig.key[:2]
     assert [s.shape for s in specs] == [(2, SEQ, 8)]
     assert ("_OwnParameter", _OwnParameter("weight")) in consts, consts  # the weight by name, a constant
+
+
+def test_another_modules_weight_given_as_an_argument_is_no_graph_input(fake_runtime):
+    # Read in place like the head's own: the graphs take only the hidden state as an input, and
+    # the embedding's weight is among the parameters the engine captured against (its gradient
+    # accumulated, its storage watched).
+    model = TiedLM()
+    graph_layers([model.head], num_warmup_steps=1, name="output_layer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no eager fallback, no copy
+        tied_lm_steps(model, 4)
+    assert model.head.engine.captures == 2 and model.head.engine.replays > 0
+    (sig,) = model.head.engine.signatures().values()
+    specs, consts = sig.key[:2]
+    assert [s.shape for s in specs] == [(2, SEQ, 8)]
+    assert ("_GivenParameter", _GivenParameter("given_0")) in consts, consts
+    with torch.no_grad():
+        model.embedding.weight.data = model.embedding.weight.detach().clone()  # new storage
+    with pytest.raises(StateReplacedError, match=r"output_layer\.0: parameter 'given_0' was given new storage"):
+        tied_lm_steps(model, 1)
+
+
+
+def test_a_second_weight_given_to_the_same_block_is_watched_too(fake_runtime):
+    head = TiedHead()
+    graph_layers([head], num_warmup_steps=1, name="output_layer")
+    first, second = (torch.nn.Parameter(torch.randn(VOCAB, 8)) for _ in range(2))
+    tied_head_steps(head, 3, given=lambda h: first)
+    tied_head_steps(head, 3, given=lambda h: second)  # a signature of its own, captured after the first's
+    assert len(head.engine.signatures()) == 2 and head.engine.captures == 4
+    with torch.no_grad():
+        second.data = second.detach().clone()
+    with pytest.raises(StateReplacedError, match=r"parameter 'given_1' was given new storage"):
+        tied_head_steps(head, 1, given=lambda h: second)
 
 
 def test_bad_arguments_name_the_fix():

@@ -56,6 +56,17 @@ class _OwnParameter:
     name: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _GivenParameter:
+    """Stands for a parameter of another module passed to a block's forward as an argument
+    (Megatron-Core's output layer handed the embedding's weight when both are on one stage). It is
+    registered on the block's :class:`_OriginalForward` under ``slot`` when first given, so the
+    engine counts it among the block's parameters: read in place, its gradient accumulated like
+    theirs, its storage watched like theirs (a replaced one stops the replay with an error)."""
+
+    slot: str
+
+
 def _is_parameter(x: Any) -> bool:
     """``isinstance(x, nn.Parameter)``, without that check's Python-level ``__instancecheck__``
     for the arguments a block call usually gets (plain tensors, ``None``, flags, tuples)."""
@@ -65,26 +76,25 @@ def _is_parameter(x: Any) -> bool:
     return kind is nn.Parameter or (isinstance(x, torch.Tensor) and isinstance(x, nn.Parameter))
 
 
-def _mark_own_parameters(layer: "GraphedLayer", args: tuple, kwargs: dict) -> tuple:
-    """``args`` and ``kwargs`` with each top-level argument that is one of ``layer``'s own
-    parameters replaced by an :class:`_OwnParameter`. A parameter of another module stays an
-    input (copied at every replay, its gradient handed out), with a warning (once, by the
-    layer's engine)."""
+def _mark_parameters(layer: "GraphedLayer", args: tuple, kwargs: dict) -> tuple:
+    """``args`` and ``kwargs`` with each top-level argument that is a parameter replaced by a
+    constant the graphs resolve in place: an :class:`_OwnParameter` for one of ``layer``'s own, a
+    :class:`_GivenParameter` for another module's (registered on the block's original forward)."""
     if not any(map(_is_parameter, args)) and not any(map(_is_parameter, kwargs.values())):
         return args, kwargs  # activations are never Parameters: the usual call stops here
     names = {id(p): n for n, p in layer.named_parameters()}
+    original = layer.__dict__[_SLOT].module
 
     def mark(x):
         if not _is_parameter(x):
             return x
         if id(x) in names:
             return _OwnParameter(names[id(x)])
-        layer.engine.warn_once("foreign parameter", (
-            f"{layer.__dict__.get(_NAME, type(layer).__name__)}: a parameter that is not this block's own "
-            f"(shape {tuple(x.shape)}) is passed to it as an argument; its graphs copy it into an input buffer at "
-            f"every replay and hand its gradient out. Keep this block eager, or make the parameter one of its own "
-            f"(an attribute of the block) so that the graphs read it in place."))
-        return x
+        held = len(original._parameters)
+        slot = original.given(x)
+        if len(original._parameters) > held:
+            layer.engine.state.reset()  # the next capture's storage watch includes the new one
+        return _GivenParameter(slot)
 
     return tuple(map(mark, args)), {k: mark(v) for k, v in kwargs.items()}
 
@@ -115,11 +125,23 @@ class _OriginalForward(RunsInPlaceOf):
                            capture_hint=integrations.capture_hint(name, self.layer),
                            another_way=functools.partial(_in_parts_instead, self.layer) if in_parts else None)
 
+    def given(self, param: nn.Parameter) -> str:
+        """The attribute under which ``param``, another module's parameter passed to the block as
+        an argument, is one of this module's parameters (registered when first given)."""
+        for slot, p in self._parameters.items():
+            if p is param:
+                return slot
+        slot = f"given_{len(self._parameters)}"
+        self.register_parameter(slot, param)
+        return slot
+
     def forward(self, *args, **kwargs):
         def resolve(x):  # the parameter as the block holds it now: inside a capture, its alias
-            return functools.reduce(getattr, x.name.split("."), self.layer) if isinstance(x, _OwnParameter) else x
+            if isinstance(x, _OwnParameter):
+                return functools.reduce(getattr, x.name.split("."), self.layer)
+            return getattr(self, x.slot) if isinstance(x, _GivenParameter) else x
 
-        if any(isinstance(x, _OwnParameter) for x in (*args, *kwargs.values())):
+        if any(isinstance(x, (_OwnParameter, _GivenParameter)) for x in (*args, *kwargs.values())):
             args, kwargs = tuple(map(resolve, args)), {k: resolve(v) for k, v in kwargs.items()}
         return self._forward(self.layer, *args, **kwargs)
 
@@ -153,7 +175,7 @@ class GraphedLayer(nn.Module):
             for check in own[_CHECKS]:
                 check(args, kwargs)
             _refuse_second_gradient_input(own[_NAME], args, kwargs)
-        args, kwargs = _mark_own_parameters(self, args, kwargs)
+        args, kwargs = _mark_parameters(self, args, kwargs)
         return own[_SLOT].run(args, kwargs)  # its forward, without a second module call
 
     @property
@@ -310,8 +332,10 @@ def graph_layers(
     ``(cos, sin)`` tuple, ``cache_position``, ``use_cache=False``, ``past_key_values=None``);
     tensors among them are copied into static buffers at each replay, ``None``/bool/int values
     are part of the input signature, and a tensor or a tuple output is returned as the block
-    returns it. A block's own parameter passed to it as an argument (Megatron-Core's output
-    layer is handed its tied weight as ``weight=``) is read in place like its other parameters.
+    returns it. A parameter passed to a block as an argument, the block's own or another
+    module's (Megatron-Core hands its output layer the tied weight as ``weight=``: the embedding's
+    when both are on one stage), is read in place like the block's parameters, its gradient
+    accumulated like theirs; it must keep its storage, as they must.
 
     Args:
         layers: the blocks: ``nn.ModuleList`` (``model.model.layers``, ``model.transformer.h``),

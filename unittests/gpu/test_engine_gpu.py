@@ -504,6 +504,52 @@ def test_a_head_given_its_own_weight_and_a_graphed_loss_train_like_eager():
     assert rel(head.weight, ref_head.weight) <= 1e-6
 
 
+def test_a_head_given_the_embeddings_weight_trains_bit_for_bit_like_eager():
+    """Megatron's GPT on one stage (no pipeline): the output layer is handed the embedding's weight
+    (``weight=``), a parameter that is not its own. Graphed in place, the head reads that weight in
+    place and its graphs add their part of its gradient into ``.grad``, to which the eager
+    embedding's backward adds its own: losses, gradients and weights equal eager's bit for bit."""
+    from paddle_graphpp.torch import graph_layers
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(256, 64) * 0.05)  # unused when a weight is given
+
+        def forward(self, hidden, weight=None):
+            return hidden @ (self.weight if weight is None else weight).t(), None
+
+    class TiedLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(256, 64)
+            self.body = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+            self.head = Head()
+
+        def forward(self, tokens):
+            logits, _ = self.head(self.body(self.embedding(tokens)), weight=self.embedding.weight)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+    torch.manual_seed(0)
+    model = TiedLM().to(DEV)
+    ref = copy.deepcopy(model)
+    model.body = CUDAGraphedModule(model.body, num_warmup_steps=1)
+    graph_layers([model.head], num_warmup_steps=1, name="output_layer")
+    opt, ref_opt = (torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref))
+    order = "f0 f1 b0 f2 b1 f3 b2 b3".split()
+    for step in range(6):
+        tokens = [torch.randint(0, 256, (2, 16), device=DEV) for _ in range(4)]
+        got = step_in_order(order, lambda i: model(tokens[i]), opt)
+        want = step_in_order(order, lambda i: ref(tokens[i]), ref_opt)
+        assert torch.equal(got, want), f"step {step}"
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"step {step}: {name}"
+    counts = [(e.captures, e.replays) for e in (model.body.engine, model.head.engine)]
+    assert counts == [(2 * 4, 2 * 4 * (6 - 2))] * 2, counts  # 4 positions, replayed from the third step
+    (sig,) = model.head.engine.signatures().values()
+    assert [s.shape for s in sig.key[0]] == [(2, 16, 64)], "the embedding's weight became a graph input"
+
+
 def test_schedule1f1b_with_graphed_stage_and_loss_returns_each_micro_batchs_loss():
     """Through torch.distributed.pipelining itself (one rank holding the only stage): the
     losses Schedule1F1B hands back are each micro-batch's own, step after step, so is the
