@@ -22,6 +22,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from paddle_graphpp.core.errors import SignatureError  # noqa: E402
 from paddle_graphpp.torch import CUDAGraphedModule, graph_layers  # noqa: E402
 from paddle_graphpp.torch.integrations import fsdp as graphs_fsdp  # noqa: E402
 
@@ -148,3 +149,39 @@ def test_ungraph_layers_gives_fsdp2_its_storage_back_or_refuses():
         fully_shard(block)
     with pytest.raises(TypeError, match="wrapped again after graph_layers"):
         ungraph_layers(other.model.layers)
+
+
+def test_a_parameter_fsdp2_shards_given_to_a_graphed_block_is_refused():
+    # Megatron's head handed the embedding's weight, the embedding under fully_shard: what FSDP2
+    # hands over is not the parameter but a tensor its own autograd function makes (it frees and
+    # gathers the storage around each use), an activation carrying a gradient beside the hidden
+    # state, which graph_layers refuses before anything runs, whether FSDP2 reshards after the
+    # forward or not.
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(VOCAB))
+
+        def forward(self, hidden, weight):
+            return hidden @ weight.t() + self.bias
+
+    class TiedLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embedding = torch.nn.Embedding(VOCAB, 8)
+            self.head = Head()
+
+        def forward(self, tokens):
+            return self.head(self.embedding(tokens), weight=self.embedding.weight)
+
+    for reshard in (True, False):
+        model = TiedLM()
+        graph_layers([model.head], name="output_layer")
+        fully_shard(model.embedding, reshard_after_forward=reshard)
+        fully_shard(model.head)
+        fully_shard(model)
+        with pytest.raises(SignatureError, match=r"output_layer\.0: graph_layers\(\) takes blocks whose only input "
+                                                 r"carrying a gradient is the hidden state; this call passes 2 "
+                                                 r"\(argument 0, weight\)"):
+            model(torch.randint(0, VOCAB, (2, 16)))
+        assert model.head.engine.in_flight == 0

@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from paddle_graphpp import EngineOptions, StateReplacedError  # noqa: E402
+from paddle_graphpp.core.records import Phase  # noqa: E402
 from paddle_graphpp.torch import CUDAGraphedModule, graph_layers, ungraph_layers  # noqa: E402
 from paddle_graphpp.torch.hf import CausalLMStage, causal_lm_stage  # noqa: E402
 from paddle_graphpp.torch.layers import _GivenParameter, _OwnParameter, is_graphed_layer  # noqa: E402
@@ -343,14 +344,45 @@ def test_another_modules_weight_given_as_an_argument_is_no_graph_input(fake_runt
         tied_lm_steps(model, 1)
 
 
+def test_the_given_weights_gradient_is_summed_as_eagerly_when_recorded(fake_runtime):
+    # A recorded call runs the code the graphs will replay, with the gradients added as the
+    # graphs will add them. Eagerly autograd sums the head's part and the embedding's before adding
+    # them to .grad (G + (h + e)); graphs adding theirs into .grad in place would give (G + h) + e
+    # from the second micro-batch on. The head leaves that weight's accumulation to autograd.
+    torch.manual_seed(0)
+    model = TiedLM()
+    ref = copy.deepcopy(model)
+    graph_layers([model.head], num_warmup_steps=1, name="output_layer")
+    # One step of two micro-batches, each its own episode here (a forward, then its backward):
+    # the first warms up, the second is recorded (real values, the gradients added as the graphs
+    # will add them, onto the first's), to be captured when the next one starts.
+    got, want = tied_lm_steps(model, 1), tied_lm_steps(ref, 1)
+    assert model.head.engine.phase() is Phase.RECORD and model.head.engine.replays == 0
+    assert torch.equal(got, want)
+    assert torch.equal(model.embedding.weight.grad, ref.embedding.weight.grad)
+    assert torch.equal(model.embedding.weight, ref.embedding.weight)
+    (view,) = model.head.engine.signatures().values()
+    assert not view.accumulate and not model.head.engine.accumulates_in_graphs(model.embedding.weight)
 
-def test_a_second_weight_given_to_the_same_block_is_watched_too(fake_runtime):
+
+def test_a_weight_first_given_after_the_graphs_are_fixed_is_refused_until_they_are_reset(fake_runtime):
+    # The graphs hold gradient buffers for the parameters they were fixed on; a new one would
+    # need others. Refused before anything runs; after reset_graphs it is taken and watched.
+    from paddle_graphpp import reset_graphs
+    from paddle_graphpp.core.errors import SignatureError
+
     head = TiedHead()
     graph_layers([head], num_warmup_steps=1, name="output_layer")
     first, second = (torch.nn.Parameter(torch.randn(VOCAB, 8)) for _ in range(2))
     tied_head_steps(head, 3, given=lambda h: first)
-    tied_head_steps(head, 3, given=lambda h: second)  # a signature of its own, captured after the first's
-    assert len(head.engine.signatures()) == 2 and head.engine.captures == 4
+    with pytest.raises(SignatureError, match=r"output_layer\.0: a parameter that is not this block's own "
+                                             r"\(shape \(64, 8\)\) is passed to it as an argument for the first "
+                                             r"time after its graphs were fixed"):
+        tied_head_steps(head, 1, given=lambda h: second)
+    assert head.engine.in_flight == 0
+    reset_graphs(head)
+    tied_head_steps(head, 3, given=lambda h: second)
+    assert head.engine.captures == 2 + 2 and head.engine.replays > 0  # captured anew
     with torch.no_grad():
         second.data = second.detach().clone()
     with pytest.raises(StateReplacedError, match=r"parameter 'given_1' was given new storage"):

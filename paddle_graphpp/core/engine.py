@@ -197,7 +197,7 @@ class GraphedCallable:
         if sig.key.recompute:
             self.recomputing.check()
         accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
-                                                     self.caps.accumulation)
+                                                     self.caps.accumulation, self.layer.hooks.summed_outside())
         self.phases.leave_warmup(sig, params, accumulate, in_step=self.plan.async_allocator)
 
     def accumulates_in_graphs(self, param: Any) -> bool:

@@ -48,18 +48,31 @@ class GradOwners:
         return owner
 
     def choose(self, participant: "CaptureParticipant", params: Sequence[Any], choice: Union[bool, str],
-               accumulation: Optional[InGraphAccumulation]) -> bool:
+               accumulation: Optional[InGraphAccumulation], outside: Sequence[Any] = ()) -> bool:
         """Whether ``participant``'s graphs add the gradients of ``params`` into ``.grad``
-        (``choice``: its ``accumulate_grads`` option; ``accumulation``: the runtime's capability).
-        Where they will, ``participant`` claims ``params``.
+        (``choice``: its ``accumulate_grads`` option; ``accumulation``: the runtime's capability;
+        ``outside``: those of ``params`` whose gradient autograd also gets from outside the layer,
+        :attr:`~paddle_graphpp.core.layer.EngineHooks.summed_outside`). Where they will,
+        ``participant`` claims ``params``.
 
         Raises:
             ValueError: ``accumulate_grads=True`` where a parameter has accumulation hooks (a
-                data-parallel reducer's) or another layer's graphs already accumulate it.
+                data-parallel reducer's), gets part of its gradient from outside the layer, or
+                another layer's graphs already accumulate it.
         """
         if choice is False or accumulation is None:
             return False
         name = participant.name
+        held = {id(p) for p in params}
+        if any(id(p) in held for p in outside):
+            # Eagerly autograd sums the parts (G + (h + e)); graphs adding theirs into .grad would
+            # sum them in another order ((G + h) + e) from a step's second micro-batch on.
+            if choice is True:
+                raise ValueError(
+                    f"{name}: accumulate_grads=True, but a parameter handed to this layer as an argument also "
+                    f"gets gradient from outside it, which autograd sums before adding to .grad; pass "
+                    f"accumulate_grads='auto' or False for this layer")
+            return False
         hooked = accumulation.params_with_grad_hooks(params)
         if hooked and choice is True:
             raise ValueError(

@@ -40,6 +40,12 @@ class EngineHooks:
     #: front door gives one where it can graph the layer differently and exactly (a mixture of
     #: experts' block graphed around its experts).
     another_way: Optional[Callable[[BaseException], Optional[str]]] = None
+    #: The layer's parameters whose gradient autograd also gets from outside the layer in the same
+    #: backward (another module's parameter a front door registers as the layer's, as the
+    #: embedding's weight handed to an output layer), read when a signature leaves warmup. Graphs
+    #: that hold one leave accumulation to autograd, which sums every part of a gradient before
+    #: adding it to ``.grad``, as eagerly.
+    summed_outside: Callable[[], Sequence[Any]] = tuple
 
 
 def hooks_for(wrapped: Any, name: str, options: Any, default: EngineHooks) -> EngineHooks:

@@ -27,6 +27,7 @@ from ..core.errors import SignatureError
 from ..core.layer import EngineHooks
 from ..core.options import EngineOptions
 from ..core.process import current_process
+from ..core.records import Phase
 from ..core.tree import flatten
 from . import integrations
 from .compile import RunsInPlaceOf, compile_options, opaque, refuse_inner_graphs
@@ -60,9 +61,11 @@ class _OwnParameter:
 class _GivenParameter:
     """Stands for a parameter of another module passed to a block's forward as an argument
     (Megatron-Core's output layer handed the embedding's weight when both are on one stage). It is
-    registered on the block's :class:`_OriginalForward` under ``slot`` when first given, so the
-    engine counts it among the block's parameters: read in place, its gradient accumulated like
-    theirs, its storage watched like theirs (a replaced one stops the replay with an error)."""
+    registered on the block's :class:`_OriginalForward` under ``slot`` when first given, before
+    the block's graphs are fixed on its parameters, so the engine counts it among them: read in
+    place and its storage watched like theirs (a replaced one stops the replay with an error). Its
+    gradient has a part from outside the block, so the graphs hand theirs to autograd
+    (``EngineHooks.summed_outside``), which sums the parts before adding them to ``.grad``."""
 
     slot: str
 
@@ -90,13 +93,30 @@ def _mark_parameters(layer: "GraphedLayer", args: tuple, kwargs: dict) -> tuple:
             return x
         if id(x) in names:
             return _OwnParameter(names[id(x)])
-        held = len(original._parameters)
         slot = original.given(x)
-        if len(original._parameters) > held:
-            layer.engine.state.reset()  # the next capture's storage watch includes the new one
+        if slot is None:
+            slot = _register_given(layer, original, x)
         return _GivenParameter(slot)
 
     return tuple(map(mark, args)), {k: mark(v) for k, v in kwargs.items()}
+
+
+def _register_given(layer: "GraphedLayer", original: "_OriginalForward", param: nn.Parameter) -> str:
+    """Register another module's parameter given to ``layer`` (see :class:`_GivenParameter`).
+
+    Raises:
+        SignatureError: the block's graphs are fixed on its parameters already (a signature left
+            warmup): they would hold gradient buffers for another set of parameters.
+    """
+    name = layer.__dict__.get(_NAME, type(layer).__name__)
+    if any(view.phase is not Phase.WARMUP for view in layer.engine.signatures().values()):
+        raise SignatureError(
+            f"{name}: a parameter that is not this block's own (shape {tuple(param.shape)}) is passed to it as an "
+            f"argument for the first time after its graphs were fixed on its parameters. Pass the same parameters "
+            f"from the first training call on, or call paddle_graphpp.reset_graphs(model) after changing them.")
+    slot = original.register_given(param)
+    layer.engine.state.reset()  # the next capture's storage watch includes it
+    return slot
 
 
 class _OriginalForward(RunsInPlaceOf):
@@ -123,14 +143,16 @@ class _OriginalForward(RunsInPlaceOf):
                            recomputes=functools.partial(_recomputes, self.layer, options.recompute, self._compiled,
                                                         self._checkpointing),
                            capture_hint=integrations.capture_hint(name, self.layer),
-                           another_way=functools.partial(_in_parts_instead, self.layer) if in_parts else None)
+                           another_way=functools.partial(_in_parts_instead, self.layer) if in_parts else None,
+                           summed_outside=lambda: tuple(self._parameters.values()))
 
-    def given(self, param: nn.Parameter) -> str:
+    def given(self, param: nn.Parameter) -> Optional[str]:
         """The attribute under which ``param``, another module's parameter passed to the block as
-        an argument, is one of this module's parameters (registered when first given)."""
-        for slot, p in self._parameters.items():
-            if p is param:
-                return slot
+        an argument, is one of this module's parameters; ``None``: not registered yet."""
+        return next((slot for slot, p in self._parameters.items() if p is param), None)
+
+    def register_given(self, param: nn.Parameter) -> str:
+        """Register ``param`` (see :meth:`given`); returns its attribute."""
         slot = f"given_{len(self._parameters)}"
         self.register_parameter(slot, param)
         return slot
@@ -334,8 +356,9 @@ def graph_layers(
     are part of the input signature, and a tensor or a tuple output is returned as the block
     returns it. A parameter passed to a block as an argument, the block's own or another
     module's (Megatron-Core hands its output layer the tied weight as ``weight=``: the embedding's
-    when both are on one stage), is read in place like the block's parameters, its gradient
-    accumulated like theirs; it must keep its storage, as they must.
+    when both are on one stage), is read in place like the block's parameters and must keep its
+    storage, as they must; another module's goes to autograd for its gradient (summed with the
+    parts from outside the block, as eagerly), and must be given from the first training call on.
 
     Args:
         layers: the blocks: ``nn.ModuleList`` (``model.model.layers``, ``model.transformer.h``),

@@ -507,8 +507,9 @@ def test_a_head_given_its_own_weight_and_a_graphed_loss_train_like_eager():
 def test_a_head_given_the_embeddings_weight_trains_bit_for_bit_like_eager():
     """Megatron's GPT on one stage (no pipeline): the output layer is handed the embedding's weight
     (``weight=``), a parameter that is not its own. Graphed in place, the head reads that weight in
-    place and its graphs add their part of its gradient into ``.grad``, to which the eager
-    embedding's backward adds its own: losses, gradients and weights equal eager's bit for bit."""
+    place and its graphs hand their part of its gradient to autograd, which adds the eager
+    embedding's part before adding to ``.grad``, as eagerly: losses and weights (AdamW's steps from
+    those gradients) equal eager's bit for bit."""
     from paddle_graphpp.torch import graph_layers
 
     class Head(torch.nn.Module):
@@ -548,6 +549,7 @@ def test_a_head_given_the_embeddings_weight_trains_bit_for_bit_like_eager():
     assert counts == [(2 * 4, 2 * 4 * (6 - 2))] * 2, counts  # 4 positions, replayed from the third step
     (sig,) = model.head.engine.signatures().values()
     assert [s.shape for s in sig.key[0]] == [(2, 16, 64)], "the embedding's weight became a graph input"
+    assert not model.head.engine.accumulates_in_graphs(model.embedding.weight)
 
 
 def test_schedule1f1b_with_graphed_stage_and_loss_returns_each_micro_batchs_loss():
