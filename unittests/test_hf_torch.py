@@ -365,6 +365,51 @@ def test_the_given_weights_gradient_is_summed_as_eagerly_when_recorded(fake_runt
     assert not view.accumulate and not model.head.engine.accumulates_in_graphs(model.embedding.weight)
 
 
+def test_a_weight_tied_between_graphed_blocks_is_summed_as_eagerly_when_recorded(fake_runtime):
+    # Blocks sharing a weight (Universal-Transformer-style tied layers): eagerly a backward sums
+    # the blocks' parts before adding them to .grad. Every block leaves that weight to autograd,
+    # so the recorded step (the graphs' code, run for real) matches eager bit for bit.
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.tanh(self.lin(x)) + x
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block() for _ in range(3)])
+            for block in self.layers[1:]:
+                block.lin = self.layers[0].lin
+            self.out = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            for block in self.layers:
+                x = block(x)
+            return self.out(x)
+
+    torch.manual_seed(0)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    graph_layers(model.layers, num_warmup_steps=1)
+    for step in range(2):  # warmup, then the recorded step
+        xs = [torch.randn(4, 16) for _ in range(4)]
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            pending = {}
+            for op in "f0 f1 b0 f2 b1 f3 b2 b3".split():
+                i = int(op[1:])
+                if op[0] == "f":
+                    pending[i] = m(xs[i]).square().mean()
+                else:
+                    pending.pop(i).backward()
+        assert torch.equal(model.layers[0].lin.weight.grad, ref.layers[0].lin.weight.grad), step
+    assert model.layers[0].engine.phase() is Phase.RECORD
+    assert not any(view.accumulate for block in model.layers for view in block.engine.signatures().values())
+
+
 def test_a_weight_first_given_after_the_graphs_are_fixed_is_refused_until_they_are_reset(fake_runtime):
     # The graphs hold gradient buffers for the parameters they were fixed on; a new one would
     # need others. Refused before anything runs; after reset_graphs it is taken and watched.

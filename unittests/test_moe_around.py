@@ -150,6 +150,8 @@ def test_the_parts_capture_and_replay_and_the_experts_never_run_in_a_capture(fak
         # the next is recorded and captured after it, every later one replays the (forward, backward) pair
         assert (part.engine.captures, part.engine.replays, part.engine.in_flight) == (2, 2 * (steps * micro - 2), 0), \
             part.__dict__["_graphpp_name"]
+        # no other live graphed layer holds a part's parameters: its graphs add them into .grad
+        assert all(view.accumulate for view in part.engine.signatures().values()), part.__dict__["_graphpp_name"]
 
 
 def test_parts_capture_in_the_same_episode_as_a_dense_block_graphed_whole_beside_them(fake_runtime, monkeypatch):
@@ -323,6 +325,8 @@ def test_a_whole_block_whose_capture_fails_is_graphed_around_its_experts_instead
         first = 4 if part.__dict__["_graphpp_name"].startswith(f"{type(blocks[0]).__name__}[0].") else 3
         replays = 8 - (first + 1)
         assert (part.engine.captures, part.engine.replays) == (2, 2 * replays), part.__dict__["_graphpp_name"]
+        # the block's whole engine is retired: it does not count as a second holder of the parameters
+        assert all(view.accumulate for view in part.engine.signatures().values()), part.__dict__["_graphpp_name"]
     graphed.undo()  # and the list it returned undoes them all
     assert not any(is_graphed_layer(m) for m in model.modules())
 

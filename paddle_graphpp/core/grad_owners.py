@@ -1,26 +1,30 @@
 """Which graphed layer's graphs add a shared parameter's gradient into ``.grad``.
 
-A parameter's ``.grad`` can be one layer's buffer only (the backward graphs of a layer that
-accumulates inside its graphs add into it in place). A weight shared with a layer that already
-does so (a tied embedding in two stage modules of one rank) gets its gradient through autograd
-in the other layers, which adds into that buffer. :class:`GradOwners` is the process's table,
-and decides, when a signature leaves warmup, whether its graphs accumulate (:meth:`GradOwners.choose`).
+A layer's graphs may add its parameters' gradients into ``.grad`` themselves (in place, into
+one buffer per parameter). That is eager's sum only where the layer's part is the whole gradient
+of that backward: eagerly, autograd first sums every part a backward produces for a parameter and
+then adds the sum to ``.grad`` (``G + (h + e)``), where graphs adding their part in place would
+give ``(G + h) + e``. So a parameter that another live graphed layer holds too (a weight tied
+between blocks, a tied embedding in two stage modules of one rank), or that a front door says gets
+gradient from outside the layer (:attr:`~paddle_graphpp.core.layer.EngineHooks.summed_outside`),
+gets its gradient through autograd in every layer that holds it. :class:`GradOwners` is the
+process's table, and decides, when a signature leaves warmup, whether its graphs accumulate
+(:meth:`GradOwners.choose`).
 """
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
+from .process import current_process
 from .runtime import InGraphAccumulation
+from .warn import warn
 
 if TYPE_CHECKING:
     from .participant import CaptureParticipant
 
 __all__ = ["GradOwners"]
-
-logger = logging.getLogger("paddle_graphpp")
 
 
 class GradOwners:
@@ -63,16 +67,6 @@ class GradOwners:
         if choice is False or accumulation is None:
             return False
         name = participant.name
-        held = {id(p) for p in params}
-        if any(id(p) in held for p in outside):
-            # Eagerly autograd sums the parts (G + (h + e)); graphs adding theirs into .grad would
-            # sum them in another order ((G + h) + e) from a step's second micro-batch on.
-            if choice is True:
-                raise ValueError(
-                    f"{name}: accumulate_grads=True, but a parameter handed to this layer as an argument also "
-                    f"gets gradient from outside it, which autograd sums before adding to .grad; pass "
-                    f"accumulate_grads='auto' or False for this layer")
-            return False
         hooked = accumulation.params_with_grad_hooks(params)
         if hooked and choice is True:
             raise ValueError(
@@ -81,9 +75,8 @@ class GradOwners:
                 f"accumulate_grads='auto' or False for this layer")
         if hooked:
             return False
-        # A parameter's .grad can be one layer's buffer only: a weight shared with a layer that
-        # already accumulates in its graph (a tied embedding in two stage modules of one rank)
-        # gets its gradient through autograd here, which adds into that buffer in place.
+        # A layer graphed after another one that holds the same weight left warmup: that one's
+        # graphs add into .grad already (a parameter's .grad can be one layer's buffer only).
         other = next((o for o in map(self.owner_of, params) if o not in (None, participant)), None)
         if other is not None:
             if choice is True:
@@ -91,8 +84,32 @@ class GradOwners:
                     f"{name}: accumulate_grads=True, but a parameter of this layer is also one of "
                     f"{other.name}'s, whose graphs already accumulate its gradient; pass accumulate_grads='auto' "
                     f"(this layer then leaves that parameter's accumulation to autograd) or False")
-            logger.info("%s: shares parameters with %s, which accumulates them in its graphs; this layer's "
-                        "gradients go through autograd", name, other.name)
+            warn(f"{name}: shares parameters with {other.name}, whose graphs began adding their gradients into "
+                 f".grad before this layer was graphed; this layer's parts go through autograd. Where both run in "
+                 f"one backward the sum differs from eager's in the last bits: graph both before the first "
+                 f"training step.")
+            return False
+        held = {id(p) for p in params}
+        shared = [p for p in outside if id(p) in held] or _held_by_other_layers(participant, held)
+        if shared:
+            # Eagerly autograd sums the parts (G + (h + e)); graphs adding theirs into .grad would
+            # sum them in another order ((G + h) + e) wherever both parts come in one backward.
+            if choice is True:
+                raise ValueError(
+                    f"{name}: accumulate_grads=True, but a parameter of this layer (shape "
+                    f"{tuple(shared[0].shape)}) also gets gradient from outside it (another graphed layer "
+                    f"holds it, or it is handed to this one as an argument), which autograd sums before adding "
+                    f"to .grad; pass accumulate_grads='auto' or False for this layer")
             return False
         self.claim(participant, params)
         return True
+
+
+def _held_by_other_layers(participant: "CaptureParticipant", held: set) -> list:
+    """The parameters (of those with ids in ``held``) that another live graphed layer holds too."""
+    found: dict = {}
+    for engine in list(current_process().engines):
+        if engine.capture is participant or engine.retired is not None:
+            continue
+        found.update((id(p), p) for p in engine.params() if id(p) in held)
+    return list(found.values())

@@ -73,10 +73,12 @@ class EngineOptions:
     accumulate_grads: Any = _option("auto", """
         ``"auto"`` (default): the backward graph adds parameter gradients into ``.grad`` itself
         (one in-graph add per parameter; ``.grad`` becomes a buffer the layer owns) where the
-        runtime can and no parameter's gradient accumulation runs hooks; elsewhere the graph
-        writes them into a buffer of the layer that autograd adds to ``.grad``, so the hooks
-        see every gradient. ``True`` forces the first (an error where the runtime cannot, or
-        with such hooks); ``False`` the second (a second set of gradient buffers, and one more
+        runtime can, no parameter's gradient accumulation runs hooks and no parameter gets
+        gradient from outside the layer too (another graphed layer holding it, a weight handed to
+        the layer as an argument); elsewhere the graph writes them into a buffer of the layer that
+        autograd adds to ``.grad``, so the hooks see every gradient and autograd sums a shared
+        weight's parts in eager's order. ``True`` forces the first (an error where the runtime
+        cannot, with such hooks, or with such a weight); ``False`` the second (a second set of gradient buffers, and one more
         pass over them per micro-batch).""")
     generators: Any = _option(None, """
         Random generators the layer draws from besides the framework's default one (always
