@@ -385,26 +385,6 @@ def test_a_weight_two_graphed_layers_hold_gets_its_gradient_through_autograd_in_
         step(third, "f1 b1", shape=(2, 4))
 
 
-def test_a_layer_graphed_after_another_began_accumulating_a_weight_they_share_says_so(rt):
-    # The first layer's graphs add the weight's gradient into .grad already; the second's part
-    # goes through autograd, which sums in eager's order only where the two run in separate
-    # backwards (stage modules of one rank): a warning says to graph both before training.
-    lin = torch.nn.Linear(4, 4)
-    first = Graphed(lin, rt, num_warmup_steps=0)
-    step(first, "f1 b1", shape=(2, 4))
-    assert first.engine.accumulates_in_graphs(lin.weight)
-    second = Graphed(Tied(lin.weight), rt, num_warmup_steps=0)
-    with pytest.warns(RuntimeWarning, match=r"test:Tied: shares parameters with test:Linear, whose graphs began "
-                                            r"adding their gradients into .grad before this layer was graphed"):
-        step(second, "f1 b1", shape=(2, 4))
-    (sig_b,) = second.engine.signatures().values()
-    assert not sig_b.accumulate and first.engine.accumulates_in_graphs(lin.weight)
-    third = Graphed(Tied(lin.weight), rt, num_warmup_steps=0, accumulate_grads=True)
-    with pytest.raises(ValueError, match=r"test:Tied: accumulate_grads=True, but a parameter of this layer is "
-                                         r"also one of test:Linear's"):
-        step(third, "f1 b1", shape=(2, 4))
-
-
 def test_accumulate_grads_needs_a_runtime_that_supports_it(rt, monkeypatch):
     import dataclasses
 
