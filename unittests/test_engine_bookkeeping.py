@@ -385,6 +385,28 @@ def test_a_weight_two_graphed_layers_hold_gets_its_gradient_through_autograd_in_
         step(third, "f1 b1", shape=(2, 4))
 
 
+def test_a_layers_signatures_all_accumulate_or_none_as_sharing_changes(rt):
+    # A layer's signatures share its gradient buffers: one accumulating into .grad and one handing
+    # the same buffer to autograd would overwrite .grad and then add it to itself. A weight-sharing
+    # layer made after the first signature is fixed leaves the layer as it is (with a warning) ...
+    lin = torch.nn.Linear(4, 4)
+    first = Graphed(lin, rt, num_warmup_steps=0)
+    step(first, "f1 b1", shape=(2, 4))
+    second = Graphed(Tied(lin.weight), rt, num_warmup_steps=0)
+    with pytest.warns(RuntimeWarning, match=r"test:Linear: a parameter of this layer \(shape \(4, 4\)\) is held by "
+                                            r"another graphed layer made after this layer's graphs began adding"):
+        step(first, "f1 b1", shape=(3, 4))  # a second signature
+    assert [v.accumulate for v in first.engine.signatures().values()] == [True, True]
+    # ... and one that began handing its gradients out goes on doing so once the other is gone
+    third_lin = torch.nn.Linear(4, 4)
+    third = Graphed(third_lin, rt, num_warmup_steps=0)
+    fourth = Graphed(Tied(third_lin.weight), rt, num_warmup_steps=0)
+    step(third, "f1 b1", shape=(2, 4))
+    fourth.engine.retire("test")
+    step(third, "f1 b1", shape=(3, 4))
+    assert [v.accumulate for v in third.engine.signatures().values()] == [False, False]
+
+
 def test_accumulate_grads_needs_a_runtime_that_supports_it(rt, monkeypatch):
     import dataclasses
 

@@ -326,8 +326,8 @@ def test_a_blocks_own_weight_given_as_an_argument_is_no_graph_input(fake_runtime
 
 def test_another_modules_weight_given_as_an_argument_is_no_graph_input(fake_runtime):
     # Read in place like the head's own: the graphs take only the hidden state as an input, and
-    # the embedding's weight is among the parameters the engine captured against (its gradient
-    # accumulated, its storage watched).
+    # the embedding's weight is among the parameters the engine captured against (its storage
+    # watched; its gradient handed to autograd).
     model = TiedLM()
     graph_layers([model.head], num_warmup_steps=1, name="output_layer")
     with warnings.catch_warnings():

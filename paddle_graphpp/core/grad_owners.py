@@ -7,13 +7,16 @@ then adds the sum to ``.grad`` (``G + (h + e)``), where graphs adding their part
 give ``(G + h) + e``. So a parameter that another live graphed layer holds too (a weight tied
 between blocks, a tied embedding in two stage modules of one rank), or that a front door says gets
 gradient from outside the layer (:attr:`~paddle_graphpp.core.layer.EngineHooks.summed_outside`),
-gets its gradient through autograd in every layer that holds it. :class:`GradOwners` is the
-process's table, and decides, when a signature leaves warmup, whether its graphs accumulate
-(:meth:`GradOwners.choose`).
+gets its gradient through autograd in every layer that holds it (the choice is per layer: such a
+layer hands out all its parameters' gradients; its signatures share its buffers, so they all
+accumulate or none). :class:`GradOwners` is the process's table, and decides, when a signature
+leaves warmup, whether its graphs accumulate (:meth:`GradOwners.choose`).
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
     from .participant import CaptureParticipant
 
 __all__ = ["GradOwners"]
+
+logger = logging.getLogger("paddle_graphpp")
 
 
 class GradOwners:
@@ -52,33 +57,40 @@ class GradOwners:
         return owner
 
     def choose(self, participant: "CaptureParticipant", params: Sequence[Any], choice: Union[bool, str],
-               accumulation: Optional[InGraphAccumulation], outside: Sequence[Any] = ()) -> bool:
+               accumulation: Optional[InGraphAccumulation], outside: Sequence[Any] = (),
+               fixed: Optional[bool] = None) -> bool:
         """Whether ``participant``'s graphs add the gradients of ``params`` into ``.grad``
         (``choice``: its ``accumulate_grads`` option; ``accumulation``: the runtime's capability;
         ``outside``: those of ``params`` whose gradient autograd also gets from outside the layer,
-        :attr:`~paddle_graphpp.core.layer.EngineHooks.summed_outside`). Where they will,
+        :attr:`~paddle_graphpp.core.layer.EngineHooks.summed_outside`; ``fixed``: what the layer's
+        signatures past warmup do, ``None`` before the first). A layer's signatures share one set
+        of gradient buffers, so once one is fixed the others follow it. Where they accumulate,
         ``participant`` claims ``params``.
 
         Raises:
             ValueError: ``accumulate_grads=True`` where a parameter has accumulation hooks (a
                 data-parallel reducer's), gets part of its gradient from outside the layer, or
-                another layer's graphs already accumulate it.
+                another layer's graphs already accumulate it; hooks on a parameter of a layer whose
+                graphs accumulate already.
         """
-        if choice is False or accumulation is None:
+        if choice is False or accumulation is None or fixed is False:
             return False
         name = participant.name
         hooked = accumulation.params_with_grad_hooks(params)
-        if hooked and choice is True:
+        if hooked and (choice is True or fixed):
             raise ValueError(
                 f"{name}: accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
                 f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); pass "
-                f"accumulate_grads='auto' or False for this layer")
+                f"accumulate_grads='auto' or False for this layer" if not fixed else
+                f"{name}: parameters {hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's) now, "
+                f"but this layer's graphs add their gradients into .grad, bypassing them, since before the hooks "
+                f"were added. Call paddle_graphpp.reset_graphs(model) after adding the hooks.")
         if hooked:
             return False
         # A layer graphed after another one that holds the same weight left warmup: that one's
         # graphs add into .grad already (a parameter's .grad can be one layer's buffer only).
         other = next((o for o in map(self.owner_of, params) if o not in (None, participant)), None)
-        if other is not None:
+        if other is not None and not fixed:
             if choice is True:
                 raise ValueError(
                     f"{name}: accumulate_grads=True, but a parameter of this layer is also one of "
@@ -91,7 +103,12 @@ class GradOwners:
             return False
         held = {id(p) for p in params}
         shared = [p for p in outside if id(p) in held] or _held_by_other_layers(participant, held)
-        if shared:
+        if shared and fixed:
+            warn(f"{name}: a parameter of this layer (shape {tuple(shared[0].shape)}) is held by another graphed "
+                 f"layer made after this layer's graphs began adding gradients into .grad; they go on doing so. "
+                 f"Where both run in one backward the sum differs from eager's in the last bits: graph both before "
+                 f"the first training step, or call paddle_graphpp.reset_graphs(model).")
+        elif shared:
             # Eagerly autograd sums the parts (G + (h + e)); graphs adding theirs into .grad would
             # sum them in another order ((G + h) + e) wherever both parts come in one backward.
             if choice is True:
@@ -100,16 +117,24 @@ class GradOwners:
                     f"{tuple(shared[0].shape)}) also gets gradient from outside it (another graphed layer "
                     f"holds it, or it is handed to this one as an argument), which autograd sums before adding "
                     f"to .grad; pass accumulate_grads='auto' or False for this layer")
+            logger.info("%s: shares parameters with another graphed layer (or is handed one); its gradients go "
+                        "through autograd", name)
             return False
         self.claim(participant, params)
         return True
 
 
 def _held_by_other_layers(participant: "CaptureParticipant", held: set) -> list:
-    """The parameters (of those with ids in ``held``) that another live graphed layer holds too."""
-    found: dict = {}
-    for engine in list(current_process().engines):
-        if engine.capture is participant or engine.retired is not None:
-            continue
-        found.update((id(p), p) for p in engine.params() if id(p) in held)
-    return list(found.values())
+    """The parameters (of those with ids in ``held``) that another live graphed layer holds too.
+    A wrapper dropped without ``undo()`` lives on in a reference cycle until the collector runs:
+    a hit is checked again after one collection."""
+    for attempt in range(2):
+        found: dict = {}
+        for engine in list(current_process().engines):
+            if engine.capture is participant or engine.retired is not None:
+                continue
+            found.update((id(p), p) for p in engine.params() if id(p) in held)
+        if not found or attempt:
+            return list(found.values())
+        gc.collect()
+    return []

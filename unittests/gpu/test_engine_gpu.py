@@ -360,9 +360,9 @@ def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monk
 
 
 def test_a_weight_shared_by_two_graphed_modules_trains_like_eager():
-    """A tied embedding and head in two graphed modules of one rank (as the V schedules place
-    them): both modules' graphs hand their parts of the shared gradient to autograd, which sums
-    them as eagerly."""
+    """A tied embedding and head in two graphed modules of one rank, run in one backward: both
+    modules' graphs hand their parts of the shared gradient to autograd, which sums them as
+    eagerly."""
     class Embed(torch.nn.Module):
         def __init__(self):
             super().__init__()
