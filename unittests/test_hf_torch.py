@@ -425,6 +425,11 @@ def test_a_weight_first_given_after_the_graphs_are_fixed_is_refused_until_they_a
                                              r"time after its graphs were fixed"):
         tied_head_steps(head, 1, given=lambda h: second)
     assert head.engine.in_flight == 0
+    with torch.no_grad():  # an inference call is not refused: it runs the forward as it is
+        x = torch.randn(2, SEQ, 8)
+        logits, _ = head(x, weight=second)
+        assert torch.equal(logits, x @ second.t() + head.bias)
+    assert head.graphed.module.given(second) is None  # nor registered
     reset_graphs(head)
     tied_head_steps(head, 3, given=lambda h: second)
     assert head.engine.captures == 2 + 2 and head.engine.replays > 0  # captured anew

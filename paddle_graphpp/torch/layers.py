@@ -95,6 +95,8 @@ def _mark_parameters(layer: "GraphedLayer", args: tuple, kwargs: dict) -> tuple:
             return _OwnParameter(names[id(x)])
         slot = original.given(x)
         if slot is None:
+            if not torch.is_grad_enabled():
+                return x  # an inference call runs the forward as it is: nothing to register
             slot = _register_given(layer, original, x)
         return _GivenParameter(slot)
 
