@@ -196,8 +196,9 @@ class GraphedCallable:
         params = tuple(call.params)
         if sig.key.recompute:
             self.recomputing.check()
-        accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads, self.caps
-                                                     .accumulation, self.layer.hooks.summed_outside(), self.phases.fixed())
+        outside = self.layer.hooks.summed_outside()
+        accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
+                                                     self.caps.accumulation, outside, self.phases.fixed())
         self.phases.leave_warmup(sig, params, accumulate, in_step=self.plan.async_allocator)
 
     def accumulates_in_graphs(self, param: Any) -> bool:

@@ -77,14 +77,16 @@ class GradOwners:
             return False
         name = participant.name
         hooked = accumulation.params_with_grad_hooks(params)
-        if hooked and (choice is True or fixed):
+        if hooked and fixed:
             raise ValueError(
-                f"{name}: accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
-                f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); pass "
-                f"accumulate_grads='auto' or False for this layer" if not fixed else
                 f"{name}: parameters {hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's) now, "
                 f"but this layer's graphs add their gradients into .grad, bypassing them, since before the hooks "
                 f"were added. Call paddle_graphpp.reset_graphs(model) after adding the hooks.")
+        if hooked and choice is True:
+            raise ValueError(
+                f"{name}: accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
+                f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); pass "
+                f"accumulate_grads='auto' or False for this layer")
         if hooked:
             return False
         # A layer graphed after another one that holds the same weight left warmup: that one's

@@ -78,8 +78,8 @@ class EngineOptions:
         the layer as an argument); elsewhere the graph writes them into a buffer of the layer that
         autograd adds to ``.grad``, so the hooks see every gradient and autograd sums a shared
         weight's parts in eager's order. ``True`` forces the first (an error where the runtime
-        cannot, with such hooks, or with such a weight); ``False`` the second (a second set of gradient buffers, and one more
-        pass over them per micro-batch).""")
+        cannot, with such hooks, or with such a weight); ``False`` the second (a second set of
+        gradient buffers, and one more pass over them per micro-batch).""")
     generators: Any = _option(None, """
         Random generators the layer draws from besides the framework's default one (always
         registered): a list or tuple, or a callable returning one at each capture. Each capture
