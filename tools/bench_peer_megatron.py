@@ -25,7 +25,7 @@ Variants, each in its own processes
   step and captured by ``create_cudagraphs()`` at the end of Megatron's schedule);
 * ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule``; on the
   last stage the cross-entropy in ``graph_loss`` and the output layer graphed in place
-  (defaults; at pp=1 since 2550eb1, where the layer is handed the embedding's weight). ``--ours-loss eager`` / ``--ours-head eager`` leave those eager, as the
+  (defaults; at pp=1 too, where the layer is handed the embedding's weight). ``--ours-loss eager`` / ``--ours-head eager`` leave those eager, as the
   records without an ``ours_loss`` / ``ours_head`` key did. Each rank's ``graphs`` count includes
   the loss's and the head's (``loss_graphs``, ``head_graphs`` give them apart).
   ``FLAGS_graphpp_pool_expandable=1``, the default, is set explicitly so that the environment

@@ -247,8 +247,9 @@ def build(opts, rank: int):
 
             # In place. GPTModel hands the layer its tied weight as weight=: on a last stage without
             # the embedding its own (output_layer.weight), with the embedding on the same stage
-            # (pp=1) the embedding's. The graphs read either in place and add their part of its
-            # gradient into .grad; the logits feed the graphed loss without a copy.
+            # (pp=1) the embedding's. The graphs read either in place (the embedding's hands its part
+            # of the gradient to autograd, which adds the embedding's own as eagerly); the logits
+            # feed the graphed loss without a copy.
             graph_layers([gpt.output_layer], name="output_layer")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, gpt, config, optimizer, shape

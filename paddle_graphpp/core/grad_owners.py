@@ -130,13 +130,14 @@ def _held_by_other_layers(participant: "CaptureParticipant", held: set) -> list:
     """The parameters (of those with ids in ``held``) that another live graphed layer holds too.
     A wrapper dropped without ``undo()`` lives on in a reference cycle until the collector runs:
     a hit is checked again after one collection."""
-    for attempt in range(2):
-        found: dict = {}
-        for engine in list(current_process().engines):
-            if engine.capture is participant or engine.retired is not None:
-                continue
-            found.update((id(p), p) for p in engine.params() if id(p) in held)
-        if not found or attempt:
-            return list(found.values())
+    def scan() -> list:
+        found = {id(p): p for engine in list(current_process().engines)
+                 if engine.capture is not participant and engine.retired is None
+                 for p in engine.params() if id(p) in held}
+        return list(found.values())
+
+    found = scan()
+    if found:
         gc.collect()
-    return []
+        found = scan()
+    return found
