@@ -781,7 +781,7 @@ def test_recompute_refuses_what_its_graphs_cannot_do():
     with pytest.raises(ValueError, match="recompute=True with compile= is not supported"):
         CUDAGraphedModule(torch.nn.Linear(4, 4), recompute=True, compile=True)
     from paddle_graphpp.torch.runtime import RUNTIME
-    with pytest.raises(ValueError, match=r"default CUDA generator only.*generators= \(1\)"):
+    with pytest.raises(ValueError, match=r"default CUDA generator.s draws only.*generators= \(1\)"):
         RUNTIME.rng_mirror([torch.Generator()])
 
 

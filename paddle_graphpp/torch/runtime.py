@@ -170,9 +170,9 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         tracked = [t.name for t in integrations.rng_trackers() if any(t.states())]
         if extra or tracked:
             what = f"generators= ({len(extra)})" if extra else tracked[0]
-            raise ValueError(f"recompute (activation checkpointing) in graphs draws from the default CUDA generator "
-                             f"only; this layer also draws from {what}. Turn recompute (checkpointing) off for "
-                             f"this layer.")
+            raise ValueError(f"recompute (activation checkpointing) in graphs repeats the default CUDA generator's "
+                             f"draws only; this layer's captures also register {what}, whose draws it would not "
+                             f"repeat. Turn recompute (checkpointing) off for this layer.")
         return _recompute.Mirrors()
 
     def autograd_grad(self, outputs, grad_outputs, inputs, retain_graph: bool = False) -> list:

@@ -155,7 +155,9 @@ def test_megatron_tracker_found_without_arguments():
         if created_parallel:
             parallel_state.initialize_model_parallel(1, 1)
         _eager_and_graphed_agree(new_tracker, lambda tracker: {})  # no generators=: found in Megatron
-    finally:  # what this test set up it takes down, so the suite exits without a group left open
+    finally:  # what this test set up it takes down: a group left open, or the tracker's states left
+        # seeded, which every later capture in the suite would register (refusing recompute there)
+        tensor_parallel.get_cuda_rng_tracker().reset()
         if created_parallel:
             parallel_state.destroy_model_parallel()
         if created_group and dist.is_initialized():
