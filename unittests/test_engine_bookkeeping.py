@@ -15,7 +15,7 @@ import torch
 from fake_runtime import FakeGraphRuntime, Graphed
 from paddle_graphpp.core import memory as memory_mod
 from paddle_graphpp.core.engine import EngineOptions, Phase
-from paddle_graphpp.core.errors import CaptureError
+from paddle_graphpp.core.errors import CaptureError, StateReplacedError
 from paddle_graphpp.core.process import current_process
 from paddle_graphpp.torch.memory import handout as handout_mod
 
@@ -551,29 +551,69 @@ def test_a_layer_after_one_whose_capture_failed_is_captured_and_replays(rt):
     assert pb.static_inputs[0] is not None
 
 
-def test_accumulate_grads_auto_steps_aside_for_megatron_style_accumulator_hooks(rt):
-    """Megatron-Core's DDP hooks each parameter's gradient accumulator node and adds .grad into
-    the parameter's main_grad there: every micro-batch's gradient must reach that hook."""
-    lin = torch.nn.Linear(4, 4)
-    seen = []
-    accs = []  # the hooked nodes must stay alive, as Megatron keeps them
-    for p in lin.parameters():
-        p.main_grad = torch.zeros_like(p)
+def megatron_style_hooks(module, main_grad=torch.zeros_like):
+    """Megatron-Core's DDP on ``module``: a ``main_grad`` per parameter and a hook on each
+    gradient accumulator node that adds ``.grad`` into it and drops ``.grad``. Returns the list of
+    what each hook call found in ``.grad`` (was it all zeros) and the nodes (kept alive, as
+    Megatron keeps them)."""
+    seen, accs = [], []
+    for p in module.parameters():
+        p.main_grad = main_grad(p)
         acc = p.expand_as(p).grad_fn.next_functions[0][0]
 
         def hook(*_, p=p):
-            p.main_grad.add_(p.grad)
+            seen.append(bool((p.grad == 0).all()))
+            p.main_grad.add_(p.grad.view_as(p.main_grad))
             p.grad = None
-            seen.append(1)
 
         acc.register_hook(hook)
         accs.append(acc)
+    return seen, accs
+
+
+def test_graphs_add_into_megatron_style_main_grad_and_hand_the_hooks_zeros(rt):
+    """Where Megatron-Core's DDP hooks a parameter's accumulation and adds into its main_grad,
+    the graphs add there themselves (no gradient buffers of their own) and hand autograd zeros,
+    so the hook still runs for every micro-batch (bucket readiness) and adds nothing."""
+    lin = torch.nn.Linear(4, 4)
+    seen, accs = megatron_style_hooks(lin)
     layer = Graphed(lin, rt, num_warmup_steps=1)
     for _ in range(4):
         step(layer, "f1 f2 b1 b2")
     sig = next(iter(layer.engine.signatures().values()))
-    assert sig.accumulate is False
-    assert layer.engine.replays == 8 and len(seen) == 2 * 8  # two parameters, every micro-batch
+    assert sig.accumulate is True and layer.engine.buffers.hooked
+    assert all(b is p.main_grad for p, b in zip(lin.parameters(), layer.engine.param_grad_buffers))
+    assert layer.engine.replays == 8  # forwards and backwards of the last two steps
+    assert len(seen) == 2 * 8  # two parameters, every micro-batch of the four steps
+    assert seen[:8] == [False] * 8  # warmup and the recorded step: eager gradients
+    assert seen[8:] == [True] * 8  # replays: zeros, the graphs added the gradient themselves
+    assert all(p.grad is None for p in lin.parameters())
+
+
+def test_accumulate_grads_auto_steps_aside_for_hooks_without_a_buffer_of_the_parameters_shape(rt):
+    """A hooked parameter whose main_grad is not one the graphs could add into (flattened):
+    every micro-batch's gradient goes through autograd to the hook, as before."""
+    lin = torch.nn.Linear(4, 4)
+    seen, accs = megatron_style_hooks(lin, main_grad=lambda p: torch.zeros(p.numel()))
+    layer = Graphed(lin, rt, num_warmup_steps=1)
+    for _ in range(4):
+        step(layer, "f1 f2 b1 b2")
+    sig = next(iter(layer.engine.signatures().values()))
+    assert sig.accumulate is False and not layer.engine.buffers.hooked
+    assert layer.engine.replays == 8 and len(seen) == 2 * 8 and not any(seen)
+
+
+def test_a_main_grad_replaced_after_capture_is_refused_naming_reset_graphs(rt):
+    lin = torch.nn.Linear(4, 4)
+    _, accs = megatron_style_hooks(lin)
+    layer = Graphed(lin, rt, num_warmup_steps=1)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    assert layer.engine.replays == 2  # the third step's forward and backward
+    lin.weight.main_grad = torch.zeros_like(lin.weight)  # a rebuilt data-parallel wrapper
+    out = layer(torch.randn(2, 4, requires_grad=True))
+    with pytest.raises(StateReplacedError, match="main_grad.*reset_graphs"):
+        out.sum().backward()
 
 
 def test_an_output_held_when_its_position_replays_again_moves_to_memory_of_its_own(rt):

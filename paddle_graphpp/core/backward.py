@@ -118,7 +118,8 @@ class Backward:
         if isinstance(run, Launched):
             return self.replay(call, self.in_step.backward(call, sig, diff_grads), diff_grads)
         recorded = run.recorded and sig is not None
-        result = self._eager(call, diff_grads, into_grads=recorded and sig.accumulate)
+        # a layer adding into hooked buffers runs its eager backwards as eager does: the hooks add
+        result = self._eager(call, diff_grads, into_grads=recorded and sig.accumulate and not self.buffers.hooked)
         if recorded:
             self.record(call, sig, diff_grads, result[:len(call.shape.specs)])
         return result
@@ -164,6 +165,11 @@ class Backward:
         run = call.run
         accumulates = run.position.accumulate if isinstance(run, Replayed) else (
             call.recorded and sig is not None and sig.accumulate)
+        if accumulates and self.buffers.hooked:
+            raise GraphScheduleError(
+                f"{layer.name}: adds its parameter gradients inside its graphs into the buffers their accumulation "
+                f"hooks add into (Megatron-Core's main_grad), which a split backward's weight pass does not go "
+                f"through. Pass accumulate_grads=False to this layer to run split (zero-bubble) backwards.")
         if accumulates and not self.split.weight_pass_refills_grad():
             # Refused before anything changed: the micro-batch still awaits its weight pass.
             wp = self.split.refilling_weight_pass
@@ -271,15 +277,21 @@ class Backward:
         self._prepare(call, position, position.bwd_graph, "backward")
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
-        buffers = self.buffers.params
-        if position.accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
+        buffers, hooked = self.buffers.params, position.accumulate and self.buffers.hooked
+        if hooked:  # the graph adds into the library's buffers: still the ones it was captured with?
+            self.buffers.check_hooked(call.params, self.queue.episode, self.layer.name)
+        elif position.accumulate:  # the graph adds into the buffers: make them the parameters' .grad first
             used = [(p, b) for p, b, u in zip(call.params, buffers, position.param_grad_used) if u]
             self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
         if position.recomputes:
             self.recomputing.mirror().restore(call.run.rng)
         self.replay_side.launch(call, position.bwd_graph, "backward")
         if position.accumulate:
-            self.layer.process().grad_writes += 1  # .grad changed without a version bump
+            self.layer.process().grad_writes += 1  # gradients changed without a version bump
+        if hooked:  # zeros, so that the accumulation hooks run (bucket readiness) and add nothing
+            param_grads = [self.accumulation.zero_grad_like(p) if u else None
+                           for p, u in zip(call.params, position.param_grad_used)]
+        elif position.accumulate:
             param_grads = [None] * len(call.params)
         else:
             param_grads = [b if u else None for b, u in zip(buffers, position.param_grad_used)]
@@ -304,6 +316,8 @@ class Backward:
         buffers, bound as ``.grad`` first; a schedule's weight pass (``hand_over``) is handed
         each parameter's whole sum with ``.grad`` unset
         (:meth:`~paddle_graphpp.core.grad_moves.GradientMoves.hand_over`)."""
+        if position.accumulate and self.buffers.hooked:  # refused when it was recorded (_weight_half)
+            raise GraphScheduleError(f"{self.layer.name}: a split backward of a layer adding into hooked buffers")
         self._prepare(call, position, position.weight_graph, "weight")  # may raise: nothing changed yet
         if position.accumulate:
             used = [(p, b) for p, b, u in zip(call.params, position.weight_buffers, position.param_grad_used) if u]

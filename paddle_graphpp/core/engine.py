@@ -24,6 +24,7 @@ from .backward import Backward
 from .scope import layers_inlined
 from .capture import EpisodeCapture, capture_for
 from .errors import GraphScheduleError
+from .grad_owners import GradPath
 from .in_step import InStepCapture
 from .layer_capture import LayerCapture
 from .layer import EngineHooks, GradBuffers, Layer
@@ -197,9 +198,10 @@ class GraphedCallable:
         if sig.key.recompute:
             self.recomputing.check()
         outside = self.layer.hooks.summed_outside()
-        accumulate = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
-                                                     self.caps.accumulation, outside, self.phases.fixed())
-        self.phases.leave_warmup(sig, params, accumulate, in_step=self.plan.async_allocator)
+        path = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
+                                               self.caps.accumulation, outside, self.buffers.path(self.phases.fixed()))
+        self.buffers.follow(path, params)
+        self.phases.leave_warmup(sig, params, path is not GradPath.AUTOGRAD, in_step=self.plan.async_allocator)
 
     def accumulates_in_graphs(self, param: Any) -> bool:
         """Whether this layer's graphs add ``param``'s gradient into ``.grad`` (a signature past

@@ -11,10 +11,16 @@ gets its gradient through autograd in every layer that holds it (the choice is p
 layer hands out all its parameters' gradients; its signatures share its buffers, so they all
 accumulate or none). :class:`GradOwners` is the process's table, and decides, when a signature
 leaves warmup, whether its graphs accumulate (:meth:`GradOwners.choose`).
+
+Where a library hooks a parameter's accumulation and adds ``.grad`` into a buffer of its own
+(Megatron-Core's ``DistributedDataParallel`` and ``main_grad``), the graphs add into that buffer
+instead, as the hook would (:attr:`GradPath.HOOKED`), and hand autograd zeros so the hook still
+runs; the same rules of sharing hold.
 """
 
 from __future__ import annotations
 
+import enum
 import gc
 import logging
 import weakref
@@ -27,9 +33,20 @@ from .warn import warn
 if TYPE_CHECKING:
     from .participant import CaptureParticipant
 
-__all__ = ["GradOwners"]
+__all__ = ["GradOwners", "GradPath"]
 
 logger = logging.getLogger("paddle_graphpp")
+
+
+class GradPath(enum.Enum):
+    """Where a layer's graphs put its parameters' gradients."""
+
+    #: into the layer's buffers, handed to autograd, which adds them into ``.grad`` (or runs hooks)
+    AUTOGRAD = "autograd"
+    #: added into the layer's buffers, which are the parameters' ``.grad`` at replay
+    GRAD = "grad"
+    #: added into the buffers a library's accumulation hooks add into; autograd gets zeros
+    HOOKED = "hooked"
 
 
 class GradOwners:
@@ -58,41 +75,49 @@ class GradOwners:
 
     def choose(self, participant: "CaptureParticipant", params: Sequence[Any], choice: Union[bool, str],
                accumulation: Optional[InGraphAccumulation], outside: Sequence[Any] = (),
-               fixed: Optional[bool] = None) -> bool:
-        """Whether ``participant``'s graphs add the gradients of ``params`` into ``.grad``
-        (``choice``: its ``accumulate_grads`` option; ``accumulation``: the runtime's capability;
-        ``outside``: those of ``params`` whose gradient autograd also gets from outside the layer,
-        :attr:`~paddle_graphpp.core.layer.EngineHooks.summed_outside`; ``fixed``: what the layer's
-        signatures past warmup do, ``None`` before the first). A layer's signatures share one set
-        of gradient buffers, so once one is fixed the others follow it. Where they accumulate,
+               fixed: Optional[GradPath] = None) -> GradPath:
+        """Where ``participant``'s graphs put the gradients of ``params`` (``choice``: its
+        ``accumulate_grads`` option; ``accumulation``: the runtime's capability; ``outside``: those
+        of ``params`` whose gradient autograd also gets from outside the layer,
+        :attr:`~paddle_graphpp.core.layer.EngineHooks.summed_outside`; ``fixed``: where the layer's
+        signatures past warmup put them, ``None`` before the first). A layer's signatures share one
+        set of gradient buffers, so once one is fixed the others follow it. Where they accumulate,
         ``participant`` claims ``params``.
 
         Raises:
             ValueError: ``accumulate_grads=True`` where a parameter has accumulation hooks (a
-                data-parallel reducer's), gets part of its gradient from outside the layer, or
-                another layer's graphs already accumulate it; hooks on a parameter of a layer whose
-                graphs accumulate already.
+                data-parallel reducer's) without a buffer of their own to add into, gets part of its
+                gradient from outside the layer, or another layer's graphs already accumulate it;
+                hooks on a parameter of a layer whose graphs add into ``.grad`` already.
         """
-        if choice is False or accumulation is None or fixed is False:
-            return False
+        if choice is False or accumulation is None or fixed is GradPath.AUTOGRAD:
+            return GradPath.AUTOGRAD
         name = participant.name
         hooked = accumulation.params_with_grad_hooks(params)
-        if hooked and fixed:
+        # Every parameter's hook adds into a buffer of its library's own: the graphs add there.
+        path = GradPath.HOOKED if hooked and all(accumulation.hooked_buffer(p) is not None for p in params) \
+            else GradPath.GRAD
+        if hooked and fixed is GradPath.GRAD:
             raise ValueError(
                 f"{name}: parameters {hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's) now, "
                 f"but this layer's graphs add their gradients into .grad, bypassing them, since before the hooks "
                 f"were added. Call paddle_graphpp.reset_graphs(model) after adding the hooks.")
-        if hooked and choice is True:
+        if fixed is GradPath.HOOKED and path is not GradPath.HOOKED:
             raise ValueError(
-                f"{name}: accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
-                f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); pass "
-                f"accumulate_grads='auto' or False for this layer")
-        if hooked:
-            return False
+                f"{name}: this layer's graphs add its gradients into the buffers its parameters' accumulation "
+                f"hooks add into (Megatron-Core's main_grad), but those hooks or buffers are gone. Call "
+                f"paddle_graphpp.reset_graphs(model) after changing the data-parallel wrapper.")
+        if hooked and path is GradPath.GRAD:
+            if choice is True:
+                raise ValueError(
+                    f"{name}: accumulate_grads=True bypasses autograd's gradient accumulation, but parameters "
+                    f"{hooked[:4]} have accumulation hooks (e.g. DistributedDataParallel's); pass "
+                    f"accumulate_grads='auto' or False for this layer")
+            return GradPath.AUTOGRAD
         # A layer graphed after another one that holds the same weight left warmup: that one's
         # graphs add into .grad already (a parameter's .grad can be one layer's buffer only).
         other = next((o for o in map(self.owner_of, params) if o not in (None, participant)), None)
-        if other is not None and not fixed:
+        if other is not None and fixed is None:
             if choice is True:
                 raise ValueError(
                     f"{name}: accumulate_grads=True, but a parameter of this layer is also one of "
@@ -102,10 +127,10 @@ class GradOwners:
                  f".grad before this layer was graphed; this layer's parts go through autograd. Where both run in "
                  f"one backward the sum differs from eager's in the last bits: graph both before the first "
                  f"training step.")
-            return False
+            return GradPath.AUTOGRAD
         held = {id(p) for p in params}
         shared = [p for p in outside if id(p) in held] or _held_by_other_layers(participant, held)
-        if shared and fixed:
+        if shared and fixed is not None:
             warn(f"{name}: a parameter of this layer (shape {tuple(shared[0].shape)}) is held by another graphed "
                  f"layer made after this layer's graphs began adding gradients into .grad; they go on doing so. "
                  f"Where both run in one backward the sum differs from eager's in the last bits: graph both before "
@@ -121,9 +146,9 @@ class GradOwners:
                     f"to .grad; pass accumulate_grads='auto' or False for this layer")
             logger.info("%s: shares parameters with another graphed layer (or is handed one); its gradients go "
                         "through autograd", name)
-            return False
+            return GradPath.AUTOGRAD
         self.claim(participant, params)
-        return True
+        return path
 
 
 def _held_by_other_layers(participant: "CaptureParticipant", held: set) -> list:

@@ -13,7 +13,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
-from .errors import SignatureError
+from .errors import SignatureError, StateReplacedError
+from .grad_owners import GradPath
 from .records import Outputs
 from .tree import flatten
 
@@ -95,13 +96,45 @@ class Layer:
 
 
 class GradBuffers:
-    """A layer's parameter-gradient buffers (made at its first capture) and the buffers a split
-    backward's weight half writes without accumulation."""
+    """A layer's parameter-gradient buffers (made at its first capture, or the library's own
+    that its accumulation hooks add into: :meth:`follow`) and the buffers a split backward's
+    weight half writes without accumulation."""
 
     def __init__(self, runtime: Any):
         self.runtime = runtime
         self.params: Optional[list] = None
         self.weights: Optional[list] = None
+        #: The graphs add into the buffers a library's accumulation hooks add into (Megatron-Core's
+        #: ``main_grad``) and hand autograd zeros, so that the hooks still run.
+        self.hooked = False
+        self._checked: Any = None  # the episode the hooked buffers were last found unchanged in
+
+    def path(self, accumulates: Optional[bool]) -> Optional[GradPath]:
+        """Where the graphs of the layer's signatures past warmup put parameter gradients, from
+        whether they accumulate (``None``: none is past warmup)."""
+        if accumulates is None:
+            return None
+        return GradPath.AUTOGRAD if not accumulates else GradPath.HOOKED if self.hooked else GradPath.GRAD
+
+    def follow(self, path: GradPath, params: Sequence[Any]) -> None:
+        """Set up for ``path``: with :attr:`GradPath.HOOKED` the graphs add the parameters'
+        gradients into their library's own buffers (``InGraphAccumulation.hooked_buffer``)."""
+        if path is GradPath.HOOKED and not self.hooked:
+            self.params, self.hooked, self._checked = [self.runtime.hooked_buffer(p) for p in params], True, None
+
+    def check_hooked(self, params: Sequence[Any], episode: Any, name: str) -> None:
+        """Raise :class:`~paddle_graphpp.StateReplacedError` when a parameter's library buffer is
+        no longer the one the graphs add into (checked once per episode)."""
+        if self._checked == episode:
+            return
+        accumulation = self.runtime
+        for i, (p, b) in enumerate(zip(params, self.params)):
+            if accumulation.hooked_buffer(p) is not b:
+                raise StateReplacedError(
+                    f"{name}: the buffer that parameter {i}'s accumulation hook adds its gradient into "
+                    f"(Megatron-Core's main_grad) was replaced since the layer's CUDA graphs were captured to add "
+                    f"into it. Call paddle_graphpp.reset_graphs(model) after rebuilding the data-parallel wrapper.")
+        self._checked = episode
 
     def for_params(self, params: Sequence[Any]) -> list:
         """The parameter-gradient buffers, one per parameter of ``params``."""
@@ -117,3 +150,4 @@ class GradBuffers:
 
     def reset(self) -> None:
         self.params = self.weights = None
+        self.hooked, self._checked = False, None

@@ -75,11 +75,13 @@ class EngineOptions:
         (one in-graph add per parameter; ``.grad`` becomes a buffer the layer owns) where the
         runtime can, no parameter's gradient accumulation runs hooks and no parameter gets
         gradient from outside the layer too (another graphed layer holding it, a weight handed to
-        the layer as an argument); elsewhere the graph writes them into a buffer of the layer that
-        autograd adds to ``.grad``, so the hooks see every gradient and autograd sums a shared
-        weight's parts in eager's order. ``True`` forces the first (an error where the runtime
-        cannot, with such hooks, or with such a weight); ``False`` the second (a second set of
-        gradient buffers, and one more pass over them per micro-batch).""")
+        the layer as an argument). Where the hooks add into a buffer of their library's own
+        (Megatron-Core's ``main_grad``) the graph adds there instead and hands the hooks zeros.
+        Elsewhere the graph writes them into a buffer of the layer that autograd adds to
+        ``.grad``, so the hooks see every gradient and autograd sums a shared weight's parts in
+        eager's order. ``True`` forces one of the first two (an error where the runtime cannot,
+        with other hooks, or with such a weight); ``False`` the third (a second set of gradient
+        buffers, and one more pass over them per micro-batch).""")
     generators: Any = _option(None, """
         Random generators the layer draws from besides the framework's default one (always
         registered): a list or tuple, or a callable returning one at each capture. Each capture

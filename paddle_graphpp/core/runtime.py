@@ -335,6 +335,18 @@ class InGraphAccumulation(GradientOps):
         through the framework's accumulation). May answer for every parameter when hooks are
         installed where they cannot be seen (a data-parallel wrapper's reducer)."""
 
+    def hooked_buffer(self, param: Any) -> Any:
+        """The buffer that ``param``'s accumulation hook adds its gradient into, where the library
+        that hooks it keeps one of its own (Megatron-Core's ``main_grad``): graphs may add the
+        gradient there themselves, as the hook would, and hand autograd :meth:`zero_grad_like`
+        so that the hook still runs (adding nothing). ``None`` where there is none."""
+        return None
+
+    def zero_grad_like(self, param: Any) -> Any:
+        """A gradient of zeros for ``param``, handed to autograd where the graph already added
+        the gradient into :meth:`hooked_buffer` (needed only where that can be other than ``None``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no hooked buffers")
+
     @abc.abstractmethod
     def backward_to_grads(self, outputs: Sequence[Any], grad_outputs: Sequence[Any], inputs: Sequence[Any],
                           aliases: Sequence[Any], params: Sequence[Any]) -> list:

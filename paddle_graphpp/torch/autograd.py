@@ -157,18 +157,24 @@ class TorchGradients(SplitBackward, InGraphAccumulation):
 
     def backward_into(self, outputs, grad_outputs, inputs, params, buffers, *, accumulate, retain_graph=False):
         # Each parameter alias accumulates its gradient as soon as autograd produces it: into
-        # its buffer, preset as the alias's .grad (accumulate), or through a hook that copies
-        # it over and drops it. Either way one parameter gradient is alive at a time.
+        # its buffer, preset as the alias's .grad (accumulate, a buffer of the alias's dtype), or
+        # through a hook that adds (a buffer of another dtype: a library's fp32 main_grad, added
+        # into as its own hook adds) or copies it over, and drops it. Either way one parameter
+        # gradient is alive at a time.
         used = [False] * len(params)
+        preset = [b if accumulate and b.dtype == p.dtype else None for p, b in zip(params, buffers)]
 
         def moved(i, alias):
             used[i] = True
-            if not accumulate:
-                buffers[i].copy_(alias.grad)
+            if preset[i] is None:
+                if accumulate:
+                    buffers[i].add_(alias.grad)
+                else:
+                    buffers[i].copy_(alias.grad)
                 alias.grad = None
 
         grads = _backward_hooked(outputs, grad_outputs, inputs, params, moved,
-                                 preset=list(buffers) if accumulate else None, retain_graph=retain_graph)
+                                 preset=preset if accumulate else None, retain_graph=retain_graph)
         return grads, used
 
     def backward_input(self, outputs, grad_outputs, inputs, params):
@@ -193,6 +199,18 @@ class TorchGradients(SplitBackward, InGraphAccumulation):
 
     def set_grad(self, param, grad) -> None:
         param.grad = grad
+
+    def hooked_buffer(self, param):
+        return integrations.hooked_buffer(param)
+
+    def zero_grad_like(self, param):
+        # one zero per dtype and device, expanded: autograd's accumulation makes it a fresh
+        # tensor of the parameter's layout, one parameter at a time
+        key = (param.dtype, param.device)
+        zeros = self._zeros.get(key)
+        if zeros is None:
+            zeros = self._zeros[key] = torch.zeros((), dtype=param.dtype, device=param.device)
+        return zeros.expand(param.shape)
 
     def params_with_grad_hooks(self, params) -> list:
         # DistributedDataParallel's reducer hooks each parameter's gradient accumulator in C++,

@@ -608,3 +608,63 @@ def test_schedule1f1b_with_graphed_stage_and_loss_returns_each_micro_batchs_loss
     finally:
         if created:
             dist.destroy_process_group()
+
+
+class _MainGradOptimizer:
+    """Megatron-Core's DDP and optimizer as the graphs meet them: each parameter has a ``main_grad``
+    (``main_dtype``) and a hook on its gradient accumulator node that adds ``.grad`` into it and
+    drops ``.grad``; the step is SGD from ``main_grad``, which is zeroed in place after it (as
+    ``zero_grad_buffer`` does). ``seen`` notes, per hook call, whether ``.grad`` was all zeros."""
+
+    def __init__(self, module, main_dtype):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.seen, self._nodes = [], []  # the nodes stay alive, as Megatron keeps them
+        for p in self.params:
+            p.main_grad = torch.zeros(p.shape, dtype=main_dtype, device=p.device)
+            node = p.expand_as(p).grad_fn.next_functions[0][0]
+            node.register_hook(self._hook(p))
+            self._nodes.append(node)
+
+    def _hook(self, p):
+        def hook(*_):
+            self.seen.append(bool((p.grad == 0).all()))
+            p.main_grad.add_(p.grad.data)
+            p.grad = None
+        return hook
+
+    def step(self):
+        with torch.no_grad():
+            for p in self.params:
+                p.add_(p.main_grad.to(p.dtype), alpha=-0.05)
+                p.main_grad.zero_()
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
+@pytest.mark.parametrize("dtype,main_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16-fp32-main-grad"])
+def test_graphs_adding_into_megatron_style_main_grad_train_bit_for_bit_like_eager(dtype, main_dtype):
+    """Parameters whose accumulation Megatron-Core's DDP hooks, adding into ``main_grad``: the
+    graphs add each micro-batch's gradient into ``main_grad`` themselves (fp32 from bf16 too, as
+    the hook adds) and hand the hooks zeros. ``main_grad`` and the weights equal eager's bit for
+    bit over steps; the hooks ran for every micro-batch; the layer keeps no gradient buffers of
+    its own."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(DEV, dtype)
+    ref = copy.deepcopy(block)
+    opt, ref_opt = _MainGradOptimizer(block, main_dtype), _MainGradOptimizer(ref, main_dtype)
+    graphed = CUDAGraphedModule(block, num_warmup_steps=1)
+    order = "f0 f1 b0 f2 b1 f3 b2 b3".split()
+    for step in range(6):
+        xs = [torch.randn(8, 64, device=DEV, dtype=dtype) for _ in range(4)]
+        got = step_in_order(order, lambda i: graphed(xs[i]).float().square().mean(), opt)
+        want = step_in_order(order, lambda i: ref(xs[i]).float().square().mean(), ref_opt)
+        assert torch.equal(got, want), f"step {step}"
+        for (name, p), q in zip(block.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"step {step}: {name}"
+    assert (graphed.engine.captures, graphed.engine.replays) == (2 * 4, 2 * 4 * (6 - 2))
+    assert graphed.engine.buffers.hooked
+    assert all(b is p.main_grad for p, b in zip(block.parameters(), graphed.engine.param_grad_buffers))
+    n = len(opt.params) * 4  # hook calls per step
+    assert len(opt.seen) == 6 * n and not any(opt.seen[:2 * n]) and all(opt.seen[2 * n:])

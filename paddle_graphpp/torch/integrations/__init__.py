@@ -32,7 +32,7 @@ from ...core.segment import Parts
 __all__ = ["Adapter", "ExpertsCapacity", "OutsideCalls", "Parts", "RngTracker", "ADAPTER_MODULES", "PREPARED",
            "adapters", "check_block", "check_wrapped", "refuse_in_whole_graph", "aux_loss_capture_problem", "graph_parts", "capacity_dispatch",
            "capacity_restore", "capacity_suspended", "call_checks", "recomputes", "capture_hint", "outside_calls", "prepare",
-           "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked"]
+           "capture_view", "release", "capture_guard", "rng_trackers", "accumulation_hooked", "hooked_buffer"]
 
 #: The adapter modules, each defining ``ADAPTER`` (an :class:`Adapter`), in the order consulted.
 ADAPTER_MODULES = ("paddle_graphpp.torch.integrations.transformers", "paddle_graphpp.torch.integrations.fsdp",
@@ -189,6 +189,10 @@ class Adapter:
     def accumulation_hooked(self, param: Any) -> bool:
         """Whether the library hooks ``param``'s gradient accumulation where autograd shows no hook."""
         return False
+
+    def hooked_buffer(self, param: Any) -> Any:
+        """The buffer the library's accumulation hook adds ``param``'s gradient into, if it keeps one."""
+        return None
 
 
 class Registered:
@@ -347,3 +351,9 @@ def rng_trackers() -> tuple:
 def accumulation_hooked(param: Any) -> bool:
     """Whether any adapter's library hooks ``param``'s gradient accumulation."""
     return any(a.accumulation_hooked(param) for a in adapters())
+
+
+def hooked_buffer(param: Any) -> Any:
+    """The buffer an adapter's library adds ``param``'s gradient into from its accumulation hook
+    (Megatron-Core's ``main_grad``), or ``None``."""
+    return next((b for b in (a.hooked_buffer(param) for a in adapters()) if b is not None), None)

@@ -5,10 +5,12 @@ and its gradient accumulation.
 tracker names (through :func:`paddle_graphpp.torch.integrations.rng_trackers`): its states
 register only when seeded with ``model_parallel_cuda_manual_seed(seed,
 use_cudagraphable_rng=True)``. :func:`accumulation_hooked` tells the runtime where Megatron-Core's
-``DistributedDataParallel`` hooks a parameter's gradient accumulation (``accumulate_grads="auto"``
-then leaves it to autograd). Megatron is read from ``sys.modules``, never imported here. Private:
-the tracker object ``_CUDA_RNG_STATE_TRACKER`` and its ``states_``, read defensively (checked on
-Megatron-Core 0.19.2). Why: docs/pytorch.md#cudagraphedmodule.
+``DistributedDataParallel`` hooks a parameter's gradient accumulation, and :func:`hooked_buffer`
+the ``main_grad`` its hook adds into (``accumulate_grads="auto"`` graphs add there themselves and
+hand the hook zeros, as Megatron-Core's own graphs add into ``main_grad``). Megatron is read from
+``sys.modules``, never imported here. Private: the tracker object ``_CUDA_RNG_STATE_TRACKER`` and
+its ``states_``, read defensively (checked on Megatron-Core 0.19.2). Why:
+docs/pytorch.md#cudagraphedmodule.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from . import Adapter, RngTracker
 
-__all__ = ["TRACKER", "tracker_states", "accumulation_hooked", "ADAPTER"]
+__all__ = ["TRACKER", "tracker_states", "accumulation_hooked", "hooked_buffer", "ADAPTER"]
 
 
 def tracker_states() -> tuple:
@@ -47,6 +49,17 @@ def accumulation_hooked(param: torch.Tensor) -> bool:
     return hasattr(param, "main_grad")
 
 
+def hooked_buffer(param: torch.Tensor):
+    """``param.main_grad``, which the ``DistributedDataParallel`` hook adds ``.grad`` into
+    (``main_grad.add_(grad)``, then ``grad = None``), when it is a tensor of ``param``'s shape on
+    its device; else ``None``. Graphs may add there themselves: the hook then adds the zeros it is
+    handed, which changes no value (the buffer, zeroed at each step's start, never holds -0.0)."""
+    buffer = getattr(param, "main_grad", None)
+    if isinstance(buffer, torch.Tensor) and buffer.shape == param.shape and buffer.device == param.device:
+        return buffer
+    return None
+
+
 @dataclass(frozen=True)
 class MegatronAdapter(Adapter):
     """Megatron-Core as the front doors see it: its RNG tracker and its gradient hooks."""
@@ -58,6 +71,9 @@ class MegatronAdapter(Adapter):
 
     def accumulation_hooked(self, param) -> bool:
         return accumulation_hooked(param)
+
+    def hooked_buffer(self, param):
+        return hooked_buffer(param)
 
 
 ADAPTER = MegatronAdapter()
