@@ -154,6 +154,33 @@ def test_backward_into_matches_autograd_grad(accumulate):
     assert all(a.grad is None for a in aliases) and inputs[0].grad is None
 
 
+def test_backward_into_adds_into_buffers_of_another_dtype_in_place_as_a_main_grad_hook_would():
+    """Buffers of the parameters' dtype are added into in place (autograd's accumulation into
+    ``.grad``); an fp32 buffer for bf16 parameters (Megatron-Core's ``main_grad`` under
+    ``grad_reduce_in_fp32``) by ``buffer.add_(grad)``, as Megatron's hook adds: the same objects,
+    the same values as that add."""
+    from paddle_graphpp.torch.runtime import RUNTIME
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3).to(torch.bfloat16)
+    params = [lin.weight, lin.bias]
+    x, dy = torch.randn(4, 5, dtype=torch.bfloat16), torch.randn(4, 3, dtype=torch.bfloat16)
+    aliases = [p.detach().requires_grad_() for p in params]
+    y = torch.func.functional_call(lin, {"weight": aliases[0], "bias": aliases[1]}, (x,))
+    expected = torch.autograd.grad(y, aliases, dy)
+    for dtype in (torch.float32, torch.bfloat16):
+        buffers = [torch.full(p.shape, 0.25, dtype=dtype) for p in params]
+        want = [b.clone().add_(e) for b, e in zip(buffers, expected)]
+        objects = [(b, b.data_ptr()) for b in buffers]
+        y = torch.func.functional_call(lin, {"weight": aliases[0], "bias": aliases[1]}, (x,))
+        _, used = RUNTIME.backward_into([y], [dy], [], aliases, buffers, accumulate=True)
+        assert used == [True, True]
+        assert all(b is o and b.data_ptr() == ptr for b, (o, ptr) in zip(buffers, objects))
+        for b, w in zip(buffers, want):
+            assert torch.equal(b, w), dtype
+        assert all(a.grad is None for a in aliases)
+
+
 class SharedPlaces(torch.nn.Module):
     """A submodule held under two names, and a weight tied into two modules."""
 
