@@ -49,7 +49,10 @@ A variant that fails keeps its exact error in the record; the others go on. Writ
 at ``--tp 2``); its ``summary`` holds ours over Megatron's graphs for speed at each sequence
 length and memory (max over ranks), and ours over eager's peak memory per rank (the whole run,
 capture steps included), the worst over the sequence lengths.
-Needs ``megatron-core`` (``python -m pip install --no-deps .wheels/megatron_core-*.whl``).
+Needs ``megatron-core`` 0.19.2 (``python -m pip install --no-deps megatron-core==0.19.2``; for a GPU
+machine without a package index, ``python -m pip download --no-deps --only-binary=:all:
+--python-version 3.12 megatron-core==0.19.2 -d .wheels`` here, then ``python -m pip install
+--no-deps .wheels/megatron_core-*.whl`` there).
 
 ``--moe``: the mixture-of-experts GPT of ``tools/peer_megatron_worker.py --model moe`` (the
 launch-bound shape of ``tools/bench_moe.py``: hidden 1024, 8 layers, 16 heads, 16 experts of
