@@ -559,6 +559,7 @@ def megatron_style_hooks(module, main_grad=torch.zeros_like):
     seen, accs = [], []
     for p in module.parameters():
         p.main_grad = main_grad(p)
+        p.grad_added_to_main_grad = False  # as Megatron's DDP marks every parameter it hooks
         acc = p.expand_as(p).grad_fn.next_functions[0][0]
 
         def hook(*_, p=p):
@@ -600,7 +601,32 @@ def test_accumulate_grads_auto_steps_aside_for_hooks_without_a_buffer_of_the_par
         step(layer, "f1 f2 b1 b2")
     sig = next(iter(layer.engine.signatures().values()))
     assert sig.accumulate is False and not layer.engine.buffers.hooked
-    assert layer.engine.replays == 8 and len(seen) == 2 * 8 and not any(seen)
+    assert layer.engine.replays == 8 and len(seen) == 2 * 8 and not any(seen[:8])  # replays: stale values here
+
+
+def test_a_main_grad_without_megatrons_mark_goes_through_autograd(rt):
+    """A ``main_grad`` that Megatron-Core's DDP did not set up (no ``grad_added_to_main_grad`` on
+    the parameter: some other code's buffer, whose hooks may not add into it): the graphs do not
+    add there, and every gradient reaches the hooks through autograd."""
+    lin = torch.nn.Linear(4, 4)
+    seen, accs = megatron_style_hooks(lin)
+    for p in lin.parameters():
+        del p.grad_added_to_main_grad
+    layer = Graphed(lin, rt, num_warmup_steps=1)
+    for _ in range(3):
+        step(layer, "f1 b1")
+    assert layer.engine.replays == 2 and not layer.engine.buffers.hooked
+
+
+def test_fused_weight_gradient_accumulation_is_refused_at_build():
+    from paddle_graphpp.torch import CUDAGraphedModule, graph_layers
+
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    block[0].gradient_accumulation_fusion = True  # as Megatron-Core's linear layers carry their config's
+    with pytest.raises(TypeError, match=r"0 has gradient_accumulation_fusion=True.*Turn gradient_accumulation_fusion off"):
+        CUDAGraphedModule(block)
+    with pytest.raises(TypeError, match="gradient_accumulation_fusion=True"):
+        graph_layers([block])
 
 
 def test_a_main_grad_replaced_after_capture_is_refused_naming_reset_graphs(rt):

@@ -92,6 +92,12 @@ class Backward:
 
     def _check_split(self, call: Call) -> None:
         name = self.layer.name
+        if self.buffers.hooked:
+            raise GraphScheduleError(
+                f"{name}: a backward asked for input gradients only (a zero-bubble schedule's input pass) of a "
+                f"layer whose graphs add parameter gradients into the buffers their accumulation hooks add into "
+                f"(Megatron-Core's main_grad), which a split backward's weight pass does not go through. Pass "
+                f"accumulate_grads=False to this layer to run split backwards.")
         if call.key.recompute:
             raise GraphScheduleError(
                 f"{name}: a backward asked for input gradients only (a zero-bubble schedule's input pass) of a "
@@ -165,11 +171,6 @@ class Backward:
         run = call.run
         accumulates = run.position.accumulate if isinstance(run, Replayed) else (
             call.recorded and sig is not None and sig.accumulate)
-        if accumulates and self.buffers.hooked:
-            raise GraphScheduleError(
-                f"{layer.name}: adds its parameter gradients inside its graphs into the buffers their accumulation "
-                f"hooks add into (Megatron-Core's main_grad), which a split backward's weight pass does not go "
-                f"through. Pass accumulate_grads=False to this layer to run split (zero-bubble) backwards.")
         if accumulates and not self.split.weight_pass_refills_grad():
             # Refused before anything changed: the micro-batch still awaits its weight pass.
             wp = self.split.refilling_weight_pass
@@ -316,8 +317,6 @@ class Backward:
         buffers, bound as ``.grad`` first; a schedule's weight pass (``hand_over``) is handed
         each parameter's whole sum with ``.grad`` unset
         (:meth:`~paddle_graphpp.core.grad_moves.GradientMoves.hand_over`)."""
-        if position.accumulate and self.buffers.hooked:  # refused when it was recorded (_weight_half)
-            raise GraphScheduleError(f"{self.layer.name}: a split backward of a layer adding into hooked buffers")
         self._prepare(call, position, position.weight_graph, "weight")  # may raise: nothing changed yet
         if position.accumulate:
             used = [(p, b) for p, b, u in zip(call.params, position.weight_buffers, position.param_grad_used) if u]

@@ -318,7 +318,8 @@ class GraphedCallable:
 
     @property
     def param_grad_buffers(self) -> Optional[list]:
-        """The buffers the backward graphs write parameter gradients into (``None`` before a capture)."""
+        """The buffers the backward graphs write parameter gradients into (``None`` before a
+        capture; a library's own, such as Megatron-Core's ``main_grad``, from warmup's end on)."""
         return self.buffers.params
 
     @property

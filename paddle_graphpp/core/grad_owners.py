@@ -88,7 +88,8 @@ class GradOwners:
             ValueError: ``accumulate_grads=True`` where a parameter has accumulation hooks (a
                 data-parallel reducer's) without a buffer of their own to add into, gets part of its
                 gradient from outside the layer, or another layer's graphs already accumulate it;
-                hooks on a parameter of a layer whose graphs add into ``.grad`` already.
+                hooks on a parameter of a layer whose graphs add into ``.grad`` already; hooks or
+                their buffers gone from a layer whose graphs add into those buffers.
         """
         if choice is False or accumulation is None or fixed is GradPath.AUTOGRAD:
             return GradPath.AUTOGRAD

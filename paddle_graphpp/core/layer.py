@@ -108,6 +108,7 @@ class GradBuffers:
         #: ``main_grad``) and hand autograd zeros, so that the hooks still run.
         self.hooked = False
         self._checked: Any = None  # the episode the hooked buffers were last found unchanged in
+        self._addresses: list = []  # where the hooked buffers were when the graphs began adding into them
 
     def path(self, accumulates: Optional[bool]) -> Optional[GradPath]:
         """Where the graphs of the layer's signatures past warmup put parameter gradients, from
@@ -121,19 +122,22 @@ class GradBuffers:
         gradients into their library's own buffers (``InGraphAccumulation.hooked_buffer``)."""
         if path is GradPath.HOOKED and not self.hooked:
             self.params, self.hooked, self._checked = [self.runtime.hooked_buffer(p) for p in params], True, None
+            self._addresses = self.runtime.storage_addresses(self.params)
 
     def check_hooked(self, params: Sequence[Any], episode: Any, name: str) -> None:
         """Raise :class:`~paddle_graphpp.StateReplacedError` when a parameter's library buffer is
         no longer the one the graphs add into (checked once per episode)."""
         if self._checked == episode:
             return
-        accumulation = self.runtime
-        for i, (p, b) in enumerate(zip(params, self.params)):
-            if accumulation.hooked_buffer(p) is not b:
+        rt = self.runtime
+        now = rt.storage_addresses(self.params)
+        for i, (p, b, at, was) in enumerate(zip(params, self.params, now, self._addresses)):
+            if rt.hooked_buffer(p) is not b or at != was:
                 raise StateReplacedError(
                     f"{name}: the buffer that parameter {i}'s accumulation hook adds its gradient into "
-                    f"(Megatron-Core's main_grad) was replaced since the layer's CUDA graphs were captured to add "
-                    f"into it. Call paddle_graphpp.reset_graphs(model) after rebuilding the data-parallel wrapper.")
+                    f"(Megatron-Core's main_grad) was replaced or moved (an offload to the host and back) since the "
+                    f"layer's CUDA graphs were captured to add into it. Call paddle_graphpp.reset_graphs(model) after "
+                    f"rebuilding the data-parallel wrapper or moving its gradient buffers.")
         self._checked = episode
 
     def for_params(self, params: Sequence[Any]) -> list:
@@ -150,4 +154,4 @@ class GradBuffers:
 
     def reset(self) -> None:
         self.params = self.weights = None
-        self.hooked, self._checked = False, None
+        self.hooked, self._checked, self._addresses = False, None, []

@@ -204,12 +204,16 @@ class TorchGradients(SplitBackward, InGraphAccumulation):
         return integrations.hooked_buffer(param)
 
     def zero_grad_like(self, param):
-        # one zero per dtype and device, expanded: autograd's accumulation makes it a fresh
-        # tensor of the parameter's layout, one parameter at a time
+        # One zero per dtype and device, expanded: autograd's accumulation makes it a fresh tensor
+        # of the parameter's layout, one parameter at a time. A one-element parameter could adopt
+        # the expanded view itself (sharing the cached zero): it gets a zero of its own.
+        if param.numel() == 1:
+            return torch.zeros_like(param)
+        cache = self.__dict__.setdefault("_zeros", {})
         key = (param.dtype, param.device)
-        zeros = self._zeros.get(key)
+        zeros = cache.get(key)
         if zeros is None:
-            zeros = self._zeros[key] = torch.zeros((), dtype=param.dtype, device=param.device)
+            zeros = cache[key] = torch.zeros((), dtype=param.dtype, device=param.device)
         return zeros.expand(param.shape)
 
     def params_with_grad_hooks(self, params) -> list:

@@ -50,7 +50,6 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
         super().__init__()
         self._capture_streams: dict[int, torch.cuda.Stream] = {}
         self._device_names: dict = {}  # device -> its name in TensorSpec
-        self._zeros: dict = {}  # (dtype, device) -> a zero scalar (zero_grad_like)
 
     # tensors
     def is_tensor(self, obj: Any) -> bool:

@@ -621,6 +621,7 @@ class _MainGradOptimizer:
         self.seen, self._nodes = [], []  # the nodes stay alive, as Megatron keeps them
         for p in self.params:
             p.main_grad = torch.zeros(p.shape, dtype=main_dtype, device=p.device)
+            p.grad_added_to_main_grad = False  # as Megatron's DDP marks every parameter it hooks
             node = p.expand_as(p).grad_fn.next_functions[0][0]
             node.register_hook(self._hook(p))
             self._nodes.append(node)

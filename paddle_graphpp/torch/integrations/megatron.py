@@ -22,7 +22,7 @@ import torch
 
 from . import Adapter, RngTracker
 
-__all__ = ["TRACKER", "tracker_states", "accumulation_hooked", "hooked_buffer", "ADAPTER"]
+__all__ = ["TRACKER", "tracker_states", "accumulation_hooked", "hooked_buffer", "check_block", "ADAPTER"]
 
 
 def tracker_states() -> tuple:
@@ -52,12 +52,34 @@ def accumulation_hooked(param: torch.Tensor) -> bool:
 def hooked_buffer(param: torch.Tensor):
     """``param.main_grad``, which the ``DistributedDataParallel`` hook adds ``.grad`` into
     (``main_grad.add_(grad)``, then ``grad = None``), when it is a tensor of ``param``'s shape on
-    its device; else ``None``. Graphs may add there themselves: the hook then adds the zeros it is
-    handed, which changes no value (the buffer, zeroed at each step's start, never holds -0.0)."""
+    its device and the wrapper marked the parameter (``grad_added_to_main_grad``, which it sets on
+    every parameter it hooks); else ``None``. Graphs may add there themselves: the hook then adds
+    the zeros it is handed, which changes no value (the buffer, zeroed at each step's start, never
+    holds -0.0)."""
     buffer = getattr(param, "main_grad", None)
-    if isinstance(buffer, torch.Tensor) and buffer.shape == param.shape and buffer.device == param.device:
+    if (isinstance(buffer, torch.Tensor) and buffer.shape == param.shape and buffer.device == param.device
+            and hasattr(param, "grad_added_to_main_grad")):
         return buffer
     return None
+
+
+def check_block(name: str, module: torch.nn.Module) -> None:
+    """Refuse to graph a module whose linear layers fuse their weight-gradient accumulation
+    (Megatron-Core's ``gradient_accumulation_fusion``, TransformerEngine's
+    ``fuse_wgrad_accumulation``): their kernels add into ``main_grad`` themselves and hand autograd
+    a placeholder, marking the parameter (``grad_added_to_main_grad``) from Python, which a replay
+    does not repeat, so the hook would add the placeholder.
+
+    Raises:
+        TypeError: naming the submodule and what to turn off.
+    """
+    for sub_name, sub in module.named_modules():
+        for flag in ("gradient_accumulation_fusion", "fuse_wgrad_accumulation"):
+            if getattr(sub, flag, False) is True:
+                raise TypeError(
+                    f"{name}: its submodule {sub_name or type(sub).__name__} has {flag}=True: its kernels add the "
+                    f"weight gradient into main_grad and mark it from Python, which graph replays do not repeat. "
+                    f"Turn {flag} off for graphed layers (the graphs add into main_grad themselves).")
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,12 @@ class MegatronAdapter(Adapter):
 
     def hooked_buffer(self, param):
         return hooked_buffer(param)
+
+    def check_block(self, name, layer, *, check_config) -> None:
+        check_block(name, layer)
+
+    def check_wrapped(self, name, module) -> None:
+        check_block(name, module)
 
 
 ADAPTER = MegatronAdapter()
