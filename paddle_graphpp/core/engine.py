@@ -199,7 +199,7 @@ class GraphedCallable:
             self.recomputing.check()
         outside = self.layer.hooks.summed_outside()
         path = self.process.grad_owners.choose(self.capture, params, self.options.accumulate_grads,
-                                               self.caps.accumulation, outside, self.buffers.path(self.phases.fixed()))
+                                               self.caps.accumulation, outside, self.buffers.path)
         self.buffers.follow(path, params)
         self.phases.leave_warmup(sig, params, path is not GradPath.AUTOGRAD, in_step=self.plan.async_allocator)
 

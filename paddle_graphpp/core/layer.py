@@ -104,25 +104,26 @@ class GradBuffers:
         self.runtime = runtime
         self.params: Optional[list] = None
         self.weights: Optional[list] = None
-        #: The graphs add into the buffers a library's accumulation hooks add into (Megatron-Core's
-        #: ``main_grad``) and hand autograd zeros, so that the hooks still run.
-        self.hooked = False
+        #: Where the graphs of the layer's signatures past warmup put parameter gradients (they
+        #: share these buffers, so all put them in one place); ``None`` before the first.
+        self.path: Optional[GradPath] = None
         self._checked: Any = None  # the episode the hooked buffers were last found unchanged in
         self._addresses: list = []  # where the hooked buffers were when the graphs began adding into them
 
-    def path(self, accumulates: Optional[bool]) -> Optional[GradPath]:
-        """Where the graphs of the layer's signatures past warmup put parameter gradients, from
-        whether they accumulate (``None``: none is past warmup)."""
-        if accumulates is None:
-            return None
-        return GradPath.AUTOGRAD if not accumulates else GradPath.HOOKED if self.hooked else GradPath.GRAD
+    @property
+    def hooked(self) -> bool:
+        """The graphs add into the buffers a library's accumulation hooks add into (Megatron-Core's
+        ``main_grad``) and hand autograd zeros, so that the hooks still run."""
+        return self.path is GradPath.HOOKED
 
     def follow(self, path: GradPath, params: Sequence[Any]) -> None:
-        """Set up for ``path``: with :attr:`GradPath.HOOKED` the graphs add the parameters'
-        gradients into their library's own buffers (``InGraphAccumulation.hooked_buffer``)."""
+        """A signature leaves warmup putting gradients on ``path``: with :attr:`GradPath.HOOKED`
+        the graphs add them into the parameters' library's own buffers
+        (``InGraphAccumulation.hooked_buffer``)."""
         if path is GradPath.HOOKED and not self.hooked:
-            self.params, self.hooked, self._checked = [self.runtime.hooked_buffer(p) for p in params], True, None
+            self.params, self._checked = [self.runtime.hooked_buffer(p) for p in params], None
             self._addresses = self.runtime.storage_addresses(self.params)
+        self.path = path
 
     def check_hooked(self, params: Sequence[Any], episode: Any, name: str) -> None:
         """Raise :class:`~paddle_graphpp.StateReplacedError` when a parameter's library buffer is
@@ -154,4 +155,4 @@ class GradBuffers:
 
     def reset(self) -> None:
         self.params = self.weights = None
-        self.hooked, self._checked, self._addresses = False, None, []
+        self.path, self._checked, self._addresses = None, None, []

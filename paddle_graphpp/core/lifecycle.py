@@ -277,11 +277,6 @@ class Lifecycle:
         """Every captured position, by signature in the order they were first seen, then by position."""
         return [sig.positions[p] for sig in self._table.values() for p in sorted(sig.positions)]
 
-    def fixed(self) -> Optional[bool]:
-        """Whether the signatures past warmup accumulate parameter gradients in their graphs
-        (they share the layer's gradient buffers, so all do or none); ``None``: none is past warmup."""
-        return next((sig.accumulate for sig in self._table.values() if sig.params is not None), None)
-
     def accumulates(self, param: Any) -> bool:
         """Whether a signature past warmup that accumulates holds ``param`` (the scope not eager)."""
         return self.eager_reason is None and any(
