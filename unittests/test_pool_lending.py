@@ -22,18 +22,27 @@ def test_left_over_places_sizes_best_fit_with_splitting():
     assert pool_lending._left_over([], [MIB // 2, MIB]) == 0  # small requests are not counted
 
 
-def test_a_step_borrows_when_growing_the_pool_costs_less_than_growing_the_default_cache():
-    temps = 772 * MIB
+def test_small_requests_fill_free_small_blocks_then_new_two_mib_segments():
+    half = MIB // 2
+    assert pool_lending._small_left_over([], [half] * 4) == 2 * MIB  # a segment holds four
+    assert pool_lending._small_left_over([], [half] * 5) == 2 * (2 * MIB)
+    assert pool_lending._small_left_over([2 * MIB], [half] * 5) == 2 * MIB  # one segment was free
+    assert pool_lending._small_left_over([MIB, MIB], [MIB, half, half]) == 0
+    assert pool_lending._small_left_over([MIB], [MIB, 512]) == 2 * MIB  # the 512 bytes need a segment
+    assert pool_lending._small_left_over([], [MIB + 512]) == 0  # a large request is not counted here
+
+
+def test_a_step_borrows_when_growing_the_pool_costs_less_than_growing_the_caches_outside_it():
     # a stage whose work is all graphed: the default cache has little free at the step, so a
-    # quarter of the temporaries growing the pool beats all of them growing the default cache
-    assert pool_lending._borrow_pays(197 * MIB, temps, default_free=50 * MIB)
+    # quarter of the temporaries growing the pool beats most of them growing the default cache
+    assert pool_lending._borrow_pays(197 * MIB, 722 * MIB)
     # the eager work left free memory for most of them: not borrowing costs less
-    assert not pool_lending._borrow_pays(197 * MIB, temps, default_free=700 * MIB)
-    assert not pool_lending._borrow_pays(197 * MIB, temps, default_free=2 * temps)
+    assert not pool_lending._borrow_pays(197 * MIB, 72 * MIB)
+    assert not pool_lending._borrow_pays(197 * MIB, 0)
     # everything fits the pool: borrowing is free, whatever the default cache holds
-    assert pool_lending._borrow_pays(0, temps, default_free=2 * temps)
-    # nothing fits the pool: the pool would grow by all of it, never better
-    assert not pool_lending._borrow_pays(temps, temps, default_free=0)
+    assert pool_lending._borrow_pays(0, 0)
+    # as much either way: the default cache, which eager work can use again, is grown
+    assert not pool_lending._borrow_pays(64 * MIB, 64 * MIB)
 
 
 def test_rounded_counts_what_the_allocator_rounds_to():

@@ -311,6 +311,57 @@ def test_the_memory_reserved_before_capture_has_the_temporaries_layout(monkeypat
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("pool_has_small_blocks", [False, True], ids=["declines", "borrows"])
+def test_a_step_of_small_temporaries_borrows_a_pool_only_where_its_small_blocks_hold_them(pool_has_small_blocks):
+    """An optimizer whose temporaries are all of 1 MiB and less (small blocks) would grow a pool
+    that has no free small blocks by new 2 MiB segments, kept for good, while the default cache
+    has the same room free: the step does not borrow. Where the pool's free small blocks hold
+    them, it borrows, and leaves the pool's reserved and allocated bytes as they were."""
+    from paddle_graphpp.torch.memory import pool_lending
+
+    mib = 1 << 20
+    params = [torch.nn.Parameter(torch.zeros(mib // 8, device=DEV)) for _ in range(16)]  # 0.5 MiB each
+    opt = torch.optim.AdamW(params, lr=0.1, foreach=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()  # its state, outside any pool
+    freed = [torch.empty(mib // 8, device=DEV) for _ in range(16)]
+    del freed  # the default cache's small blocks hold a step's temporaries
+    side = torch.cuda.Stream()
+    pool = torch.cuda.MemPool()
+    with torch.cuda.stream(side), torch.cuda.use_mem_pool(pool):
+        kept = [torch.empty(64 * mib, dtype=torch.uint8, device=DEV)]  # a large block, freed below
+        if pool_has_small_blocks:
+            kept += [torch.empty(mib // 8, device=DEV) for _ in range(16)]
+    del kept
+    side.synchronize()
+    expected = [p.detach().clone() for p in params]  # the same step, taken before lending
+    reference = torch.optim.AdamW(expected, lr=0.1, foreach=True)
+    for e, p in zip(expected, params):
+        e.grad = p.grad.clone()
+    reference.load_state_dict(opt.state_dict())
+    reference.step()
+    before = pool.snapshot()
+    lender = pool_lending.PoolLender(lambda: side)
+    lender.lend(pool, lambda: True, lambda: pytest.fail("the step left memory in the pool"))
+    try:
+        opt.step()
+        torch.cuda.synchronize()
+        assert (lender.steps, lender.declined) == ((1, 0) if pool_has_small_blocks else (0, 1))
+        after = pool.snapshot()
+        assert [s["total_size"] for s in after] == [s["total_size"] for s in before]
+        assert sum(s["allocated_size"] for s in after) == 0
+        for e, p in zip(expected, params):
+            assert torch.equal(e, p)
+    finally:
+        lender.disabled = True
+        for handle in lender._handles:
+            handle.remove()
+        del pool, before
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("registered", [True, False], ids=["registered", "found-by-its-construction"])
 def test_single_micro_batch_episodes_capture_after_the_first_optimizer_step(monkeypatch, registered):
     """The last stage of a 1F1B pipeline has one micro-batch in flight: each micro-batch is an

@@ -33,6 +33,7 @@ logger = logging.getLogger("paddle_graphpp")
 
 _SMALL = 1 << 20  # the caching allocator serves requests up to 1 MiB from its small blocks
 _ROUND = 512  # ... and rounds every request up to a multiple of this
+_SMALL_SEGMENT = 2 << 20  # the size of each segment of small blocks
 SEGMENTS, BLOCK = "segments", "block"  # layouts of the memory reserved before a pool's captures
 
 class OptimizerWatch:
@@ -221,10 +222,8 @@ class PoolLender:
             return
         room = self._fits.get((id(pool), id(optimizer)))
         if room is None:
-            sizes = step_temporaries(optimizer, lambda p: p.grad is not None)
-            free = _free_blocks(pool)
             room = self._fits[(id(pool), id(optimizer))] = _borrow_pays(
-                _left_over(free, sizes), sum(n for n in sizes if n > _SMALL), _default_free(sum(free)))
+                *_growths(pool, step_temporaries(optimizer, lambda p: p.grad is not None)))
         if not room:
             self.declined += 1
             return
@@ -307,42 +306,79 @@ def _rounded(t: torch.Tensor) -> int:
     return -(-n // _ROUND) * _ROUND
 
 
-def _free_blocks(pool: torch.cuda.MemPool) -> list:
-    """Sizes of the free blocks of ``pool``'s large segments."""
-    return [b["size"] for seg in pool.snapshot() if seg.get("segment_type", "large") == "large"
+def _free_blocks(pool: torch.cuda.MemPool, kind: str = "large") -> list:
+    """Sizes of the free blocks of ``pool``'s ``kind`` (``"large"`` or ``"small"``) segments."""
+    return [b["size"] for seg in pool.snapshot() if seg.get("segment_type", "large") == kind
             for b in seg["blocks"] if b["state"] == "inactive"]
 
 
-def _default_free(pool_free: int) -> int:
-    """Bytes free in the large blocks of the device's caches outside the lent pool, whose large
-    free blocks hold ``pool_free`` bytes (the default cache, and any other private pool:
-    counting those too errs toward not borrowing)."""
+def _default_free(pool_free: int, kind: str = "large") -> int:
+    """Bytes free in the ``kind`` blocks of the device's caches outside the lent pool, whose
+    free blocks of that kind hold ``pool_free`` bytes (the default cache, and any other private
+    pool: counting those too errs toward not borrowing)."""
     stats = torch.cuda.memory_stats()
-    device_free = stats.get("reserved_bytes.large_pool.current", 0) - stats.get("allocated_bytes.large_pool.current", 0)
+    device_free = stats.get(f"reserved_bytes.{kind}_pool.current", 0) - stats.get(f"allocated_bytes.{kind}_pool.current", 0)
     return max(0, device_free - pool_free)
 
 
-def _borrow_pays(left_over: int, temporaries: int, default_free: int) -> bool:
-    """Borrow the pool for ``temporaries`` bytes when that costs less memory than not: the pool
-    grows by the ``left_over`` that does not fit its free blocks, while the default cache would
-    grow by what does not fit its ``default_free`` bytes. Nothing left over: always (free)."""
-    return left_over == 0 or left_over < temporaries - min(temporaries, default_free)
+def _growths(pool: torch.cuda.MemPool, sizes: list) -> tuple:
+    """How much memory a step whose temporaries are ``sizes`` (alive together) would add: to
+    ``pool`` if it borrows it, to the caches outside it if not. Requests of 1 MiB and less come
+    from small blocks on either side (2 MiB segments, which no large block serves); the rest
+    from large ones."""
+    large, small = [n for n in sizes if n > _SMALL], [n for n in sizes if n <= _SMALL]
+    free_large, free_small = _free_blocks(pool), _free_blocks(pool, "small")
+    in_pool = _left_over(free_large, large) + _small_left_over(free_small, small)
+    outside = (_short(sum(large), _default_free(sum(free_large)))
+               + _segments_for(_short(sum(small), _default_free(sum(free_small), "small"))))
+    return in_pool, outside
+
+
+def _short(needed: int, free: int) -> int:
+    return needed - min(needed, free)
+
+
+def _segments_for(n: int) -> int:
+    """The bytes of the small segments that ``n`` bytes of small requests need."""
+    return -(-n // _SMALL_SEGMENT) * _SMALL_SEGMENT
+
+
+def _borrow_pays(in_pool: int, outside: int) -> bool:
+    """Borrow the pool when that costs less memory than not: the pool would grow by ``in_pool``
+    bytes (and keep them: a pool with live graphs is never trimmed), the caches outside it by
+    ``outside`` (:func:`_growths`). Nothing to add to the pool: always (free)."""
+    return in_pool == 0 or in_pool < outside
 
 
 def _left_over(free: Iterable[int], sizes: Iterable[int]) -> int:
     """Bytes of the ``sizes`` (allocated in this order, all alive together) that would not fit
-    ``free`` blocks placed best-fit with splitting, as the caching allocator does. Requests
-    up to 1 MiB come from small blocks and are not counted."""
+    ``free`` large blocks placed best-fit with splitting, as the caching allocator does. Requests
+    up to 1 MiB come from small blocks and are not counted (:func:`_small_left_over`)."""
+    return _place(free, [n for n in sizes if n > _SMALL], new_segment=None)
+
+
+def _small_left_over(free: Iterable[int], sizes: Iterable[int]) -> int:
+    """Bytes of the new small segments (2 MiB each) that the ``sizes`` of 1 MiB and less (all
+    alive together) would add to small blocks already ``free``, placed best-fit with splitting."""
+    return _place(free, [n for n in sizes if n <= _SMALL], new_segment=_SMALL_SEGMENT)
+
+
+def _place(free: Iterable[int], sizes: list, new_segment: Optional[int]) -> int:
+    """Place ``sizes`` in this order best-fit into the ``free`` blocks, splitting them; returns
+    the bytes that did not fit (``new_segment`` None), or the bytes of the segments of
+    ``new_segment`` bytes added for them, whose rest serves the requests after."""
     blocks = sorted(free)
-    left = 0
+    added = 0
     for size in sizes:
-        if size <= _SMALL:
-            continue
         i = bisect.bisect_left(blocks, size)
         if i == len(blocks):
-            left += size
-            continue
+            if new_segment is None:
+                added += size
+                continue
+            added += new_segment
+            bisect.insort(blocks, new_segment)
+            i = bisect.bisect_left(blocks, size)
         rest = blocks.pop(i) - size
-        if rest > _SMALL:
+        if rest > (_SMALL if new_segment is None else 0):
             bisect.insort(blocks, rest)
-    return left
+    return added
