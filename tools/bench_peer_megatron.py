@@ -24,9 +24,11 @@ Variants, each in its own processes
   graph-safe RNG tracker, Megatron's DDP for ``main_grad``; graphs are recorded in the first
   step and captured by ``create_cudagraphs()`` at the end of Megatron's schedule);
 * ``ours``: each ``TransformerLayer`` in ``paddle_graphpp.torch.CUDAGraphedModule``; on the
-  last stage the cross-entropy in ``graph_loss`` and the output layer graphed in place
-  (defaults; at pp=1 too, where the layer is handed the embedding's weight). ``--ours-loss eager`` / ``--ours-head eager`` leave those eager, as the
-  records without an ``ours_loss`` / ``ours_head`` key did. Each rank's ``graphs`` count includes
+  last stage the cross-entropy in ``graph_loss`` and, on the last stage of a pipeline, the output
+  layer graphed in place (defaults). At pp=1 (and ``--moe``) the output layer is handed the
+  embedding's weight and stays eager by default: graphed there (``--ours-head graphed``) it held
+  more memory and ran no faster (docs/moe.md). ``--ours-loss eager`` / ``--ours-head eager`` leave
+  those eager, as the records without an ``ours_loss`` / ``ours_head`` key did. Each rank's ``graphs`` count includes
   the loss's and the head's (``loss_graphs``, ``head_graphs`` give them apart).
   ``FLAGS_graphpp_pool_expandable=1``, the default, is set explicitly so that the environment
   cannot make it the next variant;
@@ -178,6 +180,15 @@ def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False, repe
     args += ["--device", "cpu"] if device == "cpu" else []
     label = f"{variant}@{routing or f'seq{seq}'}" + (f"#{repeat}" if repeat > 1 else "")
     return {"label": label, "variant": variant, "seq": seq, "args": args, "env": env}
+
+
+def _in_ddp(runs: list) -> list:
+    """The runs with eager and ours in Megatron's DDP as well (``--ddp``; Megatron's graphs always are)."""
+    return [dict(r, args=r["args"] + ["--ddp"]) if r["args"][1] != "megatron" else r for r in runs]
+
+
+def _ddp(args) -> str:
+    return "-ddp" if args.ddp else ""
 
 
 def _command(run: dict) -> str:
@@ -411,8 +422,13 @@ def main(argv=None) -> int:
                              "a memory trace runs each variant once)")
     parser.add_argument("--ours-loss", choices=["graphed", "eager"], default="graphed",
                         help="ours: the last stage's cross-entropy in graph_loss (default) or left eager")
-    parser.add_argument("--ours-head", choices=["graphed", "eager"], default="graphed",
-                        help="ours: the last stage's output layer graphed in place (default) or left eager")
+    parser.add_argument("--ours-head", choices=["graphed", "eager"], default=None,
+                        help="ours: the last stage's output layer graphed in place or left eager (default: "
+                             "graphed on a last stage of a pipeline, eager at pp=1 and --moe, where its weight is "
+                             "the embedding's)")
+    parser.add_argument("--ddp", action="store_true",
+                        help="eager and ours in Megatron's DistributedDataParallel too (gradients in main_grad, "
+                             "as megatron.training wraps every model); writes <record>-ddp-<device>.json")
     parser.add_argument("--memory-trace", action="store_true",
                         help="a diagnosis: record every allocation and break each rank's memory peaks down "
                              "(slows the runs); writes memory-trace-<record>-<device>.json, not the benchmark record")
@@ -429,6 +445,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the runs and exit")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    if args.ours_head is None:  # a head handed the embedding's weight cost memory graphed (docs/moe.md)
+        args.ours_head = "eager" if args.moe or args.pp == 1 else "graphed"
     if args.moe:
         return main_moe(parser, args, argv if argv is not None else sys.argv[1:])
     if args.rounds < 2:
@@ -448,7 +466,8 @@ def main(argv=None) -> int:
                 ours_head=args.ours_head)
     budget = args.budget if args.budget is not None else BUDGET_S[world]
     run_cap = RUN_CAP_S[world]
-    name = ("memory-trace-" if args.memory_trace else "") + (args.name or record_name(args.tp, args.pp))
+    runs = _in_ddp(runs) if args.ddp else runs
+    name = ("memory-trace-" if args.memory_trace else "") + (args.name or record_name(args.tp, args.pp) + _ddp(args))
     if args.dry_run:
         return _dry_run(runs, f"# budget {budget:.0f}s, {world} rank(s) per run (--tp {args.tp} x --pp {args.pp}), "
                               f"each run in its own processes, at most {run_cap:.0f}s each", name)
@@ -466,7 +485,7 @@ def main(argv=None) -> int:
     summary = headline(by_seq, world=world)
     payload = {"command": benchlib.command(), **benchlib.environment(), "versions": _versions(),
                "tp": args.tp, "pp": args.pp, "world_size": world, "seqs": list(seqs), "budget_s": budget,
-               "ours_loss": args.ours_loss, "ours_head": args.ours_head,
+               "ours_loss": args.ours_loss, "ours_head": args.ours_head, "ddp": args.ddp,
                "summary": summary, "by_config": by_seq, "runs": records}
     return _finish(args.device, name, payload, summary, records)
 
@@ -516,7 +535,8 @@ def main_moe(parser, args, argv) -> int:
                     variants=variants, memory_trace=args.memory_trace, repeats=args.repeats, ours_loss=args.ours_loss,
                     ours_head=args.ours_head)
     budget = args.budget if args.budget is not None else BUDGET_S[1]
-    name = ("memory-trace-" if args.memory_trace else "") + (args.name or MOE_RECORD)
+    runs = _in_ddp(runs) if args.ddp else runs
+    name = ("memory-trace-" if args.memory_trace else "") + (args.name or MOE_RECORD + _ddp(args))
     if args.dry_run:
         return _dry_run(runs, f"# budget {budget:.0f}s, 1 rank per run (one GPU), each run in its own process, at most "
                               f"{RUN_CAP_S[1]:.0f}s each", name)
@@ -536,7 +556,7 @@ def main_moe(parser, args, argv) -> int:
                "model": "moe", "shape": worker.MOE_SHAPE, "seq": seq, "micro_batches": worker.MOE_MICRO_BATCHES,
                "micro_batch_size": worker.MOE_MICRO_BATCH_SIZE, "capacity_factor": worker.CAPACITY_FACTOR,
                "routings": list(routings), "world_size": 1, "budget_s": budget, "ours_loss": args.ours_loss,
-               "ours_head": args.ours_head, "summary": summary, "by_config": by_routing, "runs": records}
+               "ours_head": args.ours_head, "ddp": args.ddp, "summary": summary, "by_config": by_routing, "runs": records}
     return _finish(args.device, name, payload, summary, records)
 
 

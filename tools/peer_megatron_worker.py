@@ -22,6 +22,9 @@ Megatron's graph-safe RNG tracker):
   eager`` leaves it eager) and its output layer graphed in place by ``graph_layers`` (``--head
   eager`` leaves it eager; with the embedding on the same stage it is handed the embedding's
   weight, read in place too); gradients in ``.grad``.
+* ``--ddp``: eager and ours in the same ``DistributedDataParallel`` (wrapped after ours graphs the
+  layers, as ``megatron.training`` wraps what the model provider built); the optimizer reads
+  ``main_grad``, and our graphs add into it (``GradPath.HOOKED``, docs/pytorch.md).
 
 The tied embedding of a pipeline's first and last stage is summed by
 ``finalize_model_grads`` (Megatron's DDP) or by Megatron's embedding all-reduce on ``.grad``.
@@ -139,6 +142,9 @@ def parse_args(argv=None):
     p.add_argument("--routing", choices=ROUTINGS, default="capacity",
                    help="moe: capacity (alltoall, drop and pad: graphs whole layers) or dropless (allgather, "
                         "reads the host: graphs around the dispatch)")
+    p.add_argument("--ddp", action="store_true",
+                   help="eager and ours: the model in Megatron's DistributedDataParallel, gradients in main_grad "
+                        "(as megatron.training wraps it; the megatron variant always is)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     opts = p.parse_args(argv)
     if opts.memory_trace and opts.device != "cuda":
@@ -216,14 +222,6 @@ def build(opts, rank: int):
         model.cuda(torch.cuda.current_device())
     model = Float16Module(config, model)
     gpt = model.module
-    if opts.variant == "megatron":
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
-
-        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), model)
-        config.finalize_model_grads_func = finalize_model_grads
-    else:
-        config.finalize_model_grads_func = _tied_grads_finalizer(gpt)
     if opts.variant == "ours":
         from paddle_graphpp.torch import CUDAGraphedModule
 
@@ -251,8 +249,22 @@ def build(opts, rank: int):
             # of the gradient to autograd, which adds the embedding's own as eagerly); the logits
             # feed the graphed loss without a copy.
             graph_layers([gpt.output_layer], name="output_layer")
+    if in_ddp(opts):  # wrapped last, as megatron.training wraps the model its provider built
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=False), model)
+        config.finalize_model_grads_func = finalize_model_grads
+    else:
+        config.finalize_model_grads_func = _tied_grads_finalizer(gpt)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     return model, gpt, config, optimizer, shape
+
+
+def in_ddp(opts) -> bool:
+    """Whether the variant's model is in Megatron's DDP (gradients in ``main_grad``): Megatron's
+    graphs need it; ``--ddp`` puts the others there too."""
+    return opts.variant == "megatron" or opts.ddp
 
 
 def model_config(opts, shape: dict) -> dict:
@@ -396,14 +408,14 @@ def run(opts, rank: int) -> dict:
 
     def step(i: int):
         step_starts_us.append(time.time() * 1e6)
-        if opts.variant == "megatron":
+        if in_ddp(opts):
             model.zero_grad_buffer()
         else:
             optimizer.zero_grad(set_to_none=True)
         out = forward_backward(forward_step_func=forward_step, data_iterator=iter(data[i]), model=[model],
                                num_microbatches=n_micro, seq_length=opts.seq,
                                micro_batch_size=micro_size, forward_only=False)
-        if opts.variant == "megatron":  # its graphs accumulate into main_grad
+        if in_ddp(opts):  # gradients accumulate into main_grad
             params = [p for p in model.parameters() if p.requires_grad]
             for p in params:
                 p.grad = p.main_grad

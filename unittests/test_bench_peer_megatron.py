@@ -213,6 +213,16 @@ def test_ours_runs_name_how_the_last_stage_loss_and_head_run_and_the_others_do_n
     assert all("--loss" not in l and "--head" not in l for l in runs if not l.split()[0].startswith("ours"))
 
 
+@pytest.mark.parametrize("args", [["--pp", "1", "--seqs", "512"], ["--moe"]], ids=["pp1", "moe"])
+def test_a_head_handed_the_embeddings_weight_stays_eager_unless_asked(capsys, args):
+    assert bench_peer_megatron.main([*args, "--dry-run"]) == 0
+    ours = [l for l in capsys.readouterr().out.splitlines()[2:] if l.split()[0].startswith("ours")]
+    assert ours and all("--head eager" in l for l in ours)
+    assert bench_peer_megatron.main([*args, "--dry-run", "--ours-head", "graphed"]) == 0
+    ours = [l for l in capsys.readouterr().out.splitlines()[2:] if l.split()[0].startswith("ours")]
+    assert ours and all("--head graphed" in l for l in ours)
+
+
 def test_a_timed_round_holds_as_many_tokens_at_every_length_on_a_gpu():
     steps = peer_megatron_worker.steps_per_round
     assert [steps(s) * s for s in (512, 1024, 2048)] == [3 * 2048] * 3
@@ -232,6 +242,18 @@ def test_moe_dry_run_lists_each_routing_on_one_gpu_and_names_its_record(capsys):
     runs = out[2:]
     assert all("--model moe" in l and "--seq 256 --tp 1 --pp 1" in l for l in runs)
     assert all(f"--routing {l.split()[0].split('@')[1].split('#')[0]}" in l for l in runs)
+
+
+@pytest.mark.parametrize("args, record", [(["--moe"], "peer-megatron-moe-ddp"), (["--pp", "2"], "peer-megatron-pp2-ddp")])
+def test_with_ddp_eager_and_ours_train_in_megatrons_ddp_into_a_record_of_their_own(capsys, args, record):
+    assert bench_peer_megatron.main([*args, "--ddp", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"# writes benchmarks/results/{record}-<device>.json"
+    runs = out[2:]
+    assert runs and all(("--ddp" in l) == (not l.startswith("megatron")) for l in runs)
+    worker = peer_megatron_worker.parse_args(["--variant", "ours", "--seq", "32", "--ddp"])
+    assert peer_megatron_worker.in_ddp(worker)
+    assert not peer_megatron_worker.in_ddp(peer_megatron_worker.parse_args(["--variant", "eager", "--seq", "32"]))
 
 
 def test_a_moe_memory_trace_runs_each_variant_once_traced_into_a_record_of_its_own(capsys):
