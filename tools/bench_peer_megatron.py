@@ -179,12 +179,12 @@ def _run(variant, seq, tp, pp, rounds, profile, device, memory_trace=False, repe
     args += ["--memory-trace"] if memory_trace else []
     args += ["--device", "cpu"] if device == "cpu" else []
     label = f"{variant}@{routing or f'seq{seq}'}" + (f"#{repeat}" if repeat > 1 else "")
-    return {"label": label, "variant": variant, "seq": seq, "args": args, "env": env}
+    return {"label": label, "variant": variant, "worker": worker_variant, "seq": seq, "args": args, "env": env}
 
 
 def _in_ddp(runs: list) -> list:
     """The runs with eager and ours in Megatron's DDP as well (``--ddp``; Megatron's graphs always are)."""
-    return [dict(r, args=r["args"] + ["--ddp"]) if r["args"][1] != "megatron" else r for r in runs]
+    return [dict(r, args=r["args"] + ["--ddp"]) if r["worker"] != "megatron" else r for r in runs]
 
 
 def _ddp(args) -> str:

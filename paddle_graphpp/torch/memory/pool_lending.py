@@ -326,11 +326,11 @@ def _growths(pool: torch.cuda.MemPool, sizes: list) -> tuple:
     ``pool`` if it borrows it, to the caches outside it if not. Requests of 1 MiB and less come
     from small blocks on either side (2 MiB segments, which no large block serves); the rest
     from large ones."""
-    large, small = [n for n in sizes if n > _SMALL], [n for n in sizes if n <= _SMALL]
     free_large, free_small = _free_blocks(pool), _free_blocks(pool, "small")
-    in_pool = _left_over(free_large, large) + _small_left_over(free_small, small)
-    outside = (_short(sum(large), _default_free(sum(free_large)))
-               + _segments_for(_short(sum(small), _default_free(sum(free_small), "small"))))
+    in_pool = _left_over(free_large, sizes) + _small_left_over(free_small, sizes)
+    large, small = sum(n for n in sizes if n > _SMALL), sum(n for n in sizes if n <= _SMALL)
+    outside = (_short(large, _default_free(sum(free_large)))
+               + _segments_for(_short(small, _default_free(sum(free_small), "small"))))
     return in_pool, outside
 
 
