@@ -79,6 +79,8 @@ STEPS = [
     ("zero-bubble-split", 1, "python tools/bench_zero_bubble.py --single-gpu", "zero-bubble-split-<device>.json"),
     ("peer-megatron-pp1", 1, "python tools/bench_peer_megatron.py --pp 1 --profile", "peer-megatron-pp1-<device>.json"),
     ("peer-megatron-moe", 1, "python tools/bench_peer_megatron.py --moe --budget 400", "peer-megatron-moe-<device>.json"),
+    ("peer-megatron-moe-ddp", 1, "python tools/bench_peer_megatron.py --moe --ddp --variants eager,ours --repeats 1 "
+     "--budget 110", "peer-megatron-moe-ddp-<device>.json"),
     ("gpu-suite", 1, "python tools/gpu_suite.py", "gpu-suite-<device>.json"),
     ("gpu-suite-probe", 1, "python tools/gpu_suite.py --probe --name gpu-suite-probe",
      "gpu-suite-probe-<device>.json"),
