@@ -82,8 +82,43 @@ class DecoderLayer(nn.Layer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+class TopkGate(nn.Layer):
+    """A router of its own (GLM-4-MoE's, DeepSeek-V3's, GPT-OSS's shape), not a lone linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = self.create_parameter([HIDDEN, EXPERTS])
+
+    def forward(self, hidden_states):
+        scores = nn.functional.sigmoid(paddle.matmul(hidden_states.reshape([-1, HIDDEN]).cast("float32"), self.weight))
+        with paddle.no_grad():
+            top = paddle.argmax(scores, axis=-1)
+        weights = scores.max(axis=-1, keepdim=True)
+        return top, weights / (weights.sum(axis=-1, keepdim=True) + 1e-20) * 2.5
+
+
+class RoutedMoE(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.gate = TopkGate()
+        self.experts = Experts()
+        self.shared_experts = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden_states):
+        top, scale = self.gate(hidden_states)
+        flat = hidden_states.reshape([-1, HIDDEN])
+        routed = (self.experts.dispatch(flat, top) * scale).reshape(hidden_states.shape)
+        return routed + self.shared_experts(hidden_states)
+
+
+class RoutedDecoderLayer(DecoderLayer):
+    def __init__(self):
+        super().__init__()
+        self.mlp = RoutedMoE()
+
+
 # The adapter graphs in parts only the layers of PaddleFormers' package.
-DecoderLayer.__module__ = "paddleformers.transformers.fake_moe.modeling"
+DecoderLayer.__module__ = RoutedDecoderLayer.__module__ = "paddleformers.transformers.fake_moe.modeling"
 
 
 class Head(nn.Layer):
@@ -108,11 +143,11 @@ def single_process_fleet(monkeypatch):
     RUNTIME.clear()
 
 
-def build(recompute_interval=0):
+def build(recompute_interval=0, decoder=DecoderLayer):
     paddle.seed(5)
-    layers = [LayerDesc(nn.Embedding, VOCAB, HIDDEN), LayerDesc(DecoderLayer), LayerDesc(DecoderLayer),
+    layers = [LayerDesc(nn.Embedding, VOCAB, HIDDEN), LayerDesc(decoder), LayerDesc(decoder),
               LayerDesc(Head)]
-    model = FleetPipelineLayer(layers, num_stages=1, seg_method="layer:DecoderLayer")
+    model = FleetPipelineLayer(layers, num_stages=1, seg_method=f"layer:{decoder.__name__}")
     model._recompute_interval = recompute_interval  # as PaddleFormers' pipes are set (they build with 0)
     return model
 
@@ -133,7 +168,7 @@ def test_the_attention_is_graphed_in_place_and_the_report_says_what_stays_eager_
                         "parts graphed in place"), report
     assert lines[3] == "graphed in place: self_attn", report
     assert lines[4].startswith("eager: mlp.experts: the dispatch over the experts reads the host"), report
-    assert lines[5].startswith("eager: mlp.gate: its input is read by the experts"), report
+    assert lines[5].startswith("eager: mlp.gate: a lone linear layer"), report
     assert [line.split(":")[1].strip() for line in lines[6:8]] == ["input_layernorm", "post_attention_layernorm"]
     assert lines[-1] == "graphed [3:4) Head#3" and "mark_not_capturable" not in report
     for layer in decoders(model):
@@ -191,3 +226,38 @@ def test_parts_capture_and_replay_while_the_experts_stay_outside_every_capture()
     assert counts == [(name, 2, 2 * (steps * micro - 2)) for name, _, _ in counts], counts
     assert len(counts) == 4
     assert EXPERT_CALLS == {"eager": 2 * steps * micro, "in_capture": 0}
+
+
+def test_a_router_of_its_own_is_graphed_reading_its_own_copy_and_undo_takes_it_out():
+    """A router that is more than a linear layer is graphed in place too, reading its own copy of
+    the mixture's input (test_paddle_own_input.py checks the sums bit for bit): eager for the
+    first micro-batch, whose backward shows where eager autograd adds its gradient, graphed after."""
+    from fake_paddle_runtime import FakePaddleRuntime
+    from fake_runtime import serving
+    from paddle_graphpp.core.process import current_process
+
+    rt = FakePaddleRuntime()
+    RUNTIME["rt"] = rt
+    current_process().reset(rt.name)
+    try:
+        with serving(rt, "paddle"):
+            model = build(decoder=RoutedDecoderLayer)
+            graphs = graph_pipeline(model, num_warmup_steps=1)
+            report = graphs.segmentation_report()
+            gates = [layer.mlp.gate for layer in model.sublayers() if isinstance(layer, RoutedDecoderLayer)]
+            assert [type(gate) for gate in gates] == [TopkGate, TopkGate]  # eager until judged
+            for _ in range(4):
+                model(paddle.randint(0, VOCAB, [2, SEQ])).mean().backward()
+            states = [own.state for own in graphs._own_inputs]
+            graphed = [isinstance(gate, GraphedPart) for gate in gates]
+            counts = {layer.engine.name: layer.engine.captures for layer in graphs.graphed_layers()}
+            graphs.undo()
+    finally:
+        current_process().reset(rt.name)
+    assert "graphed in place: self_attn, mlp.gate" in report and "eager: mlp.gate" not in report, report
+    assert states == ["split", "split"] and graphed == [True, True]
+    assert counts["stage0.layers[1].mlp.gate"] == counts["stage0.layers[2].mlp.gate"] == 2, counts
+    assert EXPERT_CALLS["in_capture"] == 0
+    for gate in gates:
+        assert type(gate) is TopkGate and not gate._forward_pre_hooks and not gate._forward_post_hooks
+    assert not any(layer._forward_pre_hooks or layer._forward_post_hooks for layer in model.sublayers())

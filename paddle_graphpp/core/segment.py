@@ -198,10 +198,15 @@ class Parts:
     """How to graph a block (a layer, a pipeline entry) a capture cannot hold whole, as a
     runtime's adapter says: its sublayers to graph, each in place (``(name relative to the block,
     layer)``, in the block's order), and what runs eagerly between their graphs (``(relative name,
-    why)``). The block's own forward runs eagerly and calls them as before."""
+    why)``). The block's own forward runs eagerly and calls them as before.
+
+    ``own_input``: ``(block, part)`` relative names of graphed parts that read a copy of a block's
+    input of their own, whose gradient is added to the block's after its other readers' (Paddle,
+    whose backward sums a tensor's gradients in the order its readers run: docs/moe.md)."""
 
     graphed: tuple
     eager: tuple
+    own_input: tuple = ()
 
 
 def in_parts(entry: LayerEntry, graphed: Sequence[str], eager: Sequence[tuple]) -> LayerEntry:

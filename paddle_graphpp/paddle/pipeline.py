@@ -38,6 +38,7 @@ from paddle_graphpp.core.options import EngineOptions
 from paddle_graphpp.paddle.compile import to_static_options
 from paddle_graphpp.paddle.graphed import CUDAGraphedLayer, paddle_engine_options
 from paddle_graphpp.paddle.in_place import graphed_forward, swap_in, ungraph_in_place
+from paddle_graphpp.paddle.own_input import OwnInput
 from paddle_graphpp.paddle.loss import graph_loss
 
 __all__ = ["graph_pipeline", "GraphedPipeline", "PipelineLayer"]
@@ -125,9 +126,10 @@ class GraphedPipeline:
     """The graphed runs :func:`graph_pipeline` made of one pipeline model (on this rank)."""
 
     def __init__(self, model, chunks, graphed_layers, graphed_loss=None, recompute_interval=0, attributes=None,
-                 parts=()):
+                 parts=(), own_inputs=()):
         self.model = model
         self._parts = list(parts)  # the sublayers graphed in place (of entries graphed in parts)
+        self._own_inputs = list(own_inputs)  # those of them reading their own copy of a block's input
         self._chunks = chunks
         self._graphed_layers = graphed_layers
         self.graphed_loss = graphed_loss  # the GraphedLoss in fleet's loss list, or None
@@ -188,6 +190,8 @@ class GraphedPipeline:
             engine.retire("the model runs its layers eagerly again (GraphedPipeline.undo())")
         for chunk in self._chunks:
             chunk.run_function[:] = chunk.eager
+        for own in self._own_inputs:
+            own.remove()
         ungraph_in_place(self._parts)
         _fleet.set_recompute_interval(model, self.recompute_interval)
         if self.graphed_loss is not None:
@@ -285,7 +289,9 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         * A layer that synchronises with the host, communicates, or has data-dependent shapes
           must be marked with :func:`paddle_graphpp.mark_not_capturable` before this call,
           unless an adapter graphs it in parts: PaddleFormers' decoder layers with a mixture of
-          experts stay eager, their attention graphed in place (docs/moe.md); with
+          experts stay eager, their attention and router graphed in place (the router from the
+          micro-batch after the first backward, or eager with one warning where a graph of it
+          would not sum its input's gradient as eagerly: docs/moe.md); with
           ``recompute_interval > 0`` such a layer stays eager whole.
         * ``run_function`` holds graphed runs, not single layers, afterwards: code that looks
           for a layer there must do so inside ``GraphedPipeline.eager_view()``.
@@ -315,6 +321,7 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
 
     shared_keys = _fleet.shared_keys(model)
     chunks, graphed_layers, parts = [], [], []  # parts: (sublayer, its CUDAGraphedLayer)
+    own_inputs = []  # (label, entry's layer, block, part, its layer): parts reading a copy of a block's input
     for chunk_id, start, run_function in containers:
         eager = list(run_function)
         prefix = f"stage{_fleet.stage_id(model)}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
@@ -326,10 +333,17 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         for run in runs:
             if not run.graphed:
                 graphed.append(run.entries[0].obj)
-                for rel, part in split[run.start - start][1]:  # an entry graphed in parts
-                    layer = graphed_forward(f"{prefix}.layers[{run.start}].{rel}", part, options=chosen)
+                entry, in_parts_of = split[run.start - start]
+                if in_parts_of is None:
+                    continue
+                label = f"{prefix}.layers[{run.start}]"
+                layers = {}
+                for rel, part in in_parts_of.graphed:  # an entry graphed in parts
+                    layer = layers[rel] = graphed_forward(f"{label}.{rel}", part, options=chosen)
                     graphed_layers.append(layer)
                     parts.append((part, layer))
+                own_inputs.extend((f"{label}.{rel}", entry.obj, block, rel, layers[rel])
+                                  for block, rel in in_parts_of.own_input)
                 continue
             label = f"{prefix}.layers[{run.start}:{run.stop}]"
             layer = CUDAGraphedLayer(_RunBody(run.objects()), name=label, to_static=to_static, options=chosen)
@@ -340,6 +354,8 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
     for part, layer in parts:  # every run and part built (and its options checked) before anything changes
         swap_in(part, layer)
+    own_inputs = [OwnInput(label, entry, entry.get_sublayer(block), entry.get_sublayer(rel), layer)
+                  for label, entry, block, rel, layer in own_inputs]
     for chunk in chunks:
         chunk.run_function[:] = chunk.graphed
     _fleet.set_recompute_interval(model, 0)  # the entries recompute themselves (pipeline_recompute)
@@ -347,7 +363,7 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
     graphed_loss = None if loss_fn is None else _graph_loss(model, loss_fn, chosen)
     before = {attr: model.__dict__.get(attr, _ABSENT) for attr in _SET_ON_MODEL}
     graphs = GraphedPipeline(model, chunks, graphed_layers, graphed_loss, interval, before,
-                             parts=[part for part, _ in parts])
+                             parts=[part for part, _ in parts], own_inputs=own_inputs)
     setattr(model, _GRAPHS_ATTR, graphs)
     for method in ("save_state_dict", "set_state_dir"):
         _with_eager_view(model, method, graphs)
@@ -393,25 +409,25 @@ def _classify(index, obj, shared_keys):
 
 
 def _in_parts(entry, adapters, interval):
-    """``(entry, ((relative name, sublayer), ...))``: an ordinary layer the adapters graph in parts
-    (:meth:`~paddle_graphpp.paddle.integrations.Adapter.graph_parts`) as such, with the sublayers to
-    graph in place; any other entry as it is, with none."""
+    """``(entry, parts)``: an ordinary layer the adapters graph in parts
+    (:meth:`~paddle_graphpp.paddle.integrations.Adapter.graph_parts`) as such, with its
+    :class:`~paddle_graphpp.core.segment.Parts`; any other entry as it is, with ``None``."""
     if entry.kind is not EntryKind.LAYER:
-        return entry, ()
+        return entry, None
     parts = integrations.graph_parts(adapters, entry.name, entry.obj)
     if parts is None:
-        return entry, ()
+        return entry, None
     if not parts.graphed:
         return LayerEntry(entry.index, entry.obj, EntryKind.OPTED_OUT, entry.name,
                           "eager whole: it cannot be captured whole, and nothing in it is graphed around what "
-                          "cannot", (), parts.eager), ()
+                          "cannot", (), parts.eager), None
     if interval > 0:
         # fleet's recompute_hybrid would run the entry's forward again in the backward, and with it
         # the parts' graphed forwards, which would then pair with no backward of their own
         return LayerEntry(entry.index, entry.obj, EntryKind.OPTED_OUT, entry.name,
                           f"eager whole: it cannot be captured whole, and under recompute_interval={interval} "
-                          f"fleet would recompute parts graphed in place", (), parts.eager), ()
-    return in_parts(entry, [name for name, _ in parts.graphed], parts.eager), parts.graphed
+                          f"fleet would recompute parts graphed in place", (), parts.eager), None
+    return in_parts(entry, [name for name, _ in parts.graphed], parts.eager), parts
 
 
 def _with_eager_view(model, method_name, graphs):

@@ -72,8 +72,10 @@ class PaddleRuntime(GraphRuntime, StateSlots, AutocastModes, SplitBackward, Stre
         return isinstance(obj, paddle.Tensor)
 
     def spec(self, tensor) -> TensorSpec:
-        return TensorSpec(tuple(tensor.shape), str(tensor.dtype).replace("paddle.", ""), str(tensor.place),
-                          not tensor.stop_gradient)
+        # Paddle leaves stop_gradient False on integer results of differentiable inputs (top-k
+        # indices); they carry no gradient, and asking autograd for one crashes topk_grad
+        carries = not tensor.stop_gradient and (tensor.is_floating_point() or paddle.is_complex(tensor))
+        return TensorSpec(tuple(tensor.shape), str(tensor.dtype).replace("paddle.", ""), str(tensor.place), carries)
 
     def static_like(self, tensor):
         out = paddle.empty_like(tensor)

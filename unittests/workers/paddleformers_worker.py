@@ -65,6 +65,7 @@ def train(args, route):
             forwards[name] = 0
             layer.register_forward_pre_hook(lambda _l, _i, name=name: forwards.__setitem__(name, forwards[name] + 1))
     record = {
+        "graphed_names": [layer.engine.name for layer in graphs.graphed_layers()] if graphs else [],
         "report": graphs.segmentation_report() if graphs else None,
         "state_dict_keys": list(model.state_dict().keys()),
         "names_before": names_before,

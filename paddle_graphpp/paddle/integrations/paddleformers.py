@@ -107,10 +107,8 @@ _WHY_EXPERTS = ("the dispatch over the experts reads the host (a Python loop ove
                 "a token count tested on the host): no capture can hold it")
 _WHY_NORM = ("a norm on the residual stream: graphed alone, the gradient of its input, which the residual add "
              "reads too, would be summed in another order than eager autograd sums it (not bit for bit)")
-_WHY_ROUTER = ("its input is read by the experts (and shared experts) too, and Paddle's backward adds the gradients "
-               "of a tensor read three or more times in the order their nodes become ready: one graphed node in "
-               "place of the router's chain of operations changes that order (GLM-4-MoE's losses then differ from "
-               "eager in the last bits)")
+_WHY_LINEAR = ("a lone linear layer: the mixture's own forward does the softmax and top-k, so a graph of it would "
+               "launch one kernel as a graph")
 _WHY_SHARED = ("reads the mixture's input, which the router and the experts read too: graphed alone, that "
                "input's gradient would be summed in another order than eager autograd sums it (not bit for bit)")
 
@@ -136,10 +134,16 @@ def _parts(layer) -> Parts | None:
     children = dict(block.named_children())
     graphed = [(name, child) for name, child in layer.named_children() if name.endswith(_ATTENTION_SUFFIXES)]
     eager = [(f"{path}.{_EXPERTS}", _WHY_EXPERTS)]
-    eager += [(f"{path}.{name}", _WHY_ROUTER) for name in _ROUTERS if name in children]
+    own_input = []
+    for name in (name for name in _ROUTERS if name in children):
+        if isinstance(children[name], nn.Linear):
+            eager.append((f"{path}.{name}", _WHY_LINEAR))
+        else:  # graphed, reading its own copy of the mixture's input (docs/moe.md)
+            graphed.append((f"{path}.{name}", children[name]))
+            own_input.append((path, f"{path}.{name}"))
     eager += [(f"{path}.{name}", _WHY_SHARED) for name in children if name.startswith("shared_expert")]
     eager += [(name, _WHY_NORM) for name, child in layer.named_children() if "Norm" in type(child).__name__]
-    return Parts(tuple(graphed), tuple(eager))
+    return Parts(tuple(graphed), tuple(eager), tuple(own_input))
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +161,13 @@ class PaddleFormersAdapter(Adapter):
 
     def graph_parts(self, name: str, layer) -> Parts | None:
         """For a PaddleFormers decoder layer with a mixture of experts: its attention (each child
-        named ``...attn`` / ``...attention``), graphed in place; its experts, router (``gate`` /
-        ``router`` beside ``experts``), shared experts and norms eager, and why. The attention's
-        input is its norm's output, read by nothing else, so its graph hands autograd the gradient
-        eager autograd sums (PyTorch's runtime graphs the router too: its backward adds in creation
-        order, Paddle's in readiness order). ``None`` for any other layer."""
+        named ``...attn`` / ``...attention``) and its router (``gate`` / ``router`` beside
+        ``experts``) graphed in place; its experts, shared experts and norms eager, and why, and a
+        router that is a lone linear layer too. The attention's input is its norm's output, read by
+        nothing else, so its graph hands autograd the gradient eager autograd sums. The router's
+        input is read by the experts (and shared experts) too: it reads its own copy, whose
+        gradient is added last, where the layer's first training call shows that eager adds it
+        last (:class:`~paddle_graphpp.paddle.own_input.OwnInput`). ``None`` for any other layer."""
         if not isinstance(layer, nn.Layer) or not _own(layer):
             return None
         return _parts(layer)
