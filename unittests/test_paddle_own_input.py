@@ -143,13 +143,18 @@ def same(a, b) -> bool:
     return all(np.array_equal(u, v) for u, v in zip(a, b))
 
 
+def twins(cls, seed):
+    """Two instances of ``cls`` with the same initial parameters: one to train eagerly, one to graph."""
+    paddle.seed(seed)
+    eager = cls()
+    paddle.seed(seed)
+    return eager, cls()
+
+
 def test_a_router_read_last_by_eager_autograd_is_graphed_and_sums_as_eagerly(fake_runtime):
     from paddle_graphpp.paddle.in_place import GraphedPart
 
-    paddle.seed(3)
-    eager = Mixture()
-    paddle.seed(3)
-    block = Mixture()
+    eager, block = twins(Mixture, 3)
     layer, own = graph_router(block)
     assert type(block.gate) is TopkRouter and own.state == "probe"  # eager until judged
     xs = inputs()
@@ -171,10 +176,7 @@ def test_without_the_copy_the_graphed_router_would_not_sum_as_eagerly(fake_runti
     from paddle_graphpp.core.options import EngineOptions
     from paddle_graphpp.paddle.in_place import graphed_forward, swap_in
 
-    paddle.seed(3)
-    eager = Mixture()
-    paddle.seed(3)
-    block = Mixture()
+    eager, block = twins(Mixture, 3)
     swap_in(block.gate, graphed_forward("mixture.gate", block.gate, options=EngineOptions(num_warmup_steps=0)))
     xs = inputs()
     (want,), (got,) = train(eager, 1, xs), train(block, 1, xs)  # the router's recorded step
@@ -183,10 +185,7 @@ def test_without_the_copy_the_graphed_router_would_not_sum_as_eagerly(fake_runti
 
 
 def test_a_router_eager_autograd_reads_first_stays_eager_with_one_warning(fake_runtime):
-    paddle.seed(4)
-    eager = DeepExperts()
-    paddle.seed(4)
-    block = DeepExperts()
+    eager, block = twins(DeepExperts, 4)
     layer, own = graph_router(block)
     xs = inputs()
     want = train(eager, 3, xs)
@@ -201,8 +200,7 @@ def test_a_router_eager_autograd_reads_first_stays_eager_with_one_warning(fake_r
 
 
 def test_undo_takes_the_copy_out(fake_runtime):
-    paddle.seed(3)
-    block = Mixture()
+    eager, block = twins(Mixture, 3)
     layer, own = graph_router(block)
     xs = inputs()
     train(block, 2, xs)
@@ -211,9 +209,7 @@ def test_undo_takes_the_copy_out(fake_runtime):
     from paddle_graphpp.paddle.in_place import ungraph_in_place
 
     ungraph_in_place([block.gate])
-    paddle.seed(3)
-    eager = Mixture()
-    assert type(block.gate) is TopkRouter
+    assert type(block.gate) is TopkRouter  # no optimizer step ran: the twins' parameters are alike
     assert all(same(w, g) for w, g in zip(train(eager, 1, xs[2:]), train(block, 1, xs[2:])))
 
 
