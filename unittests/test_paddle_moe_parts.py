@@ -249,12 +249,17 @@ def test_a_router_of_its_own_is_graphed_reading_its_own_copy_and_undo_takes_it_o
             for _ in range(4):
                 model(paddle.randint(0, VOCAB, [2, SEQ])).mean().backward()
             states = [own.state for own in graphs._own_inputs]
+            after = graphs.segmentation_report()
             graphed = [isinstance(gate, GraphedPart) for gate in gates]
             counts = {layer.engine.name: layer.engine.captures for layer in graphs.graphed_layers()}
             graphs.undo()
     finally:
         current_process().reset(rt.name)
     assert "graphed in place: self_attn, mlp.gate" in report and "eager: mlp.gate" not in report, report
+    assert report.splitlines()[-2:] == [
+        f"stage0.layers[{i}].mlp.gate: eager until the backward of its layer's first training micro-batch shows the "
+        f"order its input's gradients are summed in" for i in (1, 2)], report
+    assert "mlp.gate: eager" not in after and after.splitlines()[-1] == "  graphed [3:4) Head#3", after
     assert states == ["split", "split"] and graphed == [True, True]
     assert counts["stage0.layers[1].mlp.gate"] == counts["stage0.layers[2].mlp.gate"] == 2, counts
     assert EXPERT_CALLS["in_capture"] == 0

@@ -195,6 +195,7 @@ def test_a_router_eager_autograd_reads_first_stays_eager_with_one_warning(fake_r
     messages = [str(w.message) for w in caught if "stays eager" in str(w.message)]
     assert len(messages) == 1 and "mixture.gate stays eager: eager autograd adds its gradient" in messages[0], messages
     assert own.state == "eager" and type(block.gate) is ShortRouter
+    assert own.describe().startswith("mixture.gate: eager: eager autograd adds its gradient")
     assert layer.engine.captures == 0
     assert all(same(w, g) for w, g in zip(want, got))
 

@@ -76,6 +76,7 @@ class OwnInput:
     def __init__(self, label: str, entry, block, part, graphed):
         self.label, self.part, self.graphed = label, part, graphed
         self.state = "probe"  # then "split" (graphed) or "eager" (judged inexact)
+        self.why = ""  # why it stays eager
         self._probe = None  # the probe call's: {"input", "reads_input", "outputs"}
         self._ran = None  # the input's readers as the probe's backward runs them: [is the part's, ...]
         self._readers = 0
@@ -85,6 +86,15 @@ class OwnInput:
                          part.register_forward_pre_hook(self._before_part),
                          part.register_forward_post_hook(self._after_part),
                          entry.register_forward_post_hook(self._after_entry)]
+
+    def describe(self) -> str | None:
+        """A line for the segmentation report while the part is not graphed; ``None`` once it is."""
+        if self.state == "probe":
+            return (f"{self.label}: eager until the backward of its layer's first training micro-batch shows the "
+                    f"order its input's gradients are summed in")
+        if self.state == "eager":
+            return f"{self.label}: eager: {self.why}"
+        return None
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -175,6 +185,6 @@ class OwnInput:
                           f"({terms} terms), which a graph of it cannot reproduce")
 
     def _give_up(self, why: str) -> None:
-        self.state = "eager"
+        self.state, self.why = "eager", why
         self.remove()
         warn(f"{self.label} stays eager: {why}; the rest of its layer stays graphed")

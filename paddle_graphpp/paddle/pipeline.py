@@ -146,12 +146,15 @@ class GraphedPipeline:
 
     def segmentation_report(self) -> str:
         """How this rank's chunks were split: one line per graphed or eager run; under an entry
-        graphed in parts, its sublayers graphed in place and what stays eager, and why."""
+        graphed in parts, its sublayers graphed in place and what stays eager, and why; a line
+        for each part graphed in place that is still eager, or stays eager, reading its own copy
+        of its block's input (:class:`~paddle_graphpp.paddle.own_input.OwnInput`)."""
         lines = []
         stage = _fleet.stage_id(self.model)
         for chunk in self._chunks:
             lines.append(f"stage {stage}" + (f" chunk {chunk.chunk_id}" if chunk.chunk_id is not None else "") + ":")
             lines.extend("  " + line for line in describe_runs(chunk.runs).splitlines())
+        lines.extend(line for line in (own.describe() for own in self._own_inputs) if line)
         if self.recompute_interval:
             lines.append(f"recompute_interval={self.recompute_interval}: graphed runs recompute inside their own "
                          f"graphs, eager entries under fleet's recompute_hybrid")
