@@ -248,7 +248,7 @@ def test_a_router_of_its_own_is_graphed_reading_its_own_copy_and_undo_takes_it_o
             assert [type(gate) for gate in gates] == [TopkGate, TopkGate]  # eager until judged
             for _ in range(4):
                 model(paddle.randint(0, VOCAB, [2, SEQ])).mean().backward()
-            states = [own.state for own in graphs._own_inputs]
+            states = [own.state.value for own in graphs._own_inputs]
             after = graphs.segmentation_report()
             graphed = [isinstance(gate, GraphedPart) for gate in gates]
             counts = {layer.engine.name: layer.engine.captures for layer in graphs.graphed_layers()}
@@ -257,7 +257,7 @@ def test_a_router_of_its_own_is_graphed_reading_its_own_copy_and_undo_takes_it_o
         current_process().reset(rt.name)
     assert "graphed in place: self_attn, mlp.gate" in report and "eager: mlp.gate" not in report, report
     assert report.splitlines()[-2:] == [
-        f"stage0.layers[{i}].mlp.gate: eager until the backward of its layer's first training micro-batch shows the "
+        f"stage0.layers[{i}].mlp.gate: eager until the backward of a training micro-batch of its layer shows the "
         f"order its input's gradients are summed in" for i in (1, 2)], report
     assert "mlp.gate: eager" not in after and after.splitlines()[-1] == "  graphed [3:4) Head#3", after
     assert states == ["split", "split"] and graphed == [True, True]

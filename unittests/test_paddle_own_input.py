@@ -28,6 +28,8 @@ from paddle.nn import functional as F  # noqa: E402
 
 from installs import skip_without_paddleformers  # noqa: E402
 
+from paddle_graphpp.paddle.own_input import Judgement  # noqa: E402
+
 HIDDEN, EXPERTS, TOKENS = 8, 4, 12
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,14 +112,14 @@ def fake_runtime():
     current_process().reset(rt.name)
 
 
-def train(block, steps, inputs):
+def train(block, steps, inputs, by_keyword=False):
     """Per call: the input's gradient, then every parameter's, as numpy arrays."""
     got = []
     for x0 in inputs[:steps]:
         x = x0.clone()
         x.stop_gradient = False
         h = paddle.tanh(x)  # the input has a producer, as a norm's output has
-        out = block(h)
+        out = block(hidden_states=h) if by_keyword else block(h)
         (out * out).mean().backward()
         got.append([x.grad.numpy().copy()] + [p.grad.numpy().copy() for p in block.parameters()])
         block.clear_gradients()
@@ -156,16 +158,16 @@ def test_a_router_read_last_by_eager_autograd_is_graphed_and_sums_as_eagerly(fak
 
     eager, block = twins(Mixture, 3)
     layer, own = graph_router(block)
-    assert type(block.gate) is TopkRouter and own.state == "probe"  # eager until judged
+    assert type(block.gate) is TopkRouter and own.state is Judgement.WATCHING  # eager until judged
     xs = inputs()
     want = train(eager, 3, xs)
-    got = train(block, 1, xs)  # the probe: router eager and unsplit
+    got = train(block, 1, xs)  # watched: the router eager and unsplit
     assert same(want[0], got[0]) and type(block.gate) is TopkRouter
     # judged: split and graphed. The router's first call is its engine's recorded step: one node
     # of the graphed layer's in autograd, computed for real (the fake runtime's captures and
     # replays leave stale values), which is what changes the order the input's gradient sums in
     got += train(block, 1, xs[1:])
-    assert own.state == "split" and isinstance(block.gate, GraphedPart) and isinstance(block.gate, TopkRouter)
+    assert own.state is Judgement.SPLIT and isinstance(block.gate, GraphedPart) and isinstance(block.gate, TopkRouter)
     assert same(want[1], got[1]), "the graphed router's call differs from eager"
     train(block, 1, xs[2:])
     assert layer.engine.captures == 2 and layer.engine.replays == 2
@@ -194,7 +196,7 @@ def test_a_router_eager_autograd_reads_first_stays_eager_with_one_warning(fake_r
         got = train(block, 3, xs)
     messages = [str(w.message) for w in caught if "stays eager" in str(w.message)]
     assert len(messages) == 1 and "mixture.gate stays eager: eager autograd adds its gradient" in messages[0], messages
-    assert own.state == "eager" and type(block.gate) is ShortRouter
+    assert own.state is Judgement.EAGER and type(block.gate) is ShortRouter
     assert own.describe().startswith("mixture.gate: eager: eager autograd adds its gradient")
     assert layer.engine.captures == 0
     assert all(same(w, g) for w, g in zip(want, got))
@@ -205,7 +207,7 @@ def test_undo_takes_the_copy_out(fake_runtime):
     layer, own = graph_router(block)
     xs = inputs()
     train(block, 2, xs)
-    assert own.state == "split"
+    assert own.state is Judgement.SPLIT
     own.remove()
     from paddle_graphpp.paddle.in_place import ungraph_in_place
 
@@ -225,5 +227,35 @@ def test_paddleformers_routers_graphed_in_place_sum_as_eagerly():
     for name, result in results.items():
         # without the copy: GLM-4-MoE's and DeepSeek-V3's inputs have three readers (router, experts,
         # shared experts), GPT-OSS's two, whose sum is the same in either order
-        assert result == {"state": "split", "captures": 2, "probe_equal": True, "graphed_equal": True,
+        assert result == {"state": "split", "captures": 2, "watched_equal": True, "graphed_equal": True,
                           "without_copy_equal": name == "gpt_oss"}, (name, result)
+
+
+def test_a_first_forward_without_backward_is_not_the_one_judged(fake_runtime):
+    """A forward whose backward never runs (a look at the loss, an evaluation pass with gradients
+    on) leaves the router eager and watching: the next training call's backward judges it."""
+    eager, block = twins(Mixture, 3)
+    layer, own = graph_router(block)
+    xs = inputs(4)
+    block(_requiring_grad(xs[3]))  # no backward
+    block.eval()
+    block(_requiring_grad(xs[3]))  # an evaluation pass: not watched
+    block.train()
+    want, got = train(eager, 2, xs), train(block, 2, xs)
+    assert own.state is Judgement.SPLIT and same(want[1], got[1])
+    assert "eager until" not in (own.describe() or "")
+
+
+def test_a_block_called_by_keyword_reads_its_copy_too(fake_runtime):
+    eager, block = twins(Mixture, 3)
+    layer, own = graph_router(block)
+    xs = inputs()
+    want, got = train(eager, 2, xs), train(block, 2, xs, by_keyword=True)
+    assert own.state is Judgement.SPLIT and all(same(w, g) for w, g in zip(want, got))
+
+
+def _requiring_grad(t):
+    """``tanh(t)`` of a copy of ``t`` that requires a gradient: an input with a producer."""
+    t = t.clone()
+    t.stop_gradient = False
+    return paddle.tanh(t)

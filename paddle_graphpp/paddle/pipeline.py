@@ -324,7 +324,7 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
 
     shared_keys = _fleet.shared_keys(model)
     chunks, graphed_layers, parts = [], [], []  # parts: (sublayer, its CUDAGraphedLayer)
-    own_inputs = []  # (label, entry's layer, block, part, its layer): parts reading a copy of a block's input
+    reading_copies = []  # (label, entry's layer, block, part, its layer): parts to read a copy of a block's input
     for chunk_id, start, run_function in containers:
         eager = list(run_function)
         prefix = f"stage{_fleet.stage_id(model)}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
@@ -345,7 +345,7 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
                     layer = layers[rel] = graphed_forward(f"{label}.{rel}", part, options=chosen)
                     graphed_layers.append(layer)
                     parts.append((part, layer))
-                own_inputs.extend((f"{label}.{rel}", entry.obj, block, rel, layers[rel])
+                reading_copies.extend((f"{label}.{rel}", entry.obj, block, rel, layers[rel])
                                   for block, rel in in_parts_of.own_input)
                 continue
             label = f"{prefix}.layers[{run.start}:{run.stop}]"
@@ -358,7 +358,7 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
     for part, layer in parts:  # every run and part built (and its options checked) before anything changes
         swap_in(part, layer)
     own_inputs = [OwnInput(label, entry, entry.get_sublayer(block), entry.get_sublayer(rel), layer)
-                  for label, entry, block, rel, layer in own_inputs]
+                  for label, entry, block, rel, layer in reading_copies]
     for chunk in chunks:
         chunk.run_function[:] = chunk.graphed
     _fleet.set_recompute_interval(model, 0)  # the entries recompute themselves (pipeline_recompute)

@@ -31,6 +31,9 @@ from .memory.allocator import async_allocator_active as _async_allocator_active
 __all__ = ["PaddleRuntime", "RUNTIME", "active_runtime"]
 
 
+_INTEGRAL = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64"})  # dtypes without gradients
+
+
 class _GraphedPyLayer(PyLayer):
     """Autograd node of one graphed call (the logic is the core's). Paddle wants one gradient
     per tensor input, ``None`` where the input has stop_gradient=True: that is what it gets.
@@ -74,8 +77,9 @@ class PaddleRuntime(GraphRuntime, StateSlots, AutocastModes, SplitBackward, Stre
     def spec(self, tensor) -> TensorSpec:
         # Paddle leaves stop_gradient False on integer results of differentiable inputs (top-k
         # indices); they carry no gradient, and asking autograd for one crashes topk_grad
-        carries = not tensor.stop_gradient and (tensor.is_floating_point() or paddle.is_complex(tensor))
-        return TensorSpec(tuple(tensor.shape), str(tensor.dtype).replace("paddle.", ""), str(tensor.place), carries)
+        dtype = str(tensor.dtype).replace("paddle.", "")
+        return TensorSpec(tuple(tensor.shape), dtype, str(tensor.place),
+                          not tensor.stop_gradient and dtype not in _INTEGRAL)
 
     def static_like(self, tensor):
         out = paddle.empty_like(tensor)

@@ -1,7 +1,7 @@
 """PaddleFormers 1.2.0's routers graphed in place, each reading its own copy of its mixture's input
 (paddle_graphpp/paddle/own_input.py), on CPU with the fake runtime, against the same mixture
 trained eagerly: for GLM-4-MoE, DeepSeek-V3 and GPT-OSS (their tiny configurations from
-paddleformers_zoo.py), the probe call and the router's first graphed call (its recorded step,
+paddleformers_zoo.py), the watched call and the router's first graphed call (its recorded step,
 computed through the graphed node), bit for bit; and the router graphed reading the mixture's
 input itself, which sums that input's gradient in another order where the mixture reads it three
 times or more. Prints one JSON line: per class, the router's state, its engine's captures after a
@@ -80,10 +80,10 @@ def check(name):
     current_process().reset(rt.name)
     with serving(rt, "paddle"):
         block, layer, own = graphed(name, copy=True)
-        got = train(block, inputs[:2])  # the probe, then the router's recorded step
+        got = train(block, inputs[:2])  # the watched call, then the router's recorded step
         train(block, inputs[2:])  # the capture
-        result = {"state": own.state, "captures": layer.engine.captures,
-                  "probe_equal": same(want[0], got[0]), "graphed_equal": same(want[1], got[1])}
+        result = {"state": own.state.value, "captures": layer.engine.captures,
+                  "watched_equal": same(want[0], got[0]), "graphed_equal": same(want[1], got[1])}
         block, _, _ = graphed(name, copy=False)  # its recorded step, reading the mixture's input
         result["without_copy_equal"] = same(want[0], train(block, inputs[:1])[0])
     current_process().reset(rt.name)
