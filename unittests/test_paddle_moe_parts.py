@@ -228,10 +228,11 @@ def test_parts_capture_and_replay_while_the_experts_stay_outside_every_capture()
     assert EXPERT_CALLS == {"eager": 2 * steps * micro, "in_capture": 0}
 
 
-def test_a_router_of_its_own_is_graphed_reading_its_own_copy_and_undo_takes_it_out():
-    """A router that is more than a linear layer is graphed in place too, reading its own copy of
-    the mixture's input (test_paddle_own_input.py checks the sums bit for bit): eager for the
-    first micro-batch, whose backward shows where eager autograd adds its gradient, graphed after."""
+def test_a_router_of_its_own_and_shared_experts_are_graphed_reading_copies_and_undo_takes_them_out():
+    """A router that is more than a linear layer is graphed in place too, and the shared experts
+    beside it, each reading its own copy of the mixture's input (test_paddle_own_input.py checks
+    the sums bit for bit): eager for the first micro-batch, whose backward shows the order eager
+    autograd adds their gradients in, graphed after."""
     from fake_paddle_runtime import FakePaddleRuntime
     from fake_runtime import serving
     from paddle_graphpp.core.process import current_process
@@ -248,20 +249,21 @@ def test_a_router_of_its_own_is_graphed_reading_its_own_copy_and_undo_takes_it_o
             assert [type(gate) for gate in gates] == [TopkGate, TopkGate]  # eager until judged
             for _ in range(4):
                 model(paddle.randint(0, VOCAB, [2, SEQ])).mean().backward()
-            states = [own.state.value for own in graphs._own_inputs]
+            states = [own.graphed_parts for own in graphs._own_inputs]
             after = graphs.segmentation_report()
             graphed = [isinstance(gate, GraphedPart) for gate in gates]
             counts = {layer.engine.name: layer.engine.captures for layer in graphs.graphed_layers()}
             graphs.undo()
     finally:
         current_process().reset(rt.name)
-    assert "graphed in place: self_attn, mlp.gate" in report and "eager: mlp.gate" not in report, report
-    assert report.splitlines()[-2:] == [
-        f"stage0.layers[{i}].mlp.gate: eager until the backward of a training micro-batch of its layer shows the "
-        f"order its input's gradients are summed in" for i in (1, 2)], report
-    assert "mlp.gate: eager" not in after and after.splitlines()[-1] == "  graphed [3:4) Head#3", after
-    assert states == ["split", "split"] and graphed == [True, True]
-    assert counts["stage0.layers[1].mlp.gate"] == counts["stage0.layers[2].mlp.gate"] == 2, counts
+    assert "graphed in place: self_attn, mlp.gate, mlp.shared_experts" in report and "eager: mlp.gate" not in report
+    assert report.splitlines()[-4:] == [
+        f"stage0.layers[{i}].mlp.{part}: eager until the backward of a training micro-batch of its layer shows the "
+        f"order its input's gradients are summed in" for i in (1, 2) for part in ("gate", "shared_experts")], report
+    assert after.splitlines()[-1] == "  graphed [3:4) Head#3", after
+    assert states == [(0, 1), (0, 1)] and graphed == [True, True]
+    assert {name: n for name, n in counts.items() if ".mlp." in name} == {
+        f"stage0.layers[{i}].mlp.{part}": 2 for i in (1, 2) for part in ("gate", "shared_experts")}, counts
     assert EXPERT_CALLS["in_capture"] == 0
     for gate in gates:
         assert type(gate) is TopkGate and not gate._forward_pre_hooks and not gate._forward_post_hooks

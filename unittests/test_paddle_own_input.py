@@ -7,7 +7,7 @@ mixture's first training call runs the router eagerly and records the order; the
 graphed reading a copy whose gradient is added last, where that equals eager's sum. The fake
 runtime's capture runs the code for real (its replays only count), so the call that captures the
 router is compared with eager bit for bit: through the split and through the graphed node. The
-real PaddleFormers routers (GLM-4-MoE, DeepSeek-V3, GPT-OSS) are checked the same way by
+real PaddleFormers routers and shared experts (GLM-4-MoE, DeepSeek-V3, GPT-OSS) are checked the same way by
 unittests/workers/own_input_worker.py in a process of its own (importing PaddleFormers switches
 transformers' PyTorch support off).
 """
@@ -126,14 +126,25 @@ def train(block, steps, inputs, by_keyword=False):
     return got
 
 
-def graph_router(block):
+def graph_parts(block, names=("gate",)):
+    """``block``'s sublayers ``names`` graphed in place, reading their own copies of its input: the
+    parts' graphed layers and the OwnInput."""
     from paddle_graphpp.core.options import EngineOptions
     from paddle_graphpp.paddle.in_place import graphed_forward, swap_in
     from paddle_graphpp.paddle.own_input import OwnInput
 
-    layer = graphed_forward("mixture.gate", block.gate, options=EngineOptions(num_warmup_steps=0))
-    swap_in(block.gate, layer)
-    return layer, OwnInput("mixture.gate", block, block, block.gate, layer)
+    parts = []
+    for name in names:
+        part = getattr(block, name)
+        layer = graphed_forward(f"mixture.{name}", part, options=EngineOptions(num_warmup_steps=0))
+        swap_in(part, layer)
+        parts.append((f"mixture.{name}", part, layer))
+    return [layer for _, _, layer in parts], OwnInput(block, block, parts)
+
+
+def graph_router(block):
+    (layer,), own = graph_parts(block)
+    return layer, own
 
 
 def inputs(n=3):
@@ -167,7 +178,8 @@ def test_a_router_read_last_by_eager_autograd_is_graphed_and_sums_as_eagerly(fak
     # of the graphed layer's in autograd, computed for real (the fake runtime's captures and
     # replays leave stale values), which is what changes the order the input's gradient sums in
     got += train(block, 1, xs[1:])
-    assert own.state is Judgement.SPLIT and isinstance(block.gate, GraphedPart) and isinstance(block.gate, TopkRouter)
+    assert own.state is Judgement.JUDGED and own.graphed_parts == (0,)
+    assert isinstance(block.gate, GraphedPart) and isinstance(block.gate, TopkRouter)
     assert same(want[1], got[1]), "the graphed router's call differs from eager"
     train(block, 1, xs[2:])
     assert layer.engine.captures == 2 and layer.engine.replays == 2
@@ -196,8 +208,9 @@ def test_a_router_eager_autograd_reads_first_stays_eager_with_one_warning(fake_r
         got = train(block, 3, xs)
     messages = [str(w.message) for w in caught if "stays eager" in str(w.message)]
     assert len(messages) == 1 and "mixture.gate stays eager: eager autograd adds its gradient" in messages[0], messages
-    assert own.state is Judgement.EAGER and type(block.gate) is ShortRouter
-    assert own.describe().startswith("mixture.gate: eager: eager autograd adds its gradient")
+    assert own.state is Judgement.JUDGED and own.graphed_parts == () and type(block.gate) is ShortRouter
+    assert own.describe() == [f"mixture.gate: eager: {own.eager_parts[0]}"]
+    assert own.eager_parts[0].startswith("eager autograd adds its gradient to its input's between other readers'")
     assert layer.engine.captures == 0
     assert all(same(w, g) for w, g in zip(want, got))
 
@@ -207,7 +220,7 @@ def test_undo_takes_the_copy_out(fake_runtime):
     layer, own = graph_router(block)
     xs = inputs()
     train(block, 2, xs)
-    assert own.state is Judgement.SPLIT
+    assert own.graphed_parts == (0,)
     own.remove()
     from paddle_graphpp.paddle.in_place import ungraph_in_place
 
@@ -227,8 +240,9 @@ def test_paddleformers_routers_graphed_in_place_sum_as_eagerly():
     for name, result in results.items():
         # without the copy: GLM-4-MoE's and DeepSeek-V3's inputs have three readers (router, experts,
         # shared experts), GPT-OSS's two, whose sum is the same in either order
-        assert result == {"state": "split", "captures": 2, "watched_equal": True, "graphed_equal": True,
-                          "without_copy_equal": name == "gpt_oss"}, (name, result)
+        parts = ["router"] if name == "gpt_oss" else ["gate", "shared_experts"]
+        assert result == {"graphed": parts, "captures": [2] * len(parts), "watched_equal": True,
+                          "graphed_equal": True, "without_copy_equal": name == "gpt_oss"}, (name, result)
 
 
 def test_a_first_forward_without_backward_is_not_the_one_judged(fake_runtime):
@@ -242,8 +256,8 @@ def test_a_first_forward_without_backward_is_not_the_one_judged(fake_runtime):
     block(_requiring_grad(xs[3]))  # an evaluation pass: not watched
     block.train()
     want, got = train(eager, 2, xs), train(block, 2, xs)
-    assert own.state is Judgement.SPLIT and same(want[1], got[1])
-    assert "eager until" not in (own.describe() or "")
+    assert own.graphed_parts == (0,) and same(want[1], got[1])
+    assert own.describe() == []
 
 
 def test_a_block_called_by_keyword_reads_its_copy_too(fake_runtime):
@@ -251,7 +265,7 @@ def test_a_block_called_by_keyword_reads_its_copy_too(fake_runtime):
     layer, own = graph_router(block)
     xs = inputs()
     want, got = train(eager, 2, xs), train(block, 2, xs, by_keyword=True)
-    assert own.state is Judgement.SPLIT and all(same(w, g) for w, g in zip(want, got))
+    assert own.graphed_parts == (0,) and all(same(w, g) for w, g in zip(want, got))
 
 
 def _requiring_grad(t):
@@ -259,3 +273,33 @@ def _requiring_grad(t):
     t = t.clone()
     t.stop_gradient = False
     return paddle.tanh(t)
+
+
+def test_a_router_and_a_shared_expert_each_read_a_copy_added_in_eagers_order(fake_runtime):
+    """Eager autograd adds the shared expert's gradient first, the experts' next, the router's last:
+    three copies, added up in that order."""
+    eager, block = twins(Mixture, 3)
+    layers, own = graph_parts(block, ("gate", "shared_experts"))
+    xs = inputs()
+    want = train(eager, 3, xs)
+    got = train(block, 2, xs)  # watched, then both graphed: their recorded steps
+    assert own.graphed_parts == (0, 1) and own.eager_parts == {}
+    assert same(want[1], got[1]), "the graphed parts' call differs from eager"
+    train(block, 1, xs[2:])
+    assert [layer.engine.captures for layer in layers] == [2, 2]
+
+
+def test_the_groups_copies_can_stand_for():
+    from paddle_graphpp.paddle.own_input import _groups
+
+    rest, router, shared = None, 0, 1
+    # eager's terms in order: (part or None for the other readers, terms)
+    assert _groups([(shared, 1), (rest, 1), (router, 1)], (router, shared)) == [[shared, 1], [rest, 1], [router, 1]]
+    assert _groups([(shared, 1), (shared, 1), (rest, 1), (router, 1)], (router, shared)) is not None  # 2 in one
+    assert _groups([(rest, 1), (rest, 1), (router, 1)], (router,)) == [[rest, 2], [router, 1]]  # a prefix
+    assert _groups([(router, 1), (rest, 1), (rest, 1)], (router,)) is None  # the rest after a part
+    assert _groups([(rest, 1), (router, 1), (rest, 1)], (router,)) is None  # the rest in two runs
+    assert _groups([(router, 1), (rest, 1)], (router,)) == [[router, 1], [rest, 1]]  # two terms: any order
+    assert _groups([(rest, 1), (shared, 1), (rest, 1), (router, 1)], (router, shared)) is None  # rest in two runs
+    assert _groups([(rest, 1), (shared, 1), (rest, 1), (router, 1)], (router,)) == [[rest, 3], [router, 1]]
+    assert _groups([(shared, 1), (rest, 1), (router, 1)], (router,)) == [[rest, 2], [router, 1]]

@@ -1,19 +1,22 @@
-"""A part graphed in place that reads its own copy of its block's input: :class:`OwnInput`.
+"""Parts graphed in place that read their own copies of their block's input: :class:`OwnInput`.
 
 Paddle's eager backward adds up the gradient of a tensor read by several operations in the order
 those readers run, and it runs a node once every node that hands it a gradient has run (a
 first-in, first-out queue, ``egr::RunBackward``). A mixture of experts' router graphed in place is
 one node where eager had a chain of operations (a linear layer, a sigmoid or softmax, a top-k, a
 normalisation): it becomes ready sooner, so the mixture's input would get the router's gradient
-earlier in the sum than eagerly, and differ in the last bits.
+earlier in the sum than eagerly, and differ in the last bits. A graphed shared expert is one node
+in place of its projections: the same holds.
 
-So the router reads a copy of the mixture's input of its own, and the mixture's other readers
-another: one node (:class:`_Split`) hands back the other readers' gradient, summed by Paddle in
-eager's order, plus the router's, last. That equals eager's sum where eager adds the router's
-last, or where there are two terms in all. Which holds is read, not assumed: until one of them has
-had its backward, the block's training calls run the router eager and unsplit, with hooks on the
-input's readers that record the order the backward runs them in; the router is graphed once that
-order says the split is exact, and otherwise stays eager, with one warning. The judgement holds
+So each graphed part reads a copy of the mixture's input of its own, and the mixture's other
+readers one more: one node (:class:`_Split`) adds the copies' gradients up in an order of its
+own. That equals eager's sum where eager's terms, taken in the order it adds them, fall into the
+copies' groups one after another, every group after the first a single term (a part reading the
+input twice, as a shared expert's two projections do, sums its two inside its graph, in either
+order alike). Which holds is read, not assumed: until one has had its backward, the block's
+training calls run the parts eager and unsplit, with hooks on the input's readers that record the
+order the backward runs them in; the largest set of parts for which the order says the copies
+sum as eagerly is graphed, and any other part stays eager, with one warning. The judgement holds
 for later calls where the input's readers are the same operations in each (PaddleFormers 1.2.0's
 mixtures read it through one reshape for the experts, once in the router and once or twice in the
 shared experts).
@@ -22,6 +25,7 @@ shared experts).
 from __future__ import annotations
 
 import enum
+import itertools
 
 import paddle
 from paddle.autograd import PyLayer
@@ -33,19 +37,23 @@ __all__ = ["OwnInput"]
 
 
 class _Split(PyLayer):
-    """Two copies of a block's input (the block's, the part's); the backward adds the part's
-    gradient to the block's. Copies, not views: Paddle treats an output sharing its input's memory
-    as the input changed in place."""
+    """Copies of a block's input, one per reader group (the block's other readers first, then each
+    graphed part's); the backward adds their gradients up in ``order`` (indices of the copies).
+    Copies, not views: Paddle treats an output sharing its input's memory as the input changed in
+    place."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x.clone(), x.clone()
+    def forward(ctx, x, order):
+        ctx.order = order
+        return tuple(x.clone() for _ in order)
 
     @staticmethod
-    def backward(ctx, block_grad, part_grad):
-        if block_grad is None or part_grad is None:
-            return part_grad if block_grad is None else block_grad
-        return block_grad + part_grad
+    def backward(ctx, *grads):
+        total = None
+        for i in ctx.order:
+            if grads[i] is not None:
+                total = grads[i] if total is None else total + grads[i]
+        return total
 
 
 def _next(node):
@@ -92,55 +100,80 @@ class Judgement(enum.Enum):
     """Where an :class:`OwnInput` stands."""
 
     WATCHING = "watching"
-    """Eager and reading the block's input, as in eager training, until a watched training call's
-    backward has run and shown the order its input's gradients are summed in."""
-    SPLIT = "split"
-    """Graphed, reading its own copy: the order showed that the copy sums as eagerly."""
-    EAGER = "eager"
-    """Eager for good (``OwnInput.why``)."""
+    """Every part eager and reading the block's input, as in eager training, until a watched
+    training call's backward has run and shown the order its input's gradients are summed in."""
+    JUDGED = "judged"
+    """The parts the order allows graphed, each reading its own copy (``OwnInput.graphed_parts``);
+    the others eager for good (``OwnInput.eager_parts``, with why)."""
 
 
 class _Watch:
-    """One training call watched: its input and the part's outputs while it runs, then the order
+    """One training call watched: its input and each part's outputs while it runs, then the order
     its backward runs the input's readers in."""
 
-    def __init__(self, x):
-        self.input, self.reads_input, self.outputs = x, False, None
-        self.ran, self.readers = [], 0  # (is the part's, edges to the input) per reader, as run
+    def __init__(self, x, parts: int):
+        self.input = x
+        self.reads_input = [False] * parts
+        self.outputs = [None] * parts
+        self.ran, self.readers = [], 0  # (part index or None, edges to the input) per reader, as run
 
     @property
     def complete(self) -> bool:
         return self.readers > 0 and len(self.ran) == self.readers
 
 
-class OwnInput:
-    """``part`` (a sublayer of ``block``, graphed in place by ``graphed``) reading its own copy of
-    ``block``'s input, judged on ``entry``'s training calls (``entry``: the pipeline entry holding
-    ``block``, whose outputs the judgement walks back from). Made right after
-    :func:`~.in_place.swap_in`; :meth:`remove` undoes it (the part's class is the caller's)."""
+def _groups(ran, chosen) -> list | None:
+    """``[(group, terms), ...]``: the readers' gradients as eager adds them, run together by group
+    (a chosen part's index; ``None`` for every other reader), where the copies of ``chosen`` sum as
+    eagerly: each group in one run, a part's of at most two terms, every run after the first a
+    single term. ``None`` where they do not."""
+    runs = []
+    for part, edges in ran:
+        group = part if part in chosen else None
+        if runs and runs[-1][0] == group:
+            runs[-1][1] += edges
+        else:
+            runs.append([group, edges])
+    groups = [group for group, _ in runs]
+    if sum(terms for _, terms in runs) <= 2:
+        return runs
+    if len(set(groups)) != len(groups) or any(terms > 1 for _, terms in runs[1:]):
+        return None
+    if any(group is not None and terms > 2 for group, terms in runs):
+        return None
+    return runs
 
-    def __init__(self, label: str, entry, block, part, graphed):
-        self.label, self.block, self.part, self.graphed = label, block, part, graphed
+
+class OwnInput:
+    """``parts`` (``(label, sublayer of block, its CUDAGraphedLayer)``, each graphed in place)
+    reading their own copies of ``block``'s input, judged on ``entry``'s training calls
+    (``entry``: the pipeline entry holding ``block``, whose outputs the judgement walks back
+    from). Made right after :func:`~.in_place.swap_in`; :meth:`remove` undoes it (the parts'
+    classes are the caller's)."""
+
+    def __init__(self, entry, block, parts):
+        self.parts = list(parts)
         self.state = Judgement.WATCHING
-        self.why = ""  # why it stays eager
+        self.graphed_parts = ()  # indices, once judged
+        self._order = ()  # the copies' gradients added in this order (copy 0: the block's other readers)
+        self.eager_parts = {}  # index -> why it stays eager
         self._call = None  # the watch of the call running now
         self._watched = []  # watches whose backward is still to run
-        self._copies = None
-        ungraph_in_place([part])  # eager until judged
+        self._copies = None  # the call's copies: the block's, then one per graphed part
+        ungraph_in_place([part for _, part, _ in self.parts])  # eager until judged
         self._handles = [block.register_forward_pre_hook(self._before_block, with_kwargs=True),
                          block.register_forward_post_hook(self._after_block),
-                         part.register_forward_pre_hook(self._before_part, with_kwargs=True),
-                         part.register_forward_post_hook(self._after_part),
                          entry.register_forward_post_hook(self._after_entry)]
+        for i, (_, part, _) in enumerate(self.parts):
+            self._handles += [part.register_forward_pre_hook(self._before_part(i), with_kwargs=True),
+                              part.register_forward_post_hook(self._after_part(i))]
 
-    def describe(self) -> str | None:
-        """A line for the segmentation report while the part is not graphed; ``None`` once it is."""
+    def describe(self) -> list:
+        """Lines for the segmentation report: each part not graphed, and why."""
         if self.state is Judgement.WATCHING:
-            return (f"{self.label}: eager until the backward of a training micro-batch of its layer shows the "
-                    f"order its input's gradients are summed in")
-        if self.state is Judgement.EAGER:
-            return f"{self.label}: eager: {self.why}"
-        return None
+            return [f"{label}: eager until the backward of a training micro-batch of its layer shows the order "
+                    f"its input's gradients are summed in" for label, _, _ in self.parts]
+        return [f"{self.parts[i][0]}: eager: {why}" for i, why in self.eager_parts.items()]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -157,96 +190,132 @@ class OwnInput:
         where, x = _first_tensor(args, kwargs)
         if not (block.training and paddle.is_grad_enabled() and x is not None and not x.stop_gradient):
             return None
-        if self.state is Judgement.SPLIT:
-            self._copies = _Split.apply(x)
+        if self.state is Judgement.JUDGED:
+            if not self.graphed_parts:
+                return None
+            self._copies = _Split.apply(x, self._order)
             return _replaced(args, kwargs, where, self._copies[0])
-        if self.state is Judgement.WATCHING:
-            self._call = _Watch(x)
+        self._call = _Watch(x, len(self.parts))
         return None
 
     def _after_block(self, block, inputs, outputs):
-        self._copies = None  # the part's, if it was not called
+        self._copies = None  # a part's, if it was not called
         return None
 
-    def _before_part(self, part, args, kwargs):
-        copies, self._copies = self._copies, None
-        where, x = _first_tensor(args, kwargs)
-        if copies is not None:
-            if x is not copies[0]:
+    def _before_part(self, i: int):
+        def before(part, args, kwargs):
+            where, x = _first_tensor(args, kwargs)
+            graphed = i in self.graphed_parts
+            if self._copies is not None and graphed:
+                if x is not self._copies[0]:
+                    raise RuntimeError(
+                        f"{self.parts[i][0]}: it no longer reads its block's input (it did when judged), so its "
+                        f"own copy cannot stand in for it; graph_pipeline(...).undo() and graph again")
+                return _replaced(args, kwargs, where, self._copies[1 + self.graphed_parts.index(i)])
+            if graphed and paddle.is_grad_enabled() and x is not None and not x.stop_gradient:
                 raise RuntimeError(
-                    f"{self.label}: it no longer reads its block's input (it did when judged), so its own copy "
-                    f"cannot stand in for it; graph_pipeline(...).undo() and graph again")
-            return _replaced(args, kwargs, where, copies[1])
-        if self.state is Judgement.SPLIT and paddle.is_grad_enabled() and x is not None and not x.stop_gradient:
-            raise RuntimeError(
-                f"{self.label}: called with a gradient-carrying input outside a training call of its block, or "
-                f"its block's input was not found (its first tensor argument), so it cannot read its own copy and "
-                f"its input's gradient would be summed in another order than eagerly; call the block as its "
-                f"layer does, or graph_pipeline(...).undo()")
-        watch = self._call
-        if watch is not None and watch.outputs is None:
-            watch.reads_input = x is watch.input
-        return None
+                    f"{self.parts[i][0]}: called with a gradient-carrying input outside a training call of its "
+                    f"block, or its block's input was not found (its first tensor argument), so it cannot read "
+                    f"its own copy and its input's gradient would be summed in another order than eagerly; call "
+                    f"the block as its layer does, or graph_pipeline(...).undo()")
+            watch = self._call
+            if watch is not None and watch.outputs[i] is None:
+                watch.reads_input[i] = x is watch.input
+            return None
+        return before
 
-    def _after_part(self, part, inputs, outputs):
-        watch = self._call
-        if watch is not None and watch.outputs is None:
-            watch.outputs = outputs
-        return None
+    def _after_part(self, i: int):
+        def after(part, inputs, outputs):
+            watch = self._call
+            if watch is not None and watch.outputs[i] is None:
+                watch.outputs[i] = outputs
+            return None
+        return after
 
     def _after_entry(self, entry, inputs, outputs):
         watch, self._call = self._call, None
-        if self.state is not Judgement.WATCHING or watch is None or watch.outputs is None:
+        if self.state is not Judgement.WATCHING or watch is None:
             return None
-        why = self._watch(watch, outputs)
+        self._watch(watch, outputs)
         watch.input = watch.outputs = None  # counts from here on, no tensors
-        if why is not None:
-            self._give_up(why)
-        else:
+        if watch.readers:
             self._watched.append(watch)
         return None
 
     # ---------------------------------------------------------------- the judgement
-    def _watch(self, watch, outputs):
-        """Hook the watched call's input's readers so its backward records the order they run in; why
-        the part cannot read a copy, if it cannot."""
-        if not watch.reads_input:
-            return "it reads something other than its block's input"
+    def _watch(self, watch, outputs) -> None:
+        """Hook the watched call's input's readers so its backward records the order they run in,
+        each tagged with the part it belongs to; a part that cannot read a copy is given up."""
         producer = watch.input.grad_fn
         if producer is None:
-            return "its block's input has no gradient node of its own (a leaf tensor)"
+            for i in range(len(self.parts)):
+                self._give_up(i, "its block's input has no gradient node of its own (a leaf tensor)")
+            self.state = Judgement.JUDGED
+            self.remove()
+            return
         stop = producer.node_ptr()
-        nodes = _reachable(_grad_nodes(outputs), stop)
-        parts = _reachable(_grad_nodes(watch.outputs), stop)
         readers = [(node, sum(n.node_ptr() == stop for n in _next(node)))
-                   for node in nodes.values() if any(n.node_ptr() == stop for n in _next(node))]
-        own = [edges for node, edges in readers if node.node_ptr() in parts]
-        if own != [1]:
-            return "it reads its input more than once, or its gradient does not reach the layer's outputs"
+                   for node in _reachable(_grad_nodes(outputs), stop).values()
+                   if any(n.node_ptr() == stop for n in _next(node))]
+        owner = {}
+        for i in range(len(self.parts)):
+            if i in self.eager_parts:
+                continue
+            if not watch.reads_input[i] or watch.outputs[i] is None:
+                self._give_up(i, "it reads something other than its block's input")
+                continue
+            mine = _reachable(_grad_nodes(watch.outputs[i]), stop)
+            theirs = [node.node_ptr() for node, _ in readers if node.node_ptr() in mine]
+            if not theirs or any(key in owner for key in theirs):
+                self._give_up(i, "its gradient does not reach the layer's outputs apart from the others'")
+                continue
+            owner.update((key, i) for key in theirs)
+        if len(self.eager_parts) == len(self.parts):  # nothing left to judge
+            self.state = Judgement.JUDGED
+            self.remove()
+            return
         watch.readers = len(readers)
         for node, edges in readers:
-            node._register_post_hook(self._recorder(watch, node.node_ptr() in parts, edges))
-        return None
+            node._register_post_hook(self._recorder(watch, owner.get(node.node_ptr()), edges))
 
     @staticmethod
-    def _recorder(watch, is_part: bool, edges: int):
+    def _recorder(watch, part, edges: int):
         def record(grad_outputs, grad_inputs):
-            watch.ran.append((is_part, edges))
+            watch.ran.append((part, edges))
             return grad_outputs
         return record
 
     def _judge(self, watch) -> None:
-        """After a watched call's backward: graph the part, reading its copy, if that sums as eagerly."""
+        """After a watched call's backward: graph the largest set of parts whose copies sum as
+        eagerly, each reading its own; the others stay eager."""
         self._watched = []
-        terms = sum(edges for _, edges in watch.ran)
-        if watch.ran[-1][0] or terms <= 2:
-            swap_in(self.part, self.graphed)
-            self.state = Judgement.SPLIT
-        else:
-            self._give_up(f"eager autograd adds its gradient to its input's before another reader's "
-                          f"({terms} terms), which a graph of it cannot reproduce")
+        candidates = [i for i in range(len(self.parts)) if i not in self.eager_parts]
+        for size in range(len(candidates), 0, -1):
+            for chosen in itertools.combinations(candidates, size):
+                runs = _groups(watch.ran, chosen)
+                if runs is not None:
+                    self._graph(chosen, runs)
+                    break
+            else:
+                continue
+            break
+        for i in candidates:
+            if i not in self.graphed_parts:
+                self._give_up(i, "eager autograd adds its gradient to its input's between other readers', in an "
+                                 "order copies added up by one node cannot reproduce")
+        self.state = Judgement.JUDGED
+        if not self.graphed_parts:
+            self.remove()
 
-    def _give_up(self, why: str) -> None:
-        self.state, self.why = Judgement.EAGER, why
-        self.remove()
-        warn(f"{self.label} stays eager: {why}; the rest of its layer stays graphed")
+    def _graph(self, chosen, runs) -> None:
+        self.graphed_parts = tuple(chosen)
+        copy_of = {None: 0, **{part: 1 + k for k, part in enumerate(chosen)}}
+        order = [copy_of[group] for group, _ in runs]
+        self._order = tuple(order + [c for c in range(len(chosen) + 1) if c not in order])
+        for i in chosen:
+            _, part, graphed = self.parts[i]
+            swap_in(part, graphed)
+
+    def _give_up(self, i: int, why: str) -> None:
+        self.eager_parts[i] = why
+        warn(f"{self.parts[i][0]} stays eager: {why}; the rest of its layer stays graphed")

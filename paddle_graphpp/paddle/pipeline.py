@@ -154,7 +154,7 @@ class GraphedPipeline:
         for chunk in self._chunks:
             lines.append(f"stage {stage}" + (f" chunk {chunk.chunk_id}" if chunk.chunk_id is not None else "") + ":")
             lines.extend("  " + line for line in describe_runs(chunk.runs).splitlines())
-        lines.extend(line for line in (own.describe() for own in self._own_inputs) if line)
+        lines.extend(line for own in self._own_inputs for line in own.describe())
         if self.recompute_interval:
             lines.append(f"recompute_interval={self.recompute_interval}: graphed runs recompute inside their own "
                          f"graphs, eager entries under fleet's recompute_hybrid")
@@ -292,9 +292,10 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         * A layer that synchronises with the host, communicates, or has data-dependent shapes
           must be marked with :func:`paddle_graphpp.mark_not_capturable` before this call,
           unless an adapter graphs it in parts: PaddleFormers' decoder layers with a mixture of
-          experts stay eager, their attention and router graphed in place (the router from the
-          micro-batch after the first backward, or eager with one warning where a graph of it
-          would not sum its input's gradient as eagerly: docs/moe.md); with
+          experts stay eager, their attention, router and shared experts graphed in place (the
+          router and shared experts from the micro-batch after the first backward, or eager with
+          one warning where a graph of them would not sum their input's gradient as eagerly:
+          docs/moe.md); with
           ``recompute_interval > 0`` such a layer stays eager whole.
         * ``run_function`` holds graphed runs, not single layers, afterwards: code that looks
           for a layer there must do so inside ``GraphedPipeline.eager_view()``.
@@ -357,8 +358,11 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
     for part, layer in parts:  # every run and part built (and its options checked) before anything changes
         swap_in(part, layer)
-    own_inputs = [OwnInput(label, entry, entry.get_sublayer(block), entry.get_sublayer(rel), layer)
-                  for label, entry, block, rel, layer in reading_copies]
+    by_block = {}
+    for label, entry, block, rel, layer in reading_copies:
+        by_block.setdefault((id(entry), block), (entry, []))[1].append((label, entry.get_sublayer(rel), layer))
+    own_inputs = [OwnInput(entry, entry.get_sublayer(block), parts_of) for (_, block), (entry, parts_of)
+                  in by_block.items()]
     for chunk in chunks:
         chunk.run_function[:] = chunk.graphed
     _fleet.set_recompute_interval(model, 0)  # the entries recompute themselves (pipeline_recompute)

@@ -1,10 +1,10 @@
 """PaddleFormers 1.2.0's routers graphed in place, each reading its own copy of its mixture's input
-(paddle_graphpp/paddle/own_input.py), on CPU with the fake runtime, against the same mixture
-trained eagerly: for GLM-4-MoE, DeepSeek-V3 and GPT-OSS (their tiny configurations from
-paddleformers_zoo.py), the watched call and the router's first graphed call (its recorded step,
-computed through the graphed node), bit for bit; and the router graphed reading the mixture's
-input itself, which sums that input's gradient in another order where the mixture reads it three
-times or more. Prints one JSON line: per class, the router's state, its engine's captures after a
+(paddle_graphpp/paddle/own_input.py), with their shared experts where they have them, on CPU with
+the fake runtime, against the same mixture trained eagerly: for GLM-4-MoE, DeepSeek-V3 and GPT-OSS
+(their tiny configurations from paddleformers_zoo.py), the watched call and the parts' first
+graphed call (their recorded step, computed through the graphed nodes), bit for bit; and the
+router graphed reading the mixture's input itself, which sums that input's gradient in another
+order where the mixture reads it three times or more. Prints one JSON line: per class, the parts graphed, their engines' captures after a
 third call, and whether each compared call was equal.
 
 Run by unittests/test_paddle_own_input.py in a process of its own: importing PaddleFormers
@@ -32,6 +32,7 @@ from paddle_graphpp.paddle.in_place import graphed_forward, swap_in  # noqa: E40
 from paddle_graphpp.paddle.own_input import OwnInput  # noqa: E402
 
 MIXTURES = {"glm4_moe": "Glm4MoeMoE", "deepseek_v3": "DeepseekV3MoE", "gpt_oss": "GptOssMLP"}
+SHARED = {"glm4_moe": ("shared_experts",), "deepseek_v3": ("shared_experts",), "gpt_oss": ()}
 
 
 def build(name):
@@ -60,14 +61,19 @@ def same(a, b):
 
 
 def graphed(name, copy):
-    """The mixture with its router graphed in place, reading its own copy of the input (``copy``)
-    or the mixture's input itself; the router's engine and its OwnInput (or None)."""
+    """The mixture with its router and shared experts graphed in place, each reading its own copy
+    of the input (``copy``), or its router alone reading the mixture's input itself: the parts'
+    engines and the OwnInput (or None)."""
     block, router_name = build(name)
-    router = getattr(block, router_name)
-    layer = graphed_forward(f"{name}.{router_name}", router, options=EngineOptions(num_warmup_steps=0))
-    swap_in(router, layer)
-    own = OwnInput(f"{name}.{router_name}", block, block, router, layer) if copy else None
-    return block, layer, own
+    names = (router_name, *SHARED[name]) if copy else (router_name,)
+    parts = []
+    for part_name in names:
+        part = getattr(block, part_name)
+        layer = graphed_forward(f"{name}.{part_name}", part, options=EngineOptions(num_warmup_steps=0))
+        swap_in(part, layer)
+        parts.append((part_name, part, layer))
+    own = OwnInput(block, block, parts) if copy else None
+    return block, [layer for _, _, layer in parts], own
 
 
 def check(name):
@@ -79,12 +85,13 @@ def check(name):
     rt = FakePaddleRuntime()
     current_process().reset(rt.name)
     with serving(rt, "paddle"):
-        block, layer, own = graphed(name, copy=True)
-        got = train(block, inputs[:2])  # the watched call, then the router's recorded step
-        train(block, inputs[2:])  # the capture
-        result = {"state": own.state.value, "captures": layer.engine.captures,
+        block, layers, own = graphed(name, copy=True)
+        got = train(block, inputs[:2])  # the watched call, then the parts' recorded steps
+        train(block, inputs[2:])  # the captures
+        result = {"graphed": [own.parts[i][0] for i in own.graphed_parts],
+                  "captures": [layer.engine.captures for layer in layers],
                   "watched_equal": same(want[0], got[0]), "graphed_equal": same(want[1], got[1])}
-        block, _, _ = graphed(name, copy=False)  # its recorded step, reading the mixture's input
+        block, _, _ = graphed(name, copy=False)  # the router's recorded step, reading the mixture's input
         result["without_copy_equal"] = same(want[0], train(block, inputs[:1])[0])
     current_process().reset(rt.name)
     return result

@@ -154,9 +154,11 @@ def check_routes_agree(results: dict, nranks: int, steps: int, micro: int) -> No
         assert data["graph_pipeline"]["names_before"] == data["graph_pipeline"]["names_after"]
         for route in ROUTES[1:]:
             calls, names = data[route]["graphed_calls"], data[route]["graphed_names"]
-            # every graphed run took part in every micro-batch of every step; a router graphed in
-            # place from the first forward after the first micro-batch's backward (own_input.py)
-            routers = {key for key in calls if names[int(key)].endswith((".mlp.gate", ".mlp.router"))}
+            # every graphed run took part in every micro-batch of every step; a router and shared
+            # experts graphed in place from the first forward after the first micro-batch's backward
+            # (own_input.py)
+            routers = {key for key in calls
+                       if names[int(key)].endswith((".mlp.gate", ".mlp.router", ".mlp.shared_experts"))}
             assert calls and {calls[key] for key in calls if key not in routers} == {steps * micro}, \
                 f"rank {rank} {route}: {calls}"
             assert all(steps * micro - micro <= calls[key] < steps * micro for key in routers), \

@@ -141,7 +141,12 @@ def _parts(layer) -> Parts | None:
         else:  # graphed, reading its own copy of the mixture's input (docs/moe.md)
             graphed.append((f"{path}.{name}", children[name]))
             own_input.append((path, f"{path}.{name}"))
-    eager += [(f"{path}.{name}", _WHY_SHARED) for name in children if name.startswith("shared_expert")]
+    for name in (name for name in children if name.startswith("shared_expert")):
+        if own_input:  # beside a graphed router, graphed too, reading a copy of its own
+            graphed.append((f"{path}.{name}", children[name]))
+            own_input.append((path, f"{path}.{name}"))
+        else:
+            eager.append((f"{path}.{name}", _WHY_SHARED))
     eager += [(name, _WHY_NORM) for name, child in layer.named_children() if "Norm" in type(child).__name__]
     return Parts(tuple(graphed), tuple(eager), tuple(own_input))
 
@@ -161,13 +166,15 @@ class PaddleFormersAdapter(Adapter):
 
     def graph_parts(self, name: str, layer) -> Parts | None:
         """For a PaddleFormers decoder layer with a mixture of experts: its attention (each child
-        named ``...attn`` / ``...attention``) and its router (``gate`` / ``router`` beside
-        ``experts``) graphed in place; its experts, shared experts and norms eager, and why, and a
-        router that is a lone linear layer too. The attention's input is its norm's output, read by
-        nothing else, so its graph hands autograd the gradient eager autograd sums. The router's
-        input is read by the experts (and shared experts) too: it reads its own copy, whose
-        gradient is added last, where the layer's first training call shows that eager adds it
-        last (:class:`~paddle_graphpp.paddle.own_input.OwnInput`). ``None`` for any other layer."""
+        named ``...attn`` / ``...attention``), its router (``gate`` / ``router`` beside
+        ``experts``) and, beside such a router, its shared experts graphed in place; its experts
+        and norms eager, and why, and a router that is a lone linear layer with the shared experts
+        beside it too. The attention's input is its norm's output, read by nothing else, so its
+        graph hands autograd the gradient eager autograd sums. The mixture's input is read by the
+        router, the experts and the shared experts: each graphed one reads its own copy, and the
+        copies' gradients are added up in eager's order where a watched training call's backward
+        shows that they can be (:class:`~paddle_graphpp.paddle.own_input.OwnInput`). ``None`` for
+        any other layer."""
         if not isinstance(layer, nn.Layer) or not _own(layer):
             return None
         return _parts(layer)
