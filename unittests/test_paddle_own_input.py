@@ -303,3 +303,83 @@ def test_the_groups_copies_can_stand_for():
     assert _groups([(rest, 1), (shared, 1), (rest, 1), (router, 1)], (router, shared)) is None  # rest in two runs
     assert _groups([(rest, 1), (shared, 1), (rest, 1), (router, 1)], (router,)) == [[rest, 3], [router, 1]]
     assert _groups([(shared, 1), (rest, 1), (router, 1)], (router,)) == [[rest, 2], [router, 1]]
+    assert _groups([(shared, 1), (router, 1)], (router, shared)) is None  # no other reader: its copy adds a zero
+
+
+class Outer(nn.Layer):
+    """A layer that reads its mixture's input outside the mixture too."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = Mixture()
+
+    def forward(self, hidden_states):
+        return self.mlp(hidden_states) + hidden_states * 2.0
+
+
+def test_an_input_read_outside_its_block_too_keeps_the_parts_eager(fake_runtime):
+    from paddle_graphpp.core.options import EngineOptions
+    from paddle_graphpp.paddle.in_place import graphed_forward, swap_in
+    from paddle_graphpp.paddle.own_input import OwnInput
+
+    eager, outer = twins(Outer, 3)
+    layer = graphed_forward("outer.mlp.gate", outer.mlp.gate, options=EngineOptions(num_warmup_steps=0))
+    swap_in(outer.mlp.gate, layer)
+    own = OwnInput(outer, outer.mlp, [("outer.mlp.gate", outer.mlp.gate, layer)])
+    xs = inputs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want, got = train(eager, 3, xs), train(outer, 3, xs)
+    assert own.graphed_parts == () and "read outside its block too" in own.eager_parts[0]
+    assert sum("stays eager" in str(w.message) for w in caught) == 1
+    assert all(same(w, g) for w, g in zip(want, got)) and layer.engine.captures == 0
+
+
+def test_after_judgement_an_evaluation_pass_with_gradients_reads_the_copies(fake_runtime):
+    eager, block = twins(Mixture, 3)
+    layer, own = graph_router(block)
+    xs = inputs()
+    train(eager, 1, xs)
+    train(block, 1, xs)  # watched
+    eager.eval()
+    block.eval()  # dropout off, gradients on: the copies are made all the same
+    want, got = train(eager, 1, xs[1:]), train(block, 1, xs[1:])
+    assert own.graphed_parts == (0,) and same(want[0], got[0])
+
+
+def test_hooks_registered_after_it_survive_its_judgement(fake_runtime):
+    """The judgement ends its hooks' work from inside one of them, where Paddle forbids removing."""
+    eager, block = twins(DeepExperts, 4)
+    layer, own = graph_router(block)
+    seen = []
+    block.register_forward_pre_hook(lambda layer, args: seen.append(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(block, 3, inputs())
+    assert own.eager_parts and len(seen) == 3
+
+
+def test_a_watch_whose_block_output_goes_unused_still_judges(fake_runtime):
+    """GPT-OSS's mixture returns its router's scores beside its output; a loss that leaves them
+    out never runs some nodes the watch found, and the input's producer says when it is done."""
+
+    class WithScores(Mixture):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states), hidden_states * 3.0
+
+    eager, block = twins(WithScores, 3)
+    layer, own = graph_router(block)
+    xs = inputs()
+
+    def train_first(b, x0):
+        x = x0.clone()
+        x.stop_gradient = False
+        out, _ = b(paddle.tanh(x))
+        (out * out).mean().backward()
+        grads = [x.grad.numpy().copy()] + [p.grad.numpy().copy() for p in b.parameters()]
+        b.clear_gradients()
+        return grads
+
+    want = [train_first(eager, x) for x in xs[:2]]
+    got = [train_first(block, x) for x in xs[:2]]  # watched, then the router's recorded step
+    assert own.graphed_parts == (0,) and same(want[1], got[1])

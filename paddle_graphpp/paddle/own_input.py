@@ -60,13 +60,14 @@ def _next(node):
     return [n for n in node.next_functions if n is not None]
 
 
-def _reachable(starts, stop) -> dict:
-    """``node_ptr() -> node`` of every node reached from ``starts`` without passing ``stop``."""
+def _reachable(starts, stops) -> dict:
+    """``node_ptr() -> node`` of every node reached from ``starts`` without passing a node whose
+    ``node_ptr()`` is in ``stops``."""
     found, stack = {}, list(starts)
     while stack:
         node = stack.pop()
         key = node.node_ptr()
-        if key in found or key == stop:
+        if key in found or key in stops:
             continue
         found[key] = node
         stack.extend(_next(node))
@@ -108,25 +109,29 @@ class Judgement(enum.Enum):
 
 
 class _Watch:
-    """One training call watched: its input and each part's outputs while it runs, then the order
-    its backward runs the input's readers in."""
+    """One training call watched: its input, the block's outputs and each part's calls while it
+    runs, then the order its backward runs the input's readers in, until it runs the input's
+    producer (every reader's gradient is in by then)."""
 
     def __init__(self, x, parts: int):
-        self.input = x
+        self.input, self.block_outputs = x, None
+        self.calls = [0] * parts
         self.reads_input = [False] * parts
         self.outputs = [None] * parts
-        self.ran, self.readers = [], 0  # (part index or None, edges to the input) per reader, as run
+        self.other_inputs = [()] * parts  # node_ptr() of the gradient nodes of a part's other inputs
+        self.ran = []  # (part index or None, edges to the input) per reader, as run
+        self.complete = False
 
-    @property
-    def complete(self) -> bool:
-        return self.readers > 0 and len(self.ran) == self.readers
+    def record(self, part, edges: int) -> None:
+        if not self.complete:
+            self.ran.append((part, edges))
 
 
 def _groups(ran, chosen) -> list | None:
     """``[(group, terms), ...]``: the readers' gradients as eager adds them, run together by group
     (a chosen part's index; ``None`` for every other reader), where the copies of ``chosen`` sum as
-    eagerly: each group in one run, a part's of at most two terms, every run after the first a
-    single term. ``None`` where they do not."""
+    eagerly: some reader not chosen, each group in one run, a part's of at most two terms, every
+    run after the first a single term. ``None`` where they do not."""
     runs = []
     for part, edges in ran:
         group = part if part in chosen else None
@@ -135,6 +140,8 @@ def _groups(ran, chosen) -> list | None:
         else:
             runs.append([group, edges])
     groups = [group for group, _ in runs]
+    if None not in groups:  # the other readers' copy would add a zero, which turns eager's -0.0 into +0.0
+        return None
     if sum(terms for _, terms in runs) <= 2:
         return runs
     if len(set(groups)) != len(groups) or any(terms > 1 for _, terms in runs[1:]):
@@ -151,12 +158,15 @@ class OwnInput:
     from). Made right after :func:`~.in_place.swap_in`; :meth:`remove` undoes it (the parts'
     classes are the caller's)."""
 
+    _KEPT = 8  # watches kept waiting for their backward (older ones are dropped)
+
     def __init__(self, entry, block, parts):
         self.parts = list(parts)
         self.state = Judgement.WATCHING
         self.graphed_parts = ()  # indices, once judged
-        self._order = ()  # the copies' gradients added in this order (copy 0: the block's other readers)
         self.eager_parts = {}  # index -> why it stays eager
+        self._order = ()  # the copies' gradients added in this order (copy 0: the block's other readers)
+        self._active = True  # False: every hook does nothing (set inside hooks, where Paddle forbids removing them)
         self._call = None  # the watch of the call running now
         self._watched = []  # watches whose backward is still to run
         self._copies = None  # the call's copies: the block's, then one per graphed part
@@ -176,34 +186,44 @@ class OwnInput:
         return [f"{self.parts[i][0]}: eager: {why}" for i, why in self.eager_parts.items()]
 
     def remove(self) -> None:
+        """Take the hooks out (not from inside one of them: Paddle iterates them as it calls them)."""
         for handle in self._handles:
             handle.remove()
-        self._handles, self._watched, self._call, self._copies = [], [], None, None
+        self._handles, self._active = [], False
+        self._watched, self._call, self._copies = [], None, None
 
     # ---------------------------------------------------------------- the hooks
     def _before_block(self, block, args, kwargs):
+        if not self._active:
+            return None
         self._copies = None
         if self.state is Judgement.WATCHING:
             done = next((watch for watch in self._watched if watch.complete), None)
             if done is not None:
                 self._judge(done)
+                if not self._active:
+                    return None
         where, x = _first_tensor(args, kwargs)
-        if not (block.training and paddle.is_grad_enabled() and x is not None and not x.stop_gradient):
+        if not (paddle.is_grad_enabled() and x is not None and not x.stop_gradient):
             return None
-        if self.state is Judgement.JUDGED:
-            if not self.graphed_parts:
-                return None
+        if self.state is Judgement.JUDGED:  # in training and evaluation alike
             self._copies = _Split.apply(x, self._order)
             return _replaced(args, kwargs, where, self._copies[0])
-        self._call = _Watch(x, len(self.parts))
+        if block.training:
+            self._call = _Watch(x, len(self.parts))
         return None
 
     def _after_block(self, block, inputs, outputs):
-        self._copies = None  # a part's, if it was not called
+        if self._active:
+            self._copies = None  # a part's, if it was not called
+            if self._call is not None and self._call.block_outputs is None:
+                self._call.block_outputs = outputs
         return None
 
     def _before_part(self, i: int):
         def before(part, args, kwargs):
+            if not self._active:
+                return None
             where, x = _first_tensor(args, kwargs)
             graphed = i in self.graphed_parts
             if self._copies is not None and graphed:
@@ -214,76 +234,86 @@ class OwnInput:
                 return _replaced(args, kwargs, where, self._copies[1 + self.graphed_parts.index(i)])
             if graphed and paddle.is_grad_enabled() and x is not None and not x.stop_gradient:
                 raise RuntimeError(
-                    f"{self.parts[i][0]}: called with a gradient-carrying input outside a training call of its "
-                    f"block, or its block's input was not found (its first tensor argument), so it cannot read "
-                    f"its own copy and its input's gradient would be summed in another order than eagerly; call "
-                    f"the block as its layer does, or graph_pipeline(...).undo()")
+                    f"{self.parts[i][0]}: called with a gradient-carrying input outside a call of its block, or "
+                    f"its block's input was not found (its first tensor argument), so it cannot read its own "
+                    f"copy and its input's gradient would be summed in another order than eagerly; call the "
+                    f"block as its layer does, or graph_pipeline(...).undo()")
             watch = self._call
-            if watch is not None and watch.outputs[i] is None:
-                watch.reads_input[i] = x is watch.input
+            if watch is not None:
+                watch.calls[i] += 1
+                if watch.calls[i] == 1:
+                    watch.reads_input[i] = x is watch.input
+                    others = ([*args[1:], *kwargs.values()] if where == 0 else
+                              [*args, *(value for key, value in kwargs.items() if key != where)])
+                    watch.other_inputs[i] = {node.node_ptr() for node in _grad_nodes(others)}
             return None
         return before
 
     def _after_part(self, i: int):
         def after(part, inputs, outputs):
             watch = self._call
-            if watch is not None and watch.outputs[i] is None:
+            if self._active and watch is not None and watch.outputs[i] is None:
                 watch.outputs[i] = outputs
             return None
         return after
 
     def _after_entry(self, entry, inputs, outputs):
         watch, self._call = self._call, None
-        if self.state is not Judgement.WATCHING or watch is None:
+        if not self._active or self.state is not Judgement.WATCHING or watch is None:
             return None
-        self._watch(watch, outputs)
-        watch.input = watch.outputs = None  # counts from here on, no tensors
-        if watch.readers:
-            self._watched.append(watch)
+        if self._watch(watch, outputs):
+            self._watched = [*self._watched[-(self._KEPT - 1):], watch]
+        watch.input = watch.outputs = watch.block_outputs = None  # counts from here on, no tensors
         return None
 
     # ---------------------------------------------------------------- the judgement
-    def _watch(self, watch, outputs) -> None:
+    def _watch(self, watch, outputs) -> bool:
         """Hook the watched call's input's readers so its backward records the order they run in,
-        each tagged with the part it belongs to; a part that cannot read a copy is given up."""
+        each tagged with the part it belongs to, and its producer so it says when they all have;
+        a part that cannot read a copy is given up. Whether anything is left to judge."""
         producer = watch.input.grad_fn
-        if producer is None:
-            for i in range(len(self.parts)):
-                self._give_up(i, "its block's input has no gradient node of its own (a leaf tensor)")
-            self.state = Judgement.JUDGED
-            self.remove()
-            return
-        stop = producer.node_ptr()
-        readers = [(node, sum(n.node_ptr() == stop for n in _next(node)))
+        if producer is None or watch.block_outputs is None:
+            return self._give_up_all("its block's input has no gradient node, or its block did not return")
+        stop = {producer.node_ptr()}
+        readers = [(node, sum(n.node_ptr() in stop for n in _next(node)))
                    for node in _reachable(_grad_nodes(outputs), stop).values()
-                   if any(n.node_ptr() == stop for n in _next(node))]
+                   if any(n.node_ptr() in stop for n in _next(node))]
+        in_block = _reachable(_grad_nodes(watch.block_outputs), stop)
+        if any(node.node_ptr() not in in_block for node, _ in readers):
+            return self._give_up_all("its block's input is read outside its block too")
         owner = {}
         for i in range(len(self.parts)):
             if i in self.eager_parts:
                 continue
-            if not watch.reads_input[i] or watch.outputs[i] is None:
-                self._give_up(i, "it reads something other than its block's input")
+            if watch.calls[i] != 1 or not watch.reads_input[i] or watch.outputs[i] is None:
+                self._give_up(i, "it is not called once per call of its block, on its block's input")
                 continue
-            mine = _reachable(_grad_nodes(watch.outputs[i]), stop)
+            mine = _reachable(_grad_nodes(watch.outputs[i]), stop | watch.other_inputs[i])
             theirs = [node.node_ptr() for node, _ in readers if node.node_ptr() in mine]
             if not theirs or any(key in owner for key in theirs):
                 self._give_up(i, "its gradient does not reach the layer's outputs apart from the others'")
                 continue
             owner.update((key, i) for key in theirs)
-        if len(self.eager_parts) == len(self.parts):  # nothing left to judge
-            self.state = Judgement.JUDGED
-            self.remove()
-            return
-        watch.readers = len(readers)
+        if len(self.eager_parts) == len(self.parts):
+            return self._give_up_all("")
         for node, edges in readers:
             node._register_post_hook(self._recorder(watch, owner.get(node.node_ptr()), edges))
+        producer._register_post_hook(self._completer(watch))
+        return True
 
     @staticmethod
     def _recorder(watch, part, edges: int):
         def record(grad_outputs, grad_inputs):
-            watch.ran.append((part, edges))
+            watch.record(part, edges)
             return grad_outputs
         return record
+
+    @staticmethod
+    def _completer(watch):
+        def complete(grad_outputs, grad_inputs):
+            watch.complete = True
+            return grad_outputs
+        return complete
 
     def _judge(self, watch) -> None:
         """After a watched call's backward: graph the largest set of parts whose copies sum as
@@ -305,7 +335,7 @@ class OwnInput:
                                  "order copies added up by one node cannot reproduce")
         self.state = Judgement.JUDGED
         if not self.graphed_parts:
-            self.remove()
+            self._active = False
 
     def _graph(self, chosen, runs) -> None:
         self.graphed_parts = tuple(chosen)
@@ -319,3 +349,10 @@ class OwnInput:
     def _give_up(self, i: int, why: str) -> None:
         self.eager_parts[i] = why
         warn(f"{self.parts[i][0]} stays eager: {why}; the rest of its layer stays graphed")
+
+    def _give_up_all(self, why: str) -> bool:
+        for i in range(len(self.parts)):
+            if i not in self.eager_parts:
+                self._give_up(i, why)
+        self.state, self._active = Judgement.JUDGED, False
+        return False
