@@ -201,8 +201,8 @@ class Parts:
     why)``). The block's own forward runs eagerly and calls them as before.
 
     ``own_input``: ``(block, part)`` relative names of graphed parts that read a copy of a block's
-    input of their own, whose gradient is added to the block's after its other readers' (Paddle,
-    whose backward sums a tensor's gradients in the order its readers run: docs/moe.md)."""
+    input of their own, the copies' gradients added up in eager autograd's order (Paddle, whose
+    backward sums a tensor's gradients in the order its readers run: docs/moe.md)."""
 
     graphed: tuple
     eager: tuple

@@ -325,7 +325,7 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
 
     shared_keys = _fleet.shared_keys(model)
     chunks, graphed_layers, parts = [], [], []  # parts: (sublayer, its CUDAGraphedLayer)
-    reading_copies = []  # (label, entry's layer, block, part, its layer): parts to read a copy of a block's input
+    reading_copies = []  # (entry's layer, block, [(label, part, its layer)]): parts to read copies of its input
     for chunk_id, start, run_function in containers:
         eager = list(run_function)
         prefix = f"stage{_fleet.stage_id(model)}" + (f".chunk{chunk_id}" if chunk_id is not None else "")
@@ -346,8 +346,9 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
                     layer = layers[rel] = graphed_forward(f"{label}.{rel}", part, options=chosen)
                     graphed_layers.append(layer)
                     parts.append((part, layer))
-                reading_copies.extend((f"{label}.{rel}", entry.obj, block, rel, layers[rel])
-                                  for block, rel in in_parts_of.own_input)
+                for block in dict.fromkeys(block for block, _ in in_parts_of.own_input):
+                    reading_copies.append((entry.obj, block, [(f"{label}.{rel}", rel, layers[rel])
+                                                              for of, rel in in_parts_of.own_input if of == block]))
                 continue
             label = f"{prefix}.layers[{run.start}:{run.stop}]"
             layer = CUDAGraphedLayer(_RunBody(run.objects()), name=label, to_static=to_static, options=chosen)
@@ -358,11 +359,9 @@ def graph_pipeline(model, *, graph_loss: bool = False, to_static=False, options:
         chunks.append(_Chunk(chunk_id, run_function, eager, graphed, runs))
     for part, layer in parts:  # every run and part built (and its options checked) before anything changes
         swap_in(part, layer)
-    by_block = {}
-    for label, entry, block, rel, layer in reading_copies:
-        by_block.setdefault((id(entry), block), (entry, []))[1].append((label, entry.get_sublayer(rel), layer))
-    own_inputs = [OwnInput(entry, entry.get_sublayer(block), parts_of) for (_, block), (entry, parts_of)
-                  in by_block.items()]
+    own_inputs = [OwnInput(entry, entry.get_sublayer(block),
+                           [(label, entry.get_sublayer(rel), layer) for label, rel, layer in reading])
+                  for entry, block, reading in reading_copies]
     for chunk in chunks:
         chunk.run_function[:] = chunk.graphed
     _fleet.set_recompute_interval(model, 0)  # the entries recompute themselves (pipeline_recompute)
