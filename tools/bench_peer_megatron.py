@@ -187,8 +187,17 @@ def _in_ddp(runs: list) -> list:
     return [dict(r, args=r["args"] + ["--ddp"]) if r["worker"] != "megatron" else r for r in runs]
 
 
-def _ddp(args) -> str:
-    return "-ddp" if args.ddp else ""
+def _with_options(runs: list, args) -> list:
+    """The runs with ``--ddp`` (eager and ours in Megatron's DDP as well; Megatron's graphs always
+    are) and ``--optimizer`` applied."""
+    runs = _in_ddp(runs) if args.ddp else runs
+    return runs if args.optimizer == "foreach" else [dict(r, args=r["args"] + ["--optimizer", args.optimizer])
+                                                     for r in runs]
+
+
+def _suffix(args) -> str:
+    """What the options add to the record's name: ``-ddp``, ``-fused-adam``."""
+    return ("-ddp" if args.ddp else "") + ("-fused-adam" if args.optimizer == "fused" else "")
 
 
 def _command(run: dict) -> str:
@@ -429,6 +438,10 @@ def main(argv=None) -> int:
     parser.add_argument("--ddp", action="store_true",
                         help="eager and ours in Megatron's DistributedDataParallel too (gradients in main_grad, "
                              "as megatron.training wraps every model); writes <record>-ddp-<device>.json")
+    parser.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach",
+                        help="torch.optim.AdamW's implementation in every variant: foreach (its default on a GPU) "
+                             "or fused (no per-parameter temporaries, as Megatron's own FusedAdam); fused writes "
+                             "<record>-fused-adam-<device>.json")
     parser.add_argument("--memory-trace", action="store_true",
                         help="a diagnosis: record every allocation and break each rank's memory peaks down "
                              "(slows the runs); writes memory-trace-<record>-<device>.json, not the benchmark record")
@@ -466,8 +479,8 @@ def main(argv=None) -> int:
                 ours_head=args.ours_head)
     budget = args.budget if args.budget is not None else BUDGET_S[world]
     run_cap = RUN_CAP_S[world]
-    runs = _in_ddp(runs) if args.ddp else runs
-    name = ("memory-trace-" if args.memory_trace else "") + (args.name or record_name(args.tp, args.pp) + _ddp(args))
+    runs = _with_options(runs, args)
+    name = ("memory-trace-" if args.memory_trace else "") + (args.name or record_name(args.tp, args.pp) + _suffix(args))
     if args.dry_run:
         return _dry_run(runs, f"# budget {budget:.0f}s, {world} rank(s) per run (--tp {args.tp} x --pp {args.pp}), "
                               f"each run in its own processes, at most {run_cap:.0f}s each", name)
@@ -486,7 +499,7 @@ def main(argv=None) -> int:
     payload = {"command": benchlib.command(), **benchlib.environment(), "versions": _versions(),
                "tp": args.tp, "pp": args.pp, "world_size": world, "seqs": list(seqs), "budget_s": budget,
                "ours_loss": args.ours_loss, "ours_head": args.ours_head, "ddp": args.ddp,
-               "summary": summary, "by_config": by_seq, "runs": records}
+               "optimizer": args.optimizer, "summary": summary, "by_config": by_seq, "runs": records}
     return _finish(args.device, name, payload, summary, records)
 
 
@@ -535,8 +548,8 @@ def main_moe(parser, args, argv) -> int:
                     variants=variants, memory_trace=args.memory_trace, repeats=args.repeats, ours_loss=args.ours_loss,
                     ours_head=args.ours_head)
     budget = args.budget if args.budget is not None else BUDGET_S[1]
-    runs = _in_ddp(runs) if args.ddp else runs
-    name = ("memory-trace-" if args.memory_trace else "") + (args.name or MOE_RECORD + _ddp(args))
+    runs = _with_options(runs, args)
+    name = ("memory-trace-" if args.memory_trace else "") + (args.name or MOE_RECORD + _suffix(args))
     if args.dry_run:
         return _dry_run(runs, f"# budget {budget:.0f}s, 1 rank per run (one GPU), each run in its own process, at most "
                               f"{RUN_CAP_S[1]:.0f}s each", name)
@@ -556,7 +569,8 @@ def main_moe(parser, args, argv) -> int:
                "model": "moe", "shape": worker.MOE_SHAPE, "seq": seq, "micro_batches": worker.MOE_MICRO_BATCHES,
                "micro_batch_size": worker.MOE_MICRO_BATCH_SIZE, "capacity_factor": worker.CAPACITY_FACTOR,
                "routings": list(routings), "world_size": 1, "budget_s": budget, "ours_loss": args.ours_loss,
-               "ours_head": args.ours_head, "ddp": args.ddp, "summary": summary, "by_config": by_routing, "runs": records}
+               "ours_head": args.ours_head, "ddp": args.ddp, "optimizer": args.optimizer, "summary": summary,
+               "by_config": by_routing, "runs": records}
     return _finish(args.device, name, payload, summary, records)
 
 

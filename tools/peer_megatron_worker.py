@@ -9,8 +9,9 @@ micro-batches, so the ranks of a tensor-parallel group feed the same data. Print
 its last output: this rank's figures, or ``{"error": ..., "traceback": ...}`` with exit status 1.
 
 Variants (all train the same math: bf16 parameters, bf16 gradients accumulated over the
-micro-batches, plain ``torch.optim.AdamW`` on the bf16 parameters, dropout 0.1 drawn through
-Megatron's graph-safe RNG tracker):
+micro-batches, plain ``torch.optim.AdamW`` on the bf16 parameters (its foreach implementation;
+``--optimizer fused`` its fused one, the kind Megatron's own optimizer takes from TransformerEngine
+or Apex), dropout 0.1 drawn through Megatron's graph-safe RNG tracker):
 
 * ``eager`` / ``eager_repeat``: ``Float16Module(GPTModel)``; gradients in ``.grad``.
 * ``megatron``: Megatron's local graphs (``cuda_graph_impl="local"``); the model is wrapped in
@@ -120,6 +121,7 @@ MOE_MICRO_BATCH_SIZE = 2
 MOE_STEPS_PER_ROUND = 5  # as tools/bench_moe.py's --iters default
 CAPACITY_FACTOR = 1.25  # as tools/bench_moe.py's --capacity-factor default
 ROUTINGS = ("capacity", "dropless")
+OPTIMIZERS = ("foreach", "fused")  # torch.optim.AdamW's implementations (--optimizer)
 
 
 def parse_args(argv=None):
@@ -145,6 +147,10 @@ def parse_args(argv=None):
     p.add_argument("--ddp", action="store_true",
                    help="eager and ours: the model in Megatron's DistributedDataParallel, gradients in main_grad "
                         "(as megatron.training wraps it; the megatron variant always is)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="foreach",
+                   help="torch.optim.AdamW's implementation: foreach (its default on a GPU: temporaries per "
+                        "parameter) or fused (one kernel over the parameters, no temporaries: the kind Megatron's "
+                        "own optimizer takes, TransformerEngine's or Apex's FusedAdam)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     opts = p.parse_args(argv)
     if opts.memory_trace and opts.device != "cuda":
@@ -257,7 +263,8 @@ def build(opts, rank: int):
         config.finalize_model_grads_func = finalize_model_grads
     else:
         config.finalize_model_grads_func = _tied_grads_finalizer(gpt)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                  **{opts.optimizer: True})
     return model, gpt, config, optimizer, shape
 
 

@@ -256,6 +256,20 @@ def test_with_ddp_eager_and_ours_train_in_megatrons_ddp_into_a_record_of_their_o
     assert not peer_megatron_worker.in_ddp(peer_megatron_worker.parse_args(["--variant", "eager", "--seq", "32"]))
 
 
+@pytest.mark.parametrize("args, record", [(["--moe"], "peer-megatron-moe-fused-adam"),
+                                          (["--moe", "--ddp"], "peer-megatron-moe-ddp-fused-adam"),
+                                          (["--pp", "1"], "peer-megatron-pp1-fused-adam")])
+def test_a_fused_optimizer_runs_in_every_variant_into_a_record_of_its_own(capsys, args, record):
+    assert bench_peer_megatron.main([*args, "--optimizer", "fused", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"# writes benchmarks/results/{record}-<device>.json"
+    runs = out[2:]
+    assert runs and all("--optimizer fused" in l for l in runs)
+    assert peer_megatron_worker.parse_args(["--variant", "eager", "--seq", "32"]).optimizer == "foreach"
+    assert bench_peer_megatron.main([*args, "--dry-run"]) == 0
+    assert "--optimizer" not in capsys.readouterr().out
+
+
 def test_a_moe_memory_trace_runs_each_variant_once_traced_into_a_record_of_its_own(capsys):
     assert bench_peer_megatron.main(["--moe", "--memory-trace", "--variants", "eager,ours", "--routings", "capacity",
                                      "--dry-run"]) == 0
