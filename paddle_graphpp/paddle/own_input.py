@@ -294,8 +294,8 @@ class OwnInput:
                 self._give_up(i, "its gradient does not reach the layer's outputs apart from the others'")
                 continue
             owner.update((key, i) for key in theirs)
-        if len(self.eager_parts) == len(self.parts):
-            return self._give_up_all("")
+        if len(self.eager_parts) == len(self.parts):  # each given up above, with its reason
+            return self._finish()
         for node, edges in readers:
             node._register_post_hook(self._recorder(watch, owner.get(node.node_ptr()), edges))
         producer._register_post_hook(self._completer(watch))
@@ -320,15 +320,11 @@ class OwnInput:
         eagerly, each reading its own; the others stay eager."""
         self._watched = []
         candidates = [i for i in range(len(self.parts)) if i not in self.eager_parts]
-        for size in range(len(candidates), 0, -1):
-            for chosen in itertools.combinations(candidates, size):
-                runs = _groups(watch.ran, chosen)
-                if runs is not None:
-                    self._graph(chosen, runs)
-                    break
-            else:
-                continue
-            break
+        found = next(((chosen, runs) for size in range(len(candidates), 0, -1)
+                      for chosen in itertools.combinations(candidates, size)
+                      if (runs := _groups(watch.ran, chosen)) is not None), None)
+        if found is not None:
+            self._graph(*found)
         for i in candidates:
             if i not in self.graphed_parts:
                 self._give_up(i, "eager autograd adds its gradient to its input's between other readers', in an "
@@ -354,5 +350,9 @@ class OwnInput:
         for i in range(len(self.parts)):
             if i not in self.eager_parts:
                 self._give_up(i, why)
+        return self._finish()
+
+    def _finish(self) -> bool:
+        """Judged with every part eager: the hooks go quiet. ``False``: nothing left to watch."""
         self.state, self._active = Judgement.JUDGED, False
         return False
