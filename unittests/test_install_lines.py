@@ -61,6 +61,20 @@ def test_ci_runs_the_readme_test_command_verbatim_before_any_other_suite_step():
     assert any(installs.PADDLEFORMERS in line for line in lines[first + 1:])  # for the tests the command skips
 
 
+def test_ci_runs_every_test_module_that_needs_paddleformers_while_it_is_installed():
+    """A module that skips without PaddleFormers (the README's test command leaves it out) runs in
+    .ci/run's PaddleFormers step, or its tests would never run anywhere."""
+    script = read(".ci/run")
+    start = script.index(installs.PADDLEFORMERS, script.index(installs.TESTS))
+    step = script[start:script.index("uninstall -q -y paddleformers", start)]
+    ran = set(re.findall(r"unittests/[\w/]+\.py", step))
+    needing = {f"unittests/{name}" for name in os.listdir(os.path.join(REPO, "unittests"))
+               if name.startswith("test_") and name.endswith(".py")
+               and re.search(r"^\s*(installs\.)?skip_without_paddleformers\(", read(f"unittests/{name}"), re.M)}
+    assert needing, "no test module needs PaddleFormers: the check would prove nothing"
+    assert needing <= ran, f"not run with PaddleFormers installed by .ci/run: {sorted(needing - ran)}"
+
+
 def test_the_test_requirements_include_the_examples_and_pin_both_frameworks():
     assert "-r requirements-examples.txt" in read("requirements-test.txt").splitlines()
     assert {"paddlepaddle", "torch", "transformers"} <= requirement_names("requirements-examples.txt")
