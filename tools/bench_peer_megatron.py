@@ -343,9 +343,9 @@ def headline(by_seq: dict, *, world: int = 1) -> dict:
 
 
 def headline_moe(by_routing: dict) -> dict:
-    """Per MoE routing: ours and Megatron's graphs over eager (speed; whole-run peak allocated and
-    reserved memory, capture steps included), ours over Megatron's graphs, and whether Megatron's
-    graphs ran (a run without graphs would be an eager run under another name)."""
+    """Per MoE routing: ours (and ours in ordinary segments, where run) and Megatron's graphs over
+    eager (speed; whole-run peak allocated and reserved memory, capture steps included), ours over
+    Megatron's graphs, and whether Megatron's graphs ran (a run without graphs would be an eager run under another name)."""
     out = {}
     for routing, rows in by_routing.items():
         def ratio(top, bottom, key):
@@ -373,6 +373,12 @@ def headline_moe(by_routing: dict) -> dict:
             "ours_graphs_ran": sum(rows.get("ours", {}).get("graphs_per_rank") or [0]) > 0,
             "eager_repeat_vs_eager_speed": ratio("eager_repeat", "eager", "tokens_per_s"),
         }
+        if "ours_segments" in rows:  # our graphs' pools in ordinary segments, where the run asked for them
+            out[routing].update({
+                "ours_segments_vs_eager_speed": ratio("ours_segments", "eager", "tokens_per_s"),
+                "ours_segments_vs_eager_peak_allocated": mem("ours_segments", "eager", "allocated"),
+                "ours_segments_vs_eager_peak_reserved": mem("ours_segments", "eager", "reserved"),
+            })
     return out
 
 

@@ -314,6 +314,12 @@ def test_moe_summary_is_per_routing_with_allocated_and_reserved_peaks():
     assert h["capacity"]["ours_vs_eager_peak_reserved"] == 1.05 and h["capacity"]["megatron_vs_eager_peak_allocated"] == 1.1
     assert h["capacity"]["megatron_graphs_ran"] and not h["dropless"]["megatron_graphs_ran"]
     assert h["dropless"]["ours_vs_megatron_speed"] is None
+    assert "ours_segments_vs_eager_peak_reserved" not in h["capacity"]
+    records["ours_segments@capacity"] = rec(320.0, 1040.0, 1210.0, 16)
+    h = bench_peer_megatron.headline_moe(bench_peer_megatron.summarize(records, ("capacity", "dropless")))
+    assert h["capacity"]["ours_segments_vs_eager_peak_reserved"] == 1.1
+    assert h["capacity"]["ours_segments_vs_eager_speed"] == 3.2
+    assert "ours_segments_vs_eager_speed" not in h["dropless"]
 
 
 @pytest.mark.slow
