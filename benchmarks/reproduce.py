@@ -81,6 +81,8 @@ STEPS = [
     ("peer-megatron-moe", 1, "python tools/bench_peer_megatron.py --moe --budget 400", "peer-megatron-moe-<device>.json"),
     ("peer-megatron-moe-ddp", 1, "python tools/bench_peer_megatron.py --moe --ddp --variants eager,ours --repeats 1 "
      "--budget 110", "peer-megatron-moe-ddp-<device>.json"),
+    ("peer-megatron-moe-fused-adam", 1, "python tools/bench_peer_megatron.py --moe --optimizer fused "
+     "--variants eager,megatron,ours --repeats 1 --budget 280", "peer-megatron-moe-fused-adam-<device>.json"),
     ("gpu-suite", 1, "python tools/gpu_suite.py", "gpu-suite-<device>.json"),
     ("gpu-suite-probe", 1, "python tools/gpu_suite.py --probe --name gpu-suite-probe",
      "gpu-suite-probe-<device>.json"),

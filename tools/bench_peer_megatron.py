@@ -7,7 +7,8 @@
     python tools/bench_peer_megatron.py --tp 2 --pp 2     # four GPUs: 2-way tensor parallel per stage
     python tools/bench_peer_megatron.py --pp 1 --profile  # + where CPU time per layer call goes
     python tools/bench_peer_megatron.py --dry-run         # print the runs and the record's name
-    python tools/bench_peer_megatron.py --moe             # mixture of experts, one GPU (not yet run)
+    python tools/bench_peer_megatron.py --moe             # mixture of experts, one GPU
+    python tools/bench_peer_megatron.py --moe --optimizer fused   # every variant with fused AdamW
 
 Model: Megatron-Core 0.19.2's ``GPTModel`` with ``get_gpt_layer_local_spec()`` (no
 TransformerEngine) in the GPT-3 1.3B shape (hidden 2048, 24 layers, 16 heads, vocab 50304),
