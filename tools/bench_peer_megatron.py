@@ -84,6 +84,7 @@ if REPO not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, REPO)
 from testing import launch  # noqa: E402
 from tools import benchlib  # noqa: E402
+from tools.peer_megatron_worker import OPTIMIZERS  # noqa: E402
 
 WORKER = os.path.join(REPO, "tools", "peer_megatron_worker.py")
 SEQS = (512, 2048)
@@ -346,7 +347,8 @@ def headline(by_seq: dict, *, world: int = 1) -> dict:
 def headline_moe(by_routing: dict) -> dict:
     """Per MoE routing: ours (and ours in ordinary segments, where run) and Megatron's graphs over
     eager (speed; whole-run peak allocated and reserved memory, capture steps included), ours over
-    Megatron's graphs, and whether Megatron's graphs ran (a run without graphs would be an eager run under another name)."""
+    Megatron's graphs, and whether Megatron's graphs ran (a run without graphs would be an eager
+    run under another name)."""
     out = {}
     for routing, rows in by_routing.items():
         def ratio(top, bottom, key):
@@ -445,7 +447,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ddp", action="store_true",
                         help="eager and ours in Megatron's DistributedDataParallel too (gradients in main_grad, "
                              "as megatron.training wraps every model); writes <record>-ddp-<device>.json")
-    parser.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach",
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="foreach",
                         help="torch.optim.AdamW's implementation in every variant: foreach (its default on a GPU) "
                              "or fused (no per-parameter temporaries, as Megatron's own FusedAdam); fused writes "
                              "<record>-fused-adam-<device>.json")
