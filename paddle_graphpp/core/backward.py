@@ -17,7 +17,7 @@ graphs (:class:`~paddle_graphpp.core.runtime.InGraphAccumulation`) parameter gra
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import collectives as _collectives
 from . import memory as _memory
@@ -33,6 +33,9 @@ from .replay import Replays
 from .runtime import clone_many
 from .schedule import InFlightQueue
 from .state import LayerStateCheck
+
+if TYPE_CHECKING:
+    from .capture import EpisodeCapture
 
 __all__ = ["Backward"]
 
@@ -259,13 +262,15 @@ class Backward:
         recording.record(self.capture, call.key, call.position, forward=False, half=half)
 
     # ----------------------------------------------------------------- replay
-    def _prepare(self, call: Call, position: Position, graph: Any, kind: str, *, finishes: bool = True) -> None:
+    def _prepare(self, call: Call, position: Position, graph: Any, kind: str, *, finishes: bool = True) -> "EpisodeCapture":
         """Before a backward graph replays: held outputs moved off memory it overwrites, the
-        pool's capture order checked (raises before anything changed), collectives checked."""
+        pool's capture order checked (raises before anything changed), collectives checked.
+        Returns the layer's process side, for the launch."""
         layer, proc = self.layer, self.layer.process()
         proc.outputs.before_replay(self.capture, call.key, call.position, kind)
         proc.plan.note_replay(position.generation, id(graph), False, layer.name, finishes=finishes)
         _collectives.check_replay(graph)
+        return proc
 
     def replay(self, call: Call, position: Position, diff_grads: list) -> list:
         """Replay the position's backward graph (both halves where it was captured split)."""
@@ -275,7 +280,7 @@ class Backward:
             return first[:n] + self.moves.sum_grads(first[n:], self.replay_weight(call, position))
         if position.state is not None:  # the parameters may be set anew between forward and backward (FSDP2)
             self.state.check(position.state, self.queue.episode, "backward")
-        self._prepare(call, position, position.bwd_graph, "backward")
+        proc = self._prepare(call, position, position.bwd_graph, "backward")
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
         buffers, hooked = self.buffers.params, position.accumulate and self.buffers.hooked
@@ -286,9 +291,9 @@ class Backward:
             self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
         if position.recomputes:
             self.recomputing.mirror().restore(call.run.rng)
-        self.replay_side.launch(call, position.bwd_graph, "backward")
+        self.replay_side.launch(call, position.bwd_graph, "backward", proc)
         if position.accumulate:
-            self.layer.process().grad_writes += 1  # gradients changed without a version bump
+            proc.grad_writes += 1  # gradients changed without a version bump
         if hooked:  # zeros, so that the accumulation hooks run (bucket readiness) and add nothing
             param_grads = [self.accumulation.zero_grad_like(p) if u else None
                            for p, u in zip(call.params, position.param_grad_used)]
@@ -300,10 +305,10 @@ class Backward:
                               list(position.static_grad_inputs) + param_grads)
 
     def replay_input(self, call: Call, position: Position, diff_grads: list) -> list:
-        self._prepare(call, position, position.bwd_graph, "input", finishes=False)
+        proc = self._prepare(call, position, position.bwd_graph, "input", finishes=False)
         if position.static_grad_outputs:
             self.rt.copy_many(position.static_grad_outputs, diff_grads)
-        self.replay_side.launch(call, position.bwd_graph, "backward (input half)")
+        self.replay_side.launch(call, position.bwd_graph, "backward (input half)", proc)
         used = position.input_param_used or (False,) * len(call.params)
         buffers = self.buffers.params if any(used) else [None] * len(call.params)
         return self.moves.hand_off(list(call.tensors) + list(call.params),
@@ -317,14 +322,14 @@ class Backward:
         buffers, bound as ``.grad`` first; a schedule's weight pass (``hand_over``) is handed
         each parameter's whole sum with ``.grad`` unset
         (:meth:`~paddle_graphpp.core.grad_moves.GradientMoves.hand_over`)."""
-        self._prepare(call, position, position.weight_graph, "weight")  # may raise: nothing changed yet
+        proc = self._prepare(call, position, position.weight_graph, "weight")  # may raise: nothing changed yet
         if position.accumulate:
             used = [(p, b) for p, b, u in zip(call.params, position.weight_buffers, position.param_grad_used) if u]
             self.moves.bind_grads([p for p, _ in used], [b for _, b in used])
-        self.replay_side.launch(call, position.weight_graph, "backward (weight half)")
+        self.replay_side.launch(call, position.weight_graph, "backward (weight half)", proc)
         grads = [b if u else None for b, u in zip(position.weight_buffers, position.param_grad_used)]
         if position.accumulate:
-            self.layer.process().grad_writes += 1  # .grad changed without a version bump
+            proc.grad_writes += 1  # .grad changed without a version bump
             return self.moves.hand_over(call.params, grads) if hand_over else [None] * len(call.params)
         fresh = [i for i in self.rt.leaves_without_grad(call.params) if grads[i] is not None]
         if fresh:

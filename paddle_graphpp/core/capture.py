@@ -204,9 +204,11 @@ def _agree(agreement: Optional[Callable[[bool], list]], errors: list) -> list:
 def capture_for(runtime: GraphRuntime) -> EpisodeCapture:
     """The record-then-capture side of ``runtime``, kept in its section of the process (renewed
     when its memory plan is)."""
-    plan = _memory.plan_for(runtime)
     section = current_process().section(runtime.name)
     found = section.capture
+    if found is not None and found.plan is section.plan and found.plan.runtime is runtime:
+        return found  # asked several times per graphed call: the usual answer without plan_for
+    plan = _memory.plan_for(runtime)
     if found is None or found.plan is not plan:
         found = section.capture = EpisodeCapture(plan)
     return found

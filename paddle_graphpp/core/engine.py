@@ -150,8 +150,9 @@ class GraphedCallable:
     def forward(self, call: Call) -> list:
         """The forward of ``call`` inside the runtime's autograd function (see :meth:`Call.forward`):
         its FIFO position, then the run its signature's phase asks for."""
-        self.process.poll_watches()
-        clock = self.process.clock
+        proc = self.process
+        proc.poll_watches()
+        clock = proc.clock
         sig = None if call.force_eager else self.phases.add(call.key, call.shape)
         episode = clock.forward_started()
         first_in_episode = self.queue.episode != episode

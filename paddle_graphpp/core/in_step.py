@@ -44,11 +44,12 @@ class InStepCapture:
                 raise error from None
             return None  # fallback="eager"
         call.outputs = live.outputs_shape
-        layer.process().plan.note_replay(live.generation, id(live.graph), True, layer.name)
-        self.replay.keep_held_outputs(call)
-        self.replay.launch(call, live.graph, "forward")
+        proc = layer.process()
+        proc.plan.note_replay(live.generation, id(live.graph), True, layer.name)
+        self.replay.keep_held_outputs(call, proc)
+        self.replay.launch(call, live.graph, "forward", proc)
         call.run = Launched(live)
-        return self.replay.hand_out(call, live.outputs)
+        return self.replay.hand_out(call, live.outputs, proc)
 
     def backward(self, call: Call, sig: Signature, diff_grads: list) -> Position:
         """Capture the backward of the forward launched this step (to be replayed now)."""

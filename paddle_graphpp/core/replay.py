@@ -11,7 +11,7 @@ through :meth:`Replays.launch`: the replay, the watchdog's note, the count.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import collectives as _collectives
 from .layer import Layer
@@ -21,6 +21,9 @@ from .recompute import LayerRecompute
 from .records import Call, Position, Replayed, Signature
 from .schedule import InFlightQueue
 from .state import LayerStateCheck
+
+if TYPE_CHECKING:
+    from .capture import EpisodeCapture
 
 __all__ = ["Replays"]
 
@@ -62,12 +65,12 @@ class Replays:
             self.state.check(done.state, self.queue.episode)
         proc.plan.note_replay(done.generation, id(done.fwd_graph), True, layer.name)
         _collectives.check_replay(done.fwd_graph)
-        self.keep_held_outputs(call)
+        self.keep_held_outputs(call, proc)
         layer.runtime.copy_many(done.static_inputs, call.tensors)
         rng = self.recomputing.mirror().note() if done.recomputes else None  # what the backward's recompute redraws
-        self.launch(call, done.fwd_graph, "forward")
+        self.launch(call, done.fwd_graph, "forward", proc)
         call.run, call.outputs = Replayed(done, rng), done.outputs
-        return self.hand_out(call, done.static_outputs)
+        return self.hand_out(call, done.static_outputs, proc)
 
     def unreplayed(self, call: Call, sig: Optional[Signature], kind: str) -> None:
         """A captured position's graph runs eagerly this time (its inputs are not where the graph
@@ -81,20 +84,21 @@ class Replays:
         for k in kinds:
             outputs.before_replay(self.participant, call.key, call.position, k)
 
-    def launch(self, call: Call, graph: Any, kind: str) -> None:
+    def launch(self, call: Call, graph: Any, kind: str, proc: "EpisodeCapture") -> None:
         """Launch one of the call's graphs (``kind`` names it in the watchdog's message:
         ``"forward"``, ``"backward"``, ``"backward (input half)"``, ``"backward (weight half)"``);
-        the replay watchdog follows it."""
+        the replay watchdog follows it. ``proc``: the layer's process side
+        (:class:`~paddle_graphpp.core.capture.EpisodeCapture`), as the caller has it."""
         self.layer.runtime.replay_graph(graph)
-        self.layer.process().replay_watch.launched(self.participant, call.position, kind, graph)
+        proc.replay_watch.launched(self.participant, call.position, kind, graph)
         self.lifecycle.replays += 1
 
-    def hand_out(self, call: Call, static_outputs: Sequence[Any]) -> list:
+    def hand_out(self, call: Call, static_outputs: Sequence[Any], proc: "EpisodeCapture") -> list:
         """Aliases of a launched forward's output buffers for the caller, watched weakly: the
         position's next launch overwrites them (see :meth:`keep_held_outputs`)."""
-        return self.layer.process().outputs.hand_out(self.participant, call.key, call.position, static_outputs)
+        return proc.outputs.hand_out(self.participant, call.key, call.position, static_outputs)
 
-    def keep_held_outputs(self, call: Call) -> None:
+    def keep_held_outputs(self, call: Call, proc: "EpisodeCapture") -> None:
         """Before a launch overwrites the position's output buffers: what still uses the outputs
         of its last launch (the tensors handed out, or, with the runtime's
         :class:`~paddle_graphpp.core.runtime.OutputRelease`, any tensor sharing their memory)
@@ -102,7 +106,7 @@ class Replays:
         outputs until the step ends, to return them merged, and on the last stage of a 1F1B
         pipeline every micro-batch replays the same position; eagerly each output is its own
         tensor, and so it stays here (copied only when held)."""
-        if not self.layer.process().outputs.move_held(self.participant, call.key, call.position):
+        if not proc.outputs.move_held(self.participant, call.key, call.position):
             self.lifecycle.warn_once("held", (
                 f"{self.layer.name}: outputs of an earlier micro-batch are still referenced when the same "
                 f"micro-batch position replays and overwrites them, and the {self.layer.runtime.name} runtime "

@@ -22,16 +22,27 @@ def flatten(obj: Any) -> tuple[list, Any]:
     return leaves, spec
 
 
+_CONTAINERS = (tuple, list, dict)
+
+
 def _flatten(obj, leaves):
     if isinstance(obj, tuple):
-        return ("tuple", type(obj), tuple([_flatten(x, leaves) for x in obj]))
-    if isinstance(obj, list):
-        return ("list", None, tuple([_flatten(x, leaves) for x in obj]))
-    if isinstance(obj, dict):
-        keys = tuple(obj)
-        return ("dict", keys, tuple([_flatten(obj[k], leaves) for k in keys]))
-    leaves.append(obj)
-    return _LEAF
+        head, items = ("tuple", type(obj)), obj
+    elif isinstance(obj, list):
+        head, items = ("list", None), obj
+    elif isinstance(obj, dict):
+        head, items = ("dict", tuple(obj)), obj.values()
+    else:
+        leaves.append(obj)
+        return _LEAF
+    specs = []
+    for x in items:  # leaves without a call each: every graphed call flattens its arguments
+        if isinstance(x, _CONTAINERS):
+            specs.append(_flatten(x, leaves))
+        else:
+            leaves.append(x)
+            specs.append(_LEAF)
+    return (*head, tuple(specs))
 
 
 def unflatten(spec: Any, leaves: list) -> Any:
@@ -45,7 +56,7 @@ def _unflatten(spec, it):
     kind = spec[0]
     if kind == "leaf":
         return next(it)
-    children = [_unflatten(s, it) for s in spec[2]]
+    children = [next(it) if s is _LEAF else _unflatten(s, it) for s in spec[2]]
     if kind == "list":
         return children
     if kind == "dict":

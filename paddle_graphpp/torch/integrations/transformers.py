@@ -144,6 +144,9 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
         index = positions.get(arg)
         return args[index] if index is not None and index < len(args) else None
 
+    if not positions or len(args) <= min(positions.values()):
+        given = kwargs.get  # noqa: F811 - checked on every call: the usual one passes these by keyword
+    recorded = recorded_outputs()
     if given("use_cache"):
         raise ValueError(
             f"{name}: use_cache=True reached a graphed layer, which cannot update a key/value cache (the "
@@ -158,7 +161,7 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
                 f"which cannot update it (the update would happen at capture only). For training set "
                 f"`model.config.use_cache = False` or pass use_cache=False (and no cache object) to the "
                 f"model's forward; under torch.no_grad() the layer runs eagerly and caches work.")
-    if given("output_attentions") or "attentions" in recorded_outputs():
+    if given("output_attentions") or "attentions" in recorded:
         raise ValueError(
             f"{name}: output_attentions=True with a graphed layer: attention weights are recorded by hooks "
             f"inside the layer, which graph replays do not run. Pass output_attentions=False (and leave "
@@ -166,7 +169,7 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
     # The block's own output (hidden_states) is recorded by a hook on the block, which runs; any
     # other recorded output comes from hooks inside it.
     if "transformers.utils.output_capturing" in sys.modules:
-        inside = sorted(k for k in recorded_outputs() if k != "hidden_states" and not k.startswith("_"))
+        inside = sorted(k for k in recorded if k != "hidden_states" and not k.startswith("_"))
         if inside:  # only what hooks on modules inside this one record (its own hooks run around its graphs)
             hooked = _recorded_inside(layer)
             inside = [k for k in inside if hooked is None or k in hooked]
