@@ -37,6 +37,7 @@ _ALIGN = 512  # bytes between buffers carved from one block (the caching allocat
 # names in TensorSpec, looked up rather than formatted: every graphed call makes specs of its inputs
 _DTYPE_NAMES = MappingProxyType({d: str(d).replace("torch.", "") for d in vars(torch).values()
                                   if isinstance(d, torch.dtype)})
+_SPECS_KEPT = 4096  # input specs a runtime remembers (forgotten all at once past that: shapes that keep changing)
 
 
 class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, GraphRuntime, StateSlots, AutocastModes,
@@ -49,19 +50,22 @@ class TorchRuntime(TorchMemory, _autograd.TorchGradients, TorchReplayEvents, Gra
     def __init__(self):
         super().__init__()
         self._capture_streams: dict[int, torch.cuda.Stream] = {}
-        self._device_names: dict = {}  # device -> its name in TensorSpec
+        self._specs: dict = {}  # (shape, dtype, device, requires_grad) -> its TensorSpec (spec)
 
     # tensors
     def is_tensor(self, obj: Any) -> bool:
         return isinstance(obj, torch.Tensor)
 
     def spec(self, tensor) -> TensorSpec:
-        device = tensor.device
-        name = self._device_names.get(device)
-        if name is None:
-            name = self._device_names[device] = str(device)
-        return TensorSpec(tuple(tensor.shape), _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).replace("torch.", ""),
-                          name, tensor.requires_grad)
+        # every graphed call asks this of each input tensor: the specs seen are kept, by what they read
+        seen = (tensor.shape, tensor.dtype, tensor.device, tensor.requires_grad)
+        found = self._specs.get(seen)
+        if found is None:
+            if len(self._specs) >= _SPECS_KEPT:
+                self._specs.clear()
+            dtype = _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).replace("torch.", "")
+            found = self._specs[seen] = TensorSpec(tuple(tensor.shape), dtype, str(tensor.device), tensor.requires_grad)
+        return found
 
     def static_like(self, tensor):
         return torch.empty_like(tensor, requires_grad=False).detach()
