@@ -25,6 +25,7 @@ if REPO not in sys.path:
 from paddle_graphpp.core.state import StateWatch  # noqa: E402
 from paddle_graphpp.torch.optim import optimizer_state_slots  # noqa: E402
 from paddle_graphpp.torch.runtime import RUNTIME  # noqa: E402
+from tools import benchlib  # noqa: E402
 
 
 def per_tensor_us(watch: StateWatch, tensors: int, number: int, repeat: int) -> dict:
@@ -59,6 +60,7 @@ def main(argv=None) -> dict:
     record = {
         "benchmark": "state_check",
         "command": "python " + " ".join([os.path.relpath(__file__, REPO), *(argv if argv is not None else sys.argv[1:])]),
+        "code_version": benchlib.code_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
