@@ -31,7 +31,8 @@ def _flatten(obj, leaves):
     elif isinstance(obj, list):
         head, items = ("list", None), obj
     elif isinstance(obj, dict):
-        head, items = ("dict", tuple(obj)), obj.values()
+        keys = tuple(obj)
+        head, items = ("dict", keys), [obj[k] for k in keys]  # as the mapping hands each out
     else:
         leaves.append(obj)
         return _LEAF

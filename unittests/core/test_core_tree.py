@@ -53,3 +53,26 @@ def test_a_pickled_signature_key_is_hashed_anew_where_it_is_loaded():
     assert loaded == key and type(loaded) is SignatureKey
     assert hash(loaded) == tuple.__hash__(loaded)  # computed on load, not carried over
     assert {tuple(loaded): "found"}.get(loaded) == "found"
+
+
+def test_a_spec_from_another_process_rebuilds_too():
+    import pickle
+
+    args = ((1, "a"), {"emb": Pair(2, 3), "mask": None, "deep": [4, (5, [6])], "empty": ()}, [], 7)
+    leaves, spec = flatten(args)
+    loaded = pickle.loads(pickle.dumps(spec))  # its leaf specs are equal tuples, not the same objects
+    assert loaded == spec and unflatten(loaded, list(leaves)) == args
+
+
+def test_a_lone_leaf_and_a_mapping_read_as_its_items_are_read():
+    for leaf in (None, 3, "x", object()):
+        leaves, spec = flatten(leaf)
+        assert leaves == [leaf] and unflatten(spec, leaves) is leaf
+
+    class Computed(dict):
+        def __getitem__(self, key):
+            return ("via getitem", super().__getitem__(key))
+
+    leaves, spec = flatten(Computed(a=1))
+    assert leaves == ["via getitem", 1]  # the tuple its item access returned, flattened
+    assert unflatten(spec, leaves) == {"a": ("via getitem", 1)}
