@@ -121,8 +121,8 @@ def _weight_pass_hooks(outputs) -> None:
 def apply_graphed_function(call, tensors, params) -> tuple:
     """``call.forward()`` inside the custom autograd function (see GraphRuntime.apply_graphed_function)."""
     outputs = _GraphedFunction.apply(call, *tensors, *params)
-    if params:
-        if _PIPELINING in sys.modules and _weight_pass_sums_output_grads():  # only its weight pass sums
+    if params and _PIPELINING in sys.modules:  # what follows serves its schedules only (host time per call)
+        if _weight_pass_sums_output_grads():  # only its weight pass sums
             _weight_pass_hooks(outputs)
         # A zero-bubble input pass (torch.distributed.pipelining's stage_backward_input)
         # detaches the stage's outputs and keeps only Python handles of the nodes its weight
