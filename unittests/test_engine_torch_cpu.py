@@ -211,3 +211,19 @@ def test_parameters_held_in_several_places_keep_their_objects_and_get_whole_grad
     assert [id(p) for p in module.parameters()] == before  # the module holds the parameters it had
     for (name, p), q in zip(eager.named_parameters(), module.parameters()):
         assert q.grad is not None and torch.allclose(p.grad, q.grad), name  # the tied weight's two parts
+
+
+def test_a_tensor_spec_is_made_once_per_shape_dtype_device_and_grad_flag(monkeypatch):
+    from paddle_graphpp.torch import runtime as torch_runtime
+
+    rt = torch_runtime.TorchRuntime()
+    x = torch.zeros(2, 3)
+    spec = rt.spec(x)
+    assert (spec.shape, spec.dtype, spec.device, spec.requires_grad) == ((2, 3), "float32", "cpu", False)
+    assert rt.spec(torch.ones(2, 3)) is spec  # every graphed call asks this of each input
+    others = [torch.zeros(3, 2), torch.zeros(2, 3, dtype=torch.float16), torch.zeros(2, 3, requires_grad=True)]
+    assert len({spec, *map(rt.spec, others)}) == 4
+    assert rt.spec(others[2]).describe() == "shape [2, 3], float32 on cpu, requires grad"
+    monkeypatch.setattr(torch_runtime, "_SPECS_KEPT", 3)
+    fresh = [rt.spec(torch.zeros(n)) for n in range(1, 5)]  # past the limit the kept specs are forgotten
+    assert len(rt._specs) <= 3 and rt.spec(torch.zeros(4)) == fresh[3]
