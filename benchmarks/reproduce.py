@@ -61,6 +61,7 @@ STARTED = time.monotonic()
 # (name, GPUs, command, the record it writes: <device> is this machine's)
 STEPS = [
     ("engine", 1, "python tools/gpu_check.py", "engine-<device>.json"),
+    ("call-overhead", 1, "python tools/bench_call_overhead.py --rounds 9 --iters 10", "call-overhead-<device>.json"),
     ("optimizer", 1, "python tools/bench_optimizer.py --rounds 12 "
      "--profile eager_fused,graphed_foreach,graphed_fused,graphed_foreach_compiled", "optimizer-<device>.json"),
     ("hf", 1, "python tools/bench_hf.py", "hf-<device>.json"),
