@@ -231,8 +231,7 @@ def _refuse_second_gradient_input(name: str, args: tuple, kwargs: dict) -> None:
     def flows(a):  # an activation carrying a gradient (a parameter's gradient goes straight to its .grad)
         return isinstance(a, torch.Tensor) and a.grad_fn is not None
 
-    # checked on every call: the arguments are named only when refused
-    if sum(isinstance(a, torch.Tensor) and a.grad_fn is not None for a in (*args, *kwargs.values())) > 1:
+    if sum(map(flows, (*args, *kwargs.values()))) > 1:  # checked on every call: the arguments named only then
         flowing = [f"argument {i}" for i, a in enumerate(args) if flows(a)]
         flowing += [f"{k}=" for k, a in kwargs.items() if flows(a)]
         flowing = [f if f.startswith("argument ") else f[:-1] for f in flowing]

@@ -144,9 +144,7 @@ def check_call(name: str, layer: nn.Module, positions: Mapping[str, int], args: 
         index = positions.get(arg)
         return args[index] if index is not None and index < len(args) else None
 
-    if not positions or len(args) <= min(positions.values()):
-        given = kwargs.get  # noqa: F811 - checked on every call: the usual one passes these by keyword
-    recorded = recorded_outputs()
+    recorded = recorded_outputs()  # read once: the checks below ask it twice
     if given("use_cache"):
         raise ValueError(
             f"{name}: use_cache=True reached a graphed layer, which cannot update a key/value cache (the "
