@@ -108,9 +108,10 @@ def _profile(step, steps, n, top=25):
     """cProfile over ``steps`` steps of ``step``: the functions with the most self time, in host
     microseconds per block call (cProfile slows Python-heavy code: read the shares, not the sums)."""
     import cProfile
-    import pstats
 
     import torch
+
+    from tools.diagnostics.host_time import function_rows
 
     prof = cProfile.Profile()
     torch.cuda.synchronize()
@@ -119,11 +120,9 @@ def _profile(step, steps, n, top=25):
         step()
     prof.disable()
     torch.cuda.synchronize()
-    rows = [(f"{Path(path).name}:{line}:{name}", nc, tt) for (path, line, name), (_cc, nc, tt, _ct, _) in
-            pstats.Stats(prof).stats.items()]
     calls = steps * n
     return [{"function": f, "calls_per_call": round(c / calls, 2), "self_us": round(tt / calls * 1e6, 2)}
-            for f, c, tt in sorted(rows, key=lambda r: -r[2])[:top]]
+            for f, c, tt, _total in sorted(function_rows(prof), key=lambda r: -r[2])[:top]]
 
 
 def main(argv=None) -> int:

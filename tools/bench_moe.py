@@ -38,8 +38,6 @@ import argparse
 import copy
 import cProfile
 import json
-import os
-import pstats
 import subprocess
 import sys
 import time
@@ -317,7 +315,7 @@ def profile(model, step, data, n):
     from paddle_graphpp.torch import autograd as graphed_autograd
     from paddle_graphpp.torch.integrations.transformers import experts_modules
     from tools.diagnostics import busy
-    from tools.diagnostics.host_time import Timers, syncs_in_step, time_engine_parts
+    from tools.diagnostics.host_time import Timers, function_rows, syncs_in_step, time_engine_parts
 
     def run_timed(put_on) -> Timers:
         """``n`` steps with the timers ``put_on(timers)`` places, taken off again whatever happens."""
@@ -357,8 +355,7 @@ def profile(model, step, data, n):
         step(data)
     torch.cuda.synchronize()
     prof.disable()
-    stats = pstats.Stats(prof).stats
-    rows = [(f"{Path(path).name}:{line}:{name}", nc, tt, ct) for (path, line, name), (_cc, nc, tt, ct, _) in stats.items()]
+    rows = function_rows(prof)
     out["cprofile_ms_per_step"] = {
         key: [{"function": f, "calls": c / n, "self": round(tt / n * 1e3, 2), "total": round(ct / n * 1e3, 2)}
               for f, c, tt, ct in sorted(rows, key=lambda r: -r[col])[:25]]

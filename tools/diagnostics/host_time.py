@@ -40,6 +40,13 @@ def per_call(stats: pstats.Stats, suffix: str, func: str):
     return 0, None
 
 
+def function_rows(prof) -> list:
+    """``(file:line:function, calls, self seconds, total seconds)`` of each function a
+    ``cProfile.Profile`` saw: what the benchmarks sort and scale into their profiles."""
+    return [(f"{Path(path).name}:{line}:{name}", nc, tt, ct)
+            for (path, line, name), (_cc, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
+
+
 class Timers:
     """Host time spent inside chosen methods (patched on their classes while active): total
     seconds and calls per label. Calls nested in an already-timed call of the same label count once."""
