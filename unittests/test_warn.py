@@ -47,3 +47,49 @@ def test_a_graphed_layer_without_cuda_warns_at_the_line_that_called_the_model():
     assert ours, [str(w.message) for w in seen]
     for w in ours:  # torch's module call and the engine's frames in between are passed over
         assert w.filename == __file__ and w.lineno == line, (w.filename, w.lineno)
+
+
+def test_without_cuda_a_model_of_many_graphed_layers_warns_once():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("the layers capture on a CUDA device")
+    from paddle_graphpp.torch import graph_layers
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(6)))
+    graph_layers(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # Python's own: each text once per calling line
+        for _ in range(3):
+            model(torch.randn(3, 4)).sum().backward()
+    ours = [str(w.message) for w in seen if "CUDA graphs are not used" in str(w.message)]
+    assert ours == ["CUDA graphs are not used (PyTorch sees no CUDA device); graphed layers are running eagerly."]
+
+
+def test_a_reason_of_one_layer_names_it():
+    torch = pytest.importorskip("torch")
+    from paddle_graphpp.core.engine import GraphedCallable
+
+    class OneLayerReason:  # a reason that holds for these inputs only, not for every layer
+        def __init__(self, runtime):
+            self._runtime = runtime
+
+        def __getattr__(self, name):
+            return getattr(self._runtime, name)
+
+        def graphs_unavailable_reason(self, tensors):
+            return "an input is on the moon" if tensors else None
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    from paddle_graphpp.torch import graph_layers
+
+    graph_layers(model)
+    engines = [m.engine for m in model]
+    assert all(isinstance(e, GraphedCallable) for e in engines)
+    for e in engines:
+        e.runtime = OneLayerReason(e.runtime)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        model(torch.randn(3, 4)).sum().backward()
+    ours = sorted(str(w.message) for w in seen if "CUDA graphs are not used" in str(w.message))
+    assert len(ours) == 2 and all("an input is on the moon" in m for m in ours), ours
+    assert ours[0] != ours[1]  # each names its layer

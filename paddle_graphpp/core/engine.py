@@ -131,7 +131,7 @@ class GraphedCallable:
             self.caps.lending.end_borrowed_work()  # before any capture: no eager work routed into a pool
         reason = self.phases.eager_reason or rt.graphs_unavailable_reason(tensors)
         if reason is not None:
-            self.warn_once("unavailable", f"{self.name}: CUDA graphs are not used ({reason}); running eagerly.")
+            self.warn_once("unavailable", _unavailable_message(rt, self.name, reason))
         else:
             proc = self.process
             proc.replay_watch.check()  # a replay that never completed, or a peer's failed capture
@@ -520,3 +520,13 @@ def reset_graphs(model: Any) -> int:
     for engine in engines:
         engine.reset()
     return len(engines)
+
+
+def _unavailable_message(runtime: GraphRuntime, name: str, reason: str) -> str:
+    """The warning of a layer whose calls run eagerly for ``reason``. A reason that holds without
+    any input (no CUDA device, a framework build without CUDA) holds for every layer of the
+    process: its text names no layer, so that Python's warning filter shows it once per calling
+    line, not once per layer of the model."""
+    if reason == runtime.graphs_unavailable_reason(()):
+        return f"CUDA graphs are not used ({reason}); graphed layers are running eagerly."
+    return f"{name}: CUDA graphs are not used ({reason}); running eagerly."
