@@ -48,15 +48,21 @@ def _new_weight(lin):
 
 
 def _round_trip(lin):
+    """Returns the old storages: held, the caching allocator cannot hand their addresses back to
+    the round trip's new float32 tensors (where it does, the graphs read the right memory and
+    replay, rightly; which parameter moved would then be the allocator's choice)."""
+    old = [p.data for p in lin.parameters()]
     lin.to(torch.float64).to(torch.float32)
+    return old
 
 
 @pytest.mark.parametrize("replace", [_new_weight, _round_trip], ids=["param.data", "to-float64-and-back"])
 def test_replaced_parameter_is_refused_then_reset_replays_the_new_weights(replace):
     lin, graphed, x = _captured_linear()
-    replace(lin)
+    kept = replace(lin)  # the old storages, held until the refusal is seen (see _round_trip)
     with pytest.raises(StateReplacedError, match=r"Replaced: parameter 'weight' was given new storage.*reset_graphs"):
         graphed(x)
+    del kept
     assert graphed.engine.replays == 2  # the old graphs never ran on the old memory
     assert paddle_graphpp.reset_graphs(graphed) == 1
     for _ in range(4):  # warmup, recorded, captured and replayed, replayed
