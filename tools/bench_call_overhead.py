@@ -95,7 +95,10 @@ def _compared(args) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--code", args.compare, "--no-write",
            "--blocks", str(args.blocks), "--hidden", str(args.hidden), "--tokens", str(args.tokens),
            "--rounds", str(args.rounds), "--iters", str(args.iters)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:  # say why, not only that it failed
+        raise SystemExit(f"bench_call_overhead: measuring {args.compare} failed (exit {done.returncode}):\n"
+                         f"{done.stderr[-3000:]}")
     text = done.stdout
     other = json.loads(text[:text.rindex("}") + 1])
     version = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.compare, capture_output=True, text=True).stdout.strip()
@@ -104,14 +107,12 @@ def _compared(args) -> dict:
             "ours_fwd_plus_bwd_us": other["ours_fwd_plus_bwd_us"]}
 
 
-def _profile(step, steps, n, top=25):
+def _profile(step, steps, n, function_rows, top=25):
     """cProfile over ``steps`` steps of ``step``: the functions with the most self time, in host
     microseconds per block call (cProfile slows Python-heavy code: read the shares, not the sums)."""
     import cProfile
 
     import torch
-
-    from tools.diagnostics.host_time import function_rows
 
     prof = cProfile.Profile()
     torch.cuda.synchronize()
@@ -128,6 +129,9 @@ def _profile(step, steps, n, top=25):
 def main(argv=None) -> int:
     args = _args(argv)
     sys.path.insert(0, str(ROOT))
+    from tools import benchlib  # this checkout's tools, imported before --code puts another checkout first
+    from tools.diagnostics.host_time import function_rows
+
     if args.code:
         sys.path.insert(0, str(Path(args.code).resolve()))
     import torch
@@ -135,7 +139,6 @@ def main(argv=None) -> int:
 
     import paddle_graphpp
     from paddle_graphpp.torch import graph_layers
-    from tools import benchlib
 
     if not torch.cuda.is_available():
         print("bench_call_overhead: needs a CUDA GPU", file=sys.stderr)
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
             per[name]["bwd"].append(b / n * 1e6)
             per[name]["waits"].append(wait * 1e6 / args.iters)
 
-    profile = _profile(variants["ours"], args.iters * 2, n)
+    profile = _profile(variants["ours"], args.iters * 2, n, function_rows)
 
     def summary(xs):
         return {"median_us": round(statistics.median(xs), 2), "spread": round(max(xs) / min(xs), 3) if min(xs) else None}
