@@ -11,7 +11,9 @@ tensors (a hidden state and two position tensors, as a decoder's attention does)
 
 and the floors under any graphed call, each alone: a ``CUDAGraph.replay()`` of one block's
 forward, the copy of three inputs into static buffers (one ``torch._foreach_copy_``), and one
-alias of an output with a storage of its own (what hands an output out watched).
+alias of an output with a storage of its own (what hands an output out watched). Beside them, a
+replay's host cost as the graph grows: graphs of 12 to 768 tiny kernels, each launched alone onto
+an idle GPU (``replay_host_us_by_kernels``).
 
 Host time is read with ``time.perf_counter`` around the calls, without a synchronisation inside:
 the blocks are small enough that the GPU keeps up (the script checks: ``gpu_bound`` in the
@@ -126,6 +128,31 @@ def _profile(step, steps, n, function_rows, top=25):
             for f, c, tt, _total in sorted(function_rows(prof), key=lambda r: -r[2])[:top]]
 
 
+def _replay_by_kernels(torch, sizes=(12, 48, 192, 768), reps=31) -> dict:
+    """Host microseconds per ``CUDAGraph.replay()`` of a graph of ``n`` tiny kernels (in-place adds
+    on 1,024 floats), for each ``n`` of ``sizes``: the median of ``reps`` launches, each onto an
+    idle GPU (synchronised before it, outside the timing), as after a host sync in a model's
+    own code. What a launch costs the host as the graph grows."""
+    out = {}
+    x = torch.zeros(1024, device="cuda")
+    for n in sizes:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(n):
+                x.add_(1.0)
+        times = []
+        for i in range(reps + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            if i >= 3:
+                times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        out[str(n)] = {"median_us": round(statistics.median(times), 2), "min_us": round(min(times), 2)}
+        del graph
+    return out
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     sys.path.insert(0, str(ROOT))
@@ -219,6 +246,7 @@ def main(argv=None) -> int:
             per[name]["waits"].append(wait * 1e6 / args.iters)
 
     profile = _profile(variants["ours"], args.iters * 2, n, function_rows)
+    by_kernels = _replay_by_kernels(torch)
 
     def summary(xs):
         return {"median_us": round(statistics.median(xs), 2), "spread": round(max(xs) / min(xs), 3) if min(xs) else None}
@@ -245,9 +273,11 @@ def main(argv=None) -> int:
         "ours_vs_torch_graphed": round(ours_fb / peer_fb, 3),
         "ours_vs_eager": round(ours_fb / eager_fb, 3),
         "ours_profile_us_per_call": profile,
+        "replay_host_us_by_kernels": by_kernels,
         **({"compared": compared} if compared else {}),
         "note": "host microseconds per block call (forward) and per block in the backward; the floors are "
-                "one operation each, per call. sync_wait_us_per_step: how long the synchronisation after "
+                "one operation each, per call. replay_host_us_by_kernels: one replay of a graph of that many tiny "
+                "kernels, alone, onto an idle GPU. sync_wait_us_per_step: how long the synchronisation after "
                 "a round's steps waited, per step (near zero: the host, not the GPU, set the pace).",
     }
     text = json.dumps(result, indent=2) + "\n"
@@ -257,6 +287,7 @@ def main(argv=None) -> int:
         path = benchlib.write_result(args.name, result)
         print(text)
         print(f"wrote {path}")
+    print("replay host us by kernels in the graph:", {k: v["median_us"] for k, v in by_kernels.items()})
     print(f"{'variant':26} {'fwd us':>9} {'bwd us':>9}")
     for name, row in table.items():
         print(f"{name:26} {row['forward']['median_us']:9.1f} {row.get('backward', {}).get('median_us', 0):9.1f}")

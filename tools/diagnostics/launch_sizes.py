@@ -1,0 +1,144 @@
+"""What each graph launch costs the host in a step graphed around a mixture of experts' dispatch,
+against the graph's size.
+
+Graphed around a host-reading dispatch (docs/moe.md), a Qwen3-MoE step's launches held the host
+about 44.5 µs each (`moe-around-profile-<device>.json`), where one replay of a small block's
+forward graph, timed alone, took 2.8 µs (`call-overhead-<device>.json`). The blocks differ in size:
+this measures, in one process on one GPU,
+
+- the model of ``tools/bench_moe.py`` (``--model``, its launch-bound shape, bf16) graphed around
+  the dispatch: every graph's nodes by type (read from the driver, the graphs kept for it) and the
+  host time of each of its launches over ``--steps`` steps, forward graphs (launched from the
+  caller's thread) and backward ones (autograd's) apart;
+- graphs of tiny kernels (in-place adds) as large as the model's, each launched alone onto an idle
+  GPU (``tools/bench_call_overhead.py``'s ``replay_host_us_by_kernels``).
+
+If launches cost about what same-sized graphs of tiny kernels cost alone, the in-step figure is
+the graphs' size and not the step around them.
+
+    python tools/diagnostics/launch_sizes.py            # -> benchmarks/results/moe-launch-sizes-<device>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parents[2])
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+#: CUgraphNodeType values (cuda.h) by name
+NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "wait_event",
+              7: "event_record", 10: "mem_alloc", 11: "mem_free"}
+
+
+def node_counts(graph) -> dict:
+    """``{type: count}`` of a kept ``torch.cuda.CUDAGraph``'s nodes, from the driver."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p(graph.raw_cuda_graph())
+    n = ctypes.c_size_t(0)
+    if cuda.cuGraphGetNodes(handle, None, ctypes.byref(n)) != 0:
+        return {"error": "cuGraphGetNodes failed"}
+    nodes = (ctypes.c_void_p * n.value)()
+    cuda.cuGraphGetNodes(handle, nodes, ctypes.byref(n))
+    kinds = Counter()
+    for node in nodes:
+        t = ctypes.c_int(-1)
+        cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t))
+        kinds[NODE_TYPES.get(t.value, str(t.value))] += 1
+    return dict(kinds)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3_moe")
+    p.add_argument("--steps", type=int, default=5, help="timed steps after warmup and capture")
+    p.add_argument("--no-write", action="store_true")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from paddle_graphpp.torch.runtime import TorchRuntime
+    from tools import bench_moe, benchlib
+    from tools.bench_call_overhead import _replay_by_kernels
+
+    graphs = []
+
+    def kept_graph(self):  # the driver's graph kept after instantiation, to count its nodes
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        graphs.append(g)
+        return g
+
+    launches: dict = defaultdict(list)  # id(graph) -> host seconds of each launch
+    threads: dict = {}
+    timing = [False]
+
+    def timed_replay(self, graph):
+        t0 = time.perf_counter()
+        graph.replay()
+        if timing[0]:
+            launches[id(graph)].append(time.perf_counter() - t0)
+            threads[id(graph)] = threading.get_ident()
+
+    TorchRuntime.create_graph = kept_graph
+    TorchRuntime.replay_graph = timed_replay
+
+    margs = bench_moe.parse_args([])
+    model = bench_moe.build(args.model, "eager", launch_bound=True)
+    bench_moe.graph(model, "layers")
+    step = bench_moe.trainer(model)
+    data = bench_moe.batches(margs, model.config.vocab_size, 1, seed=1)[0]
+    for _ in range(4):  # warm up, record, capture, first replays
+        step(data)
+    torch.cuda.synchronize()
+    timing[0] = True
+    for _ in range(args.steps):
+        step(data)
+    torch.cuda.synchronize()
+    timing[0] = False
+
+    main_thread = threading.get_ident()
+    rows = {"forward": [], "backward": []}
+    for g in graphs:
+        if id(g) not in launches:
+            continue
+        kind = "forward" if threads[id(g)] == main_thread else "backward"
+        rows[kind].append({"nodes": node_counts(g), "launch_us": [t * 1e6 for t in launches[id(g)]]})
+    summary = {}
+    for kind, rs in rows.items():
+        if not rs:
+            continue
+        kernels = [r["nodes"].get("kernel", 0) for r in rs]
+        us = [t for r in rs for t in r["launch_us"]]
+        summary[kind] = {"graphs": len(rs), "kernel_nodes_median": statistics.median(kernels),
+                         "kernel_nodes_range": [min(kernels), max(kernels)],
+                         "nodes_by_type": dict(sum((Counter(r["nodes"]) for r in rs), Counter())),
+                         "launches": len(us), "launch_us_median": round(statistics.median(us), 2),
+                         "launch_us_p10_p90": [round(statistics.quantiles(us, n=10)[0], 2),
+                                               round(statistics.quantiles(us, n=10)[-1], 2)]}
+    sizes = sorted({int(s["kernel_nodes_median"]) for s in summary.values()} | {12, 48, 192})
+    alone = _replay_by_kernels(torch, sizes=tuple(sizes))
+    result = {"benchmark": "moe_launch_sizes", **benchlib.environment(), "model": args.model,
+              "shape": "tools/bench_moe.py's launch-bound shape, bf16, graphed around the dispatch",
+              "steps": args.steps, "in_step": summary, "alone_replay_host_us_by_kernels": alone,
+              "note": "in_step: host µs of each launch in the timed steps (torch.cuda.CUDAGraph.replay, "
+                      "perf_counter around it), per graph kind; nodes read with cuGraphGetNodes. alone: "
+                      "one graph of that many in-place adds, launched onto an idle GPU."}
+    print(f"{'graphs':10} {'count':>5} {'kernels':>9} {'launch us (median)':>19}")
+    for kind, s in summary.items():
+        print(f"{kind:10} {s['graphs']:5} {s['kernel_nodes_median']:9} {s['launch_us_median']:19}")
+    print("alone, by kernels:", {k: v["median_us"] for k, v in alone.items()})
+    if not args.no_write:
+        print("wrote", benchlib.write_result("moe-launch-sizes", result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
