@@ -2,9 +2,9 @@
 against the graph's size.
 
 Graphed around a host-reading dispatch (docs/moe.md), a Qwen3-MoE step's launches held the host
-about 44.5 µs each (`moe-around-profile-<device>.json`), where one replay of a small block's
-forward graph, timed alone, took 2.8 µs (`call-overhead-<device>.json`). The blocks differ in size:
-this measures, in one process on one GPU,
+many times longer each (``graph launch`` in `moe-around-profile-<device>.json`) than one replay of
+a small block's forward graph timed alone (``floor: graph replay`` in
+`call-overhead-<device>.json`). The graphs differ in size: this measures, in one process on one GPU,
 
 - the model of ``tools/bench_moe.py`` (``--model``, its launch-bound shape, bf16) graphed around
   the dispatch: every graph's nodes by type (read from the driver, the graphs kept for it) and the
@@ -39,9 +39,9 @@ NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "
               7: "event_record", 10: "mem_alloc", 11: "mem_free"}
 
 
-def node_counts(graph) -> dict:
-    """``{type: count}`` of a kept ``torch.cuda.CUDAGraph``'s nodes, from the driver."""
-    cuda = ctypes.CDLL("libcuda.so.1")
+def node_counts(graph, cuda) -> dict:
+    """``{type: count}`` of a kept ``torch.cuda.CUDAGraph``'s nodes, read through ``cuda`` (the
+    driver library, ``ctypes.CDLL("libcuda.so.1")``)."""
     handle = ctypes.c_void_p(graph.raw_cuda_graph())
     n = ctypes.c_size_t(0)
     if cuda.cuGraphGetNodes(handle, None, ctypes.byref(n)) != 0:
@@ -105,24 +105,25 @@ def main(argv=None) -> int:
     timing[0] = False
 
     main_thread = threading.get_ident()
+    cuda = ctypes.CDLL("libcuda.so.1")
     rows = {"forward": [], "backward": []}
     for g in graphs:
         if id(g) not in launches:
             continue
         kind = "forward" if threads[id(g)] == main_thread else "backward"
-        rows[kind].append({"nodes": node_counts(g), "launch_us": [t * 1e6 for t in launches[id(g)]]})
+        rows[kind].append({"nodes": node_counts(g, cuda), "launch_us": [t * 1e6 for t in launches[id(g)]]})
     summary = {}
     for kind, rs in rows.items():
         if not rs:
             continue
         kernels = [r["nodes"].get("kernel", 0) for r in rs]
         us = [t for r in rs for t in r["launch_us"]]
+        deciles = statistics.quantiles(us, n=10)
         summary[kind] = {"graphs": len(rs), "kernel_nodes_median": statistics.median(kernels),
                          "kernel_nodes_range": [min(kernels), max(kernels)],
                          "nodes_by_type": dict(sum((Counter(r["nodes"]) for r in rs), Counter())),
                          "launches": len(us), "launch_us_median": round(statistics.median(us), 2),
-                         "launch_us_p10_p90": [round(statistics.quantiles(us, n=10)[0], 2),
-                                               round(statistics.quantiles(us, n=10)[-1], 2)]}
+                         "launch_us_p10_p90": [round(deciles[0], 2), round(deciles[-1], 2)]}
     sizes = sorted({int(s["kernel_nodes_median"]) for s in summary.values()} | {12, 48, 192})
     alone = _replay_by_kernels(torch, sizes=tuple(sizes))
     result = {"benchmark": "moe_launch_sizes", **benchlib.environment(), "model": args.model,
