@@ -101,8 +101,8 @@ def _compared(args) -> dict:
     if done.returncode != 0:  # say why, not only that it failed
         raise SystemExit(f"bench_call_overhead: measuring {args.compare} failed (exit {done.returncode}):\n"
                          f"{done.stderr[-3000:]}")
-    text = done.stdout
-    other = json.loads(text[:text.rindex("}") + 1])
+    text = done.stdout  # the record's JSON first, then the printed table
+    other, _ = json.JSONDecoder().raw_decode(text[text.index("{"):])
     version = subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.compare, capture_output=True, text=True).stdout.strip()
     return {"code": args.compare, "code_version": version or None, "measured": "before this record's rounds, "
             "in its own process on the same machine", "host_us_per_call": other["host_us_per_call"],

@@ -13,8 +13,14 @@ a small block's forward graph timed alone (``floor: graph replay`` in
 - graphs of tiny kernels (in-place adds) as large as the model's, each launched alone onto an idle
   GPU (``tools/bench_call_overhead.py``'s ``replay_host_us_by_kernels``).
 
+- the model's own graphs again after the steps, the one of median size of each kind, each
+  launched alone (``replayed_alone``): onto an idle GPU (a synchronisation before each launch),
+  back to back (the GPU busy with the ones before), and onto an idle GPU after the host has
+  streamed 64 MiB through its caches (``cold``, as after the step's own Python).
+
 If launches cost about what same-sized graphs of tiny kernels cost alone, the in-step figure is
-the graphs' size and not the step around them.
+the graphs' size and not the step around them; if the model's graphs alone cost what they cost in
+the step, it is those graphs (their node kinds, their parameters), not the step around them.
 
     python tools/diagnostics/launch_sizes.py            # -> benchmarks/results/moe-launch-sizes-<device>.json
 """
@@ -54,6 +60,32 @@ def node_counts(graph, cuda) -> dict:
         cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(t))
         kinds[NODE_TYPES.get(t.value, str(t.value))] += 1
     return dict(kinds)
+
+
+def replayed_alone(graph, torch, launches: int = 20) -> dict:
+    """Host µs (medians) of launching the kept model graph ``graph`` onto an idle GPU, back to
+    back, and onto an idle GPU after streaming 64 MiB through the host's caches. Its outputs
+    are overwritten: only for the end of a run."""
+    import numpy as np
+
+    scratch = np.ones(64 << 18, dtype=np.float32)  # 64 MiB
+    idle, cold = [], []
+    for flush in (False, True):
+        for _ in range(launches):
+            torch.cuda.synchronize()
+            if flush:
+                np.add(scratch, 1.0, out=scratch)
+            t0 = time.perf_counter()
+            graph.replay()
+            (cold if flush else idle).append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(launches):
+        graph.replay()
+    queued = (time.perf_counter() - t0) / launches
+    torch.cuda.synchronize()
+    return {"idle_us": round(statistics.median(idle) * 1e6, 2), "back_to_back_us": round(queued * 1e6, 2),
+            "cold_us": round(statistics.median(cold) * 1e6, 2)}
 
 
 def main(argv=None) -> int:
@@ -111,7 +143,8 @@ def main(argv=None) -> int:
         if id(g) not in launches:
             continue
         kind = "forward" if threads[id(g)] == main_thread else "backward"
-        rows[kind].append({"nodes": node_counts(g, cuda), "launch_us": [t * 1e6 for t in launches[id(g)]]})
+        rows[kind].append({"nodes": node_counts(g, cuda), "launch_us": [t * 1e6 for t in launches[id(g)]],
+                           "graph": g})
     summary = {}
     for kind, rs in rows.items():
         if not rs:
@@ -124,6 +157,10 @@ def main(argv=None) -> int:
                          "nodes_by_type": dict(sum((Counter(r["nodes"]) for r in rs), Counter())),
                          "launches": len(us), "launch_us_median": round(statistics.median(us), 2),
                          "launch_us_p10_p90": [round(deciles[0], 2), round(deciles[-1], 2)]}
+        middle = sorted(rs, key=lambda r: r["nodes"].get("kernel", 0))[len(rs) // 2]
+        summary[kind]["replayed_alone"] = {"kernel_nodes": middle["nodes"].get("kernel", 0),
+                                           "in_step_us_median": round(statistics.median(middle["launch_us"]), 2),
+                                           **replayed_alone(middle["graph"], torch)}
     sizes = sorted({int(s["kernel_nodes_median"]) for s in summary.values()} | {12, 48, 192})
     alone = _replay_by_kernels(torch, sizes=tuple(sizes))
     result = {"benchmark": "moe_launch_sizes", **benchlib.environment(), "model": args.model,
@@ -131,11 +168,15 @@ def main(argv=None) -> int:
               "steps": args.steps, "in_step": summary, "alone_replay_host_us_by_kernels": alone,
               "note": "in_step: host µs of each launch in the timed steps (torch.cuda.CUDAGraph.replay, "
                       "perf_counter around it), per graph kind; nodes read with cuGraphGetNodes. alone: "
-                      "one graph of that many in-place adds, launched onto an idle GPU."}
+                      "one graph of that many in-place adds, launched onto an idle GPU. replayed_alone: the model's "
+                      "graph of median size per kind after the steps, launched alone (idle GPU, back to "
+                      "back, idle GPU after 64 MiB streamed through the host's caches)."}
     print(f"{'graphs':10} {'count':>5} {'kernels':>9} {'launch us (median)':>19}")
     for kind, s in summary.items():
         print(f"{kind:10} {s['graphs']:5} {s['kernel_nodes_median']:9} {s['launch_us_median']:19}")
     print("alone, by kernels:", {k: v["median_us"] for k, v in alone.items()})
+    for kind, s in summary.items():
+        print(f"{kind} graph of median size, replayed alone:", s["replayed_alone"])
     if not args.no_write:
         print("wrote", benchlib.write_result("moe-launch-sizes", result))
     return 0
