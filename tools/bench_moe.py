@@ -89,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--memory-steps", type=int, default=4)
+    p.add_argument("--memory-processes", type=int, default=4,
+                   help="memory runs at once (1 for variants that need much of the GPU, as batched_mm's)")
     p.add_argument("--skip", nargs="*", default=[], choices=["exact", "speed", "memory"])
     p.add_argument("--name", default="moe", help="record name (the device is appended)")
     p.add_argument("--capacity-factor", type=float, default=1.25, help="of the capacity variants (drops counted)")
@@ -412,11 +414,16 @@ def child(args):
 
 
 def memory(args, model_type):
-    """Each variant in its own process, four at a time (each process reads its own peaks)."""
+    """Each variant in its own process, ``--memory-processes`` at a time (each process reads its
+    own peaks), after this process has handed its cached memory back."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
     rows, running = {}, []
     names = list(args.variants)
     while names or running:
-        while names and len(running) < 4:
+        while names and len(running) < max(1, args.memory_processes):
             name = names.pop(0)
             cmd = [sys.executable, __file__, "--child", f"{model_type}:{name}", "--capacity-factor", str(args.capacity_factor),
                    "--batch", str(args.batch),
