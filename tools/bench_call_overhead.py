@@ -128,11 +128,27 @@ def _profile(step, steps, n, function_rows, top=25):
             for f, c, tt, _total in sorted(function_rows(prof), key=lambda r: -r[2])[:top]]
 
 
+def idle_launch_us(graph, torch, reps: int, *, before=None, warmup: int = 3) -> list:
+    """Host microseconds of each of ``reps`` ``graph.replay()`` calls (after ``warmup`` untimed
+    ones), each onto an idle GPU (synchronised before it, outside the timing), as after a host
+    sync in a model's own code; ``before()``, if given, runs after each synchronisation, untimed."""
+    times = []
+    for i in range(reps + warmup):
+        torch.cuda.synchronize()
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        graph.replay()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return times
+
+
 def _replay_by_kernels(torch, sizes=(12, 48, 192, 768), reps=31) -> dict:
     """Host microseconds per ``CUDAGraph.replay()`` of a graph of ``n`` tiny kernels (in-place adds
     on 1,024 floats), for each ``n`` of ``sizes``: the median of ``reps`` launches, each onto an
-    idle GPU (synchronised before it, outside the timing), as after a host sync in a model's
-    own code. What a launch costs the host as the graph grows."""
+    idle GPU (:func:`idle_launch_us`). What a launch costs the host as the graph grows."""
     out = {}
     x = torch.zeros(1024, device="cuda")
     for n in sizes:
@@ -140,14 +156,7 @@ def _replay_by_kernels(torch, sizes=(12, 48, 192, 768), reps=31) -> dict:
         with torch.cuda.graph(graph):
             for _ in range(n):
                 x.add_(1.0)
-        times = []
-        for i in range(reps + 3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            graph.replay()
-            if i >= 3:
-                times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
+        times = idle_launch_us(graph, torch, reps)
         out[str(n)] = {"median_us": round(statistics.median(times), 2), "min_us": round(min(times), 2)}
         del graph
     return out

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import gc
 import json
 import subprocess
 import sys
@@ -78,6 +79,13 @@ SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_
              v_head_dim=64, first_k_dense_replace=1, n_group=1, topk_group=1)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs 1 or more, got {value}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="*", default=list(MODELS))
@@ -89,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--memory-steps", type=int, default=4)
-    p.add_argument("--memory-processes", type=int, default=4,
+    p.add_argument("--memory-processes", type=_positive, default=4,
                    help="memory runs at once (1 for variants that need much of the GPU, as batched_mm's)")
     p.add_argument("--skip", nargs="*", default=[], choices=["exact", "speed", "memory"])
     p.add_argument("--name", default="moe", help="record name (the device is appended)")
@@ -416,14 +424,12 @@ def child(args):
 def memory(args, model_type):
     """Each variant in its own process, ``--memory-processes`` at a time (each process reads its
     own peaks), after this process has handed its cached memory back."""
-    import gc
-
     gc.collect()
     torch.cuda.empty_cache()
     rows, running = {}, []
     names = list(args.variants)
     while names or running:
-        while names and len(running) < max(1, args.memory_processes):
+        while names and len(running) < args.memory_processes:
             name = names.pop(0)
             cmd = [sys.executable, __file__, "--child", f"{model_type}:{name}", "--capacity-factor", str(args.capacity_factor),
                    "--batch", str(args.batch),

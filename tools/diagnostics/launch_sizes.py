@@ -11,8 +11,7 @@ a small block's forward graph timed alone (``floor: graph replay`` in
   host time of each of its launches over ``--steps`` steps, forward graphs (launched from the
   caller's thread) and backward ones (autograd's) apart;
 - graphs of tiny kernels (in-place adds) as large as the model's, each launched alone onto an idle
-  GPU (``tools/bench_call_overhead.py``'s ``replay_host_us_by_kernels``).
-
+  GPU (``tools/bench_call_overhead.py``'s ``replay_host_us_by_kernels``);
 - the model's own graphs again after the steps, the one of median size of each kind, each
   launched alone (``replayed_alone``): onto an idle GPU (a synchronisation before each launch),
   back to back (the GPU busy with the ones before), and onto an idle GPU after the host has
@@ -68,24 +67,18 @@ def replayed_alone(graph, torch, launches: int = 20) -> dict:
     are overwritten: only for the end of a run."""
     import numpy as np
 
+    from tools.bench_call_overhead import idle_launch_us
+
     scratch = np.ones(64 << 18, dtype=np.float32)  # 64 MiB
-    idle, cold = [], []
-    for flush in (False, True):
-        for _ in range(launches):
-            torch.cuda.synchronize()
-            if flush:
-                np.add(scratch, 1.0, out=scratch)
-            t0 = time.perf_counter()
-            graph.replay()
-            (cold if flush else idle).append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
+    idle = idle_launch_us(graph, torch, launches)
+    cold = idle_launch_us(graph, torch, launches, before=lambda: np.add(scratch, 1.0, out=scratch))
     t0 = time.perf_counter()
     for _ in range(launches):
         graph.replay()
-    queued = (time.perf_counter() - t0) / launches
+    queued = (time.perf_counter() - t0) / launches * 1e6
     torch.cuda.synchronize()
-    return {"idle_us": round(statistics.median(idle) * 1e6, 2), "back_to_back_us": round(queued * 1e6, 2),
-            "cold_us": round(statistics.median(cold) * 1e6, 2)}
+    return {"idle_us": round(statistics.median(idle), 2), "back_to_back_us": round(queued, 2),
+            "cold_us": round(statistics.median(cold), 2)}
 
 
 def main(argv=None) -> int:
